@@ -1,0 +1,117 @@
+"""gRPC server bootstrap shared by every Cilia service.
+
+Every server also serves ``grpc.health.v1.Health`` and server reflection
+(DESIGN.md §2). Unix-socket listeners are made root-only (mode 0600 by
+default) right after binding (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+UNIX_PREFIX = "unix:"
+
+
+class BindError(RuntimeError):
+    """A listen address could not be bound (in use, bad path, no permission)."""
+
+
+@dataclass(frozen=True)
+class Service:
+    """One servicer to register.
+
+    Attributes:
+        add: the generated ``add_XServicer_to_server`` function.
+        servicer: the implementation instance.
+        full_name: fully-qualified service name (``cilia.agent.v1.AttachmentService``),
+            advertised through reflection and health.
+    """
+
+    add: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    full_name: str
+
+
+def _prepare_unix(address: str) -> pathlib.Path:
+    path = pathlib.Path(address[len(UNIX_PREFIX) :])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_socket() or path.exists():
+        path.unlink()
+    return path
+
+
+async def start_server(
+    services: Sequence[Service],
+    addresses: Iterable[str],
+    *,
+    socket_mode: int = 0o600,
+    options: Sequence[tuple[str, Any]] = (),
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """Start an asyncio gRPC server with health and reflection.
+
+    Args:
+        services: servicers to register.
+        addresses: listen addresses, ``unix:/path`` or ``host:port`` (port 0 picks one).
+        socket_mode: permissions applied to unix sockets after bind.
+        options: extra grpc channel options.
+
+    Returns:
+        ``(server, health_servicer)``; every service starts NOT_SERVING in health
+        until :func:`set_serving` is called, so probes see readiness honestly.
+
+    Raises:
+        BindError: an address could not be bound.
+    """
+    server = grpc.aio.server(options=list(options))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.full_name for s in services]
+    for svc in services:
+        svc.add(svc.servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    unix_paths: list[pathlib.Path] = []
+    for address in addresses:
+        if address.startswith(UNIX_PREFIX):
+            unix_paths.append(_prepare_unix(address))
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise BindError(f"cannot listen on {address}: {exc}") from exc
+        if port == 0 and not address.startswith(UNIX_PREFIX):
+            raise BindError(f"cannot listen on {address}: address in use or invalid")
+    await server.start()
+    for path in unix_paths:
+        os.chmod(path, socket_mode)
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return server, health_servicer
+
+
+async def set_serving(
+    health_servicer: health.aio.HealthServicer, names: Iterable[str], serving: bool = True
+) -> None:
+    """Flip the overall ("") and per-service health status."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *names]:
+        await health_servicer.set(name, status)
+
+
+def bound_port(server_address: str, port: int) -> str:
+    """Return ``host:port`` for a TCP address that was bound with port 0."""
+    host = server_address.rsplit(":", 1)[0]
+    return f"{host}:{port}"

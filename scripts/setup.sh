@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Install what Cilia needs on a fresh Debian 12 machine (DESIGN.md §6), idempotently:
+#   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, bcc + headers),
+#   kernel-header links for bcc, the .venv with every service's console script,
+#   bcc's Python bindings made importable in the venv, and buf for the proto checks.
+# Safe to re-run; each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
+          python3-bpfcc bpfcc-tools linux-headers-amd64 kmod)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    log "missing Debian packages: ${missing[*]} (run as root or install them)"; exit 2
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# bcc compiles against /lib/modules/$(uname -r)/build. This kernel ships none:
+# fall back to Debian's linux-headers-amd64 and say so.
+KREL=$(uname -r)
+if [[ ! -e /lib/modules/$KREL/build && $(id -u) -eq 0 ]]; then
+  hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1 || true)
+  if [[ -n $hdr ]]; then
+    common=${hdr%-amd64}-common
+    log "kernel $KREL has no headers; using Debian's $(basename "$hdr") for bcc"
+    mkdir -p "/lib/modules/$KREL"
+    ln -sfn "$hdr" "/lib/modules/$KREL/build"
+    [[ -d $common ]] && ln -sfn "$common" "/lib/modules/$KREL/source"
+  fi
+fi
+
+if [[ ! -x $VENV/bin/python ]]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+stamp=$VENV/.cilia-setup
+inputs=$(cat constraints.txt proto/pyproject.toml proto/setup.py lib/common/pyproject.toml \
+         services/*/pyproject.toml $(find proto/cilia -name '*.proto' | sort) | sha256sum | cut -c1-16)
+if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
+  log "installing Python packages into $VENV"
+  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  "$VENV/bin/pip" install -q -c constraints.txt \
+      grpcio-tools pytest pytest-timeout hypothesis ruff mypy tox types-protobuf types-PyYAML \
+      2>&1 | grep -v '^WARNING: Location' || true
+  "$VENV/bin/pip" install -q -c constraints.txt --force-reinstall --no-deps ./proto \
+      2>&1 | grep -v '^WARNING: Location' || true
+  "$VENV/bin/pip" install -q -c constraints.txt ./proto -e lib/common \
+      $(for s in services/*/; do printf -- '-e %s ' "$s"; done) \
+      2>&1 | grep -v '^WARNING: Location' || true
+  echo "$inputs" > "$stamp"
+fi
+
+# bcc's bindings exist only as Debian's python3-bpfcc; expose that one folder
+# (not all of dist-packages) to the venv through a .pth file.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [[ -d /usr/lib/python3/dist-packages/bcc ]]; then
+  mkdir -p "$ROOT/.venv/bcc-link"
+  ln -sfn /usr/lib/python3/dist-packages/bcc "$ROOT/.venv/bcc-link/bcc"
+  echo "$ROOT/.venv/bcc-link" > "$site/cilia-bcc.pth"
+fi
+
+# buf (proto lint + breaking-change check) from the npm registry.
+if [[ ! -x $ROOT/.venv/buf/node_modules/.bin/buf ]] && command -v npm >/dev/null; then
+  log "installing buf from npm (@bufbuild/buf)"
+  npm install -s --prefix "$ROOT/.venv/buf" @bufbuild/buf@1 >/dev/null 2>&1 \
+    || log "buf could not be installed; the proto checks will say so"
+fi
+log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater"
