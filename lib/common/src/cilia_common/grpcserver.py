@@ -77,7 +77,11 @@ async def start_server(
     for svc in services:
         svc.add(svc.servicer, server)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     unix_paths: list[pathlib.Path] = []
