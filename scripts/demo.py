@@ -1,0 +1,277 @@
+"""``make demo``: the standalone stack end to end, as a container runtime would drive it.
+
+Steps (each under a heading; any failure exits 1 after cleaning up):
+  1. start the stack (``scripts/stack.sh up``; reused when already running);
+  2. create ``--pods`` pods as netns ``cilia-demo-N`` by exec'ing ``.venv/bin/cilia-cni`` ADD
+     with the conflist the agent wrote (see ``scripts/cnirun.py``);
+  3. ping pod↔pod and pod↔node;
+  4. show ``cilia-agent endpoint list``;
+  5. DEL every pod, show ``cilia-agent status`` and check the addresses were released;
+  6. stop the stack unless ``KEEP=1`` (or ``--keep``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cnirun
+
+DEFAULT_PODS = 3
+DEFAULT_PING_COUNT = 2
+DEFAULT_UP_TIMEOUT_SECONDS = 90
+
+USE_COLOR = sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+
+
+def _c(code: str, text: str) -> str:
+    return f"\033[{code}m{text}\033[0m" if USE_COLOR else text
+
+
+class DemoError(Exception):
+    """A demo step did not produce the expected outcome (message says what and why)."""
+
+
+class Demo:
+    """State of one demo run: the conflist, the pods, the step counter."""
+
+    def __init__(self, pods: int, ping_count: int, up_timeout: int) -> None:
+        self.pod_count = pods
+        self.ping_count = ping_count
+        self.up_timeout = up_timeout
+        self.pods: list[cnirun.Pod] = []
+        self.conflist: dict[str, Any] = {}
+        self.step_no = 0
+        self.started_stack = False
+
+    def heading(self, title: str) -> None:
+        self.step_no += 1
+        print()
+        print(_c("1;34", f"== {self.step_no}. {title} =="))
+
+    def ok(self, text: str) -> None:
+        print(f"  {_c('32', 'ok')}   {text}")
+
+    def bad(self, text: str) -> None:
+        print(f"  {_c('31', 'FAIL')} {text}")
+
+    @staticmethod
+    def indent(text: str) -> str:
+        return "\n".join(f"    {line}" for line in text.rstrip().splitlines())
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def start_stack(self) -> None:
+        self.heading("Start the stack (redis, cilia-operator, cilia-agent, cilia-relay)")
+        status = cnirun.stack("status", check=False)
+        if status.returncode == 0:
+            print("  stack already running: reusing it")
+        else:
+            cnirun.stack("down")
+            out = cnirun.stack("up", "--fresh", "--timeout", str(self.up_timeout), check=False)
+            print(self.indent(out.stderr))
+            if out.returncode != 0:
+                raise DemoError("scripts/stack.sh up failed (log tail above)")
+            self.started_stack = True
+        self.conflist = cnirun.load_conflist()
+        self.ok(f"agent wrote {cnirun.CONFLIST.relative_to(cnirun.ROOT)}:")
+        print(self.indent(json.dumps(self.conflist, indent=2)))
+
+    def create_pods(self) -> None:
+        self.heading(f"Create {self.pod_count} pods through the real cilia-cni binary (CNI ADD)")
+        for stale in cnirun.list_netns("cilia-demo-"):
+            cnirun.delete_netns(stale)
+        for n in range(1, self.pod_count + 1):
+            role = "client" if n == 1 else "server"
+            pod = cnirun.Pod(name=f"cilia-demo-{n}", namespace="demo", labels={"app": role})
+            pod.create_netns()
+            self.pods.append(pod)
+            outcome = pod.add(self.conflist)
+            if n == 1:
+                print("  what the runtime execs for the first pod:")
+                print(
+                    self.indent(
+                        f"CNI_COMMAND=ADD CNI_CONTAINERID={pod.container_id[:12]}… "
+                        f"CNI_NETNS={pod.netns} CNI_IFNAME={pod.ifname} "
+                        f"CNI_PATH={cnirun.VENV_BIN}\n"
+                        f"CNI_ARGS={cnirun.cni_args(pod.namespace, pod.name, pod.container_id)}\n"
+                        f"stdin: {json.dumps(cnirun.plugin_netconf(self.conflist, labels=pod.labels))}"
+                    )
+                )
+            if outcome.returncode != 0:
+                raise DemoError(
+                    f"ADD {pod.name} exited {outcome.returncode}: {outcome.stdout.strip()}"
+                )
+            host_if = outcome.json.get("interfaces", [{}])[0].get("name", "?")
+            self.ok(
+                f"{pod.name:<14} ip {pod.ip:<15} host veth {host_if:<16} "
+                f"labels app={pod.labels['app']}  ({outcome.seconds * 1000:.0f} ms)"
+            )
+        print("  inside the first pod (ip -n cilia-demo-1 addr show eth0; ip route):")
+        first = self.pods[0].name
+        print(self.indent(cnirun.sh("ip", "-n", first, "-br", "addr", "show", "eth0").stdout))
+        print(self.indent(cnirun.sh("ip", "-n", first, "route").stdout))
+
+    def connectivity(self) -> None:
+        self.heading("Connectivity: pod <-> pod and pod <-> node")
+        failures = 0
+
+        def check(label: str, netns: str, address: str) -> None:
+            nonlocal failures
+            if cnirun.ping(netns, address, count=self.ping_count):
+                self.ok(f"{label:<44} ping {address}")
+            else:
+                failures += 1
+                self.bad(f"{label:<44} ping {address}")
+
+        for a, b in itertools.permutations(self.pods, 2):
+            check(f"{a.name} -> {b.name}", a.name, b.ip)
+        assert self.pods[0].result is not None
+        gateway = str(self.pods[0].result["ips"][0].get("gateway", ""))
+        for pod in self.pods:
+            check(f"{pod.name} -> node (router {gateway})", pod.name, gateway)
+            check(f"node -> {pod.name}", "", pod.ip)
+        if failures:
+            raise DemoError(f"{failures} ping check(s) failed")
+
+    def endpoints(self) -> None:
+        self.heading("Endpoints the agent holds (cilia-agent endpoint list)")
+        out = cnirun.agent_cli("endpoint", "list")
+        print(self.indent(out.stdout or out.stderr))
+        if out.returncode != 0:
+            raise DemoError(f"cilia-agent endpoint list exited {out.returncode}")
+        missing = [p.name for p in self.pods if p.ip not in out.stdout]
+        if missing:
+            raise DemoError(f"endpoint list does not show pods {missing}")
+        self.ok(f"all {len(self.pods)} pods listed")
+
+    def delete_pods(self) -> None:
+        self.heading("Delete the pods (CNI DEL) and check their addresses are released")
+        before = cnirun.agent_cli("status")
+        print("  cilia-agent status before DEL:")
+        print(self.indent(before.stdout or before.stderr))
+        for pod in self.pods:
+            outcome = pod.delete(self.conflist)
+            if outcome.returncode != 0:
+                raise DemoError(f"DEL {pod.name} exited {outcome.returncode}: {outcome.stdout}")
+            pod.destroy_netns()
+            self.ok(f"DEL {pod.name:<14} released {pod.ip}  ({outcome.seconds * 1000:.0f} ms)")
+        after = cnirun.agent_cli("status")
+        print("  cilia-agent status after DEL:")
+        print(self.indent(after.stdout or after.stderr))
+        listed = cnirun.agent_cli("endpoint", "list", "-o", "json")
+        if listed.returncode != 0:
+            raise DemoError(f"cilia-agent endpoint list -o json exited {listed.returncode}")
+        still = [p.ip for p in self.pods if f'"{p.ip}' in listed.stdout]
+        if still:
+            raise DemoError(f"addresses still held after DEL: {still}")
+        leftovers = [p.name for p in self.pods if p.name in cnirun.list_netns("cilia-demo-")]
+        if leftovers:
+            raise DemoError(f"netns left behind: {leftovers}")
+        self.ok("no endpoint holds a demo address any more")
+        self.pods = []
+
+    # -- cleanup ---------------------------------------------------------------------------
+
+    def cleanup_pods(self) -> None:
+        """Best effort after a failure: DEL every pod we created, delete its netns."""
+        for pod in self.pods:
+            try:
+                pod.delete(self.conflist)
+            except (OSError, subprocess.SubprocessError) as exc:
+                print(f"  cleanup: DEL {pod.name} failed: {exc}")
+            pod.destroy_netns()
+        self.pods = []
+
+    def teardown(self, keep: bool) -> None:
+        self.heading("Tear down")
+        if keep:
+            print("  KEEP=1: the stack keeps running (scripts/stack.sh status | make down)")
+            return
+        out = cnirun.stack("down", check=False)
+        print(self.indent(out.stderr))
+        self.ok("stack stopped")
+
+
+def _show_logs() -> None:
+    for name in ("agent", "operator"):
+        path = cnirun.RUN / f"{name}.log"
+        print(_c("33", f"  --- last lines of {path} ---"))
+        print(Demo.indent(cnirun.tail(path, 25)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; return 0 when every step succeeded, 1 otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="make demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--pods",
+        type=int,
+        default=DEFAULT_PODS,
+        help=f"pods to create, at least 3 (default {DEFAULT_PODS})",
+    )
+    parser.add_argument(
+        "--ping-count",
+        type=int,
+        default=DEFAULT_PING_COUNT,
+        help=f"pings per connectivity check (default {DEFAULT_PING_COUNT})",
+    )
+    parser.add_argument(
+        "--up-timeout",
+        type=int,
+        default=DEFAULT_UP_TIMEOUT_SECONDS,
+        help=f"seconds the stack may take to become ready (default {DEFAULT_UP_TIMEOUT_SECONDS})",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        default=os.environ.get("KEEP") == "1",
+        help="keep the stack running afterwards (also KEEP=1)",
+    )
+    args = parser.parse_args(argv)
+    if args.pods < 3:
+        parser.error("--pods must be at least 3")
+    if os.geteuid() != 0:
+        print("make demo needs root (network namespaces, veth, iptables)", file=sys.stderr)
+        return 1
+    demo = Demo(args.pods, args.ping_count, args.up_timeout)
+    started = time.monotonic()
+    steps: list[Callable[[], None]] = [
+        demo.start_stack,
+        demo.create_pods,
+        demo.connectivity,
+        demo.endpoints,
+        demo.delete_pods,
+    ]
+    failed: str | None = None
+    try:
+        for step in steps:
+            step()
+    except (DemoError, cnirun.CniRunError, OSError, ValueError, subprocess.SubprocessError) as exc:
+        failed = str(exc)
+        demo.bad(failed)
+        _show_logs()
+        demo.cleanup_pods()
+    finally:
+        demo.teardown(args.keep)
+    elapsed = time.monotonic() - started
+    print()
+    if failed:
+        print(_c("1;31", f"demo FAILED after {elapsed:.1f}s: {failed}"))
+        return 1
+    print(_c("1;32", f"demo passed in {elapsed:.1f}s"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# The local standalone stack (DESIGN.md §6): Redis, cilia-operator, one cilia-agent, cilia-relay,
+# started in the background with pids, logs, sockets and state under .run/.
+#
+#   scripts/stack.sh up     [--fresh] [--timeout S] [COMPONENT...]   start (idempotent), wait until ready
+#   scripts/stack.sh down   [--stop-timeout S] [COMPONENT...]        stop (idempotent)
+#   scripts/stack.sh status                                          what runs, is the agent ready
+#   scripts/stack.sh purge                                           down, delete demo/e2e/bench netns, rm .run
+#
+# COMPONENT: redis operator agent relay (default: all; started in that order, stopped in reverse).
+#
+# Options (each also settable by environment):
+#   --timeout S        CILIA_STACK_TIMEOUT (90)       seconds `up` waits for each component to be ready;
+#                                                     the agent is ready when it wrote
+#                                                     .run/cni/net.d/05-cilia.conflist
+#   --stop-timeout S   CILIA_STACK_STOP_TIMEOUT (10)  seconds `down` waits after SIGTERM before SIGKILL
+#   --fresh            CILIA_STACK_FRESH=1            `up` first deletes Redis data and agent state
+#   CILIA_STACK_LOG_LINES (40)                        log lines shown when a component fails to start
+#
+# Addresses (fixed by the team brief): Redis 127.0.0.1:6390 (appendonly), operator gRPC
+# 127.0.0.1:4250 + metrics :9963, agent socket .run/cilia.sock + metrics :9962, relay health
+# 127.0.0.1:4222. Exit status: 0 ok, 1 a component failed (its log tail is printed), 2 usage.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+RUN=$ROOT/.run
+BIN=$ROOT/.venv/bin
+COMPONENTS=(redis operator agent relay)
+
+TIMEOUT=${CILIA_STACK_TIMEOUT:-90}
+STOP_TIMEOUT=${CILIA_STACK_STOP_TIMEOUT:-10}
+FRESH=${CILIA_STACK_FRESH:-0}
+LOG_LINES=${CILIA_STACK_LOG_LINES:-40}
+
+REDIS_PORT=6390
+OPERATOR_ADDR=127.0.0.1:4250
+RELAY_HEALTH_ADDR=127.0.0.1:4222
+POOLS='default=ipv4-cidrs:10.200.0.0/16;ipv4-mask-size:24'
+SOCKET=$RUN/cilia.sock
+CNI_CONF_DIR=$RUN/cni/net.d
+CONFLIST=$CNI_CONF_DIR/05-cilia.conflist
+NODE_NAME=$(hostname)
+
+say() { printf '[stack] %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+pidfile() { echo "$RUN/$1.pid"; }
+logfile() { echo "$RUN/$1.log"; }
+# The executable each component's /proc/PID/cmdline must mention (guards against pid reuse).
+binary_of() {
+  case $1 in
+    redis) echo redis-server ;; operator) echo cilia-operator ;;
+    agent) echo cilia-agent ;; relay) echo cilia-relay ;;
+  esac
+}
+
+# Print the pid of a running component, or nothing.
+running_pid() {
+  local f pid
+  f=$(pidfile "$1")
+  [[ -f $f ]] || return 0
+  pid=$(<"$f")
+  [[ $pid =~ ^[0-9]+$ ]] || return 0
+  if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$(binary_of "$1")"; then
+    echo "$pid"
+  fi
+}
+
+# Set CMD to the argv of a component.
+set_command() {
+  case $1 in
+    redis)
+      CMD=(redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --appendonly yes --save ""
+           --dir "$RUN/redis" --daemonize no) ;;
+    operator)
+      CMD=("$BIN/cilia-operator" serve --store "redis://127.0.0.1:$REDIS_PORT/0"
+           --listen "$OPERATOR_ADDR" --prometheus-serve-addr :9963
+           --auto-create-cilium-pod-ip-pools "$POOLS" --ipam-default-ip-pool default --log-level info) ;;
+    agent)
+      CMD=("$BIN/cilia-agent" serve --node-name "$NODE_NAME" --operator "$OPERATOR_ADDR"
+           --state-dir "$RUN/agent/state" --socket "$SOCKET" --cni-conf-dir "$CNI_CONF_DIR"
+           --cni-conf-name 05-cilia.conflist --prometheus-serve-addr :9962 --log-level info) ;;
+    relay)
+      CMD=("$BIN/cilia-relay" serve --health-listen-address "$RELAY_HEALTH_ADDR" --log-level info) ;;
+  esac
+}
+
+show_log_tail() {
+  local log
+  log=$(logfile "$1")
+  if [[ -s $log ]]; then
+    say "last $LOG_LINES lines of $log:"
+    tail -n "$LOG_LINES" "$log" | sed 's/^/    /' >&2
+  else
+    say "$log is empty"
+  fi
+}
+
+# ready COMPONENT -> 0 when the component answers.
+ready() {
+  case $1 in
+    redis) redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG ;;
+    operator | relay)
+      local addr=$OPERATOR_ADDR
+      [[ $1 == relay ]] && addr=$RELAY_HEALTH_ADDR
+      "$BIN/python" - "$addr" <<'EOF' 2>/dev/null
+import sys, grpc
+from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    r = g.HealthStub(ch).Check(h.HealthCheckRequest(), timeout=1.0)
+sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)
+EOF
+      ;;
+    agent) [[ -s $CONFLIST ]] ;;
+  esac
+}
+
+start_one() {
+  local name=$1 pid log deadline
+  pid=$(running_pid "$name")
+  if [[ -n $pid ]]; then
+    say "$name already running (pid $pid)"
+    return 0
+  fi
+  local bin
+  bin=$(binary_of "$name")
+  if [[ $name == redis ]]; then
+    command -v redis-server >/dev/null || die "redis-server not found: run scripts/setup.sh"
+  elif [[ ! -x $BIN/$bin ]]; then
+    die "$BIN/$bin not found: run scripts/setup.sh (make setup)"
+  fi
+  log=$(logfile "$name")
+  # The agent writes the conflist only once ready; a file left by an earlier run must not
+  # count as readiness.
+  [[ $name == agent ]] && rm -f "$CONFLIST"
+  set_command "$name"
+  printf '# %s %s\n' "$(date -u +%FT%TZ)" "${CMD[*]}" >>"$log"
+  # setsid: the stack outlives the terminal/pytest that started it and gets no stray SIGINT.
+  setsid "${CMD[@]}" </dev/null >>"$log" 2>&1 &
+  pid=$!
+  echo "$pid" >"$(pidfile "$name")"
+  deadline=$((SECONDS + TIMEOUT))
+  until ready "$name"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      wait "$pid" 2>/dev/null && rc=0 || rc=$?
+      say "$name exited with status $rc during start-up"
+      show_log_tail "$name"
+      rm -f "$(pidfile "$name")"
+      exit 1
+    fi
+    if ((SECONDS >= deadline)); then
+      say "$name (pid $pid) not ready after ${TIMEOUT}s$([[ $name == agent ]] && echo ": no $CONFLIST")"
+      show_log_tail "$name"
+      exit 1
+    fi
+    sleep 0.2
+  done
+  say "$name ready (pid $pid, log $log)"
+}
+
+stop_one() {
+  local name=$1 pid deadline
+  pid=$(running_pid "$name")
+  if [[ -z $pid ]]; then
+    rm -f "$(pidfile "$name")"
+    return 0
+  fi
+  kill -TERM "$pid" 2>/dev/null || true
+  deadline=$((SECONDS + STOP_TIMEOUT))
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    say "$name (pid $pid) still running ${STOP_TIMEOUT}s after SIGTERM: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+  fi
+  rm -f "$(pidfile "$name")"
+  say "$name stopped (was pid $pid)"
+}
+
+status() {
+  local name pid rc=0
+  for name in "${COMPONENTS[@]}"; do
+    pid=$(running_pid "$name")
+    if [[ -n $pid ]]; then
+      printf '%-9s running  pid %-7s log %s\n' "$name" "$pid" "$(logfile "$name")"
+    else
+      printf '%-9s stopped\n' "$name"; rc=3
+    fi
+  done
+  if [[ -s $CONFLIST ]]; then echo "cni conf  $CONFLIST"; else echo "cni conf  (not written)"; fi
+  if [[ -n $(running_pid agent) ]]; then
+    echo
+    "$BIN/cilia-agent" status --socket "$SOCKET" || rc=1
+  fi
+  return $rc
+}
+
+cmd=${1:-}
+[[ -n $cmd ]] || usage
+shift
+selected=()
+while (($#)); do
+  case $1 in
+    --timeout) TIMEOUT=${2:?--timeout needs seconds}; shift 2 ;;
+    --stop-timeout) STOP_TIMEOUT=${2:?--stop-timeout needs seconds}; shift 2 ;;
+    --fresh) FRESH=1; shift ;;
+    -h | --help) usage ;;
+    redis | operator | agent | relay) selected+=("$1"); shift ;;
+    *) say "unknown argument: $1"; usage ;;
+  esac
+done
+[[ $TIMEOUT =~ ^[0-9]+$ && $STOP_TIMEOUT =~ ^[0-9]+$ ]] || die "timeouts must be whole seconds"
+((${#selected[@]})) || selected=("${COMPONENTS[@]}")
+
+case $cmd in
+  up)
+    [[ $(id -u) -eq 0 ]] || die "the agent needs root (netns, veth, iptables): run as root"
+    if [[ $FRESH == 1 ]]; then
+      for name in "${COMPONENTS[@]}"; do
+        [[ -z $(running_pid "$name") ]] || die "--fresh needs a stopped stack: scripts/stack.sh down first"
+      done
+      rm -rf "$RUN/redis" "$RUN/agent" "$RUN/cni"
+    fi
+    mkdir -p "$RUN/redis" "$RUN/agent/state" "$CNI_CONF_DIR"
+    for name in "${COMPONENTS[@]}"; do
+      [[ " ${selected[*]} " == *" $name "* ]] && start_one "$name"
+    done
+    say "up: conflist $CONFLIST, agent socket $SOCKET"
+    ;;
+  down)
+    for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
+      name=${COMPONENTS[i]}
+      [[ " ${selected[*]} " == *" $name "* ]] && stop_one "$name"
+    done
+    true
+    ;;
+  status) status ;;
+  purge)
+    for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop_one "${COMPONENTS[i]}"; done
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^cilia-(demo|e2e|bench)-' || true); do
+      ip netns delete "$ns" && say "deleted netns $ns"
+    done
+    rm -rf "$RUN"
+    say "purged $RUN"
+    ;;
+  *) usage ;;
+esac
