@@ -1,0 +1,227 @@
+"""Load bpf_lxc.c with bcc and run crafted packets through BPF_PROG_TEST_RUN.
+
+The map layouts below mirror ``bpf/lib/common.h``; a mismatch shows up as
+wrong verdicts in these tests. Packets are built with the stdlib (Ethernet +
+IPv4 + TCP/UDP/ICMP), checksums are not verified by the program.
+
+``BPF_PROG_TEST_RUN`` is reached through Debian's ``libbpf.so.1``
+(``bpf_prog_test_run_opts``), which bcc 0.26 does not wrap
+(environment-notes.md, kernel Documentation/bpf/bpf_prog_run.rst).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import pathlib
+import shutil
+import socket
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+BPF_DIR = pathlib.Path(__file__).resolve().parents[1]
+TC_ACT_OK = 0
+TC_ACT_SHOT = 2
+DIR_INGRESS, DIR_EGRESS = 0, 1
+IDENTITY_WORLD = 2
+
+
+class IpcacheKey(ctypes.Structure):
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("ip", ctypes.c_uint32)]
+
+
+class IpcacheValue(ctypes.Structure):
+    _fields_ = [("sec_identity", ctypes.c_uint32), ("node_ip", ctypes.c_uint32)]
+
+
+class EndpointInfo(ctypes.Structure):
+    _fields_ = [
+        ("ep_id", ctypes.c_uint32),
+        ("sec_identity", ctypes.c_uint32),
+        ("ipv4", ctypes.c_uint32),
+        ("enforce_ingress", ctypes.c_uint8),
+        ("enforce_egress", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class PolicyKey(ctypes.Structure):
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("ep_id", ctypes.c_uint32),
+        ("sec_label", ctypes.c_uint32),
+        ("egress", ctypes.c_uint8),
+        ("protocol", ctypes.c_uint8),
+        ("dport", ctypes.c_uint16),
+    ]
+
+
+class PolicyValue(ctypes.Structure):
+    _fields_ = [
+        ("flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 7),
+        ("packets", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+    ]
+
+
+class FlowEvent(ctypes.Structure):
+    _fields_ = [
+        ("ts_ns", ctypes.c_uint64),
+        ("saddr", ctypes.c_uint32),
+        ("daddr", ctypes.c_uint32),
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("event_type", ctypes.c_uint8),
+        ("verdict", ctypes.c_uint8),
+        ("drop_reason", ctypes.c_uint8),
+        ("src_identity", ctypes.c_uint32),
+        ("dst_identity", ctypes.c_uint32),
+        ("ep_id", ctypes.c_uint32),
+        ("ifindex", ctypes.c_uint32),
+        ("len", ctypes.c_uint32),
+        ("dir", ctypes.c_uint8),
+        ("is_reply", ctypes.c_uint8),
+        ("tcp_flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+class _TestRunOpts(ctypes.Structure):
+    """struct bpf_test_run_opts of libbpf 1.x."""
+
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("data_in", ctypes.c_void_p),
+        ("data_out", ctypes.c_void_p),
+        ("data_size_in", ctypes.c_uint32),
+        ("data_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_void_p),
+        ("ctx_out", ctypes.c_void_p),
+        ("ctx_size_in", ctypes.c_uint32),
+        ("ctx_size_out", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32),
+        ("repeat", ctypes.c_int),
+        ("duration", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("cpu", ctypes.c_uint32),
+        ("batch_size", ctypes.c_uint32),
+    ]
+
+
+def ip_be(addr: str) -> int:
+    """IPv4 text → the u32 the kernel sees for a network-order field on this host."""
+    return int.from_bytes(socket.inet_aton(addr), "little")
+
+
+def ip_text(value: int) -> str:
+    return str(ipaddress.IPv4Address(value.to_bytes(4, "little")))
+
+
+def port_be(port: int) -> int:
+    return socket.htons(port)
+
+
+TCP_SYN, TCP_ACK = 0x02, 0x10
+
+
+def packet(
+    src: str,
+    dst: str,
+    proto: str = "tcp",
+    sport: int = 40000,
+    dport: int = 8080,
+    flags: int = TCP_SYN,
+    icmp_type: int = 8,
+    icmp_id: int = 7,
+) -> bytes:
+    """An Ethernet/IPv4 frame carrying a TCP, UDP or ICMP header (payload 16 bytes)."""
+    payload = b"\x00" * 16
+    if proto == "tcp":
+        l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 0, 5 << 4, flags, 65535, 0, 0)
+        number = 6
+    elif proto == "udp":
+        l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0)
+        number = 17
+    else:
+        l4 = struct.pack("!BBHHH", icmp_type, 0, 0, icmp_id, 1)
+        number = 1
+    total = 20 + len(l4) + len(payload)
+    ip = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        total,
+        1,
+        0,
+        64,
+        number,
+        0,
+        socket.inet_aton(src),
+        socket.inet_aton(dst),
+    )
+    eth = b"\x02\x00\x00\x00\x00\x02" + b"\x02\x00\x00\x00\x00\x01" + b"\x08\x00"
+    return eth + ip + l4 + payload
+
+
+@dataclass
+class Datapath:
+    """The compiled programs, their pinned maps and the events they emitted."""
+
+    bpf: Any
+    pin_dir: pathlib.Path
+    progs: dict[str, int]
+    events: list[FlowEvent]
+
+    def run(self, prog: str, frame: bytes) -> int:
+        """Run one frame through ``prog``; returns the tc verdict (TC_ACT_*)."""
+        lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
+        buf = ctypes.create_string_buffer(frame, len(frame))
+        opts = _TestRunOpts(
+            sz=ctypes.sizeof(_TestRunOpts),
+            data_in=ctypes.cast(buf, ctypes.c_void_p),
+            data_size_in=len(frame),
+            repeat=1,
+        )
+        rc = lib.bpf_prog_test_run_opts(self.progs[prog], ctypes.byref(opts))
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
+        self.bpf.ring_buffer_poll(0)
+        return int(opts.retval)
+
+    def table(self, name: str) -> Any:
+        return self.bpf[name]
+
+
+def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf")) -> Datapath:
+    """Compile bpf_lxc.c with maps pinned under a fresh directory of bpffs."""
+    from bcc import BPF  # Debian python3-bpfcc, linked into the venv by setup.sh
+
+    pin_dir = pin_root / f"cilia-test-{uuid.uuid4().hex[:8]}"
+    pin_dir.mkdir(parents=True)
+    bpf = BPF(
+        src_file=str(BPF_DIR / "bpf_lxc.c").encode(),
+        cflags=[f"-I{BPF_DIR}", f'-DCILIA_PIN_DIR="{pin_dir}"', "-w"],
+    )
+    progs = {
+        name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd
+        for name in ("cil_from_container", "cil_to_container")
+    }
+    events: list[FlowEvent] = []
+
+    def on_event(_ctx: Any, data: Any, size: int) -> None:
+        events.append(FlowEvent.from_buffer_copy(ctypes.string_at(data, size)))
+
+    bpf["cilia_events"].open_ring_buffer(on_event)
+    return Datapath(bpf=bpf, pin_dir=pin_dir, progs=progs, events=events)
+
+
+def unload(dp: Datapath) -> None:
+    dp.bpf.cleanup()
+    for pinned in dp.pin_dir.iterdir():
+        os.unlink(pinned)
+    shutil.rmtree(dp.pin_dir, ignore_errors=True)
