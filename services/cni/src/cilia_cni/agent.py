@@ -1,0 +1,133 @@
+"""Client of the agent's ``cilia.agent.v1.AttachmentService`` over its unix socket.
+
+Imported lazily by the plugin, only once the invocation is valid and the socket exists:
+this is the module that pays for ``import grpc`` and the generated messages. Method
+paths come from the contract's descriptor, so the service name is not repeated here.
+
+gRPC status → CNI error (documented in services/cni/README.md):
+
+=========================================================  =======================
+UNAVAILABLE, DEADLINE_EXCEEDED, connection failures         11 AgentUnavailable
+INVALID_ARGUMENT                                            7  InvalidNetworkConfig
+NOT_FOUND (netns does not exist)                            8  InvalidNetNS
+ALREADY_EXISTS (ifname exists in the netns)                 100 AttachmentExists
+RESOURCE_EXHAUSTED (pool has no free address)               101 PoolExhausted
+anything else                                               999 InternalError
+=========================================================  =======================
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from cilia.agent.v1 import agent_pb2
+from cilia_cni.errors import (
+    AgentTimeout,
+    AgentUnavailable,
+    AttachmentExists,
+    CniError,
+    InternalError,
+    InvalidNetNS,
+    InvalidNetworkConfig,
+    PoolExhausted,
+)
+
+_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AttachmentService"]
+#: Channel options: no transparent retries or proxies; a CNI call is one attempt.
+_CHANNEL_OPTIONS = (
+    ("grpc.enable_retries", 0),
+    ("grpc.enable_http_proxy", 0),
+)
+
+_BY_STATUS: dict[object, type[CniError]] = {
+    grpc.StatusCode.UNAVAILABLE: AgentUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: AgentUnavailable,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidNetworkConfig,
+    grpc.StatusCode.NOT_FOUND: InvalidNetNS,
+    grpc.StatusCode.ALREADY_EXISTS: AttachmentExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: PoolExhausted,
+}
+
+
+def _method(name: str) -> str:
+    return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
+
+
+class AgentClient:
+    """One insecure channel to ``unix:<socket_path>``; use as a context manager.
+
+    Each call is a single attempt without ``wait_for_ready``: an absent or refusing
+    socket fails at once with UNAVAILABLE instead of waiting for the timeout.
+    """
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
+        self._add = self._channel.unary_unary(
+            _method("Add"),
+            request_serializer=agent_pb2.AddRequest.SerializeToString,
+            response_deserializer=agent_pb2.AddResponse.FromString,
+        )
+        self._del = self._channel.unary_unary(
+            _method("Del"),
+            request_serializer=agent_pb2.DelRequest.SerializeToString,
+            response_deserializer=agent_pb2.DelResponse.FromString,
+        )
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._channel.close()
+
+    def add(self, request: agent_pb2.AddRequest, timeout: float) -> agent_pb2.AddResponse:
+        """Call ``Add`` with a deadline of ``timeout`` seconds.
+
+        Raises:
+            CniError: the subclass mapped from the gRPC status (see the module table).
+        """
+        try:
+            response: agent_pb2.AddResponse = self._add(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error("ADD", exc, timeout, "agent-timeout-seconds") from None
+        return response
+
+    def delete(self, request: agent_pb2.DelRequest, timeout: float) -> bool:
+        """Call ``Del`` with a deadline of ``timeout`` seconds.
+
+        Returns whether the agent had something to delete.
+
+        Raises:
+            CniError: the subclass mapped from the gRPC status (see the module table).
+        """
+        try:
+            response: agent_pb2.DelResponse = self._del(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error("DEL", exc, timeout, "agent-del-timeout-seconds") from None
+        return bool(response.deleted)
+
+    def _error(self, op: str, exc: grpc.RpcError, timeout: float, timeout_key: str) -> CniError:
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        text = exc.details() if callable(getattr(exc, "details", None)) else None
+        status = getattr(code, "name", "UNKNOWN")
+        agent_msg = str(text or "").strip() or "(no message)"
+        where = f"cilia-agent at unix:{self.socket_path}"
+        check = (
+            f"start or check cilia-agent (cilia-agent status --socket {self.socket_path}); "
+            "the runtime will retry"
+        )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return AgentTimeout(
+                f"{where} did not answer {op} within {timeout:g}s (netconf "
+                f"`{timeout_key}`): {check}",
+                f"gRPC {status}: {agent_msg}",
+            )
+        cls = _BY_STATUS.get(code, InternalError)
+        if cls is AgentUnavailable:
+            return AgentUnavailable(
+                f"{where} is unreachable or not ready for {op}: {check}",
+                f"gRPC {status}: {agent_msg}",
+            )
+        if cls is InternalError:
+            return InternalError(f"{where} failed {op}: {agent_msg}", f"gRPC {status}")
+        return cls(f"{where} refused {op}: {agent_msg}", f"gRPC {status}")

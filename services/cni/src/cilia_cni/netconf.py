@@ -1,0 +1,301 @@
+"""The network configuration on stdin (CNI spec 1.0.0/1.1.0, "Network configuration").
+
+The runtime passes one plugin's config with ``cniVersion`` and ``name`` injected (plus
+``runtimeConfig``, ``args``, ``prevResult``). Keys of this plugin are documented in
+services/cni/README.md. Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from cilia_cni.errors import DecodingFailure, IncompatibleVersion, InvalidNetworkConfig
+from cilia_cni.invocation import show
+
+# typing is not imported at run time (start-up cost); mypy honours this constant.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+#: CNI spec versions this plugin speaks; results are printed in the netconf's version.
+SUPPORTED_VERSIONS = ("1.0.0", "1.1.0")
+#: Version used for error JSON when the input names none we speak, and for a bare VERSION.
+NEWEST_VERSION = SUPPORTED_VERSIONS[-1]
+#: The plugin's ``type`` (the binary name the runtime looks up in CNI_PATH).
+PLUGIN_TYPE = "cilia-cni"
+DEFAULT_AGENT_SOCKET = "/var/run/cilia/cilia.sock"
+#: Seconds an ADD may wait for the agent (IP allocation + veth + endpoint creation).
+DEFAULT_ADD_TIMEOUT_SECONDS = 30.0
+#: Seconds a DEL may wait for the agent (upstream cilium-cni uses 10 s).
+DEFAULT_DEL_TIMEOUT_SECONDS = 10.0
+#: Upper bound for both timeouts (kubelet's RunPodSandbox CRI timeout is 4 min).
+MAX_TIMEOUT_SECONDS = 240.0
+#: Linux sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+#: Spec rule for ``name``.
+_NETWORK_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
+
+
+class NetConf:
+    """The validated plugin configuration.
+
+    Attributes:
+        cni_version: one of :data:`SUPPORTED_VERSIONS`.
+        name: network name (spec rule ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``).
+        agent_socket: absolute path of the agent's unix socket (``agent-socket``).
+        add_timeout: seconds, ``agent-timeout-seconds`` (default 30, max 240).
+        del_timeout: seconds, ``agent-del-timeout-seconds`` (default 10, max 240).
+        log_file: absolute path for JSON-line logs (``log-file``), ``""`` = no log.
+        mtu: MTU for both veth ends, ``0`` = the agent's ``--mtu`` (``mtu``).
+    """
+
+    __slots__ = (
+        "add_timeout",
+        "agent_socket",
+        "cni_version",
+        "del_timeout",
+        "log_file",
+        "mtu",
+        "name",
+    )
+
+    def __init__(
+        self,
+        cni_version: str,
+        name: str,
+        agent_socket: str = DEFAULT_AGENT_SOCKET,
+        add_timeout: float = DEFAULT_ADD_TIMEOUT_SECONDS,
+        del_timeout: float = DEFAULT_DEL_TIMEOUT_SECONDS,
+        log_file: str = "",
+        mtu: int = 0,
+    ) -> None:
+        self.cni_version = cni_version
+        self.name = name
+        self.agent_socket = agent_socket
+        self.add_timeout = add_timeout
+        self.del_timeout = del_timeout
+        self.log_file = log_file
+        self.mtu = mtu
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode(data: bytes) -> dict[str, object]:
+    """Decode stdin into a JSON object.
+
+    Raises:
+        DecodingFailure: not UTF-8, not JSON (NaN/Infinity included), too deeply nested,
+            or not an object.
+    """
+    try:
+        text = data.decode("utf-8")
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise DecodingFailure(f"network configuration on stdin is not UTF-8: {exc}") from None
+    except ValueError as exc:
+        raise DecodingFailure(f"network configuration on stdin is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise DecodingFailure("network configuration on stdin is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise DecodingFailure(
+            f"network configuration on stdin must be a JSON object, got {type(obj).__name__}"
+        )
+    return obj
+
+
+def error_version(conf: Mapping[str, object] | None) -> str:
+    """The ``cniVersion`` to put in an error: the netconf's when supported, else the newest."""
+    if conf is not None:
+        version = conf.get("cniVersion")
+        if isinstance(version, str) and version in SUPPORTED_VERSIONS:
+            return version
+    return NEWEST_VERSION
+
+
+def check_version(conf: Mapping[str, object], *, required: bool = True) -> str:
+    """Return the netconf's ``cniVersion`` if this plugin speaks it.
+
+    With ``required=False`` (VERSION) a missing ``cniVersion`` means the newest version.
+
+    Raises:
+        InvalidNetworkConfig: ``cniVersion`` is missing (when required) or not a string.
+        IncompatibleVersion: ``cniVersion`` is not in :data:`SUPPORTED_VERSIONS`.
+    """
+    version = conf.get("cniVersion")
+    if version is None and not required:
+        return NEWEST_VERSION
+    if version is None:
+        raise InvalidNetworkConfig("network config field `cniVersion` is missing")
+    if not isinstance(version, str):
+        raise InvalidNetworkConfig(
+            f"network config field `cniVersion` must be a string, got {_json_type(version)}"
+        )
+    if version not in SUPPORTED_VERSIONS:
+        raise IncompatibleVersion(
+            f"cniVersion {show(version)} is not supported by cilia-cni "
+            f"(supported: {', '.join(SUPPORTED_VERSIONS)})"
+        )
+    return version
+
+
+def parse(conf: Mapping[str, object], cni_version: str, plugin_type: str) -> NetConf:
+    """Validate the plugin's keys of an already version-checked netconf.
+
+    ``plugin_type`` is the name this binary was exec'd as; ``type`` must equal it or
+    :data:`PLUGIN_TYPE`.
+
+    Raises:
+        InvalidNetworkConfig: a field is missing or has a bad value (the field is named).
+    """
+    name = conf.get("name")
+    if name is None:
+        raise InvalidNetworkConfig("network config field `name` is missing")
+    if not isinstance(name, str) or not _NETWORK_NAME.fullmatch(name):
+        raise InvalidNetworkConfig(
+            f"network config field `name` must match [a-zA-Z0-9][a-zA-Z0-9_.-]*, got {_shown(name)}"
+        )
+    ptype = conf.get("type")
+    if ptype is None:
+        raise InvalidNetworkConfig("network config field `type` is missing")
+    if ptype not in (PLUGIN_TYPE, plugin_type):
+        raise InvalidNetworkConfig(
+            f"network config field `type` must be {PLUGIN_TYPE!r}, got {_shown(ptype)}"
+        )
+    return NetConf(
+        cni_version,
+        name,
+        agent_socket=_socket_path(conf),
+        add_timeout=_timeout(conf, "agent-timeout-seconds", DEFAULT_ADD_TIMEOUT_SECONDS),
+        del_timeout=_timeout(conf, "agent-del-timeout-seconds", DEFAULT_DEL_TIMEOUT_SECONDS),
+        log_file=_log_file(conf),
+        mtu=_mtu(conf),
+    )
+
+
+def parse_labels(conf: Mapping[str, object]) -> dict[str, str]:
+    """Pod labels from the CNI ``args.cni.labels`` convention
+    (``"args": {"cni": {"labels": [{"key": "app", "value": "web"}]}}``).
+
+    Returns ``{}`` when ``args``, ``args.cni`` or ``labels`` is absent.
+
+    Raises:
+        InvalidNetworkConfig: a level has the wrong JSON type, a key is empty or not a
+            string, a value is not a string, or a key repeats (the path is named).
+    """
+    args = conf.get("args")
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise InvalidNetworkConfig(
+            f"network config field `args` must be an object, got {_json_type(args)}"
+        )
+    cni = args.get("cni")
+    if cni is None:
+        return {}
+    if not isinstance(cni, dict):
+        raise InvalidNetworkConfig(
+            f"network config field `args.cni` must be an object, got {_json_type(cni)}"
+        )
+    labels = cni.get("labels")
+    if labels is None:
+        return {}
+    if not isinstance(labels, list):
+        raise InvalidNetworkConfig(
+            f"network config field `args.cni.labels` must be a list, got {_json_type(labels)}"
+        )
+    result: dict[str, str] = {}
+    for i, item in enumerate(labels):
+        where = f"args.cni.labels[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidNetworkConfig(
+                f"network config field `{where}` must be an object {{key, value}}, "
+                f"got {_json_type(item)}"
+            )
+        key, value = item.get("key"), item.get("value", "")
+        if not isinstance(key, str) or not key:
+            raise InvalidNetworkConfig(
+                f"network config field `{where}.key` must be a non-empty string, got {_shown(key)}"
+            )
+        if not isinstance(value, str):
+            raise InvalidNetworkConfig(
+                f"network config field `{where}.value` must be a string, got {_shown(value)}"
+            )
+        if key in result:
+            raise InvalidNetworkConfig(
+                f"network config field `{where}.key`: label {show(key)} is given twice"
+            )
+        result[key] = value
+    return result
+
+
+def _socket_path(conf: Mapping[str, object]) -> str:
+    path = conf.get("agent-socket", DEFAULT_AGENT_SOCKET)
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
+        raise InvalidNetworkConfig(
+            f"network config field `agent-socket` must be an absolute path, got {_shown(path)}"
+        )
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_SOCKET_PATH_BYTES:
+        raise InvalidNetworkConfig(
+            f"network config field `agent-socket` is longer than {MAX_SOCKET_PATH_BYTES} bytes "
+            f"(unix socket path limit): {show(path)}"
+        )
+    return path
+
+
+def _timeout(conf: Mapping[str, object], key: str, default: float) -> float:
+    value = conf.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_TIMEOUT_SECONDS
+    ):
+        raise InvalidNetworkConfig(
+            f"network config field `{key}` must be a number of seconds in (0, "
+            f"{MAX_TIMEOUT_SECONDS:g}], got {_shown(value)}"
+        )
+    return float(value)
+
+
+def _log_file(conf: Mapping[str, object]) -> str:
+    path = conf.get("log-file", "")
+    if not isinstance(path, str) or (path and not path.startswith("/")) or "\x00" in path:
+        raise InvalidNetworkConfig(
+            f'network config field `log-file` must be an absolute path or "", got {_shown(path)}'
+        )
+    return path
+
+
+def _mtu(conf: Mapping[str, object]) -> int:
+    mtu = conf.get("mtu", 0)
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not (mtu == 0 or 68 <= mtu <= 65535):
+        raise InvalidNetworkConfig(
+            f"network config field `mtu` must be 0 (agent default) or 68..65535, got {_shown(mtu)}"
+        )
+    return mtu
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "list"
+    return "object"
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, str):
+        return show(value)
+    if isinstance(value, bool | int | float) or value is None:
+        return json.dumps(value)
+    return _json_type(value)
