@@ -1,0 +1,182 @@
+"""Error paths that are decided before (or without) the agent: spec error JSON on stdout,
+non-zero exit, the offending variable or field named, nothing on stderr."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+from cni_testlib import assert_cni_error, cni_env, exec_cni, netconf
+
+
+def test_missing_cni_command_fails_with_code_4() -> None:
+    run = exec_cni({}, b"")
+    assert_cni_error(run, 4, "CNI_COMMAND")
+    assert run.stderr == ""
+
+
+@pytest.mark.parametrize("command", ["add", "CHECK", "GC", "STATUS", "FROB"])
+def test_unsupported_cni_command_fails_with_code_4_listing_supported_ones(
+    command: str, absent_socket: str
+) -> None:
+    run = exec_cni(cni_env(command), netconf(absent_socket))
+    assert_cni_error(run, 4, "CNI_COMMAND", "ADD, DEL, VERSION")
+
+
+@pytest.mark.parametrize("command", ["ADD", "DEL"])
+@pytest.mark.parametrize("variable", ["CNI_CONTAINERID", "CNI_IFNAME"])
+def test_missing_required_variable_fails_with_code_4_naming_it(
+    command: str, variable: str, absent_socket: str
+) -> None:
+    env = cni_env(command)
+    del env[variable]
+    assert_cni_error(exec_cni(env, netconf(absent_socket)), 4, variable)
+
+
+def test_add_without_netns_fails_with_code_4(absent_socket: str) -> None:
+    env = cni_env("ADD")
+    del env["CNI_NETNS"]
+    assert_cni_error(exec_cni(env, netconf(absent_socket)), 4, "CNI_NETNS")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("CNI_CONTAINERID", "-starts-with-dash"),
+        ("CNI_CONTAINERID", "has space"),
+        ("CNI_IFNAME", "a-very-long-ifname0"),
+        ("CNI_IFNAME", "eth/0"),
+        ("CNI_IFNAME", ".."),
+        ("CNI_NETNS", "relative/netns"),
+    ],
+)
+def test_malformed_variable_fails_with_code_4_naming_it(
+    variable: str, value: str, absent_socket: str
+) -> None:
+    run = exec_cni(cni_env("ADD", **{variable: value}), netconf(absent_socket))
+    assert_cni_error(run, 4, variable)
+
+
+@pytest.mark.parametrize("cni_args", ["K8S_POD_NAME", "A=B;", "=x", "A=B=C", "A=1;;B=2"])
+def test_malformed_cni_args_fails_with_code_4(cni_args: str, absent_socket: str) -> None:
+    run = exec_cni(cni_env("ADD", CNI_ARGS=cni_args), netconf(absent_socket))
+    assert_cni_error(run, 4, "CNI_ARGS")
+
+
+@pytest.mark.parametrize(
+    "stdin",
+    [b"", b"{", b'{"cniVersion": "1.0.0",}', b"\xff\xfe{}", b"NaN", b"[]", b'"cilia"', b"[" * 5000],
+)
+def test_undecodable_stdin_fails_with_code_6(stdin: bytes) -> None:
+    assert_cni_error(exec_cni(cni_env("ADD"), stdin), 6, "stdin")
+
+
+def test_missing_cni_version_fails_with_code_7(absent_socket: str) -> None:
+    conf = netconf(absent_socket)
+    del conf["cniVersion"]
+    assert_cni_error(exec_cni(cni_env("ADD"), conf), 7, "`cniVersion`")
+
+
+@pytest.mark.parametrize("command", ["ADD", "DEL"])
+@pytest.mark.parametrize("version", ["0.4.0", "0.3.1", "1.2.0"])
+def test_unsupported_cni_version_fails_with_code_1(
+    command: str, version: str, absent_socket: str
+) -> None:
+    run = exec_cni(cni_env(command), netconf(absent_socket, version=version))
+    assert_cni_error(run, 1, version, "1.0.0, 1.1.0")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"name": None}, "`name`"),
+        ({"name": ""}, "`name`"),
+        ({"name": "-bad"}, "`name`"),
+        ({"name": 7}, "`name`"),
+        ({"type": None}, "`type`"),
+        ({"type": "bridge"}, "`type`"),
+        ({"agent-socket": "relative.sock"}, "`agent-socket`"),
+        ({"agent-socket": 5}, "`agent-socket`"),
+        ({"agent-socket": "/" + "s" * 120}, "`agent-socket`"),
+        ({"agent-timeout-seconds": 0}, "`agent-timeout-seconds`"),
+        ({"agent-timeout-seconds": -1}, "`agent-timeout-seconds`"),
+        ({"agent-timeout-seconds": "30"}, "`agent-timeout-seconds`"),
+        ({"agent-timeout-seconds": True}, "`agent-timeout-seconds`"),
+        ({"agent-timeout-seconds": 1e9}, "`agent-timeout-seconds`"),
+        ({"agent-del-timeout-seconds": 0}, "`agent-del-timeout-seconds`"),
+        ({"log-file": "relative.log"}, "`log-file`"),
+        ({"mtu": 20}, "`mtu`"),
+        ({"args": []}, "`args`"),
+        ({"args": {"cni": "x"}}, "`args.cni`"),
+        ({"args": {"cni": {"labels": {"app": "web"}}}}, "`args.cni.labels`"),
+        ({"args": {"cni": {"labels": ["app=web"]}}}, "`args.cni.labels[0]`"),
+        ({"args": {"cni": {"labels": [{"value": "web"}]}}}, "`args.cni.labels[0].key`"),
+        ({"args": {"cni": {"labels": [{"key": "app", "value": 1}]}}}, "`args.cni.labels[0].value`"),
+        (
+            {"args": {"cni": {"labels": [{"key": "a", "value": "1"}, {"key": "a", "value": "2"}]}}},
+            "`args.cni.labels[1].key`",
+        ),
+        ({"prevResult": {"cniVersion": "1.0.0", "ips": []}}, "`prevResult`"),
+    ],
+)
+def test_invalid_network_config_fails_with_code_7_naming_the_field(
+    change: dict[str, Any], field: str, absent_socket: str
+) -> None:
+    conf = netconf(absent_socket)
+    for key, value in change.items():
+        if value is None:
+            del conf[key]
+        else:
+            conf[key] = value
+    run = exec_cni(cni_env("ADD"), conf)
+    err = assert_cni_error(run, 7, field)
+    assert err["cniVersion"] == "1.0.0"
+
+
+def test_error_json_is_in_the_netconf_version(absent_socket: str) -> None:
+    conf = netconf(absent_socket, version="1.1.0")
+    del conf["name"]
+    assert assert_cni_error(exec_cni(cni_env("ADD"), conf), 7)["cniVersion"] == "1.1.0"
+
+
+def test_add_fails_with_code_11_when_agent_socket_is_absent(absent_socket: str) -> None:
+    run = exec_cni(cni_env("ADD"), netconf(absent_socket))
+    assert_cni_error(run, 11, absent_socket, "does not exist", "cilia-agent")
+    assert run.stderr == ""
+
+
+def test_add_with_default_socket_names_the_default_path_when_agent_is_absent() -> None:
+    if os.path.exists("/var/run/cilia/cilia.sock"):
+        pytest.skip("an agent socket exists at the default path on this host")
+    conf = netconf("unused")
+    del conf["agent-socket"]
+    run = exec_cni(cni_env("ADD"), conf)
+    assert_cni_error(run, 11, "/var/run/cilia/cilia.sock", "start or check cilia-agent")
+
+
+def test_add_fails_with_code_11_when_nothing_listens_on_the_socket(short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "dead.sock")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(path)  # bound but never listening: connections are refused
+        run = exec_cni(cni_env("ADD"), netconf(path))
+    err = assert_cni_error(run, 11, path, "cilia-agent")
+    assert "UNAVAILABLE" in err["details"]
+    assert run.stderr == ""
+
+
+def test_add_fails_with_code_11_when_socket_path_is_not_a_socket(short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "plain-file")
+    with open(path, "w"):
+        pass
+    assert_cni_error(exec_cni(cni_env("ADD"), netconf(path)), 11, "not a unix socket")
+
+
+def test_del_with_agent_absent_fails_with_code_11_until_the_del_queue_exists(
+    absent_socket: str,
+) -> None:
+    # The on-disk DEL queue replayed by the agent is a later issue; until then a DEL
+    # with the agent down asks the runtime to retry.
+    run = exec_cni(cni_env("DEL", CNI_NETNS=""), netconf(absent_socket))
+    assert_cni_error(run, 11, absent_socket)
