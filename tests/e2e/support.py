@@ -1,0 +1,75 @@
+"""Helpers shared by the e2e test modules (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import pathlib
+import re
+import sys
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cnirun  # noqa: E402
+
+POD_CIDR = ipaddress.ip_network("10.200.0.0/16")
+
+
+def assert_pod_ip(pod: cnirun.Pod) -> ipaddress.IPv4Address:
+    """The pod's address, asserted to be inside the stack's pool 10.200.0.0/16."""
+    ip = ipaddress.ip_address(pod.ip)
+    assert ip in POD_CIDR, f"{pod.name} got {ip}, outside {POD_CIDR}"
+    assert isinstance(ip, ipaddress.IPv4Address)
+    return ip
+
+
+def dump_logs() -> str:
+    """Tail of the agent and operator logs, for assertion messages."""
+    return "\n".join(
+        f"--- {name}.log ---\n{cnirun.tail(cnirun.RUN / f'{name}.log', 20)}"
+        for name in ("agent", "operator")
+    )
+
+
+def endpoint_list() -> str:
+    """``cilia-agent endpoint list -o json`` output (asserts exit 0)."""
+    out = cnirun.agent_cli("endpoint", "list", "-o", "json")
+    assert out.returncode == 0, f"endpoint list exited {out.returncode}: {out.stderr}"
+    return out.stdout
+
+
+def endpoints() -> list[dict[str, Any]]:
+    """The agent's endpoints as dicts (accepts a JSON list or ``{"endpoints": [...]}``)."""
+    data = json.loads(endpoint_list() or "[]")
+    if isinstance(data, dict):
+        data = data.get("endpoints", [])
+    assert isinstance(data, list), data
+    return data
+
+
+def endpoint_ips() -> set[str]:
+    """IPv4 addresses (no prefix) of every endpoint the agent holds."""
+    ips = set()
+    for ep in endpoints():
+        value = ep.get("ipv4") or ep.get("ip") or ""
+        if value:
+            ips.add(str(value).split("/")[0])
+    return ips
+
+
+def pool_used(pool: str = "default") -> int:
+    """``used`` of ``pool`` from ``cilia-agent status -o json`` (or the text form)."""
+    out = cnirun.agent_cli("status", "-o", "json")
+    if out.returncode == 0:
+        data = json.loads(out.stdout)
+        for entry in data.get("pools", []):
+            if entry.get("pool") == pool:
+                return int(entry["used"])
+        raise AssertionError(f"pool {pool!r} not in cilia-agent status: {out.stdout}")
+    text = cnirun.agent_cli("status")
+    assert text.returncode == 0, text.stderr
+    match = re.search(rf"{pool}\D*?(\d+)\s*/\s*\d+", text.stdout)
+    assert match, f"no '{pool} used/capacity' in cilia-agent status:\n{text.stdout}"
+    return int(match.group(1))

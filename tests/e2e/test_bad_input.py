@@ -1,0 +1,93 @@
+"""Bad invocations of the real binary: the right CNI error code, nothing changed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cnirun
+import pytest
+from support import endpoint_ips, pool_used
+
+pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
+
+
+def _snapshot() -> tuple[set[str], set[str], int]:
+    return set(cnirun.host_lxc_links()), endpoint_ips(), pool_used()
+
+
+def _error_code(outcome: cnirun.CniOutcome) -> int:
+    assert outcome.returncode != 0, f"expected a CNI error, got success: {outcome.stdout}"
+    error = outcome.json
+    assert set(error) >= {"cniVersion", "code", "msg"}, error
+    assert error["msg"], error
+    return int(error["code"])
+
+
+def _pod_has_no_interface(pod: cnirun.Pod) -> bool:
+    links = cnirun.sh("ip", "-n", pod.name, "-o", "link").stdout
+    return "eth0" not in links
+
+
+def _add_env(pod: cnirun.Pod) -> dict[str, Any]:
+    return {
+        "container_id": pod.container_id,
+        "netns": pod.netns,
+        "ifname": pod.ifname,
+        "args": cnirun.cni_args(pod.namespace, pod.name, pod.container_id),
+    }
+
+
+def test_malformed_json_is_rejected_with_code_6_and_changes_nothing(
+    make_pod: Callable[..., cnirun.Pod],
+) -> None:
+    pod = make_pod()
+    before = _snapshot()
+
+    outcome = cnirun.invoke("ADD", stdin='{"cniVersion": "1.0.0", "name": ', **_add_env(pod))
+
+    assert _error_code(outcome) == 6
+    assert _snapshot() == before
+    assert _pod_has_no_interface(pod)
+
+
+def test_missing_container_id_is_rejected_with_code_4_and_changes_nothing(
+    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+) -> None:
+    pod = make_pod()
+    before = _snapshot()
+    env = _add_env(pod) | {"container_id": None}
+
+    outcome = cnirun.invoke("ADD", stdin=json.dumps(cnirun.plugin_netconf(conflist)), **env)
+
+    assert _error_code(outcome) == 4
+    assert "CNI_CONTAINERID" in outcome.json["msg"]
+    assert _snapshot() == before
+    assert _pod_has_no_interface(pod)
+
+
+@contextlib.contextmanager
+def _agent_down() -> Iterator[None]:
+    """The agent is stopped for the test and started again (waiting for readiness) after."""
+    cnirun.stack("down", "agent")
+    try:
+        yield
+    finally:
+        up = cnirun.stack("up", "agent", check=False)
+        assert up.returncode == 0, up.stderr
+
+
+def test_add_with_agent_down_returns_code_11_and_leaves_nothing_behind(
+    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+) -> None:
+    pod = make_pod()
+    before = _snapshot()
+    with _agent_down():
+        outcome = pod.add(conflist)
+        assert _error_code(outcome) == 11, outcome.stdout
+        assert set(cnirun.host_lxc_links()) == before[0]
+        assert _pod_has_no_interface(pod)
+    assert _snapshot() == before
+    assert pod.container_id not in cnirun.agent_cli("endpoint", "list", "-o", "json").stdout

@@ -1,0 +1,172 @@
+"""The stack under restarts and a hostile firewall: pods keep working, nothing is reused."""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import json
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cnirun
+import pytest
+from support import assert_pod_ip, dump_logs, endpoint_ips
+
+pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
+
+SENTINEL = "cilia-e2e-sentinel"
+
+
+def _add_all(conflist: dict[str, Any], pods: list[cnirun.Pod]) -> list[str]:
+    for pod in pods:
+        out = pod.add(conflist)
+        assert out.returncode == 0, out.stdout + dump_logs()
+    return [str(assert_pod_ip(p)) for p in pods]
+
+
+def _assert_mesh(pods: list[cnirun.Pod]) -> None:
+    unreachable = [
+        (a.name, b.ip) for a, b in itertools.permutations(pods, 2) if not cnirun.ping(a.name, b.ip)
+    ]
+    assert not unreachable, unreachable
+
+
+def _agent_pid() -> int:
+    return int((cnirun.RUN / "agent.pid").read_text())
+
+
+def _restart(component: str) -> None:
+    cnirun.stack("down", component)
+    up = cnirun.stack("up", component, check=False)
+    assert up.returncode == 0, up.stderr
+
+
+def test_pods_survive_agent_kill_9_and_restart_never_reuses_live_ips(
+    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+) -> None:
+    pods = [make_pod(labels={"app": "survivor"}) for _ in range(3)]
+    live = _add_all(conflist, pods)
+
+    pid = _agent_pid()
+    os.kill(pid, signal.SIGKILL)
+    assert cnirun.wait_for(lambda: not os.path.exists(f"/proc/{pid}/stat") or _zombie(pid), 10)
+    _assert_mesh(pods)  # the datapath does not need the agent process
+    up = cnirun.stack("up", "agent", check=False)
+    assert up.returncode == 0, up.stderr
+
+    _assert_mesh(pods)
+    assert set(live) <= endpoint_ips(), "restarted agent lost restored endpoints"
+    newcomers = [make_pod(labels={"app": "newcomer"}) for _ in range(4)]
+    fresh = _add_all(cnirun.load_conflist(), newcomers)
+    assert not set(fresh) & set(live), f"live pod IPs handed out again: {set(fresh) & set(live)}"
+    assert len(set(fresh)) == len(fresh)
+    _assert_mesh([pods[0], *newcomers])
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _allocated_cidrs(node: str) -> dict[str, list[str]]:
+    """``spec.ipam.pools.allocated`` of CiliumNode ``node`` via ``cilia-operator get``."""
+    out = cnirun.operator_cli("get", "ciliumnodes", node, "-o", "json")
+    if out.returncode != 0:
+        out = cnirun.operator_cli("get", "ciliumnodes", node)
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        data = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        import yaml  # the .venv has PyYAML (operator dependency)
+
+        data = yaml.safe_load(out.stdout)
+    if isinstance(data, dict) and "items" in data:
+        [data] = [n for n in data["items"] if n["metadata"]["name"] == node]
+    if isinstance(data, list):
+        [data] = [n for n in data if n["metadata"]["name"] == node]
+    allocated = data["spec"]["ipam"]["pools"]["allocated"]
+    return {entry["pool"]: sorted(entry["cidrs"]) for entry in allocated}
+
+
+def test_node_keeps_its_cidr_across_operator_restart(
+    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+) -> None:
+    node = socket.gethostname()
+    before = _allocated_cidrs(node)
+    assert before.get("default"), before
+
+    _restart("operator")
+
+    assert _allocated_cidrs(node) == before
+    pod = make_pod()
+    [ip] = _add_all(conflist, [pod])
+    assert any(ipaddress.ip_address(ip) in ipaddress.ip_network(c) for c in before["default"])
+
+
+def _rules() -> tuple[list[str], list[str]]:
+    return (
+        cnirun.sh("iptables", "-S").stdout.splitlines(),
+        cnirun.sh("iptables", "-t", "nat", "-S").stdout.splitlines(),
+    )
+
+
+@pytest.fixture
+def sentinel_rules() -> Iterator[None]:
+    """Foreign rules (as Docker or an admin would have) appended to FORWARD and POSTROUTING."""
+    forward = [
+        "FORWARD",
+        "-s",
+        "192.0.2.7/32",
+        "-m",
+        "comment",
+        "--comment",
+        SENTINEL,
+        "-j",
+        "DROP",
+    ]
+    nat = [
+        "POSTROUTING",
+        "-s",
+        "192.0.2.7/32",
+        "-m",
+        "comment",
+        "--comment",
+        SENTINEL,
+        "-j",
+        "RETURN",
+    ]
+    cnirun.sh("iptables", "-A", *forward)
+    cnirun.sh("iptables", "-t", "nat", "-A", *nat)
+    try:
+        yield
+    finally:
+        cnirun.sh("iptables", "-D", *forward, check=False)
+        cnirun.sh("iptables", "-t", "nat", "-D", *nat, check=False)
+
+
+def test_pods_reach_each_other_when_forward_policy_is_drop_and_foreign_rules_stay(
+    make_pod: Callable[..., cnirun.Pod], sentinel_rules: None
+) -> None:
+    with cnirun.iptables_forward_policy("DROP") as previous:
+        before = _rules()
+        _restart("agent")  # the agent (re)installs its rules under a DROP policy
+
+        filter_after, nat_after = _rules()
+        assert nat_after == before[1]
+        assert filter_after == before[0], "agent changed iptables rules it does not own"
+        assert "-P FORWARD DROP" in filter_after
+        forward = [r for r in filter_after if r.startswith("-A FORWARD")]
+        assert forward[0] == "-A FORWARD -j CILIA_FORWARD", forward
+        assert any(SENTINEL in r for r in forward)
+        assert forward.count("-A FORWARD -j CILIA_FORWARD") == 1
+
+        pods = [make_pod() for _ in range(2)]
+        _add_all(cnirun.load_conflist(), pods)
+        _assert_mesh(pods)
+    assert cnirun.sh("iptables", "-S", "FORWARD").stdout.splitlines()[0] == f"-P FORWARD {previous}"
