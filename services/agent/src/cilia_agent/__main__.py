@@ -1,0 +1,79 @@
+"""``cilia-agent``: argument parsing only (serve, status, endpoint list)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from cilia_agent import __version__
+from cilia_agent.config import FLAG_HELP, Config
+
+DEFAULT_SOCKET = "/var/run/cilia/cilia.sock"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cilia-agent", description="Cilia node agent (endpoints, node IPAM, pod plumbing)."
+    )
+    parser.add_argument("--version", action="version", version=f"cilia-agent {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the agent")
+    defaults = Config.model_fields
+    for name, help_text in FLAG_HELP.items():
+        flag = "--" + name.replace("_", "-")
+        serve.add_argument(flag, dest=name, default=None, help=help_text)
+    del defaults
+
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument(
+        "--socket", default=DEFAULT_SOCKET, help=f"agent socket (default {DEFAULT_SOCKET})"
+    )
+    client.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)"
+    )
+    sub.add_parser("status", parents=[client], help="show agent status")
+    endpoint = sub.add_parser("endpoint", help="endpoint commands")
+    esub = endpoint.add_subparsers(dest="endpoint_command", required=True)
+    lst = esub.add_parser("list", parents=[client], help="list endpoints")
+    lst.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``cilia-agent`` console script; returns the exit code."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from pydantic import ValidationError
+
+        from cilia_agent import app
+        from cilia_common.logs import setup_logging
+
+        values = {k: v for k, v in vars(args).items() if k in FLAG_HELP and v is not None}
+        try:
+            config = Config.model_validate(values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "config"
+            print(f"cilia-agent: --{field.replace('_', '-')}: {first['msg']}", file=sys.stderr)
+            return 2
+        setup_logging("cilia-agent", config.log_level)
+        app.run(config)
+        return 0
+    from cilia_agent import cli
+
+    socket = pathlib.Path(args.socket)
+    try:
+        if args.command == "status":
+            return cli.status(socket, args.timeout)
+        return cli.endpoint_list(socket, args.timeout, args.output)
+    except cli.AgentUnavailable as exc:
+        print(f"cilia-agent: {exc}", file=sys.stderr)
+        return cli.EXIT_AGENT_UNAVAILABLE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

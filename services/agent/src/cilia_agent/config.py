@@ -1,0 +1,186 @@
+"""The agent's one validated configuration (flags of ``cilia-agent serve``).
+
+Flag names follow upstream ``cilium-agent`` where one exists
+(``--ipam-multi-pool-pre-allocation``, ``--prometheus-serve-addr``,
+``--cni-log-file``, ``--mtu``, ``--ipam-default-ip-pool``). Every limit and
+timeout is a flag; :data:`FLAG_HELP` documents each one and its default.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import socket
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_IFNAME = re.compile(r"^[A-Za-z0-9_.\-]{1,15}$")
+_POOL = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def parse_pre_allocation(text: str) -> dict[str, int]:
+    """Parse ``pool=N[,pool=N...]`` (upstream ``ipam-multi-pool-pre-allocation``).
+
+    An empty string gives ``{}``.
+
+    Raises:
+        ValueError: an entry is not ``pool=N`` with a valid pool name and N >= 0.
+    """
+    out: dict[str, int] = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not _POOL.match(name) or not value.strip().isdigit():
+            raise ValueError(
+                f"ipam-multi-pool-pre-allocation: {item!r} is not 'pool=N' "
+                "(pool a DNS-1123 name, N a non-negative integer)"
+            )
+        out[name] = int(value)
+    return out
+
+
+def parse_bool(text: str) -> bool:
+    """Parse ``true|false|1|0|yes|no`` (case-insensitive). Raises ValueError."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use true or false)")
+
+
+FLAG_HELP: dict[str, str] = {
+    "node_name": "name of this node as registered with the operator (default: hostname)",
+    "operator": "operator gRPC address host:port; empty disables the operator client "
+    "(default 127.0.0.1:4250)",
+    "state_dir": "directory of endpoint and node state files (default /var/run/cilia/state)",
+    "socket": "unix socket of the CNI/debug gRPC API, mode 0600 (default /var/run/cilia/cilia.sock)",
+    "cni_conf_dir": "directory the CNI conflist is written to once ready (default /etc/cni/net.d)",
+    "cni_conf_name": "file name of the CNI conflist (default 05-cilia.conflist)",
+    "cni_log_file": "log file the CNI plugin should use; empty = none (default '')",
+    "mtu": "MTU of pod veth pairs in bytes, 68..65535 (default 1500)",
+    "ipam_multi_pool_pre_allocation": "pool=N,...: free addresses kept per pool (default default=8)",
+    "ipam_default_ip_pool": "pool used when a request names none and the operator announces "
+    "none (default default)",
+    "ipam_pending_allocation_ttl": "seconds a failed allocation keeps counting in the demand "
+    "(default 300, upstream pendingAllocationTTL)",
+    "host_device_name": "dummy device holding the router IP (default cilia_host)",
+    "prometheus_serve_addr": "[host]:port of the metrics endpoint; empty disables (default :9962)",
+    "install_iptables_rules": "manage the CILIA_FORWARD chain and FORWARD jump (default true)",
+    "iptables_timeout": "seconds one iptables command may take (default 10)",
+    "log_level": "debug, info, warning or error (default info)",
+    "operator_timeout": "deadline in seconds of each unary call to the operator (default 10)",
+    "operator_reconnect_min_backoff": "first reconnect delay in seconds after the operator "
+    "stream fails (default 1)",
+    "operator_reconnect_max_backoff": "cap of the doubling reconnect delay in seconds (default 30)",
+    "datapath_workers": "threads doing netlink/state-file work concurrently (default 4)",
+    "shutdown_grace_period": "seconds in-flight RPCs get on SIGTERM (default 5)",
+}
+
+
+class Config(BaseModel):
+    """Validated agent configuration; see :data:`FLAG_HELP` for each field.
+
+    Raises (on construction):
+        pydantic.ValidationError: a field is out of range or malformed; the
+            message names the field.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    operator: str = "127.0.0.1:4250"
+    state_dir: pathlib.Path = pathlib.Path("/var/run/cilia/state")
+    socket: pathlib.Path = pathlib.Path("/var/run/cilia/cilia.sock")
+    cni_conf_dir: pathlib.Path = pathlib.Path("/etc/cni/net.d")
+    cni_conf_name: str = "05-cilia.conflist"
+    cni_log_file: str = ""
+    mtu: int = Field(default=1500, ge=68, le=65535)
+    ipam_multi_pool_pre_allocation: dict[str, int] = Field(default_factory=lambda: {"default": 8})
+    ipam_default_ip_pool: str = "default"
+    ipam_pending_allocation_ttl: float = Field(default=300.0, gt=0)
+    host_device_name: str = "cilia_host"
+    prometheus_serve_addr: str = ":9962"
+    install_iptables_rules: bool = True
+    iptables_timeout: float = Field(default=10.0, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    operator_timeout: float = Field(default=10.0, gt=0)
+    operator_reconnect_min_backoff: float = Field(default=1.0, gt=0)
+    operator_reconnect_max_backoff: float = Field(default=30.0, gt=0)
+    datapath_workers: int = Field(default=4, ge=1, le=64)
+    shutdown_grace_period: float = Field(default=5.0, ge=0)
+
+    @field_validator("ipam_multi_pool_pre_allocation", mode="before")
+    @classmethod
+    def _pre_alloc(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_pre_allocation(value)
+        return value
+
+    @field_validator("install_iptables_rules", mode="before")
+    @classmethod
+    def _bool(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_bool(value)
+        return value
+
+    @field_validator("host_device_name")
+    @classmethod
+    def _ifname(cls, value: str) -> str:
+        if not _IFNAME.match(value):
+            raise ValueError(f"{value!r} is not a valid interface name (1-15 of [A-Za-z0-9_.-])")
+        return value
+
+    @field_validator("ipam_default_ip_pool")
+    @classmethod
+    def _pool(cls, value: str) -> str:
+        if not _POOL.match(value):
+            raise ValueError(f"{value!r} is not a valid pool name")
+        return value
+
+    @field_validator("cni_conf_name")
+    @classmethod
+    def _conf_name(cls, value: str) -> str:
+        if "/" in value or not value.endswith(".conflist"):
+            raise ValueError(f"{value!r} must be a plain file name ending in .conflist")
+        return value
+
+    @field_validator("socket", "state_dir", "cni_conf_dir")
+    @classmethod
+    def _absolute(cls, value: pathlib.Path) -> pathlib.Path:
+        return value.absolute()
+
+    @field_validator("operator")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value and (":" not in value or not value.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"{value!r} is not host:port")
+        return value
+
+    @field_validator("prometheus_serve_addr")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            port = value.rsplit(":", 1)[-1]
+            if ":" not in value or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"{value!r} is not [host]:port")
+        return value
+
+    @model_validator(mode="after")
+    def _backoff(self) -> Config:
+        if self.operator_reconnect_max_backoff < self.operator_reconnect_min_backoff:
+            raise ValueError(
+                "operator_reconnect_max_backoff must be >= operator_reconnect_min_backoff"
+            )
+        return self
+
+    def metrics_listen(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the metrics endpoint, or None when disabled."""
+        if not self.prometheus_serve_addr:
+            return None
+        host, _, port = self.prometheus_serve_addr.rpartition(":")
+        return (host or "0.0.0.0", int(port))

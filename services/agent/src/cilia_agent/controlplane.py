@@ -1,0 +1,248 @@
+"""The operator client (``cilia.controlplane.v1``): register, demand, allocations.
+
+One long-running task keeps a session with the operator:
+
+1. ``NodeService.Register`` with the node's addresses and local networks
+   (every interface's IPv4 subnet, read with pyroute2);
+2. ``IPAMService.UpdateDemand`` at once and whenever :meth:`OperatorClient.demand_changed`
+   is called (coalesced: only the latest demand is sent, and only when it differs
+   from the last one sent in this session);
+3. ``IPAMService.WatchAllocations``: every message is handed to ``on_allocation``.
+
+When any step fails or the stream ends, the session is torn down and retried
+after a bounded exponential backoff (:func:`backoff_delay`, flags
+``--operator-reconnect-min-backoff``/``--operator-reconnect-max-backoff``); the
+delay resets once a session has delivered an allocation. gRPC's own channel
+reconnect backoff is capped with the same flags. No retry library fits this
+session shape (a stream plus a side task), so the loop is kept small here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from pyroute2 import IPRoute
+
+from cilia.controlplane.v1 import controlplane_pb2 as cp
+from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
+
+log = logging.getLogger(__name__)
+
+
+def backoff_delay(attempt: int, minimum: float, maximum: float) -> float:
+    """Delay in seconds before reconnect attempt ``attempt`` (0-based).
+
+    ``min(maximum, minimum * 2**attempt)``: 1, 2, 4, 8, 16, 30, 30, ... with the
+    defaults (1 s, 30 s).
+    """
+    if attempt >= 63:
+        return maximum
+    return float(min(maximum, minimum * (2**attempt)))
+
+
+@dataclass(frozen=True)
+class NodeNetworks:
+    """The node's InternalIP addresses and the subnets of its interfaces."""
+
+    addresses: list[str]
+    local_networks: list[tuple[str, str]]  # (interface, cidr)
+
+
+def read_node_networks(
+    exclude: tuple[str, ...] = (), exclude_prefixes: tuple[str, ...] = ("lxc",)
+) -> NodeNetworks:
+    """Read every global IPv4 address of the host and its subnet with pyroute2.
+
+    Loopback, the agent's own devices (``exclude``) and pod veths
+    (``exclude_prefixes``) are skipped. Blocking; run it in a thread.
+    """
+    addresses: list[str] = []
+    networks: list[tuple[str, str]] = []
+    with IPRoute() as ipr:
+        names = {link["index"]: link.get("ifname") for link in ipr.link("dump")}
+        for msg in ipr.addr("dump", family=2):
+            ifname = names.get(msg["index"], "")
+            if msg["scope"] != 0 or not ifname or ifname == "lo":
+                continue
+            if ifname in exclude or ifname.startswith(exclude_prefixes):
+                continue
+            addr = msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS")
+            if not addr:
+                continue
+            iface = ipaddress.IPv4Interface(f"{addr}/{msg['prefixlen']}")
+            addresses.append(str(iface.ip))
+            cidr = str(iface.network)
+            if (ifname, cidr) not in networks:
+                networks.append((ifname, cidr))
+    return NodeNetworks(addresses, networks)
+
+
+class OperatorClient:
+    """Keeps the node registered and its allocation flowing.
+
+    Args:
+        address: operator ``host:port``.
+        node_name: this node's name.
+        version: agent version sent with Register.
+        timeout: deadline (s) of each unary call.
+        min_backoff, max_backoff: reconnect delays (s), see :func:`backoff_delay`.
+        exclude_devices: host devices not reported as local networks.
+        demand: returns ``pool -> needed`` addresses.
+        on_registered: awaited with the operator's default pool after each Register.
+        on_allocation: awaited with every ``NodeAllocation`` received.
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        node_name: str,
+        version: str,
+        timeout: float,
+        min_backoff: float,
+        max_backoff: float,
+        exclude_devices: tuple[str, ...],
+        demand: Callable[[], dict[str, int]],
+        on_registered: Callable[[str], Awaitable[None]],
+        on_allocation: Callable[[cp.NodeAllocation], Awaitable[None]],
+    ) -> None:
+        self.address = address
+        self.node_name = node_name
+        self.version = version
+        self.timeout = timeout
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        self.exclude_devices = exclude_devices
+        self._demand = demand
+        self._on_registered = on_registered
+        self._on_allocation = on_allocation
+        self._demand_event = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.connected = False
+
+    def start(self) -> None:
+        """Start the session task (call from the running event loop)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="operator-client")
+
+    async def stop(self) -> None:
+        """Cancel the session task and wait for it."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def demand_changed(self) -> None:
+        """Ask for the demand to be recomputed and sent (coalesced)."""
+        self._demand_event.set()
+
+    def _channel(self) -> grpc.aio.Channel:
+        ms_min = int(self.min_backoff * 1000)
+        ms_max = int(self.max_backoff * 1000)
+        return grpc.aio.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", ms_min),
+                ("grpc.min_reconnect_backoff_ms", ms_min),
+                ("grpc.max_reconnect_backoff_ms", ms_max),
+            ],
+        )
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                delivered = await self._session()
+                reason = "allocation stream ended"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                delivered, reason = False, f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # keep the agent alive whatever the operator does
+                delivered, reason = False, f"{type(exc).__name__}: {exc}"
+            finally:
+                self.connected = False
+            if delivered:
+                attempt = 0
+            delay = backoff_delay(attempt, self.min_backoff, self.max_backoff)
+            attempt += 1
+            log.warning(
+                "operator session lost, reconnecting",
+                extra={"operator": self.address, "reason": reason, "retry_in_s": delay},
+            )
+            await asyncio.sleep(delay)
+
+    async def _session(self) -> bool:
+        nets = await asyncio.to_thread(read_node_networks, self.exclude_devices)
+        delivered = False
+        async with self._channel() as channel:
+            node = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+            ipam = cp_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
+            resp = await node.Register(
+                cp.RegisterRequest(
+                    node_name=self.node_name,
+                    addresses=nets.addresses,
+                    local_networks=[
+                        cp.LocalNetwork(interface=i, cidr=c) for i, c in nets.local_networks
+                    ],
+                    version=self.version,
+                ),
+                timeout=self.timeout,
+            )
+            log.info(
+                "registered with operator",
+                extra={"operator": self.address, "default_pool": resp.default_pool},
+            )
+            await self._on_registered(resp.default_pool)
+            self.connected = True
+            sender = asyncio.get_running_loop().create_task(self._send_demand(ipam))
+            try:
+                stream = ipam.WatchAllocations(cp.WatchAllocationsRequest(node_name=self.node_name))
+                async for msg in stream:
+                    delivered = True
+                    await self._on_allocation(msg.allocation)
+                    if sender.done():
+                        sender.result()  # re-raise a demand failure → reconnect
+            finally:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await sender
+        return delivered
+
+    async def _send_demand(self, ipam: cp_grpc.IPAMServiceStub) -> None:
+        last: dict[str, int] | None = None
+        self._demand_event.set()
+        attempt = 0
+        while True:
+            await self._demand_event.wait()
+            self._demand_event.clear()
+            demand = self._demand()
+            if demand == last:
+                continue
+            try:
+                await ipam.UpdateDemand(
+                    cp.UpdateDemandRequest(
+                        node_name=self.node_name,
+                        demands=[cp.PoolDemand(pool=p, needed_ipv4=n) for p, n in demand.items()],
+                    ),
+                    timeout=self.timeout,
+                )
+            except grpc.aio.AioRpcError as exc:
+                delay = backoff_delay(attempt, self.min_backoff, self.max_backoff)
+                attempt += 1
+                log.warning(
+                    "demand update failed, retrying",
+                    extra={"reason": f"{exc.code().name}: {exc.details()}", "retry_in_s": delay},
+                )
+                self._demand_event.set()
+                await asyncio.sleep(delay)
+                continue
+            attempt = 0
+            last = demand
+            log.info("demand sent", extra={"demand": demand})

@@ -1,0 +1,18 @@
+"""Pod plumbing on the node: host device, veth pairs, addresses, routes, iptables.
+
+No BPF yet (issue 2). Everything here is synchronous and is run by the
+endpoint layer in worker threads.
+"""
+
+from cilia_agent.datapath.errors import DatapathError, InterfaceExists, NetnsNotFound
+from cilia_agent.datapath.linux import LinuxDatapath, PlumbRequest, PlumbResult, host_ifname
+
+__all__ = [
+    "DatapathError",
+    "InterfaceExists",
+    "LinuxDatapath",
+    "NetnsNotFound",
+    "PlumbRequest",
+    "PlumbResult",
+    "host_ifname",
+]

@@ -1,0 +1,28 @@
+"""Datapath failures a caller can act on."""
+
+from __future__ import annotations
+
+
+class DatapathError(Exception):
+    """Kernel plumbing failed (operation, interface and reason in the message)."""
+
+
+class NetnsNotFound(DatapathError):  # noqa: N818 - STYLE.md names errors by the failure
+    """The network namespace path does not exist or is not a network namespace."""
+
+    def __init__(self, netns: str, reason: str = "does not exist") -> None:
+        self.netns = netns
+        super().__init__(f"network namespace {netns!r} {reason}")
+
+
+class InterfaceExists(DatapathError):  # noqa: N818 - STYLE.md names errors by the failure
+    """An interface named ``ifname`` already exists in ``netns``."""
+
+    def __init__(self, ifname: str, netns: str) -> None:
+        self.ifname = ifname
+        self.netns = netns
+        super().__init__(f"interface {ifname!r} already exists in network namespace {netns!r}")
+
+
+class IptablesError(DatapathError):
+    """An iptables command failed (command line and stderr in the message)."""

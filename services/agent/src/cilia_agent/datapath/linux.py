@@ -1,0 +1,304 @@
+"""Linux pod plumbing with pyroute2 (DESIGN.md §4 "Pod plumbing").
+
+Per node: a dummy device ``--host-device-name`` holding the router IP /32
+(on kernels without the dummy driver, a veth pair ``<name>``/``<name>_net``
+shaped like upstream's ``cilium_host``/``cilium_net``),
+``net.ipv4.ip_forward=1`` and the iptables chain (see :mod:`.iptables`).
+Per pod: a veth pair, host side ``lxc`` + 11 hex chars of
+sha256(container_id + "/" + ifname), peer created inside the pod's netns under
+a temporary name and renamed there to ``ifname``; pod IP /32 on it, default
+route via the router IP ``onlink``; on the host a /32 route to the pod via the
+``lxc`` device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from cilia_agent.datapath.errors import DatapathError, InterfaceExists, NetnsNotFound
+from cilia_agent.datapath.iptables import Iptables
+from cilia_agent.datapath.netns import iproute_in, is_netns
+
+log = logging.getLogger(__name__)
+
+RTNH_F_ONLINK = 4
+IP_FORWARD = pathlib.Path("/proc/sys/net/ipv4/ip_forward")
+IFNAMSIZ = 15
+
+
+def host_ifname(container_id: str, ifname: str) -> str:
+    """Host-side veth name: ``lxc`` + first 11 hex chars of sha256(container_id/ifname)."""
+    return "lxc" + hashlib.sha256(f"{container_id}/{ifname}".encode()).hexdigest()[:11]
+
+
+def _temp_ifname(container_id: str, ifname: str) -> str:
+    return "tmp" + hashlib.sha256(f"{container_id}/{ifname}".encode()).hexdigest()[:11]
+
+
+@dataclass(frozen=True)
+class PlumbRequest:
+    """What :meth:`LinuxDatapath.plumb` needs for one pod.
+
+    Attributes:
+        container_id, ifname: the attachment key.
+        netns: netns path (e.g. ``/var/run/netns/pod1``).
+        ipv4: the pod IP (a /32 is configured).
+        router_ip: the node's router IP (gateway of the default route).
+        mtu: MTU of both veth ends (bytes).
+    """
+
+    container_id: str
+    ifname: str
+    netns: str
+    ipv4: ipaddress.IPv4Address
+    router_ip: ipaddress.IPv4Address
+    mtu: int
+
+
+@dataclass(frozen=True)
+class PlumbResult:
+    """Names and MACs of both veth ends."""
+
+    host_ifname: str
+    host_mac: str
+    container_mac: str
+
+
+def _first(ipr: IPRoute, name: str) -> int | None:
+    found = ipr.link_lookup(ifname=name)
+    return int(found[0]) if found else None
+
+
+def _mac(ipr: IPRoute, index: int) -> str:
+    msg: Any = ipr.link("get", index=index)[0]
+    return str(msg.get("address") or "")
+
+
+class LinuxDatapath:
+    """Node and pod plumbing in the host network namespace.
+
+    Args:
+        host_device_name: name of the dummy device holding the router IP.
+        install_iptables_rules: manage the ``CILIA_FORWARD`` chain.
+        iptables: the iptables runner (its timeout is a CLI flag).
+
+    Every method is synchronous and may be called from any thread; each call
+    opens and closes its own netlink sockets.
+    """
+
+    def __init__(
+        self,
+        host_device_name: str,
+        *,
+        install_iptables_rules: bool = True,
+        iptables: Iptables | None = None,
+    ) -> None:
+        self.host_device_name = host_device_name
+        self.install_iptables_rules = install_iptables_rules
+        self.iptables = iptables or Iptables()
+
+    # --- node ------------------------------------------------------------------
+    def setup_node(self, router_ip: ipaddress.IPv4Address | None) -> None:
+        """Enable forwarding, install iptables rules and the host device.
+
+        The host device gets ``router_ip``/32 when given (it is created up
+        without an address otherwise). Idempotent.
+
+        Raises:
+            DatapathError: a sysctl, netlink or iptables operation failed.
+        """
+        try:
+            if IP_FORWARD.read_text().strip() != "1":
+                IP_FORWARD.write_text("1")
+        except OSError as exc:
+            raise DatapathError(f"cannot set net.ipv4.ip_forward=1: {exc}") from exc
+        if self.install_iptables_rules:
+            self.iptables.ensure_forward_rules()
+        try:
+            with IPRoute() as ipr:
+                idx = _first(ipr, self.host_device_name)
+                if idx is None:
+                    idx = self._create_host_device(ipr)
+                ipr.link("set", index=idx, state="up")
+                peer = _first(ipr, self.host_peer_name)
+                if peer is not None:
+                    ipr.link("set", index=peer, state="up")
+                if router_ip is not None:
+                    have = {
+                        (a.get("IFA_ADDRESS"), a["prefixlen"])
+                        for a in ipr.addr("dump", index=idx)
+                        if a["family"] == 2
+                    }
+                    if (str(router_ip), 32) not in have:
+                        ipr.addr("add", index=idx, address=str(router_ip), prefixlen=32)
+        except NetlinkError as exc:
+            raise DatapathError(
+                f"cannot set up host device {self.host_device_name}: {exc}"
+            ) from exc
+
+    @property
+    def host_peer_name(self) -> str:
+        """Peer of the host device when it is a veth pair (``cilia_host`` → ``cilia_net``)."""
+        name = self.host_device_name
+        if name.endswith("_host"):
+            return name[: -len("_host")] + "_net"
+        return name[:11] + "_net"
+
+    def _create_host_device(self, ipr: IPRoute) -> int:
+        kind = "dummy"
+        try:
+            ipr.link("add", ifname=self.host_device_name, kind="dummy")
+        except NetlinkError as exc:
+            if exc.code != 95:  # EOPNOTSUPP: this kernel has no dummy driver
+                raise
+            kind = "veth"
+            ipr.link(
+                "add", ifname=self.host_device_name, kind="veth", peer=self.host_peer_name
+            )
+        idx = _first(ipr, self.host_device_name)
+        if idx is None:
+            raise DatapathError(f"host device {self.host_device_name} vanished after creation")
+        log.info("created host device", extra={"device": self.host_device_name, "kind": kind})
+        return idx
+
+    def teardown_node(self) -> None:
+        """Delete the host device (tests only; the agent keeps it across restarts)."""
+        with IPRoute() as ipr:
+            idx = _first(ipr, self.host_device_name)
+            if idx is not None:
+                ipr.link("del", index=idx)
+
+    # --- pods --------------------------------------------------------------------
+    def plumb(self, req: PlumbRequest) -> PlumbResult:
+        """Create and configure the pod's veth pair; returns names and MACs.
+
+        On failure everything this call created is removed before raising.
+
+        Raises:
+            NetnsNotFound: ``req.netns`` does not exist or is not a netns.
+            InterfaceExists: ``req.ifname`` already exists in the netns.
+            DatapathError: any other netlink failure.
+        """
+        host = host_ifname(req.container_id, req.ifname)
+        tmp = _temp_ifname(req.container_id, req.ifname)
+        with iproute_in(req.netns) as ns, IPRoute() as ipr:
+            if _first(ns, req.ifname) is not None:
+                raise InterfaceExists(req.ifname, req.netns)
+            stale = _first(ipr, host)
+            if stale is not None:
+                log.warning(
+                    "removing stale host veth",
+                    extra={"container_id": req.container_id, "host_ifname": host},
+                )
+                ipr.link("del", index=stale)
+            created = False
+            try:
+                ipr.link(
+                    "add",
+                    ifname=host,
+                    kind="veth",
+                    mtu=req.mtu,
+                    peer={"ifname": tmp, "net_ns_fd": req.netns, "mtu": req.mtu},
+                )
+                created = True
+                hidx = _first(ipr, host)
+                if hidx is None:
+                    raise DatapathError(f"veth {host} vanished after creation")
+                ipr.link("set", index=hidx, state="up")
+                ipr.route("add", dst=f"{req.ipv4}/32", oif=hidx, scope=253)
+                cidx = _first(ns, tmp)
+                if cidx is None:
+                    raise DatapathError(f"veth peer {tmp} not found in {req.netns}")
+                ns.link("set", index=cidx, ifname=req.ifname)
+                ns.link("set", index=cidx, state="up")
+                lo = _first(ns, "lo")
+                if lo is not None:
+                    ns.link("set", index=lo, state="up")
+                ns.addr("add", index=cidx, address=str(req.ipv4), prefixlen=32)
+                ns.route(
+                    "add",
+                    dst="0.0.0.0/0",
+                    gateway=str(req.router_ip),
+                    oif=cidx,
+                    flags=RTNH_F_ONLINK,
+                )
+                return PlumbResult(host, _mac(ipr, hidx), _mac(ns, cidx))
+            except NetlinkError as exc:
+                if created:
+                    self._delete_link(ipr, host)
+                if exc.code == 17 and not created:  # EEXIST on the peer name
+                    raise InterfaceExists(req.ifname, req.netns) from exc
+                raise DatapathError(
+                    f"plumbing {host} <-> {req.ifname} in {req.netns} failed: {exc}"
+                ) from exc
+            except BaseException:
+                if created:
+                    self._delete_link(ipr, host)
+                raise
+
+    @staticmethod
+    def _delete_link(ipr: IPRoute, name: str) -> bool:
+        idx = _first(ipr, name)
+        if idx is None:
+            return False
+        try:
+            ipr.link("del", index=idx)
+        except NetlinkError as exc:
+            if exc.code != 19:  # ENODEV: already gone
+                raise
+            return False
+        return True
+
+    def unplumb(self, host: str) -> bool:
+        """Remove the pod's veth pair by its host side ``host`` (route goes with it).
+
+        Deleting the host side deletes the peer inside the pod's netns too, so
+        this works when the netns is already gone. Returns True when something
+        was removed, False when ``host`` did not exist.
+
+        Raises:
+            DatapathError: netlink failed for a reason other than "already gone".
+        """
+        try:
+            with IPRoute() as ipr:
+                return self._delete_link(ipr, host)
+        except NetlinkError as exc:
+            raise DatapathError(f"cannot delete {host}: {exc}") from exc
+
+    def link_exists(self, name: str) -> bool:
+        """True when a link called ``name`` exists in the host namespace."""
+        with IPRoute() as ipr:
+            return _first(ipr, name) is not None
+
+    @staticmethod
+    def netns_exists(path: str) -> bool:
+        """True when the netns path exists."""
+        return is_netns(path)
+
+    @staticmethod
+    def interface_in_netns(netns: str, ifname: str) -> bool:
+        """True when ``ifname`` exists inside ``netns``.
+
+        Raises:
+            NetnsNotFound: the namespace does not exist.
+        """
+        with iproute_in(netns) as ns:
+            return _first(ns, ifname) is not None
+
+
+__all__ = [
+    "IFNAMSIZ",
+    "LinuxDatapath",
+    "NetnsNotFound",
+    "PlumbRequest",
+    "PlumbResult",
+    "host_ifname",
+]

@@ -1,0 +1,308 @@
+"""Address allocation inside the per-node CIDRs of each pool.
+
+One :class:`IPAM` per agent holds every pool's CIDRs and the addresses handed
+out from them. All methods are serialised by one ``threading.Lock``: they are
+short, never block on I/O, and may be called from the event loop or from
+worker threads alike (concurrent Adds never get the same address).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from cilia_agent.ipam.ceil import needed_ip_ceil
+
+IPv4 = ipaddress.IPv4Address
+Net4 = ipaddress.IPv4Network
+
+
+class AllocationError(Exception):
+    """Base class of IPAM failures a caller can act on."""
+
+
+class PoolExhausted(AllocationError):  # noqa: N818 - STYLE.md names errors by the failure
+    """No free address is left in ``pool`` (all of its node CIDRs are used)."""
+
+    def __init__(self, pool: str, cidrs: list[str]) -> None:
+        self.pool = pool
+        self.cidrs = cidrs
+        where = ", ".join(cidrs) if cidrs else "no CIDR allocated to this node yet"
+        super().__init__(f"no free IPv4 address in pool {pool!r} ({where})")
+
+
+class AddressInUse(AllocationError):  # noqa: N818 - STYLE.md names errors by the failure
+    """``address`` is already held by ``owner``."""
+
+    def __init__(self, address: IPv4, owner: str) -> None:
+        self.address = address
+        self.owner = owner
+        super().__init__(f"address {address} is already in use by {owner}")
+
+
+def usable_hosts(cidr: Net4) -> tuple[int, int]:
+    """Return the first and last usable address of ``cidr`` as integers.
+
+    The network and broadcast addresses are skipped unless the prefix is /31 or
+    /32 (upstream ``allowFirstIP``/``allowLastIP`` default false; /31 and /32
+    are exempt, reference: cilium-upstream.md §1).
+    """
+    first = int(cidr.network_address)
+    last = int(cidr.broadcast_address)
+    if cidr.prefixlen <= 30:
+        return first + 1, last - 1
+    return first, last
+
+
+@dataclass
+class _Pool:
+    name: str
+    cidrs: list[Net4] = field(default_factory=list)
+    # Next-fit cursor per CIDR index: a released address is not handed out again
+    # before the rest of the CIDR has been tried.
+    cursor: dict[Net4, int] = field(default_factory=dict)
+
+    def capacity(self) -> int:
+        total = 0
+        for cidr in self.cidrs:
+            lo, hi = usable_hosts(cidr)
+            total += hi - lo + 1
+        return total
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """Snapshot of one pool: CIDRs (strings), used and usable address counts."""
+
+    pool: str
+    cidrs: list[str]
+    used: int
+    capacity: int
+
+
+class IPAM:
+    """Node-local IPv4 allocator for every pool the node holds CIDRs of.
+
+    Args:
+        pre_allocation: ``pool -> N`` of ``ipam-multi-pool-pre-allocation``; pools not
+            listed use 0 (upstream default ``default=8``).
+        pending_ttl: seconds an unsatisfied request keeps counting in the demand
+            (upstream ``pendingAllocationTTL``, 5 min).
+        clock: monotonic clock in seconds (tests may pass a fake one).
+
+    Source: upstream ``pkg/ipam/multipool.go`` (reference: cilium-upstream.md §1).
+    """
+
+    def __init__(
+        self,
+        pre_allocation: Mapping[str, int] | None = None,
+        *,
+        pending_ttl: float = 300.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[str, _Pool] = {}
+        self._owners: dict[IPv4, tuple[str, str]] = {}  # address -> (pool, owner)
+        self._pending: dict[tuple[str, str], float] = {}  # (pool, owner) -> expiry
+        self._pre_allocation = dict(pre_allocation or {})
+        self._pending_ttl = pending_ttl
+        self._clock = clock or time.monotonic
+
+    # --- CIDRs -----------------------------------------------------------------
+    def add_cidrs(self, pool: str, cidrs: Iterable[str | Net4]) -> list[Net4]:
+        """Add node CIDRs to ``pool``; CIDRs already held are ignored.
+
+        Returns the CIDRs that were new. Addresses occupied before their CIDR was
+        known (restored endpoints) stay occupied.
+
+        Raises:
+            ValueError: a CIDR is not a valid IPv4 network, or overlaps a CIDR
+                already held (in any pool).
+        """
+        nets = [c if isinstance(c, Net4) else ipaddress.IPv4Network(c) for c in cidrs]
+        added: list[Net4] = []
+        with self._lock:
+            entry = self._pools.setdefault(pool, _Pool(pool))
+            for net in nets:
+                if net in entry.cidrs:
+                    continue
+                for other in self._pools.values():
+                    for held in other.cidrs:
+                        if held.overlaps(net):
+                            raise ValueError(
+                                f"CIDR {net} of pool {pool!r} overlaps {held} of pool {other.name!r}"
+                            )
+                entry.cidrs.append(net)
+                entry.cursor[net] = usable_hosts(net)[0]
+                added.append(net)
+                for addr, (held_pool, owner) in list(self._owners.items()):
+                    if not held_pool and addr in net:
+                        self._owners[addr] = (pool, owner)
+        return added
+
+    def remove_unused_cidrs(self, pool: str, keep: Iterable[str | Net4]) -> list[Net4]:
+        """Drop CIDRs of ``pool`` not in ``keep`` and holding no address.
+
+        CIDRs still holding an address are kept (upstream: nothing is reclaimed
+        while in use). Returns the CIDRs dropped.
+        """
+        keep_nets = {c if isinstance(c, Net4) else ipaddress.IPv4Network(c) for c in keep}
+        dropped: list[Net4] = []
+        with self._lock:
+            entry = self._pools.get(pool)
+            if entry is None:
+                return []
+            for net in list(entry.cidrs):
+                if net in keep_nets:
+                    continue
+                if any(addr in net for addr in self._owners):
+                    continue
+                entry.cidrs.remove(net)
+                entry.cursor.pop(net, None)
+                dropped.append(net)
+        return dropped
+
+    def cidrs(self) -> dict[str, list[str]]:
+        """Return ``pool -> [cidr, ...]`` in the order the CIDRs were added."""
+        with self._lock:
+            return {name: [str(c) for c in p.cidrs] for name, p in self._pools.items()}
+
+    def pool_of(self, address: IPv4) -> str | None:
+        """Return the pool whose CIDR contains ``address``, or None."""
+        with self._lock:
+            return self._pool_of_locked(address)
+
+    def _pool_of_locked(self, address: IPv4) -> str | None:
+        for p in self._pools.values():
+            for net in p.cidrs:
+                if address in net:
+                    return p.name
+        return None
+
+    # --- addresses ---------------------------------------------------------------
+    def allocate(self, pool: str, owner: str) -> IPv4:
+        """Hand out the next free address of ``pool`` to ``owner``.
+
+        Addresses are taken next-fit (a released address is reused only after
+        the rest of its CIDR). A failed request is remembered as pending for
+        ``pending_ttl`` seconds so the demand grows (upstream behaviour).
+
+        Raises:
+            PoolExhausted: ``pool`` has no CIDR or no free address.
+        """
+        with self._lock:
+            entry = self._pools.get(pool)
+            if entry is not None:
+                for net in entry.cidrs:
+                    addr = self._next_free_locked(entry, net)
+                    if addr is not None:
+                        self._owners[addr] = (pool, owner)
+                        self._pending.pop((pool, owner), None)
+                        return addr
+            self._pending[(pool, owner)] = self._clock() + self._pending_ttl
+            raise PoolExhausted(pool, [str(c) for c in entry.cidrs] if entry else [])
+
+    def _next_free_locked(self, entry: _Pool, net: Net4) -> IPv4 | None:
+        lo, hi = usable_hosts(net)
+        start = entry.cursor.get(net, lo)
+        size = hi - lo + 1
+        for i in range(size):
+            candidate = lo + (start - lo + i) % size
+            addr = IPv4(candidate)
+            if addr not in self._owners:
+                entry.cursor[net] = lo + (candidate - lo + 1) % size
+                return addr
+        return None
+
+    def occupy(self, address: IPv4 | str, owner: str, pool: str | None = None) -> None:
+        """Mark ``address`` as held by ``owner`` (restore, router IP).
+
+        The address may lie outside every known CIDR (restored before the
+        allocation was known); it is then held under ``pool`` (or ``""``).
+        Occupying an address again for the same owner is a no-op.
+
+        Raises:
+            AddressInUse: another owner holds ``address``.
+        """
+        addr = IPv4(address)
+        with self._lock:
+            held = self._owners.get(addr)
+            if held is not None:
+                if held[1] == owner:
+                    return
+                raise AddressInUse(addr, held[1])
+            self._owners[addr] = (pool or self._pool_of_locked(addr) or "", owner)
+
+    def release(self, address: IPv4 | str) -> bool:
+        """Free ``address``; returns False when it was not held."""
+        with self._lock:
+            return self._owners.pop(IPv4(address), None) is not None
+
+    def owner(self, address: IPv4 | str) -> str | None:
+        """Return the owner holding ``address``, or None."""
+        with self._lock:
+            held = self._owners.get(IPv4(address))
+            return held[1] if held else None
+
+    def allocated(self) -> dict[IPv4, str]:
+        """Return ``address -> owner`` of every held address."""
+        with self._lock:
+            return {a: o for a, (_, o) in self._owners.items()}
+
+    def free(self, pool: str) -> int:
+        """Number of free usable addresses in ``pool`` (0 for an unknown pool)."""
+        with self._lock:
+            return self._free_locked(pool)
+
+    def _free_locked(self, pool: str) -> int:
+        entry = self._pools.get(pool)
+        if entry is None:
+            return 0
+        used = sum(1 for a in self._owners if any(a in n for n in entry.cidrs))
+        return entry.capacity() - used
+
+    # --- reporting -----------------------------------------------------------------
+    def status(self) -> list[PoolStatus]:
+        """Return one :class:`PoolStatus` per pool, sorted by pool name."""
+        with self._lock:
+            out = []
+            for name in sorted(self._pools):
+                entry = self._pools[name]
+                used = sum(1 for a in self._owners if any(a in n for n in entry.cidrs))
+                out.append(PoolStatus(name, [str(c) for c in entry.cidrs], used, entry.capacity()))
+            return out
+
+    def demand(self, extra_pools: Iterable[str] = ()) -> dict[str, int]:
+        """Return ``pool -> needed`` addresses to request from the operator.
+
+        ``needed = needed_ip_ceil(in_use + pending, pre_allocation[pool])`` for
+        every pool that is pre-allocated, has addresses in use, has pending
+        requests, or is named in ``extra_pools``. Expired pending entries are
+        dropped first.
+
+        Source: upstream ``pkg/ipam/multipool.go`` (reference: cilium-upstream.md §1).
+        """
+        with self._lock:
+            now = self._clock()
+            for key, expiry in list(self._pending.items()):
+                if expiry <= now:
+                    del self._pending[key]
+            counts: dict[str, int] = {}
+            for pool in [*self._pre_allocation, *extra_pools]:
+                counts.setdefault(pool, 0)
+            for pool, _ in self._owners.values():
+                if pool:
+                    counts[pool] = counts.get(pool, 0) + 1
+            for pool, _ in self._pending:
+                counts[pool] = counts.get(pool, 0) + 1
+            return {
+                pool: needed_ip_ceil(n, self._pre_allocation.get(pool, 0))
+                for pool, n in sorted(counts.items())
+            }
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._pools))
