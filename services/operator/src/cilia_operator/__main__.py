@@ -1,0 +1,154 @@
+"""``cilia-operator``: argument parsing only (see app.py for the wiring, cli.py for clients).
+
+cilia-operator serve [--store URL] [--listen ADDR] [--prometheus-serve-addr ADDR]
+                     [--auto-create-cilium-pod-ip-pools SPEC] [--ipam-default-ip-pool NAME]
+                     [--log-level LEVEL] [store/shutdown tuning flags]
+cilia-operator apply -f FILE [--server ADDR] [--dry-run]
+cilia-operator get KIND [NAME] [-o json|yaml] [--server ADDR]
+cilia-operator delete KIND NAME [--server ADDR]
+cilia-operator --version
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from . import __version__
+
+DEFAULT_SERVER = "127.0.0.1:4250"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command-line parser (every flag with its documented default)."""
+    parser = argparse.ArgumentParser(
+        prog="cilia-operator", description="Cilia operator: cluster state and multi-pool IPAM."
+    )
+    parser.add_argument("--version", action="version", version=f"cilia-operator {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the operator")
+    d = "(default: %(default)s)"
+    serve.add_argument("--store", default="redis://127.0.0.1:6379/0",
+                       help=f"store URL, redis://HOST:PORT/DB {d}")  # fmt: skip
+    serve.add_argument("--listen", default="127.0.0.1:4250",
+                       help=f"gRPC listen address HOST:PORT or unix:PATH {d}")  # fmt: skip
+    serve.add_argument("--prometheus-serve-addr", default=":9963",
+                       help=f"metrics listen address [HOST]:PORT, '' disables {d}")  # fmt: skip
+    serve.add_argument(
+        "--auto-create-cilium-pod-ip-pools", action="append", default=[], metavar="SPEC",
+        help="pools to create at start-up unless they exist: "
+        "'<pool>=ipv4-cidrs:<c>[,<c>...];ipv4-mask-size:<n>[;allow-first-ip:<b>]"
+        "[;allow-last-ip:<b>]'; several pools separated by spaces or by repeating the flag "
+        "(default: none)",
+    )  # fmt: skip
+    serve.add_argument("--ipam-default-ip-pool", default="default",
+                       help=f"pool agents allocate from by default {d}")  # fmt: skip
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"], help=d)  # fmt: skip
+    serve.add_argument("--store-key-prefix", default="cilia/",
+                       help=f"prefix of every Redis key {d}")  # fmt: skip
+    serve.add_argument("--store-event-history", type=int, default=10000,
+                       help=f"change events kept per kind for watches; a watcher further behind "
+                       f"relists {d}")  # fmt: skip
+    serve.add_argument("--store-watch-block-timeout", type=float, default=5.0,
+                       help=f"seconds one blocking stream read waits {d}")  # fmt: skip
+    serve.add_argument("--store-watch-batch-size", type=int, default=500,
+                       help=f"max events read per watch round trip {d}")  # fmt: skip
+    serve.add_argument("--store-connect-timeout", type=float, default=5.0,
+                       help=f"seconds to connect to the store {d}")  # fmt: skip
+    serve.add_argument("--store-retry-interval", type=float, default=1.0,
+                       help=f"seconds between retries after a store error {d}")  # fmt: skip
+    serve.add_argument("--store-conflict-retries", type=int, default=5,
+                       help=f"attempts of a write that hits a resourceVersion conflict {d}")  # fmt: skip
+    serve.add_argument("--shutdown-grace-period", type=float, default=5.0,
+                       help=f"seconds in-flight RPCs get on SIGTERM {d}")  # fmt: skip
+
+    def client(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
+        p.add_argument("--timeout", type=float, default=10.0, help=f"seconds per request {d}")
+
+    apply = sub.add_parser("apply", help="create or update resources from a manifest")
+    apply.add_argument(
+        "-f", "--filename", required=True, help="manifest file (YAML/JSON), - = stdin"
+    )
+    apply.add_argument("--dry-run", action="store_true", help="validate and report only")
+    client(apply)
+
+    get = sub.add_parser("get", help="print resources as JSON or YAML")
+    get.add_argument("kind", metavar="KIND", help="ciliumpodippools|cpip, ciliumnodes|cn")
+    get.add_argument("name", metavar="NAME", nargs="?")
+    get.add_argument("-o", "--output", choices=["json", "yaml"], default="json", help=d)
+    client(get)
+
+    delete = sub.add_parser("delete", help="delete one resource")
+    delete.add_argument("kind", metavar="KIND")
+    delete.add_argument("name", metavar="NAME")
+    client(delete)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cilia_common.logs import setup_logging
+
+    from .app import StartupError, run
+    from .config import Config
+
+    try:
+        config = Config(
+            store=args.store,
+            listen=args.listen,
+            prometheus_serve_addr=args.prometheus_serve_addr,
+            auto_create_cilium_pod_ip_pools=args.auto_create_cilium_pod_ip_pools,
+            ipam_default_ip_pool=args.ipam_default_ip_pool,
+            log_level=args.log_level,
+            store_key_prefix=args.store_key_prefix,
+            store_event_history=args.store_event_history,
+            store_watch_block_timeout=args.store_watch_block_timeout,
+            store_watch_batch_size=args.store_watch_batch_size,
+            store_connect_timeout=args.store_connect_timeout,
+            store_retry_interval=args.store_retry_interval,
+            store_conflict_retries=args.store_conflict_retries,
+            shutdown_grace_period=args.shutdown_grace_period,
+        )
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        where = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        print(f"cilia-operator: {msg if msg.startswith('--') else f'{where}: {msg}'}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    setup_logging("cilia-operator", config.log_level)
+    try:
+        return asyncio.run(run(config))
+    except StartupError as exc:
+        print(f"cilia-operator: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``cilia-operator`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    from . import cli
+
+    try:
+        if args.command == "apply":
+            cli.apply(args.filename, args.server, args.dry_run, args.timeout, sys.stdout)
+        elif args.command == "get":
+            cli.get(args.kind, args.name, args.output, args.server, args.timeout, sys.stdout)
+        else:
+            cli.delete(args.kind, args.name, args.server, args.timeout, sys.stdout)
+    except cli.CommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return cli.EXIT_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Wiring of the operator: start/stop order and signal handling.
+
+Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING) ->
+auto-create pools (existing ones skipped) -> IPAM controller restores every node's CIDRs
+-> health SERVING. Stop (SIGTERM/SIGINT): health NOT_SERVING -> gRPC server drains for
+``--shutdown-grace-period`` -> controller -> store -> metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from typing import Any
+
+from prometheus_client import start_http_server
+
+from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_common.grpcserver import Service, set_serving, start_server
+
+from .config import Config, split_host_port
+from .controlplane.ipam import IPAMServicer
+from .controlplane.node import NodeServicer
+from .controlplane.resources import ResourceServicer
+from .ipam.controller import IPAMController
+from .ipam.pool import pool_manifest, pool_overlaps, pool_spec_from_resource
+from .kinds import POOL
+from .metrics import Metrics
+from .store import AlreadyExists, StoreError
+from .store.redis import RedisStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    "cilia.controlplane.v1.NodeService",
+    "cilia.controlplane.v1.IPAMService",
+    "cilia.controlplane.v1.ResourceService",
+)
+
+
+class StartupError(RuntimeError):
+    """The operator cannot start (store unreachable, port taken, conflicting pool)."""
+
+
+def _resolve_port_zero(listen: str) -> str:
+    """``HOST:0`` -> ``HOST:<free port>``: cilia_common.start_server does not report the
+    port it bound, so a free one is picked here (tests listen on port 0)."""
+    if listen.startswith("unix:"):
+        return listen
+    host, port = split_host_port(listen, "--listen")
+    if port != 0:
+        return listen
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host or "0.0.0.0", 0))
+        return f"{listen.rpartition(':')[0]}:{sock.getsockname()[1]}"
+
+
+class Operator:
+    """One running operator. ``await start()``, then ``await stop()``.
+
+    Attributes (after start):
+        address: the bound gRPC address (``127.0.0.1:PORT`` when listening on port 0).
+        metrics_port: the bound metrics port (None when disabled).
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.store = RedisStore(
+            config.store,
+            prefix=config.store_key_prefix,
+            event_history=config.store_event_history,
+            watch_block_timeout=config.store_watch_block_timeout,
+            watch_batch_size=config.store_watch_batch_size,
+            connect_timeout=config.store_connect_timeout,
+        )
+        self.controller = IPAMController(
+            self.store,
+            self.metrics,
+            conflict_retries=config.store_conflict_retries,
+            retry_interval=config.store_retry_interval,
+        )
+        self.address = config.listen
+        self.metrics_port: int | None = None
+        self._server: Any = None
+        self._health: Any = None
+        self._httpd: Any = None
+        self._http_thread: threading.Thread | None = None
+
+    async def start(self) -> None:
+        """Start everything; returns once health is SERVING.
+
+        Raises:
+            StartupError: with a one-line reason.
+        """
+        try:
+            await self.store.ping()
+        except StoreError as exc:
+            raise StartupError(str(exc)) from None
+        if self.config.prometheus_serve_addr:
+            host, port = split_host_port(self.config.prometheus_serve_addr, "")
+            try:
+                self._httpd, self._http_thread = start_http_server(
+                    port, host or "0.0.0.0", registry=self.metrics.registry
+                )
+            except OSError as exc:
+                raise StartupError(
+                    f"--prometheus-serve-addr {self.config.prometheus_serve_addr}: {exc}"
+                ) from None
+            self.metrics_port = int(self._httpd.server_port)
+        conflict_retries = self.config.store_conflict_retries
+        services = [
+            Service(
+                pb_grpc.add_NodeServiceServicer_to_server,
+                NodeServicer(
+                    self.store,
+                    self.controller,
+                    self.config.ipam_default_ip_pool,
+                    conflict_retries,
+                ),
+                SERVICE_NAMES[0],
+            ),
+            Service(
+                pb_grpc.add_IPAMServiceServicer_to_server,
+                IPAMServicer(self.store, self.controller, conflict_retries),
+                SERVICE_NAMES[1],
+            ),
+            Service(
+                pb_grpc.add_ResourceServiceServicer_to_server,
+                ResourceServicer(self.store),
+                SERVICE_NAMES[2],
+            ),
+        ]
+        self.address = _resolve_port_zero(self.config.listen)
+        try:
+            self._server, self._health = await start_server(services, [self.address])
+        except Exception as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            await self._auto_create_pools()
+            await self.controller.start()
+        except StoreError as exc:
+            raise StartupError(str(exc)) from None
+        await set_serving(self._health, SERVICE_NAMES)
+        log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
+
+    async def _auto_create_pools(self) -> None:
+        wanted = self.config.auto_create_pools
+        if not wanted:
+            return
+        existing = {}
+        for obj in (await self.store.list(POOL.kind)).items:
+            with contextlib.suppress(ValueError):
+                existing[obj["metadata"]["name"]] = pool_spec_from_resource(obj)
+        for name, spec in wanted.items():
+            if name in existing:
+                log.info("auto-create pool skipped: it exists", extra={"pool": name})
+                continue
+            overlaps = pool_overlaps(name, spec.cidrs, existing.values())
+            if overlaps:
+                raise StartupError(
+                    f"--auto-create-cilium-pod-ip-pools: pool {name!r}: {overlaps[0].reason}"
+                )
+            try:
+                await self.store.create(pool_manifest(spec))
+                log.info("pool auto-created", extra={"pool": name})
+            except AlreadyExists:
+                log.info("auto-create pool skipped: it exists", extra={"pool": name})
+
+    async def stop(self) -> None:
+        """Stop in reverse order; safe to call once after a (partial) start."""
+        if self._health is not None:
+            await set_serving(self._health, SERVICE_NAMES, serving=False)
+        if self._server is not None:
+            await self._server.stop(self.config.shutdown_grace_period)
+        await self.controller.stop()
+        await self.store.close()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        log.info("operator stopped")
+
+
+async def run(config: Config) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit status.
+
+    Exit 0 on a clean stop; 2 when start-up fails (reason logged and on stderr).
+    """
+    operator = Operator(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await operator.start()
+    except StartupError as exc:
+        log.error("operator failed to start", extra={"error": str(exc)})
+        await operator.stop()
+        raise
+    await stop.wait()
+    log.info("signal received; shutting down")
+    await operator.stop()
+    return 0

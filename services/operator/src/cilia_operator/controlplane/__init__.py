@@ -1,0 +1,1 @@
+"""gRPC servicers of ``cilia.controlplane.v1`` (NodeService, IPAMService, ResourceService)."""

@@ -1,0 +1,103 @@
+"""NodeService: agents register their node (CiliumNode record)."""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import logging
+from typing import Any
+
+import grpc
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+
+from ..ipam import node as nodes
+from ..ipam.controller import IPAMController
+from ..ipam.pool import ObjectMeta
+from ..kinds import NODE
+from ..store import AlreadyExists, Conflict, NotFound, Store
+from .errors import unary
+
+log = logging.getLogger(__name__)
+
+VERSION_ANNOTATION = "cilia.io/agent-version"
+
+
+def _invalid(request: pb.RegisterRequest) -> str:
+    try:
+        ObjectMeta(name=request.node_name)
+    except ValueError as exc:
+        return f"node_name: {exc}"
+    for i, addr in enumerate(request.addresses):
+        try:
+            ipaddress.ip_address(addr)
+        except ValueError:
+            return f"addresses[{i}]: {addr!r} is not an IP address"
+    for i, net in enumerate(request.local_networks):
+        try:
+            ipaddress.ip_network(net.cidr, strict=False)
+        except ValueError:
+            return f"local_networks[{i}].cidr: {net.cidr!r} is not a CIDR"
+    return ""
+
+
+class NodeServicer:
+    """``cilia.controlplane.v1.NodeService``.
+
+    Args:
+        store: the Store; controller: told to reconcile registered nodes;
+        default_pool: ``--ipam-default-ip-pool``; conflict_retries: write attempts.
+    """
+
+    def __init__(
+        self, store: Store, controller: IPAMController, default_pool: str, conflict_retries: int
+    ) -> None:
+        self.store = store
+        self.controller = controller
+        self.default_pool = default_pool
+        self.conflict_retries = max(1, conflict_retries)
+
+    @unary
+    async def Register(  # noqa: N802 (gRPC method name)
+        self, request: pb.RegisterRequest, context: Any
+    ) -> pb.RegisterResponse:
+        """Create or update the CiliumNode with the node's addresses and local networks.
+
+        Errors: INVALID_ARGUMENT (bad name/address/CIDR), UNAVAILABLE (store down),
+        ABORTED (record changing too fast).
+        """
+        problem = _invalid(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        name = request.node_name
+        addresses = [{"type": "InternalIP", "ip": str(ipaddress.ip_address(a))}
+                     for a in request.addresses]  # fmt: skip
+        networks = [{"interface": n.interface,
+                     "cidr": str(ipaddress.ip_network(n.cidr, strict=False))}
+                    for n in request.local_networks]  # fmt: skip
+        for _ in range(self.conflict_retries):
+            try:
+                current = await self.store.get(NODE.kind, name)
+            except NotFound:
+                current = nodes.new_node(name)
+            desired = copy.deepcopy(current)
+            desired.setdefault("spec", {})["addresses"] = addresses
+            desired.setdefault("status", {})["localNetworks"] = networks
+            if request.version:
+                annotations = desired["metadata"].setdefault("annotations", {})
+                annotations[VERSION_ANNOTATION] = request.version
+            try:
+                if "resourceVersion" not in current["metadata"]:
+                    await self.store.create(desired)
+                    log.info(
+                        "node registered", extra={"node": name, "addresses": request.addresses[:]}
+                    )
+                elif desired != current:
+                    await self.store.update(desired)
+                break
+            except (Conflict, AlreadyExists):
+                continue
+        else:
+            raise Conflict(NODE.kind, "", name, "", "changing too fast")
+        self.controller.enqueue(name)
+        return pb.RegisterResponse(default_pool=self.default_pool)

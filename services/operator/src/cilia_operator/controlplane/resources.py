@@ -1,0 +1,150 @@
+"""ResourceService: apply/get/list/delete manifests (``cilia-operator apply|get``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any
+
+import grpc
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+
+from ..errors import InvalidResource
+from ..ipam import node as nodes
+from ..ipam.pool import PoolSpec, pool_spec_from_resource
+from ..kinds import NODE, POOL, resolve_kind
+from ..manifests import Document, validate_manifest
+from ..store import Conflict, NotFound, Resource, Store, resource_version
+from .errors import unary
+
+log = logging.getLogger(__name__)
+
+
+def _resource(obj: Resource) -> pb.Resource:
+    return pb.Resource(json=json.dumps(obj, sort_keys=True), resource_version=resource_version(obj))
+
+
+def _merged(current: Resource, doc: Document) -> Resource:
+    """``current`` with the document's content; metadata labels/annotations replaced
+    when the document gives them, everything else in metadata kept."""
+    out = copy.deepcopy(current)
+    for key, value in doc.obj.items():
+        if key != "metadata":
+            out[key] = copy.deepcopy(value)
+    for key in [k for k in out if k not in doc.obj and k not in ("metadata", "status")]:
+        del out[key]
+    for key in ("labels", "annotations"):
+        if key in doc.obj["metadata"]:
+            out["metadata"][key] = copy.deepcopy(doc.obj["metadata"][key])
+    return out
+
+
+class ResourceServicer:
+    """``cilia.controlplane.v1.ResourceService``.
+
+    Args:
+        store: the Store.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def _stored_pools(self) -> dict[str, PoolSpec]:
+        out = {}
+        for obj in (await self.store.list(POOL.kind)).items:
+            try:
+                out[obj["metadata"]["name"]] = pool_spec_from_resource(obj)
+            except InvalidResource:
+                continue
+        return out
+
+    @unary
+    async def Apply(  # noqa: N802 (gRPC method name)
+        self, request: pb.ApplyRequest, context: Any
+    ) -> pb.ApplyResponse:
+        """Validate every document, then create or update each (or only report: dry_run).
+
+        Errors: INVALID_ARGUMENT naming document index, field path and reason (nothing
+        written), ABORTED (a resource changed during apply), UNAVAILABLE.
+        """
+        docs = validate_manifest(request.manifest, await self._stored_pools())
+        applied = []
+        for doc in docs:
+            action = await self._apply_one(doc, request.dry_run)
+            applied.append(
+                pb.AppliedResource(
+                    api_version=doc.info.api_version,
+                    kind=doc.info.kind,
+                    name=doc.name,
+                    namespace="",
+                    action=action,
+                )
+            )
+            if not request.dry_run:
+                log.info(
+                    "resource applied",
+                    extra={"resource": doc.info.display(doc.name), "action": action},
+                )
+        return pb.ApplyResponse(resources=applied)
+
+    async def _apply_one(self, doc: Document, dry_run: bool) -> str:
+        try:
+            current = await self.store.get(doc.info.kind, doc.name)
+        except NotFound:
+            if not dry_run:
+                await self.store.create(doc.obj)
+            return "created"
+        desired = _merged(current, doc)
+        if desired == current:
+            return "unchanged"
+        if not dry_run:
+            await self.store.update(desired)  # Conflict -> ABORTED: someone else wrote
+        return "configured"
+
+    @unary
+    async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:  # noqa: N802
+        """One resource as JSON. Errors: INVALID_ARGUMENT (unknown kind), NOT_FOUND."""
+        info = resolve_kind(request.kind)
+        obj = await self.store.get(info.kind, request.name, request.namespace)
+        return pb.GetResponse(resource=_resource(obj))
+
+    @unary
+    async def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:  # noqa: N802
+        """Every resource of a kind, sorted by name. Errors: INVALID_ARGUMENT (unknown kind)."""
+        info = resolve_kind(request.kind)
+        listed = await self.store.list(info.kind)
+        return pb.ListResponse(items=[_resource(o) for o in listed.items])
+
+    @unary
+    async def Delete(  # noqa: N802 (gRPC method name)
+        self, request: pb.DeleteRequest, context: Any
+    ) -> pb.DeleteResponse:
+        """Delete one resource.
+
+        Errors: NOT_FOUND; FAILED_PRECONDITION for a pool some node holds CIDRs of
+        (the message names the nodes); INVALID_ARGUMENT (unknown kind).
+        """
+        info = resolve_kind(request.kind)
+        current = await self.store.get(info.kind, request.name, request.namespace)
+        if info is POOL:
+            holders = nodes.pools_in_use((await self.store.list(NODE.kind)).items).get(
+                request.name, []
+            )
+            if holders:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{info.display(request.name)} is in use by node(s) {', '.join(holders)}: "
+                    "they hold CIDRs from it; drain and release them first",
+                )
+        try:
+            await self.store.delete(
+                info.kind, request.name, request.namespace, resource_version(current)
+            )
+        except Conflict:
+            await context.abort(
+                grpc.StatusCode.ABORTED, f"{info.display(request.name)} changed; retry"
+            )
+        log.info("resource deleted", extra={"resource": info.display(request.name)})
+        return pb.DeleteResponse()

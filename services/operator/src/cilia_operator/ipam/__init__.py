@@ -1,0 +1,1 @@
+"""Multi-pool IPAM: pools, the per-node CIDR allocator and its controller."""

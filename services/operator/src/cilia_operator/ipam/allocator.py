@@ -1,0 +1,340 @@
+"""Multi-pool CIDR allocation: pure logic, no I/O (property-tested).
+
+Source: upstream ``pkg/ipam/allocator/multipool/pool_allocator.go`` behaviour
+(reference: cilium-upstream.md §1, "Operator carving"): one allocator per pool CIDR
+hands out ``maskSize`` children; every CIDR already recorded in any node's
+``spec.ipam.pools.allocated`` is occupied before anything is handed out; per requested
+pool, whole blocks are added until the usable addresses held cover ``needed``.
+
+The allocator keeps one table of every held block (node, pool), including blocks of
+pools that are unknown or no longer contain them ("orphans"): such blocks are never
+handed out again while a node holds them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .pool import PoolSpec
+
+IPv4Network = ipaddress.IPv4Network
+
+
+class IPAMError(Exception):
+    """Base class of allocation failures."""
+
+
+class AllocatorNotReady(IPAMError):  # noqa: N818 (Kubernetes-style name)
+    """Allocation attempted before every node's existing CIDRs were restored."""
+
+    def __init__(self) -> None:
+        super().__init__("allocator not ready: node allocations are still being restored")
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Who holds a block: ``node`` and the ``pool`` its record files it under."""
+
+    node: str
+    pool: str
+
+
+class _Subnets:
+    """One pool CIDR carved into ``mask_size`` children, lowest free first.
+
+    Invariant: every child index below ``_hint`` is in use.
+    """
+
+    def __init__(self, cidr: IPv4Network, mask_size: int) -> None:
+        self.cidr = cidr
+        self.mask_size = mask_size
+        self.step = 1 << (32 - mask_size)
+        self.count = 1 << (mask_size - cidr.prefixlen)
+        self.used: Counter[int] = Counter()
+        self._hint = 0
+
+    def _indexes(self, block: IPv4Network) -> range:
+        if not block.overlaps(self.cidr):
+            return range(0)
+        base = int(self.cidr.network_address)
+        lo = max(int(block.network_address), base)
+        hi = min(int(block.broadcast_address), int(self.cidr.broadcast_address))
+        return range((lo - base) // self.step, (hi - base) // self.step + 1)
+
+    def mark(self, block: IPv4Network) -> None:
+        for i in self._indexes(block):
+            self.used[i] += 1
+
+    def unmark(self, block: IPv4Network) -> None:
+        for i in self._indexes(block):
+            self.used[i] -= 1
+            if self.used[i] <= 0:
+                del self.used[i]
+                self._hint = min(self._hint, i)
+
+    def take(self) -> IPv4Network | None:
+        i = self._hint
+        while i < self.count and i in self.used:
+            i += 1
+        self._hint = i
+        if i >= self.count:
+            return None
+        self.used[i] += 1
+        self._hint = i + 1
+        address = ipaddress.IPv4Address(int(self.cidr.network_address) + i * self.step)
+        return IPv4Network((address, self.mask_size))
+
+    @property
+    def free(self) -> int:
+        return self.count - len(self.used)
+
+
+@dataclass
+class NodeResult:
+    """Outcome of reconciling one node.
+
+    Attributes:
+        allocated: pool -> blocks the node holds afterwards (sorted by pool, blocks
+            sorted) -- the new ``spec.ipam.pools.allocated``.
+        errors: one message per pool that could not be satisfied or block that could
+            not be taken; empty when all is well (``status.ipam.operator-status.error``).
+        added: blocks newly handed out by this reconcile.
+    """
+
+    allocated: dict[str, list[IPv4Network]]
+    errors: list[str] = field(default_factory=list)
+    added: list[tuple[str, IPv4Network]] = field(default_factory=list)
+
+    @property
+    def error(self) -> str:
+        """All errors joined into the one string CiliumNode status carries ("" = none)."""
+        return "; ".join(self.errors)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Per-pool counters for metrics: blocks held and blocks still free."""
+
+    allocated: int
+    available: int
+
+
+class MultiPoolAllocator:
+    """Every pool's block allocators plus the table of held blocks.
+
+    Typical use: :meth:`upsert_pool` for each known pool, :meth:`restore` with every
+    node's recorded allocation (this marks the allocator ready), then
+    :meth:`reconcile` per node whenever its record changes.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[str, PoolSpec] = {}
+        self._subnets: dict[str, list[_Subnets]] = {}
+        self._held: dict[IPv4Network, Holding] = {}
+        self._by_node: dict[str, set[IPv4Network]] = {}
+        self._lens: Counter[int] = Counter()  # prefix lengths present in _held
+        self.ready = False
+
+    # -- pools ---------------------------------------------------------------------
+
+    @property
+    def pools(self) -> Mapping[str, PoolSpec]:
+        """Known pools by name (read-only view)."""
+        return self._pools
+
+    def upsert_pool(self, spec: PoolSpec) -> None:
+        """Add or replace a pool; blocks already held inside its CIDRs stay occupied."""
+        if self._pools.get(spec.name) == spec:
+            return
+        subnets = [_Subnets(cidr, spec.mask_size) for cidr in spec.cidrs]
+        for block in self._held:
+            for s in subnets:
+                s.mark(block)
+        self._pools[spec.name] = spec
+        self._subnets[spec.name] = subnets
+
+    def remove_pool(self, name: str) -> None:
+        """Forget a pool. Nodes keep the blocks they hold (orphans), never re-handed."""
+        self._pools.pop(name, None)
+        self._subnets.pop(name, None)
+
+    # -- holdings ------------------------------------------------------------------
+
+    def _occupy(self, block: IPv4Network, holding: Holding) -> None:
+        self._held[block] = holding
+        self._by_node.setdefault(holding.node, set()).add(block)
+        self._lens[block.prefixlen] += 1
+        for subnets in self._subnets.values():
+            for s in subnets:
+                s.mark(block)
+
+    def _free(self, block: IPv4Network) -> None:
+        holding = self._held.pop(block, None)
+        if holding is None:
+            return
+        self._by_node[holding.node].discard(block)
+        if not self._by_node[holding.node]:
+            del self._by_node[holding.node]
+        self._lens[block.prefixlen] -= 1
+        for subnets in self._subnets.values():
+            for s in subnets:
+                s.unmark(block)
+
+    def _conflict(self, block: IPv4Network, node: str) -> Holding | None:
+        """The holding of another node that ``block`` overlaps, if any."""
+        for plen in range(block.prefixlen, -1, -1):  # held blocks containing ``block``
+            if self._lens[plen]:
+                holding = self._held.get(block.supernet(new_prefix=plen))
+                if holding is not None and holding.node != node:
+                    return holding
+        if any(self._lens[p] for p in range(block.prefixlen + 1, 33)):  # inside ``block``
+            for held, holding in self._held.items():
+                inside = held.prefixlen > block.prefixlen and held.subnet_of(block)
+                if holding.node != node and inside:
+                    return holding
+        return None
+
+    def holdings(self, node: str) -> dict[IPv4Network, str]:
+        """Blocks ``node`` holds, with their pool."""
+        return {b: self._held[b].pool for b in self._by_node.get(node, ())}
+
+    def pool_holders(self, pool: str) -> list[str]:
+        """Names of the nodes holding blocks filed under ``pool``, sorted."""
+        return sorted({h.node for h in self._held.values() if h.pool == pool})
+
+    def holder(self, block: IPv4Network) -> Holding | None:
+        """Who holds exactly ``block``, if anyone."""
+        return self._held.get(block)
+
+    def restore(
+        self, nodes: Iterable[tuple[str, Mapping[str, Sequence[IPv4Network]]]]
+    ) -> list[str]:
+        """Occupy every block recorded in every node's allocation, then mark ready.
+
+        Args:
+            nodes: ``(node name, {pool: [blocks]})`` for every existing node.
+
+        Returns:
+            warnings, one per block recorded by two nodes (the first keeps it).
+        """
+        warnings = []
+        for node, allocated in nodes:
+            for pool, blocks in allocated.items():
+                for block in blocks:
+                    other = self._conflict(block, node)
+                    if other is not None:
+                        warnings.append(
+                            f"CIDR {block} of node {node!r} (pool {pool!r}) is already held "
+                            f"by node {other.node!r} (pool {other.pool!r})"
+                        )
+                        continue
+                    self._occupy(block, Holding(node, pool))
+        self.ready = True
+        return warnings
+
+    def release(self, node: str, block: IPv4Network) -> bool:
+        """Free ``block`` if ``node`` holds it; returns whether it was freed."""
+        holding = self._held.get(block)
+        if holding is None or holding.node != node:
+            return False
+        self._free(block)
+        return True
+
+    def release_node(self, node: str) -> list[IPv4Network]:
+        """Free every block of ``node`` (node deleted); returns them."""
+        blocks = sorted(self._by_node.get(node, ()))
+        for block in blocks:
+            self._free(block)
+        return blocks
+
+    # -- allocation ----------------------------------------------------------------
+
+    def _take(self, pool: str, node: str) -> IPv4Network | None:
+        for s in self._subnets.get(pool, []):
+            block = s.take()
+            if block is not None:
+                s.unmark(block)  # _occupy marks it in every pool's subnets
+                self._occupy(block, Holding(node, pool))
+                return block
+        return None
+
+    def reconcile(
+        self,
+        node: str,
+        requested: Mapping[str, int],
+        allocated: Mapping[str, Sequence[IPv4Network]],
+    ) -> NodeResult:
+        """Bring ``node`` to its demand, starting from its recorded allocation.
+
+        1. The record is the truth for what the node holds: blocks the allocator has
+           for it but the record lacks were released and are freed; recorded blocks
+           are occupied (a block another node holds is reported and left alone).
+        2. For each requested pool, in name order: while the usable addresses held
+           (:meth:`PoolSpec.usable`) are fewer than ``needed``, hand out a whole block.
+
+        Args:
+            node: node name.
+            requested: pool -> addresses needed (``spec.ipam.pools.requested``).
+            allocated: pool -> blocks held (``spec.ipam.pools.allocated``).
+
+        Returns:
+            the node's new allocation, errors (unknown pool, exhausted pool, conflicts)
+            and the blocks added.
+
+        Raises:
+            AllocatorNotReady: :meth:`restore` has not run yet.
+        """
+        if not self.ready:
+            raise AllocatorNotReady()
+        recorded = {block: pool for pool, blocks in allocated.items() for block in blocks}
+        for block in list(self.holdings(node)):
+            if block not in recorded:
+                self._free(block)
+        result = NodeResult(allocated={})
+        for block, pool in recorded.items():
+            holding = self._held.get(block)
+            if holding is None or holding.node != node:
+                other = self._conflict(block, node)
+                if other is not None:
+                    result.errors.append(
+                        f"CIDR {block} (pool {pool!r}) is also held by node {other.node!r}"
+                    )
+                else:
+                    self._occupy(block, Holding(node, pool))
+            result.allocated.setdefault(pool, []).append(block)
+        for pool, needed in sorted(requested.items()):
+            if needed <= 0:
+                continue
+            spec = self._pools.get(pool)
+            if spec is None:
+                result.errors.append(f"pool {pool!r} not found")
+                continue
+            blocks = result.allocated.setdefault(pool, [])
+            have = sum(spec.usable(b) for b in blocks)
+            while have < needed:
+                new = self._take(pool, node)
+                if new is None:
+                    result.errors.append(
+                        f"pool {pool!r} exhausted: no free /{spec.mask_size} block left in "
+                        f"{', '.join(str(c) for c in spec.cidrs) or 'no CIDRs'} "
+                        f"(needed {needed} addresses, node holds {have})"
+                    )
+                    break
+                blocks.append(new)
+                result.added.append((pool, new))
+                have += spec.usable(new)
+        result.allocated = {
+            pool: sorted(blocks) for pool, blocks in sorted(result.allocated.items()) if blocks
+        }
+        return result
+
+    def stats(self) -> dict[str, PoolStats]:
+        """Blocks held and free per known pool."""
+        out = {}
+        for name in self._pools:
+            held = sum(1 for h in self._held.values() if h.pool == name)
+            out[name] = PoolStats(held, sum(s.free for s in self._subnets[name]))
+        return out

@@ -1,0 +1,227 @@
+"""CiliumPodIPPool (cilium.io/v2alpha1): schema, validation and the allocator's view.
+
+Source: upstream ``pkg/k8s/apis/cilium.io/v2alpha1/ippool_types.go`` (reference:
+cilium-upstream.md §1): ``spec.ipv4|ipv6.cidrs`` (minItems 1), ``maskSize`` (v4 1..32,
+v6 1..128, immutable), ``allowFirstIP``/``allowLastIP`` (default false, immutable),
+``podSelector``/``namespaceSelector``. Cilia allocates IPv4 only; ``spec.ipv6`` is
+validated and stored but not carved yet.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import FieldError, InvalidResource, from_pydantic
+
+API_VERSION = "cilium.io/v2alpha1"
+KIND = "CiliumPodIPPool"
+
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+
+
+def _name(value: str) -> str:
+    if len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
+        raise ValueError(
+            f"{value!r} is not a valid name: lower-case letters, digits, '-' and '.', "
+            "starting and ending with a letter or digit, at most 253 characters"
+        )
+    return value
+
+
+def _cidr4(value: str) -> str:
+    try:
+        return str(ipaddress.IPv4Network(value, strict=True))
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not an IPv4 CIDR: {exc}") from None
+
+
+def _cidr6(value: str) -> str:
+    try:
+        return str(ipaddress.IPv6Network(value, strict=True))
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not an IPv6 CIDR: {exc}") from None
+
+
+class ObjectMeta(BaseModel):
+    """Kubernetes ObjectMeta subset; unknown metadata fields are kept."""
+
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, AfterValidator(_name)]
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class LabelSelector(BaseModel):
+    """Kubernetes LabelSelector."""
+
+    model_config = ConfigDict(extra="forbid")
+    matchLabels: dict[str, str] | None = None  # noqa: N815 (Kubernetes field name)
+    matchExpressions: list[dict[str, Any]] | None = None  # noqa: N815
+
+
+class IPv4Spec(BaseModel):
+    """``spec.ipv4``: CIDRs carved into per-node blocks of ``maskSize``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    cidrs: list[Annotated[str, AfterValidator(_cidr4)]] = Field(min_length=1)
+    maskSize: int = Field(ge=1, le=32)  # noqa: N815
+
+
+class IPv6Spec(BaseModel):
+    """``spec.ipv6`` (validated and stored; not allocated by Cilia yet)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    cidrs: list[Annotated[str, AfterValidator(_cidr6)]] = Field(min_length=1)
+    maskSize: int = Field(ge=1, le=128)  # noqa: N815
+
+
+class PoolSpecModel(BaseModel):
+    """``spec`` of a CiliumPodIPPool."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    ipv4: IPv4Spec | None = None
+    ipv6: IPv6Spec | None = None
+    allowFirstIP: bool = False  # noqa: N815
+    allowLastIP: bool = False  # noqa: N815
+    podSelector: LabelSelector | None = None  # noqa: N815
+    namespaceSelector: LabelSelector | None = None  # noqa: N815
+
+
+class CiliumPodIPPool(BaseModel):
+    """A whole CiliumPodIPPool manifest (``status`` is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    apiVersion: Literal["cilium.io/v2alpha1"]  # noqa: N815
+    kind: Literal["CiliumPodIPPool"]
+    metadata: ObjectMeta
+    spec: PoolSpecModel
+    status: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What the allocator needs to know about one pool (IPv4).
+
+    Attributes:
+        name: pool name.
+        cidrs: the pool's CIDRs, in manifest order.
+        mask_size: prefix length of each per-node block (1..32, >= every CIDR's prefix).
+        allow_first_ip / allow_last_ip: whether a block's first/last address is usable.
+    """
+
+    name: str
+    cidrs: tuple[ipaddress.IPv4Network, ...]
+    mask_size: int
+    allow_first_ip: bool = False
+    allow_last_ip: bool = False
+
+    def usable(self, block: ipaddress.IPv4Network) -> int:
+        """Usable pod addresses in ``block``: 2^hostbits, minus the first and last address
+        unless allowed; /31 and /32 keep every address (upstream rule)."""
+        size = block.num_addresses
+        if size <= 2:
+            return size
+        return size - (0 if self.allow_first_ip else 1) - (0 if self.allow_last_ip else 1)
+
+
+def validate_pool(doc: Mapping[str, Any]) -> CiliumPodIPPool:
+    """Validate a CiliumPodIPPool manifest (schema and semantics).
+
+    Raises:
+        InvalidResource: every problem found, each with its field path, e.g.
+            ``spec.ipv4.maskSize: 8 is shorter than the prefix of 10.0.0.0/16``.
+    """
+    try:
+        pool = CiliumPodIPPool.model_validate(dict(doc))
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    errors: list[FieldError] = []
+    for family, spec in (("ipv4", pool.spec.ipv4), ("ipv6", pool.spec.ipv6)):
+        if spec is None:
+            continue
+        nets = [ipaddress.ip_network(c) for c in spec.cidrs]
+        for i, net in enumerate(nets):
+            if spec.maskSize < net.prefixlen:
+                errors.append(
+                    FieldError(
+                        f"spec.{family}.maskSize",
+                        f"{spec.maskSize} is shorter than the prefix of cidrs[{i}] {net} "
+                        f"(must be >= {net.prefixlen})",
+                    )
+                )
+            for j in range(i):
+                if nets[j].overlaps(net):
+                    errors.append(
+                        FieldError(
+                            f"spec.{family}.cidrs[{i}]",
+                            f"{net} overlaps cidrs[{j}] {nets[j]} of the same pool",
+                        )
+                    )
+    if errors:
+        raise InvalidResource(errors)
+    return pool
+
+
+def to_pool_spec(pool: CiliumPodIPPool) -> PoolSpec:
+    """The allocator's view of a validated pool (IPv4 only; no ipv4 → no CIDRs)."""
+    v4 = pool.spec.ipv4
+    return PoolSpec(
+        name=pool.metadata.name,
+        cidrs=tuple(ipaddress.IPv4Network(c) for c in v4.cidrs) if v4 else (),
+        mask_size=v4.maskSize if v4 else 32,
+        allow_first_ip=pool.spec.allowFirstIP,
+        allow_last_ip=pool.spec.allowLastIP,
+    )
+
+
+def pool_spec_from_resource(obj: Mapping[str, Any]) -> PoolSpec:
+    """Validate a stored CiliumPodIPPool and return its allocator view.
+
+    Raises:
+        InvalidResource: the stored object is invalid.
+    """
+    doc = {k: v for k, v in obj.items() if k in ("apiVersion", "kind", "metadata", "spec")}
+    return to_pool_spec(validate_pool(doc))
+
+
+def pool_manifest(spec: PoolSpec) -> dict[str, Any]:
+    """A CiliumPodIPPool manifest for ``spec`` (used by auto-create)."""
+    body: dict[str, Any] = {
+        "ipv4": {"cidrs": [str(c) for c in spec.cidrs], "maskSize": spec.mask_size}
+    }
+    if spec.allow_first_ip:
+        body["allowFirstIP"] = True
+    if spec.allow_last_ip:
+        body["allowLastIP"] = True
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": spec.name}, "spec": body}
+
+
+def pool_overlaps(
+    candidate: str, cidrs: Iterable[ipaddress.IPv4Network], others: Iterable[PoolSpec]
+) -> list[FieldError]:
+    """Errors for every CIDR of pool ``candidate`` that overlaps a CIDR of another pool.
+
+    Each message names both sides: ``10.0.0.0/24 overlaps pool "default" CIDR 10.0.0.0/16``.
+    Pools named ``candidate`` in ``others`` are skipped (an update of itself).
+    """
+    errors = []
+    others = [o for o in others if o.name != candidate]
+    for i, net in enumerate(cidrs):
+        for other in others:
+            for theirs in other.cidrs:
+                if net.overlaps(theirs):
+                    errors.append(
+                        FieldError(
+                            f"spec.ipv4.cidrs[{i}]",
+                            f"{net} overlaps pool {other.name!r} CIDR {theirs}",
+                        )
+                    )
+    return errors

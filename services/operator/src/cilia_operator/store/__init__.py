@@ -1,0 +1,35 @@
+"""Cluster state behind one interface (DESIGN.md §3): :class:`Store` and its backends."""
+
+from .base import (
+    AlreadyExists,
+    Conflict,
+    EventType,
+    Expired,
+    ListResult,
+    NotFound,
+    Resource,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WatchEvent,
+    object_key,
+    resource_version,
+    with_resource_version,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "Conflict",
+    "EventType",
+    "Expired",
+    "ListResult",
+    "NotFound",
+    "Resource",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "WatchEvent",
+    "object_key",
+    "resource_version",
+    "with_resource_version",
+]

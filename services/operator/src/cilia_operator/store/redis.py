@@ -1,0 +1,281 @@
+"""Redis backend of :class:`~cilia_operator.store.base.Store` (standalone mode).
+
+Layout under a key prefix (default ``cilia/``), per kind ``K``:
+
+- ``<p>rv``: the store-wide resourceVersion counter (INCR on every write).
+- ``<p>objects/K``: hash ``"<namespace>/<name>"`` -> object JSON (without resourceVersion).
+- ``<p>versions/K``: hash ``"<namespace>/<name>"`` -> resourceVersion of that object.
+- ``<p>events/K``: stream of changes; entry id ``<rv>-0``, fields ``type``, ``key``,
+  ``object``; capped at ``event_history`` entries (XADD ``MAXLEN``).
+- ``<p>trimmed/K``: resourceVersion of the newest event trimmed from the stream, so a
+  watch knows exactly whether its history is complete (XINFO's ``max-deleted-entry-id``
+  does not count trimming).
+
+Every write is one Lua script: check the current version, write the JSON, INCR the
+counter, trim and XADD the event -- atomic, so the object, its version and the event
+stream never disagree. A watch reads the stream with an atomic "history complete? then
+XRANGE" script and waits for new entries with ``XREAD BLOCK``.
+
+Source: the design mirrors Cilium's etcd kvstore mode and Kubernetes' resourceVersion /
+410 Gone watch semantics (reference: DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from .base import (
+    AlreadyExists,
+    Conflict,
+    Expired,
+    ListResult,
+    NotFound,
+    Resource,
+    Store,
+    StoreUnavailable,
+    WatchEvent,
+    object_key,
+    resource_version,
+    with_resource_version,
+)
+
+T = TypeVar("T")
+
+_WRITE = """
+-- KEYS: rv counter, objects hash, versions hash, events stream, trimmed marker
+-- ARGV: op (create|update|delete), field, json, expected rv ('' = any), max stream length
+local cur = redis.call('HGET', KEYS[3], ARGV[2])
+if ARGV[1] == 'create' then
+  if cur then return {'exists', cur, ''} end
+else
+  if not cur then return {'notfound', '', ''} end
+  if ARGV[4] ~= '' and ARGV[4] ~= cur then return {'conflict', cur, ''} end
+end
+local rv = redis.call('INCR', KEYS[1])
+local body = ARGV[3]
+local etype = 'MODIFIED'
+if ARGV[1] == 'delete' then
+  body = redis.call('HGET', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
+  etype = 'DELETED'
+else
+  if ARGV[1] == 'create' then etype = 'ADDED' end
+  redis.call('HSET', KEYS[2], ARGV[2], body)
+  redis.call('HSET', KEYS[3], ARGV[2], rv)
+end
+local maxlen = tonumber(ARGV[5])
+local len = redis.call('XLEN', KEYS[4])
+if len >= maxlen then
+  local gone = redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', len - maxlen + 1)
+  redis.call('SET', KEYS[5], string.match(gone[#gone][1], '^(%d+)'))
+end
+redis.call('XADD', KEYS[4], 'MAXLEN', maxlen, rv .. '-0',
+  'type', etype, 'key', ARGV[2], 'object', body)
+return {'ok', tostring(rv), body}
+"""
+
+_READ_EVENTS = """
+-- KEYS: events stream, trimmed marker; ARGV: since rv, max entries
+local trimmed = redis.call('GET', KEYS[2]) or '0'
+if tonumber(trimmed) > tonumber(ARGV[1]) then return {'expired', trimmed} end
+return {'ok', redis.call('XRANGE', KEYS[1], '(' .. ARGV[1] .. '-0', '+', 'COUNT', ARGV[2])}
+"""
+
+_LIST = """
+-- KEYS: rv counter, objects hash, versions hash
+return {redis.call('GET', KEYS[1]) or '0', redis.call('HGETALL', KEYS[2]),
+        redis.call('HGETALL', KEYS[3])}
+"""
+
+_GET = """
+-- KEYS: objects hash, versions hash; ARGV: field
+return {redis.call('HGET', KEYS[1], ARGV[1]), redis.call('HGET', KEYS[2], ARGV[1])}
+"""
+
+
+def _field(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
+def _split(field: str) -> tuple[str, str]:
+    namespace, _, name = field.partition("/")
+    return namespace, name
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _dump(obj: Resource) -> str:
+    body = json.loads(json.dumps(obj))
+    body.get("metadata", {}).pop("resourceVersion", None)
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+class RedisStore(Store):
+    """Store backed by one Redis database.
+
+    Args:
+        url: ``redis://HOST:PORT/DB`` (also ``rediss://``, ``unix://``).
+        prefix: key prefix, so several stores can share a database.
+        event_history: events kept per kind for watches (stream MAXLEN, >= 1); a watch
+            further behind raises :class:`Expired`.
+        watch_block_timeout: seconds one ``XREAD BLOCK`` waits before polling again (> 0).
+        watch_batch_size: max events read per round trip by a watch (>= 1).
+        connect_timeout: seconds to wait for a TCP connection (> 0).
+
+    Raises (from every method):
+        StoreUnavailable: Redis cannot be reached.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "cilia/",
+        event_history: int = 10000,
+        watch_block_timeout: float = 5.0,
+        watch_batch_size: int = 500,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        if event_history < 1:
+            raise ValueError(f"event_history must be >= 1, got {event_history}")
+        if watch_batch_size < 1:
+            raise ValueError(f"watch_batch_size must be >= 1, got {watch_batch_size}")
+        if watch_block_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("watch_block_timeout and connect_timeout must be > 0")
+        self.url = url
+        self._prefix = prefix
+        self._history = event_history
+        self._block_ms = max(1, int(watch_block_timeout * 1000))
+        self._batch = watch_batch_size
+        self._r: Any = aioredis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=connect_timeout
+        )
+        self._write = self._r.register_script(_WRITE)
+        self._read_events = self._r.register_script(_READ_EVENTS)
+        self._list = self._r.register_script(_LIST)
+        self._get = self._r.register_script(_GET)
+
+    def _keys(self, kind: str) -> dict[str, str]:
+        p = self._prefix
+        return {
+            "rv": f"{p}rv",
+            "objects": f"{p}objects/{kind}",
+            "versions": f"{p}versions/{kind}",
+            "events": f"{p}events/{kind}",
+            "trimmed": f"{p}trimmed/{kind}",
+        }
+
+    async def _call(self, pending: Awaitable[T]) -> T:
+        try:
+            return await pending
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"redis store {self.url} unreachable: {exc}") from exc
+
+    async def ping(self) -> None:
+        """Check that Redis answers.
+
+        Raises:
+            StoreUnavailable: it does not.
+        """
+        await self._call(self._r.ping())
+
+    async def get(self, kind: str, name: str, namespace: str = "") -> Resource:
+        k = self._keys(kind)
+        body, rv = await self._call(
+            self._get(keys=[k["objects"], k["versions"]], args=[_field(namespace, name)])
+        )
+        if body is None:
+            raise NotFound(kind, namespace, name)
+        return with_resource_version(json.loads(body), str(rv))
+
+    async def list(self, kind: str) -> ListResult:
+        k = self._keys(kind)
+        rv, flat_objects, flat_versions = await self._call(
+            self._list(keys=[k["rv"], k["objects"], k["versions"]])
+        )
+        versions = dict(zip(flat_versions[::2], flat_versions[1::2], strict=True))
+        objects = dict(zip(flat_objects[::2], flat_objects[1::2], strict=True))
+        items = [
+            with_resource_version(json.loads(objects[field]), str(versions.get(field, "")))
+            for field in sorted(objects, key=_split)
+        ]
+        return ListResult(items=items, resource_version=str(rv))
+
+    async def _run_write(
+        self, op: str, kind: str, namespace: str, name: str, body: str, expected: str
+    ) -> tuple[str, str]:
+        k = self._keys(kind)
+        status, value, stored = await self._call(
+            self._write(
+                keys=[k["rv"], k["objects"], k["versions"], k["events"], k["trimmed"]],
+                args=[op, _field(namespace, name), body, expected, self._history],
+            )
+        )
+        if status == "exists":
+            raise AlreadyExists(kind, namespace, name)
+        if status == "notfound":
+            raise NotFound(kind, namespace, name)
+        if status == "conflict":
+            raise Conflict(kind, namespace, name, expected, str(value))
+        return str(value), str(stored)
+
+    async def create(self, obj: Resource) -> Resource:
+        kind, namespace, name = object_key(obj)
+        meta = obj.get("metadata") or {}
+        stored = json.loads(_dump(obj))
+        stored["metadata"].setdefault("uid", str(uuid.uuid4()))
+        stored["metadata"].setdefault("creationTimestamp", _now())
+        if not meta.get("namespace"):
+            stored["metadata"].pop("namespace", None)
+        rv, _ = await self._run_write("create", kind, namespace, name, _dump(stored), "")
+        return with_resource_version(stored, rv)
+
+    async def update(self, obj: Resource) -> Resource:
+        kind, namespace, name = object_key(obj)
+        body = _dump(obj)
+        rv, _ = await self._run_write("update", kind, namespace, name, body, resource_version(obj))
+        return with_resource_version(json.loads(body), rv)
+
+    async def delete(
+        self, kind: str, name: str, namespace: str = "", resource_version: str = ""
+    ) -> Resource:
+        rv, body = await self._run_write("delete", kind, namespace, name, "", resource_version)
+        return with_resource_version(json.loads(body), rv)
+
+    async def watch(self, kind: str, since: str) -> AsyncIterator[WatchEvent]:
+        k = self._keys(kind)
+        last = str(int(since or "0"))
+        while True:
+            reply = await self._call(
+                self._read_events(keys=[k["events"], k["trimmed"]], args=[last, self._batch])
+            )
+            if reply[0] == "expired":
+                raise Expired(kind, last, str(reply[1]))
+            entries = reply[1]
+            if not entries:
+                # Wake-up only: the data is read by the atomic script above.
+                await self._call(
+                    self._r.xread({k["events"]: f"{last}-0"}, count=1, block=self._block_ms)
+                )
+                continue
+            for entry_id, flat in entries:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                last = entry_id.split("-", 1)[0]
+                yield WatchEvent(
+                    type=fields["type"],
+                    object=with_resource_version(json.loads(fields["object"]), last),
+                    resource_version=last,
+                )
+
+    async def close(self) -> None:
+        await self._r.aclose()
