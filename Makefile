@@ -27,7 +27,7 @@ bench: setup
 	$(VENV)/bin/python -m bench
 
 images: setup
-	$(VENV)/bin/python -m bench.images 2>/dev/null || scripts/images.sh
+	@scripts/images.sh
 
 clean: down
 	rm -rf .tox .run build proto/build
