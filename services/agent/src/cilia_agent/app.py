@@ -273,9 +273,7 @@ class Agent:
             update={
                 "router_ip": str(self.router_ip) if self.router_ip else "",
                 "default_pool": self.default_pool,
-                "allocation": {
-                    p: c for p, c in self.ipam.cidrs().items() if p not in self.static_allocation
-                },
+                "allocation": self.ipam.cidrs(),
             }
         )
         await asyncio.get_running_loop().run_in_executor(

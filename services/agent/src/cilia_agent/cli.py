@@ -19,7 +19,7 @@ from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 EXIT_AGENT_UNAVAILABLE = 2
 
 
-class AgentUnavailable(Exception):  # noqa: N818 - STYLE.md names errors by the failure
+class AgentUnavailable(Exception):
     """The agent's socket does not answer (not running, wrong path, no permission)."""
 
 

@@ -8,6 +8,7 @@ even when a test fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import secrets
@@ -19,8 +20,8 @@ from typing import Any
 
 import grpc
 import pytest
-from cilia.agent.v1 import agent_pb2_grpc
 
+from cilia.agent.v1 import agent_pb2_grpc
 from cilia_agent.app import Agent
 from cilia_agent.config import Config
 
@@ -128,10 +129,8 @@ class Env:
 
     def cleanup(self) -> None:
         for agent in self.agents:
-            try:
+            with contextlib.suppress(Exception):  # best-effort teardown
                 agent.stop()
-            except Exception:  # noqa: BLE001 - best-effort teardown
-                pass
         for name in list(self.netns):
             subprocess.run(["ip", "netns", "del", name], check=False)
         subprocess.run(["ip", "link", "del", self.host_device], check=False, capture_output=True)

@@ -10,15 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cilia.agent.v1 import agent_pb2
 
+from cilia.agent.v1 import agent_pb2
 from cilia_agent.datapath import host_ifname
 from cilia_agent.datapath.iptables import CHAIN
 
 from .conftest import Env, sh
 
 
-def add_req(netns: str, cid: str = "c1", ifname: str = "eth0", **kw: object) -> agent_pb2.AddRequest:
+def add_req(
+    netns: str, cid: str = "c1", ifname: str = "eth0", **kw: object
+) -> agent_pb2.AddRequest:
     return agent_pb2.AddRequest(container_id=cid, ifname=ifname, netns=netns, **kw)  # type: ignore[arg-type]
 
 
@@ -235,7 +237,7 @@ def test_per_add_latency_inside_the_agent_is_reported(env: Env) -> None:
         a.attach.Add(add_req(ns, f"lat{i}"), timeout=10)
     wall_ms = (time.perf_counter() - started) * 1000 / len(namespaces)
     hist = a.agent.metrics.add_duration
-    total = hist._sum.get()  # noqa: SLF001 - read the real histogram
+    total = hist._sum.get()
     mean_ms = total * 1000 / len(namespaces)
     print(f"per-Add latency inside the agent: {mean_ms:.1f} ms (client wall {wall_ms:.1f} ms)")
     assert mean_ms < 250

@@ -7,7 +7,7 @@ class DatapathError(Exception):
     """Kernel plumbing failed (operation, interface and reason in the message)."""
 
 
-class NetnsNotFound(DatapathError):  # noqa: N818 - STYLE.md names errors by the failure
+class NetnsNotFound(DatapathError):
     """The network namespace path does not exist or is not a network namespace."""
 
     def __init__(self, netns: str, reason: str = "does not exist") -> None:
@@ -15,7 +15,7 @@ class NetnsNotFound(DatapathError):  # noqa: N818 - STYLE.md names errors by the
         super().__init__(f"network namespace {netns!r} {reason}")
 
 
-class InterfaceExists(DatapathError):  # noqa: N818 - STYLE.md names errors by the failure
+class InterfaceExists(DatapathError):
     """An interface named ``ifname`` already exists in ``netns``."""
 
     def __init__(self, ifname: str, netns: str) -> None:

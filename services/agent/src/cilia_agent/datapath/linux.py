@@ -160,9 +160,7 @@ class LinuxDatapath:
             if exc.code != 95:  # EOPNOTSUPP: this kernel has no dummy driver
                 raise
             kind = "veth"
-            ipr.link(
-                "add", ifname=self.host_device_name, kind="veth", peer=self.host_peer_name
-            )
+            ipr.link("add", ifname=self.host_device_name, kind="veth", peer=self.host_peer_name)
         idx = _first(ipr, self.host_device_name)
         if idx is None:
             raise DatapathError(f"host device {self.host_device_name} vanished after creation")

@@ -41,7 +41,7 @@ _IFNAME_BAD = re.compile(r"[/\s:]")
 _POOL = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
-class InvalidRequest(ValueError):  # noqa: N818 - STYLE.md names errors by the failure
+class InvalidRequest(ValueError):
     """A request field is invalid; ``field`` names it."""
 
     def __init__(self, field_name: str, reason: str) -> None:
@@ -49,11 +49,11 @@ class InvalidRequest(ValueError):  # noqa: N818 - STYLE.md names errors by the f
         super().__init__(f"{field_name}: {reason}")
 
 
-class AgentNotReady(Exception):  # noqa: N818 - STYLE.md names errors by the failure
+class AgentNotReady(Exception):
     """The agent cannot serve Add yet (no router IP or no free address); retry later."""
 
 
-class EndpointConflict(Exception):  # noqa: N818 - STYLE.md names errors by the failure
+class EndpointConflict(Exception):
     """The attachment key already exists with a different netns."""
 
     def __init__(self, container_id: str, ifname: str, netns: str) -> None:

@@ -24,7 +24,7 @@ class AllocationError(Exception):
     """Base class of IPAM failures a caller can act on."""
 
 
-class PoolExhausted(AllocationError):  # noqa: N818 - STYLE.md names errors by the failure
+class PoolExhausted(AllocationError):
     """No free address is left in ``pool`` (all of its node CIDRs are used)."""
 
     def __init__(self, pool: str, cidrs: list[str]) -> None:
@@ -34,7 +34,7 @@ class PoolExhausted(AllocationError):  # noqa: N818 - STYLE.md names errors by t
         super().__init__(f"no free IPv4 address in pool {pool!r} ({where})")
 
 
-class AddressInUse(AllocationError):  # noqa: N818 - STYLE.md names errors by the failure
+class AddressInUse(AllocationError):
     """``address`` is already held by ``owner``."""
 
     def __init__(self, address: IPv4, owner: str) -> None:

@@ -1,0 +1,127 @@
+"""ctypes mirrors of the BPF map keys/values in ``bpf/lib/common.h``.
+
+One place for every layout the agent reads or writes; the packet tests in
+``bpf/tests`` check the C side against the same shapes. Fields that the C
+code stores in network byte order are documented as such; use
+:func:`ip_to_map` / :func:`port_to_map` to fill them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import socket
+
+# Reserved identities (upstream pkg/identity/numericidentity.go).
+IDENTITY_HOST = 1
+IDENTITY_WORLD = 2
+
+DIR_INGRESS = 0  # to the pod (tc egress of the host veth)
+DIR_EGRESS = 1  # from the pod (tc ingress of the host veth)
+
+# Upstream drop reasons used by the datapath (flow.DropReason).
+DROP_POLICY_DENIED = 133
+DROP_POLICY_DENY = 181
+DROP_REASON_TEXT = {
+    DROP_POLICY_DENIED: "Policy denied",
+    DROP_POLICY_DENY: "Policy denied by denylist",
+}
+
+
+def ip_to_map(address: str) -> int:
+    """IPv4 text → the u32 whose memory holds the address in network order."""
+    return int.from_bytes(socket.inet_aton(address), "little")
+
+
+def ip_from_map(value: int) -> str:
+    """Inverse of :func:`ip_to_map`."""
+    return str(ipaddress.IPv4Address(value.to_bytes(4, "little")))
+
+
+def port_to_map(port: int) -> int:
+    """Host port → the u16 whose memory holds it in network order."""
+    return socket.htons(port)
+
+
+class IpcacheKey(ctypes.Structure):
+    """``struct ipcache_key``: prefixlen 0..32, ip in network order."""
+
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("ip", ctypes.c_uint32)]
+
+
+class IpcacheValue(ctypes.Structure):
+    """``struct ipcache_value``: identity and hosting node address (network order, 0 = local)."""
+
+    _fields_ = [("sec_identity", ctypes.c_uint32), ("node_ip", ctypes.c_uint32)]
+
+
+class EndpointInfo(ctypes.Structure):
+    """``struct endpoint_info``, keyed by the host veth ifindex (u32)."""
+
+    _fields_ = [
+        ("ep_id", ctypes.c_uint32),
+        ("sec_identity", ctypes.c_uint32),
+        ("ipv4", ctypes.c_uint32),
+        ("enforce_ingress", ctypes.c_uint8),
+        ("enforce_egress", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class MetricsKey(ctypes.Structure):
+    """``struct metrics_key``: reason 0 = forwarded, else a drop reason; dir DIR_*."""
+
+    _fields_ = [("reason", ctypes.c_uint8), ("dir", ctypes.c_uint8), ("pad", ctypes.c_uint16)]
+
+
+class MetricsValue(ctypes.Structure):
+    """``struct metrics_value`` (one per CPU)."""
+
+    _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+POLICY_PREFIX_STATIC = 72  # ep_id + sec_label + egress
+POLICY_PREFIX_PROTO = 80
+POLICY_PREFIX_FULL = 96
+POLICY_FLAG_DENY = 1
+
+
+class PolicyKey(ctypes.Structure):
+    """``struct policy_key``: LPM over (ep_id, sec_label 0=any, egress, protocol 0=any, dport 0=any).
+
+    ``dport`` is in network order (:func:`port_to_map`); prefixlen is 72, 80 or 96.
+    """
+
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("ep_id", ctypes.c_uint32),
+        ("sec_label", ctypes.c_uint32),
+        ("egress", ctypes.c_uint8),
+        ("protocol", ctypes.c_uint8),
+        ("dport", ctypes.c_uint16),
+    ]
+
+
+class PolicyValue(ctypes.Structure):
+    """``struct policy_value``: flags bit0 = deny; packet/byte counters kept by the datapath."""
+
+    _fields_ = [
+        ("flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 7),
+        ("packets", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+    ]
+
+
+def policy_key(ep_id: int, peer: int, egress: int, protocol: int = 0, port: int = 0) -> PolicyKey:
+    """Build a policy key; the prefix length follows from which fields are wildcards.
+
+    Raises:
+        ValueError: a port without a protocol (upstream keys need the protocol first).
+    """
+    if port and not protocol:
+        raise ValueError("a policy entry with a port needs a protocol")
+    prefix = (
+        POLICY_PREFIX_FULL if port else POLICY_PREFIX_PROTO if protocol else POLICY_PREFIX_STATIC
+    )
+    return PolicyKey(prefix, ep_id, peer, egress, protocol, port_to_map(port) if port else 0)
