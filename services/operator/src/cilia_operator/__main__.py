@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"max events read per watch round trip {d}")  # fmt: skip
     serve.add_argument("--store-connect-timeout", type=float, default=5.0,
                        help=f"seconds to connect to the store {d}")  # fmt: skip
+    serve.add_argument("--store-request-timeout", type=float, default=10.0,
+                       help=f"seconds to wait for a store reply {d}")  # fmt: skip
     serve.add_argument("--store-retry-interval", type=float, default=1.0,
                        help=f"seconds between retries after a store error {d}")  # fmt: skip
     serve.add_argument("--store-conflict-retries", type=int, default=5,
@@ -111,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
             store_watch_block_timeout=args.store_watch_block_timeout,
             store_watch_batch_size=args.store_watch_batch_size,
             store_connect_timeout=args.store_connect_timeout,
+            store_request_timeout=args.store_request_timeout,
             store_retry_interval=args.store_retry_interval,
             store_conflict_retries=args.store_conflict_retries,
             shutdown_grace_period=args.shutdown_grace_period,

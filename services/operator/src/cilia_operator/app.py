@@ -77,6 +77,7 @@ class Operator:
             watch_block_timeout=config.store_watch_block_timeout,
             watch_batch_size=config.store_watch_batch_size,
             connect_timeout=config.store_connect_timeout,
+            request_timeout=config.store_request_timeout,
         )
         self.controller = IPAMController(
             self.store,

@@ -42,6 +42,7 @@ class Config(BaseModel):
     store_watch_block_timeout: float = Field(default=5.0, gt=0)
     store_watch_batch_size: int = Field(default=500, ge=1)
     store_connect_timeout: float = Field(default=5.0, gt=0)
+    store_request_timeout: float = Field(default=10.0, gt=0)
     store_retry_interval: float = Field(default=1.0, gt=0)
     store_conflict_retries: int = Field(default=5, ge=1)
     shutdown_grace_period: float = Field(default=5.0, ge=0)

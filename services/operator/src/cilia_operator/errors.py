@@ -24,7 +24,7 @@ class FieldError:
         return f"{self.path}: {self.reason}" if self.path else self.reason
 
 
-class InvalidResource(ValueError):  # noqa: N818 (Kubernetes-style name)
+class InvalidResource(ValueError):
     """A resource document failed validation; ``errors`` lists every problem found."""
 
     def __init__(self, errors: Sequence[FieldError]) -> None:

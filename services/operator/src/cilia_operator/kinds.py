@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from .ipam import node, pool
 
 
-class UnknownKind(ValueError):  # noqa: N818 (Kubernetes-style name)
+class UnknownKind(ValueError):
     """A kind name (or apiVersion/kind pair) the operator does not serve."""
 
 

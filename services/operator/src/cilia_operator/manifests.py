@@ -32,7 +32,7 @@ class DocumentError:
         return f"document {self.index}{what}: {self.error}"
 
 
-class InvalidManifest(ValueError):  # noqa: N818 (Kubernetes-style name)
+class InvalidManifest(ValueError):
     """The manifest cannot be applied; ``errors`` lists every problem. Nothing was written."""
 
     def __init__(self, errors: list[DocumentError]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import ipaddress
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -15,12 +16,29 @@ from ..ipam import node as nodes
 from ..ipam.controller import IPAMController
 from ..ipam.pool import ObjectMeta
 from ..kinds import NODE
-from ..store import AlreadyExists, Conflict, NotFound, Store
-from .errors import unary
+from ..store import AlreadyExists, Conflict, Expired, NotFound, Resource, Store, StoreError
+from .errors import status_for, unary
 
 log = logging.getLogger(__name__)
 
 VERSION_ANNOTATION = "cilia.io/agent-version"
+HUBBLE_ANNOTATION = "cilia.io/hubble-address"
+
+
+def node_message(record: Resource) -> pb.Node:
+    """A CiliumNode record as ``cilia.controlplane.v1.Node``."""
+    meta = record.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    return pb.Node(
+        name=meta.get("name", ""),
+        addresses=[
+            a.get("ip", "")
+            for a in (record.get("spec") or {}).get("addresses") or []
+            if a.get("type") == "InternalIP"
+        ],
+        hubble_address=annotations.get(HUBBLE_ANNOTATION, ""),
+        version=annotations.get(VERSION_ANNOTATION, ""),
+    )
 
 
 def _invalid(request: pb.RegisterRequest) -> str:
@@ -83,9 +101,10 @@ class NodeServicer:
             desired = copy.deepcopy(current)
             desired.setdefault("spec", {})["addresses"] = addresses
             desired.setdefault("status", {})["localNetworks"] = networks
-            if request.version:
-                annotations = desired["metadata"].setdefault("annotations", {})
-                annotations[VERSION_ANNOTATION] = request.version
+            for key, value in ((VERSION_ANNOTATION, request.version),
+                               (HUBBLE_ANNOTATION, request.hubble_address)):  # fmt: skip
+                if value:
+                    desired["metadata"].setdefault("annotations", {})[key] = value
             try:
                 if "resourceVersion" not in current["metadata"]:
                     await self.store.create(desired)
@@ -101,3 +120,44 @@ class NodeServicer:
             raise Conflict(NODE.kind, "", name, "", "changing too fast")
         self.controller.enqueue(name)
         return pb.RegisterResponse(default_pool=self.default_pool)
+
+    async def WatchNodes(  # noqa: N802 (gRPC method name)
+        self, request: pb.WatchNodesRequest, context: Any
+    ) -> AsyncIterator[pb.WatchNodesResponse]:
+        """Stream every registered node (one message, ``synced`` true), then each change
+        of a node's name/addresses/Hubble address/version, and deletions.
+
+        A watch that falls behind the store's history relists and sends the difference
+        (ending with ``synced`` true again). Errors: UNAVAILABLE.
+        """
+        sent: dict[str, pb.Node] = {}
+        upsert, delete = pb.EVENT_TYPE_UPSERT, pb.EVENT_TYPE_DELETE
+        while True:
+            try:
+                listed = await self.store.list(NODE.kind)
+            except StoreError as exc:
+                await context.abort(status_for(exc), str(exc))
+            current = {o["metadata"]["name"]: node_message(o) for o in listed.items}
+            events = [
+                pb.NodeEvent(type=delete, node=sent[n]) for n in sorted(set(sent) - set(current))
+            ]
+            events += [
+                pb.NodeEvent(type=upsert, node=msg)
+                for name, msg in current.items()
+                if sent.get(name) != msg
+            ]
+            sent = current
+            yield pb.WatchNodesResponse(events=events, synced=True)
+            try:
+                async for event in self.store.watch(NODE.kind, listed.resource_version):
+                    msg = node_message(event.object)
+                    if event.type == "DELETED":
+                        sent.pop(msg.name, None)
+                        yield pb.WatchNodesResponse(events=[pb.NodeEvent(type=delete, node=msg)])
+                    elif sent.get(msg.name) != msg:
+                        sent[msg.name] = msg
+                        yield pb.WatchNodesResponse(events=[pb.NodeEvent(type=upsert, node=msg)])
+            except Expired:
+                log.info("node watch expired; relisting")
+            except StoreError as exc:
+                await context.abort(status_for(exc), str(exc))

@@ -27,7 +27,7 @@ class IPAMError(Exception):
     """Base class of allocation failures."""
 
 
-class AllocatorNotReady(IPAMError):  # noqa: N818 (Kubernetes-style name)
+class AllocatorNotReady(IPAMError):
     """Allocation attempted before every node's existing CIDRs were restored."""
 
     def __init__(self) -> None:

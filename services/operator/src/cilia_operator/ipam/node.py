@@ -192,11 +192,11 @@ def with_allocation(
     out = copy.deepcopy(dict(node))
     pools = out.setdefault("spec", {}).setdefault("ipam", {}).setdefault("pools", {})
     pools["allocated"] = allocated_json(alloc)
-    ipam_status = out.setdefault("status", {}).setdefault("ipam", {})
+    status = out.setdefault("status", {})
     if error:
-        ipam_status["operator-status"] = {"error": error}
-    else:
-        ipam_status.pop("operator-status", None)
+        status.setdefault("ipam", {})["operator-status"] = {"error": error}
+    elif "operator-status" in status.get("ipam", {}):
+        del status["ipam"]["operator-status"]
     return out
 
 

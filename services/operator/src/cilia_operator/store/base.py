@@ -31,11 +31,11 @@ class StoreError(Exception):
     """Base class of every store failure."""
 
 
-class StoreUnavailable(StoreError):  # noqa: N818 (Kubernetes-style name)
+class StoreUnavailable(StoreError):
     """The backend cannot be reached (connection refused, timeout)."""
 
 
-class NotFound(StoreError):  # noqa: N818 (Kubernetes-style name)
+class NotFound(StoreError):
     """The resource does not exist (HTTP 404)."""
 
     def __init__(self, kind: str, namespace: str, name: str) -> None:
@@ -43,7 +43,7 @@ class NotFound(StoreError):  # noqa: N818 (Kubernetes-style name)
         super().__init__(f"{kind} {_display(namespace, name)} not found")
 
 
-class AlreadyExists(StoreError):  # noqa: N818 (Kubernetes-style name)
+class AlreadyExists(StoreError):
     """Create of a resource that already exists (HTTP 409 AlreadyExists)."""
 
     def __init__(self, kind: str, namespace: str, name: str) -> None:
@@ -51,7 +51,7 @@ class AlreadyExists(StoreError):  # noqa: N818 (Kubernetes-style name)
         super().__init__(f"{kind} {_display(namespace, name)} already exists")
 
 
-class Conflict(StoreError):  # noqa: N818 (Kubernetes-style name)
+class Conflict(StoreError):
     """Update/delete based on a stale resourceVersion (HTTP 409 Conflict).
 
     Attributes:
@@ -68,7 +68,7 @@ class Conflict(StoreError):  # noqa: N818 (Kubernetes-style name)
         )
 
 
-class Expired(StoreError):  # noqa: N818 (Kubernetes-style name)
+class Expired(StoreError):
     """The watch history after ``since`` was trimmed (HTTP 410 Gone): list again."""
 
     def __init__(self, kind: str, since: str, oldest_kept: str) -> None:

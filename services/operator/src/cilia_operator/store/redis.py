@@ -131,6 +131,8 @@ class RedisStore(Store):
         watch_block_timeout: seconds one ``XREAD BLOCK`` waits before polling again (> 0).
         watch_batch_size: max events read per round trip by a watch (>= 1).
         connect_timeout: seconds to wait for a TCP connection (> 0).
+        request_timeout: seconds to wait for a reply (> 0); a blocking watch read may
+            take ``watch_block_timeout`` longer.
 
     Raises (from every method):
         StoreUnavailable: Redis cannot be reached.
@@ -145,20 +147,24 @@ class RedisStore(Store):
         watch_block_timeout: float = 5.0,
         watch_batch_size: int = 500,
         connect_timeout: float = 5.0,
+        request_timeout: float = 10.0,
     ) -> None:
         if event_history < 1:
             raise ValueError(f"event_history must be >= 1, got {event_history}")
         if watch_batch_size < 1:
             raise ValueError(f"watch_batch_size must be >= 1, got {watch_batch_size}")
-        if watch_block_timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("watch_block_timeout and connect_timeout must be > 0")
+        if min(watch_block_timeout, connect_timeout, request_timeout) <= 0:
+            raise ValueError("watch_block_timeout, connect_timeout, request_timeout must be > 0")
         self.url = url
         self._prefix = prefix
         self._history = event_history
         self._block_ms = max(1, int(watch_block_timeout * 1000))
         self._batch = watch_batch_size
         self._r: Any = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_connect_timeout=connect_timeout
+            url,
+            decode_responses=True,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=request_timeout + watch_block_timeout,
         )
         self._write = self._r.register_script(_WRITE)
         self._read_events = self._r.register_script(_READ_EVENTS)
