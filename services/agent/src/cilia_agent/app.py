@@ -64,7 +64,7 @@ class Agent:
         self.config = config
         self.static_allocation = {k: list(v) for k, v in (static_allocation or {}).items()}
         self.metrics = Metrics()
-        self.store = StateStore(config.state_dir)
+        self.store = StateStore(config.state_dir, durable=config.state_fsync)
         self.ipam = IPAM(
             config.ipam_multi_pool_pre_allocation,
             pending_ttl=config.ipam_pending_allocation_ttl,

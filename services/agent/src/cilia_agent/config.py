@@ -59,6 +59,8 @@ FLAG_HELP: dict[str, str] = {
     "(default 127.0.0.1:4250)",
     "state_dir": "directory of endpoint and node state files (default /var/run/cilia/state)",
     "socket": "unix socket of the CNI/debug gRPC API, mode 0600 (default /var/run/cilia/cilia.sock)",
+    "state_fsync": "fsync state files and their directory on every write, for state dirs "
+    "on persistent disks (default false: the rename alone is crash-atomic)",
     "cni_conf_dir": "directory the CNI conflist is written to once ready (default /etc/cni/net.d)",
     "cni_conf_name": "file name of the CNI conflist (default 05-cilia.conflist)",
     "cni_log_file": "log file the CNI plugin should use; empty = none (default '')",
@@ -95,6 +97,7 @@ class Config(BaseModel):
     node_name: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
     operator: str = "127.0.0.1:4250"
     state_dir: pathlib.Path = pathlib.Path("/var/run/cilia/state")
+    state_fsync: bool = False
     socket: pathlib.Path = pathlib.Path("/var/run/cilia/cilia.sock")
     cni_conf_dir: pathlib.Path = pathlib.Path("/etc/cni/net.d")
     cni_conf_name: str = "05-cilia.conflist"
@@ -121,7 +124,7 @@ class Config(BaseModel):
             return parse_pre_allocation(value)
         return value
 
-    @field_validator("install_iptables_rules", mode="before")
+    @field_validator("install_iptables_rules", "state_fsync", mode="before")
     @classmethod
     def _bool(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 RTNH_F_ONLINK = 4
 IP_FORWARD = pathlib.Path("/proc/sys/net/ipv4/ip_forward")
 IFNAMSIZ = 15
+LOOPBACK_INDEX = 1  # lo is ifindex 1 in every network namespace
 
 
 def host_ifname(container_id: str, ifname: str) -> str:
@@ -73,13 +74,18 @@ class PlumbResult:
 
 
 def _first(ipr: IPRoute, name: str) -> int | None:
-    found = ipr.link_lookup(ifname=name)
-    return int(found[0]) if found else None
+    msg = _get(ipr, name)
+    return int(msg["index"]) if msg is not None else None
 
 
-def _mac(ipr: IPRoute, index: int) -> str:
-    msg: Any = ipr.link("get", index=index)[0]
-    return str(msg.get("address") or "")
+def _get(ipr: IPRoute, name: str) -> Any:
+    """The link message of ``name`` (one RTM_GETLINK), or None when absent."""
+    try:
+        return ipr.link("get", ifname=name)[0]
+    except NetlinkError as exc:
+        if exc.code == 19:  # ENODEV
+            return None
+        raise
 
 
 class LinuxDatapath:
@@ -188,15 +194,15 @@ class LinuxDatapath:
         host = host_ifname(req.container_id, req.ifname)
         tmp = _temp_ifname(req.container_id, req.ifname)
         with iproute_in(req.netns) as ns, IPRoute() as ipr:
-            if _first(ns, req.ifname) is not None:
+            if _get(ns, req.ifname) is not None:
                 raise InterfaceExists(req.ifname, req.netns)
-            stale = _first(ipr, host)
+            stale = _get(ipr, host)
             if stale is not None:
                 log.warning(
                     "removing stale host veth",
                     extra={"container_id": req.container_id, "host_ifname": host},
                 )
-                ipr.link("del", index=stale)
+                ipr.link("del", index=stale["index"])
             created = False
             try:
                 ipr.link(
@@ -207,19 +213,18 @@ class LinuxDatapath:
                     peer={"ifname": tmp, "net_ns_fd": req.netns, "mtu": req.mtu},
                 )
                 created = True
-                hidx = _first(ipr, host)
-                if hidx is None:
+                hmsg = _get(ipr, host)
+                if hmsg is None:
                     raise DatapathError(f"veth {host} vanished after creation")
+                hidx = hmsg["index"]
                 ipr.link("set", index=hidx, state="up")
                 ipr.route("add", dst=f"{req.ipv4}/32", oif=hidx, scope=253)
-                cidx = _first(ns, tmp)
-                if cidx is None:
+                cmsg = _get(ns, tmp)
+                if cmsg is None:
                     raise DatapathError(f"veth peer {tmp} not found in {req.netns}")
-                ns.link("set", index=cidx, ifname=req.ifname)
-                ns.link("set", index=cidx, state="up")
-                lo = _first(ns, "lo")
-                if lo is not None:
-                    ns.link("set", index=lo, state="up")
+                cidx = cmsg["index"]
+                ns.link("set", index=cidx, ifname=req.ifname, state="up")
+                ns.link("set", index=LOOPBACK_INDEX, state="up")
                 ns.addr("add", index=cidx, address=str(req.ipv4), prefixlen=32)
                 ns.route(
                     "add",
@@ -228,7 +233,9 @@ class LinuxDatapath:
                     oif=cidx,
                     flags=RTNH_F_ONLINK,
                 )
-                return PlumbResult(host, _mac(ipr, hidx), _mac(ns, cidx))
+                return PlumbResult(
+                    host, str(hmsg.get("address") or ""), str(cmsg.get("address") or "")
+                )
             except NetlinkError as exc:
                 if created:
                     self._delete_link(ipr, host)

@@ -86,8 +86,16 @@ class NodeState(BaseModel):
     registered: bool = False
 
 
-def atomic_write(path: pathlib.Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` atomically (tmp file, fsync, rename, fsync dir).
+def atomic_write(
+    path: pathlib.Path, data: bytes, mode: int = 0o600, *, durable: bool = False
+) -> None:
+    """Write ``data`` to ``path`` atomically (tmp file, rename).
+
+    The rename makes the write atomic against a crash of the process: readers
+    see the old or the new content, never a torn file. With ``durable`` the
+    file and its directory are also ``fsync``-ed, so the write survives a power
+    loss (the state dir normally lives on tmpfs under /var/run, where pods'
+    network namespaces do not survive a reboot either; see ``--state-fsync``).
 
     Raises:
         StateError: the file could not be written.
@@ -97,15 +105,17 @@ def atomic_write(path: pathlib.Path, data: bytes, mode: int = 0o600) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         try:
             os.write(fd, data)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        if durable:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise StateError(f"cannot write {path}: {exc.strerror or exc}") from exc
@@ -116,13 +126,15 @@ class StateStore:
 
     Args:
         root: the ``--state-dir`` (created with mode 0700 when missing).
+        durable: fsync every write (``--state-fsync``), see :func:`atomic_write`.
 
     Raises:
         StateError: ``root`` cannot be created.
     """
 
-    def __init__(self, root: pathlib.Path) -> None:
+    def __init__(self, root: pathlib.Path, *, durable: bool = False) -> None:
         self.root = root
+        self.durable = durable
         self.endpoints_dir = root / ENDPOINTS_DIR
         try:
             self.endpoints_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -138,6 +150,7 @@ class StateStore:
         atomic_write(
             self.endpoint_path(record.container_id, record.ifname),
             record.model_dump_json(indent=1).encode(),
+            durable=self.durable,
         )
 
     def remove_endpoint(self, container_id: str, ifname: str) -> None:
@@ -169,7 +182,9 @@ class StateStore:
 
     def write_node(self, state: NodeState) -> None:
         """Persist the node state atomically. Raises StateError."""
-        atomic_write(self.root / NODE_FILE, state.model_dump_json(indent=1).encode())
+        atomic_write(
+            self.root / NODE_FILE, state.model_dump_json(indent=1).encode(), durable=self.durable
+        )
 
     def load_node(self) -> NodeState:
         """Return the persisted node state, or an empty one when absent.

@@ -1,0 +1,215 @@
+"""Enrichment lookups: who is behind an endpoint id, an IP, an identity, an ifindex.
+
+The parser only talks to the :class:`Resolver` protocol; the agent either
+implements it over its own state or feeds a :class:`MemoryResolver` from its
+endpoint manager, the operator's ipcache stream (``EndpointService.WatchIPCache``),
+the identity stream and the veths it creates.
+
+Upstream: Hubble's parser getters (``pkg/hubble/parser/getters``: EndpointGetter,
+IdentityGetter, IPGetter, LinkGetter) play the same role.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+# Reserved identities and their labels (upstream pkg/identity/numericidentity.go).
+RESERVED_IDENTITY_LABELS: dict[int, tuple[str, ...]] = {
+    1: ("reserved:host",),
+    2: ("reserved:world",),
+    3: ("reserved:unmanaged",),
+    4: ("reserved:health",),
+    5: ("reserved:init",),
+    6: ("reserved:remote-node",),
+    7: ("reserved:kube-apiserver",),
+    8: ("reserved:ingress",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRef:
+    """What the agent knows about one side of a flow.
+
+    Attributes:
+        id: local endpoint id (0 for anything not on this node).
+        identity: security identity (0 = unknown).
+        namespace: pod namespace ("" for non-pods).
+        pod_name: pod name ("" for non-pods).
+        labels: "source:key=value" strings (may be empty; identity labels win).
+    """
+
+    id: int = 0
+    identity: int = 0
+    namespace: str = ""
+    pod_name: str = ""
+    labels: tuple[str, ...] = ()
+
+
+class Resolver(Protocol):
+    """Lookups the flow parser needs; every method returns ``None`` when unknown.
+
+    Implementations must be cheap (called up to 4 times per flow on the event loop)
+    and must not block.
+    """
+
+    def endpoint_by_id(self, ep_id: int) -> EndpointRef | None:
+        """The local endpoint with this id."""
+
+    def endpoint_by_ip(self, ip: str) -> EndpointRef | None:
+        """The endpoint (local, or remote through the ipcache owner "ns/name") owning ``ip``."""
+
+    def identity_labels(self, identity: int) -> Sequence[str] | None:
+        """Labels of a security identity ("source:key=value")."""
+
+    def interface_name(self, ifindex: int) -> str | None:
+        """Name of a host network interface."""
+
+
+def _owner(owner: str) -> tuple[str, str]:
+    namespace, _, name = owner.partition("/")
+    return (namespace, name) if name else ("", "")
+
+
+class MemoryResolver:
+    """In-memory :class:`Resolver` the agent feeds with ``set_*``/``remove_*`` calls.
+
+    Not thread-safe: call it from the agent's event loop (the same loop the
+    Hubble reader parses on).
+
+    Args:
+        kernel_interface_names: when an ifindex was never registered with
+            :meth:`set_interface`, ask the kernel (``if_indextoname`` in the agent's
+            network namespace); ``False`` = only registered names.
+    """
+
+    def __init__(self, *, kernel_interface_names: bool = True) -> None:
+        self._kernel_names = kernel_interface_names
+        self._endpoints: dict[int, EndpointRef] = {}
+        self._endpoint_ips: dict[str, int] = {}
+        self._ep_ip_of: dict[int, str] = {}
+        # ipcache: one dict per prefix length, longest prefix checked first.
+        self._ipcache: dict[int, dict[int, tuple[int, str]]] = {}
+        self._identities: dict[int, tuple[str, ...]] = {}
+        self._interfaces: dict[int, str] = {}
+
+    # -- feeding -------------------------------------------------------------
+
+    def set_endpoint(
+        self,
+        ep_id: int,
+        *,
+        ipv4: str | None,
+        identity: int,
+        namespace: str,
+        pod_name: str,
+        labels: Iterable[str] = (),
+    ) -> None:
+        """Add or replace a local endpoint (and its IPv4 address for by-IP lookups).
+
+        Raises:
+            ValueError: ``ipv4`` is not an IPv4 address.
+        """
+        if ipv4 is not None:
+            ipv4 = str(ipaddress.IPv4Address(ipv4))
+        self.remove_endpoint(ep_id)
+        self._endpoints[ep_id] = EndpointRef(
+            id=ep_id,
+            identity=identity,
+            namespace=namespace,
+            pod_name=pod_name,
+            labels=tuple(labels),
+        )
+        if ipv4 is not None:
+            self._endpoint_ips[ipv4] = ep_id
+            self._ep_ip_of[ep_id] = ipv4
+
+    def remove_endpoint(self, ep_id: int) -> None:
+        """Forget a local endpoint; unknown ids are ignored."""
+        self._endpoints.pop(ep_id, None)
+        ip = self._ep_ip_of.pop(ep_id, None)
+        if ip is not None and self._endpoint_ips.get(ip) == ep_id:
+            del self._endpoint_ips[ip]
+
+    def set_ipcache(self, cidr: str, identity: int, owner: str = "") -> None:
+        """Add or replace an ipcache entry (``IPCacheEntry.cidr/identity/owner``).
+
+        Args:
+            cidr: "10.200.0.5/32" (a bare address means /32).
+            identity: security identity of the prefix.
+            owner: "namespace/name" of the pod, "" for non-pods.
+
+        Raises:
+            ValueError: ``cidr`` is not an IPv4 prefix.
+        """
+        net = ipaddress.IPv4Network(cidr, strict=False)
+        self._ipcache.setdefault(net.prefixlen, {})[int(net.network_address)] = (identity, owner)
+
+    def remove_ipcache(self, cidr: str) -> None:
+        """Remove an ipcache entry; unknown prefixes are ignored.
+
+        Raises:
+            ValueError: ``cidr`` is not an IPv4 prefix.
+        """
+        net = ipaddress.IPv4Network(cidr, strict=False)
+        self._ipcache.get(net.prefixlen, {}).pop(int(net.network_address), None)
+
+    def set_identity(self, identity: int, labels: Iterable[str]) -> None:
+        """Record the labels of a security identity."""
+        self._identities[identity] = tuple(labels)
+
+    def remove_identity(self, identity: int) -> None:
+        """Forget an identity; unknown ones are ignored."""
+        self._identities.pop(identity, None)
+
+    def set_interface(self, ifindex: int, name: str) -> None:
+        """Record a host interface name (the endpoint's ``lxc…`` veth)."""
+        self._interfaces[ifindex] = name
+
+    def remove_interface(self, ifindex: int) -> None:
+        """Forget an interface; unknown ones are ignored."""
+        self._interfaces.pop(ifindex, None)
+
+    # -- Resolver ------------------------------------------------------------
+
+    def endpoint_by_id(self, ep_id: int) -> EndpointRef | None:
+        """See :meth:`Resolver.endpoint_by_id`."""
+        return self._endpoints.get(ep_id)
+
+    def endpoint_by_ip(self, ip: str) -> EndpointRef | None:
+        """Local endpoints first, then the longest matching ipcache prefix."""
+        ep_id = self._endpoint_ips.get(ip)
+        if ep_id is not None:
+            return self._endpoints.get(ep_id)
+        try:
+            addr = int(ipaddress.IPv4Address(ip))
+        except ValueError:
+            return None
+        for prefixlen in sorted(self._ipcache, reverse=True):
+            mask = (0xFFFFFFFF << (32 - prefixlen)) & 0xFFFFFFFF
+            hit = self._ipcache[prefixlen].get(addr & mask)
+            if hit is not None:
+                identity, owner = hit
+                namespace, name = _owner(owner)
+                return EndpointRef(identity=identity, namespace=namespace, pod_name=name)
+        return None
+
+    def identity_labels(self, identity: int) -> Sequence[str] | None:
+        """Fed labels, else the reserved identities' labels."""
+        labels = self._identities.get(identity)
+        if labels is not None:
+            return labels
+        return RESERVED_IDENTITY_LABELS.get(identity)
+
+    def interface_name(self, ifindex: int) -> str | None:
+        """Registered name, else (optionally) the kernel's name for the index."""
+        name = self._interfaces.get(ifindex)
+        if name is not None or not self._kernel_names or ifindex <= 0:
+            return name
+        try:
+            return socket.if_indextoname(ifindex)
+        except OSError:
+            return None
