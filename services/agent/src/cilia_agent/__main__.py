@@ -60,8 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             field = ".".join(str(p) for p in first["loc"]) or "config"
             print(f"cilia-agent: --{field.replace('_', '-')}: {first['msg']}", file=sys.stderr)
             return 2
+        from cilia_agent.datapath import DatapathError
+        from cilia_agent.endpoint import StateError
+        from cilia_common.grpcserver import BindError
+
         setup_logging("cilia-agent", config.log_level)
-        app.run(config)
+        try:
+            app.run(config)
+        except (BindError, DatapathError, StateError, OSError) as exc:
+            print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)
+            return 1
         return 0
     from cilia_agent import cli
 

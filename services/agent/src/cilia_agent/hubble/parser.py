@@ -27,9 +27,9 @@ from __future__ import annotations
 import time
 import uuid
 
-from cilia.hubble.flow import flow_pb2
 from google.protobuf import timestamp_pb2, wrappers_pb2
 
+from cilia.hubble.flow import flow_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.enrich import EndpointRef, Resolver
 

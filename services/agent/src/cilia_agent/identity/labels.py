@@ -350,9 +350,7 @@ RESERVED_IDENTITIES: Mapping[int, ReservedIdentity] = {
 }
 """Reserved identities 1..8 (upstream ``pkg/identity/numericidentity.go``)."""
 
-RESERVED_BY_NAME: Mapping[str, ReservedIdentity] = {
-    r.name: r for r in RESERVED_IDENTITIES.values()
-}
+RESERVED_BY_NAME: Mapping[str, ReservedIdentity] = {r.name: r for r in RESERVED_IDENTITIES.values()}
 
 
 def is_cluster_identity(identity: int) -> bool:
