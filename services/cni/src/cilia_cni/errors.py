@@ -40,31 +40,31 @@ class CniError(Exception):
         self.details = details
 
 
-class IncompatibleVersion(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class IncompatibleVersion(CniError):
     """The netconf's ``cniVersion`` is not one this plugin speaks (code 1)."""
 
     code = INCOMPATIBLE_VERSION
 
 
-class InvalidEnvironment(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class InvalidEnvironment(CniError):
     """A required CNI_* environment variable is missing or malformed (code 4)."""
 
     code = INVALID_ENVIRONMENT
 
 
-class IOFailure(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class IOFailure(CniError):
     """stdin could not be read (code 5)."""
 
     code = IO_FAILURE
 
 
-class DecodingFailure(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class DecodingFailure(CniError):
     """stdin is not a UTF-8 JSON object (code 6)."""
 
     code = DECODING_FAILURE
 
 
-class InvalidNetworkConfig(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class InvalidNetworkConfig(CniError):
     """A netconf field is missing or has a bad value; the field is named (code 7).
 
     Also used when the agent rejects a request field (gRPC INVALID_ARGUMENT).
@@ -73,13 +73,13 @@ class InvalidNetworkConfig(CniError):  # noqa: N818 - STYLE.md names (AgentUnava
     code = INVALID_NETWORK_CONFIG
 
 
-class InvalidNetNS(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class InvalidNetNS(CniError):
     """The agent cannot find the network namespace CNI_NETNS (code 8, libcni ErrInvalidNetNS)."""
 
     code = INVALID_NETNS
 
 
-class AgentUnavailable(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class AgentUnavailable(CniError):
     """cilia-agent is not reachable, not ready, or did not answer in time (code 11).
 
     The runtime retries later (kubelet retries pod sandbox creation).
@@ -96,13 +96,13 @@ class AgentTimeout(AgentUnavailable):
     """
 
 
-class AttachmentExists(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class AttachmentExists(CniError):
     """CNI_IFNAME already exists in the netns (code 100, gRPC ALREADY_EXISTS)."""
 
     code = ATTACHMENT_EXISTS
 
 
-class PoolExhausted(CniError):  # noqa: N818 - STYLE.md names (AgentUnavailable, PoolExhausted)
+class PoolExhausted(CniError):
     """The node's IPAM pool has no free address (code 101, gRPC RESOURCE_EXHAUSTED)."""
 
     code = POOL_EXHAUSTED
