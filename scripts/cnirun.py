@@ -218,7 +218,7 @@ def list_netns(prefix: str) -> list[str]:
 
 def ping(netns: str, address: str, *, count: int = 1, wait_seconds: int = 2) -> bool:
     """True when ``address`` answers ``count`` pings from inside ``netns`` (host if empty)."""
-    argv = ["ping", "-n", "-q", "-c", str(count), "-W", str(wait_seconds), address]
+    argv = ["ping", "-n", "-q", "-i", "0.2", "-c", str(count), "-W", str(wait_seconds), address]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
     return sh(*argv, check=False, timeout=count * wait_seconds + 10).returncode == 0

@@ -77,19 +77,9 @@ def _zombie(pid: int) -> bool:
 def _allocated_cidrs(node: str) -> dict[str, list[str]]:
     """``spec.ipam.pools.allocated`` of CiliumNode ``node`` via ``cilia-operator get``."""
     out = cnirun.operator_cli("get", "ciliumnodes", node, "-o", "json")
-    if out.returncode != 0:
-        out = cnirun.operator_cli("get", "ciliumnodes", node)
     assert out.returncode == 0, out.stdout + out.stderr
-    try:
-        data = json.loads(out.stdout)
-    except json.JSONDecodeError:
-        import yaml  # the .venv has PyYAML (operator dependency)
-
-        data = yaml.safe_load(out.stdout)
-    if isinstance(data, dict) and "items" in data:
-        [data] = [n for n in data["items"] if n["metadata"]["name"] == node]
-    if isinstance(data, list):
-        [data] = [n for n in data if n["metadata"]["name"] == node]
+    data = json.loads(out.stdout)
+    assert data["kind"] == "CiliumNode" and data["metadata"]["name"] == node, data
     allocated = data["spec"]["ipam"]["pools"]["allocated"]
     return {entry["pool"]: sorted(entry["cidrs"]) for entry in allocated}
 
