@@ -1,0 +1,174 @@
+"""Prometheus metrics of the datapath and of Hubble, with upstream names.
+
+- ``hubble_flows_processed_total{type,subtype,verdict}``: flows the Hubble reader
+  processed (upstream ``pkg/hubble/metrics/flow``: type "Trace"/"Drop", subtype the
+  trace observation point such as "to-endpoint"/"from-endpoint", "" for drops,
+  verdict the ``flow.Verdict`` name).
+- ``cilium_drop_count_total{reason,direction}`` / ``cilium_drop_bytes_total{reason,direction}``
+  and ``cilium_forward_count_total{direction}`` / ``cilium_forward_bytes_total{direction}``:
+  the datapath's per-CPU counters (``cilia_metrics`` map), summed over CPUs, exported
+  as-is at scrape time (upstream ``pkg/metrics`` datapath collector). ``reason`` is the
+  upstream text ("Policy denied" for 133, "Policy denied by denylist" for 181),
+  ``direction`` is "INGRESS"/"EGRESS".
+
+Every metric lives in the registry passed in (default: the global one), so tests and
+several agents in one process do not clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from cilia.hubble.flow import flow_pb2
+from cilia_agent.hubble import events
+
+# Upstream drop reason texts (pkg/monitor/api/drop.go) for the codes Cilia emits.
+DROP_REASON_TEXT: dict[int, str] = {
+    events.DROP_POLICY_DENIED: "Policy denied",
+    events.DROP_POLICY_DENY: "Policy denied by denylist",
+}
+
+_DIRECTION_TEXT = {events.DIR_INGRESS: "INGRESS", events.DIR_EGRESS: "EGRESS"}
+_TRACE_POINT_TEXT = {0: "to-endpoint", 5: "from-endpoint"}
+
+
+def drop_reason_text(reason: int) -> str:
+    """Upstream text of a drop reason code; unknown codes as "Unknown reason (N)"."""
+    return DROP_REASON_TEXT.get(reason, f"Unknown reason ({reason})")
+
+
+def direction_text(direction: int) -> str:
+    """ "INGRESS" for 0, "EGRESS" for 1, "UNKNOWN" otherwise (struct metrics_key.dir)."""
+    return _DIRECTION_TEXT.get(direction, "UNKNOWN")
+
+
+@dataclass(frozen=True, slots=True)
+class CounterReading:
+    """One entry of the ``cilia_metrics`` per-CPU map.
+
+    Attributes:
+        reason: ``metrics_key.reason`` (0 = forwarded, else a drop reason).
+        direction: ``metrics_key.dir`` (0 ingress, 1 egress).
+        packets: per-CPU packet counts (any iterable of ints; summed).
+        bytes: per-CPU byte counts (summed).
+    """
+
+    reason: int
+    direction: int
+    packets: Iterable[int]
+    bytes: Iterable[int]
+
+
+class _DatapathCollector(Collector):
+    def __init__(self) -> None:
+        self.forward: dict[str, tuple[int, int]] = {}
+        self.drop: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        drop_count = CounterMetricFamily(
+            "cilium_drop_count", "Total dropped packets", labels=["reason", "direction"]
+        )
+        drop_bytes = CounterMetricFamily(
+            "cilium_drop_bytes", "Total dropped bytes", labels=["reason", "direction"]
+        )
+        fwd_count = CounterMetricFamily(
+            "cilium_forward_count", "Total forwarded packets", labels=["direction"]
+        )
+        fwd_bytes = CounterMetricFamily(
+            "cilium_forward_bytes", "Total forwarded bytes", labels=["direction"]
+        )
+        for (reason, direction), (packets, nbytes) in sorted(self.drop.items()):
+            drop_count.add_metric([reason, direction], packets)
+            drop_bytes.add_metric([reason, direction], nbytes)
+        for direction, (packets, nbytes) in sorted(self.forward.items()):
+            fwd_count.add_metric([direction], packets)
+            fwd_bytes.add_metric([direction], nbytes)
+        yield drop_count
+        yield drop_bytes
+        yield fwd_count
+        yield fwd_bytes
+
+
+class HubbleMetrics:
+    """Hubble and datapath metrics registered in ``registry``.
+
+    Args:
+        registry: where to register (default: prometheus_client's global REGISTRY;
+            pass a fresh ``CollectorRegistry()`` in tests or when the agent has its own).
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.flows_processed = Counter(
+            "hubble_flows_processed",
+            "Total number of flows processed",
+            ["type", "subtype", "verdict"],
+            registry=registry,
+        )
+        self._datapath = _DatapathCollector()
+        registry.register(self._datapath)
+
+    def flow_processed(self, flow: flow_pb2.Flow) -> None:
+        """Count one flow in ``hubble_flows_processed_total``."""
+        etype = flow.event_type.type
+        if etype == events.EVENT_DROP:
+            type_name, subtype = "Drop", ""
+        elif etype == events.EVENT_TRACE:
+            type_name = "Trace"
+            subtype = _TRACE_POINT_TEXT.get(flow.event_type.sub_type, str(flow.event_type.sub_type))
+        else:
+            type_name, subtype = "Unknown", str(etype)
+        self.flows_processed.labels(type_name, subtype, flow_pb2.Verdict.Name(flow.verdict)).inc()
+
+    def update_datapath_counters(self, readings: Iterable[CounterReading]) -> None:
+        """Replace the exported datapath counters with a fresh read of ``cilia_metrics``.
+
+        Call it with every entry of the map (e.g. on a timer or before a scrape). Values
+        are the map's cumulative counters: they are exported as-is, not added.
+        Readings with the same labels (e.g. reason codes sharing a text) are summed.
+        """
+        forward: dict[str, tuple[int, int]] = {}
+        drop: dict[tuple[str, str], tuple[int, int]] = {}
+        for r in readings:
+            packets, nbytes = sum(r.packets), sum(r.bytes)
+            direction = direction_text(r.direction)
+            if r.reason == 0:
+                p, b = forward.get(direction, (0, 0))
+                forward[direction] = (p + packets, b + nbytes)
+            else:
+                key = (drop_reason_text(r.reason), direction)
+                p, b = drop.get(key, (0, 0))
+                drop[key] = (p + packets, b + nbytes)
+        self._datapath.forward = forward
+        self._datapath.drop = drop
+
+    def close(self) -> None:
+        """Unregister everything from the registry (agent shutdown, tests)."""
+        self.registry.unregister(self.flows_processed)
+        self.registry.unregister(self._datapath)
+
+
+def read_bcc_counters(bpf: Any, table: str = "cilia_metrics") -> list[CounterReading]:
+    """Read every entry of the per-CPU ``cilia_metrics`` map of a bcc ``BPF`` object.
+
+    Returns one :class:`CounterReading` per (reason, direction) key, with per-CPU
+    values, ready for :meth:`HubbleMetrics.update_datapath_counters`.
+    """
+    readings: list[CounterReading] = []
+    for key, per_cpu in bpf[table].items():
+        values = list(per_cpu)
+        readings.append(
+            CounterReading(
+                reason=int(key.reason),
+                direction=int(key.dir),
+                packets=[int(v.packets) for v in values],
+                bytes=[int(v.bytes) for v in values],
+            )
+        )
+    return readings

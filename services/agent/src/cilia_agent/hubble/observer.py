@@ -1,0 +1,292 @@
+"""The flow store (ring + counters) and the ``observer.Observer`` gRPC servicer.
+
+GetFlows semantics follow upstream Hubble's local observer
+(``pkg/hubble/observer/local_observer.go``, re-implemented):
+
+- ``first`` and ``follow`` together, or ``number`` with ``since``/``until``: INVALID_ARGUMENT.
+- Invalid or unsupported filters: INVALID_ARGUMENT (see :mod:`.filters`).
+- ``first`` (without ``since``): start at the oldest flow; ``number`` caps the count
+  (0 = all).
+- ``follow`` with neither ``number`` nor ``since``: only flows written after the call.
+- Otherwise the ring is scanned backwards from the newest flow counting flows that pass
+  the filters until ``number`` of them were seen (or, with ``since``, until a flow
+  older than ``since``); reading then proceeds forwards from there, oldest first.
+  ``number`` = 0 without ``since`` returns the whole ring.
+- ``until``: the stream ends at the first flow newer than ``until`` (also when following).
+- Without ``follow`` the stream ends at the newest flow present when the call started.
+- Lost events stored in the ring (reader queue overflow) are always sent; a reader that
+  is overtaken by the writer receives a ``LostEvent`` with source HUBBLE_RING_BUFFER and
+  the number of flows it missed, then continues with the oldest flow still held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import timestamp_pb2, wrappers_pb2
+
+from cilia.hubble.flow import flow_pb2
+from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
+from cilia.hubble.relay import relay_pb2
+from cilia_agent.hubble.errors import InvalidFilter, InvalidRequest
+from cilia_agent.hubble.filters import FilterSet
+from cilia_agent.hubble.parser import timestamp
+from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
+
+FLOWS_RATE_WINDOW_NS = 60 * 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class RingEntry:
+    """One slot of the flow ring: a flow or a lost-events notice, with its wall time (ns)."""
+
+    time_ns: int
+    flow: flow_pb2.Flow | None = None
+    lost: flow_pb2.LostEvent | None = None
+
+
+def _ts_ns(ts: timestamp_pb2.Timestamp) -> int:
+    return int(ts.seconds) * 1_000_000_000 + int(ts.nanos)
+
+
+class FlowStore:
+    """The agent's flow ring plus the counters ServerStatus reports.
+
+    Confined to one asyncio event loop (the reader writes, servicers read there).
+
+    Args:
+        capacity: ``--hubble-event-buffer-capacity`` (2^n-1 in 1..65535, default 4095).
+        node_name: this node's name (stamped on every response).
+        version: version string reported by ServerStatus/GetNodes.
+        wall_clock_ns: wall clock (tests inject a fake one).
+
+    Raises:
+        InvalidCapacity: bad capacity.
+    """
+
+    def __init__(
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        node_name: str,
+        version: str = "",
+        wall_clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.ring: Ring[RingEntry] = Ring(capacity, time_of=lambda e: e.time_ns)
+        self.node_name = node_name
+        self.version = version
+        self.seen_flows = 0
+        self._wall = wall_clock_ns
+        self._started = time.monotonic_ns()
+
+    def add_flow(self, flow: flow_pb2.Flow) -> None:
+        """Append a flow (O(1)); wakes every follower."""
+        self.ring.write(RingEntry(_ts_ns(flow.time), flow=flow))
+        self.seen_flows += 1
+
+    def add_lost(
+        self, source: flow_pb2.LostEventSource, count: int, cpu: int | None = None
+    ) -> None:
+        """Append a LostEvent (e.g. reader queue overflow, source OBSERVER_EVENTS_QUEUE)."""
+        lost = flow_pb2.LostEvent(source=source, num_events_lost=count)
+        if cpu is not None:
+            lost.cpu.CopyFrom(wrappers_pb2.Int32Value(value=cpu))
+        self.ring.write(RingEntry(self._wall(), lost=lost))
+
+    @property
+    def uptime_ns(self) -> int:
+        """Nanoseconds since the store was created."""
+        return time.monotonic_ns() - self._started
+
+    def flows_rate(self) -> float:
+        """Flows per second over the last minute.
+
+        When the ring no longer holds a full minute (it wrapped), the rate is taken over
+        the time span it does hold, as upstream ``getFlowRate``.
+        """
+        now = self._wall()
+        since = now - FLOWS_RATE_WINDOW_NS
+        count = 0
+        oldest_seen: int | None = None
+        for _seq, entry in self.ring.iter_backward():
+            if entry.flow is None:
+                continue
+            if entry.time_ns < since:
+                break
+            count += 1
+            oldest_seen = entry.time_ns
+        else:
+            if self.ring.written > self.ring.capacity and oldest_seen is not None:
+                since = oldest_seen
+        span = now - since
+        return count / (span / 1e9) if span > 0 else 0.0
+
+    def status(self) -> observer_pb2.ServerStatusResponse:
+        """The ServerStatus answer for this node."""
+        return observer_pb2.ServerStatusResponse(
+            num_flows=len(self.ring),
+            max_flows=self.ring.capacity,
+            seen_flows=self.seen_flows,
+            uptime_ns=self.uptime_ns,
+            version=self.version,
+            flows_rate=self.flows_rate(),
+        )
+
+    # -- GetFlows -------------------------------------------------------------
+
+    def _start_seq(
+        self, req: observer_pb2.GetFlowsRequest, filters: FilterSet, since_ns: int | None
+    ) -> int:
+        ring = self.ring
+        if req.first and since_ns is None:
+            return ring.oldest
+        if req.follow and req.number == 0 and since_ns is None:
+            return ring.next_seq
+        if req.number == 0 and since_ns is None:
+            return ring.oldest
+        start = ring.next_seq
+        count = 0
+        for seq, entry in ring.iter_backward():
+            if entry.flow is None:
+                continue
+            if since_ns is not None:
+                if entry.time_ns < since_ns:
+                    break
+                start = seq
+                continue
+            if not filters.matches(entry.flow):
+                continue
+            start = seq
+            count += 1
+            if count == req.number:
+                break
+        return start
+
+    def get_flows(
+        self, req: observer_pb2.GetFlowsRequest
+    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        """Stream the responses of one GetFlows request (see module docstring).
+
+        Raises:
+            InvalidRequest: incompatible options (first+follow, number+since/until),
+                raised before anything is sent.
+            InvalidFilter: a whitelist/blacklist filter is invalid or unsupported.
+        """
+        if req.first and req.follow:
+            raise InvalidRequest("first cannot be specified with follow")
+        has_since, has_until = req.HasField("since"), req.HasField("until")
+        if req.number and (has_since or has_until):
+            raise InvalidRequest("number is incompatible with since/until")
+        for name in ("since", "until"):
+            if req.HasField(name) and not 0 <= getattr(req, name).nanos < 1_000_000_000:
+                raise InvalidRequest(f"{name}: invalid timestamp")
+        since_ns = _ts_ns(req.since) if has_since else None
+        until_ns = _ts_ns(req.until) if has_until else None
+        filters = FilterSet(req.whitelist, req.blacklist)
+        return self._stream(req, filters, since_ns, until_ns)
+
+    async def _stream(
+        self,
+        req: observer_pb2.GetFlowsRequest,
+        filters: FilterSet,
+        since_ns: int | None,
+        until_ns: int | None,
+    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        ring = self.ring
+        seq = self._start_seq(req, filters, since_ns)
+        end = ring.next_seq
+        limit = 0 if req.follow else req.number
+        sent = 0
+        while True:
+            oldest = ring.oldest
+            if seq < oldest:
+                yield observer_pb2.GetFlowsResponse(
+                    lost_events=flow_pb2.LostEvent(
+                        source=flow_pb2.HUBBLE_RING_BUFFER, num_events_lost=oldest - seq
+                    ),
+                    node_name=self.node_name,
+                    time=timestamp(self._wall()),
+                )
+                seq = oldest
+                continue
+            if seq >= (ring.next_seq if req.follow else end):
+                if not req.follow:
+                    return
+                await ring.wait_beyond(seq)
+                continue
+            entry = ring.get(seq)
+            seq += 1
+            if entry.lost is not None:
+                yield observer_pb2.GetFlowsResponse(
+                    lost_events=entry.lost,
+                    node_name=self.node_name,
+                    time=timestamp(entry.time_ns),
+                )
+                continue
+            flow = entry.flow
+            assert flow is not None
+            if until_ns is not None and entry.time_ns > until_ns:
+                return
+            if since_ns is not None and entry.time_ns < since_ns:
+                continue
+            if not filters.matches(flow):
+                continue
+            yield observer_pb2.GetFlowsResponse(flow=flow, node_name=self.node_name, time=flow.time)
+            sent += 1
+            if limit and sent >= limit:
+                return
+
+
+class ObserverServicer(observer_pb2_grpc.ObserverServicer):
+    """``observer.Observer`` for one agent: GetFlows, ServerStatus, GetNodes.
+
+    Args:
+        store: the agent's :class:`FlowStore`.
+        address: this node's Hubble address reported by GetNodes (e.g. "10.0.0.5:4244").
+    """
+
+    def __init__(self, store: FlowStore, address: str = "") -> None:
+        self.store = store
+        self.address = address
+
+    async def GetFlows(  # noqa: N802 - gRPC method name
+        self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        """Stream flows; INVALID_ARGUMENT for bad option combinations or filters."""
+        try:
+            stream = self.store.get_flows(request)
+        except (InvalidRequest, InvalidFilter) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        async for response in stream:
+            yield response
+
+    async def ServerStatus(  # noqa: N802 - gRPC method name
+        self,
+        request: observer_pb2.ServerStatusRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> observer_pb2.ServerStatusResponse:
+        """Flow counts, capacity, uptime, flows/s over the last minute, version."""
+        return self.store.status()
+
+    async def GetNodes(  # noqa: N802 - gRPC method name
+        self, request: observer_pb2.GetNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> observer_pb2.GetNodesResponse:
+        """This node only (an agent knows no other Hubble servers' status)."""
+        status = self.store.status()
+        node = observer_pb2.Node(
+            name=self.store.node_name,
+            version=status.version,
+            address=self.address,
+            state=relay_pb2.NODE_CONNECTED,
+            tls=observer_pb2.TLS(enabled=False),
+            uptime_ns=status.uptime_ns,
+            num_flows=status.num_flows,
+            max_flows=status.max_flows,
+            seen_flows=status.seen_flows,
+        )
+        return observer_pb2.GetNodesResponse(nodes=[node])

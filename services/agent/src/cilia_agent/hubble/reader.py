@@ -1,0 +1,237 @@
+"""The ring-buffer consumer: kernel events → Flow → flow ring.
+
+A poll thread calls ``ring_buffer_poll`` on the datapath's bcc ``BPF`` object (table
+``cilia_events``); each record is copied into a bounded hand-off queue. The agent's
+event loop drains the queue, decodes (:mod:`.events`), enriches (:mod:`.parser`) and
+writes flows into the :class:`~.observer.FlowStore`, counting them in
+``hubble_flows_processed_total``.
+
+When the queue is full (the loop does not keep up) new records are dropped and
+counted; the count is written into the ring as one ``LostEvent`` with source
+OBSERVER_EVENTS_QUEUE, as upstream does for its observer events queue.
+
+Limits (the agent exposes them as flags):
+  ``queue_size``       records waiting for the loop, default 1000
+                       (suggested flag ``--hubble-event-queue-size``)
+  ``poll_timeout_ms``  ring_buffer_poll timeout, i.e. the stop latency, default 100
+
+Upstream: ``pkg/hubble/monitor`` consumer + ``pkg/hubble/observer`` events queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from cilia.hubble.flow import flow_pb2
+from cilia_agent.hubble import events
+from cilia_agent.hubble.errors import EventDecodeError
+from cilia_agent.hubble.metrics import HubbleMetrics
+from cilia_agent.hubble.observer import FlowStore
+from cilia_agent.hubble.parser import Parser
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_SIZE = 1000
+DEFAULT_POLL_TIMEOUT_MS = 100
+EVENTS_TABLE = "cilia_events"
+_YIELD_EVERY = 256
+
+RecordCallback = Callable[[bytes], None]
+
+
+class RecordSource(Protocol):
+    """Where records come from: a BPF ring buffer, or a fake in tests."""
+
+    def open(self, on_record: RecordCallback) -> None:
+        """Register ``on_record``; it is called from :meth:`poll` for each record."""
+
+    def poll(self, timeout_ms: int) -> None:
+        """Wait up to ``timeout_ms`` for records and deliver them (runs in the poll thread)."""
+
+
+class BccRingBuffer:
+    """:class:`RecordSource` over a bcc ``BPF`` object's ``BPF_RINGBUF_OUTPUT`` table.
+
+    Args:
+        bpf: the loaded ``bcc.BPF`` (owned by the datapath loader; this class only opens
+            the ring buffer and polls it, it never cleans the object up).
+        table: ring buffer table name (``cilia_events``).
+    """
+
+    def __init__(self, bpf: Any, table: str = EVENTS_TABLE) -> None:
+        self._bpf = bpf
+        self._table = table
+
+    def open(self, on_record: RecordCallback) -> None:
+        """Open the ring buffer with a callback copying each record out of kernel memory."""
+
+        def callback(_ctx: Any, data: Any, size: int) -> int:
+            on_record(ctypes.string_at(data, size))
+            return 0
+
+        self._bpf[self._table].open_ring_buffer(callback)
+
+    def poll(self, timeout_ms: int) -> None:
+        """``BPF.ring_buffer_poll`` (the GIL is released while waiting)."""
+        self._bpf.ring_buffer_poll(timeout_ms)
+
+
+class EventReader:
+    """Moves datapath events into the flow ring (poll thread + event-loop consumer).
+
+    Args:
+        source: a :class:`RecordSource` (``BccRingBuffer(bpf)`` in the agent).
+        parser: event → Flow with enrichment.
+        store: the flow ring the observer serves.
+        metrics: where flows are counted (``None`` = not counted).
+        queue_size: records allowed to wait for the event loop (>= 1, default 1000).
+        poll_timeout_ms: poll timeout, bounds how long :meth:`stop` waits (>= 1).
+
+    Raises:
+        ValueError: ``queue_size`` or ``poll_timeout_ms`` < 1.
+    """
+
+    def __init__(
+        self,
+        source: RecordSource,
+        parser: Parser,
+        store: FlowStore,
+        metrics: HubbleMetrics | None = None,
+        *,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"hubble event queue size must be >= 1, got {queue_size}")
+        if poll_timeout_ms < 1:
+            raise ValueError(f"poll timeout must be >= 1 ms, got {poll_timeout_ms}")
+        self.source = source
+        self.parser = parser
+        self.store = store
+        self.metrics = metrics
+        self.queue_size = queue_size
+        self.poll_timeout_ms = poll_timeout_ms
+        # Counters (read them from the loop; written under the lock by the poll thread).
+        self.received = 0
+        self.lost = 0
+        self.decode_errors = 0
+        self.parse_errors = 0
+        self.processed = 0
+        self._lock = threading.Lock()
+        self._pending: deque[bytes] = deque()
+        self._pending_lost = 0
+        self._notified = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._closing = False
+
+    # -- poll thread ---------------------------------------------------------------
+
+    def _on_record(self, record: bytes) -> None:
+        with self._lock:
+            self.received += 1
+            if len(self._pending) >= self.queue_size:
+                self._pending_lost += 1
+                self.lost += 1
+            else:
+                self._pending.append(record)
+
+    def _poll_loop(self) -> None:
+        assert self._loop is not None and self._wake is not None
+        wake = self._wake
+        while not self._stop.is_set():
+            try:
+                self.source.poll(self.poll_timeout_ms)
+            except Exception:  # the thread must not die silently; the loop sees the log
+                log.exception("hubble: ring buffer poll failed; retrying")
+                self._stop.wait(self.poll_timeout_ms / 1000)
+            with self._lock:
+                notify = (bool(self._pending) or self._pending_lost > 0) and not self._notified
+                if notify:
+                    self._notified = True
+            if notify:
+                try:
+                    self._loop.call_soon_threadsafe(wake.set)
+                except RuntimeError:  # loop closed during shutdown
+                    return
+
+    # -- event loop ----------------------------------------------------------------
+
+    def _take(self) -> tuple[deque[bytes], int]:
+        with self._lock:
+            batch, self._pending = self._pending, deque()
+            lost, self._pending_lost = self._pending_lost, 0
+            self._notified = False
+        return batch, lost
+
+    async def _process(self, batch: deque[bytes], lost: int) -> None:
+        for i, record in enumerate(batch, 1):
+            try:
+                event = events.decode(record)
+            except EventDecodeError as exc:
+                self.decode_errors += 1
+                if self.decode_errors == 1 or self.decode_errors % 1000 == 0:
+                    log.error("hubble: %s (%d undecodable records so far)", exc, self.decode_errors)
+                continue
+            try:
+                flow = self.parser.parse(event)
+            except Exception:  # a broken Resolver must not stop the reader
+                self.parse_errors += 1
+                if self.parse_errors == 1 or self.parse_errors % 1000 == 0:
+                    log.exception("hubble: building a flow failed (%d so far)", self.parse_errors)
+                continue
+            self.store.add_flow(flow)
+            if self.metrics is not None:
+                self.metrics.flow_processed(flow)
+            self.processed += 1
+            if i % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        if lost:  # the dropped records came after the queued ones
+            self.store.add_lost(flow_pb2.OBSERVER_EVENTS_QUEUE, lost)
+
+    async def _consume(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._process(*self._take())
+            if self._closing:
+                return
+
+    async def start(self) -> None:
+        """Open the ring buffer, start the poll thread and the consumer task.
+
+        Raises:
+            RuntimeError: already started.
+        """
+        if self._thread is not None:
+            raise RuntimeError("EventReader already started")
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.source.open(self._on_record)
+        self._stop.clear()
+        self._closing = False
+        self._task = asyncio.create_task(self._consume(), name="hubble-event-consumer")
+        self._thread = threading.Thread(target=self._poll_loop, name="hubble-ringbuf", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop polling (within ``poll_timeout_ms``), process what was queued, end the task."""
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        if self._task is not None and self._wake is not None:
+            self._closing = True
+            self._wake.set()
+            await self._task
+            self._task = None

@@ -1,0 +1,174 @@
+"""One object holding the agent's whole Hubble: the entry point ``app.py`` wires.
+
+Typical wiring (inside the agent's event loop)::
+
+    hubble = Hubble(HubbleConfig(node_name=cfg.node_name,
+                                 capacity=cfg.hubble_event_buffer_capacity,
+                                 advertise_address="10.0.0.5:4244",
+                                 version=__version__),
+                    registry=agent_metrics.registry)
+    # enrichment: feed hubble.resolver (a MemoryResolver) from the endpoint manager,
+    # the ipcache / identity watch streams and the veths the agent creates
+    server, health = await hubble.serve([f"unix:{run_dir}/hubble.sock", ":4244"])
+    await hubble.start_reader(datapath_bpf)     # the bcc BPF object of bpf_lxc.c
+    asyncio.create_task(hubble.peers.consume_watch(node_stub.WatchNodes(req)))
+    hubble.metrics.update_datapath_counters(read_bcc_counters(datapath_bpf))  # periodic
+    ...
+    await hubble.stop(); await server.stop(grace)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from cilia.hubble.observer import observer_pb2_grpc
+from cilia.hubble.peer import peer_pb2_grpc
+from cilia_agent.hubble.enrich import MemoryResolver, Resolver
+from cilia_agent.hubble.metrics import HubbleMetrics
+from cilia_agent.hubble.observer import FlowStore, ObserverServicer
+from cilia_agent.hubble.parser import BootClock, Parser
+from cilia_agent.hubble.peer import DEFAULT_PEER_BUFFER, PeerInfo, PeerRegistry, PeerServicer
+from cilia_agent.hubble.reader import (
+    DEFAULT_POLL_TIMEOUT_MS,
+    DEFAULT_QUEUE_SIZE,
+    BccRingBuffer,
+    EventReader,
+    RecordSource,
+)
+from cilia_agent.hubble.ring import DEFAULT_CAPACITY, validate_capacity
+from cilia_common import grpcserver
+
+OBSERVER_SERVICE = "observer.Observer"
+PEER_SERVICE = "peer.Peer"
+
+
+@dataclass(frozen=True)
+class HubbleConfig:
+    """Hubble settings (each maps to an agent flag).
+
+    Attributes:
+        node_name: ``--node-name``.
+        capacity: ``--hubble-event-buffer-capacity`` (2^n-1, 1..65535, default 4095).
+        advertise_address: ``host:port`` other nodes/the relay reach this node's Hubble
+            at (GetNodes address, the local PEER_ADDED entry).
+        version: reported by ServerStatus/GetNodes.
+        queue_size: ``--hubble-event-queue-size``: records waiting between the
+            ring-buffer poll thread and the loop (default 1000).
+        poll_timeout_ms: ring buffer poll timeout (stop latency), default 100.
+        peer_buffer: Notify changes queued per subscriber before disconnecting it.
+    """
+
+    node_name: str
+    capacity: int = DEFAULT_CAPACITY
+    advertise_address: str = ""
+    version: str = ""
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS
+    peer_buffer: int = DEFAULT_PEER_BUFFER
+
+
+class Hubble:
+    """The agent's Hubble: flow ring, parser, reader, Observer and Peer servicers, metrics.
+
+    Args:
+        config: settings (validated here).
+        resolver: enrichment lookups; default a fresh :class:`MemoryResolver` the agent
+            feeds through ``hubble.resolver``.
+        registry: Prometheus registry for the metrics (default the global one).
+        clock: monotonic → wall conversion (tests inject a fixed offset).
+
+    Raises:
+        InvalidCapacity: ``config.capacity`` is not 2^n-1 in 1..65535.
+    """
+
+    def __init__(
+        self,
+        config: HubbleConfig,
+        *,
+        resolver: Resolver | None = None,
+        registry: CollectorRegistry = REGISTRY,
+        clock: BootClock | None = None,
+    ) -> None:
+        validate_capacity(config.capacity)
+        self.config = config
+        self.resolver: Resolver = resolver if resolver is not None else MemoryResolver()
+        self.store = FlowStore(config.capacity, node_name=config.node_name, version=config.version)
+        self.parser = Parser(self.resolver, config.node_name, clock)
+        self.metrics = HubbleMetrics(registry)
+        self.peers = PeerRegistry(
+            PeerInfo(config.node_name, config.advertise_address), max_buffer=config.peer_buffer
+        )
+        self.observer_servicer = ObserverServicer(self.store, config.advertise_address)
+        self.peer_servicer = PeerServicer(self.peers)
+        self.reader: EventReader | None = None
+
+    def services(self) -> list[grpcserver.Service]:
+        """The Observer and Peer services for :func:`cilia_common.grpcserver.start_server`."""
+        return [
+            grpcserver.Service(
+                observer_pb2_grpc.add_ObserverServicer_to_server,
+                self.observer_servicer,
+                OBSERVER_SERVICE,
+            ),
+            grpcserver.Service(
+                peer_pb2_grpc.add_PeerServicer_to_server, self.peer_servicer, PEER_SERVICE
+            ),
+        ]
+
+    async def serve(
+        self, addresses: list[str], *, socket_mode: int = 0o600
+    ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+        """Start a gRPC server with Observer + Peer (+ health, reflection), marked SERVING.
+
+        Args:
+            addresses: e.g. ``["unix:/var/run/cilia/hubble.sock", ":4244"]``.
+
+        Raises:
+            cilia_common.grpcserver.BindError: an address could not be bound.
+        """
+        server, health_servicer = await grpcserver.start_server(
+            self.services(), addresses, socket_mode=socket_mode
+        )
+        await grpcserver.set_serving(health_servicer, [OBSERVER_SERVICE, PEER_SERVICE])
+        return server, health_servicer
+
+    async def start_reader(self, bpf: Any = None, *, source: RecordSource | None = None) -> None:
+        """Start consuming datapath events.
+
+        Args:
+            bpf: the datapath's loaded ``bcc.BPF`` (table ``cilia_events``), or
+            source: any :class:`RecordSource` (tests, replay).
+
+        Raises:
+            ValueError: neither or both given.
+            RuntimeError: already started.
+        """
+        if (bpf is None) == (source is None):
+            raise ValueError("pass exactly one of bpf or source")
+        if self.reader is not None:
+            raise RuntimeError("Hubble reader already started")
+        record_source = source if source is not None else BccRingBuffer(bpf)
+        self.reader = EventReader(
+            record_source,
+            self.parser,
+            self.store,
+            self.metrics,
+            queue_size=self.config.queue_size,
+            poll_timeout_ms=self.config.poll_timeout_ms,
+        )
+        await self.reader.start()
+
+    async def stop(self) -> None:
+        """Stop the reader (flushing queued events into the ring). Servers are the caller's."""
+        if self.reader is not None:
+            await self.reader.stop()
+            self.reader = None
+
+    def close_metrics(self) -> None:
+        """Unregister the metrics (when the registry outlives this object)."""
+        self.metrics.close()

@@ -1,0 +1,149 @@
+"""FlowEvent → flow.Flow: every field the agent fills, from crafted event bytes."""
+
+from __future__ import annotations
+
+import uuid
+
+from google.protobuf import json_format
+
+from cilia.hubble.flow import flow_pb2
+from cilia_agent.hubble import events
+from cilia_agent.hubble.enrich import MemoryResolver
+from cilia_agent.hubble.parser import BootClock, Parser
+
+from . import helpers as h
+
+
+def parse_bytes(raw: bytes) -> flow_pb2.Flow:
+    return h.parser().parse(events.decode(raw))
+
+
+def as_dict(flow: flow_pb2.Flow) -> dict[str, object]:
+    return json_format.MessageToDict(flow, preserving_proto_field_name=True)
+
+
+def test_forwarded_egress_syn_becomes_a_fully_enriched_flow() -> None:
+    raw = h.event(ts_ns=5_000_000_123).pack()
+    flow = parse_bytes(raw)
+
+    d = as_dict(flow)
+    uuid.UUID(str(d.pop("uuid")))
+    assert d == {
+        "time": "2024-01-01T00:00:05.000000123Z",
+        "verdict": "FORWARDED",
+        "IP": {"source": h.FRONTEND_IP, "destination": h.BACKEND_IP, "ipVersion": "IPv4"},
+        "l4": {"TCP": {"source_port": 40000, "destination_port": 8080, "flags": {"SYN": True}}},
+        "source": {
+            "ID": h.FRONTEND_EP,
+            "identity": h.FRONTEND_ID,
+            "namespace": "demo",
+            "labels": ["k8s:app=frontend", "k8s:io.kubernetes.pod.namespace=demo"],
+            "pod_name": "frontend-7d9f",
+        },
+        "destination": {
+            "ID": h.BACKEND_EP,
+            "identity": h.BACKEND_ID,
+            "namespace": "demo",
+            "labels": ["k8s:app=backend", "k8s:io.kubernetes.pod.namespace=demo"],
+            "pod_name": "backend-5c4b",
+        },
+        "Type": "L3_L4",
+        "node_name": h.NODE,
+        "event_type": {"type": 4, "sub_type": 5},
+        "traffic_direction": "EGRESS",
+        "trace_observation_point": "FROM_ENDPOINT",
+        "is_reply": False,
+        "interface": {"index": 111, "name": "lxc00000000011"},
+    }
+
+
+def test_policy_denied_drop_carries_reason_and_ingress_direction() -> None:
+    flow = parse_bytes(h.dropped().pack())
+
+    assert flow.verdict == flow_pb2.DROPPED
+    assert flow.drop_reason == 133
+    assert flow.drop_reason_desc == flow_pb2.POLICY_DENIED
+    assert (flow.event_type.type, flow.event_type.sub_type) == (1, 133)
+    assert flow.traffic_direction == flow_pb2.INGRESS
+    assert flow.trace_observation_point == flow_pb2.UNKNOWN_POINT
+    assert (flow.source.pod_name, flow.source.ID) == ("other-1", h.OTHER_EP)
+    assert (flow.destination.pod_name, flow.destination.identity) == ("backend-5c4b", h.BACKEND_ID)
+    assert flow.interface.name == "lxc00000000012"
+
+
+def test_deny_rule_drop_is_policy_deny_181() -> None:
+    flow = parse_bytes(h.dropped(drop_reason=events.DROP_POLICY_DENY).pack())
+    assert (flow.drop_reason, flow.drop_reason_desc) == (181, flow_pb2.POLICY_DENY)
+
+
+def test_reply_leaving_the_pod_belongs_to_an_ingress_connection() -> None:
+    flow = parse_bytes(
+        h.event(
+            saddr=h.BACKEND_IP,
+            daddr=h.FRONTEND_IP,
+            sport=8080,
+            dport=40000,
+            src_identity=h.BACKEND_ID,
+            dst_identity=h.FRONTEND_ID,
+            ep_id=h.BACKEND_EP,
+            is_reply=True,
+            tcp_flags=events.TCP_SYN | events.TCP_ACK,
+        ).pack()
+    )
+    assert flow.is_reply.value is True and flow.reply is True
+    assert flow.traffic_direction == flow_pb2.INGRESS
+    assert flow.trace_observation_point == flow_pb2.FROM_ENDPOINT
+    assert flow.l4.TCP.flags.SYN and flow.l4.TCP.flags.ACK and not flow.l4.TCP.flags.FIN
+
+
+def test_to_endpoint_trace_is_ingress_at_to_endpoint() -> None:
+    flow = parse_bytes(h.event(ep_id=h.BACKEND_EP, direction=events.DIR_INGRESS).pack())
+    assert flow.traffic_direction == flow_pb2.INGRESS
+    assert flow.trace_observation_point == flow_pb2.TO_ENDPOINT
+    assert flow.event_type.sub_type == 0
+    assert flow.destination.ID == h.BACKEND_EP
+
+
+def test_remote_pod_is_named_from_the_ipcache_owner_and_world_gets_reserved_label() -> None:
+    to_remote = parse_bytes(h.event(daddr=h.REMOTE_IP, dst_identity=h.REMOTE_ID).pack())
+    assert to_remote.destination.namespace == "prod"
+    assert to_remote.destination.pod_name == "db-0"
+    assert to_remote.destination.ID == 0
+    assert list(to_remote.destination.labels) == [
+        "k8s:app=db",
+        "k8s:io.kubernetes.pod.namespace=prod",
+    ]
+
+    to_world = parse_bytes(h.event(daddr=h.WORLD_IP, dst_identity=2).pack())
+    assert to_world.destination.identity == 2
+    assert list(to_world.destination.labels) == ["reserved:world"]
+    assert (to_world.destination.namespace, to_world.destination.pod_name) == ("", "")
+
+
+def test_udp_and_icmp_echo_layer4() -> None:
+    udp = parse_bytes(h.event(proto=events.IPPROTO_UDP, dport=53, tcp_flags=0).pack())
+    assert udp.l4.WhichOneof("protocol") == "UDP"
+    assert (udp.l4.UDP.source_port, udp.l4.UDP.destination_port) == (40000, 53)
+
+    request = parse_bytes(h.event(proto=events.IPPROTO_ICMP, sport=7, dport=7, tcp_flags=0).pack())
+    reply = parse_bytes(
+        h.event(proto=events.IPPROTO_ICMP, sport=7, dport=7, tcp_flags=0, is_reply=True).pack()
+    )
+    assert request.l4.WhichOneof("protocol") == "ICMPv4"
+    assert (request.l4.ICMPv4.type, reply.l4.ICMPv4.type) == (8, 0)
+
+
+def test_unknown_endpoint_still_gets_identity_and_ifindex_without_name() -> None:
+    p = Parser(MemoryResolver(kernel_interface_names=False), "n1", BootClock(offset_ns=0))
+    flow = p.parse(h.event(ifindex=999))
+    assert flow.source.identity == h.FRONTEND_ID
+    assert (flow.source.ID, flow.source.pod_name, list(flow.source.labels)) == (0, "", [])
+    assert (flow.interface.index, flow.interface.name) == (999, "")
+
+
+def test_boot_clock_measures_realtime_minus_monotonic() -> None:
+    import time
+
+    clock = BootClock()
+    wall = clock.to_wall_ns(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+    assert abs(wall - time.time_ns()) < 50_000_000
