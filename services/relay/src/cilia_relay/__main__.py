@@ -1,98 +1,156 @@
 """Command line of ``cilia-relay``: argument parsing only.
 
-``cilia-relay --version`` prints ``cilia-relay <version>``.
-``cilia-relay serve`` runs the gRPC health server on ``--health-listen-address``
-(upstream hubble-relay flag of the same name, default ``:4222``) until SIGTERM/SIGINT.
-The Observer API on ``--listen-address`` (upstream default ``:4245``) comes in a
-later issue; the flag is not offered until it is served.
+* ``cilia-relay --version`` prints ``cilia-relay <version>``.
+* ``cilia-relay serve [flags]`` runs the relay (:mod:`cilia_relay.app`); flags and
+  defaults in :data:`cilia_relay.config.FLAG_HELP`.
+* ``cilia-relay observe [flags]`` streams flows like ``hubble observe``
+  (:mod:`cilia_relay.cli.observe`).
+
+Bad flags exit 2 with one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from cilia_common import grpcserver
-from cilia_common.logs import setup_logging
 from cilia_relay import __version__
+from cilia_relay.config import FLAG_HELP
 
 COMPONENT = "cilia-relay"
-DEFAULT_HEALTH_LISTEN_ADDRESS = ":4222"
-DEFAULT_SHUTDOWN_GRACE_SECONDS = 5.0
+EXIT_USAGE = 2
 
-log = logging.getLogger("cilia_relay")
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``cilia-relay <cmd>: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+class _FilterAction(argparse.Action):
+    """Appends ``(flag, value)`` to ``namespace.filters`` keeping command-line order."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        filters = list(getattr(namespace, "filters", None) or [])
+        filters.append((self.dest.replace("_", "-"), str(values)))
+        namespace.filters = filters
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser (``--version`` and the ``serve`` sub-command)."""
-    parser = argparse.ArgumentParser(prog=COMPONENT, description="Cilia Hubble relay")
+    """Return the argument parser (``--version``, ``serve``, ``observe``)."""
+    parser = _Parser(prog=COMPONENT, description="Cilia Hubble relay")
     parser.add_argument("--version", action="version", version=f"{COMPONENT} {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the relay (health server only in this release)")
-    serve.add_argument(
-        "--health-listen-address",
-        default=DEFAULT_HEALTH_LISTEN_ADDRESS,
-        help="gRPC health address host:port, :port (all interfaces) or unix:/path "
-        f"(default {DEFAULT_HEALTH_LISTEN_ADDRESS!r}, as upstream hubble-relay)",
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = sub.add_parser("serve", help="run the relay")
+    for name, help_text in FLAG_HELP.items():
+        serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=help_text)
+
+    observe = sub.add_parser("observe", help="observe flows (like hubble observe)")
+    observe.set_defaults(filters=[])
+    observe.add_argument(
+        "--server", default="localhost:4245", help="relay address (default localhost:4245)"
     )
-    serve.add_argument(
-        "--shutdown-grace-period",
-        type=float,
-        default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
-        help="seconds in-flight RPCs get to finish on SIGTERM "
-        f"(default {DEFAULT_SHUTDOWN_GRACE_SECONDS})",
+    observe.add_argument(
+        "--timeout",
+        default="5s",
+        help="how long to wait for the connection to the server (default 5s)",
     )
-    serve.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level (default info)",
+    filter_help = {
+        "pod": "flows from or to this pod (namespace/name, or name)",
+        "from-pod": "flows from this pod",
+        "to-pod": "flows to this pod",
+        "verdict": "flows with this verdict (FORWARDED, DROPPED, ...)",
+        "port": "flows from or to this L4 port",
+        "protocol": "flows of this L4/L7 protocol (tcp, udp, icmp, ...)",
+        "label": "flows from or to endpoints with this label (key=value or source:key=value)",
+    }
+    for flag, help_text in filter_help.items():
+        observe.add_argument(
+            f"--{flag}", dest=flag.replace("-", "_"), action=_FilterAction, help=help_text
+        )
+    observe.add_argument(
+        "--last",
+        type=int,
+        default=0,
+        help="get the last N flows of each agent (default 20 unless --follow)",
+    )
+    observe.add_argument("-f", "--follow", action="store_true", help="follow the flow stream")
+    observe.add_argument(
+        "-o", "--output", choices=["compact", "json"], default="compact", help="output format"
     )
     return parser
 
 
-def grpc_address(address: str) -> str:
-    """Translate a Go-style ``:PORT`` (all interfaces) into gRPC's ``[::]:PORT``.
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
 
-    Other forms (``host:port``, ``unix:/path``) are returned unchanged.
-    """
-    return f"[::]{address}" if address.startswith(":") else address
+    from cilia_common import grpcserver
+    from cilia_common.logs import setup_logging
+    from cilia_relay import app
+    from cilia_relay.config import Config
+
+    values = {k: v for k, v in vars(args).items() if k in FLAG_HELP and v is not None}
+    try:
+        config = Config.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "config"
+        message = str(first["msg"]).removeprefix("Value error, ")
+        print(f"{COMPONENT} serve: --{field.replace('_', '-')}: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging(COMPONENT, config.log_level)
+    try:
+        app.run(config)
+    except grpcserver.BindError as exc:
+        print(f"{COMPONENT}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
 
 
-async def serve(health_address: str, grace_seconds: float) -> None:
-    """Serve gRPC health (SERVING) on ``health_address`` until SIGTERM or SIGINT.
+def _observe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from cilia_relay.cli import observe
+    from cilia_relay.cli.filters import FilterError, build_whitelist
+    from cilia_relay.config import parse_duration
 
-    Logs ``listening`` with the address once health reports SERVING.
-
-    Raises:
-        cilia_common.grpcserver.BindError: the address cannot be bound.
-    """
-    server, health = await grpcserver.start_server([], [grpc_address(health_address)])
-    await grpcserver.set_serving(health, [])
-    log.info("listening", extra={"address": health_address, "version": __version__})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down", extra={"grace_seconds": grace_seconds})
-    await server.stop(grace_seconds)
+    prog = f"{COMPONENT} observe"
+    try:
+        timeout = parse_duration(args.timeout)
+        build_whitelist(args.filters)
+    except (FilterError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.last < 0:
+        print(f"{prog}: error: --last must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    return observe.run(
+        observe.ObserveOptions(
+            server=args.server,
+            filters=tuple(args.filters),
+            last=args.last,
+            follow=args.follow,
+            output=args.output,
+            timeout=timeout,
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cilia-relay`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    setup_logging(COMPONENT, args.log_level)
-    try:
-        asyncio.run(serve(args.health_listen_address, args.shutdown_grace_period))
-    except grpcserver.BindError as exc:
-        print(f"{COMPONENT}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(parser, args)
+    return _observe(parser, args)
 
 
 if __name__ == "__main__":

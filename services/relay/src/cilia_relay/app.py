@@ -1,0 +1,178 @@
+"""Wires the relay: peer manager → Observer servicer → gRPC servers (+ optional metrics).
+
+Start order: the Observer server on ``--listen-address`` and the health server on
+``--health-listen-address`` (both report NOT_SERVING), then the peer manager. Health
+turns SERVING once the ``peer.Peer/Notify`` stream is established and back to
+NOT_SERVING while it is lost. Stop order is the reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
+from cilia_common import grpcserver
+from cilia_relay import __version__
+from cilia_relay.config import Config, grpc_address
+from cilia_relay.observer import ObserverOptions, RelayObserver
+from cilia_relay.peers import PeerManager
+
+log = logging.getLogger("cilia_relay")
+
+OBSERVER_SERVICE = observer_pb2.DESCRIPTOR.services_by_name["Observer"].full_name
+
+
+class PeerConnectionCollector(Collector):
+    """``hubble_relay_pool_peer_connection_status{status}``: peers per channel state.
+
+    ``status`` is the gRPC connectivity state name or ``NIL_CONNECTION`` for a peer
+    without a channel (upstream relay pool metric).
+    """
+
+    STATES = ("NIL_CONNECTION", *(s.name for s in grpc.ChannelConnectivity))
+
+    def __init__(self, peers: PeerManager) -> None:
+        self.peers = peers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Yield the gauge family, one sample per state (zeros included)."""
+        counts = dict.fromkeys(self.STATES, 0)
+        for peer in self.peers.list():
+            state = peer.state()
+            counts["NIL_CONNECTION" if state is None else state.name] += 1
+        family = GaugeMetricFamily(
+            "hubble_relay_pool_peer_connection_status",
+            "Number of peers by connection status",
+            labels=["status"],
+        )
+        for state, count in counts.items():
+            family.add_metric([state], count)
+        yield family
+
+
+class Relay:
+    """The running relay.
+
+    Args:
+        config: validated configuration.
+
+    Attributes (after :meth:`start`):
+        peers: the :class:`PeerManager`.
+        observer: the :class:`RelayObserver` servicer.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.peers = PeerManager(
+            config.peer_service,
+            dial_timeout=config.dial_timeout,
+            retry_timeout=config.retry_timeout,
+            on_peer_service=self._on_peer_service,
+        )
+        self.observer = RelayObserver(
+            self.peers,
+            ObserverOptions(
+                sort_buffer_len_max=config.sort_buffer_len_max,
+                sort_buffer_drain_timeout=config.sort_buffer_drain_timeout,
+                peer_update_interval=config.peer_update_interval,
+                error_aggregation_window=config.error_aggregation_window,
+                peer_call_timeout=config.dial_timeout,
+            ),
+        )
+        self._servers: list[tuple[grpc.aio.Server, Any]] = []
+        self._metrics_server: Any = None
+
+    async def _on_peer_service(self, connected: bool) -> None:
+        for _, health in self._servers:
+            await grpcserver.set_serving(health, [OBSERVER_SERVICE], serving=connected)
+        log.info("health", extra={"serving": connected})
+
+    async def start(self) -> None:
+        """Bind both gRPC servers, start metrics (if enabled) and the peer manager.
+
+        Raises:
+            cilia_common.grpcserver.BindError: an address cannot be bound (nothing is
+                left running).
+        """
+        service = grpcserver.Service(
+            observer_pb2_grpc.add_ObserverServicer_to_server, self.observer, OBSERVER_SERVICE
+        )
+        try:
+            self._servers.append(
+                await grpcserver.start_server([service], [grpc_address(self.config.listen_address)])
+            )
+            self._servers.append(
+                await grpcserver.start_server([], [grpc_address(self.config.health_listen_address)])
+            )
+            listen = self.config.metrics_listen()
+            if listen is not None:
+                registry = CollectorRegistry()
+                registry.register(PeerConnectionCollector(self.peers))
+                try:
+                    self._metrics_server = start_http_server(
+                        listen[1], addr=listen[0], registry=registry
+                    )
+                except OSError as exc:
+                    raise grpcserver.BindError(
+                        f"cannot listen on {self.config.prometheus_serve_addr}: {exc}"
+                    ) from exc
+        except grpcserver.BindError:
+            await self.stop(0)
+            raise
+        await self.peers.start()
+        log.info(
+            "listening",
+            extra={
+                "address": self.config.listen_address,
+                "health_address": self.config.health_listen_address,
+                "peer_service": self.config.peer_service,
+                "version": __version__,
+            },
+        )
+
+    async def stop(self, grace: float) -> None:
+        """Stop the peer manager, the servers (``grace`` seconds for RPCs) and metrics."""
+        await self.peers.stop()
+        for server, _ in self._servers:
+            await server.stop(grace)
+        self._servers = []
+        if self._metrics_server is not None:
+            server, thread = self._metrics_server
+            server.shutdown()
+            thread.join(timeout=5)
+            self._metrics_server = None
+
+
+async def serve(config: Config) -> None:
+    """Run the relay until SIGTERM or SIGINT.
+
+    Raises:
+        cilia_common.grpcserver.BindError: an address cannot be bound.
+    """
+    relay = Relay(config)
+    await relay.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down", extra={"grace_seconds": config.shutdown_grace_period})
+    await relay.stop(config.shutdown_grace_period)
+
+
+def run(config: Config) -> None:
+    """Blocking entry point used by ``cilia-relay serve``.
+
+    Raises:
+        cilia_common.grpcserver.BindError: an address cannot be bound.
+    """
+    asyncio.run(serve(config))

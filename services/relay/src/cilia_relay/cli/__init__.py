@@ -1,0 +1,1 @@
+"""Client commands of ``cilia-relay`` (``observe``): filter building, printing, the RPC loop."""

@@ -1,0 +1,377 @@
+"""The relay's ``observer.Observer`` servicer: fan-out to every peer and a time-ordered merge.
+
+GetFlows (upstream relay behaviour, cilium-upstream.md §6):
+
+1. Lists peers; peers whose channel is missing or in TRANSIENT_FAILURE/SHUTDOWN are
+   skipped. One ``NODE_CONNECTED`` event (the connected names) and one
+   ``NODE_UNAVAILABLE`` event (the rest) are sent before any flow (each only when
+   its list is non-empty).
+2. Streams ``GetFlows`` from every connected peer with the client's request unchanged
+   (filters, number, follow, since, until, first) and its gRPC metadata.
+3. A peer stream error becomes a ``NODE_ERROR`` event (``rpc error: code = … desc = …``);
+   identical messages within ``--error-aggregation-window`` are merged. The other
+   peers keep streaming.
+4. Responses pass through a bounded min-heap on ``GetFlowsResponse.time``
+   (:class:`cilia_relay.merge.SortBuffer`) of ``min(--sort-buffer-len-max,
+   number x peers)``; after ``--sort-buffer-drain-timeout`` without input, entries
+   older than now - drain-timeout are sent; the heap is drained at the end.
+5. With ``follow``, peers are re-listed every ``--peer-update-interval`` (and on every
+   peer change); a new or recovered peer gets its own stream (a recovered one asks for
+   flows since the last flow it delivered) and a ``NODE_CONNECTED`` event.
+
+ServerStatus sums the peers' counters; GetNodes reports one Node per peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.wrappers_pb2 import UInt32Value
+
+from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
+from cilia.hubble.relay import relay_pb2
+from cilia_relay import __version__
+from cilia_relay.merge import (
+    NANOS_PER_SECOND,
+    ErrorAggregator,
+    SortBuffer,
+    response_time_ns,
+    sort_buffer_len,
+)
+from cilia_relay.peers import Peer, PeerManager
+
+log = logging.getLogger("cilia_relay.observer")
+
+MAX_UNAVAILABLE_NODES_REPORTED = 10
+"""ServerStatus lists at most this many unavailable node names (upstream)."""
+
+RELAY_VERSION = f"cilia-relay v{__version__}"
+
+# Metadata the transport owns; everything else a client sends is forwarded to peers.
+_HOP_BY_HOP = frozenset({"user-agent", "content-type", "te", "authority", "host"})
+
+
+@dataclass(frozen=True)
+class ObserverOptions:
+    """Tunables of the servicer (all from :class:`cilia_relay.config.Config`).
+
+    Attributes:
+        sort_buffer_len_max: capacity bound of the sort buffer (flows).
+        sort_buffer_drain_timeout: idle seconds before old buffered flows are sent.
+        peer_update_interval: seconds between peer re-lists of a follow GetFlows.
+        error_aggregation_window: seconds identical NODE_ERROR messages are merged.
+        peer_call_timeout: deadline (s) of each per-peer unary call (ServerStatus).
+        node_name: name put on the relay's own node-status events.
+    """
+
+    sort_buffer_len_max: int = 100
+    sort_buffer_drain_timeout: float = 1.0
+    peer_update_interval: float = 2.0
+    error_aggregation_window: float = 10.0
+    peer_call_timeout: float = 5.0
+    node_name: str = socket.gethostname()
+
+
+def go_code_name(code: grpc.StatusCode) -> str:
+    """``DEADLINE_EXCEEDED`` → ``DeadlineExceeded`` (the spelling of Go's ``codes.Code``)."""
+    return "".join(part.capitalize() for part in code.name.split("_"))
+
+
+def rpc_error_message(exc: grpc.aio.AioRpcError) -> str:
+    """The NODE_ERROR message of a failed peer call, as upstream prints a gRPC status error."""
+    return f"rpc error: code = {go_code_name(exc.code())} desc = {exc.details() or ''}"
+
+
+def node_status_response(
+    state: relay_pb2.NodeState,
+    names: Sequence[str],
+    node_name: str,
+    message: str = "",
+) -> observer_pb2.GetFlowsResponse:
+    """A ``GetFlowsResponse`` carrying a ``NodeStatusEvent`` stamped with the current time."""
+    response = observer_pb2.GetFlowsResponse(
+        node_name=node_name,
+        node_status=relay_pb2.NodeStatusEvent(
+            state_change=state, node_names=list(names), message=message
+        ),
+    )
+    response.time.FromNanoseconds(time.time_ns())
+    return response
+
+
+def forwardable_metadata(
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+) -> tuple[tuple[str, str | bytes], ...]:
+    """The client's gRPC metadata minus transport headers (pseudo, ``grpc-*``, hop-by-hop)."""
+    out: list[tuple[str, str | bytes]] = []
+    for key, value in metadata or ():
+        lowered = key.lower()
+        if lowered.startswith((":", "grpc-")) or lowered in _HOP_BY_HOP:
+            continue
+        out.append((lowered, value))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _PeerDone:
+    name: str
+
+
+class _FlowsCall:
+    """State of one relay GetFlows call (its peer streams and merge)."""
+
+    def __init__(
+        self,
+        request: observer_pb2.GetFlowsRequest,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        peers: PeerManager,
+        opts: ObserverOptions,
+    ) -> None:
+        self.request = request
+        self.metadata = metadata
+        self.peers = peers
+        self.opts = opts
+        self.active: dict[str, asyncio.Task[None]] = {}
+        self.last_flow_ns: dict[str, int] = {}
+        self.queue: asyncio.Queue[observer_pb2.GetFlowsResponse | _PeerDone] = asyncio.Queue()
+        self.running = 0
+
+    async def run(self) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        peers = self.peers.list()
+        capacity = sort_buffer_len(
+            self.opts.sort_buffer_len_max, int(self.request.number), len(peers)
+        )
+        self.queue = asyncio.Queue(maxsize=capacity)
+        connected = [p for p in peers if p.available]
+        unavailable = [p.name for p in peers if not p.available]
+        if connected:
+            yield node_status_response(
+                relay_pb2.NODE_CONNECTED, [p.name for p in connected], self.opts.node_name
+            )
+        if unavailable:
+            yield node_status_response(relay_pb2.NODE_UNAVAILABLE, unavailable, self.opts.node_name)
+        for peer in connected:
+            self._start(peer)
+        refresher = asyncio.create_task(self._refresh()) if self.request.follow else None
+        try:
+            async for response in self._merge(capacity):
+                yield response
+        finally:
+            tasks = list(self.active.values())
+            if refresher is not None:
+                tasks.append(refresher)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- producers ----------------------------------------------------------------------
+
+    def _request_for(self, name: str) -> observer_pb2.GetFlowsRequest:
+        last = self.last_flow_ns.get(name)
+        if last is None:
+            return self.request
+        # A recovered peer resumes after the last flow it delivered instead of
+        # replaying its last `number` flows.
+        resumed = observer_pb2.GetFlowsRequest()
+        resumed.CopyFrom(self.request)
+        resumed.number = 0
+        resumed.first = False
+        resumed.since.FromNanoseconds(last + 1)
+        return resumed
+
+    def _start(self, peer: Peer) -> None:
+        channel = peer.channel
+        if channel is None:
+            return
+        self.running += 1
+        self.active[peer.name] = asyncio.create_task(
+            self._pump(peer.name, channel, self._request_for(peer.name)),
+            name=f"relay-getflows-{peer.name}",
+        )
+
+    async def _pump(
+        self, name: str, channel: grpc.aio.Channel, request: observer_pb2.GetFlowsRequest
+    ) -> None:
+        try:
+            stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.GetFlows(request, metadata=self.metadata)
+            async for response in call:
+                if not response.node_name:
+                    response.node_name = name
+                if response.WhichOneof("response_types") == "flow":
+                    self.last_flow_ns[name] = response_time_ns(response)
+                await self.queue.put(response)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "peer GetFlows failed",
+                extra={"peer": name, "code": exc.code().name, "details": exc.details()},
+            )
+            await self.queue.put(
+                node_status_response(
+                    relay_pb2.NODE_ERROR, [name], self.opts.node_name, rpc_error_message(exc)
+                )
+            )
+        finally:
+            if self.active.get(name) is asyncio.current_task():
+                del self.active[name]
+        await self.queue.put(_PeerDone(name))
+
+    async def _refresh(self) -> None:
+        while True:
+            await self.peers.wait_changed(self.opts.peer_update_interval)
+            for peer in self.peers.list():
+                if peer.name in self.active or not peer.available:
+                    continue
+                log.info("follow: streaming from new or recovered peer", extra={"peer": peer.name})
+                self._start(peer)
+                await self.queue.put(
+                    node_status_response(relay_pb2.NODE_CONNECTED, [peer.name], self.opts.node_name)
+                )
+
+    # -- merge --------------------------------------------------------------------------
+
+    async def _merge(self, capacity: int) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        loop = asyncio.get_running_loop()
+        drain_timeout = self.opts.sort_buffer_drain_timeout
+        drain_ns = int(drain_timeout * NANOS_PER_SECOND)
+        buffer: SortBuffer[observer_pb2.GetFlowsResponse] = SortBuffer(capacity, response_time_ns)
+        errors = ErrorAggregator(self.opts.error_aggregation_window)
+        idle_since = loop.time()
+        while self.request.follow or self.running > 0 or not self.queue.empty():
+            deadline = idle_since + drain_timeout
+            if errors.flush_at is not None:
+                deadline = min(deadline, errors.flush_at)
+            try:
+                item = await asyncio.wait_for(
+                    self.queue.get(), timeout=max(0.0, deadline - loop.time())
+                )
+            except TimeoutError:
+                now = loop.time()
+                for response in errors.due(now):
+                    for out in buffer.push(response):
+                        yield out
+                if now >= idle_since + drain_timeout:
+                    for out in buffer.pop_older_than(time.time_ns() - drain_ns):
+                        yield out
+                    idle_since = now
+                continue
+            if isinstance(item, _PeerDone):
+                self.running -= 1
+                continue
+            now = loop.time()
+            idle_since = now
+            for response in errors.offer(item, now):
+                for out in buffer.push(response):
+                    yield out
+        for response in errors.flush():
+            for out in buffer.push(response):
+                yield out
+        for out in buffer.drain():
+            yield out
+
+
+class RelayObserver(observer_pb2_grpc.ObserverServicer):
+    """``observer.Observer`` served by the relay over the peers of a :class:`PeerManager`."""
+
+    def __init__(self, peers: PeerManager, opts: ObserverOptions) -> None:
+        self.peers = peers
+        self.opts = opts
+
+    async def GetFlows(  # noqa: N802 (gRPC method name)
+        self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        """Stream merged flows from every connected peer (see the module docstring)."""
+        call = _FlowsCall(
+            request, forwardable_metadata(context.invocation_metadata()), self.peers, self.opts
+        )
+        async for response in call.run():
+            yield response
+
+    async def _peer_status(self, peer: Peer) -> observer_pb2.ServerStatusResponse | None:
+        channel = peer.channel
+        if channel is None:
+            return None
+        try:
+            stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
+            status: observer_pb2.ServerStatusResponse = await stub.ServerStatus(
+                observer_pb2.ServerStatusRequest(), timeout=self.opts.peer_call_timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "peer ServerStatus failed",
+                extra={"peer": peer.name, "code": exc.code().name, "details": exc.details()},
+            )
+            return None
+        return status
+
+    async def ServerStatus(  # noqa: N802 (gRPC method name)
+        self, request: observer_pb2.ServerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> observer_pb2.ServerStatusResponse:
+        """Sum num/max/seen flows and flows_rate over the connected peers; max uptime.
+
+        A connected peer whose ServerStatus fails counts as unavailable. At most
+        :data:`MAX_UNAVAILABLE_NODES_REPORTED` unavailable names are listed.
+        """
+        del request, context
+        peers = self.peers.list()
+        connected = [p for p in peers if p.available]
+        unavailable = [p.name for p in peers if not p.available]
+        statuses = await asyncio.gather(*(self._peer_status(p) for p in connected))
+        response = observer_pb2.ServerStatusResponse(version=RELAY_VERSION)
+        num_connected = 0
+        for peer, status in zip(connected, statuses, strict=True):
+            if status is None:
+                unavailable.append(peer.name)
+                continue
+            num_connected += 1
+            response.num_flows += status.num_flows
+            response.max_flows += status.max_flows
+            response.seen_flows += status.seen_flows
+            response.flows_rate += status.flows_rate
+            response.uptime_ns = max(response.uptime_ns, status.uptime_ns)
+        response.num_connected_nodes.CopyFrom(UInt32Value(value=num_connected))
+        response.num_unavailable_nodes.CopyFrom(UInt32Value(value=len(unavailable)))
+        response.unavailable_nodes.extend(sorted(unavailable)[:MAX_UNAVAILABLE_NODES_REPORTED])
+        return response
+
+    async def GetNodes(  # noqa: N802 (gRPC method name)
+        self, request: observer_pb2.GetNodesRequest, context: grpc.aio.ServicerContext
+    ) -> observer_pb2.GetNodesResponse:
+        """One Node per peer: NODE_UNAVAILABLE without a usable channel, NODE_ERROR when
+        its ServerStatus fails, else NODE_CONNECTED with version, uptime and flow counters."""
+        del request, context
+        peers = self.peers.list()
+        statuses = await asyncio.gather(
+            *(self._peer_status(p) if p.available else _none() for p in peers)
+        )
+        response = observer_pb2.GetNodesResponse()
+        for peer, status in zip(peers, statuses, strict=True):
+            node = response.nodes.add(
+                name=peer.name,
+                address=peer.address,
+                tls=observer_pb2.TLS(
+                    enabled=bool(peer.tls_server_name), server_name=peer.tls_server_name
+                ),
+            )
+            if not peer.available:
+                node.state = relay_pb2.NODE_UNAVAILABLE
+            elif status is None:
+                node.state = relay_pb2.NODE_ERROR
+            else:
+                node.state = relay_pb2.NODE_CONNECTED
+                node.version = status.version
+                node.uptime_ns = status.uptime_ns
+                node.num_flows = status.num_flows
+                node.max_flows = status.max_flows
+                node.seen_flows = status.seen_flows
+        return response
+
+
+async def _none() -> None:
+    return None
