@@ -161,7 +161,7 @@ def read_bcc_counters(bpf: Any, table: str = "cilia_metrics") -> list[CounterRea
     values, ready for :meth:`HubbleMetrics.update_datapath_counters`.
     """
     readings: list[CounterReading] = []
-    for key, per_cpu in bpf[table].items():
+    for key, per_cpu in bpf[table.encode()].items():
         values = list(per_cpu)
         readings.append(
             CounterReading(

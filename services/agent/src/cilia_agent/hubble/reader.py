@@ -75,7 +75,7 @@ class BccRingBuffer:
             on_record(ctypes.string_at(data, size))
             return 0
 
-        self._bpf[self._table].open_ring_buffer(callback)
+        self._bpf[self._table.encode()].open_ring_buffer(callback)
 
     def poll(self, timeout_ms: int) -> None:
         """``BPF.ring_buffer_poll`` (the GIL is released while waiting)."""
