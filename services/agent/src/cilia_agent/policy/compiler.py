@@ -1,0 +1,208 @@
+"""Compile the policy of one endpoint: desired policy-map entries and enforcement flags.
+
+``compile_endpoint(endpoint, policies, identities)`` is a pure function returning an
+``EndpointPolicy``: ``entries`` maps ``PolicyEntry(peer, direction, protocol, port)``
+(peer 0 = any identity, protocol 0 = any, port 0 = any) to ``Verdict.ALLOW`` or
+``Verdict.DENY``; ``enforce_ingress``/``enforce_egress`` say whether the direction is
+default-deny (some selecting rule has that direction and does not opt out through
+``enableDefaultDeny``).
+
+Deny wins (ISSUE3.md): identical keys merge to DENY; and because one LPM lookup returns
+only the most specific entry, an ALLOW is turned into a DENY when a broader DENY for the
+same (peer, direction) covers it (same protocol with port 0, or protocol 0). A DENY for
+peer 0 against an ALLOW for an exact peer needs no conversion: the datapath looks both
+up and a deny from either wins (bpf/bpf_lxc.c ``policy_check``).
+
+Entities: world→2, host→1, remote-node→6, kube-apiserver→7, health→4, init→5,
+ingress→8, unmanaged→3, cluster→every cluster identity (≥256) + host + remote-node,
+all→peer 0.
+
+Source: upstream ``pkg/policy`` (``resolvePolicy``, ``mapstate.go`` deny precedence),
+``pkg/policy/api/entity.go``; semantics fixed in /work/brief/ISSUE3.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+from cilia_agent.identity.cache import IdentityCache
+from cilia_agent.identity.labels import (
+    IDENTITY_HEALTH,
+    IDENTITY_HOST,
+    IDENTITY_INGRESS,
+    IDENTITY_INIT,
+    IDENTITY_KUBE_APISERVER,
+    IDENTITY_REMOTE_NODE,
+    IDENTITY_UNMANAGED,
+    IDENTITY_WORLD,
+    POD_NAMESPACE_KEY,
+    SOURCE_K8S,
+    Label,
+    LabelSet,
+)
+from cilia_agent.policy.rules import (
+    PROTO_ANY,
+    CompiledPolicy,
+    Direction,
+    Peers,
+    PolicyRef,
+)
+
+ANY_PEER = 0
+
+ENTITY_IDENTITIES: Mapping[str, frozenset[int]] = {
+    "world": frozenset({IDENTITY_WORLD}),
+    "host": frozenset({IDENTITY_HOST}),
+    "remote-node": frozenset({IDENTITY_REMOTE_NODE}),
+    "kube-apiserver": frozenset({IDENTITY_KUBE_APISERVER}),
+    "health": frozenset({IDENTITY_HEALTH}),
+    "init": frozenset({IDENTITY_INIT}),
+    "ingress": frozenset({IDENTITY_INGRESS}),
+    "unmanaged": frozenset({IDENTITY_UNMANAGED}),
+    "all": frozenset({ANY_PEER}),
+}
+"""Fixed entity → identities; ``cluster`` depends on the identity cache (``entity_identities``)."""
+CLUSTER_RESERVED = frozenset({IDENTITY_HOST, IDENTITY_REMOTE_NODE})
+
+
+class Verdict(Enum):
+    """Verdict of a policy-map entry."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+class PolicyEntry(NamedTuple):
+    """Key of a desired entry of one endpoint (the map key minus ``ep_id``/prefix length).
+
+    ``peer``: identity or 0 (any); ``direction``: 0 ingress / 1 egress; ``protocol``: IP
+    protocol number or 0 (any); ``port``: host-order port or 0 (any). A non-zero port
+    needs a non-zero protocol.
+    """
+
+    peer: int
+    direction: int
+    protocol: int
+    port: int
+
+
+@dataclass(frozen=True)
+class EndpointSubject:
+    """The endpoint a policy is compiled for: identity labels (with its namespace label)."""
+
+    labels: LabelSet
+    namespace: str
+
+    @classmethod
+    def of(cls, labels: Iterable[str | Label] | LabelSet, namespace: str) -> EndpointSubject:
+        """Build from label strings (``"k8s:app=web"``) and the pod namespace; the
+        ``k8s:io.kubernetes.pod.namespace=<namespace>`` label is added when missing.
+
+        Raises:
+            cilia_agent.identity.labels.LabelError: a malformed label string.
+        """
+        ls = labels if isinstance(labels, LabelSet) else LabelSet.of(labels)
+        ns_label = Label(SOURCE_K8S, POD_NAMESPACE_KEY, namespace)
+        if ns_label not in ls:
+            ls = ls.with_labels([ns_label])
+        return cls(ls, namespace)
+
+
+@dataclass(frozen=True)
+class EndpointPolicy:
+    """Compiled policy of one endpoint (see the module docstring)."""
+
+    entries: Mapping[PolicyEntry, Verdict]
+    enforce_ingress: bool
+    enforce_egress: bool
+    selected_by: tuple[PolicyRef, ...] = ()
+
+
+def entity_identities(entity: str, identities: IdentityCache) -> frozenset[int]:
+    """Identities an entity stands for (peer 0 for ``all``); unknown names → empty."""
+    if entity == "cluster":
+        return identities.cluster_identities() | CLUSTER_RESERVED
+    return ENTITY_IDENTITIES.get(entity, frozenset())
+
+
+def resolve_peers(peers: Peers, identities: IdentityCache) -> frozenset[int]:
+    """Identities (or 0 = any) a rule's peers resolve to with the current identities."""
+    ids: set[int] = {ANY_PEER} if peers.any_peer else set()
+    for selector in peers.selectors:
+        ids |= identities.matching(selector)
+    for entity in peers.entities:
+        ids |= entity_identities(entity, identities)
+    return frozenset(ids)
+
+
+def compile_endpoint(
+    endpoint: EndpointSubject,
+    policies: Iterable[CompiledPolicy],
+    identities: IdentityCache,
+) -> EndpointPolicy:
+    """Desired map entries and enforcement flags of ``endpoint``.
+
+    ``policies``: every policy of the cluster (non-selecting ones are skipped);
+    ``identities``: the current identity cache (peer selectors are resolved against it).
+    Pure: reads its arguments only.
+    """
+    entries: dict[PolicyEntry, Verdict] = {}
+    enforce_in = enforce_eg = False
+    selected_by: list[PolicyRef] = []
+    for policy in policies:
+        subjects = policy.selecting(endpoint.labels)
+        if not subjects:
+            continue
+        selected_by.append(policy.ref)
+        for subject in subjects:
+            enforce_in |= subject.default_deny_ingress
+            enforce_eg |= subject.default_deny_egress
+            for rule in subject.rules:
+                verdict = Verdict.DENY if rule.deny else Verdict.ALLOW
+                for peer in resolve_peers(rule.peers, identities):
+                    for protocol, port in rule.ports:
+                        key = PolicyEntry(peer, int(rule.direction), protocol, port)
+                        if entries.get(key) is not Verdict.DENY:
+                            entries[key] = verdict
+    return EndpointPolicy(
+        entries=apply_deny_precedence(entries),
+        enforce_ingress=enforce_in,
+        enforce_egress=enforce_eg,
+        selected_by=tuple(sorted(selected_by)),
+    )
+
+
+def apply_deny_precedence(entries: Mapping[PolicyEntry, Verdict]) -> dict[PolicyEntry, Verdict]:
+    """Turn every ALLOW covered by a broader DENY of the same (peer, direction) into a DENY.
+
+    Covering DENYs: (protocol 0, port 0) covers everything; (protocol p, port 0) covers
+    protocol p with any port.
+    """
+    denies = {k for k, v in entries.items() if v is Verdict.DENY}
+    out = dict(entries)
+    for key, verdict in entries.items():
+        if verdict is Verdict.DENY:
+            continue
+        broader = [PolicyEntry(key.peer, key.direction, PROTO_ANY, 0)]
+        if key.port:
+            broader.append(PolicyEntry(key.peer, key.direction, key.protocol, 0))
+        if any(b in denies and b != key for b in broader):
+            out[key] = Verdict.DENY
+    return out
+
+
+__all__ = [
+    "ANY_PEER",
+    "Direction",
+    "EndpointPolicy",
+    "EndpointSubject",
+    "PolicyEntry",
+    "Verdict",
+    "apply_deny_precedence",
+    "compile_endpoint",
+    "entity_identities",
+    "resolve_peers",
+]

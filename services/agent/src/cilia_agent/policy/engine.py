@@ -1,0 +1,175 @@
+"""PolicyEngine: the one object the agent wires in (identities + policies + endpoints → map).
+
+Usage by the agent (all calls from its event loop)::
+
+    engine = PolicyEngine(PolicyMapWriter(bpf["cilia_policy"], capacity), on_enforce=cb)
+    engine.restore()                                  # adopt the pinned map's entries
+    engine.set_endpoint(ep_id, identity_labels, ns)   # endpoint created / relabelled
+    engine.on_identities(watch_identities_response)   # each IdentityService message
+    engine.on_policies(watch_policies_response)       # each PolicyService message
+    engine.remove_endpoint(ep_id)                     # endpoint deleted
+
+Each call recompiles only the affected endpoints and writes only the changed map entries
+(fail-closed order, see ``maps``); then ``on_enforce(ep_id, EndpointPolicy)`` is called
+for every recompiled endpoint so the datapath can set ``enforce_ingress``/``enforce_egress``
+in ``cilia_endpoints`` (entries are in place before enforcement turns on).
+
+Nothing is compiled before both streams have delivered their initial listing
+(``ready``): compiling against half the identities or policies would delete restored
+entries of running pods after an agent restart. Endpoints set or affected meanwhile are
+compiled when the second ``synced`` arrives (``on_identities``/``on_policies`` then
+return them too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+from cilia_agent.identity.cache import IdentityCache, WatchIdentitiesResponseLike
+from cilia_agent.identity.labels import Label, LabelSet
+from cilia_agent.policy.compiler import EndpointPolicy, EndpointSubject, PolicyEntry, Verdict
+from cilia_agent.policy.maps import PolicyDiff, PolicyMapError, PolicyMapWriter, diff
+from cilia_agent.policy.repository import BatchResult, PolicyRepository, WatchPoliciesResponseLike
+
+log = logging.getLogger(__name__)
+
+EnforceCallback = Callable[[int, EndpointPolicy], None]
+
+
+class PolicyEngine:
+    """Keeps every local endpoint's policy-map entries in line with policies and identities.
+
+    ``writer``: the map writer (None = compute only, nothing written);
+    ``on_enforce``: called with (ep_id, compiled policy) after each recompilation.
+    """
+
+    def __init__(
+        self,
+        writer: PolicyMapWriter | None = None,
+        on_enforce: EnforceCallback | None = None,
+        identities: IdentityCache | None = None,
+        repository: PolicyRepository | None = None,
+    ) -> None:
+        self.writer = writer
+        self.on_enforce = on_enforce
+        self.identities = identities if identities is not None else IdentityCache()
+        self.repository = repository if repository is not None else PolicyRepository()
+        self.endpoints: dict[int, EndpointSubject] = {}
+        self.compiled: dict[int, EndpointPolicy] = {}
+        self._written: dict[int, Mapping[PolicyEntry, Verdict]] = {}
+        self._pending: set[int] = set()
+
+    @property
+    def ready(self) -> bool:
+        """True once both the identity and the policy stream are synced."""
+        return self.identities.synced and self.repository.synced
+
+    def restore(self) -> dict[int, Mapping[PolicyEntry, Verdict]]:
+        """Adopt the entries already in the pinned map (after an agent restart), so the
+        first recompilation writes only differences. Returns them by endpoint id."""
+        if self.writer is None:
+            return {}
+        self._written = dict(self.writer.read())
+        return dict(self._written)
+
+    def set_endpoint(
+        self, ep_id: int, labels: Iterable[str | Label] | LabelSet, namespace: str
+    ) -> EndpointPolicy | None:
+        """Add or relabel a local endpoint and bring its entries up to date.
+
+        ``labels``: the endpoint's identity labels (``identity.labels.pod_identity_labels``).
+        Returns its compiled policy, or None while the engine is not ``ready`` (compiled
+        later, see the module docstring).
+
+        Raises:
+            cilia_agent.identity.labels.LabelError: a malformed label.
+            cilia_agent.policy.maps.PolicyMapError: writing the map failed.
+        """
+        self.endpoints[ep_id] = EndpointSubject.of(labels, namespace)
+        return self.regenerate([ep_id]).get(ep_id)
+
+    def remove_endpoint(self, ep_id: int) -> PolicyDiff:
+        """Forget an endpoint and delete its map entries (including restored ones)."""
+        self.endpoints.pop(ep_id, None)
+        self.compiled.pop(ep_id, None)
+        self._pending.discard(ep_id)
+        current = self._written.pop(ep_id, {})
+        change = diff(current, {})
+        if self.writer is not None and change:
+            self.writer.apply(ep_id, change)
+        return change
+
+    def prune(self) -> list[int]:
+        """Delete the entries of restored endpoints that were not set again; returns their ids.
+
+        Call once the agent has restored all its endpoints after a restart.
+        """
+        stale = [ep for ep in self._written if ep not in self.endpoints]
+        for ep_id in stale:
+            self.remove_endpoint(ep_id)
+        return stale
+
+    def on_identities(self, response: WatchIdentitiesResponseLike) -> set[int]:
+        """Apply an identity stream message; returns the recompiled endpoint ids."""
+        changes = self.identities.apply(response)
+        affected = self.repository.affected_by_identities(changes, self.endpoints)
+        return set(self.regenerate(affected | self._pending))
+
+    def on_policies(self, response: WatchPoliciesResponseLike) -> tuple[BatchResult, set[int]]:
+        """Apply a policy stream message; returns the result and the recompiled endpoint ids."""
+        result = self.repository.apply(response)
+        affected = self.repository.affected_by_policies(result.updates, self.endpoints)
+        return result, set(self.regenerate(affected | self._pending))
+
+    def regenerate(self, ep_ids: Iterable[int]) -> dict[int, EndpointPolicy]:
+        """Recompile the given endpoints and write their changed entries; returns the
+        compiled ones (none while not ``ready``: they are kept pending).
+
+        Raises:
+            cilia_agent.policy.maps.PolicyMapError: writing the map failed (the endpoints
+                before it are written; call again to converge).
+        """
+        out: dict[int, EndpointPolicy] = {}
+        if not self.ready:
+            self._pending.update(ep_ids)
+            return out
+        todo = sorted(set(ep_ids) | self._pending)
+        self._pending.clear()
+        for i, ep_id in enumerate(todo):
+            subject = self.endpoints.get(ep_id)
+            if subject is None:
+                continue
+            policy = self.repository.compile(subject, self.identities)
+            current = self._written.get(ep_id, {})
+            change = diff(current, policy.entries)
+            if self.writer is not None and change:
+                try:
+                    self.writer.apply(ep_id, change)
+                except PolicyMapError:
+                    self._pending.update(todo[i:])  # retried on the next call
+                    self._written[ep_id] = self._reread(ep_id)
+                    raise
+            self._written[ep_id] = dict(policy.entries)
+            self.compiled[ep_id] = policy
+            out[ep_id] = policy
+            if change:
+                log.info(
+                    "endpoint %d policy: %d upserts, %d deletes, revision %d",
+                    ep_id,
+                    len(change.upserts),
+                    len(change.deletes),
+                    self.repository.revision,
+                )
+            if self.on_enforce is not None:
+                self.on_enforce(ep_id, policy)
+        return out
+
+    def _reread(self, ep_id: int) -> Mapping[PolicyEntry, Verdict]:
+        """What the map holds for ``ep_id`` after a partial write (empty if unreadable)."""
+        assert self.writer is not None
+        try:
+            return self.writer.read().get(ep_id, {})
+        except Exception:  # the map itself is failing: diff against nothing next time
+            log.exception("re-reading the policy map for endpoint %d failed", ep_id)
+            return {}

@@ -1,0 +1,407 @@
+"""Pydantic models of CiliumNetworkPolicy (cilium.io/v2) and NetworkPolicy (networking.k8s.io/v1).
+
+Only the subset Cilia enforces is modelled; every other field is rejected with its
+path (``spec.ingress[0].toPorts[0].ports[0].endPort: not supported by Cilia``) so a
+manifest never silently means less than it says. This module depends on pydantic and
+the standard library only (the operator can validate with the same models).
+
+Entry point: ``parse_policy(manifest) -> CiliumNetworkPolicy | NetworkPolicy``, raising
+``InvalidPolicy`` with every field error.
+
+Source: upstream ``pkg/k8s/apis/cilium.io/v2`` (CNP), ``pkg/policy/api`` (rule fields),
+Kubernetes ``networking.k8s.io/v1``; reference: cilium-upstream.md §5.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+CNP_API_VERSION = "cilium.io/v2"
+CNP_KIND = "CiliumNetworkPolicy"
+NP_API_VERSION = "networking.k8s.io/v1"
+NP_KIND = "NetworkPolicy"
+DEFAULT_NAMESPACE = "default"
+
+Entity = Literal[
+    "all",
+    "world",
+    "cluster",
+    "host",
+    "remote-node",
+    "kube-apiserver",
+    "health",
+    "init",
+    "ingress",
+    "unmanaged",
+]
+"""Upstream entity names (``fromEntities``/``toEntities``)."""
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem in a manifest: dotted path (``spec.ingress[0].toPorts``) and message."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class InvalidPolicy(ValueError):
+    """A policy manifest is malformed or uses a field Cilia does not support.
+
+    Attributes: ``kind``, ``namespace``, ``name`` (as far as they could be read; may be
+    empty) and ``errors`` (every ``FieldError``).
+    """
+
+    def __init__(self, kind: str, namespace: str, name: str, errors: Sequence[FieldError]):
+        self.kind = kind
+        self.namespace = namespace
+        self.name = name
+        self.errors = tuple(errors)
+        what = f"{kind or 'policy'} {namespace}/{name}" if name else (kind or "policy")
+        super().__init__(f"{what} is invalid: " + "; ".join(str(e) for e in self.errors))
+
+
+def _format_loc(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_MESSAGES = {"extra_forbidden": "unknown field"}
+_UNSUPPORTED = "cilia_unsupported"
+
+
+class _Model(BaseModel):
+    """Strict base: unknown fields rejected, camelCase names as in the manifests."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True
+    )
+    _unsupported: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            present = [name for name in cls._unsupported if name in data]
+            if present:
+                raise PydanticCustomError(
+                    _UNSUPPORTED,
+                    "{fields} not supported by Cilia",
+                    {"fields": ",".join(present)},
+                )
+        return data
+
+
+# ----------------------------------------------------------------------------- selectors
+
+
+class LabelSelectorRequirement(_Model):
+    """``{key, operator: In|NotIn|Exists|DoesNotExist, values}``."""
+
+    key: str = Field(min_length=1)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _values_match_operator(self) -> LabelSelectorRequirement:
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(f"operator {self.operator} needs a non-empty values list")
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(f"operator {self.operator} takes no values")
+        return self
+
+
+class LabelSelector(_Model):
+    """Kubernetes label selector; keys may carry a label source (``k8s:app``)."""
+
+    match_labels: dict[str, str] | None = None
+    match_expressions: list[LabelSelectorRequirement] | None = None
+
+    @field_validator("match_labels")
+    @classmethod
+    def _keys_not_empty(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key in value or {}:
+            if not key or key.endswith(":"):
+                raise ValueError(f"empty label key {key!r}")
+        return value
+
+
+# ----------------------------------------------------------------------------- ports
+
+
+def _port_number(value: Any) -> Any:
+    """``"8080"``/``8080`` → 8080; ``None``/``""`` → 0 (any); names are refused."""
+    if value is None or value == "":
+        return 0
+    if isinstance(value, bool):
+        raise ValueError("port must be a number or a numeric string")
+    if isinstance(value, str):
+        if not value.isdigit():
+            raise ValueError(f"named port {value!r} not supported by Cilia (use a number)")
+        return int(value)
+    return value
+
+
+Port = Annotated[int, BeforeValidator(_port_number), Field(ge=0, le=65535)]
+
+
+class PortProtocol(_Model):
+    """``{port: "8080"|8080 (0/absent = any), protocol: TCP|UDP|ANY (default ANY)}``."""
+
+    _unsupported = ("endPort",)
+    port: Port = 0
+    protocol: Literal["TCP", "UDP", "ANY"] = "ANY"
+
+
+class PortRule(_Model):
+    """``toPorts[]`` item: ``{ports: [...]}`` (L7 ``rules`` are not supported)."""
+
+    _unsupported = ("rules", "serverNames", "listener", "originatingTLS", "terminatingTLS")
+    ports: list[PortProtocol] | None = None
+
+
+# ----------------------------------------------------------------------------- CNP
+
+
+class IngressRule(_Model):
+    """``ingress[]``/``ingressDeny[]`` item: peers (``fromEndpoints``, ``fromEntities``) and ports.
+
+    No peer field but ``toPorts`` = any peer on those ports; neither = allows nothing
+    (still turns on default-deny for the direction).
+    """
+
+    _unsupported = (
+        "fromCIDR",
+        "fromCIDRSet",
+        "fromNodes",
+        "fromRequires",
+        "fromGroups",
+        "icmps",
+        "authentication",
+    )
+    from_endpoints: list[LabelSelector] | None = None
+    from_entities: list[Entity] | None = None
+    to_ports: list[PortRule] | None = None
+
+
+class EgressRule(_Model):
+    """``egress[]``/``egressDeny[]`` item: peers (``toEndpoints``, ``toEntities``) and ports."""
+
+    _unsupported = (
+        "toCIDR",
+        "toCIDRSet",
+        "toFQDNs",
+        "toServices",
+        "toNodes",
+        "toRequires",
+        "toGroups",
+        "icmps",
+        "authentication",
+    )
+    to_endpoints: list[LabelSelector] | None = None
+    to_entities: list[Entity] | None = None
+    to_ports: list[PortRule] | None = None
+
+
+class DefaultDeny(_Model):
+    """``enableDefaultDeny{ingress, egress}``; absent = true for directions with rules."""
+
+    ingress: bool | None = None
+    egress: bool | None = None
+
+
+class RuleLabel(_Model):
+    """Informational rule label (``labels[]`` of a rule)."""
+
+    key: str
+    value: str = ""
+    source: str = ""
+
+
+class Rule(_Model):
+    """One CNP rule: ``endpointSelector`` plus per-direction allow/deny rules."""
+
+    _unsupported = ("nodeSelector",)
+    endpoint_selector: LabelSelector
+    ingress: list[IngressRule] | None = None
+    ingress_deny: list[IngressRule] | None = None
+    egress: list[EgressRule] | None = None
+    egress_deny: list[EgressRule] | None = None
+    enable_default_deny: DefaultDeny | None = None
+    description: str | None = None
+    labels: list[RuleLabel] | None = None
+
+
+class ObjectMeta(BaseModel):
+    """Kubernetes metadata: ``name`` required, ``namespace`` optional; other fields kept."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+
+
+class CiliumNetworkPolicy(_Model):
+    """CiliumNetworkPolicy ``cilium.io/v2`` (namespaced): ``spec`` and/or ``specs[]``."""
+
+    api_version: Literal["cilium.io/v2"]
+    kind: Literal["CiliumNetworkPolicy"]
+    metadata: ObjectMeta
+    spec: Rule | None = None
+    specs: list[Rule] | None = None
+    status: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_rules(self) -> CiliumNetworkPolicy:
+        if self.spec is None and not self.specs:
+            raise ValueError("spec or specs must be set")
+        return self
+
+    @property
+    def rules(self) -> list[Rule]:
+        """``spec`` followed by ``specs[]``."""
+        return ([self.spec] if self.spec is not None else []) + list(self.specs or [])
+
+
+# ----------------------------------------------------------------------------- k8s NP
+
+
+class NetworkPolicyPort(_Model):
+    """``ports[]``: ``{protocol: TCP|UDP (default TCP), port (absent = all)}``."""
+
+    _unsupported = ("endPort",)
+    protocol: Literal["TCP", "UDP"] = "TCP"
+    port: Port = 0
+
+
+class NetworkPolicyPeer(_Model):
+    """``from[]``/``to[]``: ``podSelector`` and/or ``namespaceSelector`` (``ipBlock`` refused)."""
+
+    _unsupported = ("ipBlock",)
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> NetworkPolicyPeer:
+        if self.pod_selector is None and self.namespace_selector is None:
+            raise ValueError("a peer needs podSelector and/or namespaceSelector")
+        return self
+
+
+class NetworkPolicyIngressRule(_Model):
+    """``ingress[]``: absent/empty ``from`` = every source; absent/empty ``ports`` = every port."""
+
+    from_: list[NetworkPolicyPeer] | None = Field(default=None, alias="from")
+    ports: list[NetworkPolicyPort] | None = None
+
+
+class NetworkPolicyEgressRule(_Model):
+    """``egress[]``: absent/empty ``to`` = every destination."""
+
+    to: list[NetworkPolicyPeer] | None = None
+    ports: list[NetworkPolicyPort] | None = None
+
+
+class NetworkPolicySpec(_Model):
+    """``spec``: ``podSelector``, ``policyTypes``, ``ingress``, ``egress``."""
+
+    pod_selector: LabelSelector
+    policy_types: list[Literal["Ingress", "Egress"]] | None = None
+    ingress: list[NetworkPolicyIngressRule] | None = None
+    egress: list[NetworkPolicyEgressRule] | None = None
+
+    @property
+    def effective_policy_types(self) -> frozenset[str]:
+        """``policyTypes``, or Kubernetes' default: Ingress, plus Egress when ``egress`` is set."""
+        if self.policy_types is not None:
+            return frozenset(self.policy_types)
+        return frozenset({"Ingress"} | ({"Egress"} if self.egress is not None else set()))
+
+
+class NetworkPolicy(_Model):
+    """Kubernetes NetworkPolicy ``networking.k8s.io/v1``."""
+
+    api_version: Literal["networking.k8s.io/v1"]
+    kind: Literal["NetworkPolicy"]
+    metadata: ObjectMeta
+    spec: NetworkPolicySpec
+    status: dict[str, Any] | None = None
+
+
+Policy = CiliumNetworkPolicy | NetworkPolicy
+POLICY_KINDS: Mapping[str, type[CiliumNetworkPolicy] | type[NetworkPolicy]] = {
+    CNP_KIND: CiliumNetworkPolicy,
+    NP_KIND: NetworkPolicy,
+}
+
+
+def policy_namespace(policy: Policy) -> str:
+    """The policy's namespace (``default`` when the manifest names none)."""
+    return policy.metadata.namespace or DEFAULT_NAMESPACE
+
+
+def parse_policy(manifest: Mapping[str, Any] | str | bytes) -> Policy:
+    """Validate a manifest (a mapping, or its JSON text) into a policy model.
+
+    The kind picks the model: ``CiliumNetworkPolicy`` or ``NetworkPolicy``.
+
+    Raises:
+        InvalidPolicy: not JSON / not an object, unknown kind, or any field error; every
+            error carries its path, e.g. ``spec.ingress[0].fromEndpoints[0].matchLabel:
+            unknown field``.
+    """
+    if isinstance(manifest, str | bytes):
+        try:
+            manifest = json.loads(manifest)
+        except ValueError as exc:
+            raise InvalidPolicy("", "", "", [FieldError("", f"not valid JSON: {exc}")]) from exc
+    if not isinstance(manifest, Mapping):
+        raise InvalidPolicy("", "", "", [FieldError("", "manifest must be a JSON object")])
+    kind = manifest.get("kind")
+    meta = manifest.get("metadata")
+    name = str(meta.get("name", "")) if isinstance(meta, Mapping) else ""
+    namespace = str(meta.get("namespace") or DEFAULT_NAMESPACE) if isinstance(meta, Mapping) else ""
+    model = POLICY_KINDS.get(kind) if isinstance(kind, str) else None
+    if model is None or not isinstance(kind, str):
+        raise InvalidPolicy(
+            str(kind or ""),
+            namespace,
+            name,
+            [FieldError("kind", f"must be one of {sorted(POLICY_KINDS)}, got {kind!r}")],
+        )
+    try:
+        return model.model_validate(manifest)
+    except ValidationError as exc:
+        errors = [e for err in exc.errors() for e in _field_errors(err)]
+        raise InvalidPolicy(kind, namespace, name, errors) from exc
+
+
+def _field_errors(err: ErrorDetails) -> list[FieldError]:
+    loc = list(err["loc"])
+    if err["type"] == _UNSUPPORTED:
+        fields = str((err.get("ctx") or {}).get("fields", "")).split(",")
+        return [FieldError(_format_loc([*loc, f]), "not supported by Cilia") for f in fields]
+    message = _MESSAGES.get(err["type"], err["msg"].removeprefix("Value error, "))
+    return [FieldError(_format_loc(loc), message)]

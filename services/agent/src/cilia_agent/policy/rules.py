@@ -1,0 +1,249 @@
+"""Policy manifests → ``CompiledPolicy``: namespace-restricted selectors, port keys, entities.
+
+A ``CompiledPolicy`` is the agent's normal form of one CiliumNetworkPolicy or
+NetworkPolicy: a list of ``SubjectRule`` (who it applies to, which directions become
+default-deny) each with ``DirectionalRule`` items (peers, (protocol, port) pairs,
+allow or deny). It does not depend on identities; ``compiler`` resolves peers later.
+
+Ports: ``TCP``→6, ``UDP``→17; port 0/absent = any port; ``ANY`` without a port is
+protocol 0 (every protocol, prefix 72 in the map); ``ANY`` with a port becomes TCP and
+UDP entries, since the LPM key cannot wildcard the protocol and match the port.
+
+Source: upstream ``pkg/policy/api`` (rules, entities), ``pkg/k8s/apis/cilium.io/utils``
+(namespace restriction), ``pkg/k8s/network_policy.go`` (NetworkPolicy translation);
+semantics fixed in /work/brief/ISSUE3.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from cilia_agent.identity.labels import (
+    NAMESPACE_LABELS_PREFIX,
+    POD_NAMESPACE_KEY,
+    SOURCE_K8S,
+    LabelSet,
+)
+from cilia_agent.policy.model import (
+    CiliumNetworkPolicy,
+    EgressRule,
+    IngressRule,
+    LabelSelector,
+    NetworkPolicy,
+    NetworkPolicyPeer,
+    NetworkPolicyPort,
+    Policy,
+    PortRule,
+    Rule,
+)
+from cilia_agent.policy.selector import Operator, Requirement, Selector
+
+PROTO_ANY = 0
+PROTO_TCP = 6
+PROTO_UDP = 17
+PROTOCOLS = {"TCP": PROTO_TCP, "UDP": PROTO_UDP, "ANY": PROTO_ANY}
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""Namespace label Kubernetes sets to the namespace's name (NetworkPolicy namespaceSelector)."""
+
+PortKey = tuple[int, int]
+"""(IP protocol number or 0 = any, port or 0 = any)."""
+L3_ONLY: tuple[PortKey, ...] = ((PROTO_ANY, 0),)
+
+
+class Direction(IntEnum):
+    """Policy direction as in the map key: 0 ingress (to the pod), 1 egress (from the pod)."""
+
+    INGRESS = 0
+    EGRESS = 1
+
+
+@dataclass(frozen=True, order=True)
+class PolicyRef:
+    """Identity of a policy object: ``kind``, ``namespace``, ``name``."""
+
+    kind: str
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who a directional rule is about.
+
+    ``selectors`` are already namespace-restricted; ``entities`` are upstream entity
+    names; ``any_peer`` = every peer (sec_label 0), set for a rule with ``toPorts`` and no
+    peer field (and for NetworkPolicy rules without ``from``/``to``).
+    """
+
+    selectors: tuple[Selector, ...] = ()
+    entities: frozenset[str] = frozenset()
+    any_peer: bool = False
+
+    def matches_labels(self, labels: LabelSet) -> bool:
+        """True when one of the selectors selects ``labels``."""
+        return any(s.matches(labels) for s in self.selectors)
+
+
+@dataclass(frozen=True)
+class DirectionalRule:
+    """One ingress/egress (allow or deny) rule: peers x (protocol, port) pairs."""
+
+    direction: Direction
+    deny: bool
+    peers: Peers
+    ports: tuple[PortKey, ...] = L3_ONLY
+
+
+@dataclass(frozen=True)
+class SubjectRule:
+    """Rules for the endpoints ``subject`` selects, and the directions they make default-deny."""
+
+    subject: Selector
+    default_deny_ingress: bool
+    default_deny_egress: bool
+    rules: tuple[DirectionalRule, ...]
+
+
+@dataclass(frozen=True)
+class CompiledPolicy:
+    """Normal form of one policy object (independent of identities)."""
+
+    ref: PolicyRef
+    subjects: tuple[SubjectRule, ...]
+    source: Policy | None = field(default=None, compare=False, repr=False)
+
+    def selecting(self, labels: LabelSet) -> list[SubjectRule]:
+        """The subject rules that select an endpoint with ``labels``."""
+        return [s for s in self.subjects if s.subject.matches(labels)]
+
+
+def compile_policy(policy: Policy, namespace: str) -> CompiledPolicy:
+    """Translate a parsed policy living in ``namespace`` into its normal form.
+
+    Raises:
+        cilia_agent.identity.labels.LabelError: a selector key is empty after its source.
+    """
+    ref = PolicyRef(policy.kind, namespace, policy.metadata.name)
+    if isinstance(policy, CiliumNetworkPolicy):
+        subjects = tuple(_cnp_rule(rule, namespace) for rule in policy.rules)
+    else:
+        subjects = (_np_spec(policy, namespace),)
+    return CompiledPolicy(ref, subjects, policy)
+
+
+# ------------------------------------------------------------------------------ CNP
+
+
+def _cnp_rule(rule: Rule, namespace: str) -> SubjectRule:
+    subject = Selector.from_model(rule.endpoint_selector).in_namespace(namespace)
+    dd = rule.enable_default_deny
+    has_in = bool(rule.ingress) or bool(rule.ingress_deny)
+    has_eg = bool(rule.egress) or bool(rule.egress_deny)
+    rules: list[DirectionalRule] = []
+    for deny, ingress in ((False, rule.ingress), (True, rule.ingress_deny)):
+        rules += [_cnp_ingress(r, deny, namespace) for r in ingress or ()]
+    for deny, egress in ((False, rule.egress), (True, rule.egress_deny)):
+        rules += [_cnp_egress(r, deny, namespace) for r in egress or ()]
+    return SubjectRule(
+        subject=subject,
+        default_deny_ingress=has_in and (dd is None or dd.ingress is not False),
+        default_deny_egress=has_eg and (dd is None or dd.egress is not False),
+        rules=tuple(rules),
+    )
+
+
+def _peers(
+    selectors: Sequence[LabelSelector] | None,
+    entities: Sequence[str] | None,
+    has_ports: bool,
+    namespace: str,
+) -> Peers:
+    sels = tuple(Selector.from_model(s).restricted_to(namespace) for s in selectors or ())
+    ents = frozenset(entities or ())
+    return Peers(sels, ents, any_peer=not sels and not ents and has_ports)
+
+
+def _cnp_ingress(rule: IngressRule, deny: bool, namespace: str) -> DirectionalRule:
+    peers = _peers(rule.from_endpoints, rule.from_entities, bool(rule.to_ports), namespace)
+    return DirectionalRule(Direction.INGRESS, deny, peers, _cnp_ports(rule.to_ports))
+
+
+def _cnp_egress(rule: EgressRule, deny: bool, namespace: str) -> DirectionalRule:
+    peers = _peers(rule.to_endpoints, rule.to_entities, bool(rule.to_ports), namespace)
+    return DirectionalRule(Direction.EGRESS, deny, peers, _cnp_ports(rule.to_ports))
+
+
+def port_keys(protocol: str, port: int) -> tuple[PortKey, ...]:
+    """(protocol name, port) → map (protocol, port) pairs; see the module docstring."""
+    number = PROTOCOLS[protocol]
+    if number == PROTO_ANY:
+        return L3_ONLY if port == 0 else ((PROTO_TCP, port), (PROTO_UDP, port))
+    return ((number, port),)
+
+
+def _cnp_ports(to_ports: Sequence[PortRule] | None) -> tuple[PortKey, ...]:
+    if not to_ports:
+        return L3_ONLY
+    keys: list[PortKey] = []
+    for port_rule in to_ports:
+        if not port_rule.ports:
+            keys += L3_ONLY
+        for pp in port_rule.ports or ():
+            keys += port_keys(pp.protocol, pp.port)
+    return tuple(dict.fromkeys(keys))
+
+
+# ------------------------------------------------------------------------------ k8s NP
+
+
+def _np_spec(policy: NetworkPolicy, namespace: str) -> SubjectRule:
+    spec = policy.spec
+    types = spec.effective_policy_types
+    rules: list[DirectionalRule] = []
+    if "Ingress" in types:
+        for ing in spec.ingress or ():
+            peers = _np_peers(ing.from_, namespace)
+            rules.append(DirectionalRule(Direction.INGRESS, False, peers, _np_ports(ing.ports)))
+    if "Egress" in types:
+        for eg in spec.egress or ():
+            peers = _np_peers(eg.to, namespace)
+            rules.append(DirectionalRule(Direction.EGRESS, False, peers, _np_ports(eg.ports)))
+    return SubjectRule(
+        subject=Selector.from_model(spec.pod_selector).in_namespace(namespace),
+        default_deny_ingress="Ingress" in types,
+        default_deny_egress="Egress" in types,
+        rules=tuple(rules),
+    )
+
+
+def _np_peers(peers: Sequence[NetworkPolicyPeer] | None, namespace: str) -> Peers:
+    if not peers:
+        return Peers(any_peer=True)
+    return Peers(tuple(_np_peer(p, namespace) for p in peers))
+
+
+def _np_peer(peer: NetworkPolicyPeer, namespace: str) -> Selector:
+    pods = Selector.from_model(peer.pod_selector or LabelSelector())
+    if peer.namespace_selector is None:
+        return pods.in_namespace(namespace)
+    ns_reqs = {Requirement(POD_NAMESPACE_KEY, "Exists", source=SOURCE_K8S)}
+    sel = peer.namespace_selector
+    pairs: list[tuple[str, Operator, list[str]]] = [
+        (k, "In", [v]) for k, v in (sel.match_labels or {}).items()
+    ]
+    pairs += [(e.key, e.operator, e.values or []) for e in sel.match_expressions or ()]
+    for key, op, values in pairs:
+        target = POD_NAMESPACE_KEY if key == NAMESPACE_NAME_LABEL else NAMESPACE_LABELS_PREFIX + key
+        ns_reqs.add(Requirement(target, op, frozenset(values), SOURCE_K8S))
+    return Selector(pods.requirements | ns_reqs)
+
+
+def _np_ports(ports: Sequence[NetworkPolicyPort] | None) -> tuple[PortKey, ...]:
+    if not ports:
+        return L3_ONLY
+    return tuple(dict.fromkeys(k for p in ports for k in port_keys(p.protocol, p.port)))

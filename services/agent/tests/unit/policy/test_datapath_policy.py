@@ -1,0 +1,180 @@
+"""A compiled policy written by PolicyMapWriter into the real cilia_policy map of
+bpf/bpf_lxc.c gives the expected verdicts through BPF_PROG_TEST_RUN.
+
+Uses bpf/tests/harness.py (bcc compile with maps pinned under
+/sys/fs/bpf/cilia-test-<rand>, removed afterwards). Under test run the program sees
+ifindex 1, so the endpoint is registered for ifindex 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+from cilia_agent.policy.compiler import EndpointPolicy, PolicyEntry
+from cilia_agent.policy.engine import PolicyEngine
+from cilia_agent.policy.maps import PolicyMapWriter, encode_key
+
+pytestmark = pytest.mark.privileged
+
+BPF_TESTS = pathlib.Path(__file__).resolve().parents[5] / "bpf" / "tests"
+
+BACKEND_IP, FRONTEND_IP, OTHER_IP, BANNED_IP = (
+    "10.251.0.10",
+    "10.251.0.20",
+    "10.251.0.30",
+    "10.251.0.40",
+)
+EP_ID, BACKEND, FRONTEND, OTHER, BANNED = 42, 1001, 1000, 1002, 1005
+NS = "k8s:io.kubernetes.pod.namespace=prod"
+
+
+def _unsupported() -> str | None:
+    if os.geteuid() != 0:
+        return "BPF_PROG_TEST_RUN needs root"
+    if not pathlib.Path("/sys/fs/bpf").is_dir():
+        return "bpffs is not mounted at /sys/fs/bpf"
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        return "bcc (Debian python3-bpfcc) is not importable; run scripts/setup.sh"
+    return None
+
+
+@pytest.fixture
+def harness() -> Iterator[Any]:
+    reason = _unsupported()
+    if reason:
+        pytest.skip(reason)
+    sys.path.insert(0, str(BPF_TESTS))
+    try:
+        import harness as h  # type: ignore[import-not-found]
+
+        yield h
+    finally:
+        sys.path.remove(str(BPF_TESTS))
+
+
+@pytest.fixture
+def dp(harness: Any) -> Iterator[Any]:
+    datapath = harness.load()
+    try:
+        yield datapath
+    finally:
+        harness.unload(datapath)
+
+
+def identity_event(id_: int, app: str) -> pb.IdentityEvent:
+    return pb.IdentityEvent(
+        type=pb.EVENT_TYPE_UPSERT, identity=pb.Identity(id=id_, labels=[f"k8s:app={app}", NS])
+    )
+
+
+def policy_event(name: str, spec: dict[str, Any]) -> pb.PolicyEvent:
+    doc = {
+        "apiVersion": "cilium.io/v2",
+        "kind": "CiliumNetworkPolicy",
+        "metadata": {"name": name, "namespace": "prod"},
+        "spec": {"endpointSelector": {"matchLabels": {"app": "backend"}}, **spec},
+    }
+    return pb.PolicyEvent(
+        type=pb.EVENT_TYPE_UPSERT,
+        kind="CiliumNetworkPolicy",
+        namespace="prod",
+        name=name,
+        json=json.dumps(doc),
+    )
+
+
+def tcp8080(*apps: str) -> dict[str, Any]:
+    return {
+        "fromEndpoints": [{"matchLabels": {"app": a}} for a in apps],
+        "toPorts": [{"ports": [{"port": "8080", "protocol": "TCP"}]}],
+    }
+
+
+def test_compiled_policy_in_real_map_forwards_allowed_and_drops_the_rest(
+    harness: Any, dp: Any
+) -> None:
+    for ip, ident in ((BACKEND_IP, BACKEND), (FRONTEND_IP, FRONTEND), (OTHER_IP, OTHER)):
+        dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_be(ip))] = harness.IpcacheValue(
+            ident, 0
+        )
+    dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_be(BANNED_IP))] = (
+        harness.IpcacheValue(BANNED, 0)
+    )
+    endpoints = dp.table("cilia_endpoints")
+
+    def enforce(ep_id: int, policy: EndpointPolicy) -> None:
+        endpoints[endpoints.Key(1)] = harness.EndpointInfo(
+            ep_id=ep_id,
+            sec_identity=BACKEND,
+            ipv4=harness.ip_be(BACKEND_IP),
+            enforce_ingress=int(policy.enforce_ingress),
+            enforce_egress=int(policy.enforce_egress),
+        )
+
+    engine = PolicyEngine(PolicyMapWriter(dp.table("cilia_policy")), on_enforce=enforce)
+    engine.on_identities(
+        pb.WatchIdentitiesResponse(
+            events=[
+                identity_event(FRONTEND, "frontend"),
+                identity_event(BACKEND, "backend"),
+                identity_event(OTHER, "other"),
+                identity_event(BANNED, "banned"),
+            ],
+            synced=True,
+        )
+    )
+    engine.on_policies(
+        pb.WatchPoliciesResponse(
+            events=[
+                policy_event(
+                    "backend",
+                    {
+                        "ingress": [tcp8080("frontend", "banned")],
+                        "ingressDeny": [{"fromEndpoints": [{"matchLabels": {"app": "banned"}}]}],
+                    },
+                )
+            ],
+            synced=True,
+        )
+    )
+    engine.set_endpoint(EP_ID, ["k8s:app=backend", NS], "prod")
+
+    to = "cil_to_container"
+    run = dp.run
+    pkt = harness.packet
+    assert run(to, pkt(FRONTEND_IP, BACKEND_IP, sport=1, dport=8080)) == harness.TC_ACT_OK
+    assert run(to, pkt(FRONTEND_IP, BACKEND_IP, sport=2, dport=9090)) == harness.TC_ACT_SHOT
+    assert run(to, pkt(OTHER_IP, BACKEND_IP, sport=3, dport=8080)) == harness.TC_ACT_SHOT
+    # banned's allow on 8080 was converted to deny by the broader L3 deny
+    assert run(to, pkt(BANNED_IP, BACKEND_IP, sport=4, dport=8080)) == harness.TC_ACT_SHOT
+    assert [(e.verdict, e.drop_reason) for e in dp.events] == [(1, 0), (2, 133), (2, 133), (2, 181)]
+    # egress is not enforced by an ingress-only policy
+    assert run("cil_from_container", pkt(BACKEND_IP, OTHER_IP, dport=5432)) == harness.TC_ACT_OK
+
+    # Policy update on the running endpoint: "other" may now reach 8080 too.
+    frontend_key = encode_key(EP_ID, PolicyEntry(FRONTEND, 0, 6, 8080))
+    assert dp.table("cilia_policy")[frontend_key].packets == 1
+    _, affected = engine.on_policies(
+        pb.WatchPoliciesResponse(events=[policy_event("other", {"ingress": [tcp8080("other")]})])
+    )
+    assert affected == {EP_ID}
+    assert run(to, pkt(OTHER_IP, BACKEND_IP, sport=5, dport=8080)) == harness.TC_ACT_OK
+    # the unchanged frontend entry was not rewritten: its counter survived
+    assert dp.table("cilia_policy")[frontend_key].packets == 1
+
+    # A restarted agent reads back exactly what it wrote.
+    reread = PolicyMapWriter(dp.table("cilia_policy")).read()
+    assert reread == {EP_ID: dict(engine.compiled[EP_ID].entries)}
+
+    engine.remove_endpoint(EP_ID)
+    assert len(list(dp.table("cilia_policy").items())) == 0
