@@ -1,7 +1,10 @@
 """cilia-relay: Hubble relay (fans ``observer.Observer`` out to every agent).
 
-This issue ships only the process skeleton: ``serve`` runs the gRPC health
-server so deployments and the local stack can probe it (DESIGN.md §2).
+``serve`` learns agents through ``peer.Peer/Notify``, keeps one channel per agent and
+serves a merged, time-ordered ``observer.Observer`` (GetFlows, ServerStatus, GetNodes);
+``observe`` is a ``hubble observe``-like client. Layers (imports only go down):
+``__main__`` → ``app`` → ``observer`` → ``peers``/``merge`` → ``config``; ``cli`` is the
+client side and shares only ``config``'s address helpers.
 """
 
 __version__ = "0.1.0"
