@@ -14,7 +14,6 @@ changes instead of buffering them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -112,12 +111,19 @@ class IPAMController:
         ]
 
     async def stop(self) -> None:
-        """Cancel the watches and the worker and wait for them."""
+        """Cancel the watches and the worker and wait for them.
+
+        A cancellation that lands while the redis client is connecting can be swallowed
+        by the client, so cancellation is repeated until every task has ended.
+        """
+        pending: set[asyncio.Task[None]] = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.05)
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("controller task failed", extra={"error": str(task.exception())})
         self._tasks = []
 
     # -- pools ---------------------------------------------------------------------
