@@ -284,3 +284,46 @@ async def test_cli_apply_prints_one_line_per_resource_and_fails_with_exit_2(
             run, "get", "cpip", "blue", "-o", "yaml", "--server", op.address
         )
         assert got.returncode == 0 and "name: blue" in got.stdout
+
+
+def test_serve_stops_cleanly_on_sigterm_and_exits_0(redis_url: str) -> None:
+    import signal
+    import time
+
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cilia_operator",
+            "serve",
+            "--store",
+            redis_url,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--prometheus-serve-addr",
+            "",
+            "--auto-create-cilium-pod-ip-pools",
+            POOL,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "operator never served"
+        time.sleep(0.1)
+    channel.close()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert '"msg": "operator stopped"' in err and "Traceback" not in err
