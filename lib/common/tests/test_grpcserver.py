@@ -15,7 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cilia_common.grpcserver import BindError, set_serving, start_server
+from cilia_common.grpcserver import (
+    BindError,
+    bound_port,
+    set_serving,
+    start_server,
+    start_server_with_ports,
+)
 from cilia_common.logs import JSONFormatter, setup_logging
 
 
@@ -108,3 +114,25 @@ def test_log_line_is_json_with_extra_fields() -> None:
 def test_unknown_log_level_is_refused() -> None:
     with pytest.raises(ValueError, match="verbose"):
         setup_logging("cilia-test", "verbose")
+
+
+def test_start_server_with_ports_reports_the_port_bound_for_port_zero(
+    tmp_path: pathlib.Path,
+) -> None:
+    sock = tmp_path / "svc.sock"
+
+    async def scenario() -> tuple[dict[str, int], int]:
+        server, health, ports = await start_server_with_ports([], ["127.0.0.1:0", f"unix:{sock}"])
+        try:
+            await set_serving(health, [])
+            address = bound_port("127.0.0.1:0", ports["127.0.0.1:0"])
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                status = (await stub.Check(health_pb2.HealthCheckRequest())).status
+            return ports, status
+        finally:
+            await server.stop(0)
+
+    ports, status = asyncio.run(scenario())
+    assert list(ports) == ["127.0.0.1:0"] and ports["127.0.0.1:0"] > 0
+    assert status == health_pb2.HealthCheckResponse.SERVING

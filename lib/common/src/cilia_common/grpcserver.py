@@ -66,6 +66,30 @@ async def start_server(
     Returns:
         ``(server, health_servicer)``; every service starts NOT_SERVING in health
         until :func:`set_serving` is called, so probes see readiness honestly.
+        Use :func:`start_server_with_ports` to learn the ports bound for port 0.
+
+    Raises:
+        BindError: an address could not be bound.
+    """
+    server, health_servicer, _ = await start_server_with_ports(
+        services, addresses, socket_mode=socket_mode, options=options
+    )
+    return server, health_servicer
+
+
+async def start_server_with_ports(
+    services: Sequence[Service],
+    addresses: Iterable[str],
+    *,
+    socket_mode: int = 0o600,
+    options: Sequence[tuple[str, Any]] = (),
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, dict[str, int]]:
+    """Like :func:`start_server`, and also report the TCP ports actually bound.
+
+    Returns:
+        ``(server, health_servicer, ports)`` where ``ports`` maps every TCP listen address
+        as given (``"127.0.0.1:0"``) to the port bound for it (``41234``); unix-socket
+        addresses are not in it. :func:`bound_port` turns an entry into ``host:port``.
 
     Raises:
         BindError: an address could not be bound.
@@ -85,6 +109,7 @@ async def start_server(
         server,
     )
     unix_paths: list[pathlib.Path] = []
+    ports: dict[str, int] = {}
     for address in addresses:
         if address.startswith(UNIX_PREFIX):
             unix_paths.append(_prepare_unix(address))
@@ -92,14 +117,16 @@ async def start_server(
             port = server.add_insecure_port(address)
         except RuntimeError as exc:
             raise BindError(f"cannot listen on {address}: {exc}") from exc
-        if port == 0 and not address.startswith(UNIX_PREFIX):
-            raise BindError(f"cannot listen on {address}: address in use or invalid")
+        if not address.startswith(UNIX_PREFIX):
+            if port == 0:
+                raise BindError(f"cannot listen on {address}: address in use or invalid")
+            ports[address] = port
     await server.start()
     for path in unix_paths:
         os.chmod(path, socket_mode)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return server, health_servicer
+    return server, health_servicer, ports
 
 
 async def set_serving(
