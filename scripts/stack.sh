@@ -18,8 +18,9 @@
 #   CILIA_STACK_LOG_LINES (40)                        log lines shown when a component fails to start
 #
 # Addresses (fixed by the team brief): Redis 127.0.0.1:6390 (appendonly), operator gRPC
-# 127.0.0.1:4250 + metrics :9963, agent socket .run/cilia.sock + metrics :9962, relay health
-# 127.0.0.1:4222. Exit status: 0 ok, 1 a component failed (its log tail is printed), 2 usage.
+# 127.0.0.1:4250 + metrics :9963, agent socket .run/cilia.sock (Hubble .run/hubble.sock, :4244) +
+# metrics :9962, relay Observer 127.0.0.1:4245 + health 127.0.0.1:4222 (SERVING once it reached the
+# agent's Peer service). Exit status: 0 ok, 1 a component failed (its log tail is printed), 2 usage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -34,9 +35,11 @@ LOG_LINES=${CILIA_STACK_LOG_LINES:-40}
 
 REDIS_PORT=6390
 OPERATOR_ADDR=127.0.0.1:4250
+RELAY_ADDR=127.0.0.1:4245
 RELAY_HEALTH_ADDR=127.0.0.1:4222
 POOLS='default=ipv4-cidrs:10.200.0.0/16;ipv4-mask-size:24'
 SOCKET=$RUN/cilia.sock
+HUBBLE_SOCKET=$RUN/hubble.sock  # the agent's default: next to --socket
 CNI_CONF_DIR=$RUN/cni/net.d
 CONFLIST=$CNI_CONF_DIR/05-cilia.conflist
 NODE_NAME=$(hostname)
@@ -82,7 +85,8 @@ set_command() {
            --state-dir "$RUN/agent/state" --socket "$SOCKET" --cni-conf-dir "$CNI_CONF_DIR"
            --cni-conf-name 05-cilia.conflist --prometheus-serve-addr :9962 --log-level info) ;;
     relay)
-      CMD=("$BIN/cilia-relay" serve --health-listen-address "$RELAY_HEALTH_ADDR" --log-level info) ;;
+      CMD=("$BIN/cilia-relay" serve --peer-service "unix:$HUBBLE_SOCKET"
+           --listen-address "$RELAY_ADDR" --health-listen-address "$RELAY_HEALTH_ADDR" --log-level info) ;;
   esac
 }
 
@@ -97,21 +101,24 @@ show_log_tail() {
   fi
 }
 
-# ready COMPONENT -> 0 when the component answers.
-ready() {
-  case $1 in
-    redis) redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG ;;
-    operator | relay)
-      local addr=$OPERATOR_ADDR
-      [[ $1 == relay ]] && addr=$RELAY_HEALTH_ADDR
-      "$BIN/python" - "$addr" <<'EOF' 2>/dev/null
+# health ADDR -> prints SERVING / NOT_SERVING / UNKNOWN; exit 1 when nothing answers.
+health() {
+  "$BIN/python" - "$1" <<'EOF' 2>/dev/null
 import sys, grpc
 from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g
 with grpc.insecure_channel(sys.argv[1]) as ch:
     r = g.HealthStub(ch).Check(h.HealthCheckRequest(), timeout=1.0)
-sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)
+print(h.HealthCheckResponse.ServingStatus.Name(r.status))
 EOF
-      ;;
+}
+
+# ready COMPONENT -> 0 when the component answers. The relay counts as started once its health
+# server answers: it reports SERVING only after reaching the agent's Hubble Peer service.
+ready() {
+  case $1 in
+    redis) redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG ;;
+    operator) [[ $(health "$OPERATOR_ADDR") == SERVING ]] ;;
+    relay) health "$RELAY_HEALTH_ADDR" >/dev/null ;;
     agent) [[ -s $CONFLIST ]] ;;
   esac
 }
@@ -156,7 +163,9 @@ start_one() {
     fi
     sleep 0.2
   done
-  say "$name ready (pid $pid, log $log)"
+  local extra=""
+  [[ $name == relay ]] && extra=", health $(health "$RELAY_HEALTH_ADDR")"
+  say "$name ready (pid $pid, log $log$extra)"
 }
 
 stop_one() {
@@ -183,7 +192,9 @@ status() {
   for name in "${COMPONENTS[@]}"; do
     pid=$(running_pid "$name")
     if [[ -n $pid ]]; then
-      printf '%-9s running  pid %-7s log %s\n' "$name" "$pid" "$(logfile "$name")"
+      local extra=""
+      [[ $name == relay ]] && extra="  health $(health "$RELAY_HEALTH_ADDR" || echo '?')"
+      printf '%-9s running  pid %-7s log %s%s\n' "$name" "$pid" "$(logfile "$name")" "$extra"
     else
       printf '%-9s stopped\n' "$name"; rc=3
     fi
@@ -192,6 +203,7 @@ status() {
   if [[ -n $(running_pid agent) ]]; then
     echo
     "$BIN/cilia-agent" status --socket "$SOCKET" || rc=1
+    echo
   fi
   return $rc
 }
