@@ -11,6 +11,8 @@ from cilia_agent import __version__
 from cilia_agent.config import FLAG_HELP, Config
 
 DEFAULT_SOCKET = "/var/run/cilia/cilia.sock"
+DEFAULT_PIN_DIR = "/sys/fs/bpf/cilia"
+FLAG_ALIASES = {"bpf_pin_dir": ("--bpf-root",)}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -23,8 +25,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the agent")
     defaults = Config.model_fields
     for name, help_text in FLAG_HELP.items():
-        flag = "--" + name.replace("_", "-")
-        serve.add_argument(flag, dest=name, default=None, help=help_text)
+        flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ())]
+        serve.add_argument(*flags, dest=name, default=None, help=help_text)
     del defaults
 
     client = argparse.ArgumentParser(add_help=False)

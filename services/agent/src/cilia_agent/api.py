@@ -1,10 +1,11 @@
 """gRPC boundary of ``cilia.agent.v1``: AttachmentService and DebugService.
 
 Domain exceptions become gRPC status codes here (STYLE.md "Errors"):
-InvalidRequest → INVALID_ARGUMENT, NetnsNotFound → NOT_FOUND,
-InterfaceExists/EndpointConflict → ALREADY_EXISTS, PoolExhausted →
-RESOURCE_EXHAUSTED, AgentNotReady → UNAVAILABLE, anything else → INTERNAL
-with the reason (never a bare traceback).
+InvalidRequest/InvalidLabels → INVALID_ARGUMENT, NetnsNotFound → NOT_FOUND,
+InterfaceExists/EndpointConflict → ALREADY_EXISTS, PoolExhausted/PolicyMapFull →
+RESOURCE_EXHAUSTED, AgentNotReady/OperatorUnavailable (identity allocation)/
+PolicyNotReady → UNAVAILABLE, anything else → INTERNAL with the reason (never a
+bare traceback).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
+from cilia_agent.controlplane import OperatorUnavailable
 from cilia_agent.datapath import DatapathError, InterfaceExists, NetnsNotFound
 from cilia_agent.endpoint import (
     AddParams,
@@ -26,7 +28,9 @@ from cilia_agent.endpoint import (
     InvalidRequest,
     StateError,
 )
+from cilia_agent.endpoint.enforcement import InvalidLabels, PolicyNotReady
 from cilia_agent.ipam import PoolExhausted
+from cilia_agent.policy.maps import PolicyMapFull
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,10 @@ DEBUG_SERVICE = "cilia.agent.v1.DebugService"
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT),
+    (PolicyMapFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (PolicyNotReady, grpc.StatusCode.UNAVAILABLE),
     (NetnsNotFound, grpc.StatusCode.NOT_FOUND),
     (InterfaceExists, grpc.StatusCode.ALREADY_EXISTS),
     (EndpointConflict, grpc.StatusCode.ALREADY_EXISTS),

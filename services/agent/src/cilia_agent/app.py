@@ -1,14 +1,25 @@
 """Wires the agent's parts and owns their start/stop order.
 
 Start: state dir → node state (router IP, last allocation) into IPAM →
-node datapath (ip_forward, iptables, host device) → restore endpoints (IPs
-re-occupied) → gRPC socket → metrics → operator client. The conflist is
-written the first time the agent is ready: registered (now, or in an earlier
-run whose allocation was persisted) and ≥1 free address in the default pool.
+node datapath (ip_forward, iptables, host device) → eBPF datapath (bpffs
+mounted if needed, ``bpf_lxc.c`` compiled once, pinned maps opened, the policy
+engine adopts the pinned policy entries, Hubble's ring-buffer reader started) →
+restore endpoints (IPs re-occupied; programs re-attached with ``replace-filter``
+and endpoint entries rewritten — filters and maps stay pinned throughout, so
+running pods keep their enforcement and lose no packets) → gRPC sockets (agent,
+Hubble unix + TCP) → metrics → operator session (Register with the Hubble
+address; IPAM; identity, policy, ipcache and node watch streams with reconnect).
+The conflist is written the first time the agent is ready: registered (now, or
+in an earlier run whose allocation was persisted) and ≥1 free address in the
+default pool.
 
-Stop (SIGTERM/SIGINT): operator client → gRPC server (in-flight RPCs get
-``--shutdown-grace-period``) → worker threads → metrics. The conflist, the
-host device, the pods' veths and the state files are kept, so a restarted
+Routes to other nodes' pod CIDRs are not installed yet (single-node datapath):
+the ipcache already carries their pods' identities and host IPs for that.
+
+Stop (SIGTERM/SIGINT): operator client and watches → gRPC servers (in-flight
+RPCs get ``--shutdown-grace-period``) → Hubble reader → worker threads → BPF
+handles (programs stay attached, maps stay pinned) → metrics. The conflist,
+the host device, the pods' veths and the state files are kept, so a restarted
 agent serves the same pods.
 """
 
@@ -20,6 +31,7 @@ import ipaddress
 import logging
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,10 +45,23 @@ from cilia_agent import __version__
 from cilia_agent.api import ATTACHMENT_SERVICE, DEBUG_SERVICE, AttachmentServicer, DebugServicer
 from cilia_agent.cni import write_conflist
 from cilia_agent.config import Config
-from cilia_agent.controlplane import OperatorClient
+from cilia_agent.controlplane import (
+    OperatorAPI,
+    OperatorClient,
+    RetryQueue,
+    backoff_delay,
+    read_node_networks,
+    run_watch,
+)
 from cilia_agent.datapath import LinuxDatapath
 from cilia_agent.datapath.iptables import Iptables
 from cilia_agent.endpoint import EndpointManager, NodeState, RestoreReport, StateStore
+from cilia_agent.endpoint.enforcement import ControlPlane, Enforcement, LocalControlPlane
+from cilia_agent.endpoint.state import EndpointRecord
+from cilia_agent.hubble.enrich import MemoryResolver
+from cilia_agent.hubble.metrics import read_bcc_counters
+from cilia_agent.hubble.peer import join_host_port
+from cilia_agent.hubble.service import Hubble, HubbleConfig
 from cilia_agent.ipam import IPAM
 from cilia_agent.ipam.allocator import usable_hosts
 from cilia_agent.metrics import Metrics
@@ -97,6 +122,17 @@ class Agent:
             on_change=self._on_endpoints_changed,
         )
         self.operator: OperatorClient | None = None
+        self.operator_api: OperatorAPI | None = None
+        self.retry = RetryQueue(
+            min_backoff=config.operator_reconnect_min_backoff,
+            max_backoff=config.operator_reconnect_max_backoff,
+        )
+        self.bpf: Any = None  # cilia_agent.datapath.loader.Datapath once loaded
+        self.enforcement: Enforcement | None = None
+        self.hubble: Hubble | None = None
+        self.node_addresses: list[str] = []
+        self._hubble_server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
         self._metrics_server: Any = None
         self._stopped = asyncio.Event()
@@ -128,13 +164,40 @@ class Agent:
             self._choose_router_ip()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.executor, self.datapath.setup_node, self.router_ip)
+        nets = await loop.run_in_executor(
+            self.executor, read_node_networks, (cfg.host_device_name,)
+        )
+        self.node_addresses = nets.addresses
+        self.hubble = Hubble(
+            HubbleConfig(
+                node_name=cfg.node_name,
+                capacity=cfg.hubble_event_buffer_capacity,
+                advertise_address=self.hubble_address(self.node_addresses),
+                version=__version__,
+                queue_size=cfg.hubble_event_queue_size,
+            ),
+            registry=self.metrics.registry,
+        )
+        if cfg.enable_bpf:
+            await self._load_bpf()
+        else:
+            log.warning(
+                "eBPF datapath disabled (--enable-bpf=false): pods are plumbed but get no "
+                "identity, no policy is enforced and Hubble records no flows"
+            )
         self.restore_report = await loop.run_in_executor(self.executor, self.endpoints.restore)
+        if self.enforcement is not None:
+            missing = await self.enforcement.restore(self.endpoints.list())
+            self.enforcement.forget(r for r in self.restore_report.cleaned if r.identity)
+            for rec in missing:
+                self._tasks.append(loop.create_task(self._late_enforce(rec)))
         log.info(
             "endpoints restored",
             extra={
                 "restored": len(self.restore_report.restored),
                 "removed_stale": self.restore_report.removed_stale,
                 "rolled_back": self.restore_report.rolled_back,
+                "bpf": self.enforcement is not None,
             },
         )
         await self._persist_node()
@@ -156,7 +219,15 @@ class Agent:
             socket_mode=0o600,
         )
         await set_serving(health, [ATTACHMENT_SERVICE, DEBUG_SERVICE])
-        log.info("serving", extra={"socket": str(cfg.socket)})
+        hubble_addresses = [f"unix:{cfg.hubble_socket_path()}"]
+        tcp = cfg.hubble_listen()
+        if tcp is not None:
+            hubble_addresses.append(tcp)
+        self._hubble_server, _ = await self.hubble.serve(hubble_addresses)
+        log.info(
+            "serving",
+            extra={"socket": str(cfg.socket), "hubble": hubble_addresses},
+        )
         listen = cfg.metrics_listen()
         if listen is not None:
             self._metrics_server, _ = start_http_server(
@@ -175,20 +246,184 @@ class Agent:
                 demand=lambda: self.ipam.demand([self.default_pool]),
                 on_registered=self._on_registered,
                 on_allocation=self.apply_allocation,
+                hubble_address=self.hubble_address,
             )
             self.operator.start()
+            self._start_watches()
+        elif self.enforcement is not None:
+            self.enforcement.local_synced()
+
+    async def _load_bpf(self) -> None:
+        """Mount bpffs if needed, compile and load the datapath, wire policy and Hubble."""
+        from cilia_agent.datapath.bpffs import ensure_bpffs
+        from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir
+
+        cfg = self.config
+        assert self.hubble is not None
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(self.executor, ensure_bpffs, cfg.bpf_pin_dir):
+            log.info("mounted bpffs", extra={"path": "/sys/fs/bpf"})
+        dp_config = DatapathConfig(
+            bpf_dir=cfg.bpf_dir or default_bpf_dir(),
+            pin_dir=cfg.bpf_pin_dir,
+            ipcache_max=cfg.bpf_ipcache_map_max,
+            policy_max=cfg.bpf_policy_map_max,
+            ct_max=cfg.bpf_ct_global_max,
+            events_pages=cfg.bpf_events_ringbuf_pages,
+        )
+        started = time.perf_counter()
+        self.bpf = await loop.run_in_executor(self.executor, Datapath.load, dp_config)
+        for table in ("cilia_ipcache", "cilia_endpoints", "cilia_policy", "cilia_metrics"):
+            self.bpf.table(table)  # create bcc's table objects once, on this thread
+        control: ControlPlane
+        if cfg.operator:
+            self.operator_api = OperatorAPI(
+                address=cfg.operator,
+                node_name=cfg.node_name,
+                timeout=cfg.operator_timeout,
+                min_backoff=cfg.operator_reconnect_min_backoff,
+                max_backoff=cfg.operator_reconnect_max_backoff,
+            )
+            control = self.operator_api
+        else:
+            control = LocalControlPlane()
+        resolver = self.hubble.resolver
+        assert isinstance(resolver, MemoryResolver)
+        self.enforcement = Enforcement(
+            datapath=self.bpf,
+            resolver=resolver,
+            control=control,
+            retry=self.retry,
+            executor=self.executor,
+            metrics=self.metrics,
+            node_name=cfg.node_name,
+            mode=cfg.enable_policy,
+            policy_wait_timeout=cfg.endpoint_policy_wait_timeout,
+            policy_map_max=cfg.bpf_policy_map_max,
+        )
+        adopted = self.enforcement.engine.restore()
+        self.endpoints.hooks = self.enforcement
+        self.enforcement.set_host_addresses(
+            [*self.node_addresses, *([str(self.router_ip)] if self.router_ip else [])]
+        )
+        await self.hubble.start_reader(self.bpf.bpf)
+        hubble_metrics = self.hubble.metrics
+        bpf = self.bpf.bpf
+        self.metrics.scrape_hook.refresh = lambda: hubble_metrics.update_datapath_counters(
+            read_bcc_counters(bpf)
+        )
+        log.info(
+            "eBPF datapath ready",
+            extra={
+                "pin_dir": str(cfg.bpf_pin_dir),
+                "load_s": round(time.perf_counter() - started, 2),
+                "adopted_policy_endpoints": len(adopted),
+                "policy_mode": cfg.enable_policy,
+            },
+        )
+
+    def _start_watches(self) -> None:
+        api, enf, hubble = self.operator_api, self.enforcement, self.hubble
+        if api is None or enf is None or hubble is None:
+            return
+        cfg = self.config
+        peers = hubble.peers
+
+        async def nodes(stream: Any) -> bool:
+            await peers.consume_watch(stream)
+            return True
+
+        watches: list[tuple[str, Any, Any]] = [
+            ("identities", api.watch_identities, enf.consume_identities),
+            ("policies", api.watch_policies, enf.consume_policies),
+            ("ipcache", api.watch_ipcache, enf.consume_ipcache),
+            ("nodes", api.watch_nodes, nodes),
+        ]
+        loop = asyncio.get_running_loop()
+        for name, open_stream, consume in watches:
+            self._tasks.append(
+                loop.create_task(
+                    run_watch(
+                        name,
+                        open_stream,
+                        consume,
+                        min_backoff=cfg.operator_reconnect_min_backoff,
+                        max_backoff=cfg.operator_reconnect_max_backoff,
+                    ),
+                    name=f"watch-{name}",
+                )
+            )
+
+    async def _late_enforce(self, rec: EndpointRecord) -> None:
+        """Give an endpoint restored without identity (created with BPF off) its enforcement."""
+        assert self.enforcement is not None
+        attempt = 0
+        cfg = self.config
+        while True:
+            try:
+                identity = await self.enforcement.create(rec, 0)
+                await self.endpoints.set_identity(rec.key, identity)
+                log.info("restored endpoint enforced", extra={"endpoint_id": rec.id})
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                delay = backoff_delay(
+                    attempt, cfg.operator_reconnect_min_backoff, cfg.operator_reconnect_max_backoff
+                )
+                attempt += 1
+                log.warning(
+                    "restored endpoint without identity: enforcement failed, retrying",
+                    extra={"endpoint_id": rec.id, "reason": str(exc), "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
+
+    def hubble_address(self, addresses: Sequence[str]) -> str:
+        """``host:port`` of this node's Hubble TCP server ("" when disabled or no address).
+
+        The host is the listen address's host when one is given, else the node's first IP.
+        """
+        port = self.config.hubble_port()
+        if not self.config.hubble_listen_address or port == 0:
+            return ""
+        host = self.config.hubble_listen_address.rpartition(":")[0]
+        if host in ("", "0.0.0.0", "[::]", "::"):
+            host = addresses[0] if addresses else ""
+        return join_host_port(host, port) if host else ""
 
     async def stop(self) -> None:
-        """Stop serving; keeps pods, state files and the conflist (idempotent)."""
+        """Stop serving; keeps pods, programs, pinned maps, state files and the conflist
+        (idempotent)."""
         if self.operator is not None:
             await self.operator.stop()
             self.operator = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.retry.close()
+        if self.operator_api is not None:
+            await self.operator_api.close()
+            self.operator_api = None
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace_period)
             self._server = None
             with contextlib.suppress(FileNotFoundError):
                 self.config.socket.unlink()
+        if self._hubble_server is not None:
+            await self._hubble_server.stop(self.config.shutdown_grace_period)
+            self._hubble_server = None
+            with contextlib.suppress(FileNotFoundError):
+                self.config.hubble_socket_path().unlink()
+        if self.hubble is not None:
+            await self.hubble.stop()
         self.executor.shutdown(wait=True)
+        if self.bpf is not None:
+            self.metrics.scrape_hook.refresh = None
+            self.bpf.close()
+            self.bpf = None
         if self._metrics_server is not None:
             server = self._metrics_server
             self._metrics_server = None
@@ -263,6 +498,8 @@ class Agent:
                 await asyncio.get_running_loop().run_in_executor(
                     self.executor, self.datapath.setup_node, self.router_ip
                 )
+                if self.enforcement is not None:
+                    self.enforcement.set_host_addresses([str(self.router_ip)])
             await self._persist_node()
             self._update_ipam_gauges()
             await self._check_ready()
@@ -317,11 +554,41 @@ class Agent:
     def _router_str(self) -> str:
         return str(self.router_ip) if self.router_ip else ""
 
+    def status_lines(self) -> list[str]:
+        """Datapath, policy, identity, Hubble and operator lines of ``cilia-agent status``."""
+        cfg = self.config
+        lines: list[str] = []
+        if self.bpf is not None and self.enforcement is not None:
+            st = self.enforcement.status()
+            lines.append(
+                f"Datapath: eBPF loaded, pin dir {cfg.bpf_pin_dir}, policy mode {cfg.enable_policy}"
+            )
+            lines.append(
+                f"Policy: revision {st.policy_revision}, {st.policies} policies, "
+                f"{'synced' if st.synced else 'waiting for identity/policy streams'}"
+            )
+            lines.append(f"Identities: {st.identities} known, ipcache {st.ipcache_entries} entries")
+            lines.append(f"Operator calls pending retry: {st.pending_operator_calls}")
+        else:
+            lines.append("Datapath: eBPF disabled (--enable-bpf=false), plumbing only")
+        if self.hubble is not None:
+            hs = self.hubble.store.status()
+            lines.append(
+                f"Hubble: {hs.num_flows}/{hs.max_flows} flows, {hs.seen_flows} seen, "
+                f"unix:{cfg.hubble_socket_path()}"
+                + (f", {cfg.hubble_listen_address}" if cfg.hubble_listen_address else "")
+            )
+        return lines
+
     def status(self) -> agent_pb2.StatusResponse:
-        """The debug Status response."""
+        """The debug Status response.
+
+        ``message``: first line the not-ready reason ("" when ready), then one line each
+        for datapath, policy, identities and Hubble (the contract has no fields for them yet).
+        """
         return agent_pb2.StatusResponse(
             ready=self.ready,
-            message=self.not_ready_reason,
+            message="\n".join([self.not_ready_reason, *self.status_lines()]),
             node_name=self.config.node_name,
             router_ip=self._router_str(),
             pools=[

@@ -81,6 +81,28 @@ FLAG_HELP: dict[str, str] = {
     "operator_reconnect_max_backoff": "cap of the doubling reconnect delay in seconds (default 30)",
     "datapath_workers": "threads doing netlink/state-file work concurrently (default 4)",
     "shutdown_grace_period": "seconds in-flight RPCs get on SIGTERM (default 5)",
+    "enable_bpf": "load the eBPF datapath (identities, policy, Hubble flows); false = pod "
+    "plumbing only, for hosts without BPF (default true)",
+    "bpf_dir": "directory holding bpf_lxc.c and lib/ (default: $CILIA_BPF_DIR, the "
+    "repository's bpf/, else /usr/lib/cilia/bpf)",
+    "bpf_pin_dir": "bpffs directory of the pinned maps, alias --bpf-root; bpffs is mounted on "
+    "/sys/fs/bpf when it is not (default /sys/fs/bpf/cilia)",
+    "bpf_policy_map_max": "policy map entries for all endpoints together (default 65536)",
+    "bpf_ct_global_max": "conntrack entries, LRU (default 262144)",
+    "bpf_ipcache_map_max": "ipcache entries (default 512000)",
+    "bpf_events_ringbuf_pages": "pages of the datapath event ring buffer, a power of two "
+    "(default 64)",
+    "hubble_event_buffer_capacity": "flows kept by Hubble, 2^n-1 in 1..65535 (default 4095)",
+    "hubble_event_queue_size": "datapath events waiting between the ring-buffer thread and "
+    "the flow parser; more are counted as lost (default 1000)",
+    "hubble_socket": "unix socket of Hubble's Observer and Peer, mode 0600 (default "
+    "<directory of --socket>/hubble.sock)",
+    "hubble_listen_address": "[host]:port of Hubble's TCP server, announced to the operator as "
+    "<first node IP>:<port>; empty disables TCP (default :4244)",
+    "enable_policy": "default (enforce a direction once a policy selects the endpoint for "
+    "it), always (enforce both directions on every endpoint) or never (default default)",
+    "endpoint_policy_wait_timeout": "seconds an Add waits for the identity and policy streams "
+    "to sync before answering UNAVAILABLE (default 10)",
 }
 
 
@@ -116,6 +138,19 @@ class Config(BaseModel):
     operator_reconnect_max_backoff: float = Field(default=30.0, gt=0)
     datapath_workers: int = Field(default=4, ge=1, le=64)
     shutdown_grace_period: float = Field(default=5.0, ge=0)
+    enable_bpf: bool = True
+    bpf_dir: pathlib.Path | None = None
+    bpf_pin_dir: pathlib.Path = pathlib.Path("/sys/fs/bpf/cilia")
+    bpf_policy_map_max: int = Field(default=65536, ge=16, le=1 << 24)
+    bpf_ct_global_max: int = Field(default=262144, ge=1024, le=1 << 26)
+    bpf_ipcache_map_max: int = Field(default=512000, ge=16, le=1 << 24)
+    bpf_events_ringbuf_pages: int = Field(default=64, ge=1, le=1 << 16)
+    hubble_event_buffer_capacity: int = 4095
+    hubble_event_queue_size: int = Field(default=1000, ge=1, le=1 << 20)
+    hubble_socket: pathlib.Path | None = None
+    hubble_listen_address: str = ":4244"
+    enable_policy: Literal["default", "always", "never"] = "default"
+    endpoint_policy_wait_timeout: float = Field(default=10.0, gt=0)
 
     @field_validator("ipam_multi_pool_pre_allocation", mode="before")
     @classmethod
@@ -124,7 +159,7 @@ class Config(BaseModel):
             return parse_pre_allocation(value)
         return value
 
-    @field_validator("install_iptables_rules", "state_fsync", mode="before")
+    @field_validator("install_iptables_rules", "state_fsync", "enable_bpf", mode="before")
     @classmethod
     def _bool(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -152,10 +187,29 @@ class Config(BaseModel):
             raise ValueError(f"{value!r} must be a plain file name ending in .conflist")
         return value
 
-    @field_validator("socket", "state_dir", "cni_conf_dir")
+    @field_validator("socket", "state_dir", "cni_conf_dir", "bpf_pin_dir")
     @classmethod
     def _absolute(cls, value: pathlib.Path) -> pathlib.Path:
         return value.absolute()
+
+    @field_validator("bpf_dir", "hubble_socket")
+    @classmethod
+    def _absolute_opt(cls, value: pathlib.Path | None) -> pathlib.Path | None:
+        return value.absolute() if value is not None else None
+
+    @field_validator("bpf_events_ringbuf_pages")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"{value} is not a power of two")
+        return value
+
+    @field_validator("hubble_event_buffer_capacity")
+    @classmethod
+    def _capacity(cls, value: int) -> int:
+        if not 1 <= value <= 65535 or (value + 1) & value:
+            raise ValueError(f"{value} is not 2^n-1 in 1..65535 (e.g. 4095)")
+        return value
 
     @field_validator("operator")
     @classmethod
@@ -164,7 +218,7 @@ class Config(BaseModel):
             raise ValueError(f"{value!r} is not host:port")
         return value
 
-    @field_validator("prometheus_serve_addr")
+    @field_validator("prometheus_serve_addr", "hubble_listen_address")
     @classmethod
     def _listen(cls, value: str) -> str:
         if value:
@@ -180,6 +234,23 @@ class Config(BaseModel):
                 "operator_reconnect_max_backoff must be >= operator_reconnect_min_backoff"
             )
         return self
+
+    def hubble_socket_path(self) -> pathlib.Path:
+        """``--hubble-socket``, default ``hubble.sock`` next to ``--socket``."""
+        return self.hubble_socket or self.socket.parent / "hubble.sock"
+
+    def hubble_listen(self) -> str | None:
+        """gRPC listen address of Hubble's TCP server (``:4244`` → ``0.0.0.0:4244``), or None."""
+        if not self.hubble_listen_address:
+            return None
+        host, _, port = self.hubble_listen_address.rpartition(":")
+        return f"{host or '0.0.0.0'}:{port}"
+
+    def hubble_port(self) -> int:
+        """Port of ``--hubble-listen-address`` (0 when TCP is disabled)."""
+        if not self.hubble_listen_address:
+            return 0
+        return int(self.hubble_listen_address.rpartition(":")[2])
 
     def metrics_listen(self) -> tuple[str, int] | None:
         """``(host, port)`` of the metrics endpoint, or None when disabled."""

@@ -2,8 +2,8 @@
 
 One long-running task keeps a session with the operator:
 
-1. ``NodeService.Register`` with the node's addresses and local networks
-   (every interface's IPv4 subnet, read with pyroute2);
+1. ``NodeService.Register`` with the node's addresses, local networks
+   (every interface's IPv4 subnet, read with pyroute2) and Hubble address;
 2. ``IPAMService.UpdateDemand`` at once and whenever :meth:`OperatorClient.demand_changed`
    is called (coalesced: only the latest demand is sent, and only when it differs
    from the last one sent in this session);
@@ -15,6 +15,13 @@ after a bounded exponential backoff (:func:`backoff_delay`, flags
 delay resets once a session has delivered an allocation. gRPC's own channel
 reconnect backoff is capped with the same flags. No retry library fits this
 session shape (a stream plus a side task), so the loop is kept small here.
+
+:class:`OperatorAPI` holds one channel for everything else of the issue-3 contract:
+``IdentityService.Allocate/Release``, ``EndpointService.UpsertEndpoint/DeleteEndpoint``
+(unary, ``--operator-timeout``; failures raise :class:`OperatorUnavailable`) and the
+watch streams (identities, policies, ipcache, nodes), each followed by
+:func:`run_watch` with the same bounded reconnect backoff. :class:`RetryQueue` retries
+best-effort calls (DeleteEndpoint, Release after a Del) until they succeed.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from pyroute2 import IPRoute
@@ -96,6 +104,8 @@ class OperatorClient:
         demand: returns ``pool -> needed`` addresses.
         on_registered: awaited with the operator's default pool after each Register.
         on_allocation: awaited with every ``NodeAllocation`` received.
+        hubble_address: returns ``host:port`` of this node's Hubble server given the
+            node's addresses ("" = none), sent with Register.
     """
 
     def __init__(
@@ -111,6 +121,7 @@ class OperatorClient:
         demand: Callable[[], dict[str, int]],
         on_registered: Callable[[str], Awaitable[None]],
         on_allocation: Callable[[cp.NodeAllocation], Awaitable[None]],
+        hubble_address: Callable[[list[str]], str] = lambda _addresses: "",
     ) -> None:
         self.address = address
         self.node_name = node_name
@@ -122,6 +133,7 @@ class OperatorClient:
         self._demand = demand
         self._on_registered = on_registered
         self._on_allocation = on_allocation
+        self._hubble_address = hubble_address
         self._demand_event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.connected = False
@@ -192,6 +204,7 @@ class OperatorClient:
                         cp.LocalNetwork(interface=i, cidr=c) for i, c in nets.local_networks
                     ],
                     version=self.version,
+                    hubble_address=self._hubble_address(nets.addresses),
                 ),
                 timeout=self.timeout,
             )
@@ -246,3 +259,214 @@ class OperatorClient:
             attempt = 0
             last = demand
             log.info("demand sent", extra={"demand": demand})
+
+
+class OperatorUnavailable(Exception):
+    """A call to the operator failed (unreachable, deadline, or an operator error)."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class OperatorAPI:
+    """Unary calls and watch streams of IdentityService, EndpointService, PolicyService
+    and NodeService.WatchNodes over one channel.
+
+    Args:
+        address: operator ``host:port``.
+        node_name: this node (sent with Allocate/Release/endpoint records).
+        timeout: deadline (s) of each unary call (``--operator-timeout``).
+        min_backoff, max_backoff: gRPC channel reconnect backoff (s).
+
+    Create it inside the running event loop; :meth:`close` closes the channel.
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        node_name: str,
+        timeout: float,
+        min_backoff: float,
+        max_backoff: float,
+    ) -> None:
+        self.address = address
+        self.node_name = node_name
+        self.timeout = timeout
+        ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", ms_min),
+                ("grpc.min_reconnect_backoff_ms", ms_min),
+                ("grpc.max_reconnect_backoff_ms", ms_max),
+            ],
+        )
+        self.identities = cp_grpc.IdentityServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        self.endpoints = cp_grpc.EndpointServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        self.policies = cp_grpc.PolicyServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        self.nodes = cp_grpc.NodeServiceStub(self.channel)  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        """Close the channel (streams end with CANCELLED)."""
+        await self.channel.close()
+
+    async def allocate_identity(self, labels: list[str]) -> cp.Identity:
+        """``IdentityService.Allocate`` for the (filtered, sorted) ``labels``.
+
+        Raises:
+            OperatorUnavailable: the call failed; the message names the reason.
+        """
+        try:
+            resp = await self.identities.Allocate(
+                cp.AllocateRequest(node_name=self.node_name, labels=labels), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise OperatorUnavailable(
+                f"identity allocation at operator {self.address} failed: {_describe(exc)}"
+            ) from exc
+        identity: cp.Identity = resp.identity
+        if identity.id == 0:
+            raise OperatorUnavailable(f"operator {self.address} allocated identity 0 for {labels}")
+        return identity
+
+    async def release_identity(self, identity: int) -> None:
+        """``IdentityService.Release``. Raises OperatorUnavailable."""
+        try:
+            await self.identities.Release(
+                cp.ReleaseRequest(node_name=self.node_name, id=identity), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise OperatorUnavailable(f"identity release failed: {_describe(exc)}") from exc
+
+    async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
+        """``EndpointService.UpsertEndpoint``. Raises OperatorUnavailable."""
+        try:
+            await self.endpoints.UpsertEndpoint(
+                cp.UpsertEndpointRequest(endpoint=record), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise OperatorUnavailable(
+                f"endpoint record at operator {self.address} failed: {_describe(exc)}"
+            ) from exc
+
+    async def delete_endpoint(self, namespace: str, name: str) -> None:
+        """``EndpointService.DeleteEndpoint``. Raises OperatorUnavailable."""
+        try:
+            await self.endpoints.DeleteEndpoint(
+                cp.DeleteEndpointRequest(namespace=namespace, name=name, node_name=self.node_name),
+                timeout=self.timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise OperatorUnavailable(f"endpoint delete failed: {_describe(exc)}") from exc
+
+    def watch_identities(self) -> AsyncIterable[cp.WatchIdentitiesResponse]:
+        """A new ``WatchIdentities`` stream."""
+        return self.identities.WatchIdentities(cp.WatchIdentitiesRequest())  # type: ignore[no-any-return]
+
+    def watch_policies(self) -> AsyncIterable[cp.WatchPoliciesResponse]:
+        """A new ``WatchPolicies`` stream."""
+        return self.policies.WatchPolicies(cp.WatchPoliciesRequest())  # type: ignore[no-any-return]
+
+    def watch_ipcache(self) -> AsyncIterable[cp.WatchIPCacheResponse]:
+        """A new ``WatchIPCache`` stream."""
+        return self.endpoints.WatchIPCache(cp.WatchIPCacheRequest())  # type: ignore[no-any-return]
+
+    def watch_nodes(self) -> AsyncIterable[cp.WatchNodesResponse]:
+        """A new ``WatchNodes`` stream."""
+        return self.nodes.WatchNodes(cp.WatchNodesRequest())  # type: ignore[no-any-return]
+
+
+T = TypeVar("T")
+
+
+async def run_watch(
+    name: str,
+    open_stream: Callable[[], AsyncIterable[T]],
+    consume: Callable[[AsyncIterable[T]], Awaitable[bool]],
+    *,
+    min_backoff: float,
+    max_backoff: float,
+) -> None:
+    """Follow a watch stream forever: open it, hand it to ``consume``, reconnect.
+
+    ``consume`` returns True when the stream delivered something (the backoff then
+    resets). Runs until cancelled; stream and consumer errors are logged and retried
+    after :func:`backoff_delay`.
+    """
+    attempt = 0
+    while True:
+        delivered = False
+        try:
+            delivered = await consume(open_stream())
+            reason = "stream ended"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # keep watching whatever the operator does
+            reason = _describe(exc)
+            if not isinstance(exc, grpc.aio.AioRpcError):
+                log.exception("watch %s: consumer failed", name)
+        if delivered:
+            attempt = 0
+        delay = backoff_delay(attempt, min_backoff, max_backoff)
+        attempt += 1
+        log.warning(
+            "operator watch lost, reconnecting",
+            extra={"watch": name, "reason": reason, "retry_in_s": delay},
+        )
+        await asyncio.sleep(delay)
+
+
+class RetryQueue:
+    """Retries best-effort operator calls (e.g. DeleteEndpoint after a Del) until they succeed.
+
+    Each submitted call is retried alone with :func:`backoff_delay`; ``pending`` counts
+    the calls not done yet. Not persisted: calls pending when the agent stops are lost
+    (the operator's garbage collection covers them).
+    """
+
+    def __init__(self, *, min_backoff: float, max_backoff: float) -> None:
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def pending(self) -> int:
+        """Calls still being retried."""
+        return len(self._tasks)
+
+    def submit(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+        """Run ``call`` now and again after failures (from the running loop)."""
+        task = asyncio.get_running_loop().create_task(self._retry(what, call))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retry(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+        attempt = 0
+        while True:
+            try:
+                await call()
+                if attempt:
+                    log.info("operator call succeeded after retries", extra={"call": what})
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                delay = backoff_delay(attempt, self.min_backoff, self.max_backoff)
+                attempt += 1
+                log.warning(
+                    "operator call failed, retrying",
+                    extra={"call": what, "reason": str(exc), "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        """Cancel every pending retry."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -3,13 +3,42 @@
 Upstream names (reference: cilium-upstream.md §9): ``cilium_endpoint``,
 ``cilium_endpoint_state{state}``, ``cilium_endpoint_regenerations_total{outcome}``,
 ``cilium_ip_addresses{family}``, ``cilium_ipam_capacity{family}``,
-``cilium_ipam_events_total{action,family}``. ``cilia_endpoint_add_duration_seconds``
-has no upstream twin (CNI ADD latency inside the agent).
+``cilium_ipam_events_total{action,family}``, ``cilium_policy`` (policies loaded).
+``cilia_endpoint_add_duration_seconds`` has no upstream twin (CNI ADD latency inside
+the agent). The datapath counters (``cilium_drop_count_total{reason,direction}``,
+``cilium_forward_count_total{direction}``) and ``hubble_flows_processed_total`` are
+registered in the same registry by ``hubble.metrics``; :class:`ScrapeHook` refreshes
+the datapath counters from the pinned per-CPU map at every scrape.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+
+class ScrapeHook(Collector):
+    """A collector exporting nothing that runs ``refresh`` first at every scrape.
+
+    Register it before the collectors whose values ``refresh`` updates (a registry
+    collects in registration order). Errors are swallowed: a scrape never fails.
+    """
+
+    def __init__(self) -> None:
+        self.refresh: Callable[[], None] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.refresh is not None:
+            with contextlib.suppress(Exception):  # a failed refresh keeps the last values
+                self.refresh()
+        return iter(())
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class Metrics:
@@ -17,6 +46,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.scrape_hook = ScrapeHook()
+        self.registry.register(self.scrape_hook)
+        self.policy = Gauge(
+            "cilium_policy", "Number of policies currently loaded", registry=self.registry
+        )
         self.endpoint = Gauge(
             "cilium_endpoint", "Number of endpoints managed by this agent", registry=self.registry
         )

@@ -89,6 +89,7 @@ class Env:
         self.host_device = f"cilia_t{self.tag}"
         self.cidr = f"10.251.{secrets.randbelow(250) + 1}.0/24"
         self.state_dir = tmp / "state"
+        self.pin_dir = pathlib.Path(f"/sys/fs/bpf/cilia-test-{self.tag}")
         self.netns: list[str] = []
         self.agents: list[AgentThread] = []
 
@@ -102,6 +103,10 @@ class Env:
             "host_device_name": self.host_device,
             "prometheus_serve_addr": "",
             "ipam_multi_pool_pre_allocation": {"default": 8},
+            # issue-2 tests run without BPF; BPF tests pass enable_bpf=True
+            "enable_bpf": False,
+            "bpf_pin_dir": self.pin_dir,
+            "hubble_listen_address": "",
         }
         values.update(overrides)
         return Config(**values)
@@ -134,6 +139,10 @@ class Env:
         for name in list(self.netns):
             subprocess.run(["ip", "netns", "del", name], check=False)
         subprocess.run(["ip", "link", "del", self.host_device], check=False, capture_output=True)
+        if self.pin_dir.is_dir():
+            for pinned in self.pin_dir.iterdir():
+                pinned.unlink()
+            self.pin_dir.rmdir()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""Pod plumbing on the node: host device, veth pairs, addresses, routes, iptables.
+"""Pod plumbing on the node (host device, veth pairs, addresses, routes, iptables) and
+the eBPF datapath (``loader``: bcc compile + tc attach; ``layout``: map layouts;
+``bpffs``: bpffs mount and pinned-map reads).
 
-No BPF yet (issue 2). Everything here is synchronous and is run by the
-endpoint layer in worker threads.
+Everything here is synchronous and is run by the endpoint layer in worker threads.
 """
 
 from cilia_agent.datapath.errors import DatapathError, InterfaceExists, NetnsNotFound

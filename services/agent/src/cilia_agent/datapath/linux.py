@@ -66,11 +66,12 @@ class PlumbRequest:
 
 @dataclass(frozen=True)
 class PlumbResult:
-    """Names and MACs of both veth ends."""
+    """Names and MACs of both veth ends, and the host end's ifindex (0 = unknown)."""
 
     host_ifname: str
     host_mac: str
     container_mac: str
+    host_ifindex: int = 0
 
 
 def _first(ipr: IPRoute, name: str) -> int | None:
@@ -234,7 +235,10 @@ class LinuxDatapath:
                     flags=RTNH_F_ONLINK,
                 )
                 return PlumbResult(
-                    host, str(hmsg.get("address") or ""), str(cmsg.get("address") or "")
+                    host,
+                    str(hmsg.get("address") or ""),
+                    str(cmsg.get("address") or ""),
+                    int(hidx),
                 )
             except NetlinkError as exc:
                 if created:

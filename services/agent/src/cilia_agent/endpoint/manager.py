@@ -2,8 +2,10 @@
 
 Order of an Add (upstream cilium-cni ADD, reference: cilium-upstream.md §7):
 validate → readiness → allocate the IP → write the state file with state
-``creating`` → plumb the datapath → write state ``ready``. Any failure rolls
-back everything done so far (veth deleted, IP released, state file removed).
+``creating`` → plumb the datapath → enforcement hooks (identity, policy, BPF
+programs attached; ``endpoint.enforcement``) → write state ``ready`` with the
+identity. Any failure rolls back everything done so far (hooks undone, veth
+deleted, IP released, state file removed). Del runs the hooks' delete first.
 
 Operations on one attachment key ``(container_id, ifname)`` are serialised by
 a per-key asyncio lock; different keys run concurrently (netlink and file work
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from cilia_agent.datapath import (
     DatapathError,
@@ -86,6 +88,9 @@ class RestoreReport:
     removed_stale: list[str] = field(default_factory=list)
     rolled_back: list[str] = field(default_factory=list)
     invalid_files: list[str] = field(default_factory=list)
+    cleaned: list[EndpointRecord] = field(default_factory=list)
+    """Records of every endpoint removed or rolled back (their operator records and
+    identities are released by the enforcement layer)."""
 
 
 def validate_ifname(value: str, field_name: str = "ifname") -> None:
@@ -114,6 +119,16 @@ def validate_add(p: AddParams) -> None:
             raise InvalidRequest("labels", "label keys must not be empty")
 
 
+class EndpointHooks(Protocol):
+    """What the manager calls around plumbing (``endpoint.enforcement.Enforcement``)."""
+
+    async def create(self, rec: EndpointRecord, ifindex: int) -> int:
+        """Enforce policy on a plumbed endpoint; returns its identity. Undoes itself on error."""
+
+    async def delete(self, rec: EndpointRecord) -> None:
+        """Remove what :meth:`create` (or a restore) set up for ``rec``."""
+
+
 def _owner(container_id: str, ifname: str) -> str:
     return f"{container_id}/{ifname}"
 
@@ -132,6 +147,7 @@ class EndpointManager:
         default_pool: returns the current default pool name.
         router_ip: returns the router IP (None until known).
         on_change: called after every successful Add/Del (demand recomputation).
+        hooks: identity/policy/BPF enforcement run after plumbing (None = plumbing only).
     """
 
     def __init__(
@@ -147,6 +163,7 @@ class EndpointManager:
         default_pool: Callable[[], str],
         router_ip: Callable[[], ipaddress.IPv4Address | None],
         on_change: Callable[[], None] = lambda: None,
+        hooks: EndpointHooks | None = None,
     ) -> None:
         self.ipam = ipam
         self.datapath = datapath
@@ -158,6 +175,7 @@ class EndpointManager:
         self._default_pool = default_pool
         self._router_ip = router_ip
         self._on_change = on_change
+        self.hooks = hooks
         self._endpoints: dict[tuple[str, str], EndpointRecord] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._next_id = 1
@@ -192,6 +210,20 @@ class EndpointManager:
     def get(self, container_id: str, ifname: str) -> EndpointRecord | None:
         """The endpoint of an attachment key, or None."""
         return self._endpoints.get((container_id, ifname))
+
+    async def set_identity(self, key: tuple[str, str], identity: int) -> None:
+        """Record the identity of an existing endpoint (late enforcement after restore).
+
+        Raises:
+            StateError: the state file could not be written.
+        """
+        async with self._lock(key):
+            rec = self._endpoints.get(key)
+            if rec is None:
+                return
+            rec = rec.model_copy(update={"identity": identity})
+            await self._run(self.store.write_endpoint, rec)
+            self._endpoints[key] = rec
 
     # --- Add -----------------------------------------------------------------------
     async def add(self, p: AddParams) -> EndpointRecord:
@@ -275,7 +307,7 @@ class EndpointManager:
             state="creating",
         )
         self._next_id += 1
-        wrote = plumbing = False
+        wrote = plumbing = hooked = False
         try:
             await self._run(self.store.write_endpoint, rec)
             wrote = True
@@ -286,17 +318,18 @@ class EndpointManager:
                 PlumbRequest(p.container_id, p.ifname, p.netns, address, router, rec.mtu),
             )
             rec = rec.model_copy(
-                update={
-                    "host_mac": result.host_mac,
-                    "container_mac": result.container_mac,
-                    "state": "ready",
-                }
+                update={"host_mac": result.host_mac, "container_mac": result.container_mac}
             )
+            if self.hooks is not None:
+                identity = await self.hooks.create(rec, result.host_ifindex)
+                hooked = True
+                rec = rec.model_copy(update={"identity": identity})
+            rec = rec.model_copy(update={"state": "ready"})
             await self._run(self.store.write_endpoint, rec)
             self._endpoints[key] = rec
             return rec
         except BaseException:
-            await asyncio.shield(self._rollback(key, rec, address, wrote, plumbing, extra))
+            await asyncio.shield(self._rollback(key, rec, address, wrote, plumbing, hooked, extra))
             raise
 
     async def _rollback(
@@ -306,8 +339,14 @@ class EndpointManager:
         address: ipaddress.IPv4Address,
         wrote: bool,
         plumbing: bool,
+        hooked: bool,
         extra: dict[str, str],
     ) -> None:
+        if hooked and self.hooks is not None:
+            try:
+                await self.hooks.delete(rec)
+            except Exception as exc:
+                log.error("rollback: cannot undo enforcement", extra={**extra, "reason": str(exc)})
         if plumbing:
             try:
                 await self._run(self.datapath.unplumb, rec.host_ifname)
@@ -350,6 +389,8 @@ class EndpointManager:
             rec = rec.model_copy(update={"state": "disconnecting"})
             self._endpoints[key] = rec
             await self._run(self.store.write_endpoint, rec)
+            if self.hooks is not None:
+                await self.hooks.delete(rec)
             await self._run(self.datapath.unplumb, rec.host_ifname)
             self.ipam.release(rec.ipv4)
             self.metrics.ipam_events.labels(action="release", family="ipv4").inc()
@@ -383,6 +424,7 @@ class EndpointManager:
             if rec.state != "ready":
                 self._cleanup_restored(rec)
                 report.rolled_back.append(name)
+                report.cleaned.append(rec)
                 log.info(f"restore: finished interrupted {rec.state} endpoint", extra=extra)
                 continue
             if not self.datapath.netns_exists(rec.netns) or not self.datapath.link_exists(
@@ -390,6 +432,7 @@ class EndpointManager:
             ):
                 self._cleanup_restored(rec)
                 report.removed_stale.append(name)
+                report.cleaned.append(rec)
                 log.info("restore: netns or host veth gone, endpoint removed", extra=extra)
                 continue
             try:
@@ -401,6 +444,7 @@ class EndpointManager:
                 )
                 self._cleanup_restored(rec)
                 report.removed_stale.append(name)
+                report.cleaned.append(rec)
                 continue
             self._endpoints[rec.key] = rec
             self._next_id = max(self._next_id, rec.id + 1)

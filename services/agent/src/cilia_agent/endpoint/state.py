@@ -42,7 +42,8 @@ class EndpointRecord(BaseModel):
 
     ``state`` is ``creating`` while the datapath is being plumbed, ``ready``
     once Add succeeded, ``disconnecting`` while Del runs (upstream endpoint
-    states, reference: cilium-upstream.md §8).
+    states, reference: cilium-upstream.md §8). ``identity`` is the security identity the
+    operator allocated for the endpoint's filtered labels (0 = none: BPF disabled).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -60,6 +61,7 @@ class EndpointRecord(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     pod_namespace: str = ""
     pod_name: str = ""
+    identity: int = Field(default=0, ge=0)
     state: EndpointStateName = "creating"
 
     @property
