@@ -18,6 +18,9 @@ from support import assert_pod_ip, dump_logs, endpoint_ips
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
 SENTINEL = "cilia-e2e-sentinel"
+# How long an ADD may keep answering "try again later" (11) after an operator restart: the
+# agent's reconnect backoff (--operator-reconnect-max-backoff) plus start-up.
+ADD_RETRY_SECONDS = 30.0
 
 
 def _add_all(conflist: dict[str, Any], pods: list[cnirun.Pod]) -> list[str]:
@@ -95,7 +98,18 @@ def test_node_keeps_its_cidr_across_operator_restart(
 
     assert _allocated_cidrs(node) == before
     pod = make_pod()
-    [ip] = _add_all(conflist, [pod])
+    # Like kubelet, retry while the agent reconnects (CNI code 11 = try again later).
+    outcomes: list[cnirun.CniOutcome] = []
+
+    def try_add() -> bool:
+        outcomes.append(pod.add(conflist))
+        return outcomes[-1].returncode == 0
+
+    assert cnirun.wait_for(try_add, ADD_RETRY_SECONDS, interval=1.0), (
+        outcomes[-1].stdout + dump_logs()
+    )
+    assert all(o.json.get("code") == 11 for o in outcomes[:-1]), [o.stdout for o in outcomes]
+    ip = str(assert_pod_ip(pod))
     assert any(ipaddress.ip_address(ip) in ipaddress.ip_network(c) for c in before["default"])
 
 
