@@ -1,8 +1,8 @@
 """Wires the relay: peer manager → Observer servicer → gRPC servers (+ optional metrics).
 
 Start order: the Observer server on ``--listen-address`` and the health server on
-``--health-listen-address`` (both report NOT_SERVING), then the peer manager. Health
-turns SERVING once the ``peer.Peer/Notify`` stream is established and back to
+``--health-listen-address`` (both report NOT_SERVING), metrics, then the peer manager.
+Health turns SERVING once the ``peer.Peer/Notify`` stream is established and back to
 NOT_SERVING while it is lost. Stop order is the reverse.
 """
 
@@ -140,11 +140,13 @@ class Relay:
         )
 
     async def stop(self, grace: float) -> None:
-        """Stop the peer manager, the servers (``grace`` seconds for RPCs) and metrics."""
-        await self.peers.stop()
-        for server, _ in self._servers:
-            await server.stop(grace)
+        """Report NOT_SERVING, stop the servers (``grace`` seconds for in-flight RPCs),
+        then the peer manager (so clients never see their agents vanish) and metrics."""
+        for _, health in self._servers:
+            await grpcserver.set_serving(health, [OBSERVER_SERVICE], serving=False)
+        await asyncio.gather(*(server.stop(grace) for server, _ in self._servers))
         self._servers = []
+        await self.peers.stop()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
             server.shutdown()
