@@ -1,4 +1,4 @@
-"""``cilia-agent``: argument parsing only (serve, status, endpoint list)."""
+"""``cilia-agent``: argument parsing only (serve, status, endpoint list, bpf policy|ipcache list)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,21 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[client], help="show agent status")
     endpoint = sub.add_parser("endpoint", help="endpoint commands")
     esub = endpoint.add_subparsers(dest="endpoint_command", required=True)
-    lst = esub.add_parser("list", parents=[client], help="list endpoints")
-    lst.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    pins = argparse.ArgumentParser(add_help=False)
+    pins.add_argument(
+        "--bpf-pin-dir",
+        "--bpf-root",
+        default=DEFAULT_PIN_DIR,
+        help=f"pin directory of the datapath's maps (default {DEFAULT_PIN_DIR})",
+    )
+    pins.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    esub.add_parser("list", parents=[client, pins], help="list endpoints")
+    bpf = sub.add_parser("bpf", help="read the datapath's pinned maps (root)")
+    bsub = bpf.add_subparsers(dest="bpf_map", required=True)
+    for name, text in (("policy", "policy map entries"), ("ipcache", "ipcache entries")):
+        mp = bsub.add_parser(name, help=text)
+        msub = mp.add_subparsers(dest="bpf_command", required=True)
+        msub.add_parser("list", parents=[pins], help=f"list {text}")
     return parser
 
 
@@ -75,11 +88,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from cilia_agent import cli
 
+    if args.command == "bpf":
+        from cilia_agent.datapath.bpffs import PinnedMapError
+
+        pin_dir = pathlib.Path(args.bpf_pin_dir)
+        try:
+            if args.bpf_map == "policy":
+                return cli.bpf_policy_list(pin_dir, args.output)
+            return cli.bpf_ipcache_list(pin_dir, args.output)
+        except PinnedMapError as exc:
+            print(f"cilia-agent: {exc}", file=sys.stderr)
+            return 1
     socket = pathlib.Path(args.socket)
     try:
         if args.command == "status":
             return cli.status(socket, args.timeout)
-        return cli.endpoint_list(socket, args.timeout, args.output)
+        return cli.endpoint_list(
+            socket, args.timeout, args.output, pin_dir=pathlib.Path(args.bpf_pin_dir)
+        )
     except cli.AgentUnavailable as exc:
         print(f"cilia-agent: {exc}", file=sys.stderr)
         return cli.EXIT_AGENT_UNAVAILABLE

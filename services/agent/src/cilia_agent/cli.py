@@ -1,14 +1,20 @@
-"""Client side of ``cilia-agent status`` and ``cilia-agent endpoint list``.
+"""Client side of ``cilia-agent status``, ``endpoint list`` and ``bpf … list``.
 
-Both talk to the agent's unix socket through ``cilia.agent.v1.DebugService``.
-When the agent is not running they print one line on stderr and exit 2.
+``status`` and ``endpoint list`` talk to the agent's unix socket through
+``cilia.agent.v1.DebugService``; when the agent is not running they print one line on
+stderr and exit 2. The endpoint's identity and policy enforcement, and the ``bpf``
+commands, come from the datapath's pinned maps under ``--bpf-pin-dir`` (read directly,
+like upstream ``cilium-dbg bpf``: they work while the agent is down; root needed).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import pathlib
+import socket as socketlib
 import sys
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import grpc
@@ -17,6 +23,7 @@ from google.protobuf import json_format
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 
 EXIT_AGENT_UNAVAILABLE = 2
+DEFAULT_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
 
 
 class AgentUnavailable(Exception):
@@ -48,7 +55,8 @@ def status(socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout) -> in
         AgentUnavailable: the socket does not answer.
     """
     resp: agent_pb2.StatusResponse = _call(socket, timeout, "status")
-    state = "ready" if resp.ready else f"not ready ({resp.message})"
+    reason, *details = resp.message.split("\n")
+    state = "ready" if resp.ready else f"not ready ({reason})"
     out.write(f"Node:      {resp.node_name}\n")
     out.write(f"Version:   {resp.version}\n")
     out.write(f"State:     {state}\n")
@@ -58,32 +66,182 @@ def status(socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout) -> in
         out.write(
             f"Pool {pool.pool}: {pool.used}/{pool.capacity} used, CIDRs {', '.join(pool.cidrs)}\n"
         )
+    for line in details:
+        out.write(f"{line}\n")
     return 0 if resp.ready else 1
 
 
+def _endpoint_map(pin_dir: pathlib.Path) -> dict[int, Any]:
+    """ifindex → ``EndpointInfo`` from the pinned endpoint map ({} when unreadable)."""
+    from cilia_agent.datapath.bpffs import PinnedMap, PinnedMapError
+    from cilia_agent.datapath.layout import EndpointInfo
+
+    try:
+        with PinnedMap(pin_dir / "cilia_endpoints", ctypes.c_uint32, EndpointInfo) as m:
+            return {int(k.value): v for k, v in m.items()}
+    except PinnedMapError:
+        return {}
+
+
+def _enforcement(info: Any) -> str:
+    if info is None:
+        return "-"
+    parts = [
+        d for d, on in (("ingress", info.enforce_ingress), ("egress", info.enforce_egress)) if on
+    ]
+    return "+".join(parts) or "none"
+
+
+def _ifindex(name: str) -> int:
+    try:
+        return socketlib.if_nametoindex(name)
+    except OSError:
+        return 0
+
+
 def endpoint_list(
-    socket: pathlib.Path, timeout: float, output: str, out: TextIO = sys.stdout
+    socket: pathlib.Path,
+    timeout: float,
+    output: str,
+    out: TextIO = sys.stdout,
+    pin_dir: pathlib.Path = DEFAULT_PIN_DIR,
 ) -> int:
     """Print every endpoint as a table or (``output == "json"``) a JSON list.
+
+    Identity and policy enforcement come from the pinned endpoint map under ``pin_dir``
+    ("-" / absent in JSON when it cannot be read, e.g. BPF disabled).
 
     Raises:
         AgentUnavailable: the socket does not answer.
     """
     resp: agent_pb2.ListEndpointsResponse = _call(socket, timeout, "list")
+    bpf = _endpoint_map(pin_dir)
+    infos = {e.id: bpf.get(_ifindex(e.host_ifname)) for e in resp.endpoints}
     if output == "json":
-        items = [
-            json_format.MessageToDict(e, preserving_proto_field_name=True) for e in resp.endpoints
-        ]
+        items = []
+        for e in resp.endpoints:
+            item = json_format.MessageToDict(e, preserving_proto_field_name=True)
+            info = infos[e.id]
+            if info is not None and int(info.ep_id) == e.id:
+                item["identity"] = int(info.sec_identity)
+                item["policy_enforcement"] = {
+                    "ingress": bool(info.enforce_ingress),
+                    "egress": bool(info.enforce_egress),
+                }
+            items.append(item)
         json.dump(items, out, indent=2)
         out.write("\n")
         return 0
-    rows = [("ID", "STATE", "IPV4", "POD", "CONTAINER", "IFNAME", "HOST-IF", "POOL")]
+    rows = [
+        ("ID", "STATE", "IDENTITY", "ENFORCEMENT", "IPV4", "POD", "CONTAINER", "IFNAME", "HOST-IF")
+    ]
     for e in resp.endpoints:
         pod = f"{e.pod_namespace}/{e.pod_name}" if e.pod_name else "-"
+        info = infos[e.id]
+        if info is not None and int(info.ep_id) != e.id:
+            info = None
+        identity = str(int(info.sec_identity)) if info is not None else "-"
         rows.append(
-            (str(e.id), e.state, e.ipv4, pod, e.container_id[:12], e.ifname, e.host_ifname, e.pool)
+            (
+                str(e.id),
+                e.state,
+                identity,
+                _enforcement(info),
+                e.ipv4,
+                pod,
+                e.container_id[:12],
+                e.ifname,
+                e.host_ifname,
+            )
         )
+    _table(rows, out)
+    return 0
+
+
+def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+_PROTO = {0: "ANY", 1: "ICMP", 6: "TCP", 17: "UDP"}
+
+
+def bpf_policy_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
+    """Print the pinned policy map (every endpoint's entries) with packet/byte counters.
+
+    Raises:
+        cilia_agent.datapath.bpffs.PinnedMapError: the map cannot be opened (not root,
+            BPF disabled, wrong ``--bpf-pin-dir``).
+    """
+    from cilia_agent.datapath.bpffs import PinnedMap
+    from cilia_agent.datapath.layout import PolicyKey, PolicyValue
+    from cilia_agent.policy.maps import decode_key, decode_value
+
+    entries = []
+    with PinnedMap(pin_dir / "cilia_policy", PolicyKey, PolicyValue) as m:
+        for key, value in m.items():
+            ep_id, entry = decode_key(key)
+            entries.append(
+                {
+                    "endpoint_id": ep_id,
+                    "direction": "egress" if entry.direction else "ingress",
+                    "identity": entry.peer,
+                    "protocol": _PROTO.get(entry.protocol, str(entry.protocol)),
+                    "port": entry.port,
+                    "verdict": decode_value(value).value,
+                    "packets": int(value.packets),
+                    "bytes": int(value.bytes),
+                }
+            )
+    entries.sort(key=lambda e: (e["endpoint_id"], e["direction"], e["identity"], e["port"]))
+    if output == "json":
+        json.dump(entries, out, indent=2)
+        out.write("\n")
+        return 0
+    rows = [("ENDPOINT", "DIRECTION", "IDENTITY", "PROTO", "PORT", "VERDICT", "PACKETS", "BYTES")]
+    for e in entries:
+        rows.append(
+            (
+                str(e["endpoint_id"]),
+                str(e["direction"]),
+                str(e["identity"]) if e["identity"] else "ANY",
+                str(e["protocol"]),
+                str(e["port"]) if e["port"] else "ANY",
+                str(e["verdict"]),
+                str(e["packets"]),
+                str(e["bytes"]),
+            )
+        )
+    _table(rows, out)
+    return 0
+
+
+def bpf_ipcache_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
+    """Print the pinned ipcache (prefix → identity, hosting node).
+
+    Raises:
+        cilia_agent.datapath.bpffs.PinnedMapError: the map cannot be opened.
+    """
+    from cilia_agent.datapath.bpffs import PinnedMap
+    from cilia_agent.datapath.layout import IpcacheKey, IpcacheValue, ip_from_map
+
+    entries = []
+    with PinnedMap(pin_dir / "cilia_ipcache", IpcacheKey, IpcacheValue) as m:
+        for key, value in m.items():
+            entries.append(
+                {
+                    "prefix": f"{ip_from_map(int(key.ip))}/{int(key.prefixlen)}",
+                    "identity": int(value.sec_identity),
+                    "node_ip": ip_from_map(int(value.node_ip)) if value.node_ip else "",
+                }
+            )
+    entries.sort(key=lambda e: str(e["prefix"]))
+    if output == "json":
+        json.dump(entries, out, indent=2)
+        out.write("\n")
+        return 0
+    rows = [("PREFIX", "IDENTITY", "NODE-IP")]
+    rows += [(str(e["prefix"]), str(e["identity"]), str(e["node_ip"]) or "-") for e in entries]
+    _table(rows, out)
     return 0

@@ -1,4 +1,5 @@
-"""The real ``cilia-agent`` console script: serve, status, endpoint list, SIGTERM."""
+"""The real ``cilia-agent`` console script: serve (with the eBPF datapath), status,
+endpoint list, bpf maps, metrics, SIGTERM."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _free_port() -> int:
 def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
     sock = env.tmp / "cli.sock"
     port = _free_port()
+    log = (env.tmp / "agent.log").open("w+")  # a pipe would fill up at debug level
     proc = subprocess.Popen(
         [
             str(BIN),
@@ -45,12 +47,16 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             f"127.0.0.1:{port}",
             "--log-level",
             "debug",
+            "--bpf-root",
+            str(env.pin_dir),
+            "--hubble-listen-address",
+            "",
         ],
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # compiles bpf_lxc.c first
         while not sock.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         st = subprocess.run(
@@ -58,6 +64,24 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
         )
         assert st.returncode == 1, st.stderr  # running, not ready: no CIDR
         assert "cli-node" in st.stdout and "not ready" in st.stdout
+        assert f"Datapath: eBPF loaded, pin dir {env.pin_dir}" in st.stdout
+        assert "Hubble: 0/4095 flows" in st.stdout
+        hubble_sock = env.tmp / "hubble.sock"
+        assert hubble_sock.stat().st_mode & 0o777 == 0o600
+        assert (env.pin_dir / "cilia_policy").exists()
+        ipcache = subprocess.run(
+            [str(BIN), "bpf", "ipcache", "list", "--bpf-pin-dir", str(env.pin_dir), "-o", "json"],
+            capture_output=True,
+            text=True,
+        )
+        assert ipcache.returncode == 0, ipcache.stderr
+        assert all(e["identity"] == 1 for e in json.loads(ipcache.stdout)), "node addresses = host"
+        missing = subprocess.run(
+            [str(BIN), "bpf", "policy", "list", "--bpf-pin-dir", str(env.tmp / "nope")],
+            capture_output=True,
+            text=True,
+        )
+        assert missing.returncode == 1 and "cannot open pinned map" in missing.stderr
         ls = subprocess.run(
             [str(BIN), "endpoint", "list", "--socket", str(sock), "-o", "json"],
             capture_output=True,
@@ -66,17 +90,25 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
         assert ls.returncode == 0 and json.loads(ls.stdout) == []
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         text = body.decode()
-        for name in ("cilium_endpoint ", "cilium_ip_addresses{", "cilium_ipam_capacity{"):
+        for name in (
+            "cilium_endpoint ",
+            "cilium_ip_addresses{",
+            "cilium_ipam_capacity{",
+            "cilium_policy ",
+            "# TYPE cilium_drop_count_total counter",
+            "# TYPE cilium_forward_count_total counter",
+            "# TYPE hubble_flows_processed_total counter",
+        ):
             assert name in text
         assert sock.stat().st_mode & 0o777 == 0o600
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-        assert not sock.exists()
-        lines = [
-            json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")
-        ]
+        assert not sock.exists() and not hubble_sock.exists()
+        log.seek(0)
+        lines = [json.loads(line) for line in log.read().splitlines() if line.startswith("{")]
         assert any(line["msg"] == "stopped" for line in lines)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log.close()
