@@ -43,12 +43,52 @@ def test_defaults_match_the_brief() -> None:
         ("operator", "nohost"),
         ("cni_conf_name", "x.json"),
         ("prometheus_serve_addr", "9962"),
+        ("hubble_event_buffer_capacity", 4096),
+        ("hubble_event_buffer_capacity", 0),
+        ("hubble_event_buffer_capacity", 65536),
+        ("bpf_events_ringbuf_pages", 48),
+        ("enable_policy", "sometimes"),
+        ("enable_bpf", "perhaps"),
+        ("hubble_listen_address", "4244"),
+        ("endpoint_policy_wait_timeout", 0),
     ],
 )
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as err:
         Config.model_validate({"node_name": "n", field: value})
     assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_datapath_and_hubble_defaults() -> None:
+    c = Config(node_name="n1", socket="/run/x/cilia.sock")
+    assert c.enable_bpf is True and c.enable_policy == "default"
+    assert c.bpf_pin_dir == pathlib.Path("/sys/fs/bpf/cilia")
+    assert (c.bpf_policy_map_max, c.bpf_ct_global_max, c.bpf_ipcache_map_max) == (
+        65536,
+        262144,
+        512000,
+    )
+    assert (c.bpf_events_ringbuf_pages, c.hubble_event_buffer_capacity) == (64, 4095)
+    assert c.hubble_event_queue_size == 1000 and c.endpoint_policy_wait_timeout == 10
+    assert c.hubble_socket_path() == pathlib.Path("/run/x/hubble.sock")
+    assert c.hubble_listen() == "0.0.0.0:4244" and c.hubble_port() == 4244
+    off = Config(node_name="n1", hubble_listen_address="")
+    assert off.hubble_listen() is None and off.hubble_port() == 0
+
+
+def test_bad_hubble_capacity_is_refused_by_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--hubble-event-buffer-capacity", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "--hubble-event-buffer-capacity" in err and "2^n-1" in err
+
+
+def test_bpf_commands_without_pinned_maps_exit_1(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bpf", "policy", "list", "--bpf-root", str(tmp_path)]) == 1
+    assert main(["bpf", "ipcache", "list", "--bpf-pin-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("cannot open pinned map" in line for line in err)
 
 
 def test_pre_allocation_parses_pool_list() -> None:

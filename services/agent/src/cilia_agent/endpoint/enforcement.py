@@ -221,6 +221,7 @@ class Enforcement:
         self._local_ips: dict[str, int] = {}  # pod IP → ep_id
         self._ipcache = _IpcacheState()
         self._resolver_identities: set[int] = set()
+        self._local_labels: dict[int, tuple[str, ...]] = {}  # identities local endpoints use
         self._ready = asyncio.Event()
 
     # ------------------------------------------------------------------ helpers
@@ -296,6 +297,7 @@ class Enforcement:
         self._resolver_identities.add(identity)
         if not is_cluster_identity(identity):
             return
+        self._local_labels[identity] = tuple(sorted(labels))
         known = self.engine.identities.get(identity)
         if known is not None and known.strings() == tuple(sorted(labels)):
             return
@@ -340,7 +342,9 @@ class Enforcement:
 
     def _register(self, ep: _Endpoint) -> None:
         self._eps[ep.rec.id] = ep
-        self._identity_users.setdefault(ep.identity, set()).add(ep.rec.id)
+        users = self._identity_users.setdefault(ep.identity, set())
+        users.discard(-ep.rec.id)
+        users.add(ep.rec.id)
         self._local_ips[ep.rec.ipv4] = ep.rec.id
         self.datapath.upsert_ipcache(ep.rec.ipv4, 32, ep.identity)
 
@@ -365,6 +369,7 @@ class Enforcement:
         if users:
             return
         self._identity_users.pop(identity, None)
+        self._local_labels.pop(identity, None)
         if identity:
             self.retry.submit(
                 f"Release identity {identity}", lambda: self.control.release_identity(identity)
@@ -402,8 +407,14 @@ class Enforcement:
         try:
             allocated = await self.control.allocate_identity(list(labels.strings()))
             identity = int(allocated.id)
-            self._identity_users.setdefault(identity, set())
-            undo.append(lambda: self._release_if_unused(identity))
+            # -id marks an Add in flight: a concurrent failing Add must not release it
+            self._identity_users.setdefault(identity, set()).add(-rec.id)
+
+            def release() -> None:
+                self._identity_users.get(identity, set()).discard(-rec.id)
+                self._release_if_unused(identity)
+
+            undo.append(release)
             self._learn_identity(identity, labels.strings())
             if self.mode == "default":
                 await self.wait_ready()
@@ -556,12 +567,24 @@ class Enforcement:
     # ------------------------------------------------------------------ watch streams
 
     async def consume_identities(self, stream: AsyncIterable[cp.WatchIdentitiesResponse]) -> bool:
-        """Follow one ``WatchIdentities`` stream (a new stream resyncs the cache)."""
+        """Follow one ``WatchIdentities`` stream (a new stream resyncs the cache).
+
+        Identities of local endpoints missing from the initial listing (allocated while
+        the listing was being taken) are kept: they are added to the listing rather than
+        removed and re-added when the operator's event arrives.
+        """
         delivered = False
+        listed: set[int] | None = None
         async for response in stream:
             if not delivered:
                 self.engine.identities.begin_resync()
                 delivered = True
+                listed = set()
+            if listed is not None:
+                listed.update(e.identity.id for e in response.events)
+                if response.synced:
+                    response = self._with_local_identities(response, listed)
+                    listed = None
             try:
                 self.engine.on_identities(response)
             finally:
@@ -574,13 +597,31 @@ class Enforcement:
                         self.resolver.set_identity(ident.id, list(ident.labels))
                         self._resolver_identities.add(ident.id)
                 if response.synced:
-                    for stale in [
+                    stale = [
                         i for i in self._resolver_identities if i not in self.engine.identities
-                    ]:
-                        self.resolver.remove_identity(stale)
-                        self._resolver_identities.discard(stale)
+                    ]
+                    for identity in stale:
+                        self.resolver.remove_identity(identity)
+                        self._resolver_identities.discard(identity)
                 self._update_ready()
         return delivered
+
+    def _with_local_identities(
+        self, response: cp.WatchIdentitiesResponse, listed: set[int]
+    ) -> cp.WatchIdentitiesResponse:
+        extra = {i: labels for i, labels in self._local_labels.items() if i not in listed}
+        if not extra:
+            return response
+        merged = cp.WatchIdentitiesResponse()
+        merged.CopyFrom(response)
+        for identity, labels in sorted(extra.items()):
+            merged.events.append(
+                cp.IdentityEvent(
+                    type=cp.EVENT_TYPE_UPSERT,
+                    identity=cp.Identity(id=identity, labels=list(labels)),
+                )
+            )
+        return merged
 
     async def consume_policies(self, stream: AsyncIterable[cp.WatchPoliciesResponse]) -> bool:
         """Follow one ``WatchPolicies`` stream (a new stream resyncs the repository)."""

@@ -1,0 +1,337 @@
+"""Enforcement (identity + policy + datapath + Hubble metadata) over an in-memory datapath.
+
+The datapath stand-in keeps the loader's API (``set_endpoint``, ``upsert_ipcache``,
+``attach`` …) in dicts and records the order of calls; the policy map is a dict keyed
+by the key's bytes. Everything else is real: PolicyEngine, PolicyMapWriter,
+MemoryResolver, RetryQueue, the controlplane protobufs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from cilia.controlplane.v1 import controlplane_pb2 as cp
+from cilia_agent.controlplane import OperatorUnavailable, RetryQueue
+from cilia_agent.endpoint.enforcement import (
+    Enforcement,
+    LocalControlPlane,
+    PolicyMode,
+    PolicyNotReady,
+)
+from cilia_agent.endpoint.state import EndpointRecord
+from cilia_agent.hubble.enrich import MemoryResolver
+from cilia_agent.metrics import Metrics
+
+NS_LABEL = "k8s:io.kubernetes.pod.namespace=default"
+
+
+class FakeTable:
+    def __init__(self) -> None:
+        self.data: dict[bytes, tuple[Any, Any]] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.data[bytes(key)] = (key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        del self.data[bytes(key)]
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        return iter(list(self.data.values()))
+
+
+class FakeDatapath:
+    def __init__(self) -> None:
+        self.policy = FakeTable()
+        self.eps: dict[int, Any] = {}
+        self.ipcache: dict[str, tuple[int, str]] = {}
+        self.attached: set[int] = set()
+        self.calls: list[str] = []
+
+    def table(self, name: str) -> FakeTable:
+        assert name == "cilia_policy"
+        return self.policy
+
+    def set_endpoint(self, ifindex: int, info: Any) -> None:
+        self.calls.append(f"set_endpoint {ifindex}")
+        copy = type(info)()
+        ctypes.memmove(ctypes.byref(copy), ctypes.byref(info), ctypes.sizeof(info))
+        self.eps[ifindex] = copy
+
+    def delete_endpoint(self, ifindex: int) -> None:
+        self.eps.pop(ifindex, None)
+
+    def endpoints(self) -> dict[int, Any]:
+        return dict(self.eps)
+
+    def upsert_ipcache(self, ip: str, plen: int, identity: int, node_ip: str = "") -> None:
+        self.ipcache[f"{ip}/{plen}"] = (identity, node_ip)
+
+    def delete_ipcache(self, ip: str, plen: int) -> None:
+        self.ipcache.pop(f"{ip}/{plen}", None)
+
+    def attach(self, ifindex: int) -> None:
+        self.calls.append(f"attach {ifindex}")
+        self.attached.add(ifindex)
+
+    def detach(self, ifindex: int) -> None:
+        self.attached.discard(ifindex)
+
+
+class FakeControl(LocalControlPlane):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, cp.EndpointRecord] = {}
+        self.releases: list[int] = []
+        self.deleted: list[tuple[str, str]] = []
+        self.fail_upsert = False
+
+    async def release_identity(self, identity: int) -> None:
+        self.releases.append(identity)
+
+    async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
+        if self.fail_upsert:
+            raise OperatorUnavailable("endpoint record at operator failed (test)")
+        self.records[record.name] = record
+
+    async def delete_endpoint(self, namespace: str, name: str) -> None:
+        self.deleted.append((namespace, name))
+
+
+def rec(ep_id: int, app: str, ip: str) -> EndpointRecord:
+    return EndpointRecord(
+        id=ep_id,
+        container_id=f"c{ep_id}",
+        ifname="eth0",
+        netns="/var/run/netns/x",
+        ipv4=ip,
+        pool="default",
+        host_ifname=f"lxc{ep_id}",
+        labels={"app": app},
+        pod_namespace="default",
+        pod_name=app,
+        state="ready",
+    )
+
+
+def backend_policy(name: str = "p") -> cp.PolicyEvent:
+    manifest = {
+        "apiVersion": "cilium.io/v2",
+        "kind": "CiliumNetworkPolicy",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "endpointSelector": {"matchLabels": {"app": "backend"}},
+            "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "frontend"}}]}],
+        },
+    }
+    return cp.PolicyEvent(
+        type=cp.EVENT_TYPE_UPSERT,
+        kind="CiliumNetworkPolicy",
+        namespace="default",
+        name=name,
+        json=json.dumps(manifest),
+    )
+
+
+async def stream(*items: Any) -> Any:
+    for item in items:
+        yield item
+
+
+class Harness:
+    def __init__(self, mode: PolicyMode = "default", wait: float = 2.0) -> None:
+        self.dp = FakeDatapath()
+        self.control = FakeControl()
+        self.resolver = MemoryResolver(kernel_interface_names=False)
+        self.metrics = Metrics()
+        self.executor = ThreadPoolExecutor(2)
+        self.retry = RetryQueue(min_backoff=0.01, max_backoff=0.05)
+        self.enf = Enforcement(
+            datapath=self.dp,  # type: ignore[arg-type]
+            resolver=self.resolver,
+            control=self.control,
+            retry=self.retry,
+            executor=self.executor,
+            metrics=self.metrics,
+            node_name="n1",
+            mode=mode,
+            policy_wait_timeout=wait,
+        )
+
+    async def sync(self, *policies: cp.PolicyEvent) -> None:
+        await self.enf.consume_identities(stream(cp.WatchIdentitiesResponse(synced=True)))
+        await self.enf.consume_policies(
+            stream(cp.WatchPoliciesResponse(events=list(policies), synced=True))
+        )
+
+    async def settle(self) -> None:
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_add_waits_for_policy_sync_then_writes_entries_before_attaching() -> None:
+    async def main() -> None:
+        h = Harness()
+        front = asyncio.create_task(h.enf.create(rec(1, "frontend", "10.0.0.2"), 11))
+        back = asyncio.create_task(h.enf.create(rec(2, "backend", "10.0.0.3"), 12))
+        await asyncio.sleep(0.05)
+        assert not front.done() and not h.dp.attached, "blocked until policy is computable"
+        await h.sync(backend_policy())
+        ids = {await front, await back}
+        assert ids == {256, 257}
+        assert h.dp.eps[12].enforce_ingress == 1 and h.dp.eps[12].enforce_egress == 0
+        assert h.dp.eps[11].enforce_ingress == 0
+        assert h.dp.calls.index("set_endpoint 12") < h.dp.calls.index("attach 12")
+        assert len(h.dp.policy.data) == 1, "backend: allow from frontend's identity"
+        assert h.dp.ipcache["10.0.0.3/32"] == (257, "")
+        assert h.resolver.endpoint_by_ip("10.0.0.3") is not None
+        assert h.control.records["backend"].identity == 257
+        assert h.metrics.registry.get_sample_value("cilium_policy") == 1
+
+    run(main())
+
+
+def test_add_without_synced_streams_times_out_unavailable_and_undoes_everything() -> None:
+    async def main() -> None:
+        h = Harness(wait=0.05)
+        with pytest.raises(PolicyNotReady, match="endpoint-policy-wait-timeout"):
+            await h.enf.create(rec(1, "frontend", "10.0.0.2"), 11)
+        await h.settle()
+        assert not h.dp.eps and not h.dp.attached and not h.dp.ipcache
+        assert h.control.releases == [256]
+
+    run(main())
+
+
+def test_failed_endpoint_record_detaches_and_removes_entries() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync(backend_policy())
+        h.control.fail_upsert = True
+        with pytest.raises(OperatorUnavailable):
+            await h.enf.create(rec(2, "backend", "10.0.0.3"), 12)
+        await h.settle()
+        assert not h.dp.attached and not h.dp.eps and not h.dp.ipcache
+        assert not h.dp.policy.data, "policy entries removed"
+        assert h.resolver.endpoint_by_id(2) is None
+        assert h.control.releases == [256]
+
+    run(main())
+
+
+def test_identity_released_only_when_its_last_local_endpoint_is_deleted() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        a, b = rec(1, "web", "10.0.0.2"), rec(2, "web", "10.0.0.3")
+        ident = await h.enf.create(a, 11)
+        assert await h.enf.create(b, 12) == ident
+        await h.enf.delete(a.model_copy(update={"identity": ident}))
+        await h.settle()
+        assert h.control.releases == [] and h.control.deleted == [("default", "web")]
+        await h.enf.delete(b.model_copy(update={"identity": ident}))
+        await h.settle()
+        assert h.control.releases == [ident]
+        assert not h.dp.eps and not h.dp.attached and not h.dp.ipcache
+
+    run(main())
+
+
+def test_policy_modes_always_and_never() -> None:
+    async def main() -> None:
+        always = Harness(mode="always")
+        await always.sync()
+        await always.enf.create(rec(1, "web", "10.0.0.2"), 11)
+        assert (always.dp.eps[11].enforce_ingress, always.dp.eps[11].enforce_egress) == (1, 1)
+        never = Harness(mode="never")  # does not wait for the streams either
+        await never.enf.create(rec(2, "backend", "10.0.0.3"), 12)
+        await never.sync(backend_policy())
+        assert (never.dp.eps[12].enforce_ingress, never.dp.eps[12].enforce_egress) == (0, 0)
+        assert not never.dp.policy.data
+
+    run(main())
+
+
+def test_ipcache_stream_resync_drops_stale_entries_and_never_overrides_local_ones() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        await h.enf.create(rec(1, "web", "10.0.0.2"), 11)
+        h.enf.set_host_addresses(["192.0.2.10"])
+
+        def entry(cidr: str, ident: int, owner: str = "") -> cp.IPCacheEvent:
+            return cp.IPCacheEvent(
+                type=cp.EVENT_TYPE_UPSERT,
+                entry=cp.IPCacheEntry(cidr=cidr, identity=ident, host_ip="192.0.2.20", owner=owner),
+            )
+
+        first = cp.WatchIPCacheResponse(
+            events=[
+                entry("10.1.0.5/32", 300, "default/remote"),
+                entry("10.1.0.6/32", 301),
+                entry("10.0.0.2/32", 999),  # our own pod, stale identity: ignored
+                entry("192.0.2.10/32", 6),  # our own address as remote-node: ignored
+            ],
+            synced=True,
+        )
+        await h.enf.consume_ipcache(stream(first))
+        assert h.dp.ipcache["10.1.0.5/32"] == (300, "192.0.2.20")
+        assert h.dp.ipcache["10.0.0.2/32"] == (256, "")
+        assert h.dp.ipcache["192.0.2.10/32"] == (1, "")
+        ref = h.resolver.endpoint_by_ip("10.1.0.5")
+        assert ref is not None and ref.pod_name == "remote"
+        # reconnect: the new listing no longer has 10.1.0.6
+        await h.enf.consume_ipcache(
+            stream(cp.WatchIPCacheResponse(events=[entry("10.1.0.5/32", 300)], synced=True))
+        )
+        assert "10.1.0.6/32" not in h.dp.ipcache and "10.1.0.5/32" in h.dp.ipcache
+        assert h.dp.ipcache["10.0.0.2/32"] == (256, "")
+
+    run(main())
+
+
+def test_restore_keeps_pinned_flags_until_recomputed_and_prunes_gone_endpoints() -> None:
+    async def main() -> None:
+        first = Harness()
+        await first.sync(backend_policy())
+        back = rec(2, "backend", "10.0.0.3").model_copy(update={"host_ifname": "lo"})
+        back = back.model_copy(update={"identity": await first.enf.create(back, 1)})
+        gone = rec(3, "backend", "10.0.0.4")
+        await first.enf.create(gone, 13)
+        assert len(first.dp.policy.data) == 0, "no frontend identity yet: nothing to allow"
+
+        # a new agent on the same pinned maps; endpoint 3 disappeared while it was down
+        second = Harness()
+        second.dp = first.dp
+        second.enf = Enforcement(
+            datapath=first.dp,  # type: ignore[arg-type]
+            resolver=second.resolver,
+            control=second.control,
+            retry=second.retry,
+            executor=second.executor,
+            metrics=second.metrics,
+            node_name="n1",
+        )
+        second.enf.engine.restore()
+        first.dp.calls.clear()
+        missing = await second.enf.restore([back])  # host veth "lo" = ifindex 1
+        assert missing == []
+        assert 13 not in first.dp.eps, "entry of the gone endpoint removed"
+        assert first.dp.eps[1].enforce_ingress == 1, "pinned flags kept before sync"
+        assert first.dp.calls == ["set_endpoint 1", "attach 1"], "programs replaced in place"
+        assert not second.enf.ready
+        await second.sync()  # the policy was deleted while the agent was down
+        assert first.dp.eps[1].enforce_ingress == 0
+        assert second.resolver.endpoint_by_ip("10.0.0.3") is not None
+
+    run(main())
