@@ -76,12 +76,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cilia-agent: --{field.replace('_', '-')}: {first['msg']}", file=sys.stderr)
             return 2
         from cilia_agent.datapath import DatapathError
+        from cilia_agent.datapath.loader import BpfUnavailable
         from cilia_agent.endpoint import StateError
         from cilia_common.grpcserver import BindError
 
         setup_logging("cilia-agent", config.log_level)
         try:
             app.run(config)
+        except BpfUnavailable as exc:
+            print(
+                f"cilia-agent: cannot start: {exc} (hosts without BPF: --enable-bpf=false)",
+                file=sys.stderr,
+            )
+            return 1
         except (BindError, DatapathError, StateError, OSError) as exc:
             print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)
             return 1

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cilia.agent.v1 import agent_pb2
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
+from cilia.hubble.peer import peer_pb2, peer_pb2_grpc
 from cilia_agent.datapath import host_ifname
 from cilia_agent.datapath.layout import IDENTITY_HOST
 
@@ -215,9 +216,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     op = FakeOperator(env.cidr)
     server: subprocess.Popen[bytes] | None = None
     try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            hubble_port = probe.getsockname()[1]
         agent = env.start_agent(
             static={},
             enable_bpf=True,
+            hubble_listen_address=f"127.0.0.1:{hubble_port}",
             operator=op.address,
             operator_reconnect_min_backoff=0.1,
             operator_reconnect_max_backoff=0.5,
@@ -269,7 +274,25 @@ def test_add_allocates_identity_at_operator_and_attaches_programs_before_returni
         ).stdout
         assert "cil_from_container" in ingress and "cil_to_container" in egress
     reg = op.registrations[0]
-    assert reg.hubble_address == ""  # TCP Hubble disabled in tests
+    assert reg.hubble_address == cluster.agent.config.hubble_listen_address
+
+
+def test_hubble_serves_peers_on_the_socket_and_status_over_tcp(cluster: Cluster) -> None:
+    cfg = cluster.agent.config
+    with grpc.insecure_channel(f"unix:{cfg.hubble_socket_path()}") as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)  # type: ignore[no-untyped-call]
+        stream = stub.Notify(peer_pb2.NotifyRequest(), timeout=5)
+        first = next(iter(stream))
+        stream.cancel()
+    assert (first.name, first.address, first.type) == (
+        cfg.node_name,
+        cfg.hubble_listen_address,
+        peer_pb2.PEER_ADDED,
+    )
+    with grpc.insecure_channel(cfg.hubble_listen_address) as ch:
+        obs = observer_pb2_grpc.ObserverStub(ch)  # type: ignore[no-untyped-call]
+        status = obs.ServerStatus(observer_pb2.ServerStatusRequest(), timeout=5)
+    assert status.max_flows == 4095
 
 
 def test_cnp_lets_frontend_reach_backend_8080_and_drops_other(cluster: Cluster) -> None:

@@ -532,8 +532,18 @@ class Enforcement:
                 ep.enforce = (False, False)
             self._register(ep)
             self._write_endpoint(ep)
-            await self._run(self.datapath.attach, ifindex)
             kept.add(ifindex)
+            try:
+                await self._run(self.datapath.attach, ifindex)
+            except Exception as exc:  # the old programs stay attached with the same maps
+                log.error(
+                    "restore: replacing the programs failed; the previous ones stay attached",
+                    extra={
+                        "endpoint_id": rec.id,
+                        "host_ifname": rec.host_ifname,
+                        "reason": str(exc),
+                    },
+                )
             self._learn_identity(rec.identity, labels.strings())
             self._publish(ep)
             if self.mode != "never":
