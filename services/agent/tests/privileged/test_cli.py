@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
+
+import grpc
+
+from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 
 from .conftest import Env
+from .fake_operator import FakeOperator
 
 BIN = pathlib.Path(sys.executable).parent / "cilia-agent"
 
@@ -112,3 +119,137 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _serve(env: Env, op_address: str, log: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            str(BIN),
+            "serve",
+            "--node-name",
+            f"kill-{env.tag}",
+            "--operator",
+            op_address,
+            "--state-dir",
+            str(env.state_dir),
+            "--socket",
+            str(env.tmp / "k.sock"),
+            "--cni-conf-dir",
+            str(env.tmp / "net.d"),
+            "--host-device-name",
+            env.host_device,
+            "--prometheus-serve-addr",
+            "",
+            "--bpf-pin-dir",
+            str(env.pin_dir),
+            "--hubble-listen-address",
+            "",
+            "--operator-reconnect-min-backoff",
+            "0.1",
+            "--operator-reconnect-max-backoff",
+            "0.5",
+        ],
+        stderr=log,
+        text=True,
+    )
+
+
+def _ping(netns: str, ip: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", netns, "ping", "-q", *args, ip], stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_kill_9_and_restart_of_the_agent_process_loses_no_packet(env: Env) -> None:
+    op = FakeOperator(env.cidr)
+    log = (env.tmp / "agent.log").open("w+")
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs.append(_serve(env, op.address, log))
+        sock = env.tmp / "k.sock"
+        channel = grpc.insecure_channel(f"unix:{sock}")
+        attach = agent_pb2_grpc.AttachmentServiceStub(channel)  # type: ignore[no-untyped-call]
+        debug = agent_pb2_grpc.DebugServiceStub(channel)  # type: ignore[no-untyped-call]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if debug.Status(agent_pb2.StatusRequest(), timeout=1).ready:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        pods = {}
+        for name in ("frontend", "backend", "other"):
+            path = env.add_netns()
+            resp = attach.Add(
+                agent_pb2.AddRequest(
+                    container_id=f"k-{name}",
+                    ifname="eth0",
+                    netns=path,
+                    labels={"app": name},
+                    pod_namespace="default",
+                    pod_name=name,
+                ),
+                timeout=30,
+            )
+            pods[name] = (path.rsplit("/", 1)[1], resp.ips[0].address.split("/")[0])
+        channel.close()
+        op.apply_policy(
+            {
+                "apiVersion": "cilium.io/v2",
+                "kind": "CiliumNetworkPolicy",
+                "metadata": {"name": "l3", "namespace": "default"},
+                "spec": {
+                    "endpointSelector": {"matchLabels": {"app": "backend"}},
+                    "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "frontend"}}]}],
+                },
+            }
+        )
+        backend_ip = pods["backend"][1]
+        deadline = time.monotonic() + 10
+        while _ping(pods["other"][0], backend_ip, "-c1", "-W1").wait() == 0:
+            assert time.monotonic() < deadline, "policy never applied"
+        flood = _ping(pods["frontend"][0], backend_ip, "-i", "0.002", "-c", "5000")
+        time.sleep(0.5)
+        procs[0].kill()  # kill -9: no cleanup at all
+        procs[0].wait()
+        assert _ping(pods["other"][0], backend_ip, "-c1", "-W1").wait() != 0, "enforced while down"
+        sock.unlink(missing_ok=True)
+        procs.append(_serve(env, op.address, log))
+        deadline = time.monotonic() + 60
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sock.exists() and flood.poll() is None, "restart outlasted the ping flood"
+        out, _ = flood.communicate(timeout=60)
+        m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+        assert m and m.group(1) == "5000" and m.group(2) == "5000", out
+        assert _ping(pods["other"][0], backend_ip, "-c1", "-W1").wait() != 0, "still enforced"
+        eps = subprocess.run(
+            [
+                str(BIN),
+                "endpoint",
+                "list",
+                "--socket",
+                str(sock),
+                "-o",
+                "json",
+                "--bpf-pin-dir",
+                str(env.pin_dir),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert eps.returncode == 0, eps.stderr
+        by_pod = {e["pod_name"]: e for e in json.loads(eps.stdout)}
+        assert by_pod["backend"]["policy_enforcement"]["ingress"] is True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        log.close()
+        op.stop()
