@@ -7,6 +7,11 @@ cilium-upstream.md §9); upstream multi-pool exports none, so these are Cilia's:
 - ``cilium_operator_ipam_available_cidrs{pool}`` (gauge): blocks still free.
 - ``cilium_operator_ipam_cidr_allocations_total{pool}`` (counter): blocks handed out.
 - ``cilium_operator_ipam_node_reconciles_total{outcome}`` (counter): ``success``/``error``.
+- ``cilium_operator_identity_gc_entries{status}`` (gauge, upstream name): identities found
+  ``alive`` / ``deleted`` by the last identity GC run.
+- ``cilium_operator_identity_gc_runs{outcome}`` (gauge counted up, upstream name and type):
+  identity GC runs by ``success``/``failure``.
+- ``cilium_operator_identities_allocated_total`` (counter): identities created by Allocate.
 """
 
 from __future__ import annotations
@@ -45,6 +50,23 @@ class Metrics:
             "cilium_operator_ipam_node_reconciles_total",
             "CiliumNode IPAM reconciliations by outcome",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.identity_gc_entries = Gauge(
+            "cilium_operator_identity_gc_entries",
+            "Identities found alive/deleted by the last identity GC run",
+            ["status"],
+            registry=self.registry,
+        )
+        self.identity_gc_runs = Gauge(
+            "cilium_operator_identity_gc_runs",
+            "Identity GC runs by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.identities_allocated = Counter(
+            "cilium_operator_identities_allocated_total",
+            "Identities created by IdentityService.Allocate",
             registry=self.registry,
         )
         self._pools: set[str] = set()
