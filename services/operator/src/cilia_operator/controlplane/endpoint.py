@@ -1,0 +1,191 @@
+"""EndpointService: CiliumEndpoint records in, the cluster ipcache streamed out."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+
+from ..endpoint import records
+from ..endpoint.ipcache import Entry, IPCache, host_ip, node_addresses
+from ..kinds import NODE
+from ..store import AlreadyExists, Conflict, NotFound, Store, StoreError, resource_version
+from .errors import status_for, unary
+from .streams import Changed, Listed, Sent, watch_stream
+
+log = logging.getLogger(__name__)
+
+
+def entry_message(entry: Entry) -> pb.IPCacheEntry:
+    """An ipcache entry as ``IPCacheEntry``."""
+    return pb.IPCacheEntry(
+        cidr=entry.cidr,
+        identity=entry.identity,
+        node_name=entry.node_name,
+        host_ip=entry.host_ip,
+        owner=entry.owner,
+    )
+
+
+class EndpointServicer:
+    """``cilia.controlplane.v1.EndpointService``.
+
+    Args:
+        store: the Store; conflict_retries: write attempts per request;
+        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``.
+    """
+
+    def __init__(
+        self, store: Store, *, conflict_retries: int, chunk_size: int, queue_size: int
+    ) -> None:
+        self.store = store
+        self.conflict_retries = max(1, conflict_retries)
+        self.chunk_size = chunk_size
+        self.queue_size = queue_size
+
+    async def _node_ip(self, node_name: str) -> str:
+        try:
+            return host_ip(node_addresses(await self.store.get(NODE.kind, node_name)))
+        except NotFound:
+            return ""
+
+    @unary
+    async def UpsertEndpoint(  # noqa: N802 (gRPC method name)
+        self, request: pb.UpsertEndpointRequest, context: Any
+    ) -> pb.UpsertEndpointResponse:
+        """Create or update the endpoint's CiliumEndpoint (namespace "" = ``default``).
+
+        Errors: INVALID_ARGUMENT (bad name/namespace/node/IP, identity 0), ABORTED
+        (record changing too fast), UNAVAILABLE.
+        """
+        ep = request.endpoint
+        desired = records.endpoint_record(
+            namespace=ep.namespace,
+            name=ep.name,
+            node_name=ep.node_name,
+            node_ip=await self._node_ip(ep.node_name) if ep.node_name else "",
+            ipv4=ep.ipv4,
+            identity=ep.identity,
+            labels=list(ep.labels),
+            endpoint_id=ep.endpoint_id,
+            container_id=ep.container_id,
+        )
+        namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+        for _ in range(self.conflict_retries):
+            try:
+                current = await self.store.get(records.KIND, name, namespace)
+            except NotFound:
+                try:
+                    await self.store.create(desired)
+                except AlreadyExists:
+                    continue
+                log.info("endpoint recorded", extra={"endpoint": f"{namespace}/{name}",
+                         "node": ep.node_name, "ipv4": ep.ipv4, "identity": ep.identity})  # fmt: skip
+                return pb.UpsertEndpointResponse()
+            if current.get("status") == desired["status"]:
+                return pb.UpsertEndpointResponse()
+            updated = copy.deepcopy(current)
+            updated["status"] = desired["status"]
+            try:
+                await self.store.update(updated)
+            except (Conflict, NotFound):
+                continue
+            return pb.UpsertEndpointResponse()
+        raise Conflict(records.KIND, namespace, name, "", "changing too fast")
+
+    @unary
+    async def DeleteEndpoint(  # noqa: N802 (gRPC method name)
+        self, request: pb.DeleteEndpointRequest, context: Any
+    ) -> pb.DeleteEndpointResponse:
+        """Delete the endpoint's record; succeeds when it is absent.
+
+        With ``node_name`` set, a record owned by another node (the pod name was reused
+        there) is left alone: FAILED_PRECONDITION naming that node.
+        Errors: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED, UNAVAILABLE.
+        """
+        namespace = records.check_namespace(request.namespace or records.DEFAULT_NAMESPACE)
+        name = records.check_name(request.name)
+        for _ in range(self.conflict_retries):
+            try:
+                current = await self.store.get(records.KIND, name, namespace)
+            except NotFound:
+                return pb.DeleteEndpointResponse()
+            owner = records.node_name_of(current)
+            if request.node_name and owner and owner != request.node_name:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"endpoint {namespace}/{name} belongs to node {owner!r}, "
+                    f"not {request.node_name!r}; not deleted",
+                )
+            try:
+                await self.store.delete(records.KIND, name, namespace, resource_version(current))
+            except NotFound:
+                return pb.DeleteEndpointResponse()
+            except Conflict:
+                continue
+            log.info("endpoint deleted", extra={"endpoint": f"{namespace}/{name}"})
+            return pb.DeleteEndpointResponse()
+        raise Conflict(records.KIND, namespace, name, "", "changing too fast")
+
+    async def WatchIPCache(  # noqa: N802 (gRPC method name)
+        self, request: pb.WatchIPCacheRequest, context: Any
+    ) -> AsyncIterator[pb.WatchIPCacheResponse]:
+        """Every ipcache entry (endpoints' IP/32 and nodes' addresses as identity 6),
+        ``synced`` on the last message of the listing, then changes. A watch that falls
+        behind relists and sends the difference, ending with ``synced`` again.
+
+        Errors: UNAVAILABLE.
+        """
+        cache = IPCache()
+        sent: Sent[str, pb.IPCacheEntry] = Sent()
+
+        def apply(item: Listed | Changed) -> list[pb.IPCacheEvent]:
+            if isinstance(item, Listed):
+                if item.kind == NODE.kind:
+                    dirty = cache.replace_nodes(item.items)
+                else:
+                    dirty = cache.replace_endpoints(item.items)
+            else:
+                obj = item.event.object
+                if item.kind == NODE.kind:
+                    name = obj["metadata"]["name"]
+                    deleted = item.event.type == "DELETED"
+                    dirty = cache.delete_node(name) if deleted else cache.set_node(obj)
+                elif item.event.type == "DELETED":
+                    meta = obj.get("metadata") or {}
+                    owner = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+                    dirty = cache.delete_endpoint(owner)
+                else:
+                    dirty = cache.set_endpoint(obj)
+            events = []
+            for cidr in sorted(dirty):
+                previous = sent.sent.get(cidr)
+                entry = cache.entry(cidr)
+                for _, message in sent.set(cidr, None if entry is None else entry_message(entry)):
+                    if message is None:
+                        events.append(pb.IPCacheEvent(type=pb.EVENT_TYPE_DELETE, entry=previous))
+                    else:
+                        events.append(pb.IPCacheEvent(type=pb.EVENT_TYPE_UPSERT, entry=message))
+            return events
+
+        def respond(events: Sequence[pb.IPCacheEvent], synced: bool) -> pb.WatchIPCacheResponse:
+            return pb.WatchIPCacheResponse(events=events, synced=synced)
+
+        try:
+            async for response in watch_stream(
+                self.store,
+                [NODE.kind, records.KIND],
+                apply,
+                respond,
+                key=lambda e: e.entry.cidr,
+                chunk_size=self.chunk_size,
+                queue_size=self.queue_size,
+            ):
+                yield response
+        except StoreError as exc:
+            await context.abort(status_for(exc), str(exc))
