@@ -72,9 +72,18 @@ def _render(obj: Any, output: str) -> str:
 
 
 def get(
-    kind: str, name: str | None, output: str, server: str, timeout: float, out: IO[str]
+    kind: str,
+    name: str | None,
+    output: str,
+    server: str,
+    timeout: float,
+    out: IO[str],
+    namespace: str | None = "default",
 ) -> None:
     """Print one resource, or every resource of ``kind`` as a ``List``, as JSON or YAML.
+
+    ``namespace`` applies to namespaced kinds (CiliumNetworkPolicy, NetworkPolicy,
+    CiliumEndpoint); None lists every namespace (``-A``).
 
     Raises:
         CommandError: unknown kind, not found, unreachable operator.
@@ -84,17 +93,24 @@ def get(
     except UnknownKind as exc:
         raise CommandError(str(exc)) from None
     stub = _stub(server)
+    scope = (namespace or "default") if info.namespaced else ""
     if name:
-        response = _call(stub.Get, pb.GetRequest(kind=info.kind, name=name), server, timeout)
+        request = pb.GetRequest(kind=info.kind, name=name, namespace=scope)
+        response = _call(stub.Get, request, server, timeout)
         print(_render(json.loads(response.resource.json), output), file=out)
         return
     response = _call(stub.List, pb.ListRequest(kind=info.kind), server, timeout)
     items = [json.loads(r.json) for r in response.items]
+    if info.namespaced and namespace is not None:
+        items = [i for i in items if (i.get("metadata") or {}).get("namespace") == namespace]
     print(_render({"apiVersion": "v1", "kind": "List", "items": items}, output), file=out)
 
 
-def delete(kind: str, name: str, server: str, timeout: float, out: IO[str]) -> None:
-    """Delete one resource; prints ``ciliumpodippool.cilium.io/blue deleted``.
+def delete(
+    kind: str, name: str, server: str, timeout: float, out: IO[str], namespace: str = "default"
+) -> None:
+    """Delete one resource; prints ``ciliumpodippool.cilium.io/blue deleted``
+    (``namespace`` applies to namespaced kinds).
 
     Raises:
         CommandError: unknown kind, not found, in use, unreachable operator.
@@ -103,5 +119,8 @@ def delete(kind: str, name: str, server: str, timeout: float, out: IO[str]) -> N
         info = resolve_kind(kind)
     except UnknownKind as exc:
         raise CommandError(str(exc)) from None
-    _call(_stub(server).Delete, pb.DeleteRequest(kind=info.kind, name=name), server, timeout)
+    request = pb.DeleteRequest(
+        kind=info.kind, name=name, namespace=namespace if info.namespaced else ""
+    )
+    _call(_stub(server).Delete, request, server, timeout)
     print(f"{info.display(name)} deleted", file=out)

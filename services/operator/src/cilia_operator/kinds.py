@@ -1,8 +1,22 @@
 """The resource kinds the operator serves, with their names as kubectl spells them.
 
-Source: upstream CRDs (reference: cilium-upstream.md §1): CiliumPodIPPool
-(``cilium.io/v2alpha1``, plural ``ciliumpodippools``, short ``cpip``) and CiliumNode
-(``cilium.io/v2``, plural ``ciliumnodes``, short ``cn``); both cluster-scoped.
+Source: upstream CRDs (reference: cilium-upstream.md §1, §4, §5, §8):
+
+==========================  ======================  ==========================  ==========
+kind                        apiVersion              plural | short names        scope
+==========================  ======================  ==========================  ==========
+CiliumPodIPPool             cilium.io/v2alpha1      ciliumpodippools | cpip     cluster
+CiliumNode                  cilium.io/v2            ciliumnodes | cn            cluster
+CiliumNetworkPolicy         cilium.io/v2            ciliumnetworkpolicies |     namespaced
+                                                    cnp, ciliumnp
+NetworkPolicy               networking.k8s.io/v1    networkpolicies | netpol    namespaced
+CiliumIdentity              cilium.io/v2            ciliumidentities | ciliumid cluster
+CiliumEndpoint              cilium.io/v2            ciliumendpoints | cep,      namespaced
+                                                    ciliumep
+==========================  ======================  ==========================  ==========
+
+CiliumIdentity and CiliumEndpoint are written by the operator and the agents only:
+``apply`` refuses them; ``get`` and ``delete`` work.
 """
 
 from __future__ import annotations
@@ -11,9 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
-
+from .errors import FieldError, InvalidResource
 from .ipam import node, pool
+from .policy import validation as policy
 
 
 class UnknownKind(ValueError):
@@ -27,7 +41,10 @@ class KindInfo:
     Attributes:
         kind: ``CiliumPodIPPool``; api_version: ``cilium.io/v2alpha1``;
         plural / singular / short_names: the names ``cilia-operator get`` accepts;
-        validate: schema validation of a manifest (raises InvalidResource).
+        validate: schema validation of a manifest (raises InvalidResource); returns a
+            model or the normalised manifest;
+        namespaced: whether records are keyed by namespace (default ``default``);
+        appliable: whether ``apply`` may write it (False: written by the control plane).
     """
 
     kind: str
@@ -35,7 +52,9 @@ class KindInfo:
     plural: str
     singular: str
     short_names: tuple[str, ...]
-    validate: Callable[[Mapping[str, Any]], BaseModel]
+    validate: Callable[[Mapping[str, Any]], Any]
+    namespaced: bool = False
+    appliable: bool = True
 
     @property
     def group(self) -> str:
@@ -54,7 +73,40 @@ POOL = KindInfo(
 NODE = KindInfo(
     node.KIND, node.API_VERSION, "ciliumnodes", "ciliumnode", ("cn",), node.validate_node
 )
-KINDS = (POOL, NODE)
+
+
+def _managed_by(who: str) -> Callable[[Mapping[str, Any]], Any]:
+    def refuse(doc: Mapping[str, Any]) -> Any:
+        raise InvalidResource(
+            [
+                FieldError(
+                    "kind",
+                    f"{doc.get('kind')} records are written by {who}; "
+                    "they cannot be applied (get and delete work)",
+                )
+            ]
+        )
+
+    return refuse
+
+
+CNP = KindInfo(
+    policy.CNP_KIND, policy.CNP_API_VERSION, "ciliumnetworkpolicies", "ciliumnetworkpolicy",
+    ("cnp", "ciliumnp"), policy.validate_cnp, namespaced=True,
+)  # fmt: skip
+NETWORK_POLICY = KindInfo(
+    policy.NP_KIND, policy.NP_API_VERSION, "networkpolicies", "networkpolicy", ("netpol",),
+    policy.validate_np, namespaced=True,
+)  # fmt: skip
+IDENTITY = KindInfo(
+    "CiliumIdentity", "cilium.io/v2", "ciliumidentities", "ciliumidentity", ("ciliumid",),
+    _managed_by("the operator (IdentityService.Allocate)"), appliable=False,
+)  # fmt: skip
+ENDPOINT = KindInfo(
+    "CiliumEndpoint", "cilium.io/v2", "ciliumendpoints", "ciliumendpoint", ("cep", "ciliumep"),
+    _managed_by("the agents (EndpointService.UpsertEndpoint)"), namespaced=True, appliable=False,
+)  # fmt: skip
+KINDS = (POOL, NODE, CNP, NETWORK_POLICY, IDENTITY, ENDPOINT)
 
 
 def resolve_kind(name: str) -> KindInfo:
@@ -81,5 +133,5 @@ def kind_of(api_version: str, kind: str) -> KindInfo:
     for info in KINDS:
         if info.kind == kind and info.api_version == api_version:
             return info
-    served = ", ".join(f"{i.api_version} {i.kind}" for i in KINDS)
+    served = ", ".join(f"{i.api_version} {i.kind}" for i in KINDS if i.appliable)
     raise UnknownKind(f"{api_version or '<none>'} {kind or '<none>'} is not served: use {served}")

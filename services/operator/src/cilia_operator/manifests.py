@@ -42,12 +42,16 @@ class InvalidManifest(ValueError):
 
 @dataclass(frozen=True)
 class Document:
-    """A validated document: its index, kind and the object to store."""
+    """A validated document: its index, kind, key and the object to store.
+
+    ``namespace`` is "" for cluster-scoped kinds and defaults to ``default`` otherwise.
+    """
 
     index: int
     info: KindInfo
     name: str
     obj: dict[str, Any]
+    namespace: str = ""
 
 
 def parse_manifest(text: str) -> list[Any]:
@@ -103,7 +107,7 @@ def validate_manifest(text: str, stored_pools: Mapping[str, PoolSpec]) -> list[D
     docs = parse_manifest(text)
     errors: list[DocumentError] = []
     out: list[Document] = []
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[tuple[str, str, str], int] = {}
     manifest_pools: dict[str, PoolSpec] = {}
     for index, doc in enumerate(docs):
         if not isinstance(doc, dict):
@@ -114,23 +118,28 @@ def validate_manifest(text: str, stored_pools: Mapping[str, PoolSpec]) -> list[D
         except UnknownKind as exc:
             errors.append(DocumentError(index, "", FieldError("kind", str(exc))))
             continue
-        name = str((doc.get("metadata") or {}).get("name") or "")
-        label = f"{info.kind} {name}".strip()
+        raw_meta = doc.get("metadata")
+        meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+        name = str(meta.get("name") or "")
+        namespace = str(meta.get("namespace") or "default") if info.namespaced else ""
+        label = f"{info.kind} {namespace + '/' if namespace else ''}{name}".strip()
         try:
             model = info.validate(doc)
         except InvalidResource as exc:
             errors.extend(DocumentError(index, label, e) for e in exc.errors)
             continue
-        if (info.kind, name) in seen:
+        if (info.kind, namespace, name) in seen:
             errors.append(
                 DocumentError(
                     index,
                     label,
-                    FieldError("metadata.name", f"same as document {seen[info.kind, name]}"),
+                    FieldError(
+                        "metadata.name", f"same as document {seen[info.kind, namespace, name]}"
+                    ),
                 )
             )
             continue
-        seen[info.kind, name] = index
+        seen[info.kind, namespace, name] = index
         if info is POOL and isinstance(model, CiliumPodIPPool):
             spec = to_pool_spec(model)
             problems = []
@@ -141,10 +150,10 @@ def validate_manifest(text: str, stored_pools: Mapping[str, PoolSpec]) -> list[D
             errors.extend(DocumentError(index, label, p) for p in problems)
             manifest_pools[name] = spec
         obj = {k: v for k, v in doc.items() if k != "status"}
-        obj["metadata"] = {
-            k: v for k, v in (doc.get("metadata") or {}).items() if k in _KEPT_METADATA
-        }
-        out.append(Document(index, info, name, obj))
+        obj["metadata"] = {k: v for k, v in meta.items() if k in _KEPT_METADATA}
+        if namespace:
+            obj["metadata"]["namespace"] = namespace
+        out.append(Document(index, info, name, obj, namespace))
     if errors:
         raise InvalidManifest(errors)
     return out

@@ -12,9 +12,10 @@ import grpc
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
 from ..errors import InvalidResource
+from ..identity.allocator import IdentityAllocator
 from ..ipam import node as nodes
 from ..ipam.pool import PoolSpec, pool_spec_from_resource
-from ..kinds import NODE, POOL, resolve_kind
+from ..kinds import IDENTITY, NODE, POOL, KindInfo, resolve_kind
 from ..manifests import Document, validate_manifest
 from ..store import Conflict, NotFound, Resource, Store, resource_version
 from .errors import unary
@@ -41,15 +42,24 @@ def _merged(current: Resource, doc: Document) -> Resource:
     return out
 
 
+def _namespace(info: KindInfo, requested: str) -> str:
+    """The store namespace of a request: "" for cluster-scoped kinds, else the requested
+    one or ``default``."""
+    return (requested or "default") if info.namespaced else ""
+
+
 class ResourceServicer:
     """``cilia.controlplane.v1.ResourceService``.
 
     Args:
         store: the Store.
+        identities: deletes CiliumIdentity records together with their label-set key
+            (None: identities are deleted like any record).
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, identities: IdentityAllocator | None = None) -> None:
         self.store = store
+        self.identities = identities
 
     async def _stored_pools(self) -> dict[str, PoolSpec]:
         out = {}
@@ -78,7 +88,7 @@ class ResourceServicer:
                     api_version=doc.info.api_version,
                     kind=doc.info.kind,
                     name=doc.name,
-                    namespace="",
+                    namespace=doc.namespace,
                     action=action,
                 )
             )
@@ -91,7 +101,7 @@ class ResourceServicer:
 
     async def _apply_one(self, doc: Document, dry_run: bool) -> str:
         try:
-            current = await self.store.get(doc.info.kind, doc.name)
+            current = await self.store.get(doc.info.kind, doc.name, doc.namespace)
         except NotFound:
             if not dry_run:
                 await self.store.create(doc.obj)
@@ -105,14 +115,20 @@ class ResourceServicer:
 
     @unary
     async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:  # noqa: N802
-        """One resource as JSON. Errors: INVALID_ARGUMENT (unknown kind), NOT_FOUND."""
+        """One resource as JSON (namespaced kinds: namespace "" means ``default``).
+
+        Errors: INVALID_ARGUMENT (unknown kind), NOT_FOUND.
+        """
         info = resolve_kind(request.kind)
-        obj = await self.store.get(info.kind, request.name, request.namespace)
+        obj = await self.store.get(info.kind, request.name, _namespace(info, request.namespace))
         return pb.GetResponse(resource=_resource(obj))
 
     @unary
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:  # noqa: N802
-        """Every resource of a kind, sorted by name. Errors: INVALID_ARGUMENT (unknown kind)."""
+        """Every resource of a kind (every namespace), sorted by namespace and name.
+
+        Errors: INVALID_ARGUMENT (unknown kind).
+        """
         info = resolve_kind(request.kind)
         listed = await self.store.list(info.kind)
         return pb.ListResponse(items=[_resource(o) for o in listed.items])
@@ -121,13 +137,17 @@ class ResourceServicer:
     async def Delete(  # noqa: N802 (gRPC method name)
         self, request: pb.DeleteRequest, context: Any
     ) -> pb.DeleteResponse:
-        """Delete one resource.
+        """Delete one resource (namespaced kinds: namespace "" means ``default``).
+
+        A CiliumIdentity is deleted with its label-set key, so the labels get a fresh
+        identity on their next Allocate.
 
         Errors: NOT_FOUND; FAILED_PRECONDITION for a pool some node holds CIDRs of
         (the message names the nodes); INVALID_ARGUMENT (unknown kind).
         """
         info = resolve_kind(request.kind)
-        current = await self.store.get(info.kind, request.name, request.namespace)
+        namespace = _namespace(info, request.namespace)
+        current = await self.store.get(info.kind, request.name, namespace)
         if info is POOL:
             holders = nodes.pools_in_use((await self.store.list(NODE.kind)).items).get(
                 request.name, []
@@ -139,12 +159,16 @@ class ResourceServicer:
                     "they hold CIDRs from it; drain and release them first",
                 )
         try:
-            await self.store.delete(
-                info.kind, request.name, request.namespace, resource_version(current)
-            )
+            if info is IDENTITY and self.identities is not None and request.name.isdigit():
+                await self.identities.delete(int(request.name), resource_version(current))
+            else:
+                await self.store.delete(
+                    info.kind, request.name, namespace, resource_version(current)
+                )
         except Conflict:
             await context.abort(
                 grpc.StatusCode.ABORTED, f"{info.display(request.name)} changed; retry"
             )
-        log.info("resource deleted", extra={"resource": info.display(request.name)})
+        log.info("resource deleted", extra={"resource": info.display(request.name),
+                 "namespace": namespace})  # fmt: skip
         return pb.DeleteResponse()

@@ -1,0 +1,96 @@
+"""PolicyService: every CiliumNetworkPolicy and NetworkPolicy, then changes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+
+from ..kinds import CNP, NETWORK_POLICY
+from ..store import Resource, Store, StoreError, resource_version
+from .errors import status_for
+from .streams import Changed, Listed, Sent, watch_stream
+
+log = logging.getLogger(__name__)
+
+PolicyKey = tuple[str, str, str]  # kind, namespace, name
+
+
+def _key(kind: str, obj: Resource) -> PolicyKey:
+    meta = obj.get("metadata") or {}
+    return kind, str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+
+
+def policy_event(kind: str, obj: Resource) -> pb.PolicyEvent:
+    """An upsert ``PolicyEvent`` carrying the record as JSON (``metadata.namespace`` set)."""
+    _, namespace, name = _key(kind, obj)
+    return pb.PolicyEvent(
+        type=pb.EVENT_TYPE_UPSERT,
+        kind=kind,
+        namespace=namespace,
+        name=name,
+        json=json.dumps(obj, sort_keys=True),
+        resource_version=resource_version(obj),
+    )
+
+
+class PolicyServicer:
+    """``cilia.controlplane.v1.PolicyService``.
+
+    Args:
+        store: the Store; chunk_size / queue_size: ``--watch-list-chunk-size`` /
+        ``--watch-buffer-size``.
+    """
+
+    def __init__(self, store: Store, *, chunk_size: int, queue_size: int) -> None:
+        self.store = store
+        self.chunk_size = chunk_size
+        self.queue_size = queue_size
+
+    async def WatchPolicies(  # noqa: N802 (gRPC method name)
+        self, request: pb.WatchPoliciesRequest, context: Any
+    ) -> AsyncIterator[pb.WatchPoliciesResponse]:
+        """Every policy of both kinds (``synced`` on the last message of the listing), then
+        each create/update (UPSERT with JSON) and delete (DELETE, empty JSON).
+
+        Errors: UNAVAILABLE.
+        """
+        sent: Sent[PolicyKey, pb.PolicyEvent] = Sent()
+
+        def delete(key: PolicyKey) -> pb.PolicyEvent:
+            kind, namespace, name = key
+            return pb.PolicyEvent(
+                type=pb.EVENT_TYPE_DELETE, kind=kind, namespace=namespace, name=name
+            )
+
+        def apply(item: Listed | Changed) -> list[pb.PolicyEvent]:
+            if isinstance(item, Listed):
+                current = {_key(item.kind, o): policy_event(item.kind, o) for o in item.items}
+                changes = sent.replace(current, scope=lambda k: k[0] == item.kind)
+            else:
+                key = _key(item.kind, item.event.object)
+                if item.event.type == "DELETED":
+                    changes = sent.set(key, None)
+                else:
+                    changes = sent.set(key, policy_event(item.kind, item.event.object))
+            return [message or delete(key) for key, message in changes]
+
+        def respond(events: Sequence[pb.PolicyEvent], synced: bool) -> pb.WatchPoliciesResponse:
+            return pb.WatchPoliciesResponse(events=events, synced=synced)
+
+        try:
+            async for response in watch_stream(
+                self.store,
+                [CNP.kind, NETWORK_POLICY.kind],
+                apply,
+                respond,
+                key=lambda e: (e.kind, e.namespace, e.name),
+                chunk_size=self.chunk_size,
+                queue_size=self.queue_size,
+            ):
+                yield response
+        except StoreError as exc:
+            await context.abort(status_for(exc), str(exc))

@@ -1,0 +1,250 @@
+"""Validate policy manifests against their OpenAPI v3 schemas (one schema source).
+
+The CiliumNetworkPolicy schema is the ``openAPIV3Schema`` of version ``v2`` of the CRD in
+``crds/ciliumnetworkpolicies.yaml`` -- the same file Kubernetes would be given -- so
+cilia-operator and a Kubernetes API server accept the same manifests. The NetworkPolicy
+schema lives in ``schemas/networkpolicies.yaml``.
+
+Kubernetes semantics applied to the schemas before use with ``jsonschema``:
+
+- an object schema that lists ``properties`` and sets neither ``additionalProperties`` nor
+  ``x-kubernetes-preserve-unknown-fields`` is closed (strict field validation: unknown
+  fields are errors);
+- ``x-kubernetes-*`` keywords are otherwise ignored (jsonschema ignores unknown keywords).
+
+Checks a structural schema cannot express run afterwards: ``metadata.name`` is a DNS-1123
+subdomain, ``metadata.namespace`` a DNS-1123 label, and selector ``matchExpressions``
+carry ``values`` exactly for ``In``/``NotIn``.
+
+Every problem is reported as a ``FieldError`` with a path like
+``spec.ingress[0].toPorts[0].ports[0].protocol``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.resources
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped, unused-ignore]
+import yaml
+
+from ..errors import FieldError, InvalidResource, field_path
+
+CNP_API_VERSION = "cilium.io/v2"
+CNP_KIND = "CiliumNetworkPolicy"
+NP_API_VERSION = "networking.k8s.io/v1"
+NP_KIND = "NetworkPolicy"
+DEFAULT_NAMESPACE = "default"
+
+CRD_RESOURCE = "crds/ciliumnetworkpolicies.yaml"
+NP_SCHEMA_RESOURCE = "schemas/networkpolicies.yaml"
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+
+
+class SchemaError(RuntimeError):
+    """A packaged schema file is missing or malformed (an installation problem)."""
+
+
+def resource_text(name: str) -> str:
+    """Text of a schema file shipped in this package (``crds/...``, ``schemas/...``).
+
+    Raises:
+        SchemaError: the file is not installed.
+    """
+    try:
+        return importlib.resources.files(__package__).joinpath(name).read_text("utf-8")
+    except OSError as exc:
+        raise SchemaError(f"policy schema {name} is not installed: {exc}") from None
+
+
+def _closed(schema: Any) -> Any:
+    """Copy of ``schema`` with Kubernetes' strict-field semantics made explicit."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_schema(crd: Mapping[str, Any], version: str) -> dict[str, Any]:
+    """The ``openAPIV3Schema`` of ``version`` in a CRD document.
+
+    Raises:
+        SchemaError: the CRD has no such version or schema.
+    """
+    for entry in (crd.get("spec") or {}).get("versions") or []:
+        if entry.get("name") == version:
+            schema = (entry.get("schema") or {}).get("openAPIV3Schema")
+            if isinstance(schema, dict):
+                return copy.deepcopy(schema)
+    raise SchemaError(f"CRD {crd.get('metadata', {}).get('name')} has no schema for {version}")
+
+
+@functools.cache
+def _validator(kind: str) -> Any:
+    if kind == CNP_KIND:
+        schema = crd_schema(yaml.safe_load(resource_text(CRD_RESOURCE)), "v2")
+    elif kind == NP_KIND:
+        schema = yaml.safe_load(resource_text(NP_SCHEMA_RESOURCE))
+    else:
+        raise SchemaError(f"no schema for kind {kind!r}")
+    schema = _closed(schema)
+    cls = jsonschema.Draft202012Validator
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise SchemaError(f"schema of {kind} is invalid: {exc.message}") from None
+    return cls(schema)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _describe(error: Any) -> Iterator[FieldError]:
+    path = field_path(list(error.absolute_path))
+    validator = error.validator
+    if validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = sorted((error.schema.get("properties") or {}).keys())
+        for key in sorted(set(error.instance) - set(known)):
+            yield FieldError(
+                _join(path, str(key)),
+                f"unknown field (not supported by Cilia or misspelt; known: {', '.join(known)})",
+            )
+        return
+    if validator == "required" and isinstance(error.instance, dict):
+        for key in error.validator_value:
+            if key not in error.instance:
+                yield FieldError(_join(path, str(key)), "required field is missing")
+        return
+    if validator == "anyOf":
+        branches = error.validator_value
+        if all(set(b) == {"required"} for b in branches):
+            names = [n for b in branches for n in b["required"]]
+            yield FieldError(path, f"one of {', '.join(names)} is required")
+            return
+        ints = [b for b in branches if b.get("type") == "integer"]
+        if path.endswith("port") and ints:
+            low, high = ints[0].get("minimum", 0), ints[0].get("maximum", 65535)
+            yield FieldError(
+                path,
+                f"{error.instance!r} is not a port: use a number {low}..{high} or that "
+                "number as a string (named ports are not supported by Cilia)",
+            )
+            return
+        reasons = "; or ".join(sorted({e.message for e in error.context}))
+        yield FieldError(path, f"{error.instance!r} matches no allowed form: {reasons}")
+        return
+    if validator == "minProperties" and error.instance == {}:
+        yield FieldError(path, "must not be empty")
+        return
+    yield FieldError(path, error.message)
+
+
+def _selectors(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        if isinstance(node.get("matchExpressions"), list):
+            yield path, node
+        for key, value in node.items():
+            yield from _selectors(value, _join(path, str(key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _selectors(value, f"{path}[{i}]")
+
+
+def _metadata(doc: Mapping[str, Any]) -> list[FieldError]:
+    errors = []
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict):
+        return []  # reported by the schema
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        errors.append(FieldError("metadata.name", "required field is missing"))
+    elif len(name) > 253 or not _DNS1123_SUBDOMAIN.match(name):
+        errors.append(FieldError("metadata.name", f"{name!r} is not a valid name: lower-case "
+                                 "letters, digits, '-' and '.', at most 253 characters"))  # fmt: skip
+    namespace = meta.get("namespace")
+    if namespace is not None and (
+        not isinstance(namespace, str) or len(namespace) > 63 or not _DNS1123_LABEL.match(namespace)
+    ):
+        errors.append(FieldError("metadata.namespace", f"{namespace!r} is not a valid namespace: "
+                                 "lower-case letters, digits and '-', at most 63 characters"))  # fmt: skip
+    return errors
+
+
+def _selector_values(doc: Mapping[str, Any]) -> list[FieldError]:
+    errors = []
+    for root in ("spec", "specs"):
+        for path, selector in _selectors(doc.get(root), root):
+            for i, expr in enumerate(selector["matchExpressions"]):
+                where = f"{path}.matchExpressions[{i}].values"
+                op, values = expr.get("operator"), expr.get("values")
+                if op in ("In", "NotIn") and not values:
+                    errors.append(FieldError(where, f"operator {op} needs a non-empty values list"))
+                if op in ("Exists", "DoesNotExist") and values:
+                    errors.append(FieldError(where, f"operator {op} takes no values"))
+    return errors
+
+
+def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a ``CiliumNetworkPolicy`` or ``NetworkPolicy`` manifest.
+
+    Args:
+        kind: ``CiliumNetworkPolicy`` or ``NetworkPolicy`` (apiVersion checked by the caller).
+        doc: the manifest.
+
+    Returns:
+        the manifest (a copy) with ``metadata.namespace`` defaulted to ``default``.
+
+    Raises:
+        InvalidResource: every problem, each with its field path and reason.
+        SchemaError: the packaged schema is missing or broken.
+    """
+    validator = _validator(kind)
+    errors: list[FieldError] = []
+    for error in sorted(validator.iter_errors(dict(doc)), key=lambda e: list(e.absolute_path)):
+        errors.extend(_describe(error))
+    errors = _metadata(doc) + errors
+    if not errors:
+        errors = _selector_values(doc)
+    if errors:
+        raise InvalidResource(_dedupe(errors))
+    out = copy.deepcopy(dict(doc))
+    out.setdefault("metadata", {})
+    out["metadata"]["namespace"] = out["metadata"].get("namespace") or DEFAULT_NAMESPACE
+    return out
+
+
+def _dedupe(errors: Sequence[FieldError]) -> list[FieldError]:
+    seen = set()
+    out = []
+    for error in errors:
+        if error not in seen:
+            seen.add(error)
+            out.append(error)
+    return out
+
+
+def validate_cnp(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`validate_policy` for CiliumNetworkPolicy."""
+    return validate_policy(CNP_KIND, doc)
+
+
+def validate_np(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`validate_policy` for NetworkPolicy."""
+    return validate_policy(NP_KIND, doc)
