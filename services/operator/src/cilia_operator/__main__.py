@@ -3,9 +3,10 @@
 cilia-operator serve [--store URL] [--listen ADDR] [--prometheus-serve-addr ADDR]
                      [--auto-create-cilium-pod-ip-pools SPEC] [--ipam-default-ip-pool NAME]
                      [--log-level LEVEL] [store/shutdown tuning flags]
+                     [identity GC / identity range / watch stream flags]
 cilia-operator apply -f FILE [--server ADDR] [--dry-run]
-cilia-operator get KIND [NAME] [-o json|yaml] [--server ADDR]
-cilia-operator delete KIND NAME [--server ADDR]
+cilia-operator get KIND [NAME] [-n NAMESPACE | -A] [-o json|yaml] [--server ADDR]
+cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
 cilia-operator --version
 """
 
@@ -69,6 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"attempts of a write that hits a resourceVersion conflict {d}")  # fmt: skip
     serve.add_argument("--shutdown-grace-period", type=float, default=5.0,
                        help=f"seconds in-flight RPCs get on SIGTERM {d}")  # fmt: skip
+    serve.add_argument("--identity-gc-interval", type=_duration, default="15m",
+                       help=f"identity GC period (Go duration or seconds); 0 disables {d}")  # fmt: skip
+    serve.add_argument("--identity-heartbeat-timeout", type=_duration, default="30m",
+                       help=f"how long an identity nothing references lives on {d}")  # fmt: skip
+    serve.add_argument("--identity-gc-rate-interval", type=_duration, default="1m",
+                       help=f"window of --identity-gc-rate-limit {d}")  # fmt: skip
+    serve.add_argument("--identity-gc-rate-limit", type=int, default=2500,
+                       help=f"max identities deleted per --identity-gc-rate-interval {d}")  # fmt: skip
+    serve.add_argument("--identity-max-id", type=int, default=65535,
+                       help=f"largest cluster identity (allocation starts at 256) {d}")  # fmt: skip
+    serve.add_argument("--watch-list-chunk-size", type=int, default=1000,
+                       help=f"max events per message of a watch stream's initial listing {d}")  # fmt: skip
+    serve.add_argument("--watch-buffer-size", type=int, default=1000,
+                       help=f"changes buffered per watch stream before its store watch "
+                       f"waits (it relists if it falls behind --store-event-history) {d}")  # fmt: skip
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
@@ -81,17 +97,34 @@ def build_parser() -> argparse.ArgumentParser:
     apply.add_argument("--dry-run", action="store_true", help="validate and report only")
     client(apply)
 
+    kinds = ("ciliumpodippools|cpip, ciliumnodes|cn, ciliumnetworkpolicies|cnp, "
+             "networkpolicies|netpol, ciliumidentities|ciliumid, ciliumendpoints|cep")  # fmt: skip
     get = sub.add_parser("get", help="print resources as JSON or YAML")
-    get.add_argument("kind", metavar="KIND", help="ciliumpodippools|cpip, ciliumnodes|cn")
+    get.add_argument("kind", metavar="KIND", help=kinds)
     get.add_argument("name", metavar="NAME", nargs="?")
+    get.add_argument("-n", "--namespace", default="default",
+                     help=f"namespace of namespaced kinds {d}")  # fmt: skip
+    get.add_argument("-A", "--all-namespaces", action="store_true",
+                     help="list namespaced kinds in every namespace")  # fmt: skip
     get.add_argument("-o", "--output", choices=["json", "yaml"], default="json", help=d)
     client(get)
 
     delete = sub.add_parser("delete", help="delete one resource")
-    delete.add_argument("kind", metavar="KIND")
+    delete.add_argument("kind", metavar="KIND", help=kinds)
     delete.add_argument("name", metavar="NAME")
+    delete.add_argument("-n", "--namespace", default="default",
+                        help=f"namespace of namespaced kinds {d}")  # fmt: skip
     client(delete)
     return parser
+
+
+def _duration(value: str) -> float:
+    from .config import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -117,6 +150,13 @@ def _serve(args: argparse.Namespace) -> int:
             store_retry_interval=args.store_retry_interval,
             store_conflict_retries=args.store_conflict_retries,
             shutdown_grace_period=args.shutdown_grace_period,
+            identity_gc_interval=args.identity_gc_interval,
+            identity_heartbeat_timeout=args.identity_heartbeat_timeout,
+            identity_gc_rate_interval=args.identity_gc_rate_interval,
+            identity_gc_rate_limit=args.identity_gc_rate_limit,
+            identity_max_id=args.identity_max_id,
+            watch_list_chunk_size=args.watch_list_chunk_size,
+            watch_buffer_size=args.watch_buffer_size,
         )
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
@@ -144,9 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "apply":
             cli.apply(args.filename, args.server, args.dry_run, args.timeout, sys.stdout)
         elif args.command == "get":
-            cli.get(args.kind, args.name, args.output, args.server, args.timeout, sys.stdout)
+            namespace = None if args.all_namespaces else args.namespace
+            cli.get(args.kind, args.name, args.output, args.server, args.timeout, sys.stdout,
+                    namespace=namespace)  # fmt: skip
         else:
-            cli.delete(args.kind, args.name, args.server, args.timeout, sys.stdout)
+            cli.delete(args.kind, args.name, args.server, args.timeout, sys.stdout,
+                       namespace=args.namespace)  # fmt: skip
     except cli.CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return cli.EXIT_ERROR

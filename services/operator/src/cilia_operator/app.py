@@ -2,8 +2,9 @@
 
 Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING) ->
 auto-create pools (existing ones skipped) -> IPAM controller restores every node's CIDRs
--> health SERVING. Stop (SIGTERM/SIGINT): health NOT_SERVING -> gRPC server drains for
-``--shutdown-grace-period`` -> controller -> store -> metrics endpoint.
+-> identity GC starts -> health SERVING. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
+gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller -> store
+-> metrics endpoint.
 """
 
 from __future__ import annotations
@@ -12,19 +13,23 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import threading
 from typing import Any
 
 from prometheus_client import start_http_server
 
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
-from cilia_common.grpcserver import Service, set_serving, start_server
+from cilia_common.grpcserver import Service, bound_port, set_serving, start_server_with_ports
 
 from .config import Config, split_host_port
+from .controlplane.endpoint import EndpointServicer
+from .controlplane.identity import IdentityServicer
 from .controlplane.ipam import IPAMServicer
 from .controlplane.node import NodeServicer
+from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
+from .identity.allocator import IdentityAllocator
+from .identity.gc import IdentityGC
 from .ipam.controller import IPAMController
 from .ipam.pool import pool_manifest, pool_overlaps, pool_spec_from_resource
 from .kinds import POOL
@@ -38,25 +43,14 @@ SERVICE_NAMES = (
     "cilia.controlplane.v1.NodeService",
     "cilia.controlplane.v1.IPAMService",
     "cilia.controlplane.v1.ResourceService",
+    "cilia.controlplane.v1.IdentityService",
+    "cilia.controlplane.v1.EndpointService",
+    "cilia.controlplane.v1.PolicyService",
 )
 
 
 class StartupError(RuntimeError):
     """The operator cannot start (store unreachable, port taken, conflicting pool)."""
-
-
-def _resolve_port_zero(listen: str) -> str:
-    """``HOST:0`` -> ``HOST:<free port>``: cilia_common.start_server does not report the
-    port it bound, so a free one is picked here (tests listen on port 0)."""
-    if listen.startswith("unix:"):
-        return listen
-    host, port = split_host_port(listen, "--listen")
-    if port != 0:
-        return listen
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host or "0.0.0.0", 0))
-        return f"{listen.rpartition(':')[0]}:{sock.getsockname()[1]}"
 
 
 class Operator:
@@ -84,6 +78,20 @@ class Operator:
             self.metrics,
             conflict_retries=config.store_conflict_retries,
             retry_interval=config.store_retry_interval,
+        )
+        self.identities = IdentityAllocator(
+            self.store,
+            max_id=config.identity_max_id,
+            conflict_retries=config.store_conflict_retries,
+        )
+        self.identity_gc = IdentityGC(
+            self.store,
+            self.identities,
+            interval=config.identity_gc_interval,
+            heartbeat_timeout=config.identity_heartbeat_timeout,
+            rate_interval=config.identity_gc_rate_interval,
+            rate_limit=config.identity_gc_rate_limit,
+            metrics=self.metrics,
         )
         self.address = config.listen
         self.metrics_port: int | None = None
@@ -114,6 +122,10 @@ class Operator:
                 ) from None
             self.metrics_port = int(self._httpd.server_port)
         conflict_retries = self.config.store_conflict_retries
+        streams = {
+            "chunk_size": self.config.watch_list_chunk_size,
+            "queue_size": self.config.watch_buffer_size,
+        }
         services = [
             Service(
                 pb_grpc.add_NodeServiceServicer_to_server,
@@ -132,20 +144,37 @@ class Operator:
             ),
             Service(
                 pb_grpc.add_ResourceServiceServicer_to_server,
-                ResourceServicer(self.store),
+                ResourceServicer(self.store, self.identities),
                 SERVICE_NAMES[2],
             ),
+            Service(
+                pb_grpc.add_IdentityServiceServicer_to_server,
+                IdentityServicer(self.store, self.identities, metrics=self.metrics, **streams),
+                SERVICE_NAMES[3],
+            ),
+            Service(
+                pb_grpc.add_EndpointServiceServicer_to_server,
+                EndpointServicer(self.store, conflict_retries=conflict_retries, **streams),
+                SERVICE_NAMES[4],
+            ),
+            Service(
+                pb_grpc.add_PolicyServiceServicer_to_server,
+                PolicyServicer(self.store, **streams),
+                SERVICE_NAMES[5],
+            ),
         ]
-        self.address = _resolve_port_zero(self.config.listen)
+        listen = self.config.listen
         try:
-            self._server, self._health = await start_server(services, [self.address])
+            self._server, self._health, ports = await start_server_with_ports(services, [listen])
         except Exception as exc:
             raise StartupError(str(exc)) from None
+        self.address = bound_port(listen, ports[listen]) if listen in ports else listen
         try:
             await self._auto_create_pools()
             await self.controller.start()
         except StoreError as exc:
             raise StartupError(str(exc)) from None
+        self.identity_gc.start()
         await set_serving(self._health, SERVICE_NAMES)
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
 
@@ -178,6 +207,7 @@ class Operator:
             await set_serving(self._health, SERVICE_NAMES, serving=False)
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace_period)
+        await self.identity_gc.stop()
         await self.controller.stop()
         await self.store.close()
         if self._httpd is not None:

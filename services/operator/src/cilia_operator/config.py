@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +27,34 @@ def split_host_port(value: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str) -> float:
+    """A Go-style duration (``15m``, ``1h30m``, ``500ms``, ``0``) or plain seconds
+    (``2.5``) in seconds, as upstream's duration flags take them.
+
+    Raises:
+        ValueError: not a non-negative duration.
+    """
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        pos, seconds = 0, 0.0
+        for match in _DURATION_PART.finditer(text):
+            if match.start() != pos:
+                break
+            seconds += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+            pos = match.end()
+        if pos != len(text) or not text:
+            raise ValueError(f"{value!r} is not a duration (e.g. 15m, 30s, 500ms, 1h30m)") from None
+    if seconds < 0:
+        raise ValueError(f"{value!r} is negative")
+    return seconds
+
+
 class Config(BaseModel):
     """``cilia-operator serve`` settings; defaults are the documented flag defaults."""
 
@@ -46,6 +75,13 @@ class Config(BaseModel):
     store_retry_interval: float = Field(default=1.0, gt=0)
     store_conflict_retries: int = Field(default=5, ge=1)
     shutdown_grace_period: float = Field(default=5.0, ge=0)
+    identity_gc_interval: float = Field(default=900.0, ge=0)
+    identity_heartbeat_timeout: float = Field(default=1800.0, ge=0)
+    identity_gc_rate_interval: float = Field(default=60.0, gt=0)
+    identity_gc_rate_limit: int = Field(default=2500, ge=1)
+    identity_max_id: int = Field(default=65535, ge=256, le=65535)
+    watch_list_chunk_size: int = Field(default=1000, ge=1)
+    watch_buffer_size: int = Field(default=1000, ge=1)
 
     @field_validator("store")
     @classmethod

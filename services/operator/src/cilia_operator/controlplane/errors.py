@@ -8,7 +8,10 @@ from typing import Any, TypeVar
 
 import grpc
 
+from ..endpoint.records import InvalidEndpoint
 from ..errors import InvalidResource
+from ..identity.allocator import AllocationContention, IdentitiesExhausted
+from ..identity.labels import InvalidLabels
 from ..kinds import UnknownKind
 from ..manifests import InvalidManifest
 from ..store import AlreadyExists, Conflict, NotFound, StoreUnavailable
@@ -23,6 +26,10 @@ _CODES: tuple[tuple[type[Exception], Any], ...] = (
     (InvalidManifest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidResource, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownKind, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidEndpoint, grpc.StatusCode.INVALID_ARGUMENT),
+    (IdentitiesExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (AllocationContention, grpc.StatusCode.ABORTED),
 )
 
 
