@@ -94,8 +94,10 @@ show_log_tail() {
   local log
   log=$(logfile "$1")
   if [[ -s $log ]]; then
-    say "last $LOG_LINES lines of $log:"
-    tail -n "$LOG_LINES" "$log" | sed 's/^/    /' >&2
+    say "last $LOG_LINES lines of $log (this start only):"
+    # Logs are appended across starts; each start writes a "# <time> <command>" header.
+    awk '/^# [0-9][0-9][0-9][0-9]-/ {buf = ""} {buf = buf $0 "\n"} END {printf "%s", buf}' "$log" \
+      | tail -n "$LOG_LINES" | sed 's/^/    /' >&2
   else
     say "$log is empty"
   fi
@@ -159,6 +161,8 @@ start_one() {
     if ((SECONDS >= deadline)); then
       say "$name (pid $pid) not ready after ${TIMEOUT}s$([[ $name == agent ]] && echo ": no $CONFLIST")"
       show_log_tail "$name"
+      stop_one "$name"
+      say "components started before $name keep running: scripts/stack.sh down stops them"
       exit 1
     fi
     sleep 0.2
