@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import secrets
 import subprocess
 import time
@@ -359,10 +360,17 @@ def iptables_forward_policy(policy: str) -> Iterator[str]:
 
 
 def tail(path: pathlib.Path, lines: int = 30) -> str:
-    """Last ``lines`` lines of a text file, or a note that it is missing."""
+    """Last ``lines`` lines of a stack log written since its latest start, or a note.
+
+    ``scripts/stack.sh`` appends to ``.run/<component>.log`` and writes a
+    ``# <UTC time> <command>`` header at each start; older starts are left out.
+    """
     if not path.exists():
         return f"({path} missing)"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    text = path.read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(text) if re.match(r"# \d{4}-", line)]
+    current = text[starts[-1] :] if starts else text
+    return "\n".join(current[-lines:])
 
 
 __all__: Sequence[str] = [

@@ -198,7 +198,8 @@ class Demo:
             print("  KEEP=1: the stack keeps running (scripts/stack.sh status | make down)")
             return
         out = cnirun.stack("down", check=False)
-        print(self.indent(out.stderr))
+        if out.stderr.strip():
+            print(self.indent(out.stderr))
         self.ok("stack stopped")
 
 
