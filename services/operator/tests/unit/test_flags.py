@@ -113,3 +113,27 @@ def test_version_flag_prints_the_version(capsys: pytest.CaptureFixture[str]) -> 
         build_parser().parse_args(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("cilia-operator 0.1.0")
+
+
+def test_identity_flags_default_to_upstream_values_and_take_go_durations() -> None:
+    defaults = build_parser().parse_args(["serve"])
+    assert defaults.identity_gc_interval == 900.0
+    assert defaults.identity_heartbeat_timeout == 1800.0
+    assert defaults.identity_gc_rate_interval == 60.0
+    assert defaults.identity_gc_rate_limit == 2500
+    assert defaults.identity_max_id == 65535
+    args = build_parser().parse_args(
+        ["serve", "--identity-gc-interval", "0", "--identity-heartbeat-timeout", "1h30m"]
+    )
+    assert (args.identity_gc_interval, args.identity_heartbeat_timeout) == (0.0, 5400.0)
+
+
+def test_bad_identity_flags_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from cilia_operator.__main__ import main
+
+    assert main(["serve", "--identity-max-id", "255"]) == 2
+    assert "--identity-max-id" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--identity-gc-interval", "soon"])
+    assert exit_.value.code == 2
+    assert "--identity-gc-interval" in capsys.readouterr().err
