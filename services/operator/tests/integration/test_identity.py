@@ -133,10 +133,10 @@ async def test_gc_deletes_released_identities_after_the_timeout_and_keeps_refere
         assert {o["metadata"]["name"] for o in items} == {str(by_endpoint), str(by_node)}
         assert all("io.cilium.heartbeat" not in (o["metadata"].get("annotations") or {})
                    for o in items)  # fmt: skip
-        # the deleted label set gets a new record (its key was deleted too)
+        # the label set comes back: a new record under its old (free) number
         back = await allocate(channel, ["k8s:app=gone"], "n1")
-        assert back.created
-        assert len((await op.store.list("CiliaIdentityKey")).items) == 3
+        assert back.created and back.identity.id == released
+        assert len((await op.store.list("CiliaIdentityKey")).items) == 4
 
 
 async def test_allocate_after_gc_mark_clears_it_so_the_identity_survives(redis_url: str) -> None:

@@ -53,7 +53,7 @@ class ResourceServicer:
 
     Args:
         store: the Store.
-        identities: deletes CiliumIdentity records together with their label-set key
+        identities: deletes CiliumIdentity records and frees the number in its cache
             (None: identities are deleted like any record).
     """
 
@@ -139,8 +139,8 @@ class ResourceServicer:
     ) -> pb.DeleteResponse:
         """Delete one resource (namespaced kinds: namespace "" means ``default``).
 
-        A CiliumIdentity is deleted with its label-set key, so the labels get a fresh
-        identity on their next Allocate.
+        A CiliumIdentity delete leaves its label-set key: the labels get the same number
+        back on their next Allocate while it is free.
 
         Errors: NOT_FOUND; FAILED_PRECONDITION for a pool some node holds CIDRs of
         (the message names the nodes); INVALID_ARGUMENT (unknown kind).

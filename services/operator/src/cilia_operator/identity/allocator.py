@@ -12,7 +12,9 @@ Invariants, kept by the store (so they hold across operator replicas, not by a l
 An id is returned only after the CiliumIdentity with that number and exactly these labels
 was read or created, and after this node's reference was written into it (which also
 clears a GC heartbeat mark), so a concurrent GC delete (resourceVersion precondition)
-either happens before -- the record is then recreated -- or fails.
+either happens before -- the record is then recreated from the key, same number -- or
+fails. Keys are never deleted (one small record per label set ever allocated): a label
+set that comes back gets its old number again while that number is free.
 
 Candidates are free ids of ``min_id`` (256, upstream MinimalNumericIdentity) ..
 ``max_id`` (``--identity-max-id``, default 65535) -- the first free one after a random
@@ -225,8 +227,13 @@ class IdentityAllocator:
         raise AllocationContention(f"identity {identity} kept changing during release; retry")
 
     async def delete(self, identity: int, expected_version: str = "") -> None:
-        """Delete CiliumIdentity ``identity`` (precondition ``expected_version`` when given)
-        and its label-set key when the key still points to it.
+        """Delete CiliumIdentity ``identity`` (precondition ``expected_version`` when given).
+
+        The label set's key is kept on purpose: keys are never deleted, so a label set
+        has at most one key at any time and an Allocate racing with this delete simply
+        recreates the identity under the same number (or, if another label set took the
+        number meanwhile, moves the key). Deleting keys would need a fence across two
+        records, which the Store cannot update atomically.
 
         Raises:
             NotFound: no such identity.
@@ -235,14 +242,5 @@ class IdentityAllocator:
         deleted = await self.store.delete(records.KIND, str(identity), "", expected_version)
         self.forget(identity)
         labels = records.record_labels(deleted)
-        if labels is None:
-            return
-        try:
-            key = await self.store.get(records.KEY_KIND, labels.digest())
-            if records.key_id(key) == identity:
-                await self.store.delete(
-                    records.KEY_KIND, labels.digest(), "", resource_version(key)
-                )
-        except (NotFound, Conflict):
-            pass  # recreated or moved meanwhile: it belongs to someone else now
-        log.info("identity deleted", extra={"identity": identity, "labels": labels.strings()})
+        log.info("identity deleted", extra={"identity": identity,
+                 "labels": labels.strings() if labels else []})  # fmt: skip

@@ -10,8 +10,8 @@ Every ``--identity-gc-interval`` (upstream default 15m; 0 disables) one run:
 3. a dead identity without the mark gets it (the time it was first found dead);
 4. a dead identity whose mark is older than ``--identity-heartbeat-timeout`` (upstream
    30m) is deleted with a resourceVersion precondition -- an ``Allocate`` in between
-   changed the record, so the delete fails and the identity lives -- together with its
-   label-set key. At most ``--identity-gc-rate-limit`` deletions happen per
+   changed the record, so the delete fails and the identity lives (the label-set key is
+   kept: see ``IdentityAllocator.delete``). At most ``--identity-gc-rate-limit`` deletions happen per
    ``--identity-gc-rate-interval`` (upstream 2500 per 1m); the rest wait for a later run.
 
 Several operator replicas may run GC at once: every write has a precondition.
