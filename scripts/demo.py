@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -35,6 +36,28 @@ USE_COLOR = sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
 
 def _c(code: str, text: str) -> str:
     return f"\033[{code}m{text}\033[0m" if USE_COLOR else text
+
+
+# Pod n gets app=ROLES[n-1] (then "other"): the policy step needs all three.
+ROLES = ("frontend", "backend", "other")
+POLICY = pathlib.Path(__file__).resolve().parents[1] / "deploy/examples/backend-allow-frontend.yaml"
+BACKEND_PORT = 8080
+CONNECT_TIMEOUT_SECONDS = 2
+POLICY_WAIT_SECONDS = 15
+ECHO_SERVER = """
+import socket, sys
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", int(sys.argv[1]))); srv.listen(16)
+print("listening", flush=True)
+while True:
+    conn, _ = srv.accept()
+    conn.sendall(b"hello from backend\\n"); conn.close()
+"""
+CONNECT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+print(s.recv(64).decode().strip())
+"""
 
 
 class DemoError(Exception):
@@ -91,7 +114,7 @@ class Demo:
         for stale in cnirun.list_netns("cilia-demo-"):
             cnirun.delete_netns(stale)
         for n in range(1, self.pod_count + 1):
-            role = "client" if n == 1 else "server"
+            role = ROLES[n - 1] if n <= len(ROLES) else "other"
             pod = cnirun.Pod(name=f"cilia-demo-{n}", namespace="demo", labels={"app": role})
             pod.create_netns()
             self.pods.append(pod)
@@ -153,6 +176,93 @@ class Demo:
         if missing:
             raise DemoError(f"endpoint list does not show pods {missing}")
         self.ok(f"all {len(self.pods)} pods listed")
+
+    def connect(self, pod: cnirun.Pod, address: str) -> bool:
+        """A real TCP connect from ``pod`` to ``address:8080`` that reads the greeting."""
+        out = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                pod.name,
+                sys.executable,
+                "-c",
+                CONNECT,
+                address,
+                str(BACKEND_PORT),
+                str(CONNECT_TIMEOUT_SECONDS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=CONNECT_TIMEOUT_SECONDS + 10,
+        )
+        return out.returncode == 0 and "hello" in out.stdout
+
+    def policy(self) -> None:
+        self.heading("Policy: only app=frontend may reach app=backend on TCP 8080")
+        frontend, backend, other = self.pods[0], self.pods[1], self.pods[2]
+        server = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                backend.name,
+                sys.executable,
+                "-c",
+                ECHO_SERVER,
+                str(BACKEND_PORT),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None
+            server.stdout.readline()
+            print(f"  backend {backend.ip} serves TCP {BACKEND_PORT}; before any policy:")
+            for pod in (frontend, other):
+                if not self.connect(pod, backend.ip):
+                    raise DemoError(f"{pod.name} cannot reach the backend before any policy")
+                self.ok(f"{pod.labels['app']:<8} -> backend:{BACKEND_PORT}  connected")
+            print(f"  cilia-operator apply -f {POLICY.relative_to(cnirun.ROOT)}:")
+            print(self.indent(POLICY.read_text()))
+            print(self.indent(cnirun.operator_cli("apply", "-f", str(POLICY)).stdout))
+            if not cnirun.wait_for(
+                lambda: not self.connect(other, backend.ip), POLICY_WAIT_SECONDS
+            ):
+                raise DemoError("the policy did not take effect: app=other still connects")
+            self.ok(f"other    -> backend:{BACKEND_PORT}  refused by the datapath (dropped)")
+            if not self.connect(frontend, backend.ip):
+                raise DemoError("app=frontend can no longer reach the backend")
+            self.ok(f"frontend -> backend:{BACKEND_PORT}  connected")
+        finally:
+            server.kill()
+            server.wait()
+        time.sleep(1.5)  # let the relay's sort buffer drain (1 s, upstream default)
+        argv = [
+            str(cnirun.VENV_BIN / "cilia-relay"),
+            "observe",
+            "--server",
+            "127.0.0.1:4245",
+            "--to-pod",
+            f"demo/{backend.name}",
+            "--last",
+            "50",
+        ]
+        print("  " + " ".join(["cilia-relay", *argv[1:]]) + ":")
+        flows = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        lines = [ln for ln in flows.stdout.splitlines() if f":{BACKEND_PORT} " in ln]
+        print(self.indent("\n".join(lines[-8:]) or flows.stderr))
+        forwarded = [ln for ln in lines if frontend.name in ln and "FORWARDED" in ln]
+        dropped = [
+            ln for ln in lines if other.name in ln and "DROPPED" in ln and "Policy denied" in ln
+        ]
+        if not forwarded or not dropped:
+            raise DemoError(
+                "cilia-relay observe did not show both the FORWARDED and the DROPPED flow"
+            )
+        self.ok("relay shows frontend FORWARDED and other DROPPED (Policy denied)")
+        cnirun.operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
 
     def delete_pods(self) -> None:
         self.heading("Delete the pods (CNI DEL) and check their addresses are released")
@@ -252,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         demo.create_pods,
         demo.connectivity,
         demo.endpoints,
+        demo.policy,
         demo.delete_pods,
     ]
     failed: str | None = None
