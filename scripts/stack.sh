@@ -125,6 +125,27 @@ ready() {
   esac
 }
 
+# TCP ports a component listens on (fixed by the team brief).
+ports_of() {
+  case $1 in
+    redis) echo "$REDIS_PORT" ;; operator) echo "4250 9963" ;;
+    agent) echo "9962 4244" ;; relay) echo "4245 4222" ;;
+  esac
+}
+
+# Fail early, naming the holder, when another process (e.g. a second checkout's stack on this
+# shared host) already listens on one of the component's ports.
+check_ports_free() {
+  local port holder
+  for port in $(ports_of "$1"); do
+    holder=$(ss -ltnpH "sport = :$port" 2>/dev/null | grep -o 'users:(([^)]*))' | head -1 || true)
+    if [[ -n $holder ]] || ss -ltnH "sport = :$port" 2>/dev/null | grep -q .; then
+      die "$1 cannot start: TCP port $port is already in use ${holder:-by another process}" \
+        "(another stack? scripts/stack.sh status, or stop it where it was started)"
+    fi
+  done
+}
+
 start_one() {
   local name=$1 pid log deadline
   pid=$(running_pid "$name")
@@ -132,6 +153,7 @@ start_one() {
     say "$name already running (pid $pid)"
     return 0
   fi
+  check_ports_free "$name"
   local bin
   bin=$(binary_of "$name")
   if [[ $name == redis ]]; then
