@@ -1,7 +1,9 @@
 """Load bpf_lxc.c with bcc and run crafted packets through BPF_PROG_TEST_RUN.
 
-The map layouts below mirror ``bpf/lib/common.h``; a mismatch shows up as
-wrong verdicts in these tests. Packets are built with the stdlib (Ethernet +
+Map keys and values come from the agent's own ``cilia_agent.datapath.layout``
+(the structs the agent writes in production), so a mismatch with
+``bpf/lib/common.h`` shows up here as wrong verdicts. ``FlowEvent`` is an
+independent mirror of ``struct flow_event``, used as the test oracle. Packets are built with the stdlib (Ethernet +
 IPv4 + TCP/UDP/ICMP), checksums are not verified by the program.
 
 ``BPF_PROG_TEST_RUN`` is reached through Debian's ``libbpf.so.1``
@@ -12,7 +14,6 @@ IPv4 + TCP/UDP/ICMP), checksums are not verified by the program.
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import os
 import pathlib
 import shutil
@@ -22,50 +23,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cilia_agent.datapath.layout import (  # noqa: F401  (re-exported for the tests)
+    DIR_EGRESS,
+    DIR_INGRESS,
+    IDENTITY_WORLD,
+    EndpointInfo,
+    IpcacheKey,
+    IpcacheValue,
+    PolicyKey,
+    PolicyValue,
+    ip_from_map,
+    ip_to_map,
+    port_to_map,
+)
+
 BPF_DIR = pathlib.Path(__file__).resolve().parents[1]
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
-DIR_INGRESS, DIR_EGRESS = 0, 1
-IDENTITY_WORLD = 2
-
-
-class IpcacheKey(ctypes.Structure):
-    _fields_ = [("prefixlen", ctypes.c_uint32), ("ip", ctypes.c_uint32)]
-
-
-class IpcacheValue(ctypes.Structure):
-    _fields_ = [("sec_identity", ctypes.c_uint32), ("node_ip", ctypes.c_uint32)]
-
-
-class EndpointInfo(ctypes.Structure):
-    _fields_ = [
-        ("ep_id", ctypes.c_uint32),
-        ("sec_identity", ctypes.c_uint32),
-        ("ipv4", ctypes.c_uint32),
-        ("enforce_ingress", ctypes.c_uint8),
-        ("enforce_egress", ctypes.c_uint8),
-        ("pad", ctypes.c_uint16),
-    ]
-
-
-class PolicyKey(ctypes.Structure):
-    _fields_ = [
-        ("prefixlen", ctypes.c_uint32),
-        ("ep_id", ctypes.c_uint32),
-        ("sec_label", ctypes.c_uint32),
-        ("egress", ctypes.c_uint8),
-        ("protocol", ctypes.c_uint8),
-        ("dport", ctypes.c_uint16),
-    ]
-
-
-class PolicyValue(ctypes.Structure):
-    _fields_ = [
-        ("flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 7),
-        ("packets", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-    ]
 
 
 class FlowEvent(ctypes.Structure):
@@ -113,17 +87,9 @@ class _TestRunOpts(ctypes.Structure):
     ]
 
 
-def ip_be(addr: str) -> int:
-    """IPv4 text → the u32 the kernel sees for a network-order field on this host."""
-    return int.from_bytes(socket.inet_aton(addr), "little")
-
-
-def ip_text(value: int) -> str:
-    return str(ipaddress.IPv4Address(value.to_bytes(4, "little")))
-
-
-def port_be(port: int) -> int:
-    return socket.htons(port)
+ip_be = ip_to_map
+ip_text = ip_from_map
+port_be = port_to_map
 
 
 TCP_SYN, TCP_ACK = 0x02, 0x10
