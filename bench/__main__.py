@@ -1,10 +1,22 @@
-"""``python -m bench [ARGS]``: run the benchmarks (today: ``bench.cni_latency``)."""
+"""``python -m bench [NAME] [ARGS]``: run the benchmarks.
+
+NAME: ``cni_latency``, ``datapath``, ``flows`` (``python -m bench NAME --help``). Without
+NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
+``bench.cni_latency``.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from bench import cni_latency
+from bench import cni_latency, datapath, flows
+
+BENCHES = {"cni_latency": cni_latency.main, "datapath": datapath.main, "flows": flows.main}
 
 if __name__ == "__main__":
-    sys.exit(cni_latency.main(sys.argv[1:]))
+    argv = sys.argv[1:]
+    if argv and argv[0] in BENCHES:
+        sys.exit(BENCHES[argv[0]](argv[1:]))
+    if argv:
+        sys.exit(cni_latency.main(argv))
+    sys.exit(max([bench([]) for bench in BENCHES.values()]))
