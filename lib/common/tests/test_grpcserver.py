@@ -136,3 +136,15 @@ def test_start_server_with_ports_reports_the_port_bound_for_port_zero(
     ports, status = asyncio.run(scenario())
     assert list(ports) == ["127.0.0.1:0"] and ports["127.0.0.1:0"] > 0
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_second_server_on_the_same_port_is_refused() -> None:
+    async def scenario() -> None:
+        first, _, ports = await start_server_with_ports([], ["127.0.0.1:0"])
+        try:
+            with pytest.raises(BindError, match=str(ports["127.0.0.1:0"])):
+                await start_server([], [f"127.0.0.1:{ports['127.0.0.1:0']}"])
+        finally:
+            await first.stop(0)
+
+    asyncio.run(scenario())

@@ -84,7 +84,8 @@ def test_add_maps_agent_status_to_cni_code(
     assert status.name in err["details"]
     assert f"agent says {status.name.lower()}" in err["msg"] + err["details"]
     if code == 11:
-        assert "start or check cilia-agent" in err["msg"]
+        # The agent answered: the message carries its reason, not "start the agent".
+        assert "cannot complete ADD now: agent says unavailable" in err["msg"]
     assert run.stderr == ""
     assert agent.servicer.del_requests == [], "a refused ADD is the agent's to roll back"
 

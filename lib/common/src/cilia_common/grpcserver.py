@@ -94,7 +94,9 @@ async def start_server_with_ports(
     Raises:
         BindError: an address could not be bound.
     """
-    server = grpc.aio.server(options=list(options))
+    # gRPC turns SO_REUSEPORT on by default: a second server on the same port
+    # would start silently and split the clients between the two. Refuse instead.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.full_name for s in services]

@@ -123,6 +123,13 @@ class AgentClient:
                 f"gRPC {status}: {agent_msg}",
             )
         cls = _BY_STATUS.get(code, InternalError)
+        if cls is AgentUnavailable and not _is_transport_failure(agent_msg):
+            # The agent answered: it is up but cannot serve the request now (for
+            # example its operator is unreachable). Say why, in its own words.
+            return AgentUnavailable(
+                f"{where} cannot complete {op} now: {agent_msg}; the runtime will retry",
+                f"gRPC {status}",
+            )
         if cls is AgentUnavailable:
             return AgentUnavailable(
                 f"{where} is unreachable or not ready for {op}: {check}",
@@ -131,3 +138,13 @@ class AgentClient:
         if cls is InternalError:
             return InternalError(f"{where} failed {op}: {agent_msg}", f"gRPC {status}")
         return cls(f"{where} refused {op}: {agent_msg}", f"gRPC {status}")
+
+
+# Texts grpc uses when the transport to the agent failed (no answer from the agent).
+_TRANSPORT_FAILURES = ("failed to connect", "connection refused", "socket closed", "no such file")
+
+
+def _is_transport_failure(details: str) -> bool:
+    """True when an UNAVAILABLE came from gRPC's transport, not from the agent itself."""
+    lowered = details.lower()
+    return details == "(no message)" or any(text in lowered for text in _TRANSPORT_FAILURES)

@@ -57,6 +57,10 @@ def apply(path: str, server: str, dry_run: bool, timeout: float, out: IO[str]) -
         text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()  # noqa: SIM115
     except OSError as exc:
         raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise CommandError(
+            f"cannot read {path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON manifest"
+        ) from None
     response = _call(
         _stub(server).Apply, pb.ApplyRequest(manifest=text, dry_run=dry_run), server, timeout
     )
