@@ -65,7 +65,7 @@ from cilia_agent.hubble.service import Hubble, HubbleConfig
 from cilia_agent.ipam import IPAM
 from cilia_agent.ipam.allocator import usable_hosts
 from cilia_agent.metrics import Metrics
-from cilia_common.grpcserver import Service, set_serving, start_server
+from cilia_common.grpcserver import BindError, Service, set_serving, start_server
 
 log = logging.getLogger(__name__)
 
@@ -230,9 +230,15 @@ class Agent:
         )
         listen = cfg.metrics_listen()
         if listen is not None:
-            self._metrics_server, _ = start_http_server(
-                listen[1], addr=listen[0], registry=self.metrics.registry
-            )
+            try:
+                self._metrics_server, _ = start_http_server(
+                    listen[1], addr=listen[0], registry=self.metrics.registry
+                )
+            except OSError as exc:
+                raise BindError(
+                    f"--prometheus-serve-addr {listen[0]}:{listen[1]}: {exc.strerror} "
+                    "(another agent on this host? pick another address or '' to disable)"
+                ) from exc
         self._update_ipam_gauges()
         if cfg.operator:
             self.operator = OperatorClient(
