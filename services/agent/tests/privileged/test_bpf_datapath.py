@@ -20,6 +20,7 @@ from cilia_agent.datapath.layout import (
     policy_key,
 )
 from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir
+from cilia_agent.hubble.metrics import read_bcc_counters
 
 pytestmark = pytest.mark.privileged
 
@@ -97,23 +98,25 @@ def enforce_egress(dp: Datapath, pod: Pod) -> None:
 def test_default_deny_egress_drops_real_ping_until_a_rule_allows_it(
     pod: Pod, config: DatapathConfig
 ) -> None:
-    events: list[bytes] = []
+    events: list[int] = []
     dp = Datapath.load(config)
     try:
-        dp.open_events(events.append)
+        dp.table("cilia_events").open_ring_buffer(lambda _ctx, _data, size: events.append(size))
         assert ping(pod.netns, HOST_IP), "baseline: the veth works before any program"
         dp.attach(pod.ifindex)
         enforce_egress(dp, pod)
 
         assert not ping(pod.netns, HOST_IP)
-        dp.poll_events(100)
+        dp.bpf.ring_buffer_poll(100)
         assert events, "a drop event reached the ring buffer"
 
         policy = dp.table("cilia_policy")
         policy[policy_key(EP_ID, IDENTITY_WORLD, DIR_EGRESS)] = PolicyValue(flags=0)
         assert ping(pod.netns, HOST_IP)
 
-        drops = {(r, d): p for r, d, p, _ in dp.metrics() if r}
+        drops = {
+            (c.reason, c.direction): sum(c.packets) for c in read_bcc_counters(dp.bpf) if c.reason
+        }
         assert drops[(133, DIR_EGRESS)] >= 1
     finally:
         dp.detach(pod.ifindex)

@@ -17,11 +17,9 @@ direct-action filters:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pathlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,31 +211,6 @@ class Datapath:
         """Remove an ipcache entry (absent is fine)."""
         with contextlib.suppress(KeyError):
             del self.table("cilia_ipcache")[IpcacheKey(prefixlen, ip_to_map(cidr_ip))]
-
-    def metrics(self) -> Iterator[tuple[int, int, int, int]]:
-        """Per-CPU counters summed: yields ``(reason, direction, packets, bytes)``."""
-        for key, per_cpu in self.table("cilia_metrics").items():
-            yield (
-                int(key.reason),
-                int(key.dir),
-                sum(int(v.packets) for v in per_cpu),
-                sum(int(v.bytes) for v in per_cpu),
-            )
-
-    def open_events(self, callback: Callable[[bytes], None]) -> None:
-        """Deliver every ring-buffer record (raw ``struct flow_event`` bytes) to ``callback``.
-
-        Records are delivered from :meth:`poll_events`.
-        """
-
-        def on_event(_ctx: Any, data: Any, size: int) -> None:
-            callback(ctypes.string_at(data, size))
-
-        self.table("cilia_events").open_ring_buffer(on_event)
-
-    def poll_events(self, timeout_ms: int = 100) -> None:
-        """Block up to ``timeout_ms`` and dispatch pending ring-buffer records."""
-        self.bpf.ring_buffer_poll(timeout_ms)
 
     def close(self) -> None:
         """Release the programs' file descriptors held by this process.
