@@ -1,6 +1,6 @@
 """CNI ADD/DEL latency: ``cilia-cni`` through the real stack vs the reference plugins.
 
-For each plugin set, ``--pods`` pods (netns ``cilia-bench-N``) are added one after the other,
+For each plugin set, ``--pods`` pods (netns ``cilia-bench-cni-N``) are added one after the other,
 then deleted one after the other; each exec is timed from fork to exit, exactly as the
 runtime sees it (``scripts/cnirun.py`` builds the environment and stdin as libcni does,
 DEL gets the cached ADD result as ``prevResult``). ``--warmup`` extra pods per set are run
@@ -43,7 +43,7 @@ DEFAULT_REFERENCE_SUBNET = "10.252.0.0/24"
 DEFAULT_RESULTS_DIR = ROOT / "bench" / "results"
 DEFAULT_UP_TIMEOUT_SECONDS = 90
 REFERENCE_BRIDGE = "cbench0"
-NETNS_PREFIX = "cilia-bench-"
+NETNS_PREFIX = "cilia-bench-cni-"
 
 
 class BenchError(RuntimeError):

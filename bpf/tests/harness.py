@@ -1,9 +1,10 @@
 """Load bpf_lxc.c with bcc and run crafted packets through BPF_PROG_TEST_RUN.
 
 Map keys and values come from the agent's own ``cilia_agent.datapath.layout``
-(the structs the agent writes in production), so a mismatch with
-``bpf/lib/common.h`` shows up here as wrong verdicts. ``FlowEvent`` is an
-independent mirror of ``struct flow_event``, used as the test oracle. Packets are built with the stdlib (Ethernet +
+and ring-buffer events are decoded by the agent's ``cilia_agent.hubble.events``
+(what runs in production), so a mismatch with ``bpf/lib/common.h`` shows up
+here as wrong verdicts or a decode error. The independent mirror of
+``struct flow_event`` checked against ``common.h`` lives in the Hubble unit tests. Packets are built with the stdlib (Ethernet +
 IPv4 + TCP/UDP/ICMP), checksums are not verified by the program.
 
 ``BPF_PROG_TEST_RUN`` is reached through Debian's ``libbpf.so.1``
@@ -14,9 +15,7 @@ IPv4 + TCP/UDP/ICMP), checksums are not verified by the program.
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
-import shutil
 import socket
 import struct
 import uuid
@@ -36,33 +35,13 @@ from cilia_agent.datapath.layout import (  # noqa: F401  (re-exported for the te
     ip_to_map,
     port_to_map,
 )
+from cilia_agent.datapath.loader import Datapath as AgentDatapath
+from cilia_agent.datapath.loader import DatapathConfig, remove_pins
+from cilia_agent.hubble.events import FlowEvent, decode
 
 BPF_DIR = pathlib.Path(__file__).resolve().parents[1]
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
-
-
-class FlowEvent(ctypes.Structure):
-    _fields_ = [
-        ("ts_ns", ctypes.c_uint64),
-        ("saddr", ctypes.c_uint32),
-        ("daddr", ctypes.c_uint32),
-        ("sport", ctypes.c_uint16),
-        ("dport", ctypes.c_uint16),
-        ("proto", ctypes.c_uint8),
-        ("event_type", ctypes.c_uint8),
-        ("verdict", ctypes.c_uint8),
-        ("drop_reason", ctypes.c_uint8),
-        ("src_identity", ctypes.c_uint32),
-        ("dst_identity", ctypes.c_uint32),
-        ("ep_id", ctypes.c_uint32),
-        ("ifindex", ctypes.c_uint32),
-        ("len", ctypes.c_uint32),
-        ("dir", ctypes.c_uint8),
-        ("is_reply", ctypes.c_uint8),
-        ("tcp_flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8),
-    ]
 
 
 class _TestRunOpts(ctypes.Structure):
@@ -85,11 +64,6 @@ class _TestRunOpts(ctypes.Structure):
         ("cpu", ctypes.c_uint32),
         ("batch_size", ctypes.c_uint32),
     ]
-
-
-ip_be = ip_to_map
-ip_text = ip_from_map
-port_be = port_to_map
 
 
 TCP_SYN, TCP_ACK = 0x02, 0x10
@@ -164,23 +138,21 @@ class Datapath:
 
 
 def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf")) -> Datapath:
-    """Compile bpf_lxc.c with maps pinned under a fresh directory of bpffs."""
-    from bcc import BPF  # Debian python3-bpfcc, linked into the venv by setup.sh
-
+    """Compile bpf_lxc.c through the agent's loader (the production flags), with maps
+    pinned under a fresh directory of bpffs and small map sizes."""
     pin_dir = pin_root / f"cilia-test-{uuid.uuid4().hex[:8]}"
-    pin_dir.mkdir(parents=True)
-    bpf = BPF(
-        src_file=str(BPF_DIR / "bpf_lxc.c").encode(),
-        cflags=[f"-I{BPF_DIR}", f'-DCILIA_PIN_DIR="{pin_dir}"', "-w"],
-    )
-    progs = {
-        name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd
-        for name in ("cil_from_container", "cil_to_container")
-    }
+    config = DatapathConfig(bpf_dir=BPF_DIR, pin_dir=pin_dir, ipcache_max=1024, ct_max=1024)
+    try:
+        loaded = AgentDatapath.load(config)
+    except Exception:
+        remove_pins(pin_dir)
+        raise
+    bpf = loaded.bpf
+    progs = {name: loaded.prog_fd(name) for name in ("cil_from_container", "cil_to_container")}
     events: list[FlowEvent] = []
 
     def on_event(_ctx: Any, data: Any, size: int) -> None:
-        events.append(FlowEvent.from_buffer_copy(ctypes.string_at(data, size)))
+        events.append(decode(ctypes.string_at(data, size)))
 
     bpf["cilia_events"].open_ring_buffer(on_event)
     return Datapath(bpf=bpf, pin_dir=pin_dir, progs=progs, events=events)
@@ -188,6 +160,4 @@ def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf")) -> Datapath:
 
 def unload(dp: Datapath) -> None:
     dp.bpf.cleanup()
-    for pinned in dp.pin_dir.iterdir():
-        os.unlink(pinned)
-    shutil.rmtree(dp.pin_dir, ignore_errors=True)
+    remove_pins(dp.pin_dir)

@@ -19,13 +19,12 @@ from harness import (
     EndpointInfo,
     IpcacheKey,
     IpcacheValue,
-    PolicyKey,
     PolicyValue,
-    ip_be,
-    ip_text,
+    ip_to_map,
     packet,
-    port_be,
 )
+
+from cilia_agent.datapath.layout import policy_key
 
 pytestmark = pytest.mark.privileged
 
@@ -40,13 +39,13 @@ def setup_endpoint(dp: harness.Datapath, ingress: bool = False, egress: bool = F
     dp.table("cilia_endpoints")[dp.table("cilia_endpoints").Key(1)] = EndpointInfo(
         ep_id=EP_ID,
         sec_identity=POD_ID,
-        ipv4=ip_be(POD),
+        ipv4=ip_to_map(POD),
         enforce_ingress=int(ingress),
         enforce_egress=int(egress),
     )
     ipcache = dp.table("cilia_ipcache")
-    ipcache[IpcacheKey(32, ip_be(POD))] = IpcacheValue(POD_ID, 0)
-    ipcache[IpcacheKey(32, ip_be(PEER))] = IpcacheValue(PEER_ID, 0)
+    ipcache[IpcacheKey(32, ip_to_map(POD))] = IpcacheValue(POD_ID, 0)
+    ipcache[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
 
 
 def rule(
@@ -57,8 +56,7 @@ def rule(
     port: int = 0,
     deny: bool = False,
 ) -> None:
-    prefix = 72 + (8 if proto else 0) + (16 if port else 0)
-    key = PolicyKey(prefix, EP_ID, peer, direction, proto, port_be(port) if port else 0)
+    key = policy_key(EP_ID, peer, direction, proto, port)
     dp.table("cilia_policy")[key] = PolicyValue(flags=1 if deny else 0)
 
 
@@ -69,10 +67,10 @@ def test_allowed_flow_is_forwarded_with_both_identities(dp: harness.Datapath) ->
     assert dp.run(FROM, packet(POD, PEER, dport=8080)) == TC_ACT_OK
 
     (ev,) = dp.events
-    assert (ev.verdict, ev.drop_reason, ev.dir) == (1, 0, DIR_EGRESS)
+    assert (ev.verdict, ev.drop_reason, ev.direction) == (1, 0, DIR_EGRESS)
     assert (ev.src_identity, ev.dst_identity, ev.ep_id) == (POD_ID, PEER_ID, EP_ID)
-    assert (ip_text(ev.saddr), ip_text(ev.daddr), ev.proto) == (POD, PEER, 6)
-    assert harness.socket.ntohs(ev.dport) == 8080
+    assert (ev.saddr, ev.daddr, ev.proto) == (POD, PEER, 6)
+    assert ev.dport == 8080
 
 
 def test_default_deny_drops_unlisted_port_as_policy_denied(dp: harness.Datapath) -> None:
@@ -100,7 +98,7 @@ def test_deny_rule_beats_allow_for_same_port(dp: harness.Datapath) -> None:
     assert dp.run(TO, packet(PEER, POD, dport=8081)) == TC_ACT_OK
 
     drop, forward = dp.events
-    assert (drop.drop_reason, drop.dir, drop.src_identity) == (181, DIR_INGRESS, PEER_ID)
+    assert (drop.drop_reason, drop.direction, drop.src_identity) == (181, DIR_INGRESS, PEER_ID)
     assert (forward.verdict, forward.drop_reason) == (1, 0)
 
 
@@ -127,7 +125,7 @@ def test_reply_is_allowed_by_conntrack_while_ingress_is_default_deny(
 
     request, answer, refused = dp.events
     assert request.is_reply == 0
-    assert (answer.is_reply, answer.verdict, answer.dir) == (1, 1, DIR_INGRESS)
+    assert (answer.is_reply, answer.verdict, answer.direction) == (1, 1, DIR_INGRESS)
     assert (refused.verdict, refused.drop_reason) == (2, 133)
 
 
@@ -181,7 +179,7 @@ def test_policy_entry_counts_matched_packets(dp: harness.Datapath) -> None:
     dp.run(FROM, packet(POD, PEER, sport=1, dport=8080))
     dp.run(FROM, packet(POD, PEER, sport=2, dport=8080))
 
-    key = PolicyKey(96, EP_ID, PEER_ID, DIR_EGRESS, 6, port_be(8080))
+    key = policy_key(EP_ID, PEER_ID, DIR_EGRESS, 6, 8080)
     assert dp.table("cilia_policy")[key].packets == 2
 
 

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from cilia_common import grpcserver
@@ -117,7 +117,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _observe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _observe(args: argparse.Namespace) -> int:
     from cilia_relay.cli import observe
     from cilia_relay.cli.filters import FilterError, build_whitelist
     from cilia_relay.config import parse_duration
@@ -149,8 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return _serve(parser, args)
-    return _observe(parser, args)
+        return _serve(args)
+    return _observe(args)
 
 
 if __name__ == "__main__":

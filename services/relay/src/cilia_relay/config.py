@@ -52,13 +52,6 @@ def parse_duration(text: str) -> float:
     return total
 
 
-def format_duration(seconds: float) -> str:
-    """Format seconds the way the help texts show defaults (``1s``, ``500ms``)."""
-    if seconds >= 1 and float(seconds).is_integer():
-        return f"{int(seconds)}s"
-    return f"{round(seconds * 1000)}ms"
-
-
 FLAG_HELP: dict[str, str] = {
     "peer_service": "address of the agent's peer.Peer service, host:port or unix:/path "
     "(default unix:/var/run/cilia/hubble.sock)",

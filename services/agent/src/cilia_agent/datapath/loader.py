@@ -143,6 +143,15 @@ class Datapath:
         log.info("datapath loaded", extra={"pin_dir": str(config.pin_dir)})
         return cls(config, bpf, fds)
 
+    def prog_fd(self, name: str) -> int:
+        """File descriptor of a loaded program (``cil_from_container`` / ``cil_to_container``),
+        e.g. for ``BPF_PROG_TEST_RUN``.
+
+        Raises:
+            KeyError: no such program.
+        """
+        return self._fds[name]
+
     # ----- tc attachment -------------------------------------------------------------------
 
     def attach(self, ifindex: int) -> None:
