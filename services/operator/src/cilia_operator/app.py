@@ -10,7 +10,6 @@ gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import threading
@@ -31,7 +30,7 @@ from .controlplane.resources import ResourceServicer
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.controller import IPAMController
-from .ipam.pool import pool_manifest, pool_overlaps, pool_spec_from_resource
+from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
 from .kinds import POOL
 from .metrics import Metrics
 from .store import AlreadyExists, StoreError
@@ -182,10 +181,7 @@ class Operator:
         wanted = self.config.auto_create_pools
         if not wanted:
             return
-        existing = {}
-        for obj in (await self.store.list(POOL.kind)).items:
-            with contextlib.suppress(ValueError):
-                existing[obj["metadata"]["name"]] = pool_spec_from_resource(obj)
+        existing = pool_specs((await self.store.list(POOL.kind)).items)
         for name, spec in wanted.items():
             if name in existing:
                 log.info("auto-create pool skipped: it exists", extra={"pool": name})

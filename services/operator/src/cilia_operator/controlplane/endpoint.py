@@ -14,8 +14,8 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from ..endpoint import records
 from ..endpoint.ipcache import Entry, IPCache, host_ip, node_addresses
 from ..kinds import NODE
-from ..store import AlreadyExists, Conflict, NotFound, Store, StoreError, resource_version
-from .errors import status_for, unary
+from ..store import AlreadyExists, Conflict, Contention, NotFound, Store, resource_version
+from .errors import streaming, unary
 from .streams import Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class EndpointServicer:
             except (Conflict, NotFound):
                 continue
             return pb.UpsertEndpointResponse()
-        raise Conflict(records.KIND, namespace, name, "", "changing too fast")
+        raise Contention(records.KIND, namespace, name)
 
     @unary
     async def DeleteEndpoint(  # noqa: N802 (gRPC method name)
@@ -130,8 +130,9 @@ class EndpointServicer:
                 continue
             log.info("endpoint deleted", extra={"endpoint": f"{namespace}/{name}"})
             return pb.DeleteEndpointResponse()
-        raise Conflict(records.KIND, namespace, name, "", "changing too fast")
+        raise Contention(records.KIND, namespace, name)
 
+    @streaming
     async def WatchIPCache(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchIPCacheRequest, context: Any
     ) -> AsyncIterator[pb.WatchIPCacheResponse]:
@@ -157,9 +158,7 @@ class EndpointServicer:
                     deleted = item.event.type == "DELETED"
                     dirty = cache.delete_node(name) if deleted else cache.set_node(obj)
                 elif item.event.type == "DELETED":
-                    meta = obj.get("metadata") or {}
-                    owner = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
-                    dirty = cache.delete_endpoint(owner)
+                    dirty = cache.delete_endpoint(records.owner_of(obj))
                 else:
                     dirty = cache.set_endpoint(obj)
             events = []
@@ -176,16 +175,13 @@ class EndpointServicer:
         def respond(events: Sequence[pb.IPCacheEvent], synced: bool) -> pb.WatchIPCacheResponse:
             return pb.WatchIPCacheResponse(events=events, synced=synced)
 
-        try:
-            async for response in watch_stream(
-                self.store,
-                [NODE.kind, records.KIND],
-                apply,
-                respond,
-                key=lambda e: e.entry.cidr,
-                chunk_size=self.chunk_size,
-                queue_size=self.queue_size,
-            ):
-                yield response
-        except StoreError as exc:
-            await context.abort(status_for(exc), str(exc))
+        async for response in watch_stream(
+            self.store,
+            [NODE.kind, records.KIND],
+            apply,
+            respond,
+            key=lambda e: e.entry.cidr,
+            chunk_size=self.chunk_size,
+            queue_size=self.queue_size,
+        ):
+            yield response

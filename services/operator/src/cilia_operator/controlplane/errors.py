@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -17,6 +17,7 @@ from ..manifests import InvalidManifest
 from ..store import AlreadyExists, Conflict, NotFound, StoreUnavailable
 
 R = TypeVar("R")
+Y = TypeVar("Y")
 
 _CODES: tuple[tuple[type[Exception], Any], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
@@ -41,6 +42,14 @@ def status_for(exc: Exception) -> Any:
     return None
 
 
+async def _abort_for(exc: Exception, context: Any) -> None:
+    """Abort the RPC with ``exc``'s status; return (the caller re-raises) when ``exc``
+    is not a domain error."""
+    code = status_for(exc)
+    if code is not None:
+        await context.abort(code, str(exc))
+
+
 def unary(
     fn: Callable[[Any, Any, Any], Awaitable[R]],
 ) -> Callable[[Any, Any, Any], Awaitable[R]]:
@@ -51,10 +60,29 @@ def unary(
         try:
             return await fn(self, request, context)
         except Exception as exc:
-            code = status_for(exc)
-            if code is None:
-                raise
-            await context.abort(code, str(exc))
-            raise  # unreachable: abort raises
+            await _abort_for(exc, context)
+            raise  # not a domain error (abort raises otherwise)
+
+    return wrapper
+
+
+def streaming(
+    fn: Callable[[Any, Any, Any], AsyncIterator[Y]],
+) -> Callable[[Any, Any, Any], AsyncIterator[Y]]:
+    """Decorate a server-streaming servicer method (an async generator): domain errors
+    raised while producing responses become gRPC statuses, as with :func:`unary`."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Y]:
+        responses = fn(self, request, context)
+        try:
+            async for response in responses:
+                yield response
+        except Exception as exc:
+            await _abort_for(exc, context)
+            raise  # not a domain error (abort raises otherwise)
+        finally:
+            if isinstance(responses, AsyncGenerator):
+                await responses.aclose()
 
     return wrapper

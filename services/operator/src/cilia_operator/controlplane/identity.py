@@ -14,8 +14,8 @@ from ..identity import records
 from ..identity.allocator import IdentityAllocator
 from ..identity.labels import LabelSet
 from ..metrics import Metrics
-from ..store import Store, StoreError
-from .errors import status_for, unary
+from ..store import Store
+from .errors import streaming, unary
 from .streams import Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class IdentityServicer:
         await self.allocator.release(request.node_name, request.id)
         return pb.ReleaseResponse()
 
+    @streaming
     async def WatchIdentities(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchIdentitiesRequest, context: Any
     ) -> AsyncIterator[pb.WatchIdentitiesResponse]:
@@ -121,16 +122,13 @@ class IdentityServicer:
         def respond(events: Sequence[pb.IdentityEvent], synced: bool) -> pb.WatchIdentitiesResponse:
             return pb.WatchIdentitiesResponse(events=events, synced=synced)
 
-        try:
-            async for response in watch_stream(
-                self.store,
-                [records.KIND],
-                apply,
-                respond,
-                key=lambda e: e.identity.id,
-                chunk_size=self.chunk_size,
-                queue_size=self.queue_size,
-            ):
-                yield response
-        except StoreError as exc:
-            await context.abort(status_for(exc), str(exc))
+        async for response in watch_stream(
+            self.store,
+            [records.KIND],
+            apply,
+            respond,
+            key=lambda e: e.identity.id,
+            chunk_size=self.chunk_size,
+            queue_size=self.queue_size,
+        ):
+            yield response

@@ -14,8 +14,8 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from ..ipam import node as nodes
 from ..ipam.controller import IPAMController
 from ..kinds import NODE
-from ..store import Conflict, NotFound, Resource, Store, StoreError, resource_version
-from .errors import status_for, unary
+from ..store import Conflict, Contention, NotFound, Resource, Store, resource_version
+from .errors import streaming, unary
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,11 @@ class IPAMServicer:
                          "cidrs": [f"{p}:{b}" for p, b in released]})  # fmt: skip
             break
         else:
-            raise Conflict(NODE.kind, "", name, "", "changing too fast")
+            raise Contention(NODE.kind, "", name)
         self.controller.enqueue(name)
         return pb.UpdateDemandResponse()
 
+    @streaming
     async def WatchAllocations(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchAllocationsRequest, context: Any
     ) -> AsyncIterator[pb.WatchAllocationsResponse]:
@@ -103,10 +104,7 @@ class IPAMServicer:
         name = request.node_name
         sub = self.controller.subscribe(name)
         try:
-            try:
-                current = await self.store.get(NODE.kind, name)
-            except StoreError as exc:
-                await context.abort(status_for(exc), str(exc))
+            current = await self.store.get(NODE.kind, name)
             sent = ""
             while True:
                 latest = sub.latest

@@ -16,8 +16,8 @@ from ..ipam import node as nodes
 from ..ipam.controller import IPAMController
 from ..ipam.pool import ObjectMeta
 from ..kinds import NODE
-from ..store import AlreadyExists, Conflict, Expired, NotFound, Resource, Store, StoreError
-from .errors import status_for, unary
+from ..store import AlreadyExists, Conflict, Contention, Expired, NotFound, Resource, Store
+from .errors import streaming, unary
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,11 @@ class NodeServicer:
             except (Conflict, AlreadyExists):
                 continue
         else:
-            raise Conflict(NODE.kind, "", name, "", "changing too fast")
+            raise Contention(NODE.kind, "", name)
         self.controller.enqueue(name)
         return pb.RegisterResponse(default_pool=self.default_pool)
 
+    @streaming
     async def WatchNodes(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchNodesRequest, context: Any
     ) -> AsyncIterator[pb.WatchNodesResponse]:
@@ -133,10 +134,7 @@ class NodeServicer:
         sent: dict[str, pb.Node] = {}
         upsert, delete = pb.EVENT_TYPE_UPSERT, pb.EVENT_TYPE_DELETE
         while True:
-            try:
-                listed = await self.store.list(NODE.kind)
-            except StoreError as exc:
-                await context.abort(status_for(exc), str(exc))
+            listed = await self.store.list(NODE.kind)
             current = {o["metadata"]["name"]: node_message(o) for o in listed.items}
             events = [
                 pb.NodeEvent(type=delete, node=sent[n]) for n in sorted(set(sent) - set(current))
@@ -159,5 +157,3 @@ class NodeServicer:
                         yield pb.WatchNodesResponse(events=[pb.NodeEvent(type=upsert, node=msg)])
             except Expired:
                 log.info("node watch expired; relisting")
-            except StoreError as exc:
-                await context.abort(status_for(exc), str(exc))

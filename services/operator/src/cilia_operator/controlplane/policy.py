@@ -10,8 +10,8 @@ from typing import Any
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
 from ..kinds import CNP, NETWORK_POLICY
-from ..store import Resource, Store, StoreError, resource_version
-from .errors import status_for
+from ..store import Resource, Store, resource_version
+from .errors import streaming
 from .streams import Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class PolicyServicer:
         self.chunk_size = chunk_size
         self.queue_size = queue_size
 
+    @streaming
     async def WatchPolicies(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchPoliciesRequest, context: Any
     ) -> AsyncIterator[pb.WatchPoliciesResponse]:
@@ -81,16 +82,13 @@ class PolicyServicer:
         def respond(events: Sequence[pb.PolicyEvent], synced: bool) -> pb.WatchPoliciesResponse:
             return pb.WatchPoliciesResponse(events=events, synced=synced)
 
-        try:
-            async for response in watch_stream(
-                self.store,
-                [CNP.kind, NETWORK_POLICY.kind],
-                apply,
-                respond,
-                key=lambda e: (e.kind, e.namespace, e.name),
-                chunk_size=self.chunk_size,
-                queue_size=self.queue_size,
-            ):
-                yield response
-        except StoreError as exc:
-            await context.abort(status_for(exc), str(exc))
+        async for response in watch_stream(
+            self.store,
+            [CNP.kind, NETWORK_POLICY.kind],
+            apply,
+            respond,
+            key=lambda e: (e.kind, e.namespace, e.name),
+            chunk_size=self.chunk_size,
+            queue_size=self.queue_size,
+        ):
+            yield response

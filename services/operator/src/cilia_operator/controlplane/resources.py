@@ -11,10 +11,9 @@ import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
-from ..errors import InvalidResource
 from ..identity.allocator import IdentityAllocator
 from ..ipam import node as nodes
-from ..ipam.pool import PoolSpec, pool_spec_from_resource
+from ..ipam.pool import PoolSpec, pool_specs
 from ..kinds import IDENTITY, NODE, POOL, KindInfo, resolve_kind
 from ..manifests import Document, validate_manifest
 from ..store import Conflict, NotFound, Resource, Store, resource_version
@@ -62,13 +61,7 @@ class ResourceServicer:
         self.identities = identities
 
     async def _stored_pools(self) -> dict[str, PoolSpec]:
-        out = {}
-        for obj in (await self.store.list(POOL.kind)).items:
-            try:
-                out[obj["metadata"]["name"]] = pool_spec_from_resource(obj)
-            except InvalidResource:
-                continue
-        return out
+        return pool_specs((await self.store.list(POOL.kind)).items)
 
     @unary
     async def Apply(  # noqa: N802 (gRPC method name)

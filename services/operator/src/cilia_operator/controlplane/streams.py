@@ -12,13 +12,13 @@ produces only real differences.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..store import Expired, Resource, Store, WatchEvent
+from ..tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -88,30 +88,7 @@ async def follow(
                 item = Listed(item.kind, item.items, listed >= set(kinds))
             yield item
     finally:
-        await _cancel_all(tasks)
-
-
-async def _cancel_all(tasks: Sequence[asyncio.Task[None]], attempts: int = 100) -> None:
-    """Cancel ``tasks`` and wait for them, cancelling again while they run on.
-
-    On Python 3.11 ``asyncio.wait_for`` (used inside redis-py's send path) can lose a
-    cancellation that races with its inner future completing; the task then carries on
-    into its next store call. A repeated ``cancel()`` lands on that next await.
-    """
-    pending = [t for t in tasks if not t.done()]
-    for _ in range(attempts):
-        if not pending:
-            break
-        for task in pending:
-            task.cancel()
-        _, still = await asyncio.wait(pending, timeout=0.05)
-        pending = list(still)
-    if pending:
-        log.warning("watch tasks did not stop", extra={"tasks": [t.get_name() for t in pending]})
-    for task in tasks:
-        if task.done() and not task.cancelled():
-            with contextlib.suppress(Exception):
-                task.exception()
+        await cancel_all(tasks)
 
 
 class Sent(Generic[K, M]):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..identity.labels import REMOTE_NODE_IDENTITY
 from ..store import Resource, resource_version
-from .records import Endpoint, parse_endpoint
+from .records import Endpoint, owner_of, parse_endpoint
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,6 @@ class IPCache:
         self.endpoints: dict[str, tuple[Endpoint, int]] = {}  # owner -> (endpoint, rv)
         self._by_node: dict[str, set[str]] = {}
         self._claims: dict[str, dict[str, _Claim]] = {}  # cidr -> claimant -> priority
-        self._node_rv: dict[str, int] = {}
 
     # -- claims -------------------------------------------------------------------------
 
@@ -126,7 +125,6 @@ class IPCache:
         addresses = node_addresses(record)
         rv = int(resource_version(record) or 0)
         self.nodes[name] = addresses
-        self._node_rv[name] = rv
         for address in addresses:
             cidr = _host_cidr(address)
             self._claim(cidr, f"node:{name}", (0, rv))
@@ -141,7 +139,6 @@ class IPCache:
             cidr = _host_cidr(address)
             self._unclaim(cidr, f"node:{name}")
             dirty.add(cidr)
-        self._node_rv.pop(name, None)
         for owner in self._by_node.get(name, set()):
             dirty.add(_host_cidr(self.endpoints[owner][0].ipv4))
         return dirty
@@ -162,8 +159,7 @@ class IPCache:
     def set_endpoint(self, record: Resource) -> set[str]:
         """Add or update a CiliumEndpoint; returns the cidrs that may have changed."""
         endpoint = parse_endpoint(record)
-        meta = record.get("metadata") or {}
-        owner = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+        owner = owner_of(record)
         dirty = self.delete_endpoint(owner)
         if endpoint is None:
             return dirty
@@ -193,10 +189,7 @@ class IPCache:
     def replace_endpoints(self, records: Iterable[Resource]) -> set[str]:
         """Replace every endpoint (after a relist); returns the cidrs that may have changed."""
         dirty: set[str] = set()
-        listed = {}
-        for record in records:
-            meta = record.get("metadata") or {}
-            listed[f"{meta.get('namespace') or 'default'}/{meta.get('name')}"] = record
+        listed = {owner_of(record): record for record in records}
         for owner in list(self.endpoints):
             if owner not in listed:
                 dirty |= self.delete_endpoint(owner)

@@ -130,6 +130,12 @@ def endpoint_record(
     }
 
 
+def owner_of(record: Resource) -> str:
+    """``namespace/name`` of a record (namespace defaulted): its key in the ipcache."""
+    meta = record.get("metadata") or {}
+    return f"{meta.get('namespace') or DEFAULT_NAMESPACE}/{meta.get('name')}"
+
+
 def node_name_of(record: Resource) -> str:
     """``status.networking.node-name`` ("" when absent)."""
     networking = (record.get("status") or {}).get("networking") or {}

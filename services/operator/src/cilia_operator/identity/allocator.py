@@ -181,9 +181,7 @@ class IdentityAllocator:
             if records.record_labels(current) != labels:
                 return "taken"
             refs = records.node_references(current) | ({node} if node else set())
-            desired = records.with_references(current, refs)
-            if node and records.heartbeat(current) is not None:
-                desired = records.with_heartbeat(desired, None)
+            desired = records.with_references(current, refs)  # a reference clears the GC mark
             if desired == current:
                 return "exists"
             try:

@@ -27,15 +27,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..endpoint.records import KIND as ENDPOINT_KIND
+from ..kinds import NODE
 from ..metrics import Metrics
 from ..store import Conflict, NotFound, Store, StoreError, resource_version
+from ..tasks import cancel_all
 from . import records
 from .allocator import IdentityAllocator
 
 log = logging.getLogger(__name__)
-
-ENDPOINT_KIND = "CiliumEndpoint"
-NODE_KIND = "CiliumNode"
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class IdentityGC:
             StoreUnavailable: the store cannot be reached.
         """
         used = {endpoint_identity(o) for o in (await self.store.list(ENDPOINT_KIND)).items}
-        nodes = {o["metadata"]["name"] for o in (await self.store.list(NODE_KIND)).items}
+        nodes = {o["metadata"]["name"] for o in (await self.store.list(NODE.kind)).items}
         alive = marked = deleted = deferred = 0
         for record in (await self.store.list(records.KIND)).items:
             identity = records.identity_id(record)
@@ -164,9 +164,9 @@ class IdentityGC:
             self._task = asyncio.create_task(self._loop(), name="identity-gc")
 
     async def stop(self) -> None:
-        """Stop the periodic runs (an ongoing run is cancelled)."""
+        """Stop the periodic runs (an ongoing run is cancelled; see :func:`cancel_all`)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_all([self._task])
+            if self._task.done() and not self._task.cancelled():
+                self._task.result()  # a crashed loop raises here, as awaiting it did
             self._task = None

@@ -21,7 +21,17 @@ from dataclasses import dataclass, field
 from ..errors import InvalidResource
 from ..kinds import NODE, POOL
 from ..metrics import Metrics
-from ..store import Conflict, Expired, NotFound, Resource, Store, StoreError, WatchEvent
+from ..store import (
+    Conflict,
+    Contention,
+    Expired,
+    NotFound,
+    Resource,
+    Store,
+    StoreError,
+    WatchEvent,
+)
+from ..tasks import cancel_all
 from . import node as nodes
 from .allocator import MultiPoolAllocator
 from .pool import pool_spec_from_resource
@@ -73,7 +83,6 @@ class IPAMController:
         self._known: set[str] = set()
         self._subs: dict[str, set[NodeSubscription]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._idle = asyncio.Event()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -111,18 +120,11 @@ class IPAMController:
         ]
 
     async def stop(self) -> None:
-        """Cancel the watches and the worker and wait for them.
-
-        A cancellation that lands while the redis client is connecting can be swallowed
-        by the client, so cancellation is repeated until every task has ended.
-        """
-        pending: set[asyncio.Task[None]] = set(self._tasks)
-        while pending:
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=0.05)
+        """Cancel the watches and the worker and wait for them (see :func:`cancel_all`:
+        a cancellation the redis client swallowed is repeated)."""
+        await cancel_all(self._tasks)
         for task in self._tasks:
-            if not task.cancelled() and task.exception() is not None:
+            if task.done() and not task.cancelled() and task.exception() is not None:
                 log.warning("controller task failed", extra={"error": str(task.exception())})
         self._tasks = []
 
@@ -202,7 +204,6 @@ class IPAMController:
         """Schedule a reconcile of node ``name`` (deduplicated while queued)."""
         if name not in self._queued:
             self._queued.add(name)
-            self._idle.clear()
             self._queue.put_nowait(name)
 
     async def _worker(self) -> None:
@@ -219,12 +220,6 @@ class IPAMController:
             except Exception:
                 log.exception("reconcile crashed", extra={"node": name})
                 self.metrics.reconciles.labels("error").inc()
-            if self._queue.empty():
-                self._idle.set()
-
-    async def wait_idle(self) -> None:
-        """Wait until no reconcile is queued (for tests and orderly shutdown)."""
-        await self._idle.wait()
 
     async def reconcile(self, name: str) -> None:
         """Bring node ``name``'s record to its demand (see :meth:`MultiPoolAllocator.reconcile`).
@@ -266,7 +261,7 @@ class IPAMController:
             self._count(result.error)
             self._publish_stats()
             return
-        raise Conflict(NODE.kind, "", name, "", "changing too fast")
+        raise Contention(NODE.kind, "", name)
 
     def _count(self, error: str) -> None:
         self.metrics.reconciles.labels("error" if error else "success").inc()

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import from_pydantic
-from .pool import ObjectMeta
+from .pool import ObjectMeta, _cidr4
 
 API_VERSION = "cilium.io/v2"
 KIND = "CiliumNode"
@@ -43,13 +43,6 @@ def _cidr(value: str) -> str:
         return str(ipaddress.ip_network(value, strict=False))
     except ValueError:
         raise ValueError(f"{value!r} is not a CIDR") from None
-
-
-def _cidr4(value: str) -> str:
-    try:
-        return str(ipaddress.IPv4Network(value, strict=True))
-    except ValueError as exc:
-        raise ValueError(f"{value!r} is not an IPv4 CIDR: {exc}") from None
 
 
 class _NodeAddress(BaseModel):

@@ -192,6 +192,17 @@ def pool_spec_from_resource(obj: Mapping[str, Any]) -> PoolSpec:
     return to_pool_spec(validate_pool(doc))
 
 
+def pool_specs(objs: Iterable[Mapping[str, Any]]) -> dict[str, PoolSpec]:
+    """The allocator views of stored CiliumPodIPPools by name; invalid ones are skipped."""
+    out = {}
+    for obj in objs:
+        try:
+            out[obj["metadata"]["name"]] = pool_spec_from_resource(obj)
+        except InvalidResource:
+            continue
+    return out
+
+
 def pool_manifest(spec: PoolSpec) -> dict[str, Any]:
     """A CiliumPodIPPool manifest for ``spec`` (used by auto-create)."""
     body: dict[str, Any] = {

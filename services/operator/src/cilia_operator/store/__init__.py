@@ -3,6 +3,7 @@
 from .base import (
     AlreadyExists,
     Conflict,
+    Contention,
     EventType,
     Expired,
     ListResult,
@@ -20,6 +21,7 @@ from .base import (
 __all__ = [
     "AlreadyExists",
     "Conflict",
+    "Contention",
     "EventType",
     "Expired",
     "ListResult",

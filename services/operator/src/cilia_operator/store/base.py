@@ -68,6 +68,23 @@ class Conflict(StoreError):
         )
 
 
+class Contention(Conflict):
+    """A read-modify-write retry loop gave up: the object changed under every attempt.
+
+    Still a :class:`Conflict` (handled alike; ABORTED over gRPC), with ``expected`` and
+    ``current`` empty: no single stale version is to blame.
+    """
+
+    def __init__(self, kind: str, namespace: str, name: str) -> None:
+        self.kind, self.namespace, self.name = kind, namespace, name
+        self.expected = self.current = ""
+        StoreError.__init__(
+            self,
+            f"{kind} {_display(namespace, name)} kept changing during every retry "
+            "(concurrent writers); retry later",
+        )
+
+
 class Expired(StoreError):
     """The watch history after ``since`` was trimmed (HTTP 410 Gone): list again."""
 
