@@ -44,6 +44,7 @@ POLICY = pathlib.Path(__file__).resolve().parents[1] / "deploy/examples/backend-
 BACKEND_PORT = 8080
 CONNECT_TIMEOUT_SECONDS = 2
 POLICY_WAIT_SECONDS = 15
+FLOWS_WAIT_SECONDS = 10
 ECHO_SERVER = """
 import socket, sys
 srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -238,7 +239,6 @@ class Demo:
         finally:
             server.kill()
             server.wait()
-        time.sleep(1.5)  # let the relay's sort buffer drain (1 s, upstream default)
         argv = [
             str(cnirun.VENV_BIN / "cilia-relay"),
             "observe",
@@ -250,13 +250,23 @@ class Demo:
             "50",
         ]
         print("  " + " ".join(["cilia-relay", *argv[1:]]) + ":")
-        flows = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        lines = [ln for ln in flows.stdout.splitlines() if f":{BACKEND_PORT} " in ln]
-        print(self.indent("\n".join(lines[-8:]) or flows.stderr))
-        forwarded = [ln for ln in lines if frontend.name in ln and "FORWARDED" in ln]
-        dropped = [
-            ln for ln in lines if other.name in ln and "DROPPED" in ln and "Policy denied" in ln
-        ]
+        lines: list[str] = []
+        forwarded: list[str] = []
+        dropped: list[str] = []
+
+        def both_flows_seen() -> bool:
+            # The agent reads the kernel's events asynchronously: poll until both are in.
+            nonlocal lines, forwarded, dropped
+            flows = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            lines = [ln for ln in flows.stdout.splitlines() if f":{BACKEND_PORT} " in ln]
+            forwarded = [ln for ln in lines if frontend.name in ln and "FORWARDED" in ln]
+            dropped = [
+                ln for ln in lines if other.name in ln and "DROPPED" in ln and "Policy denied" in ln
+            ]
+            return bool(forwarded and dropped)
+
+        cnirun.wait_for(both_flows_seen, FLOWS_WAIT_SECONDS, interval=0.5)
+        print(self.indent("\n".join(lines[-8:])))
         if not forwarded or not dropped:
             raise DemoError(
                 "cilia-relay observe did not show both the FORWARDED and the DROPPED flow"
