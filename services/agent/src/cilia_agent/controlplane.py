@@ -91,6 +91,25 @@ def read_node_networks(
     return NodeNetworks(addresses, networks)
 
 
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _operator_channel(address: str, min_backoff: float, max_backoff: float) -> grpc.aio.Channel:
+    """An insecure channel to the operator with the reconnect backoff ``min``..``max`` (s)."""
+    ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            ("grpc.initial_reconnect_backoff_ms", ms_min),
+            ("grpc.min_reconnect_backoff_ms", ms_min),
+            ("grpc.max_reconnect_backoff_ms", ms_max),
+        ],
+    )
+
+
 class OperatorClient:
     """Keeps the node registered and its allocation flowing.
 
@@ -154,18 +173,6 @@ class OperatorClient:
         """Ask for the demand to be recomputed and sent (coalesced)."""
         self._demand_event.set()
 
-    def _channel(self) -> grpc.aio.Channel:
-        ms_min = int(self.min_backoff * 1000)
-        ms_max = int(self.max_backoff * 1000)
-        return grpc.aio.insecure_channel(
-            self.address,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", ms_min),
-                ("grpc.min_reconnect_backoff_ms", ms_min),
-                ("grpc.max_reconnect_backoff_ms", ms_max),
-            ],
-        )
-
     async def _run(self) -> None:
         attempt = 0
         while True:
@@ -174,10 +181,8 @@ class OperatorClient:
                 reason = "allocation stream ended"
             except asyncio.CancelledError:
                 raise
-            except grpc.aio.AioRpcError as exc:
-                delivered, reason = False, f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # keep the agent alive whatever the operator does
-                delivered, reason = False, f"{type(exc).__name__}: {exc}"
+                delivered, reason = False, _describe(exc)
             finally:
                 self.connected = False
             if delivered:
@@ -193,7 +198,7 @@ class OperatorClient:
     async def _session(self) -> bool:
         nets = await asyncio.to_thread(read_node_networks, self.exclude_devices)
         delivered = False
-        async with self._channel() as channel:
+        async with _operator_channel(self.address, self.min_backoff, self.max_backoff) as channel:
             node = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
             ipam = cp_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
             resp = await node.Register(
@@ -251,7 +256,7 @@ class OperatorClient:
                 attempt += 1
                 log.warning(
                     "demand update failed, retrying",
-                    extra={"reason": f"{exc.code().name}: {exc.details()}", "retry_in_s": delay},
+                    extra={"reason": _describe(exc), "retry_in_s": delay},
                 )
                 self._demand_event.set()
                 await asyncio.sleep(delay)
@@ -263,12 +268,6 @@ class OperatorClient:
 
 class OperatorUnavailable(Exception):
     """A call to the operator failed (unreachable, deadline, or an operator error)."""
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 class OperatorAPI:
@@ -296,15 +295,7 @@ class OperatorAPI:
         self.address = address
         self.node_name = node_name
         self.timeout = timeout
-        ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", ms_min),
-                ("grpc.min_reconnect_backoff_ms", ms_min),
-                ("grpc.max_reconnect_backoff_ms", ms_max),
-            ],
-        )
+        self.channel = _operator_channel(address, min_backoff, max_backoff)
         self.identities = cp_grpc.IdentityServiceStub(self.channel)  # type: ignore[no-untyped-call]
         self.endpoints = cp_grpc.EndpointServiceStub(self.channel)  # type: ignore[no-untyped-call]
         self.policies = cp_grpc.PolicyServiceStub(self.channel)  # type: ignore[no-untyped-call]

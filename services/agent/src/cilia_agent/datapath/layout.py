@@ -68,18 +68,6 @@ class EndpointInfo(ctypes.Structure):
     ]
 
 
-class MetricsKey(ctypes.Structure):
-    """``struct metrics_key``: reason 0 = forwarded, else a drop reason; dir DIR_*."""
-
-    _fields_ = [("reason", ctypes.c_uint8), ("dir", ctypes.c_uint8), ("pad", ctypes.c_uint16)]
-
-
-class MetricsValue(ctypes.Structure):
-    """``struct metrics_value`` (one per CPU)."""
-
-    _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
-
-
 POLICY_PREFIX_STATIC = 72  # ep_id + sec_label + egress
 POLICY_PREFIX_PROTO = 80
 POLICY_PREFIX_FULL = 96

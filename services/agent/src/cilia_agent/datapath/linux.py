@@ -174,13 +174,6 @@ class LinuxDatapath:
         log.info("created host device", extra={"device": self.host_device_name, "kind": kind})
         return idx
 
-    def teardown_node(self) -> None:
-        """Delete the host device (tests only; the agent keeps it across restarts)."""
-        with IPRoute() as ipr:
-            idx = _first(ipr, self.host_device_name)
-            if idx is not None:
-                ipr.link("del", index=idx)
-
     # --- pods --------------------------------------------------------------------
     def plumb(self, req: PlumbRequest) -> PlumbResult:
         """Create and configure the pod's veth pair; returns names and MACs.
@@ -291,16 +284,6 @@ class LinuxDatapath:
     def netns_exists(path: str) -> bool:
         """True when the netns path exists."""
         return is_netns(path)
-
-    @staticmethod
-    def interface_in_netns(netns: str, ifname: str) -> bool:
-        """True when ``ifname`` exists inside ``netns``.
-
-        Raises:
-            NetnsNotFound: the namespace does not exist.
-        """
-        with iproute_in(netns) as ns:
-            return _first(ns, ifname) is not None
 
 
 __all__ = [

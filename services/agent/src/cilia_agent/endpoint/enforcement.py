@@ -342,9 +342,7 @@ class Enforcement:
 
     def _register(self, ep: _Endpoint) -> None:
         self._eps[ep.rec.id] = ep
-        users = self._identity_users.setdefault(ep.identity, set())
-        users.discard(-ep.rec.id)
-        users.add(ep.rec.id)
+        self._identity_users.setdefault(ep.identity, set()).add(ep.rec.id)
         self._local_ips[ep.rec.ipv4] = ep.rec.id
         self.datapath.upsert_ipcache(ep.rec.ipv4, 32, ep.identity)
 
@@ -407,11 +405,11 @@ class Enforcement:
         try:
             allocated = await self.control.allocate_identity(list(labels.strings()))
             identity = int(allocated.id)
-            # -id marks an Add in flight: a concurrent failing Add must not release it
-            self._identity_users.setdefault(identity, set()).add(-rec.id)
+            # the Add in flight uses the identity: a concurrent failing Add must not release it
+            self._identity_users.setdefault(identity, set()).add(rec.id)
 
             def release() -> None:
-                self._identity_users.get(identity, set()).discard(-rec.id)
+                self._identity_users.get(identity, set()).discard(rec.id)
                 self._release_if_unused(identity)
 
             undo.append(release)
@@ -724,10 +722,3 @@ class Enforcement:
             + len(self._local_ips),
             pending_operator_calls=self.retry.pending,
         )
-
-    def endpoint_enforcement(self, ep_id: int) -> tuple[int, bool, bool] | None:
-        """(identity, enforce ingress, enforce egress) of a local endpoint, None if unknown."""
-        ep = self._eps.get(ep_id)
-        if ep is None:
-            return None
-        return (ep.identity, ep.enforce[0], ep.enforce[1])

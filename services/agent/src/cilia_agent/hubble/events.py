@@ -32,6 +32,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from cilia_agent.datapath import layout
 from cilia_agent.hubble.errors import EventDecodeError
 
 # "=" = host byte order, standard sizes, no alignment padding (the C struct has none).
@@ -41,12 +42,12 @@ assert FLOW_EVENT_SIZE == 48, FLOW_EVENT_SIZE
 
 EVENT_DROP = 1
 EVENT_TRACE = 4
-DIR_INGRESS = 0
-DIR_EGRESS = 1
+DIR_INGRESS = layout.DIR_INGRESS
+DIR_EGRESS = layout.DIR_EGRESS
 VERDICT_FORWARDED = 1
 VERDICT_DROPPED = 2
-DROP_POLICY_DENIED = 133
-DROP_POLICY_DENY = 181
+DROP_POLICY_DENIED = layout.DROP_POLICY_DENIED
+DROP_POLICY_DENY = layout.DROP_POLICY_DENY
 
 IPPROTO_ICMP = 1
 IPPROTO_TCP = 6

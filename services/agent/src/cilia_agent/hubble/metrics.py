@@ -26,15 +26,13 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from cilia.hubble.flow import flow_pb2
+from cilia_agent.datapath import layout
 from cilia_agent.hubble import events
 
 # Upstream drop reason texts (pkg/monitor/api/drop.go) for the codes Cilia emits.
-DROP_REASON_TEXT: dict[int, str] = {
-    events.DROP_POLICY_DENIED: "Policy denied",
-    events.DROP_POLICY_DENY: "Policy denied by denylist",
-}
+DROP_REASON_TEXT: dict[int, str] = layout.DROP_REASON_TEXT
 
-_DIRECTION_TEXT = {events.DIR_INGRESS: "INGRESS", events.DIR_EGRESS: "EGRESS"}
+_DIRECTION_TEXT = {layout.DIR_INGRESS: "INGRESS", layout.DIR_EGRESS: "EGRESS"}
 _TRACE_POINT_TEXT = {0: "to-endpoint", 5: "from-endpoint"}
 
 

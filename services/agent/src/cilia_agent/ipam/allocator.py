@@ -170,11 +170,6 @@ class IPAM:
         with self._lock:
             return {name: [str(c) for c in p.cidrs] for name, p in self._pools.items()}
 
-    def pool_of(self, address: IPv4) -> str | None:
-        """Return the pool whose CIDR contains ``address``, or None."""
-        with self._lock:
-            return self._pool_of_locked(address)
-
     def _pool_of_locked(self, address: IPv4) -> str | None:
         for p in self._pools.values():
             for net in p.cidrs:
@@ -241,12 +236,6 @@ class IPAM:
         with self._lock:
             return self._owners.pop(IPv4(address), None) is not None
 
-    def owner(self, address: IPv4 | str) -> str | None:
-        """Return the owner holding ``address``, or None."""
-        with self._lock:
-            held = self._owners.get(IPv4(address))
-            return held[1] if held else None
-
     def allocated(self) -> dict[IPv4, str]:
         """Return ``address -> owner`` of every held address."""
         with self._lock:
@@ -257,12 +246,15 @@ class IPAM:
         with self._lock:
             return self._free_locked(pool)
 
+    def _used_locked(self, entry: _Pool) -> int:
+        """Held addresses inside ``entry``'s CIDRs."""
+        return sum(1 for a in self._owners if any(a in n for n in entry.cidrs))
+
     def _free_locked(self, pool: str) -> int:
         entry = self._pools.get(pool)
         if entry is None:
             return 0
-        used = sum(1 for a in self._owners if any(a in n for n in entry.cidrs))
-        return entry.capacity() - used
+        return entry.capacity() - self._used_locked(entry)
 
     # --- reporting -----------------------------------------------------------------
     def status(self) -> list[PoolStatus]:
@@ -271,7 +263,7 @@ class IPAM:
             out = []
             for name in sorted(self._pools):
                 entry = self._pools[name]
-                used = sum(1 for a in self._owners if any(a in n for n in entry.cidrs))
+                used = self._used_locked(entry)
                 out.append(PoolStatus(name, [str(c) for c in entry.cidrs], used, entry.capacity()))
             return out
 

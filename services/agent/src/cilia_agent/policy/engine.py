@@ -114,13 +114,13 @@ class PolicyEngine:
         """Apply an identity stream message; returns the recompiled endpoint ids."""
         changes = self.identities.apply(response)
         affected = self.repository.affected_by_identities(changes, self.endpoints)
-        return set(self.regenerate(affected | self._pending))
+        return set(self.regenerate(affected))
 
     def on_policies(self, response: WatchPoliciesResponseLike) -> tuple[BatchResult, set[int]]:
         """Apply a policy stream message; returns the result and the recompiled endpoint ids."""
         result = self.repository.apply(response)
         affected = self.repository.affected_by_policies(result.updates, self.endpoints)
-        return result, set(self.regenerate(affected | self._pending))
+        return result, set(self.regenerate(affected))
 
     def regenerate(self, ep_ids: Iterable[int]) -> dict[int, EndpointPolicy]:
         """Recompile the given endpoints and write their changed entries; returns the

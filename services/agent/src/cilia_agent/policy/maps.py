@@ -34,6 +34,7 @@ from cilia_agent.datapath.layout import (
     POLICY_PREFIX_STATIC,
     PolicyKey,
     PolicyValue,
+    policy_key,
 )
 from cilia_agent.policy.compiler import PolicyEntry, Verdict
 
@@ -96,15 +97,13 @@ def prefix_len(entry: PolicyEntry) -> int:
 
 
 def encode_key(ep_id: int, entry: PolicyEntry) -> PolicyKey:
-    """Map key of ``entry`` for endpoint ``ep_id`` (port converted to network order)."""
-    return PolicyKey(
-        prefix_len(entry),
-        ep_id,
-        entry.peer,
-        entry.direction,
-        entry.protocol,
-        socket.htons(entry.port),
-    )
+    """Map key of ``entry`` for endpoint ``ep_id`` (port converted to network order).
+
+    Raises:
+        UnencodableEntry: a port with protocol 0, or out-of-range fields.
+    """
+    prefix_len(entry)  # validates first: UnencodableEntry, never policy_key's ValueError
+    return policy_key(ep_id, entry.peer, entry.direction, entry.protocol, entry.port)
 
 
 def decode_key(key: Any) -> tuple[int, PolicyEntry]:
@@ -205,8 +204,7 @@ class PolicyMapWriter:
             PolicyMapError: the kernel refused an update or delete; entries before it
                 were written (re-run the sync to converge).
         """
-        for entry in (*change.upserts, *change.deletes):
-            prefix_len(entry)
+        keys = {entry: encode_key(ep_id, entry) for entry in (*change.upserts, *change.deletes)}
         before = self.entry_count
         if change.growth > 0 and before + change.growth > self.capacity:
             raise PolicyMapFull(
@@ -216,38 +214,33 @@ class PolicyMapWriter:
         ups = change.upserts
         dels = change.deletes
         try:
-            self._upsert(ep_id, {k: v for k, v in ups.items() if v is Verdict.DENY})
-            self._delete(ep_id, [k for k, v in dels.items() if v is Verdict.ALLOW])
-            self._upsert(ep_id, {k: v for k, v in ups.items() if v is Verdict.ALLOW})
-            self._delete(ep_id, [k for k, v in dels.items() if v is Verdict.DENY])
+            self._upsert(ep_id, keys, {k: v for k, v in ups.items() if v is Verdict.DENY})
+            self._delete(ep_id, keys, [k for k, v in dels.items() if v is Verdict.ALLOW])
+            self._upsert(ep_id, keys, {k: v for k, v in ups.items() if v is Verdict.ALLOW})
+            self._delete(ep_id, keys, [k for k, v in dels.items() if v is Verdict.DENY])
         except PolicyMapError:
             self._count = None  # recount from the map next time
             raise
         self._count = before + change.growth
 
-    def sync(
+    def _upsert(
         self,
         ep_id: int,
-        current: Mapping[PolicyEntry, Verdict],
-        desired: Mapping[PolicyEntry, Verdict],
-    ) -> PolicyDiff:
-        """``apply(ep_id, diff(current, desired))``; returns the diff written."""
-        change = diff(current, desired)
-        if change:
-            self.apply(ep_id, change)
-        return change
-
-    def _upsert(self, ep_id: int, entries: Mapping[PolicyEntry, Verdict]) -> None:
+        keys: Mapping[PolicyEntry, PolicyKey],
+        entries: Mapping[PolicyEntry, Verdict],
+    ) -> None:
         for entry, verdict in entries.items():
             try:
-                self._table[encode_key(ep_id, entry)] = encode_value(verdict)
+                self._table[keys[entry]] = encode_value(verdict)
             except Exception as exc:  # bcc raises a bare Exception with strerror
                 raise PolicyMapError(f"endpoint {ep_id}: writing {entry}: {exc}") from exc
 
-    def _delete(self, ep_id: int, entries: Iterable[PolicyEntry]) -> None:
+    def _delete(
+        self, ep_id: int, keys: Mapping[PolicyEntry, PolicyKey], entries: Iterable[PolicyEntry]
+    ) -> None:
         for entry in entries:
             try:
-                del self._table[encode_key(ep_id, entry)]
+                del self._table[keys[entry]]
             except KeyError:
                 pass  # already gone: the desired state holds
             except Exception as exc:
