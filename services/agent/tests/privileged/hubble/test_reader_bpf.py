@@ -100,12 +100,12 @@ def datapath() -> Iterator[Loaded]:
 def program_datapath(dp: Loaded) -> None:
     endpoints = dp.bpf[b"cilia_endpoints"]
     endpoints[endpoints.Key(1)] = harness.EndpointInfo(
-        ep_id=EP_ID, sec_identity=POD_ID, ipv4=harness.ip_be(POD), enforce_egress=1
+        ep_id=EP_ID, sec_identity=POD_ID, ipv4=harness.ip_to_map(POD), enforce_egress=1
     )
     ipcache = dp.bpf[b"cilia_ipcache"]
-    ipcache[harness.IpcacheKey(32, harness.ip_be(POD))] = harness.IpcacheValue(POD_ID, 0)
-    ipcache[harness.IpcacheKey(32, harness.ip_be(PEER))] = harness.IpcacheValue(PEER_ID, 0)
-    key = harness.PolicyKey(96, EP_ID, PEER_ID, harness.DIR_EGRESS, 6, harness.port_be(8080))
+    ipcache[harness.IpcacheKey(32, harness.ip_to_map(POD))] = harness.IpcacheValue(POD_ID, 0)
+    ipcache[harness.IpcacheKey(32, harness.ip_to_map(PEER))] = harness.IpcacheValue(PEER_ID, 0)
+    key = harness.PolicyKey(96, EP_ID, PEER_ID, harness.DIR_EGRESS, 6, harness.port_to_map(8080))
     dp.bpf[b"cilia_policy"][key] = harness.PolicyValue(flags=0)
 
 

@@ -104,10 +104,10 @@ def test_compiled_policy_in_real_map_forwards_allowed_and_drops_the_rest(
     harness: Any, dp: Any
 ) -> None:
     for ip, ident in ((BACKEND_IP, BACKEND), (FRONTEND_IP, FRONTEND), (OTHER_IP, OTHER)):
-        dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_be(ip))] = harness.IpcacheValue(
-            ident, 0
+        dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_to_map(ip))] = (
+            harness.IpcacheValue(ident, 0)
         )
-    dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_be(BANNED_IP))] = (
+    dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_to_map(BANNED_IP))] = (
         harness.IpcacheValue(BANNED, 0)
     )
     endpoints = dp.table("cilia_endpoints")
@@ -116,7 +116,7 @@ def test_compiled_policy_in_real_map_forwards_allowed_and_drops_the_rest(
         endpoints[endpoints.Key(1)] = harness.EndpointInfo(
             ep_id=ep_id,
             sec_identity=BACKEND,
-            ipv4=harness.ip_be(BACKEND_IP),
+            ipv4=harness.ip_to_map(BACKEND_IP),
             enforce_ingress=int(policy.enforce_ingress),
             enforce_egress=int(policy.enforce_egress),
         )
