@@ -22,7 +22,7 @@ from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 #: Upper bound for one plugin exec in tests (the plugin's own timeouts are smaller).
 EXEC_TIMEOUT_SECONDS = 60
 #: Spec error codes plus this plugin's documented ones.
-DOCUMENTED_CODES = {1, 4, 5, 6, 7, 8, 11, 100, 101, 999}
+DOCUMENTED_CODES = {1, 3, 4, 5, 6, 7, 8, 11, 50, 100, 101, 102, 999}
 
 
 def cni_binary() -> str:
@@ -86,6 +86,8 @@ def netconf(agent_socket: str, version: str = "1.0.0", **extra: Any) -> dict[str
         "name": "cilia",
         "type": "cilia-cni",
         "agent-socket": agent_socket,
+        # Never the host's default queue: a real agent there would replay our DELs.
+        "del-queue-dir": os.path.join(os.path.dirname(agent_socket) or "/tmp", "del-queue"),
     }
     conf.update(extra)
     return conf

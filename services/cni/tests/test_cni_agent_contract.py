@@ -13,7 +13,7 @@ from cni_testlib import AgentServer, assert_cni_error, cni_env, exec_cni, netcon
 from cilia.agent.v1 import agent_pb2
 
 
-@pytest.mark.parametrize("version", ["1.0.0", "1.1.0"])
+@pytest.mark.parametrize("version", ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"])
 def test_add_prints_spec_result_in_the_netconf_version(agent: AgentServer, version: str) -> None:
     run = exec_cni(cni_env("ADD"), netconf(agent.socket, version=version))
     assert run.returncode == 0, run
@@ -30,9 +30,43 @@ def test_add_prints_spec_result_in_the_netconf_version(agent: AgentServer, versi
     }
     assert ("mtu" in host) is (version == "1.1.0")
     assert result["cniVersion"] == version
-    assert result["ips"] == [{"address": "10.251.0.2/32", "gateway": "10.251.0.1", "interface": 1}]
+    ip = {"address": "10.251.0.2/32", "gateway": "10.251.0.1", "interface": 1}
+    if version.startswith("0."):
+        ip["version"] = "4"  # 0.3.x/0.4.0 shape; 1.0.0 dropped the field
+    assert result["ips"] == [ip]
     assert result["routes"] == [{"dst": "0.0.0.0/0", "gw": "10.251.0.1"}]
     assert set(result) == {"cniVersion", "interfaces", "ips", "routes"}
+
+
+def test_add_sends_annotations_from_args_and_runtime_config(agent: AgentServer) -> None:
+    conf = netconf(
+        agent.socket,
+        args={"cni": {"annotations": {"ipam.cilium.io/ip-pool": "blue", "a": "args"}}},
+        runtimeConfig={"io.kubernetes.cri.pod-annotations": {"a": "runtime", "b": "x"}},
+    )
+    assert exec_cni(cni_env("ADD"), conf).returncode == 0
+    (request,) = agent.servicer.add_requests
+    assert dict(request.annotations) == {"ipam.cilium.io/ip-pool": "blue", "a": "args", "b": "x"}
+    assert request.prev_result == ""
+
+
+def test_chained_add_sends_prev_result_and_passes_it_through(agent: AgentServer) -> None:
+    prev = {
+        "cniVersion": "1.0.0",
+        "interfaces": [
+            {"name": "veth1", "mac": "02:aa:00:00:00:01"},
+            {"name": "eth0", "mac": "02:aa:00:00:00:02", "sandbox": "/var/run/netns/x"},
+        ],
+        "ips": [{"address": "10.77.0.5/24", "gateway": "10.77.0.1", "interface": 1}],
+        "routes": [{"dst": "0.0.0.0/0", "gw": "10.77.0.1"}],
+        "dns": {"nameservers": ["10.77.0.10"]},
+    }
+    agent.servicer.add_response = agent_pb2.AddResponse(endpoint_id=7)
+    run = exec_cni(cni_env("ADD"), netconf(agent.socket, prevResult=prev))
+    assert run.returncode == 0, run
+    (request,) = agent.servicer.add_requests
+    assert json.loads(request.prev_result) == prev
+    assert run.json == prev
 
 
 def test_add_sends_attachment_labels_and_pod_identity_to_the_agent(agent: AgentServer) -> None:

@@ -17,15 +17,15 @@ def test_missing_cni_command_fails_with_code_4() -> None:
     assert run.stderr == ""
 
 
-@pytest.mark.parametrize("command", ["add", "CHECK", "GC", "STATUS", "FROB"])
+@pytest.mark.parametrize("command", ["add", "check", "FROB"])
 def test_unsupported_cni_command_fails_with_code_4_listing_supported_ones(
     command: str, absent_socket: str
 ) -> None:
     run = exec_cni(cni_env(command), netconf(absent_socket))
-    assert_cni_error(run, 4, "CNI_COMMAND", "ADD, DEL, VERSION")
+    assert_cni_error(run, 4, "CNI_COMMAND", "ADD, DEL, CHECK, VERSION, STATUS, GC")
 
 
-@pytest.mark.parametrize("command", ["ADD", "DEL"])
+@pytest.mark.parametrize("command", ["ADD", "DEL", "CHECK"])
 @pytest.mark.parametrize("variable", ["CNI_CONTAINERID", "CNI_IFNAME"])
 def test_missing_required_variable_fails_with_code_4_naming_it(
     command: str, variable: str, absent_socket: str
@@ -35,10 +35,16 @@ def test_missing_required_variable_fails_with_code_4_naming_it(
     assert_cni_error(exec_cni(env, netconf(absent_socket)), 4, variable)
 
 
-def test_add_without_netns_fails_with_code_4(absent_socket: str) -> None:
-    env = cni_env("ADD")
+@pytest.mark.parametrize("command", ["ADD", "CHECK"])
+def test_add_and_check_without_netns_fail_with_code_4(command: str, absent_socket: str) -> None:
+    env = cni_env(command)
     del env["CNI_NETNS"]
     assert_cni_error(exec_cni(env, netconf(absent_socket)), 4, "CNI_NETNS")
+
+
+def test_gc_without_cni_path_fails_with_code_4(absent_socket: str) -> None:
+    env = {"CNI_COMMAND": "GC"}
+    assert_cni_error(exec_cni(env, netconf(absent_socket, version="1.1.0")), 4, "CNI_PATH")
 
 
 @pytest.mark.parametrize(
@@ -79,13 +85,24 @@ def test_missing_cni_version_fails_with_code_7(absent_socket: str) -> None:
     assert_cni_error(exec_cni(cni_env("ADD"), conf), 7, "`cniVersion`")
 
 
-@pytest.mark.parametrize("command", ["ADD", "DEL"])
-@pytest.mark.parametrize("version", ["0.4.0", "0.3.1", "1.2.0"])
+@pytest.mark.parametrize("command", ["ADD", "DEL", "CHECK", "GC", "STATUS"])
+@pytest.mark.parametrize("version", ["0.2.0", "0.1.0", "1.2.0", "1.0"])
 def test_unsupported_cni_version_fails_with_code_1(
     command: str, version: str, absent_socket: str
 ) -> None:
     run = exec_cni(cni_env(command), netconf(absent_socket, version=version))
-    assert_cni_error(run, 1, version, "1.0.0, 1.1.0")
+    assert_cni_error(run, 1, version, "0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0")
+
+
+@pytest.mark.parametrize(
+    ("command", "version"),
+    [("CHECK", "0.3.0"), ("CHECK", "0.3.1"), ("GC", "1.0.0"), ("GC", "0.4.0"), ("STATUS", "1.0.0")],
+)
+def test_command_newer_than_the_config_version_fails_with_code_1(
+    command: str, version: str, absent_socket: str
+) -> None:
+    run = exec_cni(cni_env(command), netconf(absent_socket, version=version))
+    assert_cni_error(run, 1, command, "does not allow")
 
 
 @pytest.mark.parametrize(
@@ -118,7 +135,16 @@ def test_unsupported_cni_version_fails_with_code_1(
             {"args": {"cni": {"labels": [{"key": "a", "value": "1"}, {"key": "a", "value": "2"}]}}},
             "`args.cni.labels[1].key`",
         ),
-        ({"prevResult": {"cniVersion": "1.0.0", "ips": []}}, "`prevResult`"),
+        ({"prevResult": []}, "`prevResult`"),
+        ({"prevResult": {"ips": [{"address": 5}]}}, "`prevResult.ips[0].address`"),
+        ({"prevResult": {"ips": [{"address": "10.0.0.1/32", "interface": 3}]}}, "interface"),
+        ({"prevResult": {"interfaces": "eth0"}}, "`prevResult.interfaces`"),
+        ({"args": {"cni": {"annotations": []}}}, "`args.cni.annotations`"),
+        ({"args": {"cni": {"annotations": {"a": 1}}}}, "`args.cni.annotations.a`"),
+        ({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": "x"}}, "pod-annotations"),
+        ({"del-queue-dir": "relative"}, "`del-queue-dir`"),
+        ({"del-queue-max": 0}, "`del-queue-max`"),
+        ({"del-queue-max": "256"}, "`del-queue-max`"),
     ],
 )
 def test_invalid_network_config_fails_with_code_7_naming_the_field(
@@ -173,10 +199,27 @@ def test_add_fails_with_code_11_when_socket_path_is_not_a_socket(short_tmp: str)
     assert_cni_error(exec_cni(cni_env("ADD"), netconf(path)), 11, "not a unix socket")
 
 
-def test_del_with_agent_absent_fails_with_code_11_until_the_del_queue_exists(
-    absent_socket: str,
+def test_check_without_prev_result_fails_with_code_7(absent_socket: str) -> None:
+    run = exec_cni(cni_env("CHECK"), netconf(absent_socket, version="1.0.0"))
+    assert_cni_error(run, 7, "`prevResult`")
+
+
+def test_status_fails_with_code_50_when_agent_socket_is_absent(absent_socket: str) -> None:
+    run = exec_cni({"CNI_COMMAND": "STATUS"}, netconf(absent_socket, version="1.1.0"))
+    assert_cni_error(run, 50, absent_socket)
+
+
+@pytest.mark.parametrize(
+    ("attachments", "field"),
+    [
+        ({"a": 1}, "`cni.dev/attachments`"),
+        ([{"containerID": "c1"}], "`cni.dev/attachments[0].ifname`"),
+        (["c1"], "`cni.dev/attachments[0]`"),
+    ],
+)
+def test_gc_with_malformed_attachments_fails_with_code_7(
+    attachments: Any, field: str, absent_socket: str
 ) -> None:
-    # The on-disk DEL queue replayed by the agent is a later issue; until then a DEL
-    # with the agent down asks the runtime to retry.
-    run = exec_cni(cni_env("DEL", CNI_NETNS=""), netconf(absent_socket))
-    assert_cni_error(run, 11, absent_socket)
+    conf = netconf(absent_socket, version="1.1.0", **{"cni.dev/attachments": attachments})
+    run = exec_cni({"CNI_COMMAND": "GC", "CNI_PATH": "/opt/cni/bin"}, conf)
+    assert_cni_error(run, 7, field)

@@ -9,11 +9,15 @@ gRPC status → CNI error (documented in services/cni/README.md):
 =========================================================  =======================
 UNAVAILABLE, DEADLINE_EXCEEDED, connection failures         11 AgentUnavailable
 INVALID_ARGUMENT                                            7  InvalidNetworkConfig
-NOT_FOUND (netns does not exist)                            8  InvalidNetNS
+NOT_FOUND (ADD: netns does not exist)                       8  InvalidNetNS
+NOT_FOUND (CHECK: unknown container_id/ifname)              3  UnknownContainer
+FAILED_PRECONDITION (CHECK: mismatch, differences listed)   102 CheckMismatch
 ALREADY_EXISTS (ifname exists in the netns)                 100 AttachmentExists
 RESOURCE_EXHAUSTED (pool has no free address)               101 PoolExhausted
 anything else                                               999 InternalError
 =========================================================  =======================
+
+Every method uses grpcio's synchronous API (no asyncio event loop is started).
 """
 
 from __future__ import annotations
@@ -24,15 +28,19 @@ from cilia.agent.v1 import agent_pb2
 from cilia_cni.errors import (
     AgentTimeout,
     AgentUnavailable,
+    AgentUnreachable,
     AttachmentExists,
+    CheckMismatch,
     CniError,
     InternalError,
     InvalidNetNS,
     InvalidNetworkConfig,
     PoolExhausted,
+    UnknownContainer,
 )
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AttachmentService"]
+_DEBUG = agent_pb2.DESCRIPTOR.services_by_name["DebugService"]
 #: Channel options: no transparent retries or proxies; a CNI call is one attempt.
 _CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
@@ -47,10 +55,17 @@ _BY_STATUS: dict[object, type[CniError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AttachmentExists,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PoolExhausted,
 }
+#: CHECK reads NOT_FOUND and FAILED_PRECONDITION differently (agent.proto, Check).
+_BY_STATUS_CHECK: dict[object, type[CniError]] = {
+    **_BY_STATUS,
+    grpc.StatusCode.NOT_FOUND: UnknownContainer,
+    grpc.StatusCode.FAILED_PRECONDITION: CheckMismatch,
+}
 
 
-def _method(name: str) -> str:
-    return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
+def _method(name: str, service: object = _SERVICE) -> str:
+    svc = service  # a ServiceDescriptor
+    return f"/{svc.full_name}/{svc.methods_by_name[name].name}"  # type: ignore[attr-defined]
 
 
 class AgentClient:
@@ -72,6 +87,21 @@ class AgentClient:
             _method("Del"),
             request_serializer=agent_pb2.DelRequest.SerializeToString,
             response_deserializer=agent_pb2.DelResponse.FromString,
+        )
+        self._check = self._channel.unary_unary(
+            _method("Check"),
+            request_serializer=agent_pb2.CheckRequest.SerializeToString,
+            response_deserializer=agent_pb2.CheckResponse.FromString,
+        )
+        self._gc = self._channel.unary_unary(
+            _method("GC"),
+            request_serializer=agent_pb2.GCRequest.SerializeToString,
+            response_deserializer=agent_pb2.GCResponse.FromString,
+        )
+        self._status = self._channel.unary_unary(
+            _method("Status", _DEBUG),
+            request_serializer=agent_pb2.StatusRequest.SerializeToString,
+            response_deserializer=agent_pb2.StatusResponse.FromString,
         )
 
     def __enter__(self) -> AgentClient:
@@ -106,7 +136,55 @@ class AgentClient:
             raise self._error("DEL", exc, timeout, "agent-del-timeout-seconds") from None
         return bool(response.deleted)
 
-    def _error(self, op: str, exc: grpc.RpcError, timeout: float, timeout_key: str) -> CniError:
+    def check(self, request: agent_pb2.CheckRequest, timeout: float) -> agent_pb2.CheckResponse:
+        """Call ``Check`` with a deadline of ``timeout`` seconds.
+
+        Raises:
+            CniError: UnknownContainer (NOT_FOUND), CheckMismatch (FAILED_PRECONDITION),
+                AgentUnavailable, ... (see the module table).
+        """
+        try:
+            response: agent_pb2.CheckResponse = self._check(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error(
+                "CHECK", exc, timeout, "agent-timeout-seconds", _BY_STATUS_CHECK
+            ) from None
+        return response
+
+    def gc(self, request: agent_pb2.GCRequest, timeout: float) -> agent_pb2.GCResponse:
+        """Call ``GC`` with a deadline of ``timeout`` seconds.
+
+        Raises:
+            CniError: the subclass mapped from the gRPC status (see the module table).
+        """
+        try:
+            response: agent_pb2.GCResponse = self._gc(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error("GC", exc, timeout, "agent-timeout-seconds") from None
+        return response
+
+    def status(self, timeout: float) -> agent_pb2.StatusResponse:
+        """Call ``DebugService.Status`` with a deadline of ``timeout`` seconds.
+
+        Raises:
+            CniError: the subclass mapped from the gRPC status (see the module table).
+        """
+        try:
+            response: agent_pb2.StatusResponse = self._status(
+                agent_pb2.StatusRequest(), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            raise self._error("STATUS", exc, timeout, "agent-timeout-seconds") from None
+        return response
+
+    def _error(
+        self,
+        op: str,
+        exc: grpc.RpcError,
+        timeout: float,
+        timeout_key: str,
+        by_status: dict[object, type[CniError]] = _BY_STATUS,
+    ) -> CniError:
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         text = exc.details() if callable(getattr(exc, "details", None)) else None
         status = getattr(code, "name", "UNKNOWN")
@@ -122,7 +200,7 @@ class AgentClient:
                 f"`{timeout_key}`): {check}",
                 f"gRPC {status}: {agent_msg}",
             )
-        cls = _BY_STATUS.get(code, InternalError)
+        cls = by_status.get(code, InternalError)
         if cls is AgentUnavailable and not _is_transport_failure(agent_msg):
             # The agent answered: it is up but cannot serve the request now (for
             # example its operator is unreachable). Say why, in its own words.
@@ -131,12 +209,24 @@ class AgentClient:
                 f"gRPC {status}",
             )
         if cls is AgentUnavailable:
-            return AgentUnavailable(
+            return AgentUnreachable(
                 f"{where} is unreachable or not ready for {op}: {check}",
                 f"gRPC {status}: {agent_msg}",
             )
         if cls is InternalError:
             return InternalError(f"{where} failed {op}: {agent_msg}", f"gRPC {status}")
+        if cls is UnknownContainer:
+            return UnknownContainer(
+                f"{where} holds no attachment for this container and ifname ({agent_msg}): "
+                "nothing to check; ADD it again",
+                f"gRPC {status}",
+            )
+        if cls is CheckMismatch:
+            return CheckMismatch(
+                f"{where}: CHECK found the attachment differs from prevResult: {agent_msg}; "
+                "the runtime should DEL and ADD the container again",
+                f"gRPC {status}",
+            )
         return cls(f"{where} refused {op}: {agent_msg}", f"gRPC {status}")
 
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 # CNI spec / libcni codes.
 INCOMPATIBLE_VERSION = 1
+UNKNOWN_CONTAINER = 3
 INVALID_ENVIRONMENT = 4
 IO_FAILURE = 5
 DECODING_FAILURE = 6
 INVALID_NETWORK_CONFIG = 7
 INVALID_NETNS = 8
 TRY_AGAIN_LATER = 11
+PLUGIN_NOT_AVAILABLE = 50
 INTERNAL = 999
 # Plugin-specific codes (>= 100).
 ATTACHMENT_EXISTS = 100
 POOL_EXHAUSTED = 101
+CHECK_MISMATCH = 102
 
 
 class CniError(Exception):
@@ -44,6 +47,12 @@ class IncompatibleVersion(CniError):
     """The netconf's ``cniVersion`` is not one this plugin speaks (code 1)."""
 
     code = INCOMPATIBLE_VERSION
+
+
+class UnknownContainer(CniError):
+    """CHECK: the agent holds no attachment (CNI_CONTAINERID, CNI_IFNAME) (code 3)."""
+
+    code = UNKNOWN_CONTAINER
 
 
 class InvalidEnvironment(CniError):
@@ -88,6 +97,19 @@ class AgentUnavailable(CniError):
     code = TRY_AGAIN_LATER
 
 
+class AgentUnreachable(AgentUnavailable):
+    """cilia-agent's socket is absent or refuses connections: nobody answered (code 11).
+
+    DEL queues itself on disk in this case (the agent replays the queue at start).
+    """
+
+
+class PluginNotAvailable(CniError):
+    """STATUS: the agent is unreachable, not ready, or has no free address (code 50)."""
+
+    code = PLUGIN_NOT_AVAILABLE
+
+
 class AgentTimeout(AgentUnavailable):
     """cilia-agent did not answer within the netconf timeout (code 11).
 
@@ -106,6 +128,13 @@ class PoolExhausted(CniError):
     """The node's IPAM pool has no free address (code 101, gRPC RESOURCE_EXHAUSTED)."""
 
     code = POOL_EXHAUSTED
+
+
+class CheckMismatch(CniError):
+    """CHECK: the netns or the endpoint differs from prevResult (code 102, gRPC
+    FAILED_PRECONDITION); the message lists every difference the agent found."""
+
+    code = CHECK_MISMATCH
 
 
 class InternalError(CniError):

@@ -15,8 +15,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-#: Commands implemented by this version. CHECK, STATUS and GC come in a later issue.
-COMMANDS = ("ADD", "DEL", "VERSION")
+#: Commands implemented (CNI spec 1.1.0; CHECK needs cniVersion >= 0.4.0, GC and STATUS 1.1.0).
+COMMANDS = ("ADD", "DEL", "CHECK", "VERSION", "STATUS", "GC")
+#: Commands that act on one attachment and need CNI_CONTAINERID and CNI_IFNAME.
+ATTACHMENT_COMMANDS = ("ADD", "DEL", "CHECK")
 #: Container id rule of libcni (pkg/utils ValidateContainerID).
 _CONTAINER_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 #: Linux IFNAMSIZ (16) minus the terminating NUL.
@@ -45,12 +47,13 @@ class Invocation:
     """One invocation's environment, validated for its command.
 
     Attributes:
-        command: ``ADD``, ``DEL`` or ``VERSION`` (CNI_COMMAND).
+        command: one of :data:`COMMANDS` (CNI_COMMAND).
         container_id: CNI_CONTAINERID (libcni rule ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``);
-            empty for VERSION.
-        netns: CNI_NETNS, an absolute path; may be empty for DEL and VERSION.
+            empty for VERSION, STATUS and GC.
+        netns: CNI_NETNS, an absolute path; required for ADD and CHECK, may be empty for
+            DEL, empty for VERSION, STATUS and GC.
         ifname: CNI_IFNAME (1-15 bytes, no ``/``, ``:`` or whitespace, not ``.``/``..``);
-            empty for VERSION.
+            empty for VERSION, STATUS and GC.
         cni_args: raw CNI_ARGS (``K=V;K2=V2``), parsed on demand by :func:`parse_cni_args`.
         path: CNI_PATH split on ``:`` (empty entries dropped); optional, unused so far.
     """
@@ -95,15 +98,21 @@ def parse_command(env: Mapping[str, str]) -> str:
 
 
 def parse_invocation(env: Mapping[str, str], command: str) -> Invocation:
-    """Validate the CNI_* variables ``command`` needs (spec: ADD needs CONTAINERID, NETNS,
-    IFNAME; DEL needs CONTAINERID, IFNAME, NETNS optional; VERSION needs nothing).
+    """Validate the CNI_* variables ``command`` needs (spec 1.1.0: ADD and CHECK need
+    CONTAINERID, NETNS, IFNAME; DEL needs CONTAINERID, IFNAME, NETNS optional; GC needs
+    CNI_PATH; VERSION and STATUS need nothing).
 
     Raises:
         InvalidEnvironment: a required variable is missing or a value is malformed
             (the variable is named in the message).
     """
-    if command == "VERSION":
-        return Invocation(command)
+    path = tuple(p for p in env.get("CNI_PATH", "").split(os.pathsep) if p)
+    if command not in ATTACHMENT_COMMANDS:
+        if command == "GC" and not path:
+            raise InvalidEnvironment(
+                "required environment variable CNI_PATH is missing for GC (spec 1.1.0)"
+            )
+        return Invocation(command, path=path)
     container_id = _utf8("CNI_CONTAINERID", env.get("CNI_CONTAINERID", ""))
     if not container_id:
         raise InvalidEnvironment(
@@ -121,12 +130,13 @@ def parse_invocation(env: Mapping[str, str], command: str) -> Invocation:
         )
     _check_ifname(ifname)
     netns = _utf8("CNI_NETNS", env.get("CNI_NETNS", ""))
-    if not netns and command == "ADD":
-        raise InvalidEnvironment("required environment variable CNI_NETNS is missing for ADD")
+    if not netns and command != "DEL":
+        raise InvalidEnvironment(
+            f"required environment variable CNI_NETNS is missing for {command}"
+        )
     if netns and not netns.startswith("/"):
         raise InvalidEnvironment(f"CNI_NETNS {show(netns)} is not an absolute path")
     cni_args = _utf8("CNI_ARGS", env.get("CNI_ARGS", ""))
-    path = tuple(p for p in env.get("CNI_PATH", "").split(os.pathsep) if p)
     return Invocation(command, container_id, netns, ifname, cni_args, path)
 
 

@@ -20,7 +20,11 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
 #: CNI spec versions this plugin speaks; results are printed in the netconf's version.
-SUPPORTED_VERSIONS = ("1.0.0", "1.1.0")
+#: 0.1.0/0.2.0 (single ``ip4`` result, no interfaces) are not spoken.
+SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
+#: First version with CHECK (spec 0.4.0) and with GC/STATUS (spec 1.1.0).
+CHECK_SINCE = "0.4.0"
+GC_STATUS_SINCE = "1.1.0"
 #: Version used for error JSON when the input names none we speak, and for a bare VERSION.
 NEWEST_VERSION = SUPPORTED_VERSIONS[-1]
 #: The plugin's ``type`` (the binary name the runtime looks up in CNI_PATH).
@@ -34,6 +38,14 @@ DEFAULT_DEL_TIMEOUT_SECONDS = 10.0
 MAX_TIMEOUT_SECONDS = 240.0
 #: Linux sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
+#: Directory of the on-disk DEL queue (files in ``QueuedDel`` form, replayed by the agent).
+DEFAULT_DEL_QUEUE_DIR = "/var/run/cilia/del-queue"
+#: Queued DELs at most; a DEL finding the queue full fails with code 11.
+DEFAULT_DEL_QUEUE_MAX = 256
+#: Upper bound of ``del-queue-max`` (each entry is one small file).
+MAX_DEL_QUEUE_MAX = 65536
+#: containerd's capability carrying the pod's annotations in ``runtimeConfig``.
+POD_ANNOTATIONS_CAPABILITY = "io.kubernetes.cri.pod-annotations"
 #: Spec rule for ``name``.
 _NETWORK_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 
@@ -49,12 +61,16 @@ class NetConf:
         del_timeout: seconds, ``agent-del-timeout-seconds`` (default 10, max 240).
         log_file: absolute path for JSON-line logs (``log-file``), ``""`` = no log.
         mtu: MTU for both veth ends, ``0`` = the agent's ``--mtu`` (``mtu``).
+        del_queue_dir: absolute directory of the DEL queue (``del-queue-dir``).
+        del_queue_max: most queued DELs, 1..65536 (``del-queue-max``, default 256).
     """
 
     __slots__ = (
         "add_timeout",
         "agent_socket",
         "cni_version",
+        "del_queue_dir",
+        "del_queue_max",
         "del_timeout",
         "log_file",
         "mtu",
@@ -70,6 +86,8 @@ class NetConf:
         del_timeout: float = DEFAULT_DEL_TIMEOUT_SECONDS,
         log_file: str = "",
         mtu: int = 0,
+        del_queue_dir: str = DEFAULT_DEL_QUEUE_DIR,
+        del_queue_max: int = DEFAULT_DEL_QUEUE_MAX,
     ) -> None:
         self.cni_version = cni_version
         self.name = name
@@ -78,6 +96,8 @@ class NetConf:
         self.del_timeout = del_timeout
         self.log_file = log_file
         self.mtu = mtu
+        self.del_queue_dir = del_queue_dir
+        self.del_queue_max = del_queue_max
 
 
 def _reject_constant(name: str) -> float:
@@ -173,6 +193,8 @@ def parse(conf: Mapping[str, object], cni_version: str, plugin_type: str) -> Net
         del_timeout=_timeout(conf, "agent-del-timeout-seconds", DEFAULT_DEL_TIMEOUT_SECONDS),
         log_file=_log_file(conf),
         mtu=_mtu(conf),
+        del_queue_dir=_del_queue_dir(conf),
+        del_queue_max=_del_queue_max(conf),
     )
 
 
@@ -186,20 +208,9 @@ def parse_labels(conf: Mapping[str, object]) -> dict[str, str]:
         InvalidNetworkConfig: a level has the wrong JSON type, a key is empty or not a
             string, a value is not a string, or a key repeats (the path is named).
     """
-    args = conf.get("args")
-    if args is None:
-        return {}
-    if not isinstance(args, dict):
-        raise InvalidNetworkConfig(
-            f"network config field `args` must be an object, got {_json_type(args)}"
-        )
-    cni = args.get("cni")
+    cni = _args_cni(conf)
     if cni is None:
         return {}
-    if not isinstance(cni, dict):
-        raise InvalidNetworkConfig(
-            f"network config field `args.cni` must be an object, got {_json_type(cni)}"
-        )
     labels = cni.get("labels")
     if labels is None:
         return {}
@@ -230,6 +241,201 @@ def parse_labels(conf: Mapping[str, object]) -> dict[str, str]:
             )
         result[key] = value
     return result
+
+
+def version_at_least(version: str, minimum: str) -> bool:
+    """True when spec ``version`` (``X.Y.Z`` digits) is ``minimum`` or newer."""
+    return tuple(int(x) for x in version.split(".")) >= tuple(int(x) for x in minimum.split("."))
+
+
+def parse_annotations(conf: Mapping[str, object]) -> dict[str, str]:
+    """Pod annotations for the agent (IPAM pool selection).
+
+    Read from ``runtimeConfig["io.kubernetes.cri.pod-annotations"]`` (containerd's
+    capability, an object of strings) and ``args.cni.annotations`` (an object of strings,
+    mirroring ``args.cni.labels``); ``args`` wins on a repeated key. ``{}`` when absent.
+
+    Raises:
+        InvalidNetworkConfig: a level is not an object or a value is not a string (the
+            path is named).
+    """
+    result: dict[str, str] = {}
+    runtime = conf.get("runtimeConfig")
+    if isinstance(runtime, dict):
+        result.update(
+            _string_map(
+                runtime.get(POD_ANNOTATIONS_CAPABILITY),
+                f"runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}",
+            )
+        )
+    elif runtime is not None:
+        raise InvalidNetworkConfig(
+            f"network config field `runtimeConfig` must be an object, got {_json_type(runtime)}"
+        )
+    cni = _args_cni(conf)
+    if cni is not None:
+        result.update(_string_map(cni.get("annotations"), "args.cni.annotations"))
+    return result
+
+
+def _string_map(value: object, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidNetworkConfig(
+            f"network config field `{where}` must be an object of strings, got {_json_type(value)}"
+        )
+    for key, item in value.items():
+        if not key:
+            raise InvalidNetworkConfig(f"network config field `{where}` has an empty key")
+        if not isinstance(item, str):
+            raise InvalidNetworkConfig(
+                f"network config field `{where}.{key}` must be a string, got {_shown(item)}"
+            )
+    return dict(value)
+
+
+def _args_cni(conf: Mapping[str, object]) -> dict[str, object] | None:
+    args = conf.get("args")
+    if args is None:
+        return None
+    if not isinstance(args, dict):
+        raise InvalidNetworkConfig(
+            f"network config field `args` must be an object, got {_json_type(args)}"
+        )
+    cni = args.get("cni")
+    if cni is None:
+        return None
+    if not isinstance(cni, dict):
+        raise InvalidNetworkConfig(
+            f"network config field `args.cni` must be an object, got {_json_type(cni)}"
+        )
+    return cni
+
+
+def parse_attachments(conf: Mapping[str, object]) -> list[tuple[str, str]]:
+    """GC's ``cni.dev/attachments``: ``[{"containerID", "ifname"}]`` -> ``[(id, ifname)]``.
+
+    An absent key means "no attachment is valid any more" (spec 1.1.0: the runtime sends
+    every attachment it still uses).
+
+    Raises:
+        InvalidNetworkConfig: not a list of objects with non-empty string ``containerID``
+            and ``ifname`` (the element is named).
+    """
+    items = conf.get("cni.dev/attachments")
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise InvalidNetworkConfig(
+            f"network config field `cni.dev/attachments` must be a list, got {_json_type(items)}"
+        )
+    result: list[tuple[str, str]] = []
+    for i, item in enumerate(items):
+        where = f"cni.dev/attachments[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidNetworkConfig(
+                f"network config field `{where}` must be an object {{containerID, ifname}}, "
+                f"got {_json_type(item)}"
+            )
+        cid, ifname = item.get("containerID"), item.get("ifname")
+        for key, value in (("containerID", cid), ("ifname", ifname)):
+            if not isinstance(value, str) or not value:
+                raise InvalidNetworkConfig(
+                    f"network config field `{where}.{key}` must be a non-empty string, "
+                    f"got {_shown(value)}"
+                )
+        assert isinstance(cid, str) and isinstance(ifname, str)
+        result.append((cid, ifname))
+    return result
+
+
+def parse_prev_result(conf: Mapping[str, object], command: str) -> dict[str, object] | None:
+    """The runtime's ``prevResult`` as an object (``None`` when absent).
+
+    Shape checked (spec "Success"): ``interfaces`` and ``ips``/``routes`` are lists of
+    objects when present, ``ips[].address`` a string, ``ips[].interface`` an index into
+    ``interfaces``.
+
+    Raises:
+        InvalidNetworkConfig: ``prevResult`` breaks that shape (the path is named).
+    """
+    prev = conf.get("prevResult")
+    if prev is None:
+        return None
+    if not isinstance(prev, dict):
+        raise InvalidNetworkConfig(
+            f"network config field `prevResult` must be an object for {command}, "
+            f"got {_json_type(prev)}"
+        )
+    lists: dict[str, list[dict[str, object]]] = {}
+    for key in ("interfaces", "ips", "routes"):
+        value = prev.get(key, [])
+        if value is None:
+            value = []
+        if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            raise InvalidNetworkConfig(
+                f"network config field `prevResult.{key}` must be a list of objects, "
+                f"got {_shown(value) if not isinstance(value, list) else 'a list with a non-object'}"
+            )
+        lists[key] = value
+    for i, itf in enumerate(lists["interfaces"]):
+        for field in ("name", "mac", "sandbox"):
+            if not isinstance(itf.get(field, ""), str):
+                raise InvalidNetworkConfig(
+                    f"network config field `prevResult.interfaces[{i}].{field}` must be a "
+                    f"string, got {_shown(itf.get(field))}"
+                )
+    for i, ip in enumerate(lists["ips"]):
+        address = ip.get("address")
+        if not isinstance(address, str) or "/" not in address:
+            raise InvalidNetworkConfig(
+                f"network config field `prevResult.ips[{i}].address` must be a CIDR string, "
+                f"got {_shown(address)}"
+            )
+        index = ip.get("interface")
+        if index is not None and (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < len(lists["interfaces"])
+        ):
+            raise InvalidNetworkConfig(
+                f"network config field `prevResult.ips[{i}].interface` must index "
+                f"`prevResult.interfaces` (0..{len(lists['interfaces']) - 1}), got {_shown(index)}"
+            )
+        if not isinstance(ip.get("gateway", ""), str):
+            raise InvalidNetworkConfig(
+                f"network config field `prevResult.ips[{i}].gateway` must be a string, "
+                f"got {_shown(ip.get('gateway'))}"
+            )
+    for i, route in enumerate(lists["routes"]):
+        for field, required in (("dst", True), ("gw", False)):
+            value = route.get(field, None if required else "")
+            if not isinstance(value, str):
+                raise InvalidNetworkConfig(
+                    f"network config field `prevResult.routes[{i}].{field}` must be a string, "
+                    f"got {_shown(value)}"
+                )
+    return prev
+
+
+def _del_queue_dir(conf: Mapping[str, object]) -> str:
+    path = conf.get("del-queue-dir", DEFAULT_DEL_QUEUE_DIR)
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
+        raise InvalidNetworkConfig(
+            f"network config field `del-queue-dir` must be an absolute path, got {_shown(path)}"
+        )
+    return path
+
+
+def _del_queue_max(conf: Mapping[str, object]) -> int:
+    value = conf.get("del-queue-max", DEFAULT_DEL_QUEUE_MAX)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEL_QUEUE_MAX:
+        raise InvalidNetworkConfig(
+            f"network config field `del-queue-max` must be an integer in 1..{MAX_DEL_QUEUE_MAX}, "
+            f"got {_shown(value)}"
+        )
+    return value
 
 
 def _socket_path(conf: Mapping[str, object]) -> str:

@@ -1,12 +1,11 @@
 """One plugin run: environment + stdin in, result or error JSON out, exit status back.
 
 Order of checks (first failure wins): CNI_COMMAND (4), stdin readable (5), VERSION is
-answered here; then the other CNI_* variables (4), stdin JSON (6), ``cniVersion`` (1),
-the plugin's netconf keys (7), CNI_ARGS and labels for ADD (4/7), the agent socket (11),
-the agent's answer (see :mod:`cilia_cni.agent`). grpc is imported only for that last step.
-
-DEL with the agent down returns 11 for now; the on-disk DEL queue replayed by the agent
-is a later issue.
+answered here; then the other CNI_* variables (4), stdin JSON (6), ``cniVersion`` (1,
+also when the command is newer than the version: CHECK < 0.4.0, GC/STATUS < 1.1.0), the
+plugin's netconf keys (7), CNI_ARGS, labels, annotations and prevResult (4/7), the agent
+socket (11; 50 for STATUS; DEL queues itself on disk), the agent's answer (see
+:mod:`cilia_cni.agent`). grpc is imported only for that last step.
 """
 
 from __future__ import annotations
@@ -20,10 +19,13 @@ from cilia_cni import netconf
 from cilia_cni.errors import (
     AgentTimeout,
     AgentUnavailable,
+    AgentUnreachable,
     CniError,
+    IncompatibleVersion,
     InternalError,
     InvalidNetworkConfig,
     IOFailure,
+    PluginNotAvailable,
 )
 from cilia_cni.invocation import Invocation, parse_cni_args, parse_command, parse_invocation
 from cilia_cni.log import EventLog
@@ -48,7 +50,7 @@ def run(
 
     Returns:
         ``(exit status, stdout text)``: ``0`` with the result JSON (ADD), the version
-        JSON (VERSION) or ``""`` (DEL); ``1`` with the spec error JSON
+        JSON (VERSION) or ``""`` (DEL, CHECK, GC, STATUS); ``1`` with the spec error JSON
         ``{"cniVersion", "code", "msg", "details"}``. Never raises for any input.
     """
     conf: dict[str, object] | None = None
@@ -75,10 +77,11 @@ def run(
             raise decode_error
         assert conf is not None
         conf_version = netconf.check_version(conf)
+        _check_command_version(command, conf_version)
         config = netconf.parse(conf, conf_version, plugin_type)
         log = EventLog(config.log_file, command, invocation.container_id, invocation.ifname)
         log.write("info", f"{command} started", netns=invocation.netns, cniVersion=conf_version)
-        out = _add(invocation, conf, config) if command == "ADD" else _del(invocation, config)
+        out = _COMMANDS[command](invocation, conf, config, log)
         log.write("info", f"{command} succeeded", durationMs=_ms(started), result=out or None)
         return 0, out
     except CniError as exc:
@@ -89,18 +92,34 @@ def run(
 
 
 def _version_reply(conf: Mapping[str, object]) -> dict[str, object]:
-    version = netconf.check_version(conf, required=False)
+    """VERSION never fails on the version (as libcni's skel): a runtime speaking a version
+    we do not must still learn which ones we do. The reply is in the requested version
+    when we speak it, else in the newest."""
+    version = conf.get("cniVersion")
+    if not isinstance(version, str) or version not in netconf.SUPPORTED_VERSIONS:
+        version = netconf.NEWEST_VERSION
     return {"cniVersion": version, "supportedVersions": list(netconf.SUPPORTED_VERSIONS)}
 
 
-def _add(invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf) -> str:
-    if conf.get("prevResult") is not None:
-        raise InvalidNetworkConfig(
-            "network config field `prevResult` is set: cilia-cni must be the first plugin of "
-            "the list (chaining after another plugin is not supported)"
+def _check_command_version(command: str, version: str) -> None:
+    """CHECK exists from spec 0.4.0, GC and STATUS from 1.1.0 (skel refuses with code 1)."""
+    since = {"CHECK": netconf.CHECK_SINCE, "GC": netconf.GC_STATUS_SINCE}.get(command)
+    if command == "STATUS":
+        since = netconf.GC_STATUS_SINCE
+    if since is not None and not netconf.version_at_least(version, since):
+        raise IncompatibleVersion(
+            f"cniVersion {version!r} does not allow {command} (needs {since} or newer): "
+            f"set `cniVersion` of the network config list to {since} or newer"
         )
+
+
+def _add(
+    invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
+) -> str:
+    prev = netconf.parse_prev_result(conf, "ADD")
     cni_args = parse_cni_args(invocation.cni_args)
     labels = netconf.parse_labels(conf)
+    annotations = netconf.parse_annotations(conf)
     _check_socket(config.agent_socket, "ADD")
     from cilia.agent.v1 import agent_pb2
     from cilia_cni import result
@@ -110,9 +129,11 @@ def _add(invocation: Invocation, conf: Mapping[str, object], config: netconf.Net
         ifname=invocation.ifname,
         netns=invocation.netns,
         labels=labels,
+        annotations=annotations,
         pod_namespace=cni_args.get("K8S_POD_NAMESPACE", ""),
         pod_name=cni_args.get("K8S_POD_NAME", ""),
         mtu=config.mtu,
+        prev_result=json.dumps(prev) if prev is not None else "",
     )
     with _client(config.agent_socket) as client:
         try:
@@ -122,6 +143,17 @@ def _add(invocation: Invocation, conf: Mapping[str, object], config: netconf.Net
             _rollback(client, invocation, config, exc)
             raise
         try:
+            if prev is not None:
+                # Chained after another plugin: pass its result on (spec "Chaining"),
+                # adding any interface the agent reports that it does not name.
+                out = result.convert(config.cni_version, prev)
+                known = {i.get("name") for i in out["interfaces"]}  # type: ignore[attr-defined]
+                if response.interfaces:
+                    built = result.build(config.cni_version, response)["interfaces"]
+                    for itf in built:  # type: ignore[attr-defined]
+                        if itf["name"] not in known:
+                            out["interfaces"].append(itf)  # type: ignore[attr-defined]
+                return _dump(out)
             return _dump(result.build(config.cni_version, response))
         except CniError as exc:
             _rollback(client, invocation, config, exc)
@@ -145,16 +177,128 @@ def _rollback(
     exc.details = f"{exc.details}; {outcome}" if exc.details else outcome
 
 
-def _del(invocation: Invocation, config: netconf.NetConf) -> str:
-    _check_socket(config.agent_socket, "DEL")
+def _del(
+    invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
+) -> str:
+    """DEL ignores CNI_ARGS, labels and prevResult so that cleanup never fails on them.
+
+    With the agent unreachable (socket absent, not a socket, refusing) the DEL is queued
+    on disk for the agent to replay at start, and succeeds.
+    """
     from cilia.agent.v1 import agent_pb2
 
     request = agent_pb2.DelRequest(
         container_id=invocation.container_id, ifname=invocation.ifname, netns=invocation.netns
     )
-    with _client(config.agent_socket) as client:
-        client.delete(request, config.del_timeout)
+    try:
+        _check_socket(config.agent_socket, "DEL")
+        with _client(config.agent_socket) as client:
+            client.delete(request, config.del_timeout)
+    except AgentUnreachable as exc:
+        from cilia_cni import delqueue
+
+        path = delqueue.enqueue(config.del_queue_dir, config.del_queue_max, request, exc.msg)
+        log.write("warning", "agent unreachable, DEL queued for the agent to replay", file=path)
     return ""
+
+
+def _check(
+    invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
+) -> str:
+    """CHECK: the agent compares the netns and its endpoint with prevResult."""
+    prev = netconf.parse_prev_result(conf, "CHECK")
+    if prev is None:
+        raise InvalidNetworkConfig(
+            "network config field `prevResult` is missing: CHECK needs the cached ADD result "
+            "(the runtime passes it)"
+        )
+    interfaces = prev.get("interfaces") or []
+    assert isinstance(interfaces, list)
+    index = next(
+        (
+            i
+            for i, itf in enumerate(interfaces)
+            if itf.get("name") == invocation.ifname and itf.get("sandbox")
+        ),
+        None,
+    )
+    if index is None:
+        index = next(
+            (i for i, itf in enumerate(interfaces) if itf.get("name") == invocation.ifname), None
+        )
+    if index is None:
+        raise InvalidNetworkConfig(
+            f"network config field `prevResult.interfaces` has no interface named "
+            f"{invocation.ifname!r} (CNI_IFNAME): it is not this attachment's result"
+        )
+    ips = prev.get("ips") or []
+    routes = prev.get("routes") or []
+    assert isinstance(ips, list) and isinstance(routes, list)
+    _check_socket(config.agent_socket, "CHECK")
+    from cilia.agent.v1 import agent_pb2
+
+    request = agent_pb2.CheckRequest(
+        container_id=invocation.container_id,
+        ifname=invocation.ifname,
+        netns=invocation.netns,
+        addresses=[ip["address"] for ip in ips if ip.get("interface", index) == index],
+        routes=[agent_pb2.Route(dst=r["dst"], gw=r.get("gw", "")) for r in routes],
+        mac=str(interfaces[index].get("mac", "")),
+    )
+    with _client(config.agent_socket) as client:
+        client.check(request, config.add_timeout)
+    return ""
+
+
+def _gc(
+    invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
+) -> str:
+    """GC: the agent releases every attachment not in ``cni.dev/attachments``."""
+    valid = netconf.parse_attachments(conf)
+    _check_socket(config.agent_socket, "GC")
+    from cilia.agent.v1 import agent_pb2
+
+    request = agent_pb2.GCRequest(
+        valid_attachments=[
+            agent_pb2.Attachment(container_id=cid, ifname=ifname) for cid, ifname in valid
+        ]
+    )
+    with _client(config.agent_socket) as client:
+        response = client.gc(request, config.add_timeout)
+    log.write(
+        "info",
+        "GC released attachments",
+        released=[f"{a.container_id}/{a.ifname}" for a in response.released],
+    )
+    return ""
+
+
+def _status(
+    invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
+) -> str:
+    """STATUS: 0 when the agent is ready and some pool has a free address, else 50."""
+    try:
+        _check_socket(config.agent_socket, "STATUS")
+        with _client(config.agent_socket) as client:
+            status = client.status(config.add_timeout)
+    except AgentUnavailable as exc:
+        raise PluginNotAvailable(exc.msg, exc.details) from None
+    if not status.ready:
+        raise PluginNotAvailable(
+            f"cilia-agent is not ready: {status.message or 'no reason given'}; wait for it or "
+            f"check it (cilia-agent status --socket {config.agent_socket})"
+        )
+    free = sum(max(0, p.capacity - p.used) for p in status.pools)
+    if free == 0:
+        pools = ", ".join(f"{p.pool} {p.used}/{p.capacity}" for p in status.pools) or "none"
+        raise PluginNotAvailable(
+            f"cilia-agent has no free pod address (pools used/capacity: {pools}): new pods "
+            "cannot be added until addresses are released or the node gets more CIDRs"
+        )
+    return ""
+
+
+_COMMANDS = {"ADD": _add, "DEL": _del, "CHECK": _check, "GC": _gc, "STATUS": _status}
 
 
 def _client(socket_path: str) -> AgentClient:
@@ -169,16 +313,16 @@ def _check_socket(path: str, op: str) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise AgentUnavailable(
+        raise AgentUnreachable(
             f"cilia-agent socket {path} does not exist, cannot {op}: {hint}; the netconf "
             "field `agent-socket` names it"
         ) from None
     except OSError as exc:
-        raise AgentUnavailable(
+        raise AgentUnreachable(
             f"cilia-agent socket {path} is not accessible ({exc.strerror}): {hint}"
         ) from None
     if not stat.S_ISSOCK(mode):
-        raise AgentUnavailable(
+        raise AgentUnreachable(
             f"cilia-agent socket {path} is not a unix socket, cannot {op}: {hint}"
         )
 
