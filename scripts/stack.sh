@@ -18,7 +18,8 @@
 #   CILIA_STACK_LOG_LINES (40)                        log lines shown when a component fails to start
 #
 # Addresses (fixed by the team brief): Redis 127.0.0.1:6390 (appendonly), operator gRPC
-# 127.0.0.1:4250 + metrics :9963, agent socket .run/cilia.sock (Hubble .run/hubble.sock, :4244) +
+# 127.0.0.1:4250 + metrics :9963, agent socket .run/cilia.sock (Hubble .run/hubble.sock, :4244,
+# the plugin's DEL queue .run/del-queue, named in the conflist) +
 # metrics :9962, relay Observer 127.0.0.1:4245 + health 127.0.0.1:4222 (SERVING once it reached the
 # agent's Peer service). Exit status: 0 ok, 1 a component failed (its log tail is printed), 2 usage.
 set -euo pipefail
@@ -83,7 +84,8 @@ set_command() {
     agent)
       CMD=("$BIN/cilia-agent" serve --node-name "$NODE_NAME" --operator "$OPERATOR_ADDR"
            --state-dir "$RUN/agent/state" --socket "$SOCKET" --cni-conf-dir "$CNI_CONF_DIR"
-           --cni-conf-name 05-cilia.conflist --prometheus-serve-addr :9962 --log-level info) ;;
+           --cni-conf-name 05-cilia.conflist --cni-del-queue-dir "$RUN/del-queue"
+           --prometheus-serve-addr :9962 --log-level info) ;;
     relay)
       CMD=("$BIN/cilia-relay" serve --peer-service "unix:$HUBBLE_SOCKET"
            --listen-address "$RELAY_ADDR" --health-listen-address "$RELAY_HEALTH_ADDR" --log-level info) ;;

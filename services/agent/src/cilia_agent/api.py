@@ -1,7 +1,8 @@
 """gRPC boundary of ``cilia.agent.v1``: AttachmentService and DebugService.
 
 Domain exceptions become gRPC status codes here (STYLE.md "Errors"):
-InvalidRequest/InvalidLabels → INVALID_ARGUMENT, NetnsNotFound → NOT_FOUND,
+InvalidRequest/InvalidLabels → INVALID_ARGUMENT, NetnsNotFound/UnknownAttachment →
+NOT_FOUND, CheckFailed → FAILED_PRECONDITION,
 InterfaceExists/EndpointConflict → ALREADY_EXISTS, PoolExhausted/PolicyMapFull →
 RESOURCE_EXHAUSTED, AgentNotReady/OperatorUnavailable (identity allocation)/
 PolicyNotReady → UNAVAILABLE, anything else → INTERNAL with the reason (never a
@@ -22,12 +23,16 @@ from cilia_agent.datapath import DatapathError, InterfaceExists, NetnsNotFound
 from cilia_agent.endpoint import (
     AddParams,
     AgentNotReady,
+    CheckFailed,
+    CheckParams,
     EndpointConflict,
     EndpointManager,
     EndpointRecord,
     InvalidRequest,
     StateError,
+    UnknownAttachment,
 )
+from cilia_agent.endpoint.chaining import parse_prev_result
 from cilia_agent.endpoint.enforcement import InvalidLabels, PolicyNotReady
 from cilia_agent.ipam import PoolExhausted
 from cilia_agent.policy.maps import PolicyMapFull
@@ -44,6 +49,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE),
     (PolicyNotReady, grpc.StatusCode.UNAVAILABLE),
     (NetnsNotFound, grpc.StatusCode.NOT_FOUND),
+    (UnknownAttachment, grpc.StatusCode.NOT_FOUND),
+    (CheckFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (InterfaceExists, grpc.StatusCode.ALREADY_EXISTS),
     (EndpointConflict, grpc.StatusCode.ALREADY_EXISTS),
     (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -63,7 +70,32 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) ->
 
 
 def add_response(rec: EndpointRecord, router_ip: str) -> agent_pb2.AddResponse:
-    """Build the CNI-shaped AddResponse of a ready endpoint."""
+    """Build the CNI-shaped AddResponse of a ready endpoint.
+
+    Own endpoints: host veth and container interface, the pod /32 via the router, the
+    default route. Chained endpoints: the previous plugin's interfaces, IPs and routes
+    unchanged (so the plugin passes its result through).
+    """
+    if rec.chained:
+        prev = parse_prev_result(rec.prev_result, rec.ifname)
+        return agent_pb2.AddResponse(
+            interfaces=[
+                agent_pb2.Interface(
+                    name=i["name"], mac=i["mac"], sandbox=i["sandbox"], mtu=i["mtu"]
+                )
+                for i in prev.interfaces
+            ],
+            ips=[
+                agent_pb2.IPConfig(
+                    address=i["address"],
+                    gateway=i["gateway"],
+                    interface=max(i["interface"], 0),
+                )
+                for i in prev.ips
+            ],
+            routes=[agent_pb2.Route(dst=r["dst"], gw=r["gw"]) for r in prev.routes],
+            endpoint_id=rec.id,
+        )
     return agent_pb2.AddResponse(
         interfaces=[
             agent_pb2.Interface(name=rec.host_ifname, mac=rec.host_mac, mtu=rec.mtu),
@@ -91,11 +123,13 @@ def endpoint_message(rec: EndpointRecord) -> agent_pb2.Endpoint:
         pod_namespace=rec.pod_namespace,
         pod_name=rec.pod_name,
         state=rec.state,
+        identity=rec.identity,
+        chained=rec.chained,
     )
 
 
 class AttachmentServicer(agent_pb2_grpc.AttachmentServiceServicer):
-    """Add/Del of pod attachments, called by ``cilia-cni``."""
+    """Add/Del/Check/GC of pod attachments, called by ``cilia-cni``."""
 
     def __init__(self, manager: EndpointManager, router_ip: Callable[[], str]) -> None:
         self.manager = manager
@@ -113,6 +147,8 @@ class AttachmentServicer(agent_pb2_grpc.AttachmentServiceServicer):
             pod_name=request.pod_name,
             pool=request.pool,
             mtu=request.mtu,
+            prev_result=request.prev_result,
+            annotations=dict(request.annotations),
         )
         try:
             rec = await self.manager.add(params)
@@ -128,6 +164,35 @@ class AttachmentServicer(agent_pb2_grpc.AttachmentServiceServicer):
         except Exception as exc:
             await _abort(context, exc)
         return agent_pb2.DelResponse(deleted=deleted)
+
+    async def Check(  # noqa: N802 - gRPC method name
+        self, request: agent_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> agent_pb2.CheckResponse:
+        params = CheckParams(
+            container_id=request.container_id,
+            ifname=request.ifname,
+            netns=request.netns,
+            addresses=list(request.addresses),
+            routes=[(r.dst, r.gw) for r in request.routes],
+            mac=request.mac,
+        )
+        try:
+            rec = await self.manager.check(params)
+        except Exception as exc:
+            await _abort(context, exc)
+        return agent_pb2.CheckResponse(endpoint_id=rec.id)
+
+    async def GC(  # noqa: N802 - gRPC method name
+        self, request: agent_pb2.GCRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> agent_pb2.GCResponse:
+        valid = {(a.container_id, a.ifname) for a in request.valid_attachments}
+        try:
+            released = await self.manager.gc(valid)
+        except Exception as exc:
+            await _abort(context, exc)
+        return agent_pb2.GCResponse(
+            released=[agent_pb2.Attachment(container_id=c, ifname=i) for c, i in released]
+        )
 
 
 class DebugServicer(agent_pb2_grpc.DebugServiceServicer):

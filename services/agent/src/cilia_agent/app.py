@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import signal
@@ -43,7 +44,8 @@ from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent import __version__
 from cilia_agent.api import ATTACHMENT_SERVICE, DEBUG_SERVICE, AttachmentServicer, DebugServicer
-from cilia_agent.cni import write_conflist
+from cilia_agent.cni import uninstall, write_conflist
+from cilia_agent.cni.delqueue import ReplayReport, replay
 from cilia_agent.config import Config
 from cilia_agent.controlplane import (
     OperatorAPI,
@@ -136,6 +138,8 @@ class Agent:
         self._server: grpc.aio.Server | None = None
         self._metrics_server: Any = None
         self._stopped = asyncio.Event()
+        self._uninstalled = False
+        self.del_queue_report = ReplayReport()
         self._alloc_lock = asyncio.Lock()
 
     # --- start/stop -------------------------------------------------------------------
@@ -200,6 +204,7 @@ class Agent:
                 "bpf": self.enforcement is not None,
             },
         )
+        await self.replay_del_queue()
         await self._persist_node()
         await self._check_ready()
         self._server, health = await start_server(
@@ -397,9 +402,31 @@ class Agent:
             host = addresses[0] if addresses else ""
         return join_host_port(host, port) if host else ""
 
+    async def replay_del_queue(self) -> ReplayReport:
+        """Replay the plugin's DEL queue (``--cni-del-queue-dir``) through the Del path;
+        runs at start after the restore, before serving (:mod:`cilia_agent.cni.delqueue`)."""
+        report = await replay(self.config.cni_del_queue_dir, self.endpoints.delete)
+        self.del_queue_report = report
+        if report.deleted or report.nothing or report.failed or report.corrupt:
+            log.info(
+                "DEL queue replayed",
+                extra={
+                    "dir": str(self.config.cni_del_queue_dir),
+                    "deleted": len(report.deleted),
+                    "nothing_to_delete": len(report.nothing),
+                    "failed": report.failed,
+                    "corrupt": report.corrupt,
+                },
+            )
+        return report
+
     async def stop(self) -> None:
         """Stop serving; keeps pods, programs, pinned maps, state files and the conflist
-        (idempotent)."""
+        (idempotent). With ``--cni-uninstall`` the conflist is removed first (no new ADD
+        reaches this agent) and the configs ``--cni-exclusive`` moved aside come back."""
+        if self.config.cni_uninstall and not self._uninstalled:
+            self._uninstalled = True
+            uninstall(self.config.cni_conf_dir, self.config.cni_conf_name)
         if self.operator is not None:
             await self.operator.stop()
             self.operator = None
@@ -538,11 +565,15 @@ class Agent:
             cfg = self.config
             path = await asyncio.get_running_loop().run_in_executor(
                 self.executor,
-                write_conflist,
-                cfg.cni_conf_dir,
-                cfg.cni_conf_name,
-                cfg.socket,
-                cfg.cni_log_file,
+                functools.partial(
+                    write_conflist,
+                    cfg.cni_conf_dir,
+                    cfg.cni_conf_name,
+                    cfg.socket,
+                    cfg.cni_log_file,
+                    cfg.cni_del_queue_dir,
+                    exclusive=cfg.cni_exclusive,
+                ),
             )
             log.info("agent ready, CNI config written", extra={"path": str(path)})
 

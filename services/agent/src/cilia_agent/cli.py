@@ -109,7 +109,9 @@ def endpoint_list(
     """Print every endpoint as a table or (``output == "json"``) a JSON list.
 
     Identity and policy enforcement come from the pinned endpoint map under ``pin_dir``
-    ("-" / absent in JSON when it cannot be read, e.g. BPF disabled).
+    (the identity falls back to the agent's record; enforcement "-" / absent in JSON when
+    the map cannot be read, e.g. BPF disabled). JSON items always carry ``identity``
+    (0 = none) and ``chained``.
 
     Raises:
         AgentUnavailable: the socket does not answer.
@@ -121,6 +123,8 @@ def endpoint_list(
         items = []
         for e in resp.endpoints:
             item = json_format.MessageToDict(e, preserving_proto_field_name=True)
+            item["identity"] = e.identity
+            item["chained"] = e.chained
             info = infos[e.id]
             if info is not None and int(info.ep_id) == e.id:
                 item["identity"] = int(info.sec_identity)
@@ -140,7 +144,11 @@ def endpoint_list(
         info = infos[e.id]
         if info is not None and int(info.ep_id) != e.id:
             info = None
-        identity = str(int(info.sec_identity)) if info is not None else "-"
+        identity = (
+            str(int(info.sec_identity))
+            if info is not None
+            else (str(e.identity) if e.identity else "-")
+        )
         rows.append(
             (
                 str(e.id),

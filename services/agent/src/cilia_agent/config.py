@@ -64,6 +64,14 @@ FLAG_HELP: dict[str, str] = {
     "cni_conf_dir": "directory the CNI conflist is written to once ready (default /etc/cni/net.d)",
     "cni_conf_name": "file name of the CNI conflist (default 05-cilia.conflist)",
     "cni_log_file": "log file the CNI plugin should use; empty = none (default '')",
+    "cni_del_queue_dir": "directory of the plugin's DEL queue (DELs queued while the agent "
+    "was unreachable), replayed before serving; written into the conflist as del-queue-dir "
+    "(default /var/run/cilia/del-queue)",
+    "cni_exclusive": "move every other CNI config in --cni-conf-dir aside to <name>.cilia_bak "
+    "when the conflist is written (upstream cni-exclusive; default false)",
+    "cni_uninstall": "on a clean shutdown remove the conflist and restore the configs "
+    "--cni-exclusive moved aside (upstream cni-uninstall; default false: a restarting agent "
+    "keeps serving its pods)",
     "mtu": "MTU of pod veth pairs in bytes, 68..65535 (default 1500)",
     "ipam_multi_pool_pre_allocation": "pool=N,...: free addresses kept per pool (default default=8)",
     "ipam_default_ip_pool": "pool used when a request names none and the operator announces "
@@ -124,6 +132,9 @@ class Config(BaseModel):
     cni_conf_dir: pathlib.Path = pathlib.Path("/etc/cni/net.d")
     cni_conf_name: str = "05-cilia.conflist"
     cni_log_file: str = ""
+    cni_del_queue_dir: pathlib.Path = pathlib.Path("/var/run/cilia/del-queue")
+    cni_exclusive: bool = False
+    cni_uninstall: bool = False
     mtu: int = Field(default=1500, ge=68, le=65535)
     ipam_multi_pool_pre_allocation: dict[str, int] = Field(default_factory=lambda: {"default": 8})
     ipam_default_ip_pool: str = "default"
@@ -159,7 +170,14 @@ class Config(BaseModel):
             return parse_pre_allocation(value)
         return value
 
-    @field_validator("install_iptables_rules", "state_fsync", "enable_bpf", mode="before")
+    @field_validator(
+        "install_iptables_rules",
+        "state_fsync",
+        "enable_bpf",
+        "cni_exclusive",
+        "cni_uninstall",
+        mode="before",
+    )
     @classmethod
     def _bool(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -187,7 +205,7 @@ class Config(BaseModel):
             raise ValueError(f"{value!r} must be a plain file name ending in .conflist")
         return value
 
-    @field_validator("socket", "state_dir", "cni_conf_dir", "bpf_pin_dir")
+    @field_validator("socket", "state_dir", "cni_conf_dir", "bpf_pin_dir", "cni_del_queue_dir")
     @classmethod
     def _absolute(cls, value: pathlib.Path) -> pathlib.Path:
         return value.absolute()

@@ -100,6 +100,7 @@ class Env:
             "state_dir": self.state_dir,
             "socket": self.tmp / "agent.sock",
             "cni_conf_dir": self.tmp / "net.d",
+            "cni_del_queue_dir": self.tmp / "del-queue",
             "host_device_name": self.host_device,
             "prometheus_serve_addr": "",
             "ipam_multi_pool_pre_allocation": {"default": 8},

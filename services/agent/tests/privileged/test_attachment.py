@@ -205,6 +205,7 @@ def test_ready_agent_writes_conflist_with_socket_and_keeps_it_on_stop(env: Env) 
             {
                 "type": "cilia-cni",
                 "agent-socket": str(env.tmp / "agent.sock"),
+                "del-queue-dir": str(env.tmp / "del-queue"),
                 "log-file": "/tmp/cni.log",
             }
         ],

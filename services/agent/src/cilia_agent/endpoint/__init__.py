@@ -1,11 +1,16 @@
-"""Endpoint lifecycle (create, delete, restore) and its state files."""
+"""Endpoint lifecycle (create, delete, check, GC, restore) and its state files."""
 
+from cilia_agent.endpoint.errors import (
+    AgentNotReady,
+    CheckFailed,
+    EndpointConflict,
+    InvalidRequest,
+    UnknownAttachment,
+)
 from cilia_agent.endpoint.manager import (
     AddParams,
-    AgentNotReady,
-    EndpointConflict,
+    CheckParams,
     EndpointManager,
-    InvalidRequest,
     RestoreReport,
 )
 from cilia_agent.endpoint.state import EndpointRecord, NodeState, StateError, StateStore
@@ -13,6 +18,8 @@ from cilia_agent.endpoint.state import EndpointRecord, NodeState, StateError, St
 __all__ = [
     "AddParams",
     "AgentNotReady",
+    "CheckFailed",
+    "CheckParams",
     "EndpointConflict",
     "EndpointManager",
     "EndpointRecord",
@@ -21,4 +28,5 @@ __all__ = [
     "RestoreReport",
     "StateError",
     "StateStore",
+    "UnknownAttachment",
 ]

@@ -477,6 +477,43 @@ class Enforcement:
             self.resolver.remove_interface(ifindex)
         self.forget([rec])
 
+    async def health(self, rec: EndpointRecord) -> list[str]:
+        """Problems of ``rec``'s enforcement, one line each ([] when healthy).
+
+        Checked: the endpoint is registered here, its host veth still has the ifindex it
+        was enforced on, the ``cilia_endpoints`` entry names this endpoint, and both tc
+        programs are attached (clsact ingress ``cil_from_container``, egress
+        ``cil_to_container``).
+        """
+        from cilia_agent.datapath.loader import (
+            PARENT_EGRESS,
+            PARENT_INGRESS,
+            PROG_FROM_CONTAINER,
+            PROG_TO_CONTAINER,
+        )
+        from cilia_agent.endpoint.netlink import bpf_filter_names, host_link_index
+
+        ep = self._eps.get(rec.id)
+        if ep is None:
+            return [f"datapath: endpoint {rec.id} is not enforced (no identity/programs)"]
+        problems: list[str] = []
+        ifindex = await self._run(host_link_index, rec.host_ifname)
+        if ifindex != ep.ifindex:
+            problems.append(
+                f"datapath: {rec.host_ifname} has ifindex {ifindex}, enforced on {ep.ifindex}"
+            )
+        info = self.datapath.endpoints().get(ep.ifindex)
+        if info is None or int(info.ep_id) != rec.id:
+            problems.append(f"datapath: no endpoint map entry for {rec.host_ifname}")
+        filters = await self._run(bpf_filter_names, ep.ifindex, (PARENT_INGRESS, PARENT_EGRESS))
+        for parent, prog in (
+            (PARENT_INGRESS, PROG_FROM_CONTAINER),
+            (PARENT_EGRESS, PROG_TO_CONTAINER),
+        ):
+            if not any(name.startswith(prog) for name in filters[parent]):
+                problems.append(f"datapath: program {prog} not attached to {rec.host_ifname}")
+        return problems
+
     def _delete_call(self, namespace: str, name: str) -> Callable[[], Awaitable[None]]:
         return lambda: self.control.delete_endpoint(namespace, name)
 

@@ -15,6 +15,7 @@ runs in the ``--datapath-workers`` thread pool).
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import re
@@ -31,39 +32,34 @@ from cilia_agent.datapath import (
     PlumbRequest,
     host_ifname,
 )
+from cilia_agent.endpoint.chaining import PrevResult, parse_prev_result
+from cilia_agent.endpoint.errors import (
+    AgentNotReady,
+    CheckFailed,
+    EndpointConflict,
+    InvalidRequest,
+    UnknownAttachment,
+)
+from cilia_agent.endpoint.netlink import (
+    NetnsInterface,
+    find_host_peer,
+    host_link_index,
+    inspect_interface,
+)
 from cilia_agent.endpoint.state import EndpointRecord, StateStore
 from cilia_agent.ipam import IPAM, AddressInUse
 from cilia_agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Key = tuple[str, str]
+"""An attachment key ``(container_id, ifname)``."""
+Keys = list[Key]
+Lines = list[str]
 
 _CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$")
 _IFNAME_BAD = re.compile(r"[/\s:]")
 _POOL = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-
-
-class InvalidRequest(ValueError):
-    """A request field is invalid; ``field`` names it."""
-
-    def __init__(self, field_name: str, reason: str) -> None:
-        self.field = field_name
-        super().__init__(f"{field_name}: {reason}")
-
-
-class AgentNotReady(Exception):
-    """The agent cannot serve Add yet (no router IP or no free address); retry later."""
-
-
-class EndpointConflict(Exception):
-    """The attachment key already exists with a different netns."""
-
-    def __init__(self, container_id: str, ifname: str, netns: str) -> None:
-        self.container_id = container_id
-        self.ifname = ifname
-        super().__init__(
-            f"attachment ({container_id}, {ifname}) already exists in network namespace {netns!r}"
-        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +74,25 @@ class AddParams:
     pod_name: str = ""
     pool: str = ""
     mtu: int = 0
+    prev_result: str = ""
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckParams:
+    """Fields of a Check request (see ``cilia.agent.v1.CheckRequest``).
+
+    ``addresses`` are CIDR strings, ``routes`` ``(dst cidr, gateway or "")`` pairs; empty
+    lists mean "what the agent recorded" (the pod /32 and the default route via the
+    router, or for a chained endpoint the prevResult's). ``mac`` "" skips the MAC check.
+    """
+
+    container_id: str
+    ifname: str
+    netns: str = ""
+    addresses: list[str] = field(default_factory=list)
+    routes: list[tuple[str, str]] = field(default_factory=list)
+    mac: str = ""
 
 
 @dataclass
@@ -127,6 +142,9 @@ class EndpointHooks(Protocol):
 
     async def delete(self, rec: EndpointRecord) -> None:
         """Remove what :meth:`create` (or a restore) set up for ``rec``."""
+
+    async def health(self, rec: EndpointRecord) -> list[str]:
+        """Problems of ``rec``'s enforcement (programs, map entries); [] when healthy."""
 
 
 def _owner(container_id: str, ifname: str) -> str:
@@ -179,6 +197,8 @@ class EndpointManager:
         self._endpoints: dict[tuple[str, str], EndpointRecord] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._next_id = 1
+        self._adding: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._background: set[asyncio.Task[Any]] = set()
 
     # --- helpers -------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -229,10 +249,19 @@ class EndpointManager:
     async def add(self, p: AddParams) -> EndpointRecord:
         """Create the endpoint of ``p`` (idempotent for the same key and netns).
 
+        With ``p.prev_result`` (chaining) the container interface and its address come
+        from the previous plugin: no veth is created and no address allocated.
+
+        The work runs in its own task: when the caller is cancelled (the plugin was
+        killed, gRPC cancels the handler) the Add still finishes — a failure rolls
+        itself back — and a finished endpoint nobody received is then deleted, so an
+        abandoned Add never leaks an address, veth, state file or BPF entry.
+
         Returns the ready endpoint record.
 
         Raises:
-            InvalidRequest: a field is invalid.
+            InvalidRequest: a field is invalid (also: unusable prevResult, chained
+                interface missing or not a veth with a host-side peer).
             AgentNotReady: no router IP / free address yet.
             EndpointConflict: the key exists with another netns.
             NetnsNotFound: the netns does not exist.
@@ -241,7 +270,44 @@ class EndpointManager:
             DatapathError, StateError: plumbing or state file failure.
         """
         validate_add(p)
+        prev = parse_prev_result(p.prev_result, p.ifname) if p.prev_result else None
         key = (p.container_id, p.ifname)
+        work = asyncio.get_running_loop().create_task(self._add(p, key, prev))
+        self._adding[key] += 1
+        work.add_done_callback(lambda _t: self._add_finished(key))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self._background.add(work)
+            work.add_done_callback(self._abandoned_done)
+            raise
+
+    def _add_finished(self, key: tuple[str, str]) -> None:
+        self._adding[key] -= 1
+        if self._adding[key] <= 0:
+            del self._adding[key]
+
+    def _busy(self, key: tuple[str, str]) -> bool:
+        lock = self._locks.get(key)
+        return lock is not None and lock.locked()
+
+    def _abandoned_done(self, work: asyncio.Task[EndpointRecord]) -> None:
+        """The caller of an Add went away: delete the endpoint it created, if any."""
+        self._background.discard(work)
+        if work.cancelled() or work.exception() is not None:
+            return
+        rec = work.result()
+        log.warning(
+            "add: caller went away, deleting the endpoint it created",
+            extra={"container_id": rec.container_id, "ifname": rec.ifname, "endpoint_id": rec.id},
+        )
+        undo = asyncio.get_running_loop().create_task(self._delete_if(rec.key, rec.id))
+        self._background.add(undo)
+        undo.add_done_callback(self._background.discard)
+
+    async def _add(
+        self, p: AddParams, key: tuple[str, str], prev: PrevResult | None
+    ) -> EndpointRecord:
         extra = {"container_id": p.container_id, "ifname": p.ifname, "netns": p.netns}
         async with self._lock(key):
             existing = self._endpoints.get(key)
@@ -252,13 +318,17 @@ class EndpointManager:
                 raise EndpointConflict(p.container_id, p.ifname, existing.netns)
             reason = self._readiness()
             router = self._router_ip()
-            if reason is not None or router is None:
+            if prev is None and (reason is not None or router is None):
                 raise AgentNotReady(reason or "router IP not known yet")
             if not self.datapath.netns_exists(p.netns):
                 raise NetnsNotFound(p.netns)
             started = time.perf_counter()
             try:
-                rec = await self._create(p, key, router, extra)
+                if prev is not None:
+                    rec = await self._create_chained(p, key, prev)
+                else:
+                    assert router is not None
+                    rec = await self._create(p, key, router, extra)
             except BaseException as exc:
                 self.metrics.regenerations.labels(outcome="failure").inc()
                 log.warning("add failed, rolled back", extra={**extra, "reason": str(exc)})
@@ -275,10 +345,28 @@ class EndpointManager:
                     "endpoint_id": rec.id,
                     "ipv4": rec.ipv4,
                     "host_ifname": rec.host_ifname,
+                    "chained": rec.chained,
                     "duration_ms": round(elapsed * 1000, 2),
                 },
             )
         self._on_change()
+        return rec
+
+    def _new_record(self, p: AddParams, **fields: Any) -> EndpointRecord:
+        rec = EndpointRecord(
+            id=self._next_id,
+            container_id=p.container_id,
+            ifname=p.ifname,
+            netns=p.netns,
+            mtu=p.mtu or self.mtu,
+            labels=dict(p.labels),
+            pod_namespace=p.pod_namespace,
+            pod_name=p.pod_name,
+            state="creating",
+            created_at_ms=int(time.time() * 1000),
+            **fields,
+        )
+        self._next_id += 1
         return rec
 
     async def _create(
@@ -292,21 +380,7 @@ class EndpointManager:
         owner = _owner(*key)
         address = self.ipam.allocate(pool, owner)
         self.metrics.ipam_events.labels(action="allocate", family="ipv4").inc()
-        rec = EndpointRecord(
-            id=self._next_id,
-            container_id=p.container_id,
-            ifname=p.ifname,
-            netns=p.netns,
-            ipv4=str(address),
-            pool=pool,
-            host_ifname=host_ifname(*key),
-            mtu=p.mtu or self.mtu,
-            labels=dict(p.labels),
-            pod_namespace=p.pod_namespace,
-            pod_name=p.pod_name,
-            state="creating",
-        )
-        self._next_id += 1
+        rec = self._new_record(p, ipv4=str(address), pool=pool, host_ifname=host_ifname(*key))
         wrote = plumbing = hooked = False
         try:
             await self._run(self.store.write_endpoint, rec)
@@ -329,14 +403,97 @@ class EndpointManager:
             self._endpoints[key] = rec
             return rec
         except BaseException:
-            await asyncio.shield(self._rollback(key, rec, address, wrote, plumbing, hooked, extra))
+            await asyncio.shield(self._rollback(key, rec, wrote, plumbing, hooked, extra))
             raise
+
+    async def _create_chained(
+        self, p: AddParams, key: tuple[str, str], prev: PrevResult
+    ) -> EndpointRecord:
+        """Adopt the previous plugin's interface (generic-veth chaining)."""
+        iface = await self._run(inspect_interface, p.netns, p.ifname)
+        if iface is None:
+            raise InvalidRequest(
+                "ifname",
+                f"{p.ifname!r} does not exist in {p.netns}: chaining needs the previous "
+                "plugin to create it",
+            )
+        ip = str(prev.address.ip)
+        if ip not in {a.split("/", 1)[0] for a in iface.addresses}:
+            raise InvalidRequest(
+                "prev_result",
+                f"address {prev.address} is not configured on {p.ifname} in {p.netns} "
+                f"(it has {iface.addresses or 'no IPv4 address'})",
+            )
+        peer = await self._run(find_host_peer, iface)
+        if peer is None:
+            raise InvalidRequest(
+                "ifname",
+                f"{p.ifname} in {p.netns} is not a veth whose peer is in the host netns "
+                "(generic-veth chaining)",
+            )
+        for other in self._endpoints.values():
+            if other.host_ifname == peer.name:
+                raise EndpointConflict(other.container_id, other.ifname, other.netns)
+        rec = self._new_record(
+            p,
+            ipv4=ip,
+            pool="",
+            host_ifname=peer.name,
+            host_mac=peer.mac,
+            container_mac=iface.mac,
+            chained=True,
+            prev_result=p.prev_result,
+        )
+        wrote = False
+        try:
+            await self._run(self.store.write_endpoint, rec)
+            wrote = True
+            self._endpoints[key] = rec
+            if self.hooks is not None:
+                identity = await self.hooks.create(rec, peer.ifindex)
+                rec = rec.model_copy(update={"identity": identity})
+            rec = rec.model_copy(update={"state": "ready"})
+            await self._run(self.store.write_endpoint, rec)
+            self._endpoints[key] = rec
+            return rec
+        except BaseException:
+            # hooks.create undoes itself; the interface and address are the other plugin's
+            self._endpoints.pop(key, None)
+            if wrote:
+                await asyncio.shield(self._run(self.store.remove_endpoint, *key))
+            raise
+
+    def _release_ip(self, rec: EndpointRecord) -> bool:
+        """Release ``rec``'s address only when IPAM holds it for ``rec``'s own key.
+
+        A record of one sandbox never frees an address another attachment holds now
+        (e.g. a stale record whose address was handed to a newer sandbox). Chained
+        endpoints hold no address of ours.
+        """
+        if rec.chained:
+            return False
+        owner = _owner(*rec.key)
+        holder = self.ipam.allocated().get(ipaddress.IPv4Address(rec.ipv4))
+        if holder != owner:
+            if holder is not None:
+                log.error(
+                    "not releasing an address held by another attachment",
+                    extra={
+                        "container_id": rec.container_id,
+                        "ifname": rec.ifname,
+                        "ipv4": rec.ipv4,
+                        "holder": holder,
+                    },
+                )
+            return False
+        self.ipam.release(rec.ipv4)
+        self.metrics.ipam_events.labels(action="release", family="ipv4").inc()
+        return True
 
     async def _rollback(
         self,
         key: tuple[str, str],
         rec: EndpointRecord,
-        address: ipaddress.IPv4Address,
         wrote: bool,
         plumbing: bool,
         hooked: bool,
@@ -352,19 +509,28 @@ class EndpointManager:
                 await self._run(self.datapath.unplumb, rec.host_ifname)
             except DatapathError as exc:
                 log.error("rollback: cannot delete veth", extra={**extra, "reason": str(exc)})
-        self.ipam.release(address)
-        self.metrics.ipam_events.labels(action="release", family="ipv4").inc()
+        self._release_ip(rec)
         if wrote:
             await self._run(self.store.remove_endpoint, *key)
         self._endpoints.pop(key, None)
 
     # --- Del -----------------------------------------------------------------------
-    async def delete(self, container_id: str, ifname: str, netns: str = "") -> bool:
+    async def delete(
+        self, container_id: str, ifname: str, netns: str = "", *, not_after_ms: int = 0
+    ) -> bool:
         """Delete the endpoint of ``(container_id, ifname)``; True if one existed.
 
-        Succeeds when there is nothing to delete and when ``netns`` is empty or
-        gone (the host side and the IP are cleaned up anyway). A leftover host
-        veth of an unknown key is removed too.
+        Everything is looked up by the attachment key: the endpoint record, its state
+        file, its host veth and the address (released only when IPAM holds it for this
+        key), so a DEL of an old sandbox never touches a newer sandbox of the same pod.
+        Succeeds when there is nothing to delete and when ``netns`` is empty or gone
+        (the host side and the IP are cleaned up anyway). A leftover host veth of an
+        unknown key is removed too. A chained endpoint is detached and forgotten; the
+        other plugin's veth and address stay.
+
+        Args:
+            not_after_ms: when > 0 (a replayed DEL queued at this Unix ms time), an
+                endpoint created after it is a newer attachment and is kept.
 
         Raises:
             InvalidRequest: ``container_id`` or ``ifname`` is empty/invalid.
@@ -378,6 +544,12 @@ class EndpointManager:
         extra = {"container_id": container_id, "ifname": ifname, "netns": netns}
         async with self._lock(key):
             rec = self._endpoints.get(key)
+            if rec is not None and not_after_ms and rec.created_at_ms > not_after_ms:
+                log.info(
+                    "del: endpoint is newer than the queued DEL, kept",
+                    extra={**extra, "endpoint_id": rec.id},
+                )
+                return False
             if rec is None:
                 leftover = await self._run(self.datapath.unplumb, host_ifname(*key))
                 log.info(
@@ -386,28 +558,179 @@ class EndpointManager:
                 )
                 self._forget_lock(key)
                 return False
-            rec = rec.model_copy(update={"state": "disconnecting"})
-            self._endpoints[key] = rec
-            await self._run(self.store.write_endpoint, rec)
-            if self.hooks is not None:
-                await self.hooks.delete(rec)
-            await self._run(self.datapath.unplumb, rec.host_ifname)
-            self.ipam.release(rec.ipv4)
-            self.metrics.ipam_events.labels(action="release", family="ipv4").inc()
-            await self._run(self.store.remove_endpoint, *key)
-            del self._endpoints[key]
-            self._update_gauges()
-            log.info("endpoint deleted", extra={**extra, "endpoint_id": rec.id, "ipv4": rec.ipv4})
+            await self._delete_locked(key, rec, extra)
         self._forget_lock(key)
         self._on_change()
         return True
+
+    async def _delete_if(self, key: tuple[str, str], endpoint_id: int) -> bool:
+        """Delete the endpoint of ``key`` only if it is still endpoint ``endpoint_id``."""
+        extra = {"container_id": key[0], "ifname": key[1]}
+        try:
+            async with self._lock(key):
+                rec = self._endpoints.get(key)
+                if rec is None or rec.id != endpoint_id or rec.state == "creating":
+                    return False
+                await self._delete_locked(key, rec, extra)
+        except Exception as exc:
+            log.error("cannot delete endpoint", extra={**extra, "reason": str(exc)})
+            return False
+        self._forget_lock(key)
+        self._on_change()
+        return True
+
+    async def _delete_locked(
+        self, key: tuple[str, str], rec: EndpointRecord, extra: dict[str, str]
+    ) -> None:
+        rec = rec.model_copy(update={"state": "disconnecting"})
+        self._endpoints[key] = rec
+        await self._run(self.store.write_endpoint, rec)
+        if self.hooks is not None:
+            await self.hooks.delete(rec)
+        if not rec.chained:
+            await self._run(self.datapath.unplumb, rec.host_ifname)
+        self._release_ip(rec)
+        await self._run(self.store.remove_endpoint, *key)
+        del self._endpoints[key]
+        self._update_gauges()
+        log.info(
+            "endpoint deleted",
+            extra={**extra, "endpoint_id": rec.id, "ipv4": rec.ipv4, "chained": rec.chained},
+        )
+
+    # --- Check ---------------------------------------------------------------------
+    async def check(self, c: CheckParams) -> EndpointRecord:
+        """Verify an attachment (CNI CHECK); returns its record when everything matches.
+
+        Checked: the endpoint exists and is ready; its netns exists (and is the one
+        given); the interface exists there and carries every expected address (the
+        request's, else the record's /32), the MAC (when given) and every expected
+        route (the request's, else the default route via the router; a route with an
+        empty gateway matches any gateway); the host veth exists; the enforcement
+        hooks report no problem (programs attached, endpoint map entry present).
+        IPv6 addresses and routes in the request are not checked (IPv4 only).
+
+        Raises:
+            InvalidRequest: ``container_id``/``ifname`` invalid.
+            UnknownAttachment: no endpoint for the key.
+            AgentNotReady: the agent or the endpoint is not ready.
+            CheckFailed: every difference found, in one message.
+        """
+        if not c.container_id:
+            raise InvalidRequest("container_id", "must not be empty")
+        validate_ifname(c.ifname)
+        rec = self._endpoints.get((c.container_id, c.ifname))
+        if rec is None:
+            raise UnknownAttachment(c.container_id, c.ifname)
+        if rec.state != "ready":
+            raise AgentNotReady(f"endpoint {rec.id} is {rec.state}")
+        reason = self._readiness()
+        if reason is not None and not rec.chained:
+            raise AgentNotReady(reason)
+        diffs: Lines = []
+        if c.netns and c.netns != rec.netns:
+            diffs.append(f"netns: expected {c.netns}, the endpoint is in {rec.netns}")
+        iface: NetnsInterface | None = None
+        if not self.datapath.netns_exists(rec.netns):
+            diffs.append(f"netns {rec.netns} does not exist")
+        else:
+            iface = await self._run(inspect_interface, rec.netns, rec.ifname)
+            if iface is None:
+                diffs.append(f"interface {rec.ifname} not found in {rec.netns}")
+        if iface is not None:
+            diffs += self._compare(rec, c, iface)
+        if not await self._run(host_link_index, rec.host_ifname):
+            diffs.append(f"host veth {rec.host_ifname} does not exist")
+        elif self.hooks is not None:
+            diffs += await self.hooks.health(rec)
+        if diffs:
+            raise CheckFailed(c.container_id, c.ifname, diffs)
+        return rec
+
+    def _expected_routes(self, rec: EndpointRecord) -> Keys:
+        if rec.chained:
+            prev = parse_prev_result(rec.prev_result, rec.ifname)
+            return [(r["dst"], r["gw"]) for r in prev.routes]
+        router = self._router_ip()
+        return [("0.0.0.0/0", str(router) if router else "")]
+
+    def _compare(self, rec: EndpointRecord, c: CheckParams, iface: NetnsInterface) -> Lines:
+        diffs: Lines = []
+        have = {ipaddress.ip_interface(a) for a in iface.addresses}
+        expected = c.addresses or (
+            [str(parse_prev_result(rec.prev_result, rec.ifname).address)]
+            if rec.chained
+            else [f"{rec.ipv4}/32"]
+        )
+        for text in expected:
+            try:
+                want = ipaddress.ip_interface(text)
+            except ValueError:
+                diffs.append(f"expected address {text!r} is not an address")
+                continue
+            if want.version == 4 and want not in have:
+                diffs.append(
+                    f"address {want} missing on {rec.ifname} "
+                    f"(has {', '.join(sorted(iface.addresses)) or 'none'})"
+                )
+        if c.mac and c.mac.lower() != iface.mac:
+            diffs.append(f"mac: expected {c.mac.lower()}, {rec.ifname} has {iface.mac}")
+        routes = c.routes or self._expected_routes(rec)
+        have_routes = [(ipaddress.ip_network(d, strict=False), g) for d, g in iface.routes]
+        for dst, gw in routes:
+            try:
+                net = ipaddress.ip_network(dst, strict=False)
+            except ValueError:
+                diffs.append(f"expected route {dst!r} is not a CIDR")
+                continue
+            if net.version != 4:
+                continue
+            if not any(n == net and (not gw or g == gw) for n, g in have_routes):
+                via = f" via {gw}" if gw else ""
+                diffs.append(f"route {net}{via} missing in {rec.netns}")
+        return diffs
+
+    # --- GC ------------------------------------------------------------------------
+    async def gc(self, valid: set[Key]) -> Keys:
+        """Release every attachment not in ``valid`` (CNI 1.1 GC); returns those released.
+
+        Each released endpoint goes through the same path as Del (enforcement hooks:
+        programs, BPF entries, identity reference, operator record; host veth; address;
+        state file). Attachments whose Add or Del is in progress, and endpoints still
+        ``creating``, are kept. Addresses IPAM holds for an attachment key that has no
+        endpoint and no Add in progress (a leak) are released too. A failure on one
+        attachment is logged and the others are still processed.
+        """
+        released: Keys = []
+        for rec in list(self._endpoints.values()):
+            key = rec.key
+            if key in valid or key in self._adding or self._busy(key):
+                continue
+            if await self._delete_if(key, rec.id):
+                released.append(key)
+        for address, owner in self.ipam.allocated().items():
+            cid, sep, ifname = owner.rpartition("/")
+            key = (cid, ifname)
+            if not sep or not _CONTAINER_ID.match(cid) or _IFNAME_BAD.search(ifname):
+                continue
+            if key in valid or key in self._endpoints or key in self._adding or self._busy(key):
+                continue
+            if self.ipam.allocated().get(address) == owner:
+                self.ipam.release(address)
+                self.metrics.ipam_events.labels(action="release", family="ipv4").inc()
+                log.warning("gc: released an address without endpoint", extra={"owner": owner})
+                if key not in released:
+                    released.append(key)
+        if released:
+            log.info("gc: attachments released", extra={"released": [_owner(*k) for k in released]})
+        return released
 
     # --- restore -------------------------------------------------------------------
     def restore(self) -> RestoreReport:
         """Restore endpoints from state files; run before serving (blocking).
 
         - ``ready`` endpoints whose netns and host veth still exist re-occupy
-          their IPs;
+          their IPs (chained endpoints hold no IP of ours);
         - endpoints whose netns or host veth is gone (a missed DEL) are cleaned up;
         - ``creating`` endpoints (crash mid-Add) are rolled back;
         - ``disconnecting`` endpoints (crash mid-Del) are finished;
@@ -435,17 +758,18 @@ class EndpointManager:
                 report.cleaned.append(rec)
                 log.info("restore: netns or host veth gone, endpoint removed", extra=extra)
                 continue
-            try:
-                self.ipam.occupy(rec.ipv4, name, rec.pool)
-            except AddressInUse as exc:
-                log.error(
-                    "restore: address claimed twice, endpoint removed",
-                    extra={**extra, "reason": str(exc)},
-                )
-                self._cleanup_restored(rec)
-                report.removed_stale.append(name)
-                report.cleaned.append(rec)
-                continue
+            if not rec.chained:
+                try:
+                    self.ipam.occupy(rec.ipv4, name, rec.pool)
+                except AddressInUse as exc:
+                    log.error(
+                        "restore: address claimed twice, endpoint removed",
+                        extra={**extra, "reason": str(exc)},
+                    )
+                    self._cleanup_restored(rec)
+                    report.removed_stale.append(name)
+                    report.cleaned.append(rec)
+                    continue
             self._endpoints[rec.key] = rec
             self._next_id = max(self._next_id, rec.id + 1)
             report.restored.append(name)
@@ -457,11 +781,12 @@ class EndpointManager:
         return report
 
     def _cleanup_restored(self, rec: EndpointRecord) -> None:
-        try:
-            self.datapath.unplumb(rec.host_ifname)
-        except DatapathError as exc:
-            log.error(
-                "restore: cannot delete veth",
-                extra={"container_id": rec.container_id, "reason": str(exc)},
-            )
+        if not rec.chained:
+            try:
+                self.datapath.unplumb(rec.host_ifname)
+            except DatapathError as exc:
+                log.error(
+                    "restore: cannot delete veth",
+                    extra={"container_id": rec.container_id, "reason": str(exc)},
+                )
         self.store.remove_endpoint(*rec.key)

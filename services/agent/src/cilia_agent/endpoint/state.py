@@ -44,6 +44,7 @@ class EndpointRecord(BaseModel):
     once Add succeeded, ``disconnecting`` while Del runs (upstream endpoint
     states, reference: cilium-upstream.md §8). ``identity`` is the security identity the
     operator allocated for the endpoint's filtered labels (0 = none: BPF disabled).
+    ``ipv4`` is the bare address (no prefix); ``pool`` is "" for chained endpoints.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -63,6 +64,15 @@ class EndpointRecord(BaseModel):
     pod_name: str = ""
     identity: int = Field(default=0, ge=0)
     state: EndpointStateName = "creating"
+    chained: bool = False
+    """Chained attachment (generic-veth): the interface and the address belong to the
+    previous plugin; Del detaches the datapath but neither deletes the veth nor
+    releases the address."""
+    prev_result: str = ""
+    """Chained only: the previous plugin's CNI result (JSON), passed through in Add."""
+    created_at_ms: int = Field(default=0, ge=0)
+    """When the Add started (Unix ms; 0 in files of older agents). A queued DEL older
+    than this belongs to an earlier attachment of the same key and is skipped."""
 
     @property
     def key(self) -> tuple[str, str]:

@@ -1,0 +1,316 @@
+"""Check, GC, release keyed by (container id, ifname), abandoned Adds, DEL queue replay,
+cni-exclusive/uninstall: the real gRPC server, real netns and veths.
+
+Netns names start with ``cilia-b1-`` (cleaned by the ``env`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from cilia.agent.v1 import agent_pb2
+from cilia_agent.datapath import host_ifname
+from cilia_agent.endpoint import EndpointRecord
+
+from .conftest import Env, sh
+
+
+def netns(env: Env) -> str:
+    name = f"cilia-b1-{secrets.token_hex(4)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    env.netns.append(name)
+    return f"/var/run/netns/{name}"
+
+
+def add_req(ns: str, cid: str, ifname: str = "eth0", **kw: object) -> agent_pb2.AddRequest:
+    return agent_pb2.AddRequest(container_id=cid, ifname=ifname, netns=ns, **kw)  # type: ignore[arg-type]
+
+
+def link_exists(name: str) -> bool:
+    return subprocess.run(["ip", "link", "show", name], capture_output=True).returncode == 0
+
+
+def state_files(env: Env) -> list[pathlib.Path]:
+    return sorted((env.state_dir / "endpoints").glob("*.json"))
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def held_ips(env_agent: object) -> dict[str, str]:
+    return {str(a): o for a, o in env_agent.agent.ipam.allocated().items()}  # type: ignore[attr-defined]
+
+
+class GateHooks:
+    """Enforcement hooks whose ``create`` waits until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.deleted: list[int] = []
+
+    async def create(self, rec: EndpointRecord, ifindex: int) -> int:
+        self.entered.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        return 4242
+
+    async def delete(self, rec: EndpointRecord) -> None:
+        self.deleted.append(rec.id)
+
+    async def health(self, rec: EndpointRecord) -> list[str]:
+        return []
+
+
+# --- Check ---------------------------------------------------------------------------------
+
+
+def test_check_passes_then_lists_every_difference(env: Env) -> None:
+    a = env.start_agent()
+    ns = netns(env)
+    name = ns.rsplit("/", 1)[1]
+    r = a.attach.Add(add_req(ns, "chk"), timeout=10)
+    ok = a.attach.Check(agent_pb2.CheckRequest(container_id="chk", ifname="eth0", netns=ns))
+    assert ok.endpoint_id == r.endpoint_id
+    full = agent_pb2.CheckRequest(
+        container_id="chk",
+        ifname="eth0",
+        netns=ns,
+        addresses=[r.ips[0].address],
+        routes=list(r.routes),
+        mac=r.interfaces[1].mac.upper(),
+    )
+    assert a.attach.Check(full).endpoint_id == r.endpoint_id
+
+    ip = r.ips[0].address
+    sh("ip", "-n", name, "route", "del", "default")
+    sh("ip", "-n", name, "addr", "del", ip, "dev", "eth0")
+    wrong_mac = dict(mac="02:00:00:00:00:01")
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Check(agent_pb2.CheckRequest(container_id="chk", ifname="eth0", **wrong_mac))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    msg = err.value.details() or ""
+    assert f"address {ip} missing" in msg
+    assert "route 0.0.0.0/0 via" in msg
+    assert "mac: expected 02:00:00:00:00:01" in msg
+
+    sh("ip", "-n", name, "link", "del", "eth0")  # takes the host veth with it
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Check(agent_pb2.CheckRequest(container_id="chk", ifname="eth0"))
+    msg = err.value.details() or ""
+    assert "interface eth0 not found" in msg and f"host veth {host_ifname('chk', 'eth0')}" in msg
+
+
+def test_check_unknown_attachment_is_not_found_and_creating_is_unavailable(env: Env) -> None:
+    a = env.start_agent()
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Check(agent_pb2.CheckRequest(container_id="nope", ifname="eth0"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "unknown attachment (nope, eth0)" in (err.value.details() or "")
+    hooks = GateHooks()
+    a.agent.endpoints.hooks = hooks
+    ns = netns(env)
+    fut = a.attach.Add.future(add_req(ns, "slow"), timeout=30)
+    assert hooks.entered.wait(10)
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Check(agent_pb2.CheckRequest(container_id="slow", ifname="eth0"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "creating" in (err.value.details() or "")
+    hooks.gate.set()
+    assert fut.result().endpoint_id
+    a.attach.Check(agent_pb2.CheckRequest(container_id="slow", ifname="eth0"))
+    eps = a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+    assert [(e.identity, e.chained) for e in eps] == [(4242, False)]
+
+
+# --- GC ------------------------------------------------------------------------------------
+
+
+def test_gc_releases_everything_not_valid_but_never_an_add_in_progress(env: Env) -> None:
+    a = env.start_agent()
+    ns = {c: netns(env) for c in ("keep", "gone1", "gone2", "adding")}
+    ips = {
+        c: a.attach.Add(add_req(ns[c], c), timeout=10).ips[0].address[:-3]
+        for c in ns
+        if c != "adding"
+    }
+    hooks = GateHooks()
+    hooks.gate.set()  # the three above are done; gate the next Add only
+    a.agent.endpoints.hooks = hooks
+    hooks.gate.clear()
+    fut = a.attach.Add.future(add_req(ns["adding"], "adding"), timeout=30)
+    assert hooks.entered.wait(10)
+
+    resp = a.attach.GC(
+        agent_pb2.GCRequest(
+            valid_attachments=[agent_pb2.Attachment(container_id="keep", ifname="eth0")]
+        )
+    )
+    assert sorted((x.container_id, x.ifname) for x in resp.released) == [
+        ("gone1", "eth0"),
+        ("gone2", "eth0"),
+    ]
+    hooks.gate.set()
+    added = fut.result()
+    held = held_ips(a)
+    assert ips["keep"] in held and ips["gone1"] not in held and ips["gone2"] not in held
+    assert added.ips[0].address[:-3] in held
+    for c in ("gone1", "gone2"):
+        assert not link_exists(host_ifname(c, "eth0"))
+        assert "eth0" not in sh("ip", "-n", ns[c].rsplit("/", 1)[1], "link")
+    assert link_exists(host_ifname("keep", "eth0")) and link_exists(host_ifname("adding", "eth0"))
+    eps = a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+    assert sorted(e.container_id for e in eps) == ["adding", "keep"]
+    assert len(state_files(env)) == 2
+    # a second GC with both valid releases nothing
+    again = a.attach.GC(
+        agent_pb2.GCRequest(
+            valid_attachments=[
+                agent_pb2.Attachment(container_id=c, ifname="eth0") for c in ("keep", "adding")
+            ]
+        )
+    )
+    assert list(again.released) == []
+
+
+# --- release keyed by (container id, ifname) -----------------------------------------------
+
+
+def test_stale_del_of_old_sandbox_never_frees_the_new_sandbox_address(env: Env) -> None:
+    a = env.start_agent()
+    pod = dict(pod_namespace="team", pod_name="web-0")
+    old_ns, new_ns = netns(env), netns(env)
+    old = a.attach.Add(add_req(old_ns, "sandbox-old", **pod), timeout=10)
+    a.attach.Del(agent_pb2.DelRequest(container_id="sandbox-old", ifname="eth0", netns=old_ns))
+    new = a.attach.Add(add_req(new_ns, "sandbox-new", **pod), timeout=10)
+    new_ip = new.ips[0].address[:-3]
+    # the runtime repeats the old sandbox's DEL (with and without its netns) after the new ADD
+    for netns_path in (old_ns, "", new_ns):
+        d = a.attach.Del(
+            agent_pb2.DelRequest(container_id="sandbox-old", ifname="eth0", netns=netns_path)
+        )
+        assert d.deleted is False
+    assert held_ips(a).get(new_ip) == "sandbox-new/eth0"
+    assert link_exists(host_ifname("sandbox-new", "eth0"))
+    a.attach.Check(agent_pb2.CheckRequest(container_id="sandbox-new", ifname="eth0"))
+    sh("ip", "netns", "exec", new_ns.rsplit("/", 1)[1], "ping", "-c1", "-W2", new.ips[0].gateway)
+    # the address is not handed out again
+    third = a.attach.Add(add_req(netns(env), "sandbox-third"), timeout=10)
+    assert third.ips[0].address[:-3] != new_ip
+    assert old.ips[0].address[:-3] not in held_ips(a)
+
+
+def test_del_never_releases_an_address_another_attachment_holds(env: Env) -> None:
+    a = env.start_agent()
+    r = a.attach.Add(add_req(netns(env), "victim"), timeout=10)
+    ip = r.ips[0].address[:-3]
+    # a record of another attachment claims the same address (e.g. a stale state file)
+    rec = a.agent.endpoints.get("victim", "eth0")
+    assert rec is not None
+    stale = rec.model_copy(
+        update={"id": 999, "container_id": "stale", "host_ifname": host_ifname("stale", "eth0")}
+    )
+    a.agent.endpoints._endpoints[stale.key] = stale
+    assert a.attach.Del(agent_pb2.DelRequest(container_id="stale", ifname="eth0")).deleted
+    assert held_ips(a).get(ip) == "victim/eth0"
+    a.attach.Check(agent_pb2.CheckRequest(container_id="victim", ifname="eth0"))
+
+
+# --- abandoned Add -------------------------------------------------------------------------
+
+
+def test_add_whose_client_went_away_leaves_nothing(env: Env) -> None:
+    a = env.start_agent()
+    hooks = GateHooks()
+    a.agent.endpoints.hooks = hooks
+    ns = netns(env)
+    used_before = a.debug.Status(agent_pb2.StatusRequest()).pools[0].used
+    fut = a.attach.Add.future(add_req(ns, "killed"), timeout=30)
+    assert hooks.entered.wait(10)  # IP allocated, veth plumbed, state file "creating"
+    assert link_exists(host_ifname("killed", "eth0")) and len(state_files(env)) == 1
+    fut.cancel()  # what the agent sees when the plugin is SIGKILLed: the RPC is cancelled
+    time.sleep(0.2)
+    hooks.gate.set()
+    wait_for(lambda: not a.agent.endpoints.list(), "the abandoned endpoint to be deleted")
+    assert hooks.deleted  # the enforcement of the finished endpoint was undone
+    assert not link_exists(host_ifname("killed", "eth0"))
+    assert state_files(env) == []
+    assert a.debug.Status(agent_pb2.StatusRequest()).pools[0].used == used_before
+    assert "eth0" not in sh("ip", "-n", ns.rsplit("/", 1)[1], "link")
+
+
+# --- DEL queue replay ----------------------------------------------------------------------
+
+
+def queue_del(directory: pathlib.Path, cid: str, ms: int, netns_path: str = "") -> pathlib.Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    msg = agent_pb2.QueuedDel(
+        request=agent_pb2.DelRequest(container_id=cid, ifname="eth0", netns=netns_path),
+        queued_at_unix_ms=ms,
+    )
+    path = directory / f"{ms:013d}-{secrets.token_hex(8)}.del"
+    path.write_bytes(msg.SerializeToString())
+    return path
+
+
+def test_queued_dels_are_replayed_before_serving(env: Env) -> None:
+    a = env.start_agent()
+    ns_gone, ns_kept = netns(env), netns(env)
+    gone = a.attach.Add(add_req(ns_gone, "q-gone"), timeout=10)
+    a.attach.Add(add_req(ns_kept, "q-newer"), timeout=10)
+    a.stop()
+    queue = env.tmp / "del-queue"
+    now = int(time.time() * 1000)
+    f1 = queue_del(queue, "q-gone", now, ns_gone)
+    f2 = queue_del(queue, "q-never-added", now + 1)
+    f3 = queue_del(queue, "q-newer", now - 3_600_000)  # queued before q-newer was created
+    corrupt = queue / f"{now + 2:013d}-deadbeefdeadbeef.del"
+    corrupt.write_bytes(b"\xff\xff not a protobuf")
+    tmp = queue / ".0000000000001-abc.del.1.tmp"  # a plugin still writing
+    tmp.write_bytes(b"")
+
+    b = env.start_agent()
+    # replayed before the socket served anything: the first RPC already sees the result
+    eps = b.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+    assert [e.container_id for e in eps] == ["q-newer"]
+    assert not link_exists(host_ifname("q-gone", "eth0"))
+    assert gone.ips[0].address[:-3] not in held_ips(b)
+    assert not f1.exists() and not f2.exists() and not f3.exists()
+    assert not corrupt.exists() and corrupt.with_name(corrupt.name + ".corrupt").exists()
+    assert tmp.exists()
+    report = b.agent.del_queue_report
+    assert (len(report.deleted), len(report.nothing), report.corrupt) == (1, 2, [corrupt.name])
+
+
+# --- conflist ------------------------------------------------------------------------------
+
+
+def test_cni_exclusive_moves_other_configs_aside_and_uninstall_restores_them(env: Env) -> None:
+    conf = env.tmp / "net.d"
+    conf.mkdir()
+    others = {"10-bridge.conflist": "{}", "20-old.conf": "{}", "99-x.json": "{}"}
+    for n, body in others.items():
+        (conf / n).write_text(body)
+    (conf / "README").write_text("not a config")
+    a = env.start_agent(cni_exclusive=True, cni_uninstall=True)
+    names = sorted(p.name for p in conf.iterdir())
+    assert names == sorted(["05-cilia.conflist", "README", *(n + ".cilia_bak" for n in others)])
+    doc = json.loads((conf / "05-cilia.conflist").read_text())
+    assert doc["plugins"][0]["del-queue-dir"] == str(env.tmp / "del-queue")
+    a.stop()
+    assert sorted(p.name for p in conf.iterdir()) == sorted(["README", *others])
