@@ -1,9 +1,12 @@
-"""Command line of ``cilia-safe-agent-updater``: argument parsing only.
+"""Command line of ``cilia-safe-agent-updater``.
 
-``cilia-safe-agent-updater --version`` prints ``cilia-safe-agent-updater <version>``.
-``cilia-safe-agent-updater serve`` runs the gRPC health server on
-``--health-listen-address`` (default ``127.0.0.1:9878``, loopback because the updater
-runs with hostNetwork) until SIGTERM/SIGINT. The upgrade loop comes in a later issue.
+``cilia-safe-agent-updater --mode kubernetes [flags]``   one pass as an init container
+``cilia-safe-agent-updater --mode docker --image IMG [flags]``   one pass or ``--interval`` loop
+``cilia-safe-agent-updater hash -f rendered.yaml [--write]``   compute/stamp the generation
+``cilia-safe-agent-updater serve``   gRPC health server only (the DaemonSet's long-running part)
+
+Every interval, attempt count and timeout is a flag; README.md lists the defaults and the
+exit code table (:class:`cilia_safe_agent_updater.exitcodes.Exit`).
 """
 
 from __future__ import annotations
@@ -11,27 +14,256 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from cilia_common import grpcserver
 from cilia_common.logs import setup_logging
 from cilia_safe_agent_updater import __version__
+from cilia_safe_agent_updater.exitcodes import Exit, UpdaterError
+from cilia_safe_agent_updater.steps import Reporter
 
 COMPONENT = "cilia-safe-agent-updater"
 DEFAULT_HEALTH_LISTEN_ADDRESS = "127.0.0.1:9878"
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 5.0
+DEFAULT_AGENT_HEALTH = "unix:/var/run/cilia/cilia.sock"
 
 log = logging.getLogger("cilia_safe_agent_updater")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0 seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser (``--version`` and the ``serve`` sub-command)."""
-    parser = argparse.ArgumentParser(prog=COMPONENT, description="Cilia safe agent updater")
+    """Return the argument parser (``--mode`` flags, ``serve`` and ``hash`` sub-commands)."""
+    parser = argparse.ArgumentParser(
+        prog=COMPONENT,
+        description="Cilia safe agent updater: replace the agent on this node/host only when "
+        "its generation differs, with the new image already present, and wait until healthy.",
+    )
     parser.add_argument("--version", action="version", version=f"{COMPONENT} {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the updater (health server only in this release)")
+    parser.add_argument("--mode", choices=["kubernetes", "docker"], help="run one update pass")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="(default info)",
+    )
+    parser.add_argument(
+        "--agent-health-address",
+        default=DEFAULT_AGENT_HEALTH,
+        help="gRPC health target of the agent, host:port or unix:/path; empty skips the "
+        f"check in kubernetes mode (default {DEFAULT_AGENT_HEALTH})",
+    )
+    parser.add_argument(
+        "--health-rpc-timeout",
+        type=_seconds,
+        default=2.0,
+        help="deadline of one health Check, s (default 2)",
+    )
+    k8s = parser.add_argument_group("kubernetes mode")
+    k8s.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME", ""),
+        help="this node (default $NODE_NAME)",
+    )
+    k8s.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG", ""),
+        help="kubeconfig file (default $KUBECONFIG, else in-cluster)",
+    )
+    k8s.add_argument(
+        "--namespace",
+        default="cilia-system",
+        help="namespace of the agent DaemonSet and pods (default cilia-system)",
+    )
+    k8s.add_argument(
+        "--agent-daemonset",
+        default="cilia-agent",
+        help="agent DaemonSet name (default cilia-agent)",
+    )
+    k8s.add_argument(
+        "--agent-selector",
+        default="app=cilia-agent",
+        help="label selector of agent pods (default app=cilia-agent)",
+    )
+    k8s.add_argument(
+        "--expected-generation",
+        default=os.environ.get("CILIA_EXPECTED_GENERATION", ""),
+        help="the updater's own generation annotation (downward API); a different agent "
+        "DaemonSet generation exits 19 (default $CILIA_EXPECTED_GENERATION, empty: no check)",
+    )
+    k8s.add_argument(
+        "--poll-interval",
+        type=_seconds,
+        default=3.0,
+        help="seconds between checks of every wait (default 3, upstream 3)",
+    )
+    k8s.add_argument(
+        "--image-check-attempts",
+        type=_positive_int,
+        default=20,
+        help="checks of Node.status.images (default 20)",
+    )
+    k8s.add_argument(
+        "--no-image-check",
+        action="store_true",
+        help="skip the Node.status.images check (nodes with > 50 images)",
+    )
+    k8s.add_argument(
+        "--pod-replace-attempts",
+        type=_positive_int,
+        default=20,
+        help="checks for exactly one new agent pod (default 20, upstream 20)",
+    )
+    k8s.add_argument(
+        "--ready-attempts",
+        type=_positive_int,
+        default=20,
+        help="checks for the new pod's Ready condition (default 20, upstream 20)",
+    )
+    k8s.add_argument(
+        "--health-attempts",
+        type=_positive_int,
+        default=20,
+        help="gRPC health checks of the new agent (default 20)",
+    )
+    k8s.add_argument(
+        "--api-timeout",
+        type=_seconds,
+        default=10.0,
+        help="deadline of one API request, s (default 10)",
+    )
+    k8s.add_argument(
+        "--api-retries",
+        type=_non_negative_int,
+        default=5,
+        help="client retries of one API request on connection errors, 429 and 5xx (default 5)",
+    )
+    k8s.add_argument(
+        "--api-retry-backoff",
+        type=_seconds,
+        default=0.5,
+        help="first retry delay, doubling, s (default 0.5)",
+    )
+    k8s.add_argument(
+        "--max-concurrent-updates",
+        type=_non_negative_int,
+        default=0,
+        help="Lease slots: at most N nodes replace their agent at once; 0 = no Lease (default 0)",
+    )
+    k8s.add_argument(
+        "--lease-namespace", default="", help="namespace of the Leases (default: --namespace)"
+    )
+    k8s.add_argument(
+        "--lease-prefix",
+        default="cilia-safe-agent-updater",
+        help="Leases are <prefix>-0..N-1 (default cilia-safe-agent-updater)",
+    )
+    k8s.add_argument(
+        "--lease-duration",
+        type=_positive_int,
+        default=60,
+        help="leaseDurationSeconds; renewed every third of it (default 60)",
+    )
+    k8s.add_argument(
+        "--lease-wait-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds to wait for a free slot (default 600)",
+    )
+    k8s.add_argument(
+        "--no-events", action="store_true", help="do not create core/v1 Events (log lines only)"
+    )
+    dock = parser.add_argument_group("docker mode")
+    dock.add_argument("--image", default="", help="desired agent image reference (required)")
+    dock.add_argument(
+        "--container", default="cilia-agent", help="agent container name (default cilia-agent)"
+    )
+    dock.add_argument(
+        "--docker-url", default="", help="Engine API URL (default $DOCKER_HOST or the local socket)"
+    )
+    dock.add_argument(
+        "--pull-policy",
+        default="if-not-present",
+        choices=["if-not-present", "always", "never"],
+        help="(default if-not-present; see README)",
+    )
+    dock.add_argument(
+        "--health-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds the new agent gets to be SERVING before rollback (default 60)",
+    )
+    dock.add_argument(
+        "--health-interval",
+        type=_seconds,
+        default=1.0,
+        help="seconds between health checks (default 1)",
+    )
+    dock.add_argument(
+        "--stop-timeout",
+        type=_non_negative_int,
+        default=10,
+        help="seconds the old container gets after SIGTERM (default 10)",
+    )
+    dock.add_argument(
+        "--docker-timeout",
+        type=_seconds,
+        default=120.0,
+        help="deadline of one Engine API call, s (default 120)",
+    )
+    dock.add_argument(
+        "--redis",
+        default="",
+        help="Redis URL of the one-host-at-a-time lock, e.g. redis://127.0.0.1:6390/0 (default: no lock)",
+    )
+    dock.add_argument(
+        "--lock-name",
+        default="cilia:safe-agent-updater:lock",
+        help="Redis lock key (default cilia:safe-agent-updater:lock)",
+    )
+    dock.add_argument(
+        "--lock-ttl",
+        type=_seconds,
+        default=300.0,
+        help="lock expiry if this host dies mid-update, s (default 300)",
+    )
+    dock.add_argument(
+        "--lock-wait-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds to wait for the lock (default 600)",
+    )
+    dock.add_argument(
+        "--interval",
+        type=_seconds,
+        default=0.0,
+        help="loop: seconds between passes; 0 = one pass (default 0)",
+    )
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the updater's gRPC health server")
     serve.add_argument(
         "--health-listen-address",
         default=DEFAULT_HEALTH_LISTEN_ADDRESS,
@@ -50,6 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="log level (default info)",
+    )
+    hsh = sub.add_parser("hash", help="print (and with --write stamp) the agent generation hash")
+    hsh.add_argument(
+        "-f", "--file", required=True, help="rendered manifest (multi-document YAML); - = stdin"
+    )
+    hsh.add_argument(
+        "--agent-daemonset", dest="hash_agent", default="cilia-agent", help="(default cilia-agent)"
+    )
+    hsh.add_argument(
+        "--updater-daemonset",
+        default="cilia-safe-agent-updater",
+        help="(default cilia-safe-agent-updater)",
+    )
+    hsh.add_argument(
+        "--write",
+        action="store_true",
+        help="print the manifest with both DaemonSets annotated instead of the hash",
     )
     return parser
 
@@ -82,16 +331,130 @@ async def serve(health_address: str, grace_seconds: float) -> None:
     await server.stop(grace_seconds)
 
 
+def _hash_command(args: argparse.Namespace) -> int:
+    import yaml
+
+    from cilia_safe_agent_updater.generation import stamp
+
+    try:
+        text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()  # noqa: SIM115
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        digest = stamp(docs, args.hash_agent, args.updater_daemonset)
+    except (OSError, yaml.YAMLError, ValueError, KeyError, TypeError) as exc:
+        print(f"{COMPONENT}: --file {args.file}: {exc}", file=sys.stderr)
+        return int(Exit.USAGE)
+    if args.write:
+        sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
+    else:
+        print(digest)
+    return int(Exit.OK)
+
+
+def _run_kubernetes(args: argparse.Namespace) -> Exit:
+    from cilia_safe_agent_updater import kube
+
+    if not args.node_name:
+        raise UpdaterError(Exit.USAGE, "--node-name (or NODE_NAME) is required in kubernetes mode")
+    settings = kube.KubeSettings(
+        node_name=args.node_name,
+        namespace=args.namespace,
+        agent_daemonset=args.agent_daemonset,
+        agent_selector=args.agent_selector,
+        expected_generation=args.expected_generation,
+        poll_interval=args.poll_interval,
+        image_check_attempts=args.image_check_attempts,
+        check_images=not args.no_image_check,
+        pod_replace_attempts=args.pod_replace_attempts,
+        ready_attempts=args.ready_attempts,
+        agent_health_address=args.agent_health_address,
+        health_attempts=args.health_attempts,
+        health_rpc_timeout=args.health_rpc_timeout,
+        api_timeout=args.api_timeout,
+        max_concurrent_updates=args.max_concurrent_updates,
+        lease_namespace=args.lease_namespace,
+        lease_prefix=args.lease_prefix,
+        lease_duration=args.lease_duration,
+        lease_wait_timeout=args.lease_wait_timeout,
+        events=not args.no_events,
+    )
+    api = kube.KubeAPI(
+        kube.api_client(
+            args.kubeconfig or None, retries=args.api_retries, backoff=args.api_retry_backoff
+        ),
+        args.api_timeout,
+    )
+    try:
+        return kube.run(settings, api, Reporter())
+    except kube.API_ERRORS as exc:
+        raise UpdaterError(Exit.API_UNAVAILABLE, f"Kubernetes API: {exc}") from exc
+
+
+def _run_docker(args: argparse.Namespace) -> Exit:
+    import docker.errors
+
+    from cilia_safe_agent_updater import dockermode
+
+    if not args.image:
+        raise UpdaterError(Exit.USAGE, "--image is required in docker mode")
+    settings = dockermode.DockerSettings(
+        image=args.image,
+        container=args.container,
+        docker_url=args.docker_url,
+        pull_policy=args.pull_policy,
+        agent_health_address=args.agent_health_address,
+        health_timeout=args.health_timeout,
+        health_interval=args.health_interval,
+        health_rpc_timeout=args.health_rpc_timeout,
+        stop_timeout=args.stop_timeout,
+        redis_url=args.redis,
+        lock_name=args.lock_name,
+        lock_ttl=args.lock_ttl,
+        lock_wait_timeout=args.lock_wait_timeout,
+        docker_timeout=args.docker_timeout,
+    )
+    client = dockermode.docker_client(settings)
+    while True:
+        try:
+            code = dockermode.run(settings, Reporter(), client)
+        except docker.errors.DockerException as exc:
+            code_error = UpdaterError(Exit.API_UNAVAILABLE, f"Docker engine: {exc}")
+            if args.interval <= 0:
+                raise code_error from exc
+            log.error(str(code_error), extra={"exit_code": int(code_error.code)})
+        except UpdaterError as exc:
+            if args.interval <= 0:
+                raise
+            log.error(str(exc), extra={"exit_code": int(exc.code)})
+        else:
+            if args.interval <= 0:
+                return code
+        time.sleep(args.interval)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cilia-safe-agent-updater`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(COMPONENT, args.log_level)
+    if args.command == "serve":
+        try:
+            asyncio.run(serve(args.health_listen_address, args.shutdown_grace_period))
+        except grpcserver.BindError as exc:
+            print(f"{COMPONENT}: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "hash":
+        return _hash_command(args)
+    if args.mode is None:
+        parser.error("give --mode kubernetes|docker, or a sub-command (serve, hash)")
     try:
-        asyncio.run(serve(args.health_listen_address, args.shutdown_grace_period))
-    except grpcserver.BindError as exc:
+        code = _run_kubernetes(args) if args.mode == "kubernetes" else _run_docker(args)
+    except UpdaterError as exc:
+        log.error(str(exc), extra={"exit_code": int(exc.code), "exit_name": exc.code.name})
         print(f"{COMPONENT}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return int(exc.code)
+    log.info("done", extra={"exit_code": int(code)})
+    return int(code)
 
 
 if __name__ == "__main__":
