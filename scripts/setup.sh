@@ -45,7 +45,7 @@ if [[ ! -x $VENV/bin/python ]]; then
   "$PY" -m venv "$VENV"
 fi
 stamp=$VENV/.cilia-setup
-inputs=$(cat constraints.txt proto/pyproject.toml proto/setup.py lib/common/pyproject.toml \
+inputs=$(cat constraints.txt proto/pyproject.toml proto/setup.py lib/*/pyproject.toml \
          services/*/pyproject.toml $(find proto/cilia -name '*.proto' | sort) | sha256sum | cut -c1-16)
 if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
   log "installing Python packages into $VENV"
@@ -55,7 +55,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
       2>&1 | grep -v '^WARNING: Location' || true
   "$VENV/bin/pip" install -q -c constraints.txt --force-reinstall --no-deps ./proto \
       2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/pip" install -q -c constraints.txt ./proto -e lib/common \
+  "$VENV/bin/pip" install -q -c constraints.txt ./proto -e lib/common -e lib/kubemock \
       $(for s in services/*/; do printf -- '-e %s ' "$s"; done) \
       2>&1 | grep -v '^WARNING: Location' || true
   echo "$inputs" > "$stamp"
