@@ -4,9 +4,16 @@ cilia-operator serve [--store URL] [--listen ADDR] [--prometheus-serve-addr ADDR
                      [--auto-create-cilium-pod-ip-pools SPEC] [--ipam-default-ip-pool NAME]
                      [--log-level LEVEL] [store/shutdown tuning flags]
                      [identity GC / identity range / watch stream flags]
+                     [--ipam cluster-pool|multi-pool] [--cluster-pool-ipv4-cidr CIDR]
+                     [--cluster-pool-ipv4-mask-size N]
+                     [--enable-cluster-pool-to-multi-pool-migration]
+                     [--service-cluster-ip-range CIDR]
 cilia-operator apply -f FILE [--server ADDR] [--dry-run]
 cilia-operator get KIND [NAME] [-n NAMESPACE | -A] [-o json|yaml] [--server ADDR]
 cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
+cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-last-ip]
+                         [--server ADDR | --offline]
+cilia-operator ipam status [-o text|json] [--server ADDR]
 cilia-operator --version
 """
 
@@ -85,6 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watch-buffer-size", type=int, default=1000,
                        help=f"changes buffered per watch stream before its store watch "
                        f"waits (it relists if it falls behind --store-event-history) {d}")  # fmt: skip
+    serve.add_argument("--ipam", choices=["cluster-pool", "multi-pool"], default="multi-pool",
+                       help=f"IPAM mode (upstream operator flag `ipam`; upstream's default is "
+                       f"cluster-pool) {d}")  # fmt: skip
+    serve.add_argument("--cluster-pool-ipv4-cidr", action="append", default=[], metavar="CIDR",
+                       help="cluster-pool mode: CIDRs node blocks are carved from; repeat the "
+                       "flag or separate with commas (default: none; required with "
+                       "--ipam cluster-pool)")  # fmt: skip
+    serve.add_argument("--cluster-pool-ipv4-mask-size", type=int, default=24,
+                       help=f"cluster-pool mode: prefix length of each node's block {d}")  # fmt: skip
+    serve.add_argument("--enable-cluster-pool-to-multi-pool-migration", action="store_true",
+                       help="adopt every node's spec.ipam.podCIDRs into the default pool's "
+                       "allocations before allocating (one-way; needs --ipam multi-pool) "
+                       "(default: off)")  # fmt: skip
+    serve.add_argument("--service-cluster-ip-range", action="append", default=None,
+                       metavar="CIDR",
+                       help="service CIDRs no pool may overlap; repeat or comma-separate "
+                       "(default: 10.96.0.0/12, kube-apiserver's default)")  # fmt: skip
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
@@ -115,6 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("-n", "--namespace", default="default",
                         help=f"namespace of namespaced kinds {d}")  # fmt: skip
     client(delete)
+
+    ipam = sub.add_parser("ipam", help="IPAM planning and status")
+    ipam_sub = ipam.add_subparsers(dest="ipam_command", required=True, metavar="SUBCOMMAND")
+    plan = ipam_sub.add_parser(
+        "plan", help="blocks and pod IPs a pool CIDR gives; checked against the live cluster"
+    )
+    plan.add_argument("--cidr", action="append", required=True,
+                      help="pool CIDR (repeat for several)")  # fmt: skip
+    plan.add_argument("--mask-size", type=int, required=True, help="per-node block prefix")
+    plan.add_argument("--allow-first-ip", action="store_true",
+                      help="the first address of each block is usable (default: reserved)")  # fmt: skip
+    plan.add_argument("--allow-last-ip", action="store_true",
+                      help="the last address of each block is usable (default: reserved)")  # fmt: skip
+    plan.add_argument("--pool", default="",
+                      help="pool name the plan is for (an update of it is not an overlap) "
+                      "(default: a new pool)")  # fmt: skip
+    plan.add_argument("--offline", action="store_true",
+                      help="do not contact the operator (default: check against it when "
+                      "reachable)")  # fmt: skip
+    client(plan)
+    status = ipam_sub.add_parser("status", help="pools, draining CIDRs, nodes, migration")
+    status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
+    client(status)
     return parser
 
 
@@ -157,6 +204,17 @@ def _serve(args: argparse.Namespace) -> int:
             identity_max_id=args.identity_max_id,
             watch_list_chunk_size=args.watch_list_chunk_size,
             watch_buffer_size=args.watch_buffer_size,
+            ipam=args.ipam,
+            cluster_pool_ipv4_cidr=args.cluster_pool_ipv4_cidr,
+            cluster_pool_ipv4_mask_size=args.cluster_pool_ipv4_mask_size,
+            enable_cluster_pool_to_multi_pool_migration=(
+                args.enable_cluster_pool_to_multi_pool_migration
+            ),
+            **(
+                {"service_cluster_ip_range": args.service_cluster_ip_range}
+                if args.service_cluster_ip_range is not None
+                else {}
+            ),
         )
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
@@ -183,6 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "apply":
             cli.apply(args.filename, args.server, args.dry_run, args.timeout, sys.stdout)
+        elif args.command == "ipam" and args.ipam_command == "plan":
+            problems = cli.ipam_plan(
+                args.cidr, args.mask_size, args.allow_first_ip, args.allow_last_ip,
+                None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
+            )  # fmt: skip
+            return 1 if problems else 0
+        elif args.command == "ipam":
+            cli.ipam_status(args.server, args.timeout, sys.stdout, output=args.output)
         elif args.command == "get":
             namespace = None if args.all_namespaces else args.namespace
             cli.get(args.kind, args.name, args.output, args.server, args.timeout, sys.stdout,

@@ -29,6 +29,7 @@ from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
+from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
 from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
 from .kinds import POOL
@@ -75,6 +76,11 @@ class Operator:
         self.controller = IPAMController(
             self.store,
             self.metrics,
+            mode=config.ipam,
+            default_pool=config.ipam_default_ip_pool,
+            cluster_cidrs=config.cluster_pool_cidrs,
+            cluster_mask_size=config.cluster_pool_ipv4_mask_size,
+            migrate=config.enable_cluster_pool_to_multi_pool_migration,
             conflict_retries=config.store_conflict_retries,
             retry_interval=config.store_retry_interval,
         )
@@ -120,6 +126,7 @@ class Operator:
                     f"--prometheus-serve-addr {self.config.prometheus_serve_addr}: {exc}"
                 ) from None
             self.metrics_port = int(self._httpd.server_port)
+        config = self.config
         conflict_retries = self.config.store_conflict_retries
         streams = {
             "chunk_size": self.config.watch_list_chunk_size,
@@ -138,12 +145,14 @@ class Operator:
             ),
             Service(
                 pb_grpc.add_IPAMServiceServicer_to_server,
-                IPAMServicer(self.store, self.controller, conflict_retries),
+                IPAMServicer(
+                    self.store, self.controller, conflict_retries, config.ipam_default_ip_pool
+                ),
                 SERVICE_NAMES[1],
             ),
             Service(
                 pb_grpc.add_ResourceServiceServicer_to_server,
-                ResourceServicer(self.store, self.identities),
+                ResourceServicer(self.store, self.identities, config.service_cidrs),
                 SERVICE_NAMES[2],
             ),
             Service(
@@ -186,7 +195,9 @@ class Operator:
             if name in existing:
                 log.info("auto-create pool skipped: it exists", extra={"pool": name})
                 continue
-            overlaps = pool_overlaps(name, spec.cidrs, existing.values())
+            overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
+                spec.cidrs, service_cidrs=self.config.service_cidrs
+            )
             if overlaps:
                 raise StartupError(
                     f"--auto-create-cilium-pod-ip-pools: pool {name!r}: {overlaps[0].reason}"

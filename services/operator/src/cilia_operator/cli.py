@@ -1,4 +1,5 @@
-"""Client commands: ``apply``, ``get`` and ``delete`` against a running operator.
+"""Client commands: ``apply``, ``get``, ``delete`` and ``ipam plan|status`` against a
+running operator.
 
 Each returns the process exit status: 0 on success; on failure one line on stderr and
 status 2 (bad input, not found, refused) -- never a traceback.
@@ -6,6 +7,7 @@ status 2 (bad input, not found, refused) -- never a traceback.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from typing import IO, Any
@@ -16,6 +18,8 @@ import yaml
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 
+from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
+from .ipam.pool import PoolSpec, pool_overlaps
 from .kinds import UnknownKind, kind_of, resolve_kind
 
 EXIT_ERROR = 2
@@ -67,6 +71,9 @@ def apply(path: str, server: str, dry_run: bool, timeout: float, out: IO[str]) -
     suffix = " (dry run)" if dry_run else ""
     for res in response.resources:
         print(f"{_display(res.api_version, res.kind, res.name)} {res.action}{suffix}", file=out)
+    if dry_run:
+        for effect in response.effects:
+            print(f"  {effect}", file=out)
 
 
 def _render(obj: Any, output: str) -> str:
@@ -128,3 +135,112 @@ def delete(
     )
     _call(_stub(server).Delete, request, server, timeout)
     print(f"{info.display(name)} deleted", file=out)
+
+
+def _ipam_stub(server: str) -> Any:
+    return pb_grpc.IPAMServiceStub(grpc.insecure_channel(server))  # type: ignore[no-untyped-call]
+
+
+def ipam_plan(
+    cidrs: list[str],
+    mask_size: int,
+    allow_first: bool,
+    allow_last: bool,
+    server: str | None,
+    timeout: float,
+    out: IO[str],
+    pool: str = "",
+) -> int:
+    """Print the node blocks, pod IPs per block and in total for a pool shape; with a
+    reachable operator (``server``), also check it against live pools and nodes:
+    overlaps (pools, node networks) and nodes that would not get a block.
+
+    Returns the number of problems found against the live cluster (0 = fits).
+
+    Raises:
+        CommandError: a CIDR or the mask is invalid.
+    """
+    nets = []
+    for cidr in cidrs:
+        try:
+            nets.append(ipaddress.IPv4Network(cidr, strict=True))
+        except ValueError as exc:
+            raise CommandError(f"--cidr: {cidr!r} is not an IPv4 CIDR: {exc}") from None
+    try:
+        plan = plan_numbers(nets, mask_size, allow_first, allow_last)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"CIDRs:              {', '.join(str(n) for n in nets)}", file=out)
+    print(f"block size:         /{mask_size}", file=out)
+    print(f"node blocks:        {plan.blocks}", file=out)
+    print(f"pod IPs per node:   {plan.usable_per_block}", file=out)
+    print(f"pod IPs in total:   {plan.total_usable}", file=out)
+    if server is None:
+        return 0
+    try:
+        status = _ipam_stub(server).GetStatus(pb.IPAMServiceGetStatusRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        print(f"live check skipped: cannot reach operator at {server}: {exc.details()}", file=out)
+        return 0
+    others = [
+        PoolSpec(p.name, tuple(ipaddress.IPv4Network(c) for c in p.cidrs), p.mask_size,
+                 draining=tuple(ipaddress.IPv4Network(c) for c in p.draining_cidrs))
+        for p in status.pools
+    ]  # fmt: skip
+    networks = [
+        NodeNetworks(
+            n.node_name,
+            tuple((ln.interface, ipaddress.IPv4Network(ln.cidr)) for ln in n.local_networks
+                  if ":" not in ln.cidr),
+            tuple(ipaddress.IPv4Network(c) for p in n.allocated for c in p.cidrs)
+            + tuple(ipaddress.IPv4Network(c) for c in n.pod_cidrs),
+        )
+        for n in status.nodes
+    ]  # fmt: skip
+    problems = [str(e) for e in pool_overlaps(pool, nets, others)]
+    problems += [str(e) for e in overlap_errors(nets, node_networks=networks)]
+    node_count = len(status.nodes)
+    if plan.blocks < node_count:
+        problems.append(
+            f"{node_count - plan.blocks} of {node_count} nodes would not get a block "
+            f"({plan.blocks} blocks for {node_count} nodes)"
+        )
+    print(f"live cluster:       {node_count} nodes, {len(status.pools)} pools ({server})",
+          file=out)  # fmt: skip
+    for problem in problems:
+        print(f"problem: {problem}", file=out)
+    if not problems:
+        print("fits: no overlap with pools or node networks; every node can get a block",
+              file=out)  # fmt: skip
+    return len(problems)
+
+
+def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text") -> None:
+    """Print pools (CIDRs, draining CIDRs, blocks), per-node allocations and errors, and
+    the migration progress (``-o json``: the GetStatus response as JSON).
+
+    Raises:
+        CommandError: unreachable operator.
+    """
+    status = _call(_ipam_stub(server).GetStatus, pb.IPAMServiceGetStatusRequest(), server,
+                   timeout)  # fmt: skip
+    if output == "json":
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(status), indent=2), file=out)
+        return
+    print(f"mode: {status.mode}   leader: {'yes' if status.leader else 'no'}", file=out)
+    if status.migration:
+        print(f"migration cluster-pool -> multi-pool: {status.migration} "
+              f"({status.nodes_migrated}/{status.nodes_total} nodes)", file=out)  # fmt: skip
+    print("POOL        MASK  BLOCKS(USED/TOTAL)  CIDRS  DRAINING", file=out)
+    for p in status.pools:
+        print(f"{p.name:<11} /{p.mask_size:<4} {p.blocks_allocated}/{p.blocks_total:<16} "
+              f"{','.join(p.cidrs) or '-'}  {','.join(p.draining_cidrs) or '-'}",
+              file=out)  # fmt: skip
+    print("NODE        ALLOCATED  REQUESTED  ERROR", file=out)
+    for n in status.nodes:
+        alloc = " ".join(f"{a.pool}:{c}" for a in n.allocated for c in a.cidrs)
+        alloc = " ".join(filter(None, [alloc, *(f"podCIDR:{c}" for c in n.pod_cidrs)]))
+        req = " ".join(f"{r.pool}={r.needed_ipv4}" for r in n.requested)
+        print(f"{n.node_name:<11} {alloc or '-'}  {req or '-'}  {n.error or '-'}", file=out)

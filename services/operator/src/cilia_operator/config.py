@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import urllib.parse
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
 from .ipam.pool import PoolSpec
@@ -82,6 +84,62 @@ class Config(BaseModel):
     identity_max_id: int = Field(default=65535, ge=256, le=65535)
     watch_list_chunk_size: int = Field(default=1000, ge=1)
     watch_buffer_size: int = Field(default=1000, ge=1)
+    ipam: Literal["cluster-pool", "multi-pool"] = "multi-pool"
+    cluster_pool_ipv4_cidr: list[str] = Field(default_factory=list)
+    cluster_pool_ipv4_mask_size: int = Field(default=24, ge=1, le=32)
+    enable_cluster_pool_to_multi_pool_migration: bool = False
+    service_cluster_ip_range: list[str] = Field(default_factory=lambda: ["10.96.0.0/12"])
+
+    @field_validator("cluster_pool_ipv4_cidr", "service_cluster_ip_range")
+    @classmethod
+    def _cidrs(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        flag = "--" + str(info.field_name).replace("_", "-")
+        out = []
+        for item in value:
+            for part in item.split(","):
+                if not part.strip():
+                    continue
+                try:
+                    out.append(str(ipaddress.IPv4Network(part.strip(), strict=True)))
+                except ValueError as exc:
+                    raise ValueError(f"{flag}: {part!r} is not an IPv4 CIDR: {exc}") from None
+        return out
+
+    @model_validator(mode="after")
+    def _ipam_modes(self) -> Config:
+        nets = [ipaddress.IPv4Network(c) for c in self.cluster_pool_ipv4_cidr]
+        if self.ipam == "cluster-pool" and not nets:
+            raise ValueError("--cluster-pool-ipv4-cidr: required with --ipam cluster-pool")
+        for net in nets:
+            if self.cluster_pool_ipv4_mask_size < net.prefixlen:
+                raise ValueError(
+                    f"--cluster-pool-ipv4-mask-size: {self.cluster_pool_ipv4_mask_size} is "
+                    f"shorter than the prefix of --cluster-pool-ipv4-cidr {net}"
+                )
+            for svc in self.service_cidrs:
+                if net.overlaps(svc):
+                    raise ValueError(
+                        f"--cluster-pool-ipv4-cidr: {net} overlaps --service-cluster-ip-range {svc}"
+                    )
+        for i, net in enumerate(nets):
+            for other in nets[:i]:
+                if net.overlaps(other):
+                    raise ValueError(f"--cluster-pool-ipv4-cidr: {net} overlaps {other}")
+        if self.enable_cluster_pool_to_multi_pool_migration and self.ipam != "multi-pool":
+            raise ValueError(
+                "--enable-cluster-pool-to-multi-pool-migration: needs --ipam multi-pool"
+            )
+        return self
+
+    @property
+    def cluster_pool_cidrs(self) -> tuple[ipaddress.IPv4Network, ...]:
+        """Parsed ``--cluster-pool-ipv4-cidr``."""
+        return tuple(ipaddress.IPv4Network(c) for c in self.cluster_pool_ipv4_cidr)
+
+    @property
+    def service_cidrs(self) -> tuple[ipaddress.IPv4Network, ...]:
+        """Parsed ``--service-cluster-ip-range``."""
+        return tuple(ipaddress.IPv4Network(c) for c in self.service_cluster_ip_range)
 
     @field_validator("store")
     @classmethod

@@ -13,7 +13,13 @@ NetworkPolicy               networking.k8s.io/v1    networkpolicies | netpol    
 CiliumIdentity              cilium.io/v2            ciliumidentities | ciliumid cluster
 CiliumEndpoint              cilium.io/v2            ciliumendpoints | cep,      namespaced
                                                     ciliumep
+Namespace                   v1                      namespaces | ns             cluster
+CiliaIPAMBlock              cilia.io/v1alpha1       ciliaipamblocks | cipb      cluster
 ==========================  ======================  ==========================  ==========
+
+Namespaces carry the labels/annotations ResolvePool reads (pool annotations,
+namespaceSelector). CiliaIPAMBlock records are the allocator's per-block claims
+(see :mod:`cilia_operator.ipam.claims`).
 
 CiliumIdentity and CiliumEndpoint are written by the operator and the agents only:
 ``apply`` refuses them; ``get`` and ``delete`` work.
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import FieldError, InvalidResource
-from .ipam import node, pool
+from .ipam import claims, node, pool, resolve
 from .policy import validation as policy
 
 
@@ -62,7 +68,9 @@ class KindInfo:
         return self.api_version.partition("/")[0]
 
     def display(self, name: str) -> str:
-        """kubectl-style ``ciliumpodippool.cilium.io/blue``."""
+        """kubectl-style ``ciliumpodippool.cilium.io/blue`` (core kinds: ``namespace/x``)."""
+        if "/" not in self.api_version:
+            return f"{self.singular}/{name}"
         return f"{self.singular}.{self.group}/{name}"
 
 
@@ -106,7 +114,15 @@ ENDPOINT = KindInfo(
     "CiliumEndpoint", "cilium.io/v2", "ciliumendpoints", "ciliumendpoint", ("cep", "ciliumep"),
     _managed_by("the agents (EndpointService.UpsertEndpoint)"), namespaced=True, appliable=False,
 )  # fmt: skip
-KINDS = (POOL, NODE, CNP, NETWORK_POLICY, IDENTITY, ENDPOINT)
+NAMESPACE = KindInfo(
+    resolve.NAMESPACE_KIND, resolve.NAMESPACE_API_VERSION, "namespaces", "namespace", ("ns",),
+    resolve.validate_namespace,
+)  # fmt: skip
+IPAM_BLOCK = KindInfo(
+    claims.KIND, claims.API_VERSION, "ciliaipamblocks", "ciliaipamblock", ("cipb",),
+    _managed_by("the operator's IPAM allocator"), appliable=False,
+)  # fmt: skip
+KINDS = (POOL, NODE, CNP, NETWORK_POLICY, IDENTITY, ENDPOINT, NAMESPACE, IPAM_BLOCK)
 
 
 def resolve_kind(name: str) -> KindInfo:

@@ -4,32 +4,55 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
+from ..ipam import claims
 from ..ipam import node as nodes
 from ..ipam.controller import IPAMController
-from ..kinds import NODE
+from ..ipam.pool import PoolSpec, pool_specs
+from ..ipam.resolve import NoPoolMatch, resolve_pool
+from ..kinds import NAMESPACE, NODE, POOL
 from ..store import Conflict, Contention, NotFound, Resource, Store, resource_version
 from .errors import streaming, unary
 
 log = logging.getLogger(__name__)
 
 
-def allocation_message(record: Resource) -> pb.NodeAllocation:
-    """A CiliumNode record as ``NodeAllocation`` (allocated pools, error, resourceVersion)."""
+def allocation_message(
+    record: Resource, pools: Mapping[str, PoolSpec] | None = None
+) -> pb.NodeAllocation:
+    """A CiliumNode record as ``NodeAllocation``: allocated pools, podCIDRs (cluster-pool),
+    draining blocks, error, resourceVersion.
+
+    A block is draining when it lies in a draining CIDR of its pool, outside the pool's
+    CIDRs, or its pool is unknown (``pools`` None: nothing is reported draining).
+    """
+    allocated = sorted(nodes.allocated(record).items())
+    draining = []
+    if pools is not None:
+        for pool, blocks in allocated:
+            spec = pools.get(pool)
+            gone = [
+                str(b)
+                for b in blocks
+                if spec is None or spec.draining_cidr(b) is not None or not spec.contains(b)
+            ]
+            if gone:
+                draining.append(pb.PoolCIDRs(pool=pool, cidrs=gone))
     return pb.NodeAllocation(
         node_name=record["metadata"]["name"],
         pools=[
-            pb.PoolCIDRs(pool=pool, cidrs=[str(b) for b in blocks])
-            for pool, blocks in sorted(nodes.allocated(record).items())
+            pb.PoolCIDRs(pool=pool, cidrs=[str(b) for b in blocks]) for pool, blocks in allocated
         ],
         error=nodes.operator_error(record),
         resource_version=resource_version(record),
+        pod_cidrs=[str(b) for b in nodes.pod_cidrs(record)],
+        draining=draining,
     )
 
 
@@ -41,10 +64,21 @@ class IPAMServicer:
         conflict_retries: write attempts per request.
     """
 
-    def __init__(self, store: Store, controller: IPAMController, conflict_retries: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        controller: IPAMController,
+        conflict_retries: int,
+        default_pool: str = "default",
+    ) -> None:
         self.store = store
         self.controller = controller
         self.conflict_retries = max(1, conflict_retries)
+        self.default_pool = default_pool
+
+    async def _pools(self) -> dict[str, PoolSpec]:
+        """Pool specs (with draining CIDRs) as the store holds them now."""
+        return pool_specs((await self.store.list(POOL.kind)).items)
 
     @unary
     async def UpdateDemand(  # noqa: N802 (gRPC method name)
@@ -90,8 +124,103 @@ class IPAMServicer:
             break
         else:
             raise Contention(NODE.kind, "", name)
+        still = nodes.allocated(await self.store.get(NODE.kind, name))
+        for pool, block in released:
+            if block not in still.get(pool, []):
+                await claims.unclaim(self.store, block, name)
         self.controller.enqueue(name)
         return pb.UpdateDemandResponse()
+
+    @unary
+    async def ResolvePool(  # noqa: N802 (gRPC method name)
+        self, request: pb.ResolvePoolRequest, context: Any
+    ) -> pb.ResolvePoolResponse:
+        """The pool a pod allocates from, with upstream precedence (see
+        :func:`cilia_operator.ipam.resolve.resolve_pool`). cluster-pool mode: the default
+        pool name (every pod uses the node's podCIDRs).
+
+        Errors: FAILED_PRECONDITION (several selectors match; the named pool does not
+        exist or nothing matches while require-pool-match is "true"), UNAVAILABLE.
+        """
+        if self.controller.mode == "cluster-pool":
+            return pb.ResolvePoolResponse(
+                pool=self.default_pool, reason="ipam mode cluster-pool: the node's podCIDRs"
+            )
+        try:
+            ns = await self.store.get(NAMESPACE.kind, request.pod_namespace)
+        except NotFound:
+            ns = None
+        try:
+            got = resolve_pool(
+                namespace=request.pod_namespace,
+                name=request.pod_name,
+                pod_labels=dict(request.pod_labels),
+                pod_annotations=dict(request.pod_annotations),
+                namespace_obj=ns,
+                pools=(await self.store.list(POOL.kind)).items,
+                default_pool=self.default_pool,
+            )
+        except NoPoolMatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.ResolvePoolResponse(pool=got.pool, reason=got.reason)
+
+    @unary
+    async def GetStatus(  # noqa: N802 (gRPC method name)
+        self, request: pb.IPAMServiceGetStatusRequest, context: Any
+    ) -> pb.IPAMServiceGetStatusResponse:
+        """Pools (CIDRs, draining CIDRs, blocks total/allocated), every node's allocation,
+        demand, podCIDRs, error and local networks, migration progress, leadership.
+
+        Errors: UNAVAILABLE.
+        """
+        pools = await self._pools()
+        records = (await self.store.list(NODE.kind)).items
+        held: dict[str, int] = {}
+        out_nodes = []
+        for record in records:
+            allocated = nodes.allocated(record)
+            for pool, blocks in allocated.items():
+                held[pool] = held.get(pool, 0) + len(blocks)
+            out_nodes.append(
+                pb.NodeIPAMStatus(
+                    node_name=nodes.node_name(record),
+                    allocated=[
+                        pb.PoolCIDRs(pool=p, cidrs=[str(b) for b in bs])
+                        for p, bs in sorted(allocated.items())
+                    ],
+                    requested=[
+                        pb.PoolDemand(pool=p, needed_ipv4=n)
+                        for p, n in sorted(nodes.requested(record).items())
+                    ],
+                    pod_cidrs=[str(b) for b in nodes.pod_cidrs(record)],
+                    error=nodes.operator_error(record),
+                    local_networks=[
+                        pb.LocalNetwork(interface=i, cidr=str(c))
+                        for i, c in nodes.local_networks(record)
+                    ],
+                )
+            )
+        out_pools = [
+            pb.PoolStatus(
+                name=name,
+                cidrs=[str(c) for c in spec.cidrs],
+                draining_cidrs=[str(c) for c in spec.draining],
+                mask_size=spec.mask_size,
+                blocks_total=spec.blocks_total(),
+                blocks_allocated=held.get(name, 0),
+            )
+            for name, spec in sorted(pools.items())
+        ]
+        migration = self.controller.migration
+        return pb.IPAMServiceGetStatusResponse(
+            mode=self.controller.mode,
+            pools=out_pools,
+            nodes=out_nodes,
+            migration=migration.state,
+            nodes_migrated=migration.nodes_migrated,
+            nodes_total=migration.nodes_total,
+            leader=self.controller.running,
+        )
 
     @streaming
     async def WatchAllocations(  # noqa: N802 (gRPC method name)
@@ -105,20 +234,21 @@ class IPAMServicer:
         sub = self.controller.subscribe(name)
         try:
             current = await self.store.get(NODE.kind, name)
-            sent = ""
+            sent: pb.NodeAllocation | None = None
             while True:
-                latest = sub.latest
+                latest, generation = sub.latest, sub.pools_generation
                 if sub.deleted:
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"node {name!r} was deleted")
                 if latest is not None and int(resource_version(latest)) > int(
                     resource_version(current)
                 ):
                     current = latest
-                if resource_version(current) != sent:
-                    sent = resource_version(current)
-                    yield pb.WatchAllocationsResponse(allocation=allocation_message(current))
+                message = allocation_message(current, await self._pools())
+                if message != sent:
+                    sent = message
+                    yield pb.WatchAllocationsResponse(allocation=message)
                 sub.changed.clear()
-                if sub.latest is latest and not sub.deleted:
+                if sub.latest is latest and sub.pools_generation == generation and not sub.deleted:
                     await sub.changed.wait()
         finally:
             self.controller.unsubscribe(sub)

@@ -119,7 +119,7 @@ class NodeServicer:
         else:
             raise Contention(NODE.kind, "", name)
         self.controller.enqueue(name)
-        return pb.RegisterResponse(default_pool=self.default_pool)
+        return pb.RegisterResponse(default_pool=self.default_pool, ipam_mode=self.controller.mode)
 
     @streaming
     async def WatchNodes(  # noqa: N802 (gRPC method name)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -12,10 +14,12 @@ import grpc
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
 from ..identity.allocator import IdentityAllocator
+from ..ipam import claims
 from ..ipam import node as nodes
-from ..ipam.pool import PoolSpec, pool_specs
+from ..ipam.changes import NodeNetworks, PoolChange, plan_pool_change
+from ..ipam.pool import DRAINING_FIELD, PoolSpec, pool_specs, to_pool_spec, validate_pool
 from ..kinds import IDENTITY, NODE, POOL, KindInfo, resolve_kind
-from ..manifests import Document, validate_manifest
+from ..manifests import Document, DocumentError, InvalidManifest, validate_manifest
 from ..store import Conflict, NotFound, Resource, Store, resource_version
 from .errors import unary
 
@@ -56,12 +60,66 @@ class ResourceServicer:
             (None: identities are deleted like any record).
     """
 
-    def __init__(self, store: Store, identities: IdentityAllocator | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        identities: IdentityAllocator | None = None,
+        service_cidrs: Sequence[ipaddress.IPv4Network] = (),
+    ) -> None:
         self.store = store
         self.identities = identities
+        self.service_cidrs = tuple(service_cidrs)
 
     async def _stored_pools(self) -> dict[str, PoolSpec]:
         return pool_specs((await self.store.list(POOL.kind)).items)
+
+    async def _pool_changes(
+        self, docs: Sequence[Document], stored: Mapping[str, PoolSpec]
+    ) -> tuple[dict[str, PoolChange], list[str]]:
+        """Check every pool document against nodes and services; effects per node.
+
+        Raises:
+            InvalidManifest: an overlap with a node network, a service CIDR or a draining
+                CIDR (every problem listed; nothing written).
+        """
+        pool_docs = [d for d in docs if d.info is POOL]
+        if not pool_docs:
+            return {}, []
+        records = (await self.store.list(NODE.kind)).items
+        holdings = {
+            nodes.node_name(r): [
+                *((p, b) for p, bs in nodes.allocated(r).items() for b in bs),
+                *(("", b) for b in nodes.pod_cidrs(r)),
+            ]
+            for r in records
+        }
+        networks = [
+            NodeNetworks(
+                nodes.node_name(r),
+                tuple(nodes.local_networks(r)),
+                tuple(b for _, b in holdings[nodes.node_name(r)]),
+            )
+            for r in records
+        ]
+        changes: dict[str, PoolChange] = {}
+        effects: list[str] = []
+        errors: list[DocumentError] = []
+        for doc in pool_docs:
+            spec = to_pool_spec(validate_pool(doc.obj))
+            change = plan_pool_change(
+                spec,
+                stored.get(doc.name),
+                holdings,
+                service_cidrs=self.service_cidrs,
+                node_networks=networks,
+            )
+            label = f"{doc.info.kind} {doc.name}"
+            errors += [DocumentError(doc.index, label, e) for e in change.errors]
+            changes[doc.name] = change
+            effects += change.effects
+        if errors:
+            raise InvalidManifest(errors)
+        return changes, effects
 
     @unary
     async def Apply(  # noqa: N802 (gRPC method name)
@@ -72,10 +130,13 @@ class ResourceServicer:
         Errors: INVALID_ARGUMENT naming document index, field path and reason (nothing
         written), ABORTED (a resource changed during apply), UNAVAILABLE.
         """
-        docs = validate_manifest(request.manifest, await self._stored_pools())
+        stored = await self._stored_pools()
+        docs = validate_manifest(request.manifest, stored)
+        changes, effects = await self._pool_changes(docs, stored)
         applied = []
         for doc in docs:
-            action = await self._apply_one(doc, request.dry_run)
+            change = changes.get(doc.name) if doc.info is POOL else None
+            action = await self._apply_one(doc, request.dry_run, change)
             applied.append(
                 pb.AppliedResource(
                     api_version=doc.info.api_version,
@@ -90,9 +151,12 @@ class ResourceServicer:
                     "resource applied",
                     extra={"resource": doc.info.display(doc.name), "action": action},
                 )
-        return pb.ApplyResponse(resources=applied)
+        if not request.dry_run:
+            for effect in effects:
+                log.info("pool change applied", extra={"effect": effect})
+        return pb.ApplyResponse(resources=applied, effects=effects)
 
-    async def _apply_one(self, doc: Document, dry_run: bool) -> str:
+    async def _apply_one(self, doc: Document, dry_run: bool, change: PoolChange | None) -> str:
         try:
             current = await self.store.get(doc.info.kind, doc.name, doc.namespace)
         except NotFound:
@@ -100,6 +164,13 @@ class ResourceServicer:
                 await self.store.create(doc.obj)
             return "created"
         desired = _merged(current, doc)
+        if change is not None:
+            status = desired.setdefault("status", {})
+            status[DRAINING_FIELD] = [str(c) for c in change.draining]
+            if not change.draining:
+                del status[DRAINING_FIELD]
+            if not status:
+                del desired["status"]
         if desired == current:
             return "unchanged"
         if not dry_run:
@@ -145,6 +216,9 @@ class ResourceServicer:
             holders = nodes.pools_in_use((await self.store.list(NODE.kind)).items).get(
                 request.name, []
             )
+            claimed = sorted({c.node for c in await claims.list_claims(self.store)
+                              if c.pool == request.name})  # fmt: skip
+            holders = sorted({*holders, *claimed})
             if holders:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,

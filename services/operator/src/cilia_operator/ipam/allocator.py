@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .pool import PoolSpec
@@ -102,11 +102,13 @@ class NodeResult:
         errors: one message per pool that could not be satisfied or block that could
             not be taken; empty when all is well (``status.ipam.operator-status.error``).
         added: blocks newly handed out by this reconcile.
+        freed: blocks the node's record no longer lists that were freed.
     """
 
     allocated: dict[str, list[IPv4Network]]
     errors: list[str] = field(default_factory=list)
     added: list[tuple[str, IPv4Network]] = field(default_factory=list)
+    freed: list[tuple[str, IPv4Network]] = field(default_factory=list)
 
     @property
     def error(self) -> str:
@@ -235,6 +237,24 @@ class MultiPoolAllocator:
         self.ready = True
         return warnings
 
+    def occupy(self, block: IPv4Network, holding: Holding) -> Holding | None:
+        """Record that ``holding`` holds ``block`` (e.g. a claim found in the store).
+
+        Moves the block when the allocator had it for another node (the store's claim
+        wins). Returns the holding of another node that overlaps without being the same
+        block (then nothing is recorded), else None.
+        """
+        current = self._held.get(block)
+        if current == holding:
+            return None
+        if current is not None:
+            self._free(block)
+        other = self._conflict(block, holding.node)
+        if other is not None:
+            return other
+        self._occupy(block, holding)
+        return None
+
     def release(self, node: str, block: IPv4Network) -> bool:
         """Free ``block`` if ``node`` holds it; returns whether it was freed."""
         holding = self._held.get(block)
@@ -266,6 +286,7 @@ class MultiPoolAllocator:
         node: str,
         requested: Mapping[str, int],
         allocated: Mapping[str, Sequence[IPv4Network]],
+        reserved: Collection[IPv4Network] = (),
     ) -> NodeResult:
         """Bring ``node`` to its demand, starting from its recorded allocation.
 
@@ -279,6 +300,10 @@ class MultiPoolAllocator:
             node: node name.
             requested: pool -> addresses needed (``spec.ipam.pools.requested``).
             allocated: pool -> blocks held (``spec.ipam.pools.allocated``).
+            reserved: blocks the allocator holds for ``node`` that its record lacks but
+                that stay the node's (claimed in the store, the record write was lost):
+                they are kept and handed to the node first when it needs blocks of
+                their pool.
 
         Returns:
             the node's new allocation, errors (unknown pool, exhausted pool, conflicts)
@@ -290,10 +315,17 @@ class MultiPoolAllocator:
         if not self.ready:
             raise AllocatorNotReady()
         recorded = {block: pool for pool, blocks in allocated.items() for block in blocks}
-        for block in list(self.holdings(node)):
-            if block not in recorded:
+        spare: dict[str, list[IPv4Network]] = {}
+        freed: list[tuple[str, IPv4Network]] = []
+        for block, pool in sorted(self.holdings(node).items()):
+            if block in recorded:
+                continue
+            if block in reserved:
+                spare.setdefault(pool, []).append(block)
+            else:
                 self._free(block)
-        result = NodeResult(allocated={})
+                freed.append((pool, block))
+        result = NodeResult(allocated={}, freed=freed)
         for block, pool in recorded.items():
             holding = self._held.get(block)
             if holding is None or holding.node != node:
@@ -315,7 +347,8 @@ class MultiPoolAllocator:
             blocks = result.allocated.setdefault(pool, [])
             have = sum(spec.usable(b) for b in blocks)
             while have < needed:
-                new = self._take(pool, node)
+                kept = spare.get(pool)
+                new = kept.pop(0) if kept else self._take(pool, node)
                 if new is None:
                     result.errors.append(
                         f"pool {pool!r} exhausted: no free /{spec.mask_size} block left in "
@@ -333,8 +366,16 @@ class MultiPoolAllocator:
 
     def stats(self) -> dict[str, PoolStats]:
         """Blocks held and free per known pool."""
-        out = {}
-        for name in self._pools:
-            held = sum(1 for h in self._held.values() if h.pool == name)
-            out[name] = PoolStats(held, sum(s.free for s in self._subnets[name]))
-        return out
+        held: Counter[str] = Counter(h.pool for h in self._held.values())
+        return {
+            name: PoolStats(held[name], sum(s.free for s in self._subnets[name]))
+            for name in self._pools
+        }
+
+    def held(self) -> Mapping[IPv4Network, Holding]:
+        """Every held block and its holder (read-only view)."""
+        return self._held
+
+    def held_in(self, cidr: IPv4Network) -> list[tuple[IPv4Network, Holding]]:
+        """Held blocks inside (or overlapping) ``cidr``, sorted."""
+        return sorted((b, h) for b, h in self._held.items() if b.overlaps(cidr))

@@ -14,14 +14,18 @@ changes instead of buffering them.
 from __future__ import annotations
 
 import asyncio
+import copy
+import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import InvalidResource
 from ..kinds import NODE, POOL
 from ..metrics import Metrics
 from ..store import (
+    AlreadyExists,
     Conflict,
     Contention,
     Expired,
@@ -30,11 +34,20 @@ from ..store import (
     Store,
     StoreError,
     WatchEvent,
+    resource_version,
 )
 from ..tasks import cancel_all
+from . import claims
 from . import node as nodes
-from .allocator import MultiPoolAllocator
-from .pool import pool_spec_from_resource
+from .allocator import Holding, MultiPoolAllocator
+from .pool import (
+    DRAINING_FIELD,
+    PoolSpec,
+    pool_manifest,
+    pool_overlaps,
+    pool_spec_from_resource,
+    pool_specs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +60,55 @@ class NodeSubscription:
         node: node name.
         latest: newest record seen by the node watch (None until a change arrives).
         deleted: the node record was deleted.
+        pools_generation: bumped on every pool change (draining CIDRs change what the
+            stream reports without touching the node record).
     """
 
     node: str
     latest: Resource | None = None
     deleted: bool = False
+    pools_generation: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+CLUSTER_POOL = "_cluster-pool"
+"""Pool name the allocator files cluster-pool blocks (``spec.ipam.podCIDRs``) under; not
+a valid CiliumPodIPPool name, so it never collides with one."""
+
+
+@dataclass
+class MigrationProgress:
+    """Cluster-pool -> multi-pool migration state (``GetStatus``).
+
+    Attributes:
+        state: "" (not enabled), "running", "done" or "failed: <reason>".
+        nodes_migrated / nodes_total: nodes whose podCIDRs were adopted, of those that
+            had podCIDRs when the migration started.
+    """
+
+    state: str = ""
+    nodes_migrated: int = 0
+    nodes_total: int = 0
+
+
+class MigrationFailed(Exception):
+    """The default pool cannot take the nodes' podCIDRs (mask mismatch, overlap)."""
+
+
 class IPAMController:
-    """Owns the :class:`MultiPoolAllocator` and the reconcile loop.
+    """Owns the :class:`MultiPoolAllocator` and the reconcile loop (run it on the leader
+    only; every block it hands out is claimed in the store first, see :mod:`.claims`,
+    so even two running controllers never give one block to two nodes).
 
     Args:
         store: the Store.
         metrics: where to publish pool gauges and counters.
+        mode: ``multi-pool`` (``spec.ipam.pools``) or ``cluster-pool``
+            (one ``spec.ipam.podCIDRs`` block per node, never more).
+        default_pool: ``--ipam-default-ip-pool`` (migration target).
+        cluster_cidrs / cluster_mask_size: ``--cluster-pool-ipv4-cidr`` and
+            ``--cluster-pool-ipv4-mask-size``.
+        migrate: ``--enable-cluster-pool-to-multi-pool-migration``.
         conflict_retries: attempts per node write before re-queueing it (>= 1).
         retry_interval: seconds to wait after a store error before relisting (> 0).
     """
@@ -70,16 +118,28 @@ class IPAMController:
         store: Store,
         metrics: Metrics,
         *,
+        mode: str = "multi-pool",
+        default_pool: str = "default",
+        cluster_cidrs: Sequence[ipaddress.IPv4Network] = (),
+        cluster_mask_size: int = 24,
+        migrate: bool = False,
         conflict_retries: int = 5,
         retry_interval: float = 1.0,
     ) -> None:
         self.store = store
         self.metrics = metrics
+        self.mode = mode
+        self.default_pool = default_pool
+        self.cluster_cidrs = tuple(cluster_cidrs)
+        self.cluster_mask_size = cluster_mask_size
+        self.migrate = migrate
+        self.migration = MigrationProgress()
         self.allocator = MultiPoolAllocator()
+        self.running = False
         self._conflict_retries = max(1, conflict_retries)
         self._retry_interval = retry_interval
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._queued: set[str] = set()
+        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self._queued: set[tuple[str, str]] = set()
         self._known: set[str] = set()
         self._subs: dict[str, set[NodeSubscription]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -87,28 +147,47 @@ class IPAMController:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Restore state from the store and start the watches and the worker.
+        """Migrate (when enabled), restore state from the store and start the watches
+        and the worker.
 
-        Returns once every recorded block is occupied (the allocator is ready).
+        Returns once every recorded block is occupied (the allocator is ready). A failed
+        migration is logged and shown in :attr:`migration`; the allocator then does not
+        start (no node gets new blocks until the operator restarts with a fix).
 
         Raises:
             StoreError: the store failed during the initial lists.
         """
+        if self.migrate:
+            try:
+                await self._migrate()
+            except MigrationFailed as exc:
+                self.migration.state = f"failed: {exc}"
+                log.error("migration to multi-pool IPAM failed", extra={"error": str(exc)})
+                return
+        if self.mode == "cluster-pool":
+            self.allocator.upsert_pool(
+                PoolSpec(CLUSTER_POOL, self.cluster_cidrs, self.cluster_mask_size)
+            )
         pools_rv = await self._load_pools()
         listed = await self.store.list(NODE.kind)
         warnings = self.allocator.restore(
-            (o["metadata"]["name"], nodes.allocated(o)) for o in listed.items
+            (o["metadata"]["name"], self._recorded(o)) for o in listed.items
         )
         for warning in warnings:
             log.warning("duplicate CIDR in node records", extra={"detail": warning})
+        await self._restore_claims(listed.items)
+        claims_rv = (await self.store.list(claims.KIND)).resource_version
         self._known = {o["metadata"]["name"] for o in listed.items}
         log.info(
             "ipam allocator restored",
-            extra={"nodes": len(listed.items), "pools": sorted(self.allocator.pools)},
-        )
+            extra={"nodes": len(listed.items), "pools": sorted(self.allocator.pools),
+                   "mode": self.mode},
+        )  # fmt: skip
         self._publish_stats()
         for name in sorted(self._known):
             self.enqueue(name)
+        for pool in sorted(self.allocator.pools):
+            self.enqueue_pool(pool)
         self._tasks = [
             asyncio.create_task(
                 self._watch(POOL.kind, pools_rv, self._on_pool, self._relist_pools)
@@ -116,8 +195,12 @@ class IPAMController:
             asyncio.create_task(
                 self._watch(NODE.kind, listed.resource_version, self._on_node, self._relist_nodes)
             ),
+            asyncio.create_task(
+                self._watch(claims.KIND, claims_rv, self._on_claim, self._relist_claims)
+            ),
             asyncio.create_task(self._worker()),
         ]
+        self.running = True
 
     async def stop(self) -> None:
         """Cancel the watches and the worker and wait for them (see :func:`cancel_all`:
@@ -127,6 +210,130 @@ class IPAMController:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.warning("controller task failed", extra={"error": str(task.exception())})
         self._tasks = []
+        self.running = False
+
+    def _recorded(self, record: Resource) -> dict[str, list[ipaddress.IPv4Network]]:
+        """Every block a node record holds: ``pools.allocated`` plus ``podCIDRs``
+        (filed under :data:`CLUSTER_POOL`)."""
+        out = nodes.allocated(record)
+        pod = nodes.pod_cidrs(record)
+        if pod:
+            out[CLUSTER_POOL] = pod
+        return out
+
+    async def _restore_claims(self, records: Sequence[Resource]) -> None:
+        """Occupy claimed blocks no record lists yet; claim recorded unclaimed blocks."""
+        stored = {c.block: c for c in await claims.list_claims(self.store)}
+        for c in stored.values():
+            if self.allocator.holder(c.block) is None:
+                other = self.allocator.occupy(c.block, Holding(c.node, c.pool))
+                if other is not None:
+                    log.warning("claim overlaps a held block", extra={
+                        "cidr": str(c.block), "node": c.node, "holder": other.node})  # fmt: skip
+        for record in records:
+            name = record["metadata"]["name"]
+            for pool, blocks in self._recorded(record).items():
+                for block in blocks:
+                    if block in stored:
+                        continue
+                    got = await claims.claim(self.store, block, name, pool)
+                    if got.node != name:
+                        log.warning("recorded CIDR is claimed by another node", extra={
+                            "cidr": str(block), "node": name, "holder": got.node})  # fmt: skip
+
+    # -- migration -----------------------------------------------------------------
+
+    async def _migrate(self) -> None:
+        """Adopt every node's podCIDRs into the default pool (upstream one-shot job
+        ``from-cluster-pool-migration``; reference: cilium-upstream.md §3).
+
+        The default pool is created, or extended with the CIDRs that cover the
+        podCIDRs, when needed; its maskSize must equal the podCIDRs' prefix.
+
+        Raises:
+            MigrationFailed: the pool cannot take the podCIDRs (nothing was changed).
+            StoreError: the store failed.
+        """
+        self.migration = MigrationProgress(state="running")
+        listed = await self.store.list(NODE.kind)
+        todo = [o for o in listed.items if nodes.pod_cidrs(o)]
+        self.migration.nodes_total = len(todo)
+        log.info("migration to multi-pool IPAM started",
+                 extra={"nodes": len(todo), "pool": self.default_pool})  # fmt: skip
+        if todo:
+            blocks = [b for o in todo for b in nodes.pod_cidrs(o)]
+            await self._ensure_default_pool(blocks)
+        for record in todo:
+            name = record["metadata"]["name"]
+            await self._migrate_node(name)
+            self.migration.nodes_migrated += 1
+            log.info("node migrated to multi-pool", extra={
+                "node": name, "migrated": self.migration.nodes_migrated,
+                "total": self.migration.nodes_total})  # fmt: skip
+        self.migration.state = "done"
+        log.info("migration to multi-pool IPAM done", extra={"nodes": len(todo)})
+
+    async def _ensure_default_pool(self, blocks: Sequence[ipaddress.IPv4Network]) -> None:
+        masks = sorted({b.prefixlen for b in blocks})
+        if len(masks) != 1:
+            raise MigrationFailed(
+                f"nodes' podCIDRs have different prefix lengths {masks}; one pool has one mask"
+            )
+        mask = masks[0]
+        name = self.default_pool
+        for _ in range(self._conflict_retries):
+            listed = await self.store.list(POOL.kind)
+            specs = pool_specs(listed.items)
+            current = next((o for o in listed.items if o["metadata"]["name"] == name), None)
+            spec = specs.get(name)
+            if current is not None and spec is None:
+                raise MigrationFailed(f"pool {name!r} is invalid in the store")
+            if spec is not None and spec.cidrs and spec.mask_size != mask:
+                raise MigrationFailed(
+                    f"pool {name!r} has maskSize {spec.mask_size} but the nodes' podCIDRs "
+                    f"are /{mask}: the default pool must use the same mask"
+                )
+            cidrs = list(spec.cidrs) if spec is not None else []
+            for block in blocks:
+                if any(block.subnet_of(c) for c in cidrs):
+                    continue
+                cover = next((c for c in self.cluster_cidrs if block.subnet_of(c)), block)
+                cidrs.append(cover)
+            if spec is not None and list(spec.cidrs) == cidrs:
+                return
+            overlaps = pool_overlaps(name, cidrs, specs.values())
+            if overlaps:
+                raise MigrationFailed(f"pool {name!r}: {overlaps[0].reason}")
+            try:
+                if current is None:
+                    await self.store.create(pool_manifest(PoolSpec(name, tuple(cidrs), mask)))
+                    log.info("migration created the default pool",
+                             extra={"pool": name, "cidrs": [str(c) for c in cidrs]})  # fmt: skip
+                else:
+                    updated = copy.deepcopy(current)
+                    v4 = updated["spec"].setdefault("ipv4", {"maskSize": mask})
+                    v4["cidrs"] = [str(c) for c in cidrs]
+                    await self.store.update(updated)
+                    log.info("migration extended the default pool",
+                             extra={"pool": name, "cidrs": [str(c) for c in cidrs]})  # fmt: skip
+                return
+            except (Conflict, AlreadyExists):
+                continue
+        raise Contention(POOL.kind, "", name)
+
+    async def _migrate_node(self, name: str) -> None:
+        for _ in range(self._conflict_retries * 2):
+            record = await self._get_node(name)
+            if record is None or not nodes.pod_cidrs(record):
+                return
+            for block in nodes.pod_cidrs(record):
+                await claims.claim(self.store, block, name, self.default_pool)
+            try:
+                await self.store.update(nodes.migrated(record, self.default_pool))
+                return
+            except Conflict:
+                await asyncio.sleep(0.01)
+        raise Contention(NODE.kind, "", name)
 
     # -- pools ---------------------------------------------------------------------
 
@@ -136,7 +343,7 @@ class IPAMController:
         for obj in listed.items:
             self._upsert_pool(obj)
             names.add(obj["metadata"]["name"])
-        for name in set(self.allocator.pools) - names:
+        for name in set(self.allocator.pools) - names - {CLUSTER_POOL}:
             self.allocator.remove_pool(name)
         return listed.resource_version
 
@@ -158,15 +365,84 @@ class IPAMController:
             self.allocator.remove_pool(name)
         else:
             self._upsert_pool(event.object)
+            self.enqueue_pool(name)
         self._publish_stats()
         for node in sorted(self._known):
             self.enqueue(node)
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.pools_generation += 1
+                sub.changed.set()
 
     async def _relist_pools(self) -> str:
         rv = await self._load_pools()
         for node in sorted(self._known):
             self.enqueue(node)
+        for pool in sorted(self.allocator.pools):
+            self.enqueue_pool(pool)
         return rv
+
+    async def sync_draining(self, name: str) -> None:
+        """Keep pool ``name``'s ``status.drainingCIDRs`` true: add held blocks that lie
+        outside its CIDRs and draining CIDRs (never silently forgotten), drop draining
+        CIDRs no held block is inside any more (released).
+
+        Raises:
+            StoreError: the store failed (Conflict: re-queued by the worker).
+        """
+        if name == CLUSTER_POOL:
+            return
+        try:
+            obj = await self.store.get(POOL.kind, name)
+        except NotFound:
+            return
+        try:
+            spec = pool_spec_from_resource(obj)
+        except InvalidResource:
+            return
+        held = [b for b, h in self.allocator.held().items() if h.pool == name]
+        keep = [c for c in spec.draining if any(b.overlaps(c) for b in held)]
+        strays = sorted(
+            b for b in held if not spec.contains(b) and not any(b.subnet_of(c) for c in keep)
+        )
+        wanted = keep + strays
+        if wanted == list(spec.draining):
+            return
+        updated = copy.deepcopy(obj)
+        updated.setdefault("status", {})[DRAINING_FIELD] = [str(c) for c in wanted]
+        if not wanted:
+            del updated["status"][DRAINING_FIELD]
+        await self.store.update(updated)
+        for cidr in spec.draining:
+            if cidr not in keep:
+                log.info("draining CIDR released: no block in use",
+                         extra={"pool": name, "cidr": str(cidr)})  # fmt: skip
+        for block in strays:
+            log.warning("CIDR outside its pool still in use: draining it",
+                        extra={"pool": name, "cidr": str(block),
+                               "node": self.allocator.held()[block].node})  # fmt: skip
+
+    # -- claims --------------------------------------------------------------------
+
+    async def _on_claim(self, event: WatchEvent) -> None:
+        parsed = claims.claim_from_resource(event.object)
+        if parsed is None:
+            return
+        if event.type == "DELETED":
+            holding = self.allocator.holder(parsed.block)
+            if holding is not None:
+                self.enqueue(holding.node)
+        elif self.allocator.holder(parsed.block) is None:
+            self.allocator.occupy(parsed.block, Holding(parsed.node, parsed.pool))
+            self.enqueue(parsed.node)
+
+    async def _relist_claims(self) -> str:
+        listed = await self.store.list(claims.KIND)
+        for obj in listed.items:
+            await self._on_claim(WatchEvent("ADDED", obj, resource_version(obj)))
+        for node in sorted(self._known):
+            self.enqueue(node)
+        return listed.resource_version
 
     # -- nodes ---------------------------------------------------------------------
 
@@ -202,46 +478,111 @@ class IPAMController:
 
     def enqueue(self, name: str) -> None:
         """Schedule a reconcile of node ``name`` (deduplicated while queued)."""
-        if name not in self._queued:
-            self._queued.add(name)
-            self._queue.put_nowait(name)
+        self._put(("node", name))
+
+    def enqueue_pool(self, name: str) -> None:
+        """Schedule a draining check of pool ``name`` (deduplicated while queued)."""
+        self._put(("pool", name))
+
+    def _put(self, item: tuple[str, str]) -> None:
+        if item not in self._queued:
+            self._queued.add(item)
+            self._queue.put_nowait(item)
 
     async def _worker(self) -> None:
         while True:
-            name = await self._queue.get()
-            self._queued.discard(name)
+            item = await self._queue.get()
+            self._queued.discard(item)
+            what, name = item
             try:
-                await self.reconcile(name)
+                if what == "pool":
+                    await self.sync_draining(name)
+                else:
+                    await self.reconcile(name)
             except StoreError as exc:
-                log.warning("reconcile failed; retrying", extra={"node": name, "error": str(exc)})
+                log.warning("reconcile failed; retrying",
+                            extra={what: name, "error": str(exc)})  # fmt: skip
                 self.metrics.reconciles.labels("error").inc()
                 await asyncio.sleep(self._retry_interval)
-                self.enqueue(name)
+                self._put(item)
             except Exception:
-                log.exception("reconcile crashed", extra={"node": name})
+                log.exception("reconcile crashed", extra={what: name})
                 self.metrics.reconciles.labels("error").inc()
+
+    async def drain(self) -> None:
+        """Wait until the work queue is empty and the worker idle (tests, benchmarks)."""
+        while self._queued or not self._queue.empty():
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0)
+
+    async def _reserved(self, name: str, recorded: Mapping[str, Sequence[Any]]) -> set[Any]:
+        """Blocks the allocator holds for ``name`` that its record lacks but that are still
+        claimed for it (kept); the others were handed back and are freed."""
+        listed = {b for blocks in recorded.values() for b in blocks}
+        reserved = set()
+        for block in self.allocator.holdings(name):
+            if block in listed:
+                continue
+            current = await claims.get_claim(self.store, block)
+            if current is not None and current.node == name:
+                reserved.add(block)
+            elif current is not None:
+                self.allocator.occupy(block, Holding(current.node, current.pool))
+        return reserved
 
     async def reconcile(self, name: str) -> None:
         """Bring node ``name``'s record to its demand (see :meth:`MultiPoolAllocator.reconcile`).
 
-        A deleted node releases all its blocks.
+        multi-pool: ``spec.ipam.pools.requested`` -> ``allocated``. cluster-pool: one block
+        in ``spec.ipam.podCIDRs`` (a node never gets a second). Every new block is claimed
+        in the store before the node record is written. A deleted node releases all its
+        blocks and their claims.
 
         Raises:
             StoreError: the store failed; Conflict after ``conflict_retries`` attempts.
         """
+        if not self.allocator.ready:
+            return
         for attempt in range(self._conflict_retries):
             record = await self._get_node(name)
             if record is None:
                 released = self.allocator.release_node(name)
+                for block in released:
+                    await claims.unclaim(self.store, block, name)
                 if released:
                     log.info("node deleted; CIDRs released", extra={"node": name,
                              "cidrs": [str(b) for b in released]})  # fmt: skip
                     self._publish_stats()
+                    for pool in sorted(self.allocator.pools):
+                        self.enqueue_pool(pool)
                 return
-            result = self.allocator.reconcile(
-                name, nodes.requested(record), nodes.allocated(record)
-            )
-            updated = nodes.with_allocation(record, result.allocated, result.error)
+            if self.migrate and self.mode == "multi-pool" and nodes.pod_cidrs(record):
+                await self._migrate_node(name)
+                continue
+            recorded = self._recorded(record)
+            if self.mode == "cluster-pool":
+                requested = {CLUSTER_POOL: 1}
+            else:
+                requested = {p: n for p, n in nodes.requested(record).items() if p != CLUSTER_POOL}
+            reserved = await self._reserved(name, recorded)
+            result = self.allocator.reconcile(name, requested, recorded, reserved)
+            lost = False
+            for pool, block in result.added:
+                got = await claims.claim(self.store, block, name, pool)
+                if got.node != name:
+                    log.info("block claimed by another node; choosing another",
+                             extra={"node": name, "cidr": str(block), "holder": got.node})  # fmt: skip
+                    self.allocator.occupy(block, Holding(got.node, got.pool))
+                    lost = True
+            if lost:
+                continue
+            for pool in {p for p, _ in result.freed}:
+                self.enqueue_pool(pool)
+            cluster = result.allocated.pop(CLUSTER_POOL, [])
+            if self.mode == "cluster-pool":
+                updated = nodes.with_pod_cidrs(record, cluster, result.error)
+            else:
+                updated = nodes.with_allocation(record, result.allocated, result.error)
             if updated == record:
                 self._count(result.error)
                 return

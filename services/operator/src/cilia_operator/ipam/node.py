@@ -78,6 +78,7 @@ class _Pools(BaseModel):
 class _IPAM(BaseModel):
     model_config = ConfigDict(extra="allow")
     pools: _Pools | None = None
+    podCIDRs: list[Annotated[str, AfterValidator(_cidr4)]] | None = None  # noqa: N815
 
 
 class _Spec(BaseModel):
@@ -221,3 +222,59 @@ def pools_in_use(nodes: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
             if blocks:
                 out.setdefault(pool, []).append(name)
     return out
+
+
+def pod_cidrs(node: Mapping[str, Any]) -> list[ipaddress.IPv4Network]:
+    """``spec.ipam.podCIDRs`` (cluster-pool mode) as IPv4 blocks; others skipped."""
+    out = []
+    for cidr in ((node.get("spec") or {}).get("ipam") or {}).get("podCIDRs") or []:
+        try:
+            net = ipaddress.ip_network(cidr, strict=True)
+        except ValueError:
+            log.warning("ignoring malformed podCIDR in node record", extra={"cidr": cidr})
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            out.append(net)
+    return out
+
+
+def with_pod_cidrs(
+    node: Mapping[str, Any], cidrs: Sequence[ipaddress.IPv4Network], error: str
+) -> dict[str, Any]:
+    """A copy of ``node`` with ``spec.ipam.podCIDRs`` and the operator error set."""
+    out = with_allocation(node, allocated(node), error)
+    ipam = out["spec"]["ipam"]
+    if cidrs:
+        ipam["podCIDRs"] = [str(c) for c in sorted(cidrs)]
+    else:
+        ipam.pop("podCIDRs", None)
+    return out
+
+
+def migrated(node: Mapping[str, Any], pool: str) -> dict[str, Any]:
+    """A copy of ``node`` with its podCIDRs moved into ``pools.allocated`` under ``pool``
+    (cluster-pool -> multi-pool migration; upstream job ``from-cluster-pool-migration``)."""
+    alloc = allocated(node)
+    blocks = alloc.setdefault(pool, [])
+    blocks.extend(b for b in pod_cidrs(node) if b not in blocks)
+    out = with_allocation(node, alloc, operator_error(node))
+    out["spec"]["ipam"].pop("podCIDRs", None)
+    return out
+
+
+def local_networks(node: Mapping[str, Any]) -> list[tuple[str, ipaddress.IPv4Network]]:
+    """``status.localNetworks`` as ``(interface, subnet)`` (IPv4 only)."""
+    out = []
+    for entry in (node.get("status") or {}).get("localNetworks") or []:
+        try:
+            net = ipaddress.ip_network(str(entry.get("cidr")), strict=False)
+        except ValueError:
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            out.append((str(entry.get("interface") or ""), net))
+    return out
+
+
+def node_name(node: Mapping[str, Any]) -> str:
+    """``metadata.name``."""
+    return str((node.get("metadata") or {}).get("name") or "")

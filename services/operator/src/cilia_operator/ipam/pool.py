@@ -9,6 +9,7 @@ validated and stored but not carved yet.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping
@@ -115,6 +116,9 @@ class PoolSpec:
         cidrs: the pool's CIDRs, in manifest order.
         mask_size: prefix length of each per-node block (1..32, >= every CIDR's prefix).
         allow_first_ip / allow_last_ip: whether a block's first/last address is usable.
+        draining: CIDRs removed from the pool while nodes still held blocks in them
+            (``status.drainingCIDRs``): nothing new is carved from them; they are
+            dropped once no block inside is held.
     """
 
     name: str
@@ -122,6 +126,19 @@ class PoolSpec:
     mask_size: int
     allow_first_ip: bool = False
     allow_last_ip: bool = False
+    draining: tuple[ipaddress.IPv4Network, ...] = ()
+
+    def contains(self, block: ipaddress.IPv4Network) -> bool:
+        """Whether ``block`` lies inside one of the pool's live CIDRs."""
+        return any(block.subnet_of(c) for c in self.cidrs)
+
+    def draining_cidr(self, block: ipaddress.IPv4Network) -> ipaddress.IPv4Network | None:
+        """The draining CIDR ``block`` lies in, if any."""
+        return next((c for c in self.draining if block.subnet_of(c)), None)
+
+    def blocks_total(self) -> int:
+        """Blocks of ``mask_size`` the live CIDRs hold."""
+        return sum(1 << (self.mask_size - c.prefixlen) for c in self.cidrs)
 
     def usable(self, block: ipaddress.IPv4Network) -> int:
         """Usable pod addresses in ``block``: 2^hostbits, minus the first and last address
@@ -182,14 +199,32 @@ def to_pool_spec(pool: CiliumPodIPPool) -> PoolSpec:
     )
 
 
+DRAINING_FIELD = "drainingCIDRs"
+"""``status.drainingCIDRs``: CIDRs removed from the pool while in use (Cilia's addition;
+upstream forgets them, gh-issue 26966)."""
+
+
+def draining_cidrs(obj: Mapping[str, Any]) -> tuple[ipaddress.IPv4Network, ...]:
+    """``status.drainingCIDRs`` of a stored pool (malformed entries skipped)."""
+    out = []
+    for cidr in (obj.get("status") or {}).get(DRAINING_FIELD) or []:
+        try:
+            out.append(ipaddress.IPv4Network(cidr))
+        except ValueError:
+            continue
+    return tuple(out)
+
+
 def pool_spec_from_resource(obj: Mapping[str, Any]) -> PoolSpec:
-    """Validate a stored CiliumPodIPPool and return its allocator view.
+    """Validate a stored CiliumPodIPPool and return its allocator view (with its draining
+    CIDRs from ``status``).
 
     Raises:
         InvalidResource: the stored object is invalid.
     """
     doc = {k: v for k, v in obj.items() if k in ("apiVersion", "kind", "metadata", "spec")}
-    return to_pool_spec(validate_pool(doc))
+    spec = to_pool_spec(validate_pool(doc))
+    return dataclasses.replace(spec, draining=draining_cidrs(obj))
 
 
 def pool_specs(objs: Iterable[Mapping[str, Any]]) -> dict[str, PoolSpec]:
@@ -227,12 +262,14 @@ def pool_overlaps(
     others = [o for o in others if o.name != candidate]
     for i, net in enumerate(cidrs):
         for other in others:
-            for theirs in other.cidrs:
+            for what, theirs in [("CIDR", c) for c in other.cidrs] + [
+                ("draining CIDR", c) for c in other.draining
+            ]:
                 if net.overlaps(theirs):
                     errors.append(
                         FieldError(
                             f"spec.ipv4.cidrs[{i}]",
-                            f"{net} overlaps pool {other.name!r} CIDR {theirs}",
+                            f"{net} overlaps pool {other.name!r} {what} {theirs}",
                         )
                     )
     return errors

@@ -1,0 +1,383 @@
+"""Operator IPAM against a real redis-server: cluster-pool, ResolvePool, draining,
+overlap refusals (LAN, services), dry-run effects, migration, GetStatus and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import subprocess
+import sys
+from typing import Any
+
+import grpc
+import pytest
+from cluster import running_operator
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_operator.app import Operator
+
+CLUSTER = {
+    "ipam": "cluster-pool",
+    "cluster_pool_ipv4_cidr": ["10.252.0.0/22"],
+    "cluster_pool_ipv4_mask_size": 24,
+    "auto_create_cilium_pod_ip_pools": [],
+}
+
+
+async def register(
+    channel: Any, name: str, networks: list[tuple[str, str]] | None = None
+) -> pb.RegisterResponse:
+    return await pb_grpc.NodeServiceStub(channel).Register(
+        pb.RegisterRequest(
+            node_name=name,
+            addresses=["192.0.2.10"],
+            local_networks=[pb.LocalNetwork(interface=i, cidr=c) for i, c in networks or []],
+        )
+    )
+
+
+async def demand(
+    channel: Any, name: str, needed: int, pool: str = "default", released: list[str] | None = None
+) -> None:
+    await pb_grpc.IPAMServiceStub(channel).UpdateDemand(
+        pb.UpdateDemandRequest(
+            node_name=name,
+            demands=[pb.PoolDemand(pool=pool, needed_ipv4=needed)],
+            released=[pb.PoolCIDRs(pool=pool, cidrs=released)] if released else [],
+        )
+    )
+
+
+async def allocation_until(channel: Any, name: str, done: Any) -> pb.NodeAllocation:
+    stream = pb_grpc.IPAMServiceStub(channel).WatchAllocations(
+        pb.WatchAllocationsRequest(node_name=name)
+    )
+    try:
+        async with asyncio.timeout(10):
+            async for message in stream:
+                if done(message.allocation):
+                    return message.allocation
+    finally:
+        stream.cancel()
+    raise AssertionError("stream ended")
+
+
+async def status(channel: Any) -> pb.IPAMServiceGetStatusResponse:
+    return await pb_grpc.IPAMServiceStub(channel).GetStatus(pb.IPAMServiceGetStatusRequest())
+
+
+async def apply(channel: Any, manifest: str, dry_run: bool = False) -> pb.ApplyResponse:
+    return await pb_grpc.ResourceServiceStub(channel).Apply(
+        pb.ApplyRequest(manifest=manifest, dry_run=dry_run)
+    )
+
+
+def pool_yaml(name: str, cidrs: list[str], mask: int = 24, extra: str = "") -> str:
+    return (
+        f"apiVersion: cilium.io/v2alpha1\nkind: CiliumPodIPPool\nmetadata: {{name: {name}}}\n"
+        f"spec: {{ipv4: {{cidrs: [{', '.join(cidrs)}], maskSize: {mask}}}{extra}}}\n"
+    )
+
+
+def blocks(allocation: pb.NodeAllocation) -> list[str]:
+    return [c for p in allocation.pools for c in p.cidrs]
+
+
+async def test_cluster_pool_gives_each_node_exactly_one_pod_cidr(redis_url: str) -> None:
+    async with running_operator(redis_url, **CLUSTER) as (op, channel):
+        assert (await register(channel, "c1")).ipam_mode == "cluster-pool"
+        await register(channel, "c2")
+        a1 = await allocation_until(channel, "c1", lambda a: a.pod_cidrs)
+        a2 = await allocation_until(channel, "c2", lambda a: a.pod_cidrs)
+        assert len(a1.pod_cidrs) == 1 and len(a2.pod_cidrs) == 1
+        assert a1.pod_cidrs[0] != a2.pod_cidrs[0]
+        for cidr in (*a1.pod_cidrs, *a2.pod_cidrs):
+            net = ipaddress.ip_network(cidr)
+            assert net.prefixlen == 24 and net.subnet_of(ipaddress.ip_network("10.252.0.0/22"))
+        await demand(channel, "c1", 5000)  # demand never adds a second block
+        await op.controller.drain()
+        stored = await op.store.get("CiliumNode", "c1")
+        assert stored["spec"]["ipam"]["podCIDRs"] == list(a1.pod_cidrs)
+        assert (
+            "allocated" not in stored["spec"]["ipam"]["pools"]
+            or not stored["spec"]["ipam"]["pools"]["allocated"]
+        )
+        resolved = await pb_grpc.IPAMServiceStub(channel).ResolvePool(
+            pb.ResolvePoolRequest(pod_namespace="x", pod_name="p")
+        )
+        assert resolved.pool == "default" and "cluster-pool" in resolved.reason
+
+
+async def test_cluster_pool_exhaustion_is_written_to_the_node_status(redis_url: str) -> None:
+    settings = {**CLUSTER, "cluster_pool_ipv4_cidr": ["10.252.4.0/24"]}
+    async with running_operator(redis_url, **settings) as (_, channel):
+        await register(channel, "only")
+        assert (await allocation_until(channel, "only", lambda a: a.pod_cidrs)).pod_cidrs == [
+            "10.252.4.0/24"
+        ]
+        await register(channel, "late")
+        late = await allocation_until(channel, "late", lambda a: a.error)
+        assert not late.pod_cidrs and "exhausted" in late.error and "10.252.4.0/24" in late.error
+
+
+NAMESPACED = """
+apiVersion: v1
+kind: Namespace
+metadata: {name: team-a, labels: {tier: gold}, annotations: {ipam.cilium.io/ip-pool: blue}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: strict, annotations: {ipam.cilium.io/require-pool-match: "true"}}
+"""
+
+
+async def test_resolve_pool_follows_upstream_precedence(redis_url: str) -> None:
+    async with running_operator(redis_url) as (_, channel):
+        await apply(channel, pool_yaml("blue", ["10.251.16.0/22"]))
+        await apply(channel, pool_yaml("red", ["10.251.20.0/22"]))
+        await apply(
+            channel,
+            pool_yaml("gold", ["10.251.24.0/22"], extra=", namespaceSelector: {matchLabels: "
+                      "{tier: gold}}, podSelector: {matchLabels: {app: db}}"),
+        )  # fmt: skip
+        await apply(channel, NAMESPACED)
+        stub = pb_grpc.IPAMServiceStub(channel)
+
+        async def resolve(ns: str, labels: dict[str, str], notes: dict[str, str]) -> Any:
+            return await stub.ResolvePool(
+                pb.ResolvePoolRequest(
+                    pod_namespace=ns, pod_name="p", pod_labels=labels, pod_annotations=notes
+                )
+            )
+
+        both = {"ipam.cilium.io/ipv4-pool": "red", "ipam.cilium.io/ip-pool": "blue"}
+        got = await resolve("team-a", {"app": "db"}, both)
+        assert (got.pool, got.reason) == ("red", "pod annotation ipam.cilium.io/ipv4-pool")
+        got = await resolve("team-a", {"app": "db"}, {})
+        assert (got.pool, got.reason) == ("blue", "namespace annotation ipam.cilium.io/ip-pool")
+        got = await resolve("other", {"app": "db"}, {})
+        assert got.pool == "default"  # namespaceSelector does not match
+        await apply(channel, NAMESPACED.replace("ipam.cilium.io/ip-pool: blue", "x: y"))
+        assert (await resolve("team-a", {"app": "db"}, {})).pool == "gold"
+        got = await resolve("team-a", {}, {"ipam.cilium.io/ip-pool": "ghost"})
+        assert got.pool == "default" and "unknown pool 'ghost'" in got.reason
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await resolve("strict", {}, {"ipam.cilium.io/ip-pool": "ghost"})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "ghost" in (err.value.details() or "")
+        await apply(
+            channel,
+            pool_yaml("any-db", ["10.251.28.0/22"],
+                      extra=", podSelector: {matchLabels: {app: db}}"),
+        )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await resolve("team-a", {"app": "db"}, {})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "any-db, gold" in (err.value.details() or "")
+        by_name = await resolve("x", {}, {})
+        assert by_name.pool == "default"
+
+
+async def test_lan_overlap_is_refused_naming_node_interface_and_subnet(redis_url: str) -> None:
+    async with running_operator(redis_url) as (op, channel):
+        await register(channel, "office-node", [("eth1", "192.168.10.0/24")])
+        before = await op.store.list("CiliumPodIPPool")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await apply(channel, pool_yaml("lan", ["192.168.8.0/22"]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert "node 'office-node'" in details and "interface eth1" in details
+        assert "subnet 192.168.10.0/24" in details and "spec.ipv4.cidrs[0]" in details
+        after = await op.store.list("CiliumPodIPPool")
+        assert after.items == before.items  # nothing changed
+        assert [p["metadata"]["name"] for p in after.items] == ["default"]
+        with pytest.raises(grpc.aio.AioRpcError) as svc:
+            await apply(channel, pool_yaml("svc", ["10.96.0.0/16"]))
+        assert "service CIDR 10.96.0.0/12" in (svc.value.details() or "")
+
+
+async def test_removing_an_in_use_cidr_drains_it_until_handed_back(redis_url: str) -> None:
+    pools = ["default=ipv4-cidrs:10.251.0.0/24,10.251.1.0/24;ipv4-mask-size:24"]
+    async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=pools) as (
+        op,
+        channel,
+    ):
+        await register(channel, "d1")
+        await demand(channel, "d1", 300)
+        held = blocks(await allocation_until(channel, "d1", lambda a: len(blocks(a)) == 2))
+        assert held == ["10.251.0.0/24", "10.251.1.0/24"]
+        shrunk = pool_yaml("default", ["10.251.0.0/24"])
+        dry = await apply(channel, shrunk, dry_run=True)
+        assert any(
+            "node d1: pool default CIDR 10.251.1.0/24 would start draining" in e
+            for e in dry.effects
+        )
+        assert (await op.store.get("CiliumPodIPPool", "default"))["spec"]["ipv4"]["cidrs"] == [
+            "10.251.0.0/24",
+            "10.251.1.0/24",
+        ]
+        await apply(channel, shrunk)
+        got = await allocation_until(channel, "d1", lambda a: a.draining)
+        assert [list(p.cidrs) for p in got.draining] == [["10.251.1.0/24"]]
+        assert blocks(got) == held  # running pods untouched
+        st = await status(channel)
+        [default] = [p for p in st.pools if p.name == "default"]
+        assert list(default.draining_cidrs) == ["10.251.1.0/24"]
+        assert list(default.cidrs) == ["10.251.0.0/24"]
+        # No new block from the draining CIDR, even for a new node.
+        await register(channel, "d2")
+        await demand(channel, "d2", 10)
+        d2 = await allocation_until(channel, "d2", lambda a: a.error)
+        assert "exhausted" in d2.error and not blocks(d2)
+        await demand(channel, "d1", 10, released=["10.251.1.0/24"])
+        await allocation_until(channel, "d1", lambda a: not a.draining and len(blocks(a)) == 1)
+        async with asyncio.timeout(10):
+            while (
+                (await op.store.get("CiliumPodIPPool", "default"))
+                .get("status", {})
+                .get("drainingCIDRs")
+            ):
+                await asyncio.sleep(0.05)
+        assert not await op.store.list("CiliaIPAMBlock") or all(
+            c["spec"]["cidr"] != "10.251.1.0/24"
+            for c in (await op.store.list("CiliaIPAMBlock")).items
+        )
+
+
+async def test_mask_change_and_in_use_delete_are_refused_with_the_reason(redis_url: str) -> None:
+    async with running_operator(redis_url) as (op, channel):
+        await register(channel, "m1")
+        await demand(channel, "m1", 1)
+        await allocation_until(channel, "m1", lambda a: a.pools)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await apply(channel, pool_yaml("default", ["10.251.0.0/22"], mask=26))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "cannot change IPv4 mask size in existing pool (24 -> 26)" in (
+            err.value.details() or ""
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await pb_grpc.ResourceServiceStub(channel).Delete(
+                pb.DeleteRequest(kind="cpip", name="default")
+            )
+        assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "m1" in (gone.value.details() or "")
+        assert (await op.store.get("CiliumPodIPPool", "default"))["spec"]["ipv4"]["maskSize"] == 24
+
+
+async def test_adding_a_cidr_serves_waiting_demand_at_once(redis_url: str) -> None:
+    pools = ["default=ipv4-cidrs:10.251.0.0/24;ipv4-mask-size:24"]
+    async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=pools) as (_, channel):
+        await register(channel, "g1")
+        await demand(channel, "g1", 300)
+        assert "exhausted" in (await allocation_until(channel, "g1", lambda a: a.error)).error
+        dry = await apply(channel, pool_yaml("default", ["10.251.0.0/24", "10.251.1.0/24"]), True)
+        assert "pool default: CIDR 10.251.1.0/24 added: 1 new /24 blocks available at once" in (
+            dry.effects
+        )
+        await apply(channel, pool_yaml("default", ["10.251.0.0/24", "10.251.1.0/24"]))
+        got = await allocation_until(channel, "g1", lambda a: len(blocks(a)) == 2)
+        assert got.error == ""
+
+
+async def seed_cluster_pool_nodes(op: Operator, names: list[str]) -> dict[str, str]:
+    """Node records as a cluster-pool operator left them (podCIDRs only)."""
+    out = {}
+    for i, name in enumerate(names):
+        cidr = f"10.253.{i}.0/24"
+        await op.store.create(
+            {
+                "apiVersion": "cilium.io/v2",
+                "kind": "CiliumNode",
+                "metadata": {"name": name},
+                "spec": {"addresses": [], "ipam": {"podCIDRs": [cidr]}},
+            }
+        )
+        out[name] = cidr
+    return out
+
+
+async def test_migration_adopts_every_pod_cidr_into_the_default_pool(redis_url: str) -> None:
+    settings = {**CLUSTER, "cluster_pool_ipv4_cidr": ["10.253.0.0/16"]}
+    async with running_operator(redis_url, **settings) as (op, channel):
+        seeded = await seed_cluster_pool_nodes(op, ["m-a", "m-b", "m-c"])
+        await op.controller.drain()
+    migrate = {
+        "ipam": "multi-pool",
+        "enable_cluster_pool_to_multi_pool_migration": True,
+        "cluster_pool_ipv4_cidr": ["10.253.0.0/16"],
+        "auto_create_cilium_pod_ip_pools": [],
+    }
+    async with running_operator(redis_url, **migrate) as (op, channel):
+        st = await status(channel)
+        assert (st.migration, st.nodes_migrated, st.nodes_total) == ("done", 3, 3)
+        pool = await op.store.get("CiliumPodIPPool", "default")
+        assert pool["spec"]["ipv4"] == {"cidrs": ["10.253.0.0/16"], "maskSize": 24}
+        for name, cidr in seeded.items():
+            got = await allocation_until(channel, name, lambda a: a.pools)
+            assert blocks(got) == [cidr] and not got.pod_cidrs and not got.draining
+        await register(channel, "m-new")
+        await demand(channel, "m-new", 10)
+        fresh = blocks(await allocation_until(channel, "m-new", lambda a: a.pools))
+        assert fresh and not set(fresh) & set(seeded.values())
+
+
+async def test_migration_refuses_a_default_pool_with_another_mask(redis_url: str) -> None:
+    async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=[]) as (op, _):
+        await seed_cluster_pool_nodes(op, ["x-a"])
+    migrate = {
+        "enable_cluster_pool_to_multi_pool_migration": True,
+        "auto_create_cilium_pod_ip_pools": ["default=ipv4-cidrs:10.253.0.0/16;ipv4-mask-size:26"],
+    }
+    async with running_operator(redis_url, **migrate) as (op, channel):
+        st = await status(channel)
+        assert st.migration.startswith("failed: ") and "maskSize 26" in st.migration
+        assert not st.leader
+        record = await op.store.get("CiliumNode", "x-a")
+        assert record["spec"]["ipam"]["podCIDRs"] == ["10.253.0.0/24"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cilia_operator", *args], capture_output=True, text=True, timeout=30
+    )
+
+
+async def test_cli_ipam_plan_and_status(redis_url: str) -> None:
+    offline = await asyncio.to_thread(
+        run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--offline"
+    )
+    assert offline.returncode == 0
+    assert "node blocks:        16" in offline.stdout
+    assert "pod IPs per node:   254" in offline.stdout
+    assert "pod IPs in total:   4064" in offline.stdout
+    both = await asyncio.to_thread(
+        run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24",
+        "--allow-first-ip", "--allow-last-ip", "--offline",
+    )  # fmt: skip
+    assert "pod IPs per node:   256" in both.stdout
+    async with running_operator(redis_url) as (op, channel):
+        await register(channel, "p1", [("eth1", "172.24.3.0/24")])
+        await register(channel, "p2")
+        live = await asyncio.to_thread(
+            run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24",
+            "--server", op.address,
+        )  # fmt: skip
+        assert live.returncode == 1
+        assert "node 'p1' interface eth1 subnet 172.24.3.0/24" in live.stdout
+        small = await asyncio.to_thread(
+            run_cli, "ipam", "plan", "--cidr", "10.251.0.0/24", "--mask-size", "24",
+            "--server", op.address,
+        )  # fmt: skip
+        assert "overlaps pool 'default'" in small.stdout
+        assert "1 of 2 nodes would not get a block" in small.stdout
+        await demand(channel, "p1", 1)
+        await allocation_until(channel, "p1", lambda a: a.pools)
+        shown = await asyncio.to_thread(run_cli, "ipam", "status", "--server", op.address)
+        assert shown.returncode == 0
+        assert "mode: multi-pool" in shown.stdout and "default:10.251.0.0/24" in shown.stdout
+        raw = await asyncio.to_thread(
+            run_cli, "ipam", "status", "-o", "json", "--server", op.address
+        )
+        assert json.loads(raw.stdout)["pools"][0]["name"] == "default"
