@@ -13,6 +13,11 @@ The conflist is written the first time the agent is ready: registered (now, or
 in an earlier run whose allocation was persisted) and ≥1 free address in the
 default pool.
 
+IPAM (``--ipam``): :class:`~cilia_agent.ipam.node.NodePools` turns each allocation
+(cluster-pool podCIDRs, multi-pool pools, draining CIDRs) into IPAM's CIDRs and computes
+the demand and the CIDRs handed back; :class:`~cilia_agent.ipam.selection.PoolSelector`
+picks each new pod's pool (multi-pool: the operator's ResolvePool, never cached).
+
 Routes to other nodes' pod CIDRs are not installed yet (single-node datapath):
 the ipcache already carries their pods' identities and host IPs for that.
 
@@ -50,6 +55,7 @@ from cilia_agent.config import Config
 from cilia_agent.controlplane import (
     OperatorAPI,
     OperatorClient,
+    PoolResolver,
     RetryQueue,
     backoff_delay,
     read_node_networks,
@@ -66,6 +72,8 @@ from cilia_agent.hubble.peer import join_host_port
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 from cilia_agent.ipam import IPAM
 from cilia_agent.ipam.allocator import usable_hosts
+from cilia_agent.ipam.node import Demand, NodePools
+from cilia_agent.ipam.selection import PoolSelectingEndpointManager, PoolSelector
 from cilia_agent.metrics import Metrics
 from cilia_common.grpcserver import BindError, Service, set_serving, start_server
 
@@ -111,7 +119,11 @@ class Agent:
         self.not_ready_reason = "starting"
         self.conflist_path = config.cni_conf_dir / config.cni_conf_name
         self.restore_report = RestoreReport()
-        self.endpoints = EndpointManager(
+        self.pools = NodePools(self.ipam, config.ipam, static=self.static_allocation)
+        self.selector = PoolSelector(config.ipam, lambda: self.default_pool)
+        self.pool_resolver: PoolResolver | None = None
+        self.endpoints: EndpointManager = PoolSelectingEndpointManager(
+            selector=self.selector,
             ipam=self.ipam,
             datapath=self.datapath,
             store=self.store,
@@ -152,6 +164,13 @@ class Agent:
             BindError: the socket or metrics address cannot be bound.
         """
         cfg = self.config
+        loop = asyncio.get_running_loop()
+
+        # A failed allocation grows the demand: send it at once (thread-safe).
+        def pending() -> None:
+            loop.call_soon_threadsafe(self._on_endpoints_changed)
+
+        self.ipam.on_pending = pending
         self.node = self.store.load_node()
         if self.node.default_pool:
             self.default_pool = self.node.default_pool
@@ -166,7 +185,6 @@ class Agent:
             self.ipam.occupy(self.router_ip, ROUTER_OWNER)
         else:
             self._choose_router_ip()
-        loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.executor, self.datapath.setup_node, self.router_ip)
         nets = await loop.run_in_executor(
             self.executor, read_node_networks, (cfg.host_device_name,)
@@ -246,6 +264,15 @@ class Agent:
                 ) from exc
         self._update_ipam_gauges()
         if cfg.operator:
+            if cfg.ipam == "multi-pool":
+                self.pool_resolver = PoolResolver(
+                    address=cfg.operator,
+                    node_name=cfg.node_name,
+                    timeout=cfg.operator_timeout,
+                    min_backoff=cfg.operator_reconnect_min_backoff,
+                    max_backoff=cfg.operator_reconnect_max_backoff,
+                )
+                self.selector.resolver = self.pool_resolver
             self.operator = OperatorClient(
                 address=cfg.operator,
                 node_name=cfg.node_name,
@@ -254,7 +281,7 @@ class Agent:
                 min_backoff=cfg.operator_reconnect_min_backoff,
                 max_backoff=cfg.operator_reconnect_max_backoff,
                 exclude_devices=(cfg.host_device_name,),
-                demand=lambda: self.ipam.demand([self.default_pool]),
+                demand=self._demand,
                 on_registered=self._on_registered,
                 on_allocation=self.apply_allocation,
                 hubble_address=self.hubble_address,
@@ -437,6 +464,10 @@ class Agent:
                 await task
         self._tasks = []
         await self.retry.close()
+        if self.pool_resolver is not None:
+            self.selector.resolver = None
+            await self.pool_resolver.close()
+            self.pool_resolver = None
         if self.operator_api is not None:
             await self.operator_api.close()
             self.operator_api = None
@@ -488,9 +519,16 @@ class Agent:
         self.router_ip = router
         log.info("router IP chosen", extra={"router_ip": str(router), "cidr": first})
 
-    async def _on_registered(self, default_pool: str) -> None:
-        if default_pool:
-            self.default_pool = default_pool
+    async def _on_registered(self, resp: cp.RegisterResponse) -> None:
+        if resp.default_pool:
+            self.default_pool = resp.default_pool
+        if resp.ipam_mode and resp.ipam_mode != self.config.ipam:
+            log.warning(
+                "the operator's IPAM mode differs from this agent's --ipam: the node keeps "
+                "its CIDRs (podCIDRs and the default pool's are both honoured); restart the "
+                f"agent with --ipam {resp.ipam_mode} once the operator's migration is done",
+                extra={"operator_ipam_mode": resp.ipam_mode, "agent_ipam_mode": self.config.ipam},
+            )
         self.node = self.node.model_copy(
             update={"registered": True, "default_pool": self.default_pool}
         )
@@ -498,33 +536,31 @@ class Agent:
         await self._check_ready()
 
     async def apply_allocation(self, allocation: cp.NodeAllocation) -> None:
-        """Take the node's allocation from the operator into IPAM.
+        """Take the node's allocation from the operator into IPAM (:meth:`NodePools.apply`).
 
-        New CIDRs are added; CIDRs the operator no longer lists are dropped only
-        when no address in them is in use. The router IP is chosen from the first
-        CIDR the first time one arrives, the node state is persisted, readiness is
-        re-checked and the demand recomputed.
+        New CIDRs are added (cluster-pool: ``pod_cidrs``; both modes: the pools, the
+        default pool also from ``pod_cidrs``); CIDRs the operator no longer lists are
+        dropped only when no address in them is in use; draining CIDRs give out no new
+        address. The router IP is chosen from the first CIDR the first time one arrives,
+        the node state is persisted, readiness is re-checked and the demand recomputed.
         """
         async with self._alloc_lock:
             if allocation.error:
                 log.warning("operator reports an IPAM error", extra={"error": allocation.error})
-            wanted = {p.pool: list(p.cidrs) for p in allocation.pools}
-            for pool, cidrs in self.static_allocation.items():
-                wanted.setdefault(pool, []).extend(cidrs)
-            for pool, cidrs in wanted.items():
-                try:
-                    added = self.ipam.add_cidrs(pool, cidrs)
-                except ValueError as exc:
-                    log.error("allocation rejected", extra={"pool": pool, "reason": str(exc)})
-                    continue
-                if added:
-                    log.info("CIDRs added", extra={"pool": pool, "cidrs": [str(c) for c in added]})
-            for pool in list(self.ipam):
-                dropped = self.ipam.remove_unused_cidrs(pool, wanted.get(pool, []))
-                if dropped:
-                    log.info(
-                        "CIDRs dropped", extra={"pool": pool, "cidrs": [str(c) for c in dropped]}
-                    )
+            change = self.pools.apply(
+                self.default_pool,
+                {p.pool: list(p.cidrs) for p in allocation.pools},
+                list(allocation.pod_cidrs),
+                {p.pool: list(p.cidrs) for p in allocation.draining},
+            )
+            for pool, reason in change.rejected.items():
+                log.error("allocation rejected", extra={"pool": pool, "reason": reason})
+            for pool, cidrs in change.added.items():
+                log.info("CIDRs added", extra={"pool": pool, "cidrs": cidrs})
+            for pool, cidrs in change.dropped.items():
+                log.info("CIDRs dropped", extra={"pool": pool, "cidrs": cidrs})
+            for pool, cidrs in change.draining.items():
+                log.info("CIDRs draining", extra={"pool": pool, "cidrs": cidrs})
             had_router = self.router_ip is not None
             self._choose_router_ip()
             if self.router_ip is not None and not had_router:
@@ -537,6 +573,15 @@ class Agent:
             self._update_ipam_gauges()
             await self._check_ready()
         self._on_endpoints_changed()
+
+    async def _demand(self) -> Demand | None:
+        """The demand to send (None in cluster-pool mode); persists CIDRs handed back."""
+        demand = self.pools.demand(self.default_pool)
+        if demand is not None and demand.handed_back_now:
+            async with self._alloc_lock:
+                await self._persist_node()
+            self._update_ipam_gauges()
+        return demand
 
     async def _persist_node(self) -> None:
         self.node = self.node.model_copy(
@@ -608,6 +653,12 @@ class Agent:
             lines.append(f"Operator calls pending retry: {st.pending_operator_calls}")
         else:
             lines.append("Datapath: eBPF disabled (--enable-bpf=false), plumbing only")
+        draining = [f"{p.pool} {c}" for p in self.ipam.status() for c in p.draining]
+        lines.append(
+            f"IPAM: {cfg.ipam}, default pool {self.default_pool}"
+            + (f", draining: {', '.join(draining)}" if draining else "")
+            + (f", handing back: {len(self.pools.released)} CIDRs" if self.pools.released else "")
+        )
         if self.hubble is not None:
             hs = self.hubble.store.status()
             lines.append(

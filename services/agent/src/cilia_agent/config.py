@@ -1,7 +1,7 @@
 """The agent's one validated configuration (flags of ``cilia-agent serve``).
 
 Flag names follow upstream ``cilium-agent`` where one exists
-(``--ipam-multi-pool-pre-allocation``, ``--prometheus-serve-addr``,
+(``--ipam``, ``--ipam-multi-pool-pre-allocation``, ``--prometheus-serve-addr``,
 ``--cni-log-file``, ``--mtu``, ``--ipam-default-ip-pool``). Every limit and
 timeout is a flag; :data:`FLAG_HELP` documents each one and its default.
 """
@@ -73,6 +73,9 @@ FLAG_HELP: dict[str, str] = {
     "--cni-exclusive moved aside (upstream cni-uninstall; default false: a restarting agent "
     "keeps serving its pods)",
     "mtu": "MTU of pod veth pairs in bytes, 68..65535 (default 1500)",
+    "ipam": "IPAM mode, as the operator's: cluster-pool (addresses from the node's podCIDRs, "
+    "no demand sent) or multi-pool (per-pod pools via the operator's ResolvePool, demand with "
+    "pre-allocation, unneeded CIDRs handed back) (default multi-pool)",
     "ipam_multi_pool_pre_allocation": "pool=N,...: free addresses kept per pool (default default=8)",
     "ipam_default_ip_pool": "pool used when a request names none and the operator announces "
     "none (default default)",
@@ -136,6 +139,7 @@ class Config(BaseModel):
     cni_exclusive: bool = False
     cni_uninstall: bool = False
     mtu: int = Field(default=1500, ge=68, le=65535)
+    ipam: Literal["cluster-pool", "multi-pool"] = "multi-pool"
     ipam_multi_pool_pre_allocation: dict[str, int] = Field(default_factory=lambda: {"default": 8})
     ipam_default_ip_pool: str = "default"
     ipam_pending_allocation_ttl: float = Field(default=300.0, gt=0)

@@ -6,7 +6,8 @@ One long-running task keeps a session with the operator:
    (every interface's IPv4 subnet, read with pyroute2) and Hubble address;
 2. ``IPAMService.UpdateDemand`` at once and whenever :meth:`OperatorClient.demand_changed`
    is called (coalesced: only the latest demand is sent, and only when it differs
-   from the last one sent in this session);
+   from the last one sent in this session), with the CIDRs the node hands back
+   (``released``); never in ``--ipam cluster-pool`` mode (the demand callback returns None);
 3. ``IPAMService.WatchAllocations``: every message is handed to ``on_allocation``.
 
 When any step fails or the stream ends, the session is torn down and retried
@@ -22,6 +23,9 @@ session shape (a stream plus a side task), so the loop is kept small here.
 watch streams (identities, policies, ipcache, nodes), each followed by
 :func:`run_watch` with the same bounded reconnect backoff. :class:`RetryQueue` retries
 best-effort calls (DeleteEndpoint, Release after a Del) until they succeed.
+
+:class:`PoolResolver` asks ``IPAMService.ResolvePool`` for the pool of each new pod
+(multi-pool; nothing is cached, so pool edits apply to the next pod at once).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pyroute2 import IPRoute
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
+from cilia_agent.ipam.node import Demand
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +67,21 @@ class NodeNetworks:
     local_networks: list[tuple[str, str]]  # (interface, cidr)
 
 
+#: Interface name prefixes never reported: pod veths (``lxc…``) and the host devices of
+#: Cilia agents (``cilia_host`` and, with several agents on one host, theirs), whose /32
+#: router addresses lie inside pod CIDRs and are no node network.
+AGENT_DEVICE_PREFIXES = ("lxc", "cilia_")
+
+
 def read_node_networks(
-    exclude: tuple[str, ...] = (), exclude_prefixes: tuple[str, ...] = ("lxc",)
+    exclude: tuple[str, ...] = (), exclude_prefixes: tuple[str, ...] = AGENT_DEVICE_PREFIXES
 ) -> NodeNetworks:
     """Read every global IPv4 address of the host and its subnet with pyroute2.
 
-    Loopback, the agent's own devices (``exclude``) and pod veths
-    (``exclude_prefixes``) are skipped. Blocking; run it in a thread.
+    Returns the addresses (node InternalIPs) and ``(interface, subnet)`` of every
+    interface with a global IPv4 address. Loopback, the agent's own devices (``exclude``,
+    e.g. ``--host-device-name``) and devices named with ``exclude_prefixes`` (pod veths,
+    agents' host devices) are skipped. Blocking; run it in a thread.
     """
     addresses: list[str] = []
     networks: list[tuple[str, str]] = []
@@ -120,8 +133,10 @@ class OperatorClient:
         timeout: deadline (s) of each unary call.
         min_backoff, max_backoff: reconnect delays (s), see :func:`backoff_delay`.
         exclude_devices: host devices not reported as local networks.
-        demand: returns ``pool -> needed`` addresses.
-        on_registered: awaited with the operator's default pool after each Register.
+        demand: awaited for the :class:`~cilia_agent.ipam.node.Demand` to send (needed
+            addresses per pool, CIDRs handed back); None sends nothing (cluster-pool).
+        on_registered: awaited with the ``RegisterResponse`` (default pool, the
+            operator's IPAM mode) after each Register.
         on_allocation: awaited with every ``NodeAllocation`` received.
         hubble_address: returns ``host:port`` of this node's Hubble server given the
             node's addresses ("" = none), sent with Register.
@@ -137,8 +152,8 @@ class OperatorClient:
         min_backoff: float,
         max_backoff: float,
         exclude_devices: tuple[str, ...],
-        demand: Callable[[], dict[str, int]],
-        on_registered: Callable[[str], Awaitable[None]],
+        demand: Callable[[], Awaitable[Demand | None]],
+        on_registered: Callable[[cp.RegisterResponse], Awaitable[None]],
         on_allocation: Callable[[cp.NodeAllocation], Awaitable[None]],
         hubble_address: Callable[[list[str]], str] = lambda _addresses: "",
     ) -> None:
@@ -215,9 +230,13 @@ class OperatorClient:
             )
             log.info(
                 "registered with operator",
-                extra={"operator": self.address, "default_pool": resp.default_pool},
+                extra={
+                    "operator": self.address,
+                    "default_pool": resp.default_pool,
+                    "operator_ipam_mode": resp.ipam_mode,
+                },
             )
-            await self._on_registered(resp.default_pool)
+            await self._on_registered(resp)
             self.connected = True
             sender = asyncio.get_running_loop().create_task(self._send_demand(ipam))
             try:
@@ -234,20 +253,25 @@ class OperatorClient:
         return delivered
 
     async def _send_demand(self, ipam: cp_grpc.IPAMServiceStub) -> None:
-        last: dict[str, int] | None = None
+        last: Demand | None = None
         self._demand_event.set()
         attempt = 0
         while True:
             await self._demand_event.wait()
             self._demand_event.clear()
-            demand = self._demand()
-            if demand == last:
+            demand = await self._demand()
+            if demand is None or demand == last:
                 continue
             try:
                 await ipam.UpdateDemand(
                     cp.UpdateDemandRequest(
                         node_name=self.node_name,
-                        demands=[cp.PoolDemand(pool=p, needed_ipv4=n) for p, n in demand.items()],
+                        demands=[
+                            cp.PoolDemand(pool=p, needed_ipv4=n) for p, n in demand.needed.items()
+                        ],
+                        released=[
+                            cp.PoolCIDRs(pool=p, cidrs=c) for p, c in demand.released.items()
+                        ],
                     ),
                     timeout=self.timeout,
                 )
@@ -263,7 +287,88 @@ class OperatorClient:
                 continue
             attempt = 0
             last = demand
-            log.info("demand sent", extra={"demand": demand})
+            log.info("demand sent", extra={"demand": demand.needed, "released": demand.released})
+
+
+class PoolNotResolved(Exception):
+    """The operator refused to pick a pool for a pod (FAILED_PRECONDITION, INVALID_ARGUMENT:
+    several pools' selectors match, or a required named pool does not exist)."""
+
+
+class PoolResolver:
+    """``IPAMService.ResolvePool`` for each new pod (multi-pool mode), over its own channel.
+
+    Args:
+        address: operator ``host:port``.
+        node_name: this node (sent with each request).
+        timeout: deadline (s) of each call (``--operator-timeout``).
+        min_backoff, max_backoff: gRPC channel reconnect backoff (s).
+
+    Create it inside the running event loop; :meth:`close` closes the channel. Nothing is
+    cached: a pool edit applies to the next pod.
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        node_name: str,
+        timeout: float,
+        min_backoff: float,
+        max_backoff: float,
+    ) -> None:
+        self.address = address
+        self.node_name = node_name
+        self.timeout = timeout
+        self.channel = _operator_channel(address, min_backoff, max_backoff)
+        self.ipam = cp_grpc.IPAMServiceStub(self.channel)  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        """Close the channel."""
+        await self.channel.close()
+
+    async def resolve(
+        self,
+        namespace: str,
+        name: str,
+        labels: dict[str, str],
+        annotations: dict[str, str],
+    ) -> tuple[str, str]:
+        """Return ``(pool, reason)`` the operator picked for pod ``namespace/name``.
+
+        Raises:
+            PoolNotResolved: the operator refused (the message carries its reason).
+            OperatorUnavailable: the operator is unreachable, timed out, or does not
+                implement ResolvePool; the message names the operator and the cause.
+        """
+        try:
+            resp = await self.ipam.ResolvePool(
+                cp.ResolvePoolRequest(
+                    node_name=self.node_name,
+                    pod_namespace=namespace,
+                    pod_name=name,
+                    pod_labels=labels,
+                    pod_annotations=annotations,
+                ),
+                timeout=self.timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ):
+                raise PoolNotResolved(
+                    f"no IPAM pool for pod {namespace}/{name}: {exc.details()}"
+                ) from exc
+            raise OperatorUnavailable(
+                f"cannot choose the IPAM pool of pod {namespace}/{name}: ResolvePool at "
+                f"operator {self.address} failed: {_describe(exc)}"
+            ) from exc
+        if not resp.pool:
+            raise OperatorUnavailable(
+                f"operator {self.address} resolved no pool for pod {namespace}/{name}"
+            )
+        return resp.pool, resp.reason
 
 
 class OperatorUnavailable(Exception):

@@ -149,6 +149,11 @@ class FakeOperator(
     def UpdateDemand(self, request: Any, context: Any) -> cp.UpdateDemandResponse:  # noqa: N802
         return cp.UpdateDemandResponse()
 
+    def ResolvePool(  # noqa: N802
+        self, request: cp.ResolvePoolRequest, context: Any
+    ) -> cp.ResolvePoolResponse:
+        return cp.ResolvePoolResponse(pool="default", reason="default pool (test)")
+
     def WatchAllocations(  # noqa: N802
         self, request: cp.WatchAllocationsRequest, context: Any
     ) -> Iterator[cp.WatchAllocationsResponse]:

@@ -6,6 +6,7 @@ TCP gRPC channel (the operator service itself is built elsewhere).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import queue
 import time
@@ -38,6 +39,11 @@ class StandInOperator(cp_grpc.NodeServiceServicer, cp_grpc.IPAMServiceServicer):
     ) -> cp.UpdateDemandResponse:
         self.demands.append(request)
         return cp.UpdateDemandResponse()
+
+    def ResolvePool(  # noqa: N802
+        self, request: cp.ResolvePoolRequest, context: Any
+    ) -> cp.ResolvePoolResponse:
+        return cp.ResolvePoolResponse(pool="default", reason="default pool (test)")
 
     def WatchAllocations(  # noqa: N802
         self, request: cp.WatchAllocationsRequest, context: Any
@@ -106,13 +112,48 @@ def test_agent_registers_gets_cidr_becomes_ready_and_sends_demand(env: Env) -> N
                 pools=[cp.PoolCIDRs(pool="default", cidrs=[env.cidr, extra])],
             )
         )
-        _wait(lambda: len(a.debug.Status(agent_pb2.StatusRequest()).pools[0].cidrs) == 2)
+        # 9 in use, 24 needed: the first /24 covers it, so the empty extra one is handed
+        # back at once (UpdateDemand.released) and no address comes from it.
+        _wait(lambda: any(cp.PoolCIDRs(pool="default", cidrs=[extra]) in d.released
+                          for d in op.demands))  # fmt: skip
+        assert a.debug.Status(agent_pb2.StatusRequest()).pools[0].cidrs == [env.cidr]
         _wait(
             lambda: (
                 json.loads((env.state_dir / "node.json").read_text())["allocation"]
-                == {"default": [env.cidr, extra]}
+                == {"default": [env.cidr]}
             )
         )
+        # An allocation still listing it (the operator had not processed the release yet)
+        # does not bring it back; once an allocation no longer lists it, it is forgotten.
+        op.updates.put(
+            cp.NodeAllocation(
+                node_name=a.config.node_name,
+                pools=[cp.PoolCIDRs(pool="default", cidrs=[env.cidr, extra])],
+                resource_version="3",
+            )
+        )
+        ip = (
+            a.attach.Add(
+                agent_pb2.AddRequest(container_id="op-after", ifname="eth0", netns=env.add_netns()),
+                timeout=10,
+            )
+            .ips[0]
+            .address
+        )
+        assert ipaddress.ip_interface(ip).ip in ipaddress.ip_network(env.cidr)
+        assert a.debug.Status(agent_pb2.StatusRequest()).pools[0].cidrs == [env.cidr]
+        op.updates.put(
+            cp.NodeAllocation(
+                node_name=a.config.node_name,
+                pools=[cp.PoolCIDRs(pool="default", cidrs=[env.cidr])],
+                resource_version="4",
+            )
+        )
+        a.attach.Add(
+            agent_pb2.AddRequest(container_id="op-last", ifname="eth0", netns=env.add_netns()),
+            timeout=10,
+        )
+        _wait(lambda: not op.demands[-1].released and op.demands[-1].demands[0].needed_ipv4 == 24)
         # The stream ends: the agent reconnects and registers again.
         op.updates.put(None)
         _wait(lambda: len(op.registrations) >= 2)

@@ -149,3 +149,12 @@ def test_add_validation_names_the_bad_field(params: AddParams, field: str) -> No
     with pytest.raises(InvalidRequest) as err:
         validate_add(params)
     assert err.value.field == field
+
+
+def test_ipam_mode_defaults_to_multi_pool_and_refuses_unknown_modes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert Config().ipam == "multi-pool"
+    assert Config(ipam="cluster-pool").ipam == "cluster-pool"
+    assert main(["serve", "--ipam", "crd"]) == 2
+    assert "--ipam:" in capsys.readouterr().err

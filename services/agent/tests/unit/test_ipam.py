@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import threading
 
 import pytest
@@ -154,3 +155,68 @@ def test_allocator_never_hands_out_an_address_twice(
             assert ipam.release(addr)
             del held[addr]
     assert ipam.allocated() == held
+
+
+def test_empty_cidr_is_handed_back_only_when_the_rest_covers_the_demand() -> None:
+    ipam = IPAM({"default": 8})
+    ipam.add_cidrs("default", ["10.251.0.0/28", "10.251.0.16/28", "10.251.0.32/28"])
+    ipam.occupy("10.251.0.1", "router")
+    # 14 usable per /28; 1 in use → 16 needed: two /28 (28) cover it, the last goes.
+    taken = ipam.take_unneeded(ipam.demand())
+    assert taken == {"default": [ipaddress.IPv4Network("10.251.0.32/28")]}
+    assert ipam.cidrs() == {"default": ["10.251.0.0/28", "10.251.0.16/28"]}
+    assert ipam.take_unneeded(ipam.demand()) == {}  # one /28 (14) < 16 needed
+    with pytest.raises(PoolExhausted):
+        for i in range(30):
+            ipam.allocate("default", f"o{i}")
+    assert all(a not in ipaddress.IPv4Network("10.251.0.32/28") for a in ipam.allocated())
+
+
+def test_draining_cidr_gives_no_new_address_and_is_handed_back_when_empty() -> None:
+    ipam = IPAM()
+    ipam.add_cidrs("blue", ["10.251.1.0/29", "10.251.2.0/29"])
+    old = ipam.allocate("blue", "old")
+    assert old in ipaddress.IPv4Network("10.251.1.0/29")
+    ipam.set_draining("blue", ["10.251.1.0/29"])
+    assert ipam.free("blue") == 6
+    new = [ipam.allocate("blue", f"n{i}") for i in range(6)]
+    assert all(a in ipaddress.IPv4Network("10.251.2.0/29") for a in new)
+    with pytest.raises(PoolExhausted, match=re.escape("draining, no new addresses: 10.251.1.0/29")):
+        ipam.allocate("blue", "late")
+    assert ipam.take_unneeded({"blue": 8}) == {}  # the draining CIDR still holds "old"
+    ipam.release(old)
+    assert ipam.take_unneeded({"blue": 8}) == {"blue": [ipaddress.IPv4Network("10.251.1.0/29")]}
+    assert ipam.status()[0].draining == []
+
+
+def test_node_pools_never_bring_back_a_cidr_handed_back_while_still_listed() -> None:
+    from cilia_agent.ipam.node import NodePools
+
+    ipam = IPAM({"default": 8})
+    pools = NodePools(ipam, "multi-pool")
+    listed = {"default": ["10.251.0.0/24", "10.251.1.0/24"]}
+    pools.apply("default", listed)
+    demand = pools.demand("default")
+    assert demand is not None and demand.released == {"default": ["10.251.1.0/24"]}
+    pools.apply("default", listed)  # sent before the operator processed the release
+    assert ipam.cidrs() == {"default": ["10.251.0.0/24"]}
+    again = pools.demand("default")
+    assert again is not None and again.released == demand.released  # repeated until gone
+    pools.apply("default", {"default": ["10.251.0.0/24"]})
+    final = pools.demand("default")
+    assert final is not None and final.released == {}
+
+
+def test_cluster_pool_holds_pod_cidrs_as_the_default_pool_and_sends_no_demand() -> None:
+    from cilia_agent.ipam.node import NodePools
+
+    ipam = IPAM({"default": 8})
+    pools = NodePools(ipam, "cluster-pool")
+    pools.apply("default", {"blue": ["10.251.5.0/24"]}, ["10.251.4.0/24"])
+    assert ipam.cidrs() == {"default": ["10.251.4.0/24"]}
+    assert pools.demand("default") is None
+    # After the operator's migration: the same CIDR as pools.allocated[default].
+    pools.apply("default", {"default": ["10.251.4.0/24"]}, [])
+    assert ipam.cidrs() == {"default": ["10.251.4.0/24"]}
+    with pytest.raises(ValueError, match="ipam"):
+        NodePools(ipam, "crd")  # type: ignore[arg-type]

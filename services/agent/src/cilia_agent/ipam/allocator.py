@@ -25,12 +25,18 @@ class AllocationError(Exception):
 
 
 class PoolExhausted(AllocationError):
-    """No free address is left in ``pool`` (all of its node CIDRs are used)."""
+    """No free address is left in ``pool`` (all of its open node CIDRs are used).
 
-    def __init__(self, pool: str, cidrs: list[str]) -> None:
+    ``cidrs``: the open CIDRs; ``draining``: CIDRs no new address comes from.
+    """
+
+    def __init__(self, pool: str, cidrs: list[str], draining: list[str] | None = None) -> None:
         self.pool = pool
         self.cidrs = cidrs
+        self.draining = draining or []
         where = ", ".join(cidrs) if cidrs else "no CIDR allocated to this node yet"
+        if self.draining:
+            where += f"; draining, no new addresses: {', '.join(self.draining)}"
         super().__init__(f"no free IPv4 address in pool {pool!r} ({where})")
 
 
@@ -57,6 +63,11 @@ def usable_hosts(cidr: Net4) -> tuple[int, int]:
     return first, last
 
 
+def _size(cidr: Net4) -> int:
+    lo, hi = usable_hosts(cidr)
+    return hi - lo + 1
+
+
 @dataclass
 class _Pool:
     name: str
@@ -64,23 +75,29 @@ class _Pool:
     # Next-fit cursor per CIDR index: a released address is not handed out again
     # before the rest of the CIDR has been tried.
     cursor: dict[Net4, int] = field(default_factory=dict)
+    # CIDRs removed from their pool by the operator while in use: no new allocations.
+    draining: set[Net4] = field(default_factory=set)
 
     def capacity(self) -> int:
-        total = 0
-        for cidr in self.cidrs:
-            lo, hi = usable_hosts(cidr)
-            total += hi - lo + 1
-        return total
+        return sum(_size(c) for c in self.cidrs)
+
+    def open_capacity(self) -> int:
+        """Usable addresses of the CIDRs new allocations may come from (not draining)."""
+        return sum(_size(c) for c in self.cidrs if c not in self.draining)
 
 
 @dataclass(frozen=True)
 class PoolStatus:
-    """Snapshot of one pool: CIDRs (strings), used and usable address counts."""
+    """Snapshot of one pool: CIDRs (strings), used and usable address counts.
+
+    ``draining`` lists the CIDRs (a subset of ``cidrs``) no new address comes from.
+    """
 
     pool: str
     cidrs: list[str]
     used: int
     capacity: int
+    draining: list[str] = field(default_factory=list)
 
 
 class IPAM:
@@ -92,6 +109,9 @@ class IPAM:
         pending_ttl: seconds an unsatisfied request keeps counting in the demand
             (upstream ``pendingAllocationTTL``, 5 min).
         clock: monotonic clock in seconds (tests may pass a fake one).
+        on_pending: called (outside the lock, on the caller's thread) after a failed
+            :meth:`allocate` added a pending request, so the caller can send the grown
+            demand at once.
 
     Source: upstream ``pkg/ipam/multipool.go`` (reference: cilium-upstream.md §1).
     """
@@ -102,8 +122,10 @@ class IPAM:
         *,
         pending_ttl: float = 300.0,
         clock: Callable[[], float] | None = None,
+        on_pending: Callable[[], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self.on_pending = on_pending
         self._pools: dict[str, _Pool] = {}
         self._owners: dict[IPv4, tuple[str, str]] = {}  # address -> (pool, owner)
         self._pending: dict[tuple[str, str], float] = {}  # (pool, owner) -> expiry
@@ -160,10 +182,60 @@ class IPAM:
                     continue
                 if any(addr in net for addr in self._owners):
                     continue
-                entry.cidrs.remove(net)
-                entry.cursor.pop(net, None)
+                self._drop_locked(entry, net)
                 dropped.append(net)
         return dropped
+
+    def _drop_locked(self, entry: _Pool, net: Net4) -> None:
+        entry.cidrs.remove(net)
+        entry.cursor.pop(net, None)
+        entry.draining.discard(net)
+
+    def set_draining(self, pool: str, cidrs: Iterable[str | Net4]) -> None:
+        """Mark exactly ``cidrs`` of ``pool`` as draining (others of the pool are open).
+
+        A draining CIDR keeps the addresses already handed out but gives out no new
+        one; :meth:`take_unneeded` hands it back once it is empty. CIDRs the pool does
+        not hold are ignored.
+        """
+        nets = {c if isinstance(c, Net4) else ipaddress.IPv4Network(c) for c in cidrs}
+        with self._lock:
+            entry = self._pools.get(pool)
+            if entry is not None:
+                entry.draining = {n for n in entry.cidrs if n in nets}
+
+    def take_unneeded(
+        self, demand: Mapping[str, int], keep: Iterable[Net4] = ()
+    ) -> dict[str, list[Net4]]:
+        """Remove and return the CIDRs this node can hand back to the operator.
+
+        A CIDR is handed back when no address in it is held and either it is draining,
+        or the pool's other open CIDRs still hold ``demand[pool]`` usable addresses
+        (the operator would not need to allocate anything to replace it; pools missing
+        from ``demand`` need 0). Later-added CIDRs go first. The CIDRs are removed from
+        the pool under the lock, so no concurrent :meth:`allocate` can use them.
+        CIDRs in ``keep`` are never handed back.
+
+        Returns ``pool -> [cidr, ...]`` (only pools with something to hand back).
+        """
+        out: dict[str, list[Net4]] = {}
+        kept = set(keep)
+        with self._lock:
+            held = list(self._owners)
+            for name, entry in self._pools.items():
+                needed = demand.get(name, 0)
+                capacity = entry.open_capacity()
+                for net in reversed(list(entry.cidrs)):
+                    if net in kept or any(a in net for a in held):
+                        continue
+                    if net in entry.draining:
+                        self._drop_locked(entry, net)
+                        out.setdefault(name, []).append(net)
+                    elif capacity - _size(net) >= needed:
+                        capacity -= _size(net)
+                        self._drop_locked(entry, net)
+                        out.setdefault(name, []).append(net)
+        return out
 
     def cidrs(self) -> dict[str, list[str]]:
         """Return ``pool -> [cidr, ...]`` in the order the CIDRs were added."""
@@ -186,19 +258,25 @@ class IPAM:
         ``pending_ttl`` seconds so the demand grows (upstream behaviour).
 
         Raises:
-            PoolExhausted: ``pool`` has no CIDR or no free address.
+            PoolExhausted: ``pool`` has no open (non-draining) CIDR or no free address.
         """
         with self._lock:
             entry = self._pools.get(pool)
             if entry is not None:
                 for net in entry.cidrs:
+                    if net in entry.draining:
+                        continue
                     addr = self._next_free_locked(entry, net)
                     if addr is not None:
                         self._owners[addr] = (pool, owner)
                         self._pending.pop((pool, owner), None)
                         return addr
             self._pending[(pool, owner)] = self._clock() + self._pending_ttl
-            raise PoolExhausted(pool, [str(c) for c in entry.cidrs] if entry else [])
+            cidrs = [str(c) for c in entry.cidrs if c not in entry.draining] if entry else []
+            draining = sorted(str(c) for c in entry.draining) if entry else []
+        if self.on_pending is not None:
+            self.on_pending()
+        raise PoolExhausted(pool, cidrs, draining)
 
     def _next_free_locked(self, entry: _Pool, net: Net4) -> IPv4 | None:
         lo, hi = usable_hosts(net)
@@ -242,7 +320,7 @@ class IPAM:
             return {a: o for a, (_, o) in self._owners.items()}
 
     def free(self, pool: str) -> int:
-        """Number of free usable addresses in ``pool`` (0 for an unknown pool)."""
+        """Free usable addresses of ``pool``'s open (non-draining) CIDRs (0 if unknown)."""
         with self._lock:
             return self._free_locked(pool)
 
@@ -254,7 +332,9 @@ class IPAM:
         entry = self._pools.get(pool)
         if entry is None:
             return 0
-        return entry.capacity() - self._used_locked(entry)
+        open_nets = [n for n in entry.cidrs if n not in entry.draining]
+        used = sum(1 for a in self._owners if any(a in n for n in open_nets))
+        return entry.open_capacity() - used
 
     # --- reporting -----------------------------------------------------------------
     def status(self) -> list[PoolStatus]:
@@ -264,7 +344,15 @@ class IPAM:
             for name in sorted(self._pools):
                 entry = self._pools[name]
                 used = self._used_locked(entry)
-                out.append(PoolStatus(name, [str(c) for c in entry.cidrs], used, entry.capacity()))
+                out.append(
+                    PoolStatus(
+                        name,
+                        [str(c) for c in entry.cidrs],
+                        used,
+                        entry.capacity(),
+                        sorted(str(c) for c in entry.draining),
+                    )
+                )
             return out
 
     def demand(self, extra_pools: Iterable[str] = ()) -> dict[str, int]:

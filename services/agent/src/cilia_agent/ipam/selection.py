@@ -1,0 +1,104 @@
+"""Which pool a new pod's address comes from.
+
+- ``--ipam multi-pool``: ``AddRequest.pool`` when set; otherwise the operator decides
+  (``IPAMService.ResolvePool`` with the pod's namespace, name, labels and annotations:
+  pod annotation, namespace annotation, exactly one matching selector, default pool,
+  reference: cilium-upstream.md §1). Nothing is cached, so pool edits apply to the next
+  pod. Without an operator (``--operator ''``) the default pool is used.
+- ``--ipam cluster-pool``: every pod gets its address from the node's podCIDRs (held as
+  the default pool); a request naming another pool is refused.
+
+:class:`PoolSelectingEndpointManager` runs the selection before the Add proper, so the
+endpoint manager itself stays unaware of the IPAM mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cilia_agent.controlplane import PoolNotResolved, PoolResolver
+from cilia_agent.endpoint import AddParams, EndpointManager, EndpointRecord, InvalidRequest
+from cilia_agent.endpoint.manager import validate_add
+from cilia_agent.ipam.node import IPAMMode
+
+log = logging.getLogger(__name__)
+
+
+class PoolSelector:
+    """Chooses the pool of each Add.
+
+    Args:
+        mode: ``cluster-pool`` or ``multi-pool``.
+        default_pool: returns the current default pool name.
+        resolver: the operator's ResolvePool client (None: no operator; may be set later,
+            once the event loop runs).
+    """
+
+    def __init__(
+        self,
+        mode: IPAMMode,
+        default_pool: Callable[[], str],
+        resolver: PoolResolver | None = None,
+    ) -> None:
+        self.mode = mode
+        self.default_pool = default_pool
+        self.resolver = resolver
+
+    async def select(self, p: AddParams) -> str:
+        """The pool for ``p``.
+
+        Raises:
+            InvalidRequest: field ``pool``: cluster-pool mode and another pool was
+                requested, or the operator refused to pick one (its reason included).
+            OperatorUnavailable: the operator could not be asked (UNAVAILABLE to the CNI).
+        """
+        default = self.default_pool()
+        if self.mode == "cluster-pool":
+            if p.pool and p.pool != default:
+                raise InvalidRequest(
+                    "pool",
+                    f"{p.pool!r} requested, but this agent runs --ipam cluster-pool: every "
+                    f"pod gets its address from the node's podCIDRs (pool {default!r})",
+                )
+            return default
+        if p.pool:
+            return p.pool
+        if self.resolver is None:
+            return default
+        try:
+            pool, reason = await self.resolver.resolve(
+                p.pod_namespace, p.pod_name, dict(p.labels), dict(p.annotations)
+            )
+        except PoolNotResolved as exc:
+            raise InvalidRequest("pool", str(exc)) from exc
+        log.info(
+            "pool chosen by the operator",
+            extra={"pod": f"{p.pod_namespace}/{p.pod_name}", "pool": pool, "reason": reason},
+        )
+        return pool
+
+
+class PoolSelectingEndpointManager(EndpointManager):
+    """:class:`EndpointManager` whose Adds first get their pool from a :class:`PoolSelector`.
+
+    Chained Adds (``prev_result``: the address belongs to the previous plugin) and
+    repeated Adds of an existing attachment skip the selection.
+
+    Args:
+        selector: the pool selector; every other argument as :class:`EndpointManager`.
+    """
+
+    def __init__(self, *, selector: PoolSelector, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.selector = selector
+
+    async def add(self, p: AddParams) -> EndpointRecord:
+        """Select the pool, then :meth:`EndpointManager.add` (same errors, plus those of
+        :meth:`PoolSelector.select`)."""
+        if not p.prev_result and self.get(p.container_id, p.ifname) is None:
+            validate_add(p)  # bad input is refused before the operator is asked
+            p = dataclasses.replace(p, pool=await self.selector.select(p))
+        return await super().add(p)

@@ -1,0 +1,318 @@
+"""IPAM modes against a stand-in operator speaking the real contract over TCP gRPC.
+
+Multi-pool: each pod's pool from ResolvePool (not cached), an exhausted pool as CNI error
+101 naming the pool (real ``cilia-cni`` binary), draining CIDRs, operator refusals and
+outages. Cluster-pool: addresses from podCIDRs, no demand; the switch to multi-pool after
+the operator adopted the podCIDRs into the default pool keeps every address.
+Registration: local networks cover every interface subnet except the agents' devices.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import pathlib
+import queue
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from cilia.agent.v1 import agent_pb2
+from cilia.controlplane.v1 import controlplane_pb2 as cp
+from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
+
+from .conftest import AgentThread, Env
+
+ROOT = pathlib.Path(__file__).resolve().parents[4]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cnirun  # noqa: E402
+
+
+class Operator(cp_grpc.NodeServiceServicer, cp_grpc.IPAMServiceServicer):  # type: ignore[misc]
+    """Stand-in: Register (announces ``mode``), UpdateDemand (recorded), WatchAllocations
+    (``allocation`` now, then what tests put on ``updates``), ResolvePool (``pool_of`` by pod
+    name, else "default"; ``refuse`` answers FAILED_PRECONDITION)."""
+
+    def __init__(self, mode: str, allocation: cp.NodeAllocation) -> None:
+        self.mode = mode
+        self.allocation = allocation
+        self.registrations: list[cp.RegisterRequest] = []
+        self.demands: list[cp.UpdateDemandRequest] = []
+        self.resolves: list[cp.ResolvePoolRequest] = []
+        self.pool_of: dict[str, str] = {}
+        self.refuse = ""
+        self.updates: queue.Queue[cp.NodeAllocation | None] = queue.Queue()
+        self.server = grpc.server(futures.ThreadPoolExecutor(8))
+        cp_grpc.add_NodeServiceServicer_to_server(self, self.server)
+        cp_grpc.add_IPAMServiceServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def Register(self, request: cp.RegisterRequest, context: Any) -> cp.RegisterResponse:  # noqa: N802
+        self.registrations.append(request)
+        return cp.RegisterResponse(default_pool="default", ipam_mode=self.mode)
+
+    def UpdateDemand(  # noqa: N802
+        self, request: cp.UpdateDemandRequest, context: Any
+    ) -> cp.UpdateDemandResponse:
+        self.demands.append(request)
+        return cp.UpdateDemandResponse()
+
+    def ResolvePool(  # noqa: N802
+        self, request: cp.ResolvePoolRequest, context: Any
+    ) -> cp.ResolvePoolResponse:
+        self.resolves.append(request)
+        if self.refuse:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refuse)
+        pool = self.pool_of.get(request.pod_name, "default")
+        return cp.ResolvePoolResponse(pool=pool, reason="test table")
+
+    def WatchAllocations(  # noqa: N802
+        self, request: cp.WatchAllocationsRequest, context: Any
+    ) -> Iterator[cp.WatchAllocationsResponse]:
+        yield cp.WatchAllocationsResponse(allocation=self.allocation)
+        while context.is_active():
+            try:
+                item = self.updates.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            self.allocation = item
+            yield cp.WatchAllocationsResponse(allocation=item)
+
+    def stop(self) -> None:
+        self.updates.put(None)
+        self.server.stop(0)
+
+
+def wait(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+def cidrs(env: Env) -> list[str]:
+    """Four distinct /24s in the privileged tests' range, the first is env.cidr."""
+    third = int(env.cidr.split(".")[2])
+    return [f"10.251.{(third + i - 1) % 250 + 1}.0/24" for i in range(4)]
+
+
+def start(env: Env, op: Operator, **overrides: Any) -> AgentThread:
+    a = env.start_agent(
+        static={},
+        operator=op.address,
+        operator_reconnect_min_backoff=0.1,
+        operator_reconnect_max_backoff=0.5,
+        **overrides,
+    )
+    wait(lambda: a.debug.Status(agent_pb2.StatusRequest()).ready)
+    return a
+
+
+def add(a: AgentThread, env: Env, name: str, pool: str = "") -> ipaddress.IPv4Address:
+    resp = a.attach.Add(
+        agent_pb2.AddRequest(
+            container_id=name,
+            ifname="eth0",
+            netns=env.add_netns(),
+            pod_namespace="ns1",
+            pod_name=name,
+            labels={"app": name},
+            pool=pool,
+        ),
+        timeout=10,
+    )
+    return ipaddress.IPv4Interface(resp.ips[0].address).ip
+
+
+def alloc(node: str, pools: dict[str, list[str]], **kw: Any) -> cp.NodeAllocation:
+    return cp.NodeAllocation(
+        node_name=node, pools=[cp.PoolCIDRs(pool=p, cidrs=c) for p, c in pools.items()], **kw
+    )
+
+
+def cni_add(env: Env, name: str) -> cnirun.CniOutcome:
+    conf = json.loads((env.tmp / "net.d" / "05-cilia.conflist").read_text())
+    netns = env.add_netns()
+    container = secrets.token_hex(8)
+    return cnirun.invoke(
+        "ADD",
+        stdin=json.dumps(cnirun.plugin_netconf(conf)),
+        container_id=container,
+        netns=netns,
+        args=cnirun.cni_args("ns1", name, container),
+    )
+
+
+def test_each_pod_gets_the_pool_the_operator_resolves_and_an_exhausted_pool_is_cni_error_101(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    blue = cidrs[1].replace(".0/24", ".0/30")  # 2 usable addresses
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
+    try:
+        a = start(env, op, ipam_multi_pool_pre_allocation={"default": 8})
+        op.pool_of["blue-1"] = "blue"
+        # blue has no CIDR on this node yet: the real plugin reports 101 naming the pool,
+        # and the pending request is sent as demand at once.
+        first = cni_add(env, "blue-1")
+        assert first.returncode != 0 and first.json["code"] == 101, first.stdout
+        assert "'blue'" in first.json["msg"] + first.json.get("details", ""), first.stdout
+        wait(lambda: any(d.pool == "blue" and d.needed_ipv4 == 1 for d in op.demands[-1].demands))
+        op.updates.put(alloc(node, {"default": [cidrs[0]], "blue": [blue]}))
+        wait(lambda: any(p.pool == "blue" for p in a.debug.Status(agent_pb2.StatusRequest()).pools))
+        got = cni_add(env, "blue-1")
+        assert got.returncode == 0, got.stdout
+        assert ipaddress.IPv4Interface(got.json["ips"][0]["address"]).ip in ipaddress.ip_network(
+            blue
+        )
+        req = op.resolves[-1]
+        assert (req.node_name, req.pod_namespace, req.pod_name) == (node, "ns1", "blue-1")
+        # Not cached: the next pod of the same name pattern follows the operator's new answer.
+        assert add(a, env, "plain") in ipaddress.ip_network(cidrs[0])
+        op.pool_of["plain-2"] = "blue"
+        assert add(a, env, "plain-2") in ipaddress.ip_network(blue)
+        assert op.resolves[-1].pod_labels == {"app": "plain-2"}
+        op.pool_of["blue-3"] = "blue"
+        third = cni_add(env, "blue-3")
+        assert third.returncode != 0 and third.json["code"] == 101, third.stdout
+        assert "no free IPv4 address in pool 'blue'" in third.stdout, third.stdout
+        # An explicit pool in the request is used as is (no ResolvePool call).
+        n = len(op.resolves)
+        assert add(a, env, "explicit", pool="default") in ipaddress.ip_network(cidrs[0])
+        assert len(op.resolves) == n
+    finally:
+        op.stop()
+
+
+def test_pool_refused_by_the_operator_or_operator_down_changes_nothing(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
+    try:
+        a = start(env, op)
+        op.refuse = "pods ns1/x match the selectors of pools blue and green"
+        with pytest.raises(grpc.RpcError) as refused:
+            add(a, env, "x")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "pool: no IPAM pool for pod ns1/x" in refused.value.details()
+        assert "blue and green" in refused.value.details()
+        op.stop()
+        with pytest.raises(grpc.RpcError) as down:
+            add(a, env, "y")
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"ResolvePool at operator {op.address} failed" in down.value.details()
+        assert not a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+        assert a.debug.Status(agent_pb2.StatusRequest()).pools[0].used == 1  # the router
+    finally:
+        op.stop()
+
+
+def test_draining_cidr_keeps_its_pods_gives_no_new_address_and_is_handed_back_once_empty(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]], "blue": [cidrs[1]]}))
+    try:
+        a = start(env, op, ipam_multi_pool_pre_allocation={"default": 8, "blue": 8})
+        old = add(a, env, "old", pool="blue")
+        assert old in ipaddress.ip_network(cidrs[1])
+        # The operator removed cidrs[1] from pool blue while in use and added cidrs[2].
+        op.updates.put(
+            alloc(
+                node,
+                {"default": [cidrs[0]], "blue": [cidrs[1], cidrs[2]]},
+                draining=[cp.PoolCIDRs(pool="blue", cidrs=[cidrs[1]])],
+            )
+        )
+        wait(lambda: "draining: blue " + cidrs[1] in a.agent.status().message)
+        for i in range(3):
+            assert add(a, env, f"new{i}", pool="blue") in ipaddress.ip_network(cidrs[2])
+        assert not any(r.released for r in op.demands)
+        assert any(e.ipv4 == str(old) for e in a.debug.ListEndpoints(
+            agent_pb2.ListEndpointsRequest()).endpoints)  # fmt: skip
+        a.attach.Del(agent_pb2.DelRequest(container_id="old", ifname="eth0"), timeout=10)
+        wait(lambda: cp.PoolCIDRs(pool="blue", cidrs=[cidrs[1]]) in op.demands[-1].released)
+        pools = {p.pool: list(p.cidrs) for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
+        assert pools["blue"] == [cidrs[2]]
+    finally:
+        op.stop()
+
+
+def test_cluster_pool_then_switch_to_multi_pool_after_migration_keeps_every_address(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    op = Operator("cluster-pool", cp.NodeAllocation(node_name=node, pod_cidrs=[cidrs[0]]))
+    try:
+        a = start(env, op, ipam="cluster-pool")
+        ips = {f"p{i}": add(a, env, f"p{i}") for i in range(3)}
+        assert all(ip in ipaddress.ip_network(cidrs[0]) for ip in ips.values())
+        with pytest.raises(grpc.RpcError) as other_pool:
+            add(a, env, "blue", pool="blue")
+        assert other_pool.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--ipam cluster-pool" in other_pool.value.details()
+        # The operator migrated (now multi-pool): the same CIDR arrives in pool default,
+        # podCIDRs cleared. The not yet restarted agent keeps serving from it.
+        op.mode = "multi-pool"
+        op.updates.put(alloc(node, {"default": [cidrs[0]]}, resource_version="9"))
+        assert add(a, env, "mixed") in ipaddress.ip_network(cidrs[0])
+        assert not op.resolves and not op.demands, "cluster-pool agent sent demand/resolve"
+        a.stop()
+
+        b = start(env, op, ipam="multi-pool")
+        restored = {e.pod_name: e.ipv4 for e in b.debug.ListEndpoints(
+            agent_pb2.ListEndpointsRequest()).endpoints}  # fmt: skip
+        assert restored == {**{k: str(v) for k, v in ips.items()}, "mixed": restored["mixed"]}
+        assert b.debug.Status(agent_pb2.StatusRequest()).router_ip == str(a.agent.router_ip), (
+            "router IP changed"
+        )
+        fresh = add(b, env, "after")
+        assert fresh in ipaddress.ip_network(cidrs[0])
+        assert str(fresh) not in restored.values()
+        # router + 4 restored + 1 new = 6 in use → 16 needed; nothing handed back.
+        wait(lambda: op.demands and op.demands[-1].demands[0].needed_ipv4 == 16)
+        assert not any(d.released for d in op.demands)
+    finally:
+        op.stop()
+
+
+def test_registration_reports_every_interface_subnet_except_agent_devices(env: Env) -> None:
+    node = f"test-{env.tag}"
+    op = Operator("multi-pool", alloc(node, {"default": [env.cidr]}))
+    try:
+        start(env, op)
+        add_netns = env.add_netns()  # a pod veth (lxc…) must not be reported either
+        del add_netns
+        out = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        expected = set()
+        for line in out.splitlines():
+            fields = line.split()
+            ifname, cidr = fields[1].split("@")[0], fields[3]
+            if ifname.startswith(("lxc", "cilia_")):
+                continue
+            expected.add((ifname, str(ipaddress.ip_interface(cidr).network)))
+        reported = {(n.interface, n.cidr) for n in op.registrations[0].local_networks}
+        assert reported == expected
+        assert (env.host_device, f"{env.cidr.rsplit('.', 1)[0]}.1/32") not in reported
+    finally:
+        op.stop()
