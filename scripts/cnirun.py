@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
 import re
 import secrets
+import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +39,11 @@ CILIA_CNI = VENV_BIN / "cilia-cni"
 STACK = ROOT / "scripts" / "stack.sh"
 CONFLIST = RUN / "cni" / "net.d" / "05-cilia.conflist"
 AGENT_SOCKET = RUN / "cilia.sock"
+# The stack agent's ``--state-dir`` and ``--bpf-pin-dir`` (its default: scripts/stack.sh sets none).
+AGENT_STATE_DIR = RUN / "agent" / "state"
+BPF_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
+# Debian's reference plugins (containernetworking-plugins), for chaining tests.
+DEBIAN_CNI_DIR = pathlib.Path("/usr/lib/cni")
 NETNS_DIR = pathlib.Path("/var/run/netns")
 # Seconds one plugin exec may take before the caller gives up (the plugin has its own
 # agent timeouts; this only guards the caller against a hung binary).
@@ -56,6 +64,7 @@ class CniOutcome:
         stdout: raw stdout (result JSON on success, error JSON on failure, per spec).
         stderr: raw stderr (logs; not part of the contract).
         seconds: wall-clock duration of the exec (fork to exit), in seconds.
+        killed: the caller SIGKILLed the plugin (``invoke(kill_after=...)``) before it exited.
     """
 
     command: str
@@ -63,6 +72,7 @@ class CniOutcome:
     stdout: str
     stderr: str
     seconds: float
+    killed: bool = False
 
     @property
     def json(self) -> dict[str, Any]:
@@ -142,12 +152,15 @@ def invoke(
     cni_path: str | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float = DEFAULT_EXEC_TIMEOUT_SECONDS,
+    kill_after: float | None = None,
 ) -> CniOutcome:
     """Exec ``plugin`` once with the CNI environment; never raises on a non-zero exit.
 
     A ``None`` for ``container_id``/``netns``/``ifname``/``args`` leaves that variable
     unset (to test the plugin's validation). ``cni_path`` defaults to the plugin's directory.
-    ``env`` overrides/extends the inherited environment.
+    ``env`` overrides/extends the inherited environment. With ``kill_after`` (seconds) the
+    plugin is SIGKILLed if it still runs then (a runtime or node dying mid-call): the outcome
+    has ``killed`` set and ``returncode`` ``-9``.
 
     Raises:
         subprocess.TimeoutExpired: the plugin ran longer than ``timeout`` seconds.
@@ -166,15 +179,31 @@ def invoke(
     environ.update(env or {})
     data = stdin.encode() if isinstance(stdin, str) else stdin
     start = time.perf_counter()
-    proc = subprocess.run(
-        [str(plugin)], input=data, capture_output=True, env=environ, timeout=timeout, check=False
-    )
+    killed = False
+    with subprocess.Popen(
+        [str(plugin)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=environ,
+    ) as proc:
+        try:
+            out, err = proc.communicate(
+                data, timeout=min(kill_after, timeout) if kill_after is not None else timeout
+            )
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            if kill_after is None or kill_after >= timeout:
+                raise
+            killed = proc.returncode == -signal.SIGKILL
     return CniOutcome(
         command=command,
         returncode=proc.returncode,
-        stdout=proc.stdout.decode(errors="replace"),
-        stderr=proc.stderr.decode(errors="replace"),
+        stdout=out.decode(errors="replace"),
+        stderr=err.decode(errors="replace"),
         seconds=time.perf_counter() - start,
+        killed=killed,
     )
 
 
@@ -297,6 +326,318 @@ class Pod:
         """Delete the pod's netns (after DEL, as a runtime does)."""
         delete_netns(self.name)
 
+    def cni_args(self) -> str:
+        """This pod's ``CNI_ARGS`` (see :func:`cni_args`)."""
+        return cni_args(self.namespace, self.name, self.container_id)
+
+    @property
+    def host_veth(self) -> str:
+        """The host end of cilia's veth for this attachment (:func:`host_veth_name`)."""
+        return host_veth_name(self.container_id, self.ifname)
+
+    def add_list(
+        self,
+        conflist: Mapping[str, Any],
+        *,
+        cni_path: str,
+        runtime_config: Mapping[str, Any] | None = None,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_SECONDS,
+    ) -> ListOutcome:
+        """ADD through every plugin of ``conflist`` (:func:`exec_list`); caches the result."""
+        outcome = exec_list(
+            "ADD",
+            conflist,
+            container_id=self.container_id,
+            netns=self.netns,
+            ifname=self.ifname,
+            args=self.cni_args(),
+            cni_path=cni_path,
+            labels=self.labels,
+            runtime_config=runtime_config,
+            timeout=timeout,
+        )
+        if outcome.ok:
+            self.result = outcome.result
+        return outcome
+
+    def delete_list(
+        self,
+        conflist: Mapping[str, Any],
+        *,
+        cni_path: str,
+        runtime_config: Mapping[str, Any] | None = None,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_SECONDS,
+    ) -> ListOutcome:
+        """DEL through every plugin of ``conflist`` in reverse, with the cached result."""
+        return exec_list(
+            "DEL",
+            conflist,
+            container_id=self.container_id,
+            netns=self.netns,
+            ifname=self.ifname,
+            args=self.cni_args(),
+            cni_path=cni_path,
+            labels=self.labels,
+            runtime_config=runtime_config,
+            prev_result=self.result,
+            timeout=timeout,
+        )
+
+
+def host_veth_name(container_id: str, ifname: str = "eth0") -> str:
+    """Host-side veth name the agent gives an attachment: ``lxc`` + sha256(id/ifname)[:11]."""
+    return "lxc" + hashlib.sha256(f"{container_id}/{ifname}".encode()).hexdigest()[:11]
+
+
+def netns_links(name: str) -> list[str]:
+    """Interface names inside netns ``name`` (``[]`` when the netns does not exist)."""
+    out = sh("ip", "-n", name, "-o", "link", "show", check=False)
+    if out.returncode != 0:
+        return []
+    names = [line.split(":")[1].strip().split("@")[0] for line in out.stdout.splitlines()]
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------------------
+# Conflists of several plugins (chaining), as libcni's AddNetworkList / DelNetworkList.
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOutcome:
+    """What one conflist operation did.
+
+    Attributes:
+        command: ``ADD``, ``DEL`` or ``CHECK``.
+        outcomes: the execs run, in run order (the failed one last; libcni stops there).
+        result: ADD: the last plugin's result (what libcni caches); else None.
+    """
+
+    command: str
+    outcomes: tuple[CniOutcome, ...]
+    result: dict[str, Any] | None
+
+    @property
+    def ok(self) -> bool:
+        """Every plugin run exited 0."""
+        return all(o.returncode == 0 for o in self.outcomes)
+
+    def check(self) -> ListOutcome:
+        """Return self on success; raise :class:`CniRunError` with the failing exchange."""
+        for outcome in self.outcomes:
+            outcome.check()
+        return self
+
+
+def find_plugin(plugin_type: str, cni_path: str) -> pathlib.Path:
+    """The executable ``plugin_type`` in the first ``CNI_PATH`` directory holding it.
+
+    libcni ``invoke.FindInPath``: directories separated by ``:``, first match wins.
+
+    Raises:
+        FileNotFoundError: no directory of ``cni_path`` has it.
+    """
+    for directory in cni_path.split(os.pathsep):
+        candidate = pathlib.Path(directory) / plugin_type
+        if directory and candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError(f"CNI plugin {plugin_type!r} not found in CNI_PATH {cni_path!r}")
+
+
+def list_netconf(
+    conflist: Mapping[str, Any],
+    index: int,
+    *,
+    labels: Mapping[str, str] | None = None,
+    prev_result: Mapping[str, Any] | None = None,
+    runtime_config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`plugin_netconf` plus libcni's ``runtimeConfig`` injection.
+
+    Only the keys of ``runtime_config`` the plugin declares in its ``capabilities`` object
+    (e.g. ``{"portMappings": true}``) are passed, as ``runtimeConfig`` (CNI conventions).
+    """
+    conf = plugin_netconf(conflist, index=index, labels=labels, prev_result=prev_result)
+    capabilities = conf.get("capabilities") or {}
+    wanted = {k: v for k, v in (runtime_config or {}).items() if capabilities.get(k)}
+    if wanted:
+        conf["runtimeConfig"] = wanted
+    return conf
+
+
+def exec_list(
+    command: str,
+    conflist: Mapping[str, Any],
+    *,
+    container_id: str,
+    netns: str,
+    ifname: str = "eth0",
+    args: str | None = None,
+    cni_path: str,
+    labels: Mapping[str, str] | None = None,
+    prev_result: Mapping[str, Any] | None = None,
+    runtime_config: Mapping[str, Any] | None = None,
+    timeout: float = DEFAULT_EXEC_TIMEOUT_SECONDS,
+) -> ListOutcome:
+    """Run ``command`` over every plugin of ``conflist`` as libcni does.
+
+    - ADD: plugins in order; plugin N gets plugin N-1's result as ``prevResult``; stops at
+      the first failure (the runtime then calls DEL for the whole list);
+    - DEL: plugins in reverse order, each with the cached ADD result ``prev_result``;
+      stops at the first failure (the runtime retries);
+    - CHECK: plugins in order, each with ``prev_result``.
+
+    Each plugin is the ``type`` found in ``cni_path`` (:func:`find_plugin`), exec'd with
+    ``CNI_PATH=cni_path``.
+
+    Raises:
+        FileNotFoundError: a plugin type is not in ``cni_path``.
+        subprocess.TimeoutExpired: one exec ran longer than ``timeout`` seconds.
+    """
+    plugins = list(range(len(conflist["plugins"])))
+    if command == "DEL":
+        plugins.reverse()
+    outcomes: list[CniOutcome] = []
+    previous = None if command == "ADD" else prev_result
+    for index in plugins:
+        conf = list_netconf(
+            conflist,
+            index,
+            labels=labels,
+            prev_result=previous,
+            runtime_config=runtime_config,
+        )
+        outcome = invoke(
+            command,
+            stdin=json.dumps(conf),
+            container_id=container_id,
+            netns=netns,
+            ifname=ifname,
+            args=args,
+            plugin=find_plugin(str(conf["type"]), cni_path),
+            cni_path=cni_path,
+            timeout=timeout,
+        )
+        outcomes.append(outcome)
+        if outcome.returncode != 0:
+            return ListOutcome(command, tuple(outcomes), None)
+        if command == "ADD":
+            previous = outcome.json
+    result = dict(previous) if command == "ADD" and previous is not None else None
+    return ListOutcome(command, tuple(outcomes), result)
+
+
+# ---------------------------------------------------------------------------------------
+# The stack's components, its state files and its datapath maps.
+
+
+def component_pid(name: str) -> int | None:
+    """Pid of a running stack component (``redis``, ``operator``, ``agent``, ``relay``).
+
+    Read from ``.run/<name>.pid`` and checked against ``/proc/PID/cmdline`` (pid reuse, a
+    zombie) the way ``scripts/stack.sh`` does; None when it does not run.
+    """
+    binary = {"redis": "redis-server"}.get(name, f"cilia-{name}")
+    try:
+        pid = int((RUN / f"{name}.pid").read_text().strip())
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if binary.encode() in cmdline else None
+
+
+def kill_component(name: str, *, timeout: float = 10.0) -> int:
+    """SIGKILL a running stack component and wait until it is gone; returns its pid.
+
+    Raises:
+        RuntimeError: it is not running, or still alive after ``timeout`` seconds.
+    """
+    pid = component_pid(name)
+    if pid is None:
+        raise RuntimeError(f"stack component {name} is not running")
+    os.kill(pid, signal.SIGKILL)
+    if not wait_for(lambda: component_pid(name) != pid, timeout, interval=0.05):
+        raise RuntimeError(f"{name} (pid {pid}) still alive {timeout:g}s after SIGKILL")
+    return pid
+
+
+def start_component(name: str, *, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+    """``scripts/stack.sh up --timeout S NAME``: (re)start one component, wait until ready.
+
+    Never raises on its exit status (stderr carries the log tail on failure).
+    """
+    return stack("up", "--timeout", str(int(timeout)), name, check=False, timeout=timeout + 30)
+
+
+def agent_state_files(kind: str = "endpoints") -> list[pathlib.Path]:
+    """Files under the stack agent's ``--state-dir``/``kind`` (``[]`` when absent)."""
+    directory = AGENT_STATE_DIR / kind
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_file())
+
+
+def bpf_map_dump(name: str, pin_dir: pathlib.Path = BPF_PIN_DIR) -> list[tuple[bytes, bytes]]:
+    """Raw ``(key, value)`` bytes of the map pinned at ``pin_dir/name``, read with bpftool.
+
+    Independent of the agent's own map code (Debian's ``bpftool``, root needed).
+
+    Raises:
+        FileNotFoundError: bpftool is not installed (``apt-get install bpftool``;
+            scripts/setup.sh installs it) or the pin does not exist.
+        subprocess.CalledProcessError: bpftool failed.
+    """
+    if shutil.which("bpftool") is None:
+        raise FileNotFoundError("bpftool not on PATH: apt-get install bpftool (scripts/setup.sh)")
+    pin = pin_dir / name
+    if not pin.exists():
+        raise FileNotFoundError(f"no pinned map {pin}")
+    out = sh("bpftool", "-j", "map", "dump", "pinned", str(pin))
+    entries = json.loads(out.stdout or "[]")
+
+    def raw(hexes: Sequence[str]) -> bytes:
+        return bytes(int(h, 16) for h in hexes)
+
+    return [(raw(e["key"]), raw(e["value"])) for e in entries if "key" in e and "value" in e]
+
+
+def bpf_endpoints(pin_dir: pathlib.Path = BPF_PIN_DIR) -> dict[int, dict[str, Any]]:
+    """The datapath's endpoint map: host veth ifindex → ``{ep_id, identity, ipv4}``.
+
+    Layout ``struct endpoint_info`` (bpf/lib/common.h): u32 ep_id, u32 sec_identity,
+    be32 ipv4, u8 enforce_ingress, u8 enforce_egress; key u32 ifindex (host order).
+    """
+    out: dict[int, dict[str, Any]] = {}
+    for key, value in bpf_map_dump("cilia_endpoints", pin_dir):
+        out[int.from_bytes(key[:4], "little")] = {
+            "ep_id": int.from_bytes(value[0:4], "little"),
+            "identity": int.from_bytes(value[4:8], "little"),
+            "ipv4": ".".join(str(b) for b in value[8:12]),
+        }
+    return out
+
+
+def bpf_ipcache(pin_dir: pathlib.Path = BPF_PIN_DIR) -> dict[str, int]:
+    """The datapath's ipcache: ``"a.b.c.d/len"`` → security identity.
+
+    Layout ``struct ipcache_key`` u32 prefixlen (host order), be32 ip;
+    ``struct ipcache_value`` u32 sec_identity, be32 node_ip.
+    """
+    out: dict[str, int] = {}
+    for key, value in bpf_map_dump("cilia_ipcache", pin_dir):
+        prefixlen = int.from_bytes(key[:4], "little")
+        out[f"{'.'.join(str(b) for b in key[4:8])}/{prefixlen}"] = int.from_bytes(
+            value[:4], "little"
+        )
+    return out
+
+
+def link_ifindex(name: str) -> int:
+    """ifindex of host interface ``name``, 0 when it does not exist."""
+    try:
+        return int((pathlib.Path("/sys/class/net") / name / "ifindex").read_text())
+    except (OSError, ValueError):
+        return 0
+
 
 def stack(
     *argv: str, check: bool = True, timeout: float = 180.0
@@ -377,18 +718,32 @@ __all__: Sequence[str] = [
     "CONFLIST",
     "CniOutcome",
     "CniRunError",
+    "ListOutcome",
     "Pod",
     "agent_cli",
+    "agent_state_files",
+    "bpf_endpoints",
+    "bpf_ipcache",
+    "bpf_map_dump",
     "cni_args",
+    "component_pid",
     "create_netns",
     "delete_netns",
+    "exec_list",
+    "find_plugin",
     "host_lxc_links",
+    "host_veth_name",
     "invoke",
     "iptables_forward_policy",
+    "kill_component",
+    "link_ifindex",
+    "list_netconf",
     "load_conflist",
+    "netns_links",
     "operator_cli",
     "ping",
     "plugin_netconf",
     "stack",
+    "start_component",
     "wait_for",
 ]

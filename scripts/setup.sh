@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what Cilia needs on a fresh Debian 12 machine (DESIGN.md §6), idempotently:
-#   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, bcc + headers),
+#   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, bcc + headers,
+#   bpftool for the e2e tests' map checks),
 #   kernel-header links for bcc, the .venv with every service's console script,
 #   bcc's Python bindings made importable in the venv, and buf for the proto checks.
 # Safe to re-run; each step is skipped when already done.
@@ -12,7 +13,7 @@ VENV=$ROOT/.venv
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
-          python3-bpfcc bpfcc-tools linux-headers-amd64 kmod)
+          python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

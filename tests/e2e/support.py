@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import pathlib
@@ -73,3 +74,54 @@ def pool_used(pool: str = "default") -> int:
     match = re.search(rf"{pool}\D*?(\d+)\s*/\s*\d+", text.stdout)
     assert match, f"no '{pool} used/capacity' in cilia-agent status:\n{text.stdout}"
     return int(match.group(1))
+
+
+def endpoint_keys() -> dict[tuple[str, str], dict[str, Any]]:
+    """The agent's endpoints by attachment key ``(container_id, ifname)``."""
+    return {(str(ep["container_id"]), str(ep["ifname"])): ep for ep in endpoints()}
+
+
+def router_ip() -> str:
+    """The node's router IP from ``cilia-agent status`` (``Router IP:`` line)."""
+    out = cnirun.agent_cli("status")
+    match = re.search(r"^Router IP:\s*(\S+)", out.stdout, re.MULTILINE)
+    assert match and match.group(1) != "-", f"no router IP in cilia-agent status:\n{out.stdout}"
+    return match.group(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeState:
+    """Everything a pod attachment leaves on the node, read from outside the agent.
+
+    Attributes:
+        endpoints: attachment keys ``(container_id, ifname)`` → endpoint IPv4 (debug API).
+        used: addresses in use in the ``default`` pool (router IP included).
+        lxc: host veth names (``lxc*``).
+        state_files: names of the agent's endpoint state files.
+        bpf_endpoints: the datapath endpoint map, ifindex → ``{ep_id, identity, ipv4}``.
+        ipcache_pods: ipcache /32 prefixes inside :data:`POD_CIDR` → identity.
+    """
+
+    endpoints: dict[tuple[str, str], str]
+    used: int
+    lxc: frozenset[str]
+    state_files: frozenset[str]
+    bpf_endpoints: dict[int, dict[str, Any]]
+    ipcache_pods: dict[str, int]
+
+
+def node_state() -> NodeState:
+    """Snapshot :class:`NodeState` now (the BPF maps through bpftool: see cnirun.bpf_map_dump)."""
+    ipcache = cnirun.bpf_ipcache()
+    return NodeState(
+        endpoints={k: str(ep.get("ipv4", "")) for k, ep in endpoint_keys().items()},
+        used=pool_used(),
+        lxc=frozenset(cnirun.host_lxc_links()),
+        state_files=frozenset(p.name for p in cnirun.agent_state_files()),
+        bpf_endpoints=cnirun.bpf_endpoints(),
+        ipcache_pods={
+            prefix: ident
+            for prefix, ident in ipcache.items()
+            if prefix.endswith("/32") and ipaddress.ip_address(prefix[:-3]) in POD_CIDR
+        },
+    )
