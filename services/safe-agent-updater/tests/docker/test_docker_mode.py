@@ -1,0 +1,241 @@
+"""Docker mode against the real Docker engine with locally built images.
+
+The "agent" is the updater's own image running ``serve`` (a real grpc.health.v1 server) on a
+unix socket in a bind-mounted directory, with host networking and a restart policy, as the
+agent container runs in deploy/compose. Image A and B differ only by a label; image C has an
+entrypoint that exits at once. The base image comes from scripts/images.py (helper G's
+builder); A/B/C are two-line derivations of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import docker
+import docker.errors
+import pytest
+import redis
+
+from cilia_safe_agent_updater import health
+from cilia_safe_agent_updater.__main__ import main
+from cilia_safe_agent_updater.exitcodes import Exit
+
+pytestmark = pytest.mark.privileged
+
+ROOT = pathlib.Path(__file__).resolve().parents[4]
+BASE_TAG = "cilia-sau-test:base"
+SOCKET_DIR = "/run/sau-test"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[docker.DockerClient]:
+    try:
+        client = docker.from_env(version="auto", timeout=600)
+        client.ping()
+    except docker.errors.DockerException as exc:
+        pytest.skip(f"no Docker engine ({exc}); start dockerd (Debian docker.io)")
+    yield client
+    client.close()
+
+
+def _derive(client: docker.DockerClient, base: str, tag: str, lines: list[str]) -> str:
+    dockerfile = "\n".join([f"FROM {base}", *lines]) + "\n"
+    image, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True)
+    return str(image.id)
+
+
+@pytest.fixture(scope="module")
+def images(engine: docker.DockerClient) -> dict[str, str]:
+    """Image ids of A, B (A + another label) and C (entrypoint exits)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from images import build_service  # helper G's builder (scripts/images.py)
+    finally:
+        sys.path.pop(0)
+    base = build_service("safe-agent-updater", tag=BASE_TAG, client=engine, progress=None)
+    return {
+        "A": _derive(engine, base, "cilia-sau-test:a", ['LABEL io.cilia.test.build="a"']),
+        "B": _derive(engine, base, "cilia-sau-test:b", ['LABEL io.cilia.test.build="b"']),
+        "C": _derive(engine, base, "cilia-sau-test:c", ['ENTRYPOINT ["false"]']),
+    }
+
+
+@pytest.fixture
+def agent(
+    engine: docker.DockerClient, images: dict[str, str], tmp_path: pathlib.Path
+) -> Iterator[tuple[str, str]]:
+    """A running "agent" container from image A; yields (container name, health address)."""
+    name = f"sau-test-{secrets.token_hex(3)}"
+    sockdir = tmp_path / "sock"
+    sockdir.mkdir()
+    sockdir.chmod(0o777)  # the image runs as 65532
+    address = f"unix:{sockdir}/health.sock"
+    engine.containers.run(
+        "cilia-sau-test:a",
+        command=["serve", "--health-listen-address", f"unix:{SOCKET_DIR}/health.sock"],
+        name=name,
+        detach=True,
+        network_mode="host",
+        volumes={str(sockdir): {"bind": SOCKET_DIR, "mode": "rw"}},
+        environment={"CILIA_TEST_ENV": "kept"},
+        labels={"io.cilia.test.owner": "sau"},
+        restart_policy={"Name": "unless-stopped"},
+    )
+    assert health.wait_serving(address, attempts=100, interval=0.2, rpc_timeout=1.0)
+    yield name, address
+    for n in (name, f"{name}-previous"):
+        with contextlib.suppress(docker.errors.NotFound):
+            engine.containers.get(n).remove(force=True)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(tmp_path_factory.mktemp("redis")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _update(name: str, address: str, image: str, *extra: str) -> int:
+    return main(
+        [
+            "--mode",
+            "docker",
+            "--container",
+            name,
+            "--image",
+            image,
+            "--agent-health-address",
+            address,
+            "--health-interval",
+            "0.2",
+            "--stop-timeout",
+            "2",
+            *extra,
+        ]
+    )
+
+
+def test_same_image_is_a_noop(engine: docker.DockerClient, agent: tuple[str, str]) -> None:
+    name, address = agent
+    before = engine.containers.get(name).id
+    assert _update(name, address, "cilia-sau-test:a") == Exit.OK
+    assert engine.containers.get(name).id == before
+
+
+def test_upgrade_keeps_configuration_and_health(
+    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str], redis_url: str
+) -> None:
+    name, address = agent
+    old = engine.containers.get(name)
+    assert (
+        _update(name, address, "cilia-sau-test:b", "--redis", redis_url, "--lock-name", name)
+        == Exit.OK
+    )
+    new = engine.containers.get(name)
+    assert new.id != old.id
+    assert new.attrs["Image"] == images["B"]
+    assert new.status == "running"
+    assert new.attrs["HostConfig"]["NetworkMode"] == "host"
+    assert new.attrs["HostConfig"]["Binds"] == old.attrs["HostConfig"]["Binds"]
+    assert new.attrs["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
+    assert "CILIA_TEST_ENV=kept" in new.attrs["Config"]["Env"]
+    assert new.attrs["Config"]["Cmd"] == old.attrs["Config"]["Cmd"]
+    labels = new.attrs["Config"]["Labels"]
+    assert labels["io.cilia.test.owner"] == "sau"
+    assert labels["io.cilia.test.build"] == "b"  # the new image's label, not A's
+    assert health.check(address, 1.0)
+    with pytest.raises(docker.errors.NotFound):
+        engine.containers.get(f"{name}-previous")
+    assert redis.Redis.from_url(redis_url).exists(name) == 0  # lock released
+
+
+def test_broken_image_is_rolled_back(
+    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str]
+) -> None:
+    name, address = agent
+    code = _update(name, address, "cilia-sau-test:c", "--health-timeout", "3")
+    assert code == Exit.ROLLED_BACK
+    restored = engine.containers.get(name)
+    assert restored.attrs["Image"] == images["A"]
+    assert restored.status == "running"
+    assert health.check(address, 1.0)
+    names = {c.name for c in engine.containers.list(all=True)}
+    assert f"{name}-previous" not in names
+    assert not [c for c in engine.containers.list(all=True) if c.attrs["Image"] == images["C"]]
+
+
+def test_lock_held_elsewhere_leaves_the_container_alone(
+    engine: docker.DockerClient, agent: tuple[str, str], redis_url: str
+) -> None:
+    name, address = agent
+    before = engine.containers.get(name).id
+    other = redis.Redis.from_url(redis_url).lock(name, timeout=30)
+    assert other.acquire(blocking=False)
+    try:
+        code = _update(
+            name,
+            address,
+            "cilia-sau-test:b",
+            "--redis",
+            redis_url,
+            "--lock-name",
+            name,
+            "--lock-wait-timeout",
+            "0.5",
+        )
+    finally:
+        other.release()
+    assert code == Exit.LOCK_TIMEOUT
+    assert engine.containers.get(name).id == before
+
+
+def test_unavailable_image_and_missing_container(
+    engine: docker.DockerClient, agent: tuple[str, str]
+) -> None:
+    name, address = agent
+    before = engine.containers.get(name).id
+    missing = f"cilia-sau-test:missing-{secrets.token_hex(3)}"
+    assert _update(name, address, missing) == Exit.IMAGE_UNAVAILABLE
+    assert engine.containers.get(name).id == before
+    assert _update(f"{name}-nope", address, "cilia-sau-test:b") == Exit.CONTAINER_NOT_FOUND
+
+
+def test_docker_mode_requires_image() -> None:
+    assert main(["--mode", "docker", "--image", ""]) == Exit.USAGE
