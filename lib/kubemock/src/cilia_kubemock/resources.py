@@ -93,6 +93,9 @@ DEFAULT_TYPES: tuple[ResourceType, ...] = (
         ("ccnp",),
     ),
     _t("cilium.io", "v2alpha1", "ciliumpodippools", "CiliumPodIPPool", False, ("cpip",)),
+    # Cilia's own bookkeeping CRDs (the operator's Store kinds)
+    _t("cilia.io", "v1alpha1", "ciliaipamblocks", "CiliaIPAMBlock", False),
+    _t("cilia.io", "v1alpha1", "ciliaidentitykeys", "CiliaIdentityKey", False),
 )
 """Served from the start. CRD kinds are served WITHOUT a status subresource (a PUT
 replaces the whole object, status included), as the operator's Store writes them; pass

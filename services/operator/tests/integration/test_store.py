@@ -1,25 +1,30 @@
-"""Store semantics against a real redis-server."""
+"""ONE Store test suite, run against every backend: a real redis-server and the Kubernetes
+backend on the mock API server (lib/kubemock, real HTTP). See conftest.make_store."""
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from cilia_operator.store import AlreadyExists, Conflict, Expired, NotFound, WatchEvent
-from cilia_operator.store.redis import RedisStore
+from cilia_operator.store import AlreadyExists, Conflict, Expired, NotFound, Store, WatchEvent
+
+StoreFactory = Callable[..., Store]
 
 
-def obj(name: str, value: int = 0) -> dict[str, Any]:
+def obj(name: str, value: int = 0, kind: str = "Thing") -> dict[str, Any]:
     return {
-        "apiVersion": "test/v1",
-        "kind": "Thing",
+        "apiVersion": "test.cilia.io/v1",
+        "kind": kind,
         "metadata": {"name": name},
         "spec": {"v": value},
     }
 
 
-async def test_create_get_update_delete_roundtrip_bumps_resource_version(redis_url: str) -> None:
-    store = RedisStore(redis_url)
+async def test_create_get_update_delete_roundtrip_bumps_resource_version(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
     try:
         created = await store.create(obj("a"))
         assert created["metadata"]["resourceVersion"] == "1" and created["metadata"]["uid"]
@@ -33,12 +38,14 @@ async def test_create_get_update_delete_roundtrip_bumps_resource_version(redis_u
         assert deleted["spec"] == {"v": 7}
         with pytest.raises(NotFound):
             await store.get("Thing", "a")
+        with pytest.raises(NotFound):
+            await store.delete("Thing", "a")
     finally:
         await store.close()
 
 
-async def test_create_of_existing_raises_already_exists(redis_url: str) -> None:
-    store = RedisStore(redis_url)
+async def test_create_of_existing_raises_already_exists(make_store: StoreFactory) -> None:
+    store = make_store()
     try:
         await store.create(obj("a"))
         with pytest.raises(AlreadyExists):
@@ -49,27 +56,42 @@ async def test_create_of_existing_raises_already_exists(redis_url: str) -> None:
 
 
 async def test_update_with_stale_resource_version_raises_conflict_and_changes_nothing(
-    redis_url: str,
+    make_store: StoreFactory,
 ) -> None:
-    store = RedisStore(redis_url)
+    store = make_store()
     try:
         first = await store.create(obj("a"))
         await store.update(first)
         stale = {**first, "spec": {"v": 99}}
         with pytest.raises(Conflict) as err:
             await store.update(stale)
-        assert err.value.current == "2"
+        assert err.value.current == "2" and err.value.expected == "1"
         assert (await store.get("Thing", "a"))["spec"] == {"v": 0}
         with pytest.raises(Conflict):
             await store.delete("Thing", "a", resource_version="1")
+        assert (await store.get("Thing", "a"))["metadata"]["resourceVersion"] == "2"
         with pytest.raises(NotFound):
             await store.update(obj("missing"))
     finally:
         await store.close()
 
 
-async def test_concurrent_updates_from_the_same_version_let_exactly_one_win(redis_url: str) -> None:
-    store = RedisStore(redis_url)
+async def test_update_without_resource_version_is_unconditional(make_store: StoreFactory) -> None:
+    store = make_store()
+    try:
+        await store.create(obj("a"))
+        await store.update(obj("a", 1))
+        blind = await store.update(obj("a", 2))
+        assert blind["metadata"]["resourceVersion"] == "3"
+        assert (await store.get("Thing", "a"))["spec"] == {"v": 2}
+    finally:
+        await store.close()
+
+
+async def test_concurrent_updates_from_the_same_version_let_exactly_one_win(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
     try:
         base = await store.create(obj("a"))
         results = await asyncio.gather(
@@ -77,16 +99,51 @@ async def test_concurrent_updates_from_the_same_version_let_exactly_one_win(redi
         )
         assert sum(not isinstance(r, Exception) for r in results) == 1
         assert all(isinstance(r, Conflict) for r in results if isinstance(r, Exception))
+        winner = next(r for r in results if not isinstance(r, BaseException))
+        assert (await store.get("Thing", "a"))["spec"] == winner["spec"]
     finally:
         await store.close()
 
 
-async def test_list_returns_items_and_a_version_to_watch_from(redis_url: str) -> None:
-    store = RedisStore(redis_url)
+async def test_concurrent_creates_of_one_name_let_exactly_one_win(make_store: StoreFactory) -> None:
+    store = make_store()
+    try:
+        results = await asyncio.gather(
+            *(store.create(obj("a", i)) for i in range(8)), return_exceptions=True
+        )
+        assert sum(not isinstance(r, Exception) for r in results) == 1
+        assert all(isinstance(r, AlreadyExists) for r in results if isinstance(r, Exception))
+    finally:
+        await store.close()
+
+
+async def test_namespaced_objects_are_keyed_by_namespace(make_store: StoreFactory) -> None:
+    store = make_store()
+    try:
+        a = {**obj("x", 1, kind="Scoped"), "metadata": {"name": "x", "namespace": "a"}}
+        b = {**obj("x", 2, kind="Scoped"), "metadata": {"name": "x", "namespace": "b"}}
+        await store.create(a)
+        await store.create(b)
+        assert (await store.get("Scoped", "x", "a"))["spec"] == {"v": 1}
+        assert (await store.get("Scoped", "x", "b"))["spec"] == {"v": 2}
+        listed = await store.list("Scoped")
+        assert [(o["metadata"]["namespace"], o["spec"]["v"]) for o in listed.items] == [
+            ("a", 1), ("b", 2),
+        ]  # fmt: skip
+        await store.delete("Scoped", "x", "a")
+        with pytest.raises(NotFound):
+            await store.get("Scoped", "x", "a")
+        assert (await store.get("Scoped", "x", "b"))["spec"] == {"v": 2}
+    finally:
+        await store.close()
+
+
+async def test_list_returns_items_and_a_version_to_watch_from(make_store: StoreFactory) -> None:
+    store = make_store()
     try:
         await store.create(obj("b"))
         await store.create(obj("a"))
-        await store.create({**obj("other"), "kind": "Other"})
+        await store.create(obj("other", kind="Other"))
         listed = await store.list("Thing")
         assert [o["metadata"]["name"] for o in listed.items] == ["a", "b"]
         assert listed.resource_version == "3"
@@ -104,20 +161,22 @@ async def test_list_returns_items_and_a_version_to_watch_from(redis_url: str) ->
         a = await store.get("Thing", "a")
         await store.update({**a, "spec": {"v": 5}})
         await store.create(obj("c"))
+        await store.create(obj("ignored", kind="Other"))
         await store.delete("Thing", "b")
         await asyncio.wait_for(task, 5)
         assert [(e.type, e.object["metadata"]["name"]) for e in seen] == [
             ("MODIFIED", "a"), ("ADDED", "c"), ("DELETED", "b"),
         ]  # fmt: skip
-        assert [e.resource_version for e in seen] == ["4", "5", "6"]
+        assert [e.resource_version for e in seen] == ["4", "5", "7"]
         assert seen[0].object["spec"] == {"v": 5}
         assert seen[0].object["metadata"]["resourceVersion"] == "4"
+        assert seen[2].object["spec"] == {"v": 0}
     finally:
         await store.close()
 
 
-async def test_watch_from_an_old_version_replays_history_in_order(redis_url: str) -> None:
-    store = RedisStore(redis_url)
+async def test_watch_from_an_old_version_replays_history_in_order(make_store: StoreFactory) -> None:
+    store = make_store()
     try:
         for i in range(5):
             await store.create(obj(f"n{i}"))
@@ -131,8 +190,8 @@ async def test_watch_from_an_old_version_replays_history_in_order(redis_url: str
         await store.close()
 
 
-async def test_watch_from_a_trimmed_version_raises_expired(redis_url: str) -> None:
-    store = RedisStore(redis_url, event_history=3)
+async def test_watch_from_a_trimmed_version_raises_expired(make_store: StoreFactory) -> None:
+    store = make_store(event_history=3)
     try:
         for i in range(6):
             await store.create(obj(f"n{i}"))
@@ -146,5 +205,17 @@ async def test_watch_from_a_trimmed_version_raises_expired(redis_url: str) -> No
             if len(names) == 3:
                 break
         assert names == ["n3", "n4", "n5"]
+    finally:
+        await store.close()
+
+
+async def test_returned_objects_are_copies(make_store: StoreFactory) -> None:
+    store = make_store()
+    try:
+        source = obj("a")
+        created = await store.create(source)
+        assert "resourceVersion" not in source["metadata"]
+        created["spec"]["v"] = 42
+        assert (await store.get("Thing", "a"))["spec"] == {"v": 0}
     finally:
         await store.close()

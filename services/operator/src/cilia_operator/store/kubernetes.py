@@ -1,0 +1,395 @@
+"""Kubernetes backend of :class:`~cilia_operator.store.base.Store` (``--store kubernetes``).
+
+Every Store kind is a Kubernetes resource (CRDs for the cilium.io / cilia.io kinds),
+read and written through the API server with the official ``kubernetes`` client's
+asyncio API client (``kubernetes.aio``); paths are built per kind from :data:`KINDS`.
+The API server gives the same semantics as the Redis backend:
+
+- resourceVersion: the API server's (etcd's) global revision, a decimal string;
+- create → 409 ``AlreadyExists`` → :class:`AlreadyExists`; get → 404 → :class:`NotFound`;
+- update = PUT with ``metadata.resourceVersion`` (stale → 409 → :class:`Conflict`, with
+  ``current`` read back); empty resourceVersion = unconditional, as in Redis;
+- delete with ``preconditions.resourceVersion`` (stale → :class:`Conflict`);
+- watch = ``?watch=1&resourceVersion=N&allowWatchBookmarks=true`` streams, reconnected
+  from the last seen version when the server ends one (``timeoutSeconds``); an ``ERROR``
+  event with code 410 → :class:`Expired` (list again);
+- connection failures, timeouts and 5xx → :class:`StoreUnavailable`.
+
+The CRDs must be served WITHOUT a ``status`` subresource (a PUT then writes the whole
+object, status included, atomically as the Redis backend does); CiliumNode status is
+written by the operator in the same update as its spec.
+
+One difference: ``watch(kind, "0")`` (or ``""``) starts with synthetic ADDED events for
+every current object (Kubernetes' "any version" watch) instead of replaying the history
+from the beginning; callers list first and watch from the list's version anyway.
+
+Source: Kubernetes API concepts (resourceVersion, watch, 410 Gone, preconditions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from .base import (
+    AlreadyExists,
+    Conflict,
+    Expired,
+    ListResult,
+    NotFound,
+    Resource,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WatchEvent,
+    object_key,
+    resource_version,
+)
+
+
+@dataclass(frozen=True)
+class KubeKind:
+    """Where a Store kind lives in the Kubernetes API.
+
+    Attributes:
+        group: API group (``""`` = core, served under ``/api/v1``); version: ``v2``;
+        plural: URL name; namespaced: whether objects live in a namespace.
+    """
+
+    group: str
+    version: str
+    plural: str
+    namespaced: bool
+
+    @property
+    def api_version(self) -> str:
+        """``group/version`` (``v1`` for core)."""
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def collection(self, namespace: str = "") -> str:
+        """URL path of the collection (all namespaces when ``namespace`` is empty)."""
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        if self.namespaced and namespace:
+            return f"{base}/namespaces/{quote(namespace, safe='')}/{self.plural}"
+        return f"{base}/{self.plural}"
+
+    def item(self, name: str, namespace: str = "") -> str:
+        """URL path of one object."""
+        return f"{self.collection(namespace)}/{quote(name, safe='')}"
+
+
+KINDS: dict[str, KubeKind] = {
+    # upstream CRDs (reference: cilium-upstream.md)
+    "CiliumPodIPPool": KubeKind("cilium.io", "v2alpha1", "ciliumpodippools", False),
+    "CiliumNode": KubeKind("cilium.io", "v2", "ciliumnodes", False),
+    "CiliumNetworkPolicy": KubeKind("cilium.io", "v2", "ciliumnetworkpolicies", True),
+    "CiliumIdentity": KubeKind("cilium.io", "v2", "ciliumidentities", False),
+    "CiliumEndpoint": KubeKind("cilium.io", "v2", "ciliumendpoints", True),
+    # builtin kinds
+    "NetworkPolicy": KubeKind("networking.k8s.io", "v1", "networkpolicies", True),
+    "Namespace": KubeKind("", "v1", "namespaces", False),
+    "Lease": KubeKind("coordination.k8s.io", "v1", "leases", True),
+    # Cilia's own bookkeeping kinds (CRDs in deploy/kubernetes/crds)
+    "CiliaIdentityKey": KubeKind("cilia.io", "v1alpha1", "ciliaidentitykeys", False),
+    "CiliaIPAMBlock": KubeKind("cilia.io", "v1alpha1", "ciliaipamblocks", False),
+}
+"""Store kind -> Kubernetes resource. Extend per store with ``KubernetesStore(kinds=...)``."""
+
+
+def _status_message(body: bytes) -> tuple[str, str]:
+    try:
+        status = json.loads(body)
+        return str(status.get("reason") or ""), str(status.get("message") or "")
+    except ValueError:
+        return "", body.decode(errors="replace")[:200]
+
+
+class KubernetesStore(Store):
+    """Store backed by a Kubernetes API server.
+
+    Args:
+        kubeconfig: path of a kubeconfig file; ``""`` = in-cluster config when
+            ``KUBERNETES_SERVICE_HOST`` is set, else the default kubeconfig
+            (``$KUBECONFIG`` / ``~/.kube/config``).
+        context: kubeconfig context (``""`` = current).
+        configuration: a ready ``kubernetes.aio.client.Configuration`` (tests); wins over
+            ``kubeconfig``.
+        request_timeout: seconds for one request (> 0).
+        watch_timeout: seconds one watch request lasts on the server (``timeoutSeconds``)
+            before it is reopened from the last seen version (>= 1).
+        kinds: extra/overriding kind mappings on top of :data:`KINDS`.
+
+    Raises (from every method):
+        StoreUnavailable: the API server cannot be reached, times out, or answers 5xx.
+        StoreError: any other refusal (403, 422...) with the server's message.
+        ValueError: a kind with no mapping (the message names it).
+    """
+
+    def __init__(
+        self,
+        *,
+        kubeconfig: str = "",
+        context: str = "",
+        configuration: Any = None,
+        request_timeout: float = 10.0,
+        watch_timeout: int = 300,
+        kinds: dict[str, KubeKind] | None = None,
+    ) -> None:
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        if watch_timeout < 1:
+            raise ValueError(f"watch_timeout must be >= 1, got {watch_timeout}")
+        self.kubeconfig, self.context = kubeconfig, context
+        self.request_timeout = request_timeout
+        self.watch_timeout = watch_timeout
+        self.kinds = {**KINDS, **(kinds or {})}
+        self._configuration = configuration
+        self._client: Any = None
+        self._lock = asyncio.Lock()
+        self.url = ""
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _api(self) -> Any:
+        if self._client is not None:
+            return self._client
+        async with self._lock:
+            if self._client is not None:
+                return self._client
+            from kubernetes.aio import client
+            from kubernetes.aio import config as _config
+
+            config: Any = _config
+            cfg = self._configuration
+            if cfg is None:
+                cfg = client.Configuration()
+                try:
+                    if not self.kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
+                        config.load_incluster_config(client_configuration=cfg)
+                    else:
+                        await config.load_kube_config(
+                            config_file=self.kubeconfig or None,
+                            context=self.context or None,
+                            client_configuration=cfg,
+                            persist_config=False,
+                        )
+                except Exception as exc:
+                    where = self.kubeconfig or "in-cluster/default kubeconfig"
+                    raise StoreUnavailable(f"kubernetes store: cannot load {where}: {exc}") from exc
+            self.url = str(cfg.host)
+            self._client = client.ApiClient(cfg)
+            return self._client
+
+    def _kind(self, kind: str) -> KubeKind:
+        try:
+            return self.kinds[kind]
+        except KeyError:
+            raise ValueError(
+                f"kind {kind!r} has no Kubernetes resource mapping (known: {', '.join(sorted(self.kinds))})"
+            ) from None
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        stream: bool = False,
+    ) -> tuple[int, Any]:
+        """One HTTP request. Returns (status, parsed JSON) or (status, raw response) when
+        ``stream``. Connection errors and 5xx raise StoreUnavailable."""
+        api = await self._api()
+        timeout: Any = self.request_timeout
+        if stream:
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=self.request_timeout, sock_read=self.watch_timeout + 30
+            )
+        try:
+            method, url, headers, payload, _ = await api.param_serialize(
+                method,
+                path,
+                query_params=list((query or {}).items()),
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            response = await api.call_api(
+                method, url, header_params=headers, body=payload, _request_timeout=timeout
+            )
+            if stream and response.status == 200:
+                return response.status, response
+            raw = await response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise StoreUnavailable(
+                f"kubernetes store {self.url}: {method} {path}: {exc!r}"
+            ) from exc
+        if response.status >= 500:
+            reason, message = _status_message(raw)
+            raise StoreUnavailable(
+                f"kubernetes store {self.url}: {method} {path}: {response.status} {reason} {message}"
+            )
+        try:
+            return response.status, json.loads(raw) if raw else None
+        except ValueError:
+            return response.status, raw
+
+    def _fail(self, status: int, body: Any, what: str) -> StoreError:
+        reason = message = ""
+        if isinstance(body, dict):
+            reason, message = str(body.get("reason") or ""), str(body.get("message") or "")
+        return StoreError(f"kubernetes store: {what}: HTTP {status} {reason}: {message}".rstrip())
+
+    def _normalise(self, info: KubeKind, kind: str, obj: Resource) -> Resource:
+        obj.setdefault("apiVersion", info.api_version)
+        obj.setdefault("kind", kind)
+        return obj
+
+    async def ping(self) -> None:
+        """Check that the API server answers (``GET /version``).
+
+        Raises:
+            StoreUnavailable: it does not.
+        """
+        status, _ = await self._request("GET", "/version")
+        if status != 200:
+            raise StoreUnavailable(f"kubernetes store {self.url}: /version answered {status}")
+
+    # ------------------------------------------------------------------ Store API
+
+    async def get(self, kind: str, name: str, namespace: str = "") -> Resource:
+        info = self._kind(kind)
+        status, body = await self._request("GET", info.item(name, namespace))
+        if status == 404:
+            raise NotFound(kind, namespace, name)
+        if status != 200:
+            raise self._fail(status, body, f"get {kind} {name}")
+        return self._normalise(info, kind, body)
+
+    async def list(self, kind: str) -> ListResult:
+        info = self._kind(kind)
+        status, body = await self._request("GET", info.collection())
+        if status != 200:
+            raise self._fail(status, body, f"list {kind}")
+        items = [self._normalise(info, kind, o) for o in body.get("items") or []]
+        items.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+        return ListResult(items=items, resource_version=str(body["metadata"]["resourceVersion"]))
+
+    async def create(self, obj: Resource) -> Resource:
+        kind, namespace, name = object_key(obj)
+        info = self._kind(kind)
+        body = json.loads(json.dumps(obj))
+        body["apiVersion"], body["kind"] = info.api_version, kind
+        meta = body["metadata"]
+        meta.pop("resourceVersion", None)
+        if not namespace:
+            meta.pop("namespace", None)
+        status, stored = await self._request("POST", info.collection(namespace), body=body)
+        if status == 409:
+            raise AlreadyExists(kind, namespace, name)
+        if status not in (200, 201):
+            raise self._fail(status, stored, f"create {kind} {name}")
+        return self._normalise(info, kind, stored)
+
+    async def _current_version(self, kind: str, name: str, namespace: str) -> str:
+        try:
+            return resource_version(await self.get(kind, name, namespace))
+        except StoreError:
+            return ""
+
+    async def update(self, obj: Resource) -> Resource:
+        kind, namespace, name = object_key(obj)
+        info = self._kind(kind)
+        body = json.loads(json.dumps(obj))
+        body["apiVersion"], body["kind"] = info.api_version, kind
+        expected = resource_version(obj)
+        if not expected:
+            body["metadata"].pop("resourceVersion", None)
+        status, stored = await self._request("PUT", info.item(name, namespace), body=body)
+        if status == 404:
+            raise NotFound(kind, namespace, name)
+        if status == 409:
+            current = await self._current_version(kind, name, namespace)
+            raise Conflict(kind, namespace, name, expected, current)
+        if status != 200:
+            raise self._fail(status, stored, f"update {kind} {name}")
+        return self._normalise(info, kind, stored)
+
+    async def delete(
+        self, kind: str, name: str, namespace: str = "", resource_version: str = ""
+    ) -> Resource:
+        info = self._kind(kind)
+        options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if resource_version:
+            options["preconditions"] = {"resourceVersion": resource_version}
+        status, body = await self._request("DELETE", info.item(name, namespace), body=options)
+        if status == 404:
+            raise NotFound(kind, namespace, name)
+        if status == 409:
+            current = await self._current_version(kind, name, namespace)
+            raise Conflict(kind, namespace, name, resource_version, current)
+        if status not in (200, 202):
+            raise self._fail(status, body, f"delete {kind} {name}")
+        if isinstance(body, dict) and body.get("kind") == "Status":
+            # some builtin kinds answer a Status: report the name at least
+            body = {"metadata": {"name": name, **({"namespace": namespace} if namespace else {})}}
+        return self._normalise(info, kind, body)
+
+    async def watch(self, kind: str, since: str) -> AsyncIterator[WatchEvent]:
+        info = self._kind(kind)
+        last = since or "0"
+        while True:
+            query = {
+                "watch": "1",
+                "resourceVersion": last,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": str(self.watch_timeout),
+            }
+            status, response = await self._request(
+                "GET", info.collection(), query=query, stream=True
+            )
+            if status == 410:
+                raise Expired(kind, last, "")
+            if status != 200:
+                raise self._fail(status, response, f"watch {kind}")
+            try:
+                while True:
+                    try:
+                        line = await response.response.content.readline()
+                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                        raise StoreUnavailable(
+                            f"kubernetes store {self.url}: watch {kind}: {exc!r}"
+                        ) from exc
+                    if not line:
+                        break  # the server ended this watch: reopen from `last`
+                    event = json.loads(line)
+                    etype, obj = event.get("type"), event.get("object") or {}
+                    if etype == "ERROR":
+                        if obj.get("code") == 410:
+                            raise Expired(kind, last, "")
+                        raise StoreError(
+                            f"kubernetes store: watch {kind}: {obj.get('code')} "
+                            f"{obj.get('reason')}: {obj.get('message')}"
+                        )
+                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or last)
+                    last = rv
+                    if etype == "BOOKMARK":
+                        continue
+                    yield WatchEvent(
+                        type=etype, object=self._normalise(info, kind, obj), resource_version=rv
+                    )
+            finally:
+                response.response.release()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
