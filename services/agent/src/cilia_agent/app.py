@@ -210,7 +210,9 @@ class Agent:
         self.restore_report = await loop.run_in_executor(self.executor, self.endpoints.restore)
         if self.enforcement is not None:
             missing = await self.enforcement.restore(self.endpoints.list())
-            self.enforcement.forget(r for r in self.restore_report.cleaned if r.identity)
+            # a record cleaned while `creating` may have reached the operator already
+            self.enforcement.forget(self.restore_report.cleaned)
+            self.enforcement.purge_ipcache(self.restore_report.cleaned)
             for rec in missing:
                 self._tasks.append(loop.create_task(self._late_enforce(rec)))
         log.info(

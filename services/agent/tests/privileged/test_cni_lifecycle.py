@@ -11,6 +11,7 @@ import json
 import pathlib
 import secrets
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -136,6 +137,22 @@ def test_check_unknown_attachment_is_not_found_and_creating_is_unavailable(env: 
     a.attach.Check(agent_pb2.CheckRequest(container_id="slow", ifname="eth0"))
     eps = a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
     assert [(e.identity, e.chained) for e in eps] == [(4242, False)]
+    out = sh(
+        sys.executable,
+        "-m",
+        "cilia_agent",
+        "endpoint",
+        "list",
+        "-o",
+        "json",
+        "--socket",
+        str(a.config.socket),
+        "--bpf-pin-dir",
+        str(env.pin_dir),
+    )
+    assert [(e["container_id"], e["identity"], e["chained"]) for e in json.loads(out)] == [
+        ("slow", 4242, False)
+    ]
 
 
 # --- GC ------------------------------------------------------------------------------------
@@ -314,3 +331,50 @@ def test_cni_exclusive_moves_other_configs_aside_and_uninstall_restores_them(env
     assert doc["plugins"][0]["del-queue-dir"] == str(env.tmp / "del-queue")
     a.stop()
     assert sorted(p.name for p in conf.iterdir()) == sorted(["README", *others])
+
+
+# --- stale DEL with the eBPF datapath and an operator --------------------------------------
+
+
+def test_stale_del_keeps_the_new_sandbox_operator_record_ipcache_and_programs(env: Env) -> None:
+    from cilia_agent.datapath.layout import ip_from_map
+
+    from .fake_operator import FakeOperator
+    from .test_policy_datapath import _bpf_missing
+
+    reason = _bpf_missing()
+    if reason:
+        pytest.skip(reason)
+    op = FakeOperator(env.cidr)
+    try:
+        a = env.start_agent(
+            static={},
+            enable_bpf=True,
+            operator=op.address,
+            operator_reconnect_min_backoff=0.1,
+            operator_reconnect_max_backoff=0.5,
+        )
+        wait_for(lambda: a.debug.Status(agent_pb2.StatusRequest()).ready, "agent ready")
+        pod = dict(pod_namespace="team", pod_name="web-0", labels={"app": "web"})
+        a.attach.Add(add_req(netns(env), "sb-old", **pod), timeout=30)
+        new = a.attach.Add(add_req(netns(env), "sb-new", **pod), timeout=30)
+        assert op.endpoints[("team", "web-0")].container_id == "sb-new"
+        new_ifindex = int(
+            pathlib.Path(f"/sys/class/net/{new.interfaces[0].name}/ifindex").read_text()
+        )
+        # the old sandbox's DEL arrives after the new sandbox exists
+        assert a.attach.Del(agent_pb2.DelRequest(container_id="sb-old", ifname="eth0")).deleted
+        bpf = a.agent.bpf
+        assert list(bpf.endpoints()) == [new_ifindex]
+        prefixes = {
+            f"{ip_from_map(int(k.ip))}/{int(k.prefixlen)}" for k in bpf.table("cilia_ipcache")
+        }
+        assert new.ips[0].address in prefixes  # the new pod's /32 is still there
+        a.attach.Check(agent_pb2.CheckRequest(container_id="sb-new", ifname="eth0"))
+        # the new sandbox's own DEL is the only DeleteEndpoint the operator sees
+        a.attach.Del(agent_pb2.DelRequest(container_id="sb-new", ifname="eth0"))
+        wait_for(lambda: ("team", "web-0") not in op.endpoints, "the record to be deleted")
+        assert op.deleted_endpoints == [("team", "web-0")]
+    finally:
+        env.cleanup()
+        op.stop()

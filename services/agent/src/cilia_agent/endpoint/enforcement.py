@@ -518,15 +518,46 @@ class Enforcement:
         return lambda: self.control.delete_endpoint(namespace, name)
 
     def forget(self, records: Iterable[EndpointRecord]) -> None:
-        """Release the operator record and identity of endpoints that are gone."""
+        """Release the operator record and identity of endpoints that are gone.
+
+        The operator's record is keyed by pod namespace/name: while another local endpoint
+        (a newer sandbox of the same pod) holds that name, the record is its own and is
+        not deleted.
+        """
         for rec in records:
             namespace = rec.pod_namespace or DEFAULT_NAMESPACE
             name = rec.pod_name or rec.container_id
-            self.retry.submit(
-                f"DeleteEndpoint {namespace}/{name}", self._delete_call(namespace, name)
-            )
+            newer = [
+                ep.rec.container_id
+                for ep in self._eps.values()
+                if ep.rec.id != rec.id
+                and (ep.rec.pod_namespace or DEFAULT_NAMESPACE) == namespace
+                and (ep.rec.pod_name or ep.rec.container_id) == name
+            ]
+            if newer:
+                log.info(
+                    "operator record kept: a newer sandbox of the pod owns it",
+                    extra={"container_id": rec.container_id, "newer": newer},
+                )
+            else:
+                self.retry.submit(
+                    f"DeleteEndpoint {namespace}/{name}", self._delete_call(namespace, name)
+                )
             if rec.identity:
                 self._release_if_unused(rec.identity)
+
+    def purge_ipcache(self, records: Iterable[EndpointRecord]) -> None:
+        """Remove the pinned ipcache ``/32`` of endpoints cleaned up at restore (a crash
+        mid-Add or a missed Del) unless a live local endpoint uses the address now."""
+        for rec in records:
+            if rec.ipv4 and rec.ipv4 not in self._local_ips:
+                try:
+                    self.datapath.delete_ipcache(rec.ipv4, 32)
+                except Exception as exc:
+                    log.warning(
+                        "cannot remove a stale ipcache entry",
+                        extra={"ipv4": rec.ipv4, "reason": str(exc)},
+                    )
 
     async def restore(self, records: Iterable[EndpointRecord]) -> list[EndpointRecord]:
         """Re-enforce endpoints restored from state files after a restart.
