@@ -1,0 +1,438 @@
+"""Live migration cluster-pool → multi-pool with two agents whose pods ping throughout.
+
+A private stack of this checkout, on free ports (not ``scripts/stack.sh``: the operator has
+to run in cluster-pool mode first, and the fixed ports stay free for other tests): its own
+``redis-server``, ``cilia-operator serve --ipam cluster-pool`` and two ``cilia-agent serve
+--ipam cluster-pool`` as two nodes on this host. Each agent has its own node name, state
+dir, sockets, CNI conf dir, bpffs pin dir and host device (``cilia_mig1``/``cilia_mig2``);
+Hubble TCP and metrics are off. Both datapaths share the host's kernel routing table: each
+pod's /32 host route is installed by its own agent, so pods of the two nodes reach each
+other through the host without routes between the nodes' pod CIDRs (what native routing
+between hosts would add), and each agent's BPF programs sit only on its own pods' veths.
+
+Then, as upstream's procedure (reference: cilium-upstream.md §3): the operator is
+restarted with ``--ipam multi-pool --enable-cluster-pool-to-multi-pool-migration`` and a
+default pool covering the old cluster CIDR with the same mask; once every CiliumNode lists
+its podCIDR under ``pools.allocated[default]`` the agents are restarted one at a time with
+``--ipam multi-pool``. Two ``ping -i 0.2`` streams (a→b and b→a) run from before the first
+restart until after the last; every pod must keep its address, and no ping may be lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import pathlib
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import cnirun
+import pytest
+import traffic
+
+pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
+
+CLUSTER_CIDR = "10.243.0.0/16"  # this test's own range (stack 10.200/16, agent tests 10.251/16)
+MASK = 24
+READY_SECONDS = 60.0
+STOP_SECONDS = 15.0
+MIGRATION_SECONDS = 30.0
+PING_INTERVAL = "0.2"
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: network namespaces, veth, iptables, BPF")
+    for tool in ("ip", "ping", "redis-server", "redis-cli"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool!r} on PATH (scripts/setup.sh installs it)")
+
+
+@dataclass
+class Proc:
+    """One background process of the private stack, logging to ``log``."""
+
+    name: str
+    log: pathlib.Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, argv: list[str]) -> None:
+        with self.log.open("ab") as out:
+            out.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            )
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after STOP_SECONDS; idempotent."""
+        if not self.running():
+            return
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def tail(self) -> str:
+        return f"--- {self.name} ---\n{cnirun.tail(self.log, 25)}"
+
+
+@dataclass
+class Agent:
+    """A ``cilia-agent serve`` as node ``name`` with every path and device of its own."""
+
+    index: int
+    base: pathlib.Path
+    operator: str
+    tag: str
+    proc: Proc = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = f"cilia-e2e-mig{self.index}-{self.tag}"
+        self.device = f"cilia_mig{self.index}"
+        self.pin_dir = pathlib.Path(f"/sys/fs/bpf/cilia-e2e-mig{self.index}-{self.tag}")
+        self.dir = self.base / f"agent{self.index}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket = self.dir / "cilia.sock"
+        self.conflist_path = self.dir / "net.d" / "05-cilia.conflist"
+        self.proc = Proc(self.name, self.dir / "agent.log")
+
+    def start(self, ipam: str) -> None:
+        """Start with ``--ipam ipam``; return once ready (conflist written)."""
+        self.launch(ipam)
+        self.wait_ready()
+
+    def launch(self, ipam: str) -> None:
+        """Start with ``--ipam ipam`` without waiting."""
+        self.conflist_path.unlink(missing_ok=True)
+        self.proc.start(
+            [
+                str(cnirun.VENV_BIN / "cilia-agent"),
+                "serve",
+                "--ipam",
+                ipam,
+                "--node-name",
+                self.name,
+                "--operator",
+                self.operator,
+                "--state-dir",
+                str(self.dir / "state"),
+                "--socket",
+                str(self.socket),
+                "--hubble-socket",
+                str(self.dir / "hubble.sock"),
+                "--hubble-listen-address",
+                "",
+                "--cni-conf-dir",
+                str(self.conflist_path.parent),
+                "--prometheus-serve-addr",
+                "",
+                "--bpf-pin-dir",
+                str(self.pin_dir),
+                "--host-device-name",
+                self.device,
+                "--operator-reconnect-max-backoff",
+                "2",
+            ]
+        )
+
+    def wait_ready(self) -> None:
+        """Wait until the conflist is written; fail with the log tail if not in time."""
+        ok = cnirun.wait_for(
+            lambda: self.conflist_path.exists() or not self.proc.running(), READY_SECONDS
+        )
+        if not ok or not self.proc.running():
+            pytest.fail(f"agent {self.name} not ready:\n{self.proc.tail()}")
+
+    def conflist(self) -> dict[str, Any]:
+        return cnirun.load_conflist(self.conflist_path)
+
+    def endpoints(self) -> dict[str, str]:
+        """``pod name → IPv4`` of the agent's endpoints (``cilia-agent endpoint list``)."""
+        out = subprocess.run(
+            [
+                str(cnirun.VENV_BIN / "cilia-agent"),
+                "endpoint",
+                "list",
+                "-o",
+                "json",
+                "--socket",
+                str(self.socket),
+                "--bpf-pin-dir",
+                str(self.pin_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout or "[]")
+        if isinstance(data, dict):
+            data = data.get("endpoints", [])
+        return {e["pod_name"]: str(e["ipv4"]).split("/")[0] for e in data}
+
+    def remove_leftovers(self) -> None:
+        shutil.rmtree(self.pin_dir, ignore_errors=True)
+        if pathlib.Path(f"/sys/class/net/{self.device}").exists():
+            cnirun.sh("ip", "link", "del", self.device, check=False)
+
+
+class PingStream:
+    """``ping -i 0.2`` from pod ``src`` to ``address`` until :meth:`finish`."""
+
+    def __init__(self, src: cnirun.Pod, address: str) -> None:
+        self.label = f"{src.name} -> {address}"
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", src.name, "ping", "-n", "-i", PING_INTERVAL, address],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def finish(self) -> tuple[int, int, str]:
+        """Stop it (SIGINT: ping prints its summary); ``(transmitted, received, output)``."""
+        self.proc.send_signal(signal.SIGINT)
+        out, _ = self.proc.communicate(timeout=15)
+        match = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+        assert match, f"{self.label}: no ping summary:\n{out[-2000:]}"
+        return int(match.group(1)), int(match.group(2)), out
+
+
+@dataclass
+class Stack:
+    base: pathlib.Path
+    operator_addr: str
+    redis_url: str
+    redis: Proc
+    operator: Proc
+    agents: list[Agent]
+
+    def start_operator(self, *extra: str) -> None:
+        self.operator.start(
+            [
+                str(cnirun.VENV_BIN / "cilia-operator"),
+                "serve",
+                "--store",
+                self.redis_url,
+                "--listen",
+                self.operator_addr,
+                "--prometheus-serve-addr",
+                "",
+                "--shutdown-grace-period",
+                "1",
+                *extra,
+            ]
+        )
+        ok = cnirun.wait_for(
+            lambda: self.ipam_status() is not None or not self.operator.running(), READY_SECONDS
+        )
+        if not ok or not self.operator.running():
+            pytest.fail(f"operator not ready:\n{self.operator.tail()}")
+
+    def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(cnirun.VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_addr],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def ipam_status(self) -> dict[str, Any] | None:
+        """``cilia-operator ipam status -o json`` (GetStatus as JSON), None on failure."""
+        out = self.cli("ipam", "status", "-o", "json")
+        if out.returncode != 0:
+            return None
+        data = json.loads(out.stdout)
+        assert isinstance(data, dict)
+        return data
+
+    def logs(self) -> str:
+        return "\n".join([self.operator.tail(), *(a.proc.tail() for a in self.agents)])
+
+
+@pytest.fixture
+def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
+    """Redis, then (by the test) the operator and two agents; all stopped at the end."""
+    _require_root()
+    tag = secrets.token_hex(3)
+    redis_port = traffic.free_port()
+    operator_addr = f"127.0.0.1:{traffic.free_port()}"
+    redis = Proc("redis", tmp_path / "redis.log")
+    operator = Proc("operator", tmp_path / "operator.log")
+    agents = [Agent(i, tmp_path, operator_addr, tag) for i in (1, 2)]
+    s = Stack(tmp_path, operator_addr, f"redis://127.0.0.1:{redis_port}/0", redis, operator, agents)
+    try:
+        for a in agents:
+            a.remove_leftovers()
+        redis.start(
+            ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(tmp_path)]
+        )  # fmt: skip
+        assert cnirun.wait_for(
+            lambda: cnirun.sh("redis-cli", "-p", str(redis_port), "ping", check=False).stdout
+            .strip() == "PONG",
+            20,
+        ), redis.tail()  # fmt: skip
+        yield s
+    finally:
+        for a in agents:
+            a.proc.stop()
+            a.remove_leftovers()
+        operator.stop()
+        redis.stop()
+
+
+def _pod(name: str) -> cnirun.Pod:
+    pod = cnirun.Pod(name=f"cilia-e2e-{os.getpid()}-mig-{name}", namespace="mig")
+    pod.create_netns()
+    return pod
+
+
+def _pod_cidrs(stack: Stack) -> dict[str, str]:
+    """``node → its one podCIDR`` (CiliumNode spec.ipam.podCIDRs) from GetStatus."""
+    status = stack.ipam_status()
+    assert status is not None and status.get("mode") == "cluster-pool", status
+    out = {}
+    for node in status.get("nodes", []):
+        cidrs = node.get("podCidrs", [])
+        assert len(cidrs) == 1, status
+        out[node["nodeName"]] = str(cidrs[0])
+    return out
+
+
+def _migrated(stack: Stack, expected: dict[str, str]) -> bool:
+    status = stack.ipam_status() or {}
+    if status.get("migration") != "done":
+        return False
+    for node in status.get("nodes", []):
+        name = node.get("nodeName")
+        if name in expected:
+            allocated = {p["pool"]: p.get("cidrs", []) for p in node.get("allocated", [])}
+            if allocated.get("default") != [expected[name]]:
+                return False
+    return True
+
+
+def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
+    private_stack: Stack,
+) -> None:
+    stack = private_stack
+    a1, a2 = stack.agents
+    stack.start_operator(
+        "--ipam",
+        "cluster-pool",
+        "--cluster-pool-ipv4-cidr",
+        CLUSTER_CIDR,
+        "--cluster-pool-ipv4-mask-size",
+        str(MASK),
+    )
+    for agent in stack.agents:  # both load their datapath at once
+        agent.launch("cluster-pool")
+    for agent in stack.agents:
+        agent.wait_ready()
+    pods = {"a1": _pod("a1"), "a2": _pod("a2"), "b1": _pod("b1"), "b2": _pod("b2")}
+    owner = {"a1": a1, "a2": a1, "b1": a2, "b2": a2}
+    streams: list[PingStream] = []
+    try:
+        with ThreadPoolExecutor(len(pods)) as pool:
+            outs = dict(
+                zip(pods, pool.map(lambda k: pods[k].add(owner[k].conflist()), pods), strict=True)
+            )
+        for key, out in outs.items():
+            assert out.returncode == 0, f"ADD {key}: {out.stdout}\n{stack.logs()}"
+        cidr = _pod_cidrs(stack)
+        assert set(cidr) == {a1.name, a2.name} and cidr[a1.name] != cidr[a2.name], cidr
+        before = {k: p.ip for k, p in pods.items()}
+        for key, ip in before.items():
+            assert ipaddress.ip_address(ip) in ipaddress.ip_network(cidr[owner[key].name]), (
+                key,
+                ip,
+                cidr,
+            )
+        # The streams start once both directions answer (each node learns the other's pods
+        # through the operator's ipcache stream).
+        t0 = time.monotonic()
+        for src, dst in (("a1", "b1"), ("b2", "a2")):
+            assert cnirun.wait_for(
+                lambda s=src, d=dst: cnirun.ping(pods[s].name, before[d], count=1), 20
+            ), stack.logs()
+        print(f"\ncross-node pings answered {time.monotonic() - t0:.1f} s after the ADDs")
+        streams = [
+            PingStream(pods["a1"], before["b1"]),
+            PingStream(pods["b2"], before["a2"]),
+        ]
+
+        # 1. Operator: multi-pool with the migration; default pool = the old cluster CIDR.
+        stack.operator.stop()
+        stack.start_operator(
+            "--ipam",
+            "multi-pool",
+            "--enable-cluster-pool-to-multi-pool-migration",
+            "--auto-create-cilium-pod-ip-pools",
+            f"default=ipv4-cidrs:{CLUSTER_CIDR};ipv4-mask-size:{MASK}",
+        )
+        assert cnirun.wait_for(lambda: _migrated(stack, cidr), MIGRATION_SECONDS), (
+            json.dumps(stack.ipam_status(), indent=1) + stack.logs()
+        )
+        # 2. Agents switched one at a time; each restores its pods with their addresses.
+        for agent in stack.agents:
+            agent.proc.stop()
+            agent.start("multi-pool")
+            mine = {k: before[k] for k in pods if owner[k] is agent}
+            restored = agent.endpoints()
+            assert {k: restored.get(pods[k].name) for k in mine} == mine, (
+                restored,
+                agent.proc.tail(),
+            )
+            assert cnirun.ping(pods["a1"].name, before["b1"], count=1), stack.logs()
+        # A pod made after the switch gets a fresh address of the same node CIDR.
+        late = _pod("a3")
+        pods["a3"] = late
+        owner["a3"] = a1
+        out = late.add(a1.conflist())
+        assert out.returncode == 0, out.stdout + stack.logs()
+        assert ipaddress.ip_address(late.ip) in ipaddress.ip_network(cidr[a1.name])
+        assert late.ip not in before.values()
+        time.sleep(1.0)  # a few pings after the last switch
+    finally:
+        results = [(s.label, *s.finish()[:2]) for s in streams]
+
+        def remove(key: str) -> None:
+            pod = pods[key]
+            if pod.result is not None and owner[key].proc.running():
+                with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+                    pod.delete(owner[key].conflist(), timeout=30)
+            pod.destroy_netns()
+
+        with ThreadPoolExecutor(len(pods)) as pool:
+            list(pool.map(remove, list(pods)))
+    lost = {label: sent - got for label, sent, got in results}
+    print(f"\nping streams (sent, received): {results}; lost: {lost}")
+    assert all(sent >= 20 for _, sent, _ in results), results
+    assert not any(lost.values()), f"pings lost during the migration: {results}\n{stack.logs()}"
+    status = stack.ipam_status()
+    assert status is not None and status["mode"] == "multi-pool", status
+    assert status["migration"] == "done", status
+    assert status.get("nodesMigrated") == status.get("nodesTotal") == 2, status
+    for node in status["nodes"]:
+        assert not node.get("podCidrs"), node
+        allocated = {p["pool"]: p["cidrs"] for p in node.get("allocated", [])}
+        assert allocated == {"default": [cidr[node["nodeName"]]]}, node
