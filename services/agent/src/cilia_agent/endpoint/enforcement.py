@@ -520,9 +520,9 @@ class Enforcement:
     def forget(self, records: Iterable[EndpointRecord]) -> None:
         """Release the operator record and identity of endpoints that are gone.
 
-        The operator's record is keyed by pod namespace/name: while another local endpoint
-        (a newer sandbox of the same pod) holds that name, the record is its own and is
-        not deleted.
+        The operator's record is keyed by pod namespace/name: while a newer local endpoint
+        (higher id: a newer sandbox of the same pod) holds that name, the record is its own
+        and is not deleted.
         """
         for rec in records:
             namespace = rec.pod_namespace or DEFAULT_NAMESPACE
@@ -530,7 +530,7 @@ class Enforcement:
             newer = [
                 ep.rec.container_id
                 for ep in self._eps.values()
-                if ep.rec.id != rec.id
+                if ep.rec.id > rec.id
                 and (ep.rec.pod_namespace or DEFAULT_NAMESPACE) == namespace
                 and (ep.rec.pod_name or ep.rec.container_id) == name
             ]
