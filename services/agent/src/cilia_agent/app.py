@@ -124,6 +124,7 @@ class Agent:
         self.pool_resolver: PoolResolver | None = None
         self.endpoints: EndpointManager = PoolSelectingEndpointManager(
             selector=self.selector,
+            operator_error=self.pools.error_about,
             ipam=self.ipam,
             datapath=self.datapath,
             store=self.store,
@@ -292,6 +293,7 @@ class Agent:
             self._start_watches()
         elif self.enforcement is not None:
             self.enforcement.local_synced()
+        self._tasks.append(loop.create_task(self._replay_loop(), name="del-queue-replay"))
 
     async def _load_bpf(self) -> None:
         """Mount bpffs if needed, compile and load the datapath, wire policy and Hubble."""
@@ -449,6 +451,18 @@ class Agent:
             )
         return report
 
+    async def _replay_loop(self) -> None:
+        """Replay the DEL queue every ``--cni-del-queue-replay-interval`` seconds while
+        serving: a plugin that found the socket not yet serving queues its DEL after the
+        start-up replay. Replays never delete an endpoint newer than the queued DEL."""
+        while True:
+            await asyncio.sleep(self.config.cni_del_queue_replay_interval)
+            try:
+                if any(self.config.cni_del_queue_dir.glob("*.del")):
+                    await self.replay_del_queue()
+            except OSError as exc:
+                log.warning("cannot read the DEL queue", extra={"reason": str(exc)})
+
     async def stop(self) -> None:
         """Stop serving; keeps pods, programs, pinned maps, state files and the conflist
         (idempotent). With ``--cni-uninstall`` the conflist is removed first (no new ADD
@@ -554,6 +568,7 @@ class Agent:
                 {p.pool: list(p.cidrs) for p in allocation.pools},
                 list(allocation.pod_cidrs),
                 {p.pool: list(p.cidrs) for p in allocation.draining},
+                allocation.error,
             )
             for pool, reason in change.rejected.items():
                 log.error("allocation rejected", extra={"pool": pool, "reason": reason})

@@ -190,6 +190,13 @@ def test_each_pod_gets_the_pool_the_operator_resolves_and_an_exhausted_pool_is_c
         third = cni_add(env, "blue-3")
         assert third.returncode != 0 and third.json["code"] == 101, third.stdout
         assert "no free IPv4 address in pool 'blue'" in third.stdout, third.stdout
+        # The operator could not add a block either: its reason reaches the CNI error.
+        exhausted = "pool 'blue' exhausted: no free /30 block left in 10.251.9.0/30"
+        op.updates.put(alloc(node, {"default": [cidrs[0]], "blue": [blue]}, error=exhausted))
+        wait(lambda: a.agent.pools.operator_error == exhausted)
+        fourth = cni_add(env, "blue-3")
+        assert fourth.json["code"] == 101, fourth.stdout
+        assert f"operator: {exhausted}" in fourth.json["msg"], fourth.stdout
         # An explicit pool in the request is used as is (no ResolvePool call).
         n = len(op.resolves)
         assert add(a, env, "explicit", pool="default") in ipaddress.ip_network(cidrs[0])

@@ -27,17 +27,29 @@ class AllocationError(Exception):
 class PoolExhausted(AllocationError):
     """No free address is left in ``pool`` (all of its open node CIDRs are used).
 
-    ``cidrs``: the open CIDRs; ``draining``: CIDRs no new address comes from.
+    ``cidrs``: the open CIDRs; ``draining``: CIDRs no new address comes from;
+    ``operator_error``: what the operator reported about the node's allocation of this
+    pool (e.g. the pool itself is exhausted, or unknown), "" when nothing.
     """
 
-    def __init__(self, pool: str, cidrs: list[str], draining: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        pool: str,
+        cidrs: list[str],
+        draining: list[str] | None = None,
+        operator_error: str = "",
+    ) -> None:
         self.pool = pool
         self.cidrs = cidrs
         self.draining = draining or []
+        self.operator_error = operator_error
         where = ", ".join(cidrs) if cidrs else "no CIDR allocated to this node yet"
         if self.draining:
             where += f"; draining, no new addresses: {', '.join(self.draining)}"
-        super().__init__(f"no free IPv4 address in pool {pool!r} ({where})")
+        text = f"no free IPv4 address in pool {pool!r} ({where})"
+        if operator_error:
+            text += f"; operator: {operator_error}"
+        super().__init__(text)
 
 
 class AddressInUse(AllocationError):

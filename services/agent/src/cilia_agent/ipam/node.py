@@ -88,6 +88,11 @@ class NodePools:
         self.mode = mode
         self.static = {p: [Net4(c) for c in cidrs] for p, cidrs in (static or {}).items()}
         self.released: set[tuple[str, Net4]] = set()
+        self.operator_error = ""
+
+    def error_about(self, pool: str) -> str:
+        """The operator's last error for this node when it names ``pool`` ("" otherwise)."""
+        return self.operator_error if f"pool {pool!r}" in self.operator_error else ""
 
     def apply(
         self,
@@ -95,8 +100,9 @@ class NodePools:
         pools: Mapping[str, Iterable[str]],
         pod_cidrs: Iterable[str] = (),
         draining: Mapping[str, Iterable[str]] | None = None,
+        error: str = "",
     ) -> AllocationChange:
-        """Take one ``NodeAllocation`` (its ``pools``, ``pod_cidrs`` and ``draining``).
+        """Take one ``NodeAllocation`` (its ``pools``, ``pod_cidrs``, ``draining``, ``error``).
 
         New CIDRs are added; CIDRs no longer listed are dropped once no address in them
         is held; CIDRs handed back stay out while the allocation still lists them.
@@ -104,6 +110,7 @@ class NodePools:
         pool's other changes still apply).
         """
         change = AllocationChange()
+        self.operator_error = error
         wanted: dict[str, list[Net4]] = {}
         for pool, cidrs in pools.items():
             if self.mode == "cluster-pool" and pool != default_pool:

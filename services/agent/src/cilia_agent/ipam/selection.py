@@ -22,6 +22,7 @@ from typing import Any
 from cilia_agent.controlplane import PoolNotResolved, PoolResolver
 from cilia_agent.endpoint import AddParams, EndpointManager, EndpointRecord, InvalidRequest
 from cilia_agent.endpoint.manager import validate_add
+from cilia_agent.ipam.allocator import PoolExhausted
 from cilia_agent.ipam.node import IPAMMode
 
 log = logging.getLogger(__name__)
@@ -87,13 +88,25 @@ class PoolSelectingEndpointManager(EndpointManager):
     Chained Adds (``prev_result``: the address belongs to the previous plugin) and
     repeated Adds of an existing attachment skip the selection.
 
+    An exhausted pool's error carries what the operator reported about that pool for this
+    node (e.g. the pool itself has no free block left), so the CNI error says why.
+
     Args:
-        selector: the pool selector; every other argument as :class:`EndpointManager`.
+        selector: the pool selector.
+        operator_error: returns the operator's last error about a pool ("" when none).
+        Every other argument as :class:`EndpointManager`.
     """
 
-    def __init__(self, *, selector: PoolSelector, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        selector: PoolSelector,
+        operator_error: Callable[[str], str] = lambda _pool: "",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.selector = selector
+        self._operator_error = operator_error
 
     async def add(self, p: AddParams) -> EndpointRecord:
         """Select the pool, then :meth:`EndpointManager.add` (same errors, plus those of
@@ -101,4 +114,10 @@ class PoolSelectingEndpointManager(EndpointManager):
         if not p.prev_result and self.get(p.container_id, p.ifname) is None:
             validate_add(p)  # bad input is refused before the operator is asked
             p = dataclasses.replace(p, pool=await self.selector.select(p))
-        return await super().add(p)
+        try:
+            return await super().add(p)
+        except PoolExhausted as exc:
+            error = self._operator_error(exc.pool)
+            if not error or exc.operator_error:
+                raise
+            raise PoolExhausted(exc.pool, exc.cidrs, exc.draining, error) from exc
