@@ -67,6 +67,9 @@ FLAG_HELP: dict[str, str] = {
     "cni_del_queue_dir": "directory of the plugin's DEL queue (DELs queued while the agent "
     "was unreachable), replayed before serving; written into the conflist as del-queue-dir "
     "(default /var/run/cilia/del-queue)",
+    "cni_del_queue_replay_interval": "seconds between replays of the DEL queue while serving "
+    "(a DEL queued while the agent was starting up is not left until the next restart) "
+    "(default 5)",
     "cni_exclusive": "move every other CNI config in --cni-conf-dir aside to <name>.cilia_bak "
     "when the conflist is written (upstream cni-exclusive; default false)",
     "cni_uninstall": "on a clean shutdown remove the conflist and restore the configs "
@@ -136,6 +139,7 @@ class Config(BaseModel):
     cni_conf_name: str = "05-cilia.conflist"
     cni_log_file: str = ""
     cni_del_queue_dir: pathlib.Path = pathlib.Path("/var/run/cilia/del-queue")
+    cni_del_queue_replay_interval: float = Field(default=5.0, gt=0)
     cni_exclusive: bool = False
     cni_uninstall: bool = False
     mtu: int = Field(default=1500, ge=68, le=65535)

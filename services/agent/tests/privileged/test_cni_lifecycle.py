@@ -378,3 +378,18 @@ def test_stale_del_keeps_the_new_sandbox_operator_record_ipcache_and_programs(en
     finally:
         env.cleanup()
         op.stop()
+
+
+def test_a_del_queued_while_the_agent_serves_is_replayed_without_a_restart(env: Env) -> None:
+    a = env.start_agent(cni_del_queue_replay_interval=0.05)
+    ns_late, ns_newer = netns(env), netns(env)
+    a.attach.Add(add_req(ns_late, "q-late"), timeout=10)
+    a.attach.Add(add_req(ns_newer, "q-live"), timeout=10)
+    queue = env.tmp / "del-queue"
+    now = int(time.time() * 1000)
+    stale = queue_del(queue, "q-live", now - 3_600_000)  # older than q-live's Add
+    late = queue_del(queue, "q-late", now, ns_late)  # the plugin missed the start-up replay
+    wait_for(lambda: not late.exists() and not stale.exists(), "the queue to be replayed")
+    eps = a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+    assert [e.container_id for e in eps] == ["q-live"]
+    assert not link_exists(host_ifname("q-late", "eth0"))
