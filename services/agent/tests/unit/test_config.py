@@ -158,3 +158,22 @@ def test_ipam_mode_defaults_to_multi_pool_and_refuses_unknown_modes(
     assert Config(ipam="cluster-pool").ipam == "cluster-pool"
     assert main(["serve", "--ipam", "crd"]) == 2
     assert "--ipam:" in capsys.readouterr().err
+
+
+def test_cni_flags_defaults_and_parsing(tmp_path: pathlib.Path) -> None:
+    c = Config(node_name="n1")
+    assert c.cni_del_queue_dir == pathlib.Path("/var/run/cilia/del-queue")
+    assert (c.cni_exclusive, c.cni_uninstall, c.cni_del_queue_replay_interval) == (
+        False,
+        False,
+        5.0,
+    )
+    c = Config.model_validate(
+        {"cni_exclusive": "true", "cni_uninstall": "yes", "cni_del_queue_dir": "rel/q"}
+    )
+    assert c.cni_exclusive and c.cni_uninstall
+    assert c.cni_del_queue_dir.is_absolute() and c.cni_del_queue_dir.name == "q"
+    with pytest.raises(ValidationError) as err:
+        Config(cni_del_queue_replay_interval=0)
+    assert "cni_del_queue_replay_interval" in str(err.value)
+    assert main(["serve", "--cni-exclusive", "maybe"]) == 2
