@@ -313,40 +313,46 @@ class LeaseSemaphore:
         """Take a free slot (or the one we already hold); return its Lease name or None."""
         for index in range(self.slots):
             name = f"{self.prefix}-{index}"
-            try:
-                lease = self.api.get_lease(self.namespace, name)
-                if lease is None:
-                    self.api.create_lease(
-                        self.namespace,
-                        {
-                            "apiVersion": "coordination.k8s.io/v1",
-                            "kind": "Lease",
-                            "metadata": {"name": name, "namespace": self.namespace},
-                            "spec": self._spec(_micro_time(_now()), 0),
-                        },
-                    )
-                    return name
-                spec = lease.get("spec") or {}
-                holder = spec.get("holderIdentity") or ""
-                renewed = _parse_time(spec.get("renewTime"))
-                duration = int(spec.get("leaseDurationSeconds") or self.duration)
-                expired = renewed is None or (_now() - renewed).total_seconds() > duration
-                if holder and holder != self.holder and not expired:
-                    continue
-                transitions = int(spec.get("leaseTransitions") or 0)
-                if holder != self.holder:
-                    transitions += 1
-                    acquire = _micro_time(_now())
-                else:
-                    acquire = spec.get("acquireTime") or _micro_time(_now())
-                lease["spec"] = self._spec(acquire, transitions)
-                self.api.replace_lease(self.namespace, name, lease)
+            if self._take(name):
                 return name
-            except ApiException as exc:
-                if exc.status == 409:  # someone else created/updated it first
-                    continue
-                raise
         return None
+
+    def _take(self, name: str) -> bool:
+        """Create, take over (expired/free) or renew (ours) Lease ``name``; False when another
+        holder has it or a concurrent writer won (409)."""
+        try:
+            lease = self.api.get_lease(self.namespace, name)
+            if lease is None:
+                self.api.create_lease(
+                    self.namespace,
+                    {
+                        "apiVersion": "coordination.k8s.io/v1",
+                        "kind": "Lease",
+                        "metadata": {"name": name, "namespace": self.namespace},
+                        "spec": self._spec(_micro_time(_now()), 0),
+                    },
+                )
+                return True
+            spec = lease.get("spec") or {}
+            holder = spec.get("holderIdentity") or ""
+            renewed = _parse_time(spec.get("renewTime"))
+            duration = int(spec.get("leaseDurationSeconds") or self.duration)
+            expired = renewed is None or (_now() - renewed).total_seconds() > duration
+            if holder and holder != self.holder and not expired:
+                return False
+            transitions = int(spec.get("leaseTransitions") or 0)
+            if holder != self.holder:
+                transitions += 1
+                acquire = _micro_time(_now())
+            else:
+                acquire = spec.get("acquireTime") or _micro_time(_now())
+            lease["spec"] = self._spec(acquire, transitions)
+            self.api.replace_lease(self.namespace, name, lease)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:  # someone else created/updated it first
+                return False
+            raise
 
     def acquire(self, wait_timeout: float, interval: float, reporter: Reporter) -> None:
         """Poll :meth:`try_acquire` until a slot is ours, then start renewing it.
@@ -370,8 +376,8 @@ class LeaseSemaphore:
     def _renew_loop(self) -> None:
         while not self._stop.wait(max(1.0, self.duration / 3)):
             try:
-                if self.try_acquire() != self.held:
-                    log.warning("lease renewal landed on another slot", extra={"lease": self.held})
+                if self.held is not None and not self._take(self.held):
+                    log.warning("lease lost to another holder", extra={"lease": self.held})
             except API_ERRORS as exc:
                 log.warning("lease renewal failed", extra={"lease": self.held, "error": str(exc)})
 
@@ -553,8 +559,11 @@ def _update(
     if settings.check_images:
         images = desired_images(daemonset)
 
+        last_missing: list[str] = list(images)
+
         def images_present() -> list[str] | None:
             missing = missing_images(api.get_node(node), images)
+            last_missing[:] = missing
             if missing:
                 log.info("waiting for images on the node", extra={"missing": missing})
                 return None
@@ -567,7 +576,7 @@ def _update(
             raise UpdaterError(
                 Exit.IMAGES_MISSING,
                 f"node {node}: desired images not in status.images after "
-                f"{settings.image_check_attempts} checks: {missing_images(api.get_node(node), images)}",
+                f"{settings.image_check_attempts} checks: {last_missing}",
             )
         reporter.step("ImagesPresent", f"desired images present on node {node}", images=images)
     if semaphore is not None:
