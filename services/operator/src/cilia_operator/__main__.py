@@ -1,9 +1,10 @@
 """``cilia-operator``: argument parsing only (see app.py for the wiring, cli.py for clients).
 
-cilia-operator serve [--store URL] [--listen ADDR] [--prometheus-serve-addr ADDR]
+cilia-operator serve [--store URL|kubernetes [--kubeconfig PATH]] [--listen ADDR] [--prometheus-serve-addr ADDR]
                      [--auto-create-cilium-pod-ip-pools SPEC] [--ipam-default-ip-pool NAME]
                      [--log-level LEVEL] [store/shutdown tuning flags]
                      [identity GC / identity range / watch stream flags]
+                     [--enable-leader-election [--leader-election-* flags]]
                      [--ipam cluster-pool|multi-pool] [--cluster-pool-ipv4-cidr CIDR]
                      [--cluster-pool-ipv4-mask-size N]
                      [--enable-cluster-pool-to-multi-pool-migration]
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the operator")
     d = "(default: %(default)s)"
     serve.add_argument("--store", default="redis://127.0.0.1:6379/0",
-                       help=f"store URL, redis://HOST:PORT/DB {d}")  # fmt: skip
+                       help=f"store: redis://HOST:PORT/DB, or 'kubernetes' (CRDs via the API "
+                       f"server, see --kubeconfig) {d}")  # fmt: skip
     serve.add_argument("--listen", default="127.0.0.1:4250",
                        help=f"gRPC listen address HOST:PORT or unix:PATH {d}")  # fmt: skip
     serve.add_argument("--prometheus-serve-addr", default=":9963",
@@ -109,6 +111,29 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="CIDR",
                        help="service CIDRs no pool may overlap; repeat or comma-separate "
                        "(default: 10.96.0.0/12, kube-apiserver's default)")  # fmt: skip
+    serve.add_argument("--kubeconfig", default="",
+                       help="--store kubernetes: kubeconfig file; '' = in-cluster config, else "
+                       "$KUBECONFIG / ~/.kube/config (default: '')")  # fmt: skip
+    serve.add_argument("--store-watch-timeout", type=int, default=300,
+                       help=f"--store kubernetes: seconds one watch request lasts before it is "
+                       f"reopened from the last seen resourceVersion {d}")  # fmt: skip
+    serve.add_argument("--enable-leader-election", action="store_true",
+                       help="run the leader-only controllers (IPAM allocation, migration, "
+                       "identity GC) only while holding the leader lock: a Redis key or a "
+                       "coordination.k8s.io Lease (default: off = always leader)")  # fmt: skip
+    serve.add_argument("--leader-election-lease-duration", type=_duration, default="15s",
+                       help=f"how long a leader's lock outlives its last renewal {d}")  # fmt: skip
+    serve.add_argument("--leader-election-renew-deadline", type=_duration, default="10s",
+                       help=f"the leader steps down when it could not renew for this long {d}")  # fmt: skip
+    serve.add_argument("--leader-election-retry-period", type=_duration, default="2s",
+                       help=f"interval of acquire/renew attempts {d}")  # fmt: skip
+    serve.add_argument("--leader-election-lease-name", default="cilia-operator-resource-lock",
+                       help=f"Lease name (kubernetes) / Redis key suffix {d}")  # fmt: skip
+    serve.add_argument("--leader-election-lease-namespace", default="kube-system",
+                       help=f"namespace of the Lease (--store kubernetes) {d}")  # fmt: skip
+    serve.add_argument("--leader-election-id", default="",
+                       help="this replica's identity in the lock (default: $POD_NAME or "
+                       "hostname, plus a random suffix)")  # fmt: skip
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
@@ -210,6 +235,15 @@ def _serve(args: argparse.Namespace) -> int:
             enable_cluster_pool_to_multi_pool_migration=(
                 args.enable_cluster_pool_to_multi_pool_migration
             ),
+            kubeconfig=args.kubeconfig,
+            store_watch_timeout=args.store_watch_timeout,
+            enable_leader_election=args.enable_leader_election,
+            leader_election_lease_duration=args.leader_election_lease_duration,
+            leader_election_renew_deadline=args.leader_election_renew_deadline,
+            leader_election_retry_period=args.leader_election_retry_period,
+            leader_election_lease_name=args.leader_election_lease_name,
+            leader_election_lease_namespace=args.leader_election_lease_namespace,
+            leader_election_id=args.leader_election_id,
             **(
                 {"service_cluster_ip_range": args.service_cluster_ip_range}
                 if args.service_cluster_ip_range is not None

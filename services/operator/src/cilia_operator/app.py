@@ -1,8 +1,9 @@
 """Wiring of the operator: start/stop order and signal handling.
 
 Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING) ->
-auto-create pools (existing ones skipped) -> IPAM controller restores every node's CIDRs
--> identity GC starts -> health SERVING. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
+auto-create pools (existing ones skipped) -> [with --enable-leader-election: wait to become
+leader] -> IPAM controller restores every node's CIDRs -> identity GC starts -> health
+SERVING. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
 gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller -> store
 -> metrics endpoint.
 """
@@ -33,8 +34,10 @@ from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
 from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
 from .kinds import POOL
+from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .metrics import Metrics
 from .store import AlreadyExists, StoreError
+from .store.kubernetes import KubernetesStore
 from .store.redis import RedisStore
 
 log = logging.getLogger(__name__)
@@ -64,15 +67,23 @@ class Operator:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.store = RedisStore(
-            config.store,
-            prefix=config.store_key_prefix,
-            event_history=config.store_event_history,
-            watch_block_timeout=config.store_watch_block_timeout,
-            watch_batch_size=config.store_watch_batch_size,
-            connect_timeout=config.store_connect_timeout,
-            request_timeout=config.store_request_timeout,
-        )
+        self.store: RedisStore | KubernetesStore
+        if config.store == "kubernetes":
+            self.store = KubernetesStore(
+                kubeconfig=config.kubeconfig,
+                request_timeout=config.store_request_timeout,
+                watch_timeout=config.store_watch_timeout,
+            )
+        else:
+            self.store = RedisStore(
+                config.store,
+                prefix=config.store_key_prefix,
+                event_history=config.store_event_history,
+                watch_block_timeout=config.store_watch_block_timeout,
+                watch_batch_size=config.store_watch_batch_size,
+                connect_timeout=config.store_connect_timeout,
+                request_timeout=config.store_request_timeout,
+            )
         self.controller = IPAMController(
             self.store,
             self.metrics,
@@ -98,6 +109,17 @@ class Operator:
             rate_limit=config.identity_gc_rate_limit,
             metrics=self.metrics,
         )
+        self.elector: LeaderElector | None = None
+        if config.enable_leader_election:
+            self.elector = LeaderElector(
+                self._leader_lock(),
+                identity=config.leader_election_id,
+                lease_duration=config.leader_election_lease_duration,
+                renew_deadline=config.leader_election_renew_deadline,
+                retry_period=config.leader_election_retry_period,
+                on_started=self._start_leading,
+                on_stopped=self._stop_leading,
+            )
         self.address = config.listen
         self.metrics_port: int | None = None
         self._server: Any = None
@@ -179,12 +201,51 @@ class Operator:
         self.address = bound_port(listen, ports[listen]) if listen in ports else listen
         try:
             await self._auto_create_pools()
-            await self.controller.start()
+            if self.elector is None:
+                await self._start_leading()
         except StoreError as exc:
             raise StartupError(str(exc)) from None
-        self.identity_gc.start()
-        await set_serving(self._health, SERVICE_NAMES)
+        if self.elector is not None:
+            # health turns SERVING when this replica becomes leader (_start_leading)
+            self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
+
+    def _leader_lock(self) -> Lock:
+        c = self.config
+        if isinstance(self.store, KubernetesStore):
+            return KubernetesLease(
+                self.store,
+                c.leader_election_lease_name,
+                c.leader_election_lease_namespace,
+                c.leader_election_lease_duration,
+            )
+        return RedisLock(
+            c.store,
+            f"{c.store_key_prefix}leader/{c.leader_election_lease_name}",
+            c.leader_election_lease_duration,
+            c.store_request_timeout,
+        )
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether the leader-only controllers (IPAM allocation, migration, identity GC)
+        run here: always True without ``--enable-leader-election``."""
+        return self.elector is None or self.elector.is_leader
+
+    async def _start_leading(self) -> None:
+        """Leader-only work: the IPAM controller (restore, migration, allocation) and the
+        identity GC; then health SERVING (a follower stays NOT_SERVING, so a readiness
+        probe on gRPC health routes agents to the leader)."""
+        await self.controller.start()
+        self.identity_gc.start()
+        if self._health is not None:
+            await set_serving(self._health, SERVICE_NAMES)
+
+    async def _stop_leading(self) -> None:
+        if self._health is not None:
+            await set_serving(self._health, SERVICE_NAMES, serving=False)
+        await self.identity_gc.stop()
+        await self.controller.stop()
 
     async def _auto_create_pools(self) -> None:
         wanted = self.config.auto_create_pools
@@ -214,6 +275,8 @@ class Operator:
             await set_serving(self._health, SERVICE_NAMES, serving=False)
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace_period)
+        if self.elector is not None:
+            await self.elector.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
         await self.store.close()
@@ -226,7 +289,8 @@ class Operator:
 async def run(config: Config) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit status.
 
-    Exit 0 on a clean stop; 2 when start-up fails (reason logged and on stderr).
+    Exit 0 on a clean stop; 2 when start-up fails (reason logged and on stderr); 1 when
+    this replica lost the leader election (as upstream: restart and compete again).
     """
     operator = Operator(config)
     stop = asyncio.Event()
@@ -239,7 +303,13 @@ async def run(config: Config) -> int:
         log.error("operator failed to start", extra={"error": str(exc)})
         await operator.stop()
         raise
-    await stop.wait()
-    log.info("signal received; shutting down")
+    waits = [asyncio.create_task(stop.wait())]
+    if operator.elector is not None:
+        waits.append(asyncio.create_task(operator.elector.lost.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    lost = operator.elector is not None and operator.elector.lost.is_set()
+    log.info("leader election lost; exiting" if lost else "signal received; shutting down")
     await operator.stop()
-    return 0
+    return 1 if lost else 0

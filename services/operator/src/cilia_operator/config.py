@@ -89,6 +89,15 @@ class Config(BaseModel):
     cluster_pool_ipv4_mask_size: int = Field(default=24, ge=1, le=32)
     enable_cluster_pool_to_multi_pool_migration: bool = False
     service_cluster_ip_range: list[str] = Field(default_factory=lambda: ["10.96.0.0/12"])
+    kubeconfig: str = ""
+    store_watch_timeout: int = Field(default=300, ge=1)
+    enable_leader_election: bool = False
+    leader_election_lease_duration: float = Field(default=15.0, gt=0)
+    leader_election_renew_deadline: float = Field(default=10.0, gt=0)
+    leader_election_retry_period: float = Field(default=2.0, gt=0)
+    leader_election_lease_name: str = "cilia-operator-resource-lock"
+    leader_election_lease_namespace: str = "kube-system"
+    leader_election_id: str = ""
 
     @field_validator("cluster_pool_ipv4_cidr", "service_cluster_ip_range")
     @classmethod
@@ -145,9 +154,22 @@ class Config(BaseModel):
     @classmethod
     def _store_url(cls, value: str) -> str:
         url = urllib.parse.urlparse(value)
+        if value == "kubernetes":
+            return value
         if url.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"--store: {value!r}: expected redis://HOST:PORT/DB")
+            raise ValueError(f"--store: {value!r}: expected redis://HOST:PORT/DB or kubernetes")
         return value
+
+    @model_validator(mode="after")
+    def _leader_election(self) -> Config:
+        from .leader import validate_durations
+
+        validate_durations(
+            self.leader_election_lease_duration,
+            self.leader_election_renew_deadline,
+            self.leader_election_retry_period,
+        )
+        return self
 
     @field_validator("listen")
     @classmethod

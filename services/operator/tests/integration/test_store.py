@@ -6,8 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from stores import make_store
 
 from cilia_operator.store import AlreadyExists, Conflict, Expired, NotFound, Store, WatchEvent
+
+__all__ = ["make_store"]  # the parametrized fixture (redis, kubernetes)
 
 StoreFactory = Callable[..., Store]
 

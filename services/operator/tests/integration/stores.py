@@ -1,4 +1,7 @@
-"""Store backends for the shared suite: a real redis-server and the mock Kubernetes API."""
+"""Store backends for the shared suite: a real redis-server and the mock Kubernetes API.
+
+``make_store`` is a fixture factory: test modules do ``from stores import make_store``.
+"""
 
 from __future__ import annotations
 
