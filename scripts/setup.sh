@@ -13,7 +13,8 @@ VENV=$ROOT/.venv
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
-          python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool)
+          python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool
+          docker.io debootstrap python3-venv)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,6 +26,26 @@ if ((${#missing[@]})); then
   log "installing Debian packages: ${missing[*]}"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# kubectl renders deploy/kubernetes (kustomize) in the deploy tests. It is not in Debian: it
+# comes from the Kubernetes/Google Cloud apt repository when the machine has one configured.
+if ! command -v kubectl >/dev/null && [[ $(id -u) -eq 0 ]] \
+   && apt-cache policy kubectl 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+  log "installing kubectl"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null \
+    || log "kubectl could not be installed; the kustomize render test will fail and say so"
+fi
+
+# A Docker engine for the image tests (make images, tests of services/*/Dockerfile, the
+# safe-agent-updater's Docker mode): Debian's docker.io. There is no systemd here, so start
+# dockerd in the background (log: /var/log/cilia-dockerd.log) unless the socket answers.
+if [[ $(id -u) -eq 0 ]] && command -v dockerd >/dev/null \
+   && ! /usr/bin/docker info >/dev/null 2>&1; then
+  log "starting dockerd (log /var/log/cilia-dockerd.log)"
+  setsid nohup dockerd >>/var/log/cilia-dockerd.log 2>&1 < /dev/null &
+  for _ in $(seq 60); do /usr/bin/docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  /usr/bin/docker info >/dev/null 2>&1 || { log "dockerd did not come up: see /var/log/cilia-dockerd.log"; exit 2; }
 fi
 
 # bcc compiles against /lib/modules/$(uname -r)/build. This kernel ships none:
