@@ -393,3 +393,25 @@ def test_a_del_queued_while_the_agent_serves_is_replayed_without_a_restart(env: 
     eps = a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
     assert [e.container_id for e in eps] == ["q-live"]
     assert not link_exists(host_ifname("q-late", "eth0"))
+
+
+def test_a_retried_add_after_an_abandoned_one_gets_a_live_endpoint(env: Env) -> None:
+    a = env.start_agent()
+    hooks = GateHooks()
+    a.agent.endpoints.hooks = hooks
+    ns = netns(env)
+    used_before = a.debug.Status(agent_pb2.StatusRequest()).pools[0].used
+    first = a.attach.Add.future(add_req(ns, "retried"), timeout=30)
+    assert hooks.entered.wait(10)
+    first.cancel()
+    # the runtime retries the ADD while the abandoned one still runs (it waits for the key)
+    second = a.attach.Add.future(add_req(ns, "retried"), timeout=30)
+    time.sleep(0.2)
+    hooks.gate.set()
+    r = second.result()
+    assert hooks.deleted  # the abandoned endpoint was deleted before the retry saw it
+    a.attach.Check(agent_pb2.CheckRequest(container_id="retried", ifname="eth0", netns=ns))
+    eps = a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+    assert [(e.id, e.state) for e in eps] == [(r.endpoint_id, "ready")]
+    assert a.debug.Status(agent_pb2.StatusRequest()).pools[0].used == used_before + 1
+    assert len(state_files(env)) == 1

@@ -147,6 +147,13 @@ class EndpointHooks(Protocol):
         """Problems of ``rec``'s enforcement (programs, map entries); [] when healthy."""
 
 
+@dataclass
+class _Caller:
+    """Whether the caller of an Add is still waiting for its result."""
+
+    gone: bool = False
+
+
 def _owner(container_id: str, ifname: str) -> str:
     return f"{container_id}/{ifname}"
 
@@ -254,8 +261,9 @@ class EndpointManager:
 
         The work runs in its own task: when the caller is cancelled (the plugin was
         killed, gRPC cancels the handler) the Add still finishes — a failure rolls
-        itself back — and a finished endpoint nobody received is then deleted, so an
-        abandoned Add never leaks an address, veth, state file or BPF entry.
+        itself back — and a finished endpoint nobody received is deleted before the
+        key's lock is released (a retried Add for the key then creates a fresh one), so
+        an abandoned Add never leaks an address, veth, state file or BPF entry.
 
         Returns the ready endpoint record.
 
@@ -272,14 +280,16 @@ class EndpointManager:
         validate_add(p)
         prev = parse_prev_result(p.prev_result, p.ifname) if p.prev_result else None
         key = (p.container_id, p.ifname)
-        work = asyncio.get_running_loop().create_task(self._add(p, key, prev))
+        caller = _Caller()
+        work = asyncio.get_running_loop().create_task(self._add(p, key, prev, caller))
         self._adding[key] += 1
         work.add_done_callback(lambda _t: self._add_finished(key))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
+            caller.gone = True
             self._background.add(work)
-            work.add_done_callback(self._abandoned_done)
+            work.add_done_callback(self._reap)
             raise
 
     def _add_finished(self, key: tuple[str, str]) -> None:
@@ -291,22 +301,14 @@ class EndpointManager:
         lock = self._locks.get(key)
         return lock is not None and lock.locked()
 
-    def _abandoned_done(self, work: asyncio.Task[EndpointRecord]) -> None:
-        """The caller of an Add went away: delete the endpoint it created, if any."""
+    def _reap(self, work: asyncio.Task[EndpointRecord]) -> None:
+        """Drop an abandoned Add's task; its outcome was handled inside the task."""
         self._background.discard(work)
-        if work.cancelled() or work.exception() is not None:
-            return
-        rec = work.result()
-        log.warning(
-            "add: caller went away, deleting the endpoint it created",
-            extra={"container_id": rec.container_id, "ifname": rec.ifname, "endpoint_id": rec.id},
-        )
-        undo = asyncio.get_running_loop().create_task(self._delete_if(rec.key, rec.id))
-        self._background.add(undo)
-        undo.add_done_callback(self._background.discard)
+        if not work.cancelled():
+            work.exception()  # retrieved: a failure was logged and rolled back already
 
     async def _add(
-        self, p: AddParams, key: tuple[str, str], prev: PrevResult | None
+        self, p: AddParams, key: tuple[str, str], prev: PrevResult | None, caller: _Caller
     ) -> EndpointRecord:
         extra = {"container_id": p.container_id, "ifname": p.ifname, "netns": p.netns}
         async with self._lock(key):
@@ -349,6 +351,11 @@ class EndpointManager:
                     "duration_ms": round(elapsed * 1000, 2),
                 },
             )
+            if caller.gone:
+                # nobody receives this result (the plugin was killed, the RPC cancelled):
+                # delete it before another request for the key can see it
+                log.warning("add: caller went away, deleting the endpoint it created", extra=extra)
+                await self._delete_locked(key, rec, extra)
         self._on_change()
         return rec
 
