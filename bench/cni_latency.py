@@ -1,18 +1,24 @@
-"""CNI ADD/DEL latency: ``cilia-cni`` through the real stack vs the reference plugins.
+"""CNI ADD/DEL latency and throughput: ``cilia-cni`` through a real stack vs the reference
+plugins, in the same run.
 
-For each plugin set, ``--pods`` pods (netns ``cilia-bench-cni-N``) are added one after the other,
-then deleted one after the other; each exec is timed from fork to exit, exactly as the
+For each plugin set and each ``--concurrency`` level (default 1 and 10), ``--pods`` pods
+(netns ``cilia-bench-cni-N``, created before the clock starts) are added by C parallel
+workers, then deleted the same way; each exec is timed from fork to exit, exactly as the
 runtime sees it (``scripts/cnirun.py`` builds the environment and stdin as libcni does,
-DEL gets the cached ADD result as ``prevResult``). ``--warmup`` extra pods per set are run
-first and not counted (page cache, first bridge creation, the agent's first allocation).
+DEL gets the cached ADD result as ``prevResult``), and pods/s is pods / wall time of the
+phase. ``--warmup`` extra pods per set are run first and not counted.
 
 Baseline: Debian's reference ``bridge`` + ``host-local`` plugins from ``--reference-dir``
 (``/usr/lib/cni``, package containernetworking-plugins), on bridge ``cbench0`` and subnet
 ``--reference-subnet``. Also measured: ``cilia-cni`` VERSION (interpreter start + imports,
-no agent round trip), which bounds how fast any ADD can be.
+no agent round trip), the floor under any ADD.
 
-Output: a table of p50/p99/mean in milliseconds, the ratio cilia/reference, and JSON in
-``--results-dir`` (``cni_latency-<UTC time>.json`` and ``cni_latency-latest.json``).
+The cilia stack is private by default (redis, operator, agent, relay of this checkout on
+free ports, pods from ``--pool-cidr``; see ``bench.datapath.private_stack``).
+
+Output: a table of p50/p99/mean ms and pods/s per (plugin, op, concurrency), the ratios
+cilia/reference, and JSON in ``--results-dir`` (``cni_latency-<UTC time>.json`` and
+``cni_latency-latest.json``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,13 +43,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import cnirun  # noqa: E402
 
+from bench import datapath  # noqa: E402
+
 DEFAULT_PODS = 50
 DEFAULT_WARMUP = 3
 DEFAULT_VERSION_RUNS = 20
 DEFAULT_REFERENCE_DIR = pathlib.Path("/usr/lib/cni")
 DEFAULT_REFERENCE_SUBNET = "10.252.0.0/24"
 DEFAULT_RESULTS_DIR = ROOT / "bench" / "results"
-DEFAULT_UP_TIMEOUT_SECONDS = 90
+DEFAULT_CONCURRENCY = "1,10"
+#: Pod CIDR of the private stack (the datapath/flows benches use 10.253.0.0/16).
+DEFAULT_POOL_CIDR = "10.237.0.0/16"
 REFERENCE_BRIDGE = "cbench0"
 NETNS_PREFIX = "cilia-bench-cni-"
 
@@ -70,6 +82,16 @@ def summarize(seconds: list[float]) -> dict[str, float]:
     }
 
 
+def _timed_phase(
+    pods: list[cnirun.Pod], op: Any, concurrency: int
+) -> tuple[list[cnirun.CniOutcome], float]:
+    """Run ``op(pod)`` for every pod on ``concurrency`` workers; outcomes and wall seconds."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outcomes = list(pool.map(op, pods))
+    return outcomes, time.perf_counter() - start
+
+
 def run_pods(
     label: str,
     conflist: dict[str, Any],
@@ -77,39 +99,49 @@ def run_pods(
     cni_path: str,
     pods: int,
     warmup: int,
-) -> dict[str, list[float]]:
-    """ADD ``warmup + pods`` pods sequentially, then DEL them; return timed samples.
+    concurrency: int,
+) -> dict[str, Any]:
+    """ADD ``pods`` pods on ``concurrency`` workers, then DEL them (after ``warmup``
+    untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s}``.
 
     Raises:
         BenchError: an ADD or DEL failed (its CNI error is included).
     """
-    created = [cnirun.Pod(name=f"{NETNS_PREFIX}{i}") for i in range(warmup + pods)]
-    add: list[float] = []
-    delete: list[float] = []
+    created = [cnirun.Pod(name=f"{NETNS_PREFIX}{concurrency}-{i}") for i in range(warmup + pods)]
+    out: dict[str, Any] = {}
     try:
-        for i, pod in enumerate(created):
+        for pod in created:
             pod.create_netns()
-            out = pod.add(conflist, plugin=plugin, cni_path=cni_path)
-            if out.returncode != 0:
-                raise BenchError(f"{label} ADD {pod.name} exited {out.returncode}: {out.stdout}")
-            if i >= warmup:
-                add.append(out.seconds)
-        for i, pod in enumerate(created):
-            out = pod.delete(conflist, plugin=plugin, cni_path=cni_path)
-            if out.returncode != 0:
-                raise BenchError(f"{label} DEL {pod.name} exited {out.returncode}: {out.stdout}")
-            pod.result = None
-            if i >= warmup:
-                delete.append(out.seconds)
+
+        def add(pod: cnirun.Pod) -> cnirun.CniOutcome:
+            return pod.add(conflist, plugin=plugin, cni_path=cni_path)
+
+        def delete(pod: cnirun.Pod) -> cnirun.CniOutcome:
+            outcome = pod.delete(conflist, plugin=plugin, cni_path=cni_path)
+            if outcome.returncode == 0:
+                pod.result = None
+            return outcome
+
+        for name, op in (("add", add), ("del", delete)):
+            _timed_phase(created[:warmup], op, concurrency)
+            outcomes, wall = _timed_phase(created[warmup:], op, concurrency)
+            for pod, outcome in zip(created[warmup:], outcomes, strict=True):
+                if outcome.returncode != 0:
+                    raise BenchError(
+                        f"{label} {name.upper()} {pod.name} exited {outcome.returncode}: "
+                        f"{outcome.stdout}"
+                    )
+            out[name] = [o.seconds for o in outcomes]
+            out[f"{name}_wall"] = wall
     finally:
         for pod in created:
             if pod.result is not None:
                 pod.delete(conflist, plugin=plugin, cni_path=cni_path)
             pod.destroy_netns()
-    return {"add": add, "del": delete}
+    return out
 
 
-def bench_reference(args: argparse.Namespace) -> dict[str, list[float]]:
+def bench_reference(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
     """Reference bridge + host-local, state in a temporary dir, bridge removed afterwards."""
     for name in ("bridge", "host-local"):
         if not (args.reference_dir / name).exists():
@@ -142,52 +174,57 @@ def bench_reference(args: argparse.Namespace) -> dict[str, list[float]]:
                 str(args.reference_dir),
                 args.pods,
                 args.warmup,
+                concurrency,
             )
         finally:
             cnirun.sh("ip", "link", "del", REFERENCE_BRIDGE, check=False)
 
 
-def bench_cilia(args: argparse.Namespace) -> dict[str, list[float]]:
-    """cilia-cni through the stack (started here unless already running, then stopped)."""
-    started = False
-    if cnirun.stack("status", check=False).returncode != 0:
-        cnirun.stack("down")
-        up = cnirun.stack("up", "--fresh", "--timeout", str(args.up_timeout), check=False)
-        if up.returncode != 0:
-            raise BenchError(f"scripts/stack.sh up failed:\n{up.stderr}")
-        started = True
-    try:
-        conflist = cnirun.load_conflist()
-        samples = run_pods(
-            "cilia", conflist, cnirun.CILIA_CNI, str(cnirun.VENV_BIN), args.pods, args.warmup
+def bench_cilia(
+    args: argparse.Namespace, stack: datapath.Stack, concurrency: int
+) -> dict[str, Any]:
+    """cilia-cni through ``stack`` (its agent's conflist)."""
+    conflist = cnirun.load_conflist(stack.conflist)
+    return run_pods(
+        "cilia",
+        conflist,
+        cnirun.CILIA_CNI,
+        str(cnirun.VENV_BIN),
+        args.pods,
+        args.warmup,
+        concurrency,
+    )
+
+
+def bench_version(args: argparse.Namespace) -> list[float]:
+    """Timed ``cilia-cni`` VERSION execs (no agent involved)."""
+    version: list[float] = []
+    for _ in range(args.version_runs):
+        out = cnirun.invoke(
+            "VERSION",
+            stdin=json.dumps({"cniVersion": "1.0.0"}),
+            container_id=None,
+            netns=None,
+            ifname=None,
         )
-        version: list[float] = []
-        for _ in range(args.version_runs):
-            out = cnirun.invoke(
-                "VERSION",
-                stdin=json.dumps({"cniVersion": "1.0.0"}),
-                container_id=None,
-                netns=None,
-                ifname=None,
-            )
-            if out.returncode != 0:
-                raise BenchError(f"cilia-cni VERSION exited {out.returncode}: {out.stdout}")
-            version.append(out.seconds)
-        samples["version"] = version
-        return samples
-    finally:
-        if started and not args.keep_stack:
-            cnirun.stack("down", check=False)
+        if out.returncode != 0:
+            raise BenchError(f"cilia-cni VERSION exited {out.returncode}: {out.stdout}")
+        version.append(out.seconds)
+    return version
 
 
-def table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
-    """Render ``(plugin, op, summary)`` rows as a fixed-width table."""
-    head = f"{'plugin':<28} {'op':<8} {'n':>4} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9}"
+def table(rows: list[tuple[str, str, int, dict[str, float]]]) -> str:
+    """Render ``(plugin, op, concurrency, summary)`` rows as a fixed-width table."""
+    head = (
+        f"{'plugin':<28} {'op':<8} {'conc':>4} {'n':>4} {'p50 ms':>9} {'p99 ms':>9} "
+        f"{'mean ms':>9} {'pods/s':>8}"
+    )
     lines = [head, "-" * len(head)]
-    for plugin, op, s in rows:
+    for plugin, op, conc, s in rows:
+        rate = f"{s['pods_per_s']:>8.1f}" if "pods_per_s" in s else f"{'':>8}"
         lines.append(
-            f"{plugin:<28} {op:<8} {int(s['n']):>4} {s['p50_ms']:>9.1f} "
-            f"{s['p99_ms']:>9.1f} {s['mean_ms']:>9.1f}"
+            f"{plugin:<28} {op:<8} {conc or '':>4} {int(s['n']):>4} {s['p50_ms']:>9.1f} "
+            f"{s['p99_ms']:>9.1f} {s['mean_ms']:>9.1f} {rate}"
         )
     return "\n".join(lines)
 
@@ -195,7 +232,7 @@ def table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return 0 on success, 1 when it could not run."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench",
+        prog="python -m bench cni_latency",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -203,13 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         "--pods",
         type=int,
         default=DEFAULT_PODS,
-        help=f"timed pods per plugin set (default {DEFAULT_PODS})",
+        help=f"timed pods per plugin set and concurrency (default {DEFAULT_PODS})",
     )
     parser.add_argument(
         "--warmup",
         type=int,
         default=DEFAULT_WARMUP,
         help=f"untimed pods first (default {DEFAULT_WARMUP})",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=DEFAULT_CONCURRENCY,
+        help=f"comma-separated parallel workers per run (default {DEFAULT_CONCURRENCY})",
     )
     parser.add_argument(
         "--version-runs",
@@ -234,59 +276,72 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_RESULTS_DIR,
         help="where the JSON goes (default bench/results)",
     )
-    parser.add_argument(
-        "--up-timeout",
-        type=int,
-        default=DEFAULT_UP_TIMEOUT_SECONDS,
-        help=f"seconds for the stack to start (default {DEFAULT_UP_TIMEOUT_SECONDS})",
-    )
-    parser.add_argument(
-        "--keep-stack", action="store_true", help="leave a stack started by the benchmark running"
-    )
+    datapath.add_stack_flags(parser)
+    parser.set_defaults(pool_cidr=DEFAULT_POOL_CIDR)
     args = parser.parse_args(argv)
-    if args.pods < 1 or args.warmup < 0:
-        parser.error("--pods must be >= 1 and --warmup >= 0")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
+    if args.pods < 1 or args.warmup < 0 or not levels or min(levels) < 1:
+        parser.error("--pods and every --concurrency must be >= 1, --warmup >= 0")
     if os.geteuid() != 0:
         print("the CNI benchmark needs root (netns, veth, bridges)", file=sys.stderr)
         return 1
     for stale in cnirun.list_netns(NETNS_PREFIX):
         cnirun.delete_netns(stale)
+    ref: dict[int, dict[str, Any]] = {}
+    cil: dict[int, dict[str, Any]] = {}
     try:
-        print(
-            f"reference bridge + host-local: {args.pods} pods (+{args.warmup} warm-up) ...",
-            flush=True,
-        )
-        ref = bench_reference(args)
-        print(f"cilia-cni via the stack: {args.pods} pods (+{args.warmup} warm-up) ...", flush=True)
-        cil = bench_cilia(args)
-    except (BenchError, cnirun.CniRunError, OSError) as exc:
+        with datapath.stack_running(args) as stack:
+            print(f"stack: {datapath.describe(stack)}", flush=True)
+            for conc in levels:
+                print(f"reference bridge + host-local: {args.pods} pods, concurrency {conc} ...")
+                ref[conc] = bench_reference(args, conc)
+                print(f"cilia-cni: {args.pods} pods, concurrency {conc} ...", flush=True)
+                cil[conc] = bench_cilia(args, stack, conc)
+            version = bench_version(args)
+    except (BenchError, datapath.BenchError, cnirun.CniRunError, OSError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
 
-    summary = {
-        "reference": {op: summarize(v) for op, v in ref.items()},
-        "cilia": {op: summarize(v) for op, v in cil.items()},
+    def summary_of(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+        out = {}
+        for op in ("add", "del"):
+            s = summarize(data[op])
+            s["pods_per_s"] = round(len(data[op]) / data[f"{op}_wall"], 2)
+            out[op] = s
+        return out
+
+    summary: dict[str, Any] = {
+        "reference": {str(c): summary_of(ref[c]) for c in levels},
+        "cilia": {str(c): summary_of(cil[c]) for c in levels},
+        "cilia_version": summarize(version),
     }
-    ratio = {
-        f"{op}_{q}": round(summary["cilia"][op][f"{q}_ms"] / summary["reference"][op][f"{q}_ms"], 2)
-        for op in ("add", "del")
-        for q in ("p50", "p99")
-    }
-    rows = [
-        ("reference bridge+host-local", "ADD", summary["reference"]["add"]),
-        ("reference bridge+host-local", "DEL", summary["reference"]["del"]),
-        ("cilia-cni (stack)", "ADD", summary["cilia"]["add"]),
-        ("cilia-cni (stack)", "DEL", summary["cilia"]["del"]),
-        ("cilia-cni", "VERSION", summary["cilia"]["version"]),
-    ]
+    ratio: dict[str, float] = {}
+    for conc in levels:
+        r, c = summary["reference"][str(conc)], summary["cilia"][str(conc)]
+        for op in ("add", "del"):
+            for q in ("p50", "p99"):
+                ratio[f"{op}_{q}_c{conc}"] = round(c[op][f"{q}_ms"] / r[op][f"{q}_ms"], 2)
+            ratio[f"{op}_pods_per_s_c{conc}"] = round(c[op]["pods_per_s"] / r[op]["pods_per_s"], 3)
+    rows: list[tuple[str, str, int, dict[str, float]]] = []
+    for conc in levels:
+        for name, key in (("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")):
+            for op in ("add", "del"):
+                rows.append((name, op.upper(), conc, summary[key][str(conc)][op]))
+    rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
     print()
     print(table(rows))
     print()
-    print("ratio cilia / reference (lower is better, 1.0 = parity):")
-    for op in ("add", "del"):
-        print(
-            f"  {op.upper():<4} p50 {ratio[f'{op}_p50']:>6.2f}x   p99 {ratio[f'{op}_p99']:>6.2f}x"
-        )
+    print("ratio cilia / reference (latency: lower is better; pods/s: higher is better):")
+    for conc in levels:
+        for op in ("add", "del"):
+            print(
+                f"  {op.upper():<4} c={conc:<3} p50 {ratio[f'{op}_p50_c{conc}']:>6.2f}x   "
+                f"p99 {ratio[f'{op}_p99_c{conc}']:>6.2f}x   "
+                f"pods/s {ratio[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
+            )
 
     now = dt.datetime.now(dt.UTC)
     report = {
@@ -296,18 +351,23 @@ def main(argv: list[str] | None = None) -> int:
             "kernel": platform.release(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
         },
         "parameters": {
             "pods": args.pods,
             "warmup": args.warmup,
+            "concurrency": levels,
             "reference_dir": str(args.reference_dir),
             "reference_subnet": args.reference_subnet,
-            "sequential": True,
+            "stack": args.stack,
         },
         "summary": summary,
         "ratio_cilia_over_reference": ratio,
         "samples_ms": {
-            name: {op: [round(s * 1000, 3) for s in v] for op, v in data.items()}
+            name: {
+                str(c): {op: [round(s * 1000, 3) for s in data[c][op]] for op in ("add", "del")}
+                for c in levels
+            }
             for name, data in (("reference", ref), ("cilia", cil))
         },
     }

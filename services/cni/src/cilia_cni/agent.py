@@ -22,6 +22,9 @@ Every method uses grpcio's synchronous API (no asyncio event loop is started).
 
 from __future__ import annotations
 
+import time
+from typing import Any  # grpc imports typing anyway
+
 import grpc
 
 from cilia.agent.v1 import agent_pb2
@@ -77,6 +80,8 @@ class AgentClient:
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
+        #: Milliseconds spent in calls to the agent (channel set-up included), for the log.
+        self.call_ms = 0.0
         self._channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
         self._add = self._channel.unary_unary(
             _method("Add"),
@@ -117,7 +122,7 @@ class AgentClient:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response: agent_pb2.AddResponse = self._add(request, timeout=timeout)
+            response: agent_pb2.AddResponse = self._timed(self._add, request, timeout)
         except grpc.RpcError as exc:
             raise self._error("ADD", exc, timeout, "agent-timeout-seconds") from None
         return response
@@ -131,7 +136,7 @@ class AgentClient:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response: agent_pb2.DelResponse = self._del(request, timeout=timeout)
+            response: agent_pb2.DelResponse = self._timed(self._del, request, timeout)
         except grpc.RpcError as exc:
             raise self._error("DEL", exc, timeout, "agent-del-timeout-seconds") from None
         return bool(response.deleted)
@@ -144,7 +149,7 @@ class AgentClient:
                 AgentUnavailable, ... (see the module table).
         """
         try:
-            response: agent_pb2.CheckResponse = self._check(request, timeout=timeout)
+            response: agent_pb2.CheckResponse = self._timed(self._check, request, timeout)
         except grpc.RpcError as exc:
             raise self._error(
                 "CHECK", exc, timeout, "agent-timeout-seconds", _BY_STATUS_CHECK
@@ -158,7 +163,7 @@ class AgentClient:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response: agent_pb2.GCResponse = self._gc(request, timeout=timeout)
+            response: agent_pb2.GCResponse = self._timed(self._gc, request, timeout)
         except grpc.RpcError as exc:
             raise self._error("GC", exc, timeout, "agent-timeout-seconds") from None
         return response
@@ -170,12 +175,19 @@ class AgentClient:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response: agent_pb2.StatusResponse = self._status(
-                agent_pb2.StatusRequest(), timeout=timeout
+            response: agent_pb2.StatusResponse = self._timed(
+                self._status, agent_pb2.StatusRequest(), timeout
             )
         except grpc.RpcError as exc:
             raise self._error("STATUS", exc, timeout, "agent-timeout-seconds") from None
         return response
+
+    def _timed(self, method: Any, request: object, timeout: float) -> Any:
+        started = time.monotonic()
+        try:
+            return method(request, timeout=timeout)
+        finally:
+            self.call_ms += (time.monotonic() - started) * 1000
 
     def _error(
         self,
