@@ -80,10 +80,10 @@ DEFAULT_TYPES: tuple[ResourceType, ...] = (
         ("crd", "crds"),
         status=True,
     ),
-    _t("cilium.io", "v2", "ciliumnodes", "CiliumNode", False, ("cn",)),
+    _t("cilium.io", "v2", "ciliumnodes", "CiliumNode", False, ("cn",), status=True),
     _t("cilium.io", "v2", "ciliumidentities", "CiliumIdentity", False, ("ciliumid",)),
     _t("cilium.io", "v2", "ciliumendpoints", "CiliumEndpoint", True, ("cep", "ciliumep")),
-    _t("cilium.io", "v2", "ciliumnetworkpolicies", "CiliumNetworkPolicy", True, ("cnp",)),
+    _t("cilium.io", "v2", "ciliumnetworkpolicies", "CiliumNetworkPolicy", True, ("cnp",), True),
     _t(
         "cilium.io",
         "v2",
@@ -97,9 +97,9 @@ DEFAULT_TYPES: tuple[ResourceType, ...] = (
     _t("cilia.io", "v1alpha1", "ciliaipamblocks", "CiliaIPAMBlock", False),
     _t("cilia.io", "v1alpha1", "ciliaidentitykeys", "CiliaIdentityKey", False),
 )
-"""Served from the start. CRD kinds are served WITHOUT a status subresource (a PUT
-replaces the whole object, status included), as the operator's Store writes them; pass
-``status_subresource=True`` to :meth:`KubeMock.add_type` for another behaviour."""
+"""Served from the start. As upstream's CRDs, CiliumNode and CiliumNetworkPolicy have a
+``status`` subresource (a create/PUT of the object ignores ``status``; ``/status`` writes
+only it); the other cilium.io / cilia.io kinds do not (a PUT replaces the whole object)."""
 
 
 def types_from_crd(crd: dict[str, object]) -> list[ResourceType]:

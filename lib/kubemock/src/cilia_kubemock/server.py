@@ -306,7 +306,7 @@ class KubeMock:
             _meta(body).pop("resourceVersion", None)
             if (t.group, t.plural, ns, name) in self._objects:
                 return self._update(t, ns, name, body, subresource="", raw=True)
-            return self._create(t, ns, body)
+            return self._create(t, ns, body, raw=True)
 
         return self._call(put)
 
@@ -377,8 +377,10 @@ class KubeMock:
         self._rv += 1
         return str(self._rv)
 
-    def _create(self, t: ResourceType, ns: str, body: Obj) -> Obj:
+    def _create(self, t: ResourceType, ns: str, body: Obj, raw: bool = False) -> Obj:
         meta = _meta(body)
+        if t.status_subresource and not raw:
+            body.pop("status", None)  # ignored on create, as the real server does
         if t.namespaced:
             if meta.get("namespace") and meta["namespace"] != ns:
                 raise ApiError(

@@ -21,6 +21,7 @@ TEST_KINDS = {
     "Thing": KubeKind("test.cilia.io", "v1", "things", False),
     "Other": KubeKind("test.cilia.io", "v1", "others", False),
     "Scoped": KubeKind("test.cilia.io", "v1", "scopeds", True),
+    "Statusful": KubeKind("test.cilia.io", "v1", "statusfuls", False, status_subresource=True),
 }
 
 StoreFactory = Callable[..., Store]
@@ -31,8 +32,11 @@ def start_kubemock(**kwargs: Any) -> KubeMock:
     mock = KubeMock(**kwargs)
     for kind, info in TEST_KINDS.items():
         mock.add_type(
-            ResourceType(info.group, info.version, info.plural, kind.lower(), kind, info.namespaced)
-        )
+            ResourceType(
+                info.group, info.version, info.plural, kind.lower(), kind, info.namespaced,
+                status_subresource=info.status_subresource,
+            )
+        )  # fmt: skip
     mock.start()
     return mock
 

@@ -222,3 +222,22 @@ async def test_returned_objects_are_copies(make_store: StoreFactory) -> None:
         assert (await store.get("Thing", "a"))["spec"] == {"v": 0}
     finally:
         await store.close()
+
+
+async def test_status_is_stored_with_the_object_even_behind_a_status_subresource(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
+    try:
+        made = await store.create({**obj("a", kind="Statusful"), "status": {"phase": "new"}})
+        assert made["status"] == {"phase": "new"}
+        assert (await store.get("Statusful", "a"))["status"] == {"phase": "new"}
+        changed = await store.update({**made, "spec": {"v": 1}, "status": {"phase": "done"}})
+        got = await store.get("Statusful", "a")
+        assert got["spec"] == {"v": 1} and got["status"] == {"phase": "done"}
+        assert got["metadata"]["resourceVersion"] == changed["metadata"]["resourceVersion"]
+        with pytest.raises(Conflict):
+            await store.update({**made, "status": {"phase": "stale"}})
+        assert (await store.get("Statusful", "a"))["status"] == {"phase": "done"}
+    finally:
+        await store.close()

@@ -15,9 +15,10 @@ The API server gives the same semantics as the Redis backend:
   event with code 410 → :class:`Expired` (list again);
 - connection failures, timeouts and 5xx → :class:`StoreUnavailable`.
 
-The CRDs must be served WITHOUT a ``status`` subresource (a PUT then writes the whole
-object, status included, atomically as the Redis backend does); CiliumNode status is
-written by the operator in the same update as its spec.
+Kinds whose CRD serves a ``status`` subresource (CiliumNode, CiliumNetworkPolicy, as
+upstream) get ``status`` written by a second PUT to ``/status`` after a create or update
+that changed it: two writes (two watch events), each with its resourceVersion
+precondition; a Conflict on the second one is raised like any other (callers retry).
 
 One difference: ``watch(kind, "0")`` (or ``""``) starts with synthetic ADDED events for
 every current object (Kubernetes' "any version" watch) instead of replaying the history
@@ -60,13 +61,17 @@ class KubeKind:
 
     Attributes:
         group: API group (``""`` = core, served under ``/api/v1``); version: ``v2``;
-        plural: URL name; namespaced: whether objects live in a namespace.
+        plural: URL name; namespaced: whether objects live in a namespace;
+        status_subresource: the CRD serves ``/status`` (the API server then ignores
+            ``status`` in a create or a PUT of the object): the store writes ``status``
+            with a second PUT to ``/status`` (two writes, two events, not atomic).
     """
 
     group: str
     version: str
     plural: str
     namespaced: bool
+    status_subresource: bool = False
 
     @property
     def api_version(self) -> str:
@@ -88,8 +93,10 @@ class KubeKind:
 KINDS: dict[str, KubeKind] = {
     # upstream CRDs (reference: cilium-upstream.md)
     "CiliumPodIPPool": KubeKind("cilium.io", "v2alpha1", "ciliumpodippools", False),
-    "CiliumNode": KubeKind("cilium.io", "v2", "ciliumnodes", False),
-    "CiliumNetworkPolicy": KubeKind("cilium.io", "v2", "ciliumnetworkpolicies", True),
+    "CiliumNode": KubeKind("cilium.io", "v2", "ciliumnodes", False, status_subresource=True),
+    "CiliumNetworkPolicy": KubeKind(
+        "cilium.io", "v2", "ciliumnetworkpolicies", True, status_subresource=True
+    ),
     "CiliumIdentity": KubeKind("cilium.io", "v2", "ciliumidentities", False),
     "CiliumEndpoint": KubeKind("cilium.io", "v2", "ciliumendpoints", True),
     # builtin kinds
@@ -297,7 +304,30 @@ class KubernetesStore(Store):
             raise AlreadyExists(kind, namespace, name)
         if status not in (200, 201):
             raise self._fail(status, stored, f"create {kind} {name}")
-        return self._normalise(info, kind, stored)
+        return await self._write_status(info, kind, obj, self._normalise(info, kind, stored))
+
+    async def _write_status(
+        self, info: KubeKind, kind: str, wanted: Resource, stored: Resource
+    ) -> Resource:
+        """Second write for kinds with a status subresource, when status differs."""
+        if not info.status_subresource or wanted.get("status") == stored.get("status"):
+            return stored
+        _, namespace, name = object_key(stored)
+        body = json.loads(json.dumps(stored))
+        if "status" in wanted:
+            body["status"] = json.loads(json.dumps(wanted["status"]))
+        else:
+            body.pop("status", None)
+        path = info.item(name, namespace) + "/status"
+        status, result = await self._request("PUT", path, body=body)
+        if status == 404:
+            raise NotFound(kind, namespace, name)
+        if status == 409:
+            current = await self._current_version(kind, name, namespace)
+            raise Conflict(kind, namespace, name, resource_version(stored), current)
+        if status != 200:
+            raise self._fail(status, result, f"update status of {kind} {name}")
+        return self._normalise(info, kind, result)
 
     async def _current_version(self, kind: str, name: str, namespace: str) -> str:
         try:
@@ -321,7 +351,7 @@ class KubernetesStore(Store):
             raise Conflict(kind, namespace, name, expected, current)
         if status != 200:
             raise self._fail(status, stored, f"update {kind} {name}")
-        return self._normalise(info, kind, stored)
+        return await self._write_status(info, kind, obj, self._normalise(info, kind, stored))
 
     async def delete(
         self, kind: str, name: str, namespace: str = "", resource_version: str = ""
