@@ -241,3 +241,28 @@ async def test_status_is_stored_with_the_object_even_behind_a_status_subresource
         assert (await store.get("Statusful", "a"))["status"] == {"phase": "done"}
     finally:
         await store.close()
+
+
+async def test_kubernetes_store_unreachable_is_store_unavailable(tmp_path: Any) -> None:
+    from cilia_kubemock import write_kubeconfig
+    from cilia_operator.app import Operator, StartupError
+    from cilia_operator.config import Config
+    from cilia_operator.store import StoreUnavailable
+    from cilia_operator.store.kubernetes import KubernetesStore
+
+    kubeconfig = write_kubeconfig("http://127.0.0.1:9", tmp_path / "kc")
+    store = KubernetesStore(kubeconfig=str(kubeconfig), request_timeout=2)
+    try:
+        with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1:9"):
+            await store.get("CiliumNode", "n1")
+    finally:
+        await store.close()
+    missing = KubernetesStore(kubeconfig=str(tmp_path / "missing"))
+    with pytest.raises(StoreUnavailable, match="missing"):
+        await missing.list("CiliumNode")
+    op = Operator(Config(store="kubernetes", kubeconfig=str(kubeconfig), prometheus_serve_addr=""))
+    with pytest.raises(StartupError, match=r"127\.0\.0\.1:9"):
+        await op.start()
+    await op.stop()
+    with pytest.raises(ValueError, match="no Kubernetes resource mapping"):
+        await KubernetesStore(kubeconfig=str(kubeconfig)).get("Bogus", "x")

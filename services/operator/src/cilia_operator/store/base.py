@@ -11,8 +11,9 @@ the resourceVersion they were based on; a stale one raises :class:`Conflict`
 raises :class:`Expired` (like HTTP 410 Gone) when the history it needs is gone, so the
 caller lists again and watches from the list's resourceVersion.
 
-Backends: :mod:`cilia_operator.store.redis` (standalone). A Kubernetes backend will
-implement the same interface later.
+Backends: :mod:`cilia_operator.store.redis` (standalone, ``--store redis://...``) and
+:mod:`cilia_operator.store.kubernetes` (``--store kubernetes``: CRDs through the API
+server). Both pass one shared test suite (services/operator/tests/integration/test_store.py).
 """
 
 from __future__ import annotations
