@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -65,7 +65,14 @@ class GateHooks:
         self.gate = threading.Event()
         self.deleted: list[int] = []
 
-    async def create(self, rec: EndpointRecord, ifindex: int) -> int:
+    async def create(
+        self,
+        rec: EndpointRecord,
+        ifindex: int,
+        on_identity: Callable[[int], Awaitable[None]] | None = None,
+    ) -> int:
+        if on_identity is not None:
+            await on_identity(4242)
         self.entered.set()
         while not self.gate.is_set():
             await asyncio.sleep(0.01)
@@ -132,6 +139,9 @@ def test_check_unknown_attachment_is_not_found_and_creating_is_unavailable(env: 
         a.attach.Check(agent_pb2.CheckRequest(container_id="slow", ifname="eth0"))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "creating" in (err.value.details() or "")
+    # the identity is persisted as soon as it exists: a crash now lets the restore release it
+    [creating] = [json.loads(f.read_text()) for f in state_files(env)]
+    assert (creating["state"], creating["identity"]) == ("creating", 4242)
     hooks.gate.set()
     assert fut.result().endpoint_id
     a.attach.Check(agent_pb2.CheckRequest(container_id="slow", ifname="eth0"))

@@ -387,8 +387,16 @@ class Enforcement:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def create(self, rec: EndpointRecord, ifindex: int) -> int:
+    async def create(
+        self,
+        rec: EndpointRecord,
+        ifindex: int,
+        on_identity: Callable[[int], Awaitable[None]] | None = None,
+    ) -> int:
         """Give a plumbed endpoint its identity, policy and programs; returns the identity.
+
+        ``on_identity`` is awaited with the identity right after the operator allocated
+        it (the manager persists it, so a crash before the Add finishes can release it).
 
         Raises:
             InvalidLabels: the labels cannot form an identity.
@@ -413,6 +421,8 @@ class Enforcement:
                 self._release_if_unused(identity)
 
             undo.append(release)
+            if on_identity is not None:
+                await on_identity(identity)
             self._learn_identity(identity, labels.strings())
             if self.mode == "default":
                 await self.wait_ready()

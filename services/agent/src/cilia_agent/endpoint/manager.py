@@ -20,7 +20,7 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -137,8 +137,15 @@ def validate_add(p: AddParams) -> None:
 class EndpointHooks(Protocol):
     """What the manager calls around plumbing (``endpoint.enforcement.Enforcement``)."""
 
-    async def create(self, rec: EndpointRecord, ifindex: int) -> int:
-        """Enforce policy on a plumbed endpoint; returns its identity. Undoes itself on error."""
+    async def create(
+        self,
+        rec: EndpointRecord,
+        ifindex: int,
+        on_identity: Callable[[int], Awaitable[None]] | None = None,
+    ) -> int:
+        """Enforce policy on a plumbed endpoint; returns its identity. Undoes itself on error.
+
+        ``on_identity`` is awaited as soon as the identity is allocated."""
 
     async def delete(self, rec: EndpointRecord) -> None:
         """Remove what :meth:`create` (or a restore) set up for ``rec``."""
@@ -402,7 +409,9 @@ class EndpointManager:
                 update={"host_mac": result.host_mac, "container_mac": result.container_mac}
             )
             if self.hooks is not None:
-                identity = await self.hooks.create(rec, result.host_ifindex)
+                identity = await self.hooks.create(
+                    rec, result.host_ifindex, self._identity_writer(rec)
+                )
                 hooked = True
                 rec = rec.model_copy(update={"identity": identity})
             rec = rec.model_copy(update={"state": "ready"})
@@ -457,7 +466,7 @@ class EndpointManager:
             wrote = True
             self._endpoints[key] = rec
             if self.hooks is not None:
-                identity = await self.hooks.create(rec, peer.ifindex)
+                identity = await self.hooks.create(rec, peer.ifindex, self._identity_writer(rec))
                 rec = rec.model_copy(update={"identity": identity})
             rec = rec.model_copy(update={"state": "ready"})
             await self._run(self.store.write_endpoint, rec)
@@ -469,6 +478,17 @@ class EndpointManager:
             if wrote:
                 await asyncio.shield(self._run(self.store.remove_endpoint, *key))
             raise
+
+    def _identity_writer(self, rec: EndpointRecord) -> Callable[[int], Awaitable[None]]:
+        """Persist the identity into the ``creating`` state file as soon as it exists, so
+        a restore after a crash mid-Add releases it (:meth:`restore` → ``cleaned``)."""
+
+        async def write(identity: int) -> None:
+            await self._run(
+                self.store.write_endpoint, rec.model_copy(update={"identity": identity})
+            )
+
+        return write
 
     def _release_ip(self, rec: EndpointRecord) -> bool:
         """Release ``rec``'s address only when IPAM holds it for ``rec``'s own key.
