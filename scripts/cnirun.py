@@ -41,6 +41,8 @@ CONFLIST = RUN / "cni" / "net.d" / "05-cilia.conflist"
 AGENT_SOCKET = RUN / "cilia.sock"
 # The stack agent's ``--state-dir`` and ``--bpf-pin-dir`` (its default: scripts/stack.sh sets none).
 AGENT_STATE_DIR = RUN / "agent" / "state"
+# The stack agent's ``--cni-del-queue-dir`` (DELs the plugin queued while the agent was down).
+DEL_QUEUE_DIR = RUN / "del-queue"
 BPF_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
 # Debian's reference plugins (containernetworking-plugins), for chaining tests.
 DEBIAN_CNI_DIR = pathlib.Path("/usr/lib/cni")
@@ -576,6 +578,13 @@ def agent_state_files(kind: str = "endpoints") -> list[pathlib.Path]:
     return sorted(p for p in directory.iterdir() if p.is_file())
 
 
+def del_queue_files(directory: pathlib.Path = DEL_QUEUE_DIR) -> list[pathlib.Path]:
+    """Queued DEL files waiting for the agent's replay (``[]`` when none or no directory)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
 def bpf_map_dump(name: str, pin_dir: pathlib.Path = BPF_PIN_DIR) -> list[tuple[bytes, bytes]]:
     """Raw ``(key, value)`` bytes of the map pinned at ``pin_dir/name``, read with bpftool.
 
@@ -728,6 +737,7 @@ __all__: Sequence[str] = [
     "cni_args",
     "component_pid",
     "create_netns",
+    "del_queue_files",
     "delete_netns",
     "exec_list",
     "find_plugin",

@@ -166,6 +166,7 @@ def test_fifty_parallel_adds_and_dels_hand_out_no_address_twice_and_leak_nothing
     veths = {p.host_veth for p in pods}
     leaks = _leaks(before, after, set(ifindexes), veths)
     assert not leaks, leaks
+    assert not cnirun.del_queue_files(), "a DEL was queued although the agent was up"
     for pod in pods:
         assert pod.ifname not in cnirun.netns_links(pod.name), f"{pod.name} keeps its eth0"
 
@@ -424,6 +425,7 @@ def _assert_exactly_the_survivors(before: NodeState, chaos: Chaos, summary: str)
     assert new_bpf == survivor_ifindexes, f"BPF endpoint map {new_bpf} != {survivor_ifindexes}"
     new_ipcache = set(after.ipcache_pods) - set(before.ipcache_pods)
     assert new_ipcache == {f"{p.ip}/32" for p in survivors.values()}, sorted(new_ipcache)
+    assert not cnirun.del_queue_files(), f"DELs never replayed: {cnirun.del_queue_files()}"
     leftover = {n: cnirun.netns_links(n) for n in chaos.parked}
     assert all(links == ["lo"] for links in leftover.values()), f"pod interfaces left {leftover}"
 
