@@ -317,12 +317,24 @@ _TIMINGS: dict[str, float] = {}
 
 
 def _load_grpc() -> None:
-    """Import grpc and the generated messages (most of an ADD's start-up), timed once."""
+    """Import grpc and the generated messages (most of an ADD's start-up), timed once.
+
+    grpcio's extension imports asyncio, which tries ``import ssl`` (OpenSSL's loading,
+    about a tenth of ``import grpc``) and carries on without it when that fails. Nothing
+    here uses Python's ssl module (the channel is a plain unix socket; grpc's own TLS is in
+    its C core), so ssl is blocked for the duration of the import and unblocked after.
+    """
     if "cilia_cni.agent" in sys.modules:
         return
     started = time.monotonic()
-    import cilia_cni.agent  # noqa: F401 - imported for its side effect (grpc, agent_pb2)
-
+    blocked = "ssl" not in sys.modules
+    if blocked:
+        sys.modules["ssl"] = None  # type: ignore[assignment] # import raises ImportError
+    try:
+        import cilia_cni.agent  # noqa: F401 - imported for its side effect (grpc, agent_pb2)
+    finally:
+        if blocked and sys.modules.get("ssl", 0) is None:
+            del sys.modules["ssl"]
     _TIMINGS["grpcImportMs"] = _ms(started)
 
 
