@@ -42,6 +42,12 @@ class Holding:
     pool: str
 
 
+def _span(block: IPv4Network) -> tuple[int, int]:
+    """First and last address of ``block`` as ints."""
+    start = int(block.network_address)
+    return start, start + (1 << (32 - block.prefixlen)) - 1
+
+
 class _Subnets:
     """One pool CIDR carved into ``mask_size`` children, lowest free first.
 
@@ -55,37 +61,39 @@ class _Subnets:
         self.count = 1 << (mask_size - cidr.prefixlen)
         self.used: Counter[int] = Counter()
         self._hint = 0
+        self._lo = int(cidr.network_address)
+        self._hi = self._lo + cidr.num_addresses - 1
 
-    def _indexes(self, block: IPv4Network) -> range:
-        if not block.overlaps(self.cidr):
+    def _indexes(self, span: tuple[int, int]) -> range:
+        start, end = span
+        if end < self._lo or start > self._hi:
             return range(0)
-        base = int(self.cidr.network_address)
-        lo = max(int(block.network_address), base)
-        hi = min(int(block.broadcast_address), int(self.cidr.broadcast_address))
-        return range((lo - base) // self.step, (hi - base) // self.step + 1)
+        lo, hi = max(start, self._lo), min(end, self._hi)
+        return range((lo - self._lo) // self.step, (hi - self._lo) // self.step + 1)
 
-    def mark(self, block: IPv4Network) -> None:
-        for i in self._indexes(block):
+    def mark(self, span: tuple[int, int]) -> None:
+        """Count the children overlapping ``span`` (first, last address as ints) used."""
+        for i in self._indexes(span):
             self.used[i] += 1
 
-    def unmark(self, block: IPv4Network) -> None:
-        for i in self._indexes(block):
+    def unmark(self, span: tuple[int, int]) -> None:
+        """Undo :meth:`mark`."""
+        for i in self._indexes(span):
             self.used[i] -= 1
             if self.used[i] <= 0:
                 del self.used[i]
                 self._hint = min(self._hint, i)
 
     def take(self) -> IPv4Network | None:
+        """The lowest free child (not marked: the caller occupies it), or None."""
         i = self._hint
         while i < self.count and i in self.used:
             i += 1
         self._hint = i
         if i >= self.count:
             return None
-        self.used[i] += 1
         self._hint = i + 1
-        address = ipaddress.IPv4Address(int(self.cidr.network_address) + i * self.step)
-        return IPv4Network((address, self.mask_size))
+        return IPv4Network((self._lo + i * self.step, self.mask_size))
 
     @property
     def free(self) -> int:
@@ -153,8 +161,9 @@ class MultiPoolAllocator:
             return
         subnets = [_Subnets(cidr, spec.mask_size) for cidr in spec.cidrs]
         for block in self._held:
+            span = _span(block)
             for s in subnets:
-                s.mark(block)
+                s.mark(span)
         self._pools[spec.name] = spec
         self._subnets[spec.name] = subnets
 
@@ -169,9 +178,10 @@ class MultiPoolAllocator:
         self._held[block] = holding
         self._by_node.setdefault(holding.node, set()).add(block)
         self._lens[block.prefixlen] += 1
+        span = _span(block)
         for subnets in self._subnets.values():
             for s in subnets:
-                s.mark(block)
+                s.mark(span)
 
     def _free(self, block: IPv4Network) -> None:
         holding = self._held.pop(block, None)
@@ -181,9 +191,10 @@ class MultiPoolAllocator:
         if not self._by_node[holding.node]:
             del self._by_node[holding.node]
         self._lens[block.prefixlen] -= 1
+        span = _span(block)
         for subnets in self._subnets.values():
             for s in subnets:
-                s.unmark(block)
+                s.unmark(span)
 
     def _conflict(self, block: IPv4Network, node: str) -> Holding | None:
         """The holding of another node that ``block`` overlaps, if any."""
@@ -276,8 +287,7 @@ class MultiPoolAllocator:
         for s in self._subnets.get(pool, []):
             block = s.take()
             if block is not None:
-                s.unmark(block)  # _occupy marks it in every pool's subnets
-                self._occupy(block, Holding(node, pool))
+                self._occupy(block, Holding(node, pool))  # marks it in every pool
                 return block
         return None
 

@@ -146,9 +146,10 @@ class IPAMController:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, run: bool = True) -> None:
         """Migrate (when enabled), restore state from the store and start the watches
-        and the worker.
+        and the worker (``run`` False: restore only; the caller drives
+        :meth:`reconcile`, :meth:`sync_draining` and the relists itself -- property tests).
 
         Returns once every recorded block is occupied (the allocator is ready). A failed
         migration is logged and shown in :attr:`migration`; the allocator then does not
@@ -188,6 +189,8 @@ class IPAMController:
             self.enqueue(name)
         for pool in sorted(self.allocator.pools):
             self.enqueue_pool(pool)
+        if not run:
+            return
         self._tasks = [
             asyncio.create_task(
                 self._watch(POOL.kind, pools_rv, self._on_pool, self._relist_pools)
@@ -436,6 +439,12 @@ class IPAMController:
             self.allocator.occupy(parsed.block, Holding(parsed.node, parsed.pool))
             self.enqueue(parsed.node)
 
+    async def _learn_claims(self) -> None:
+        """Occupy every stored claim the allocator does not know yet."""
+        for c in await claims.list_claims(self.store):
+            if self.allocator.holder(c.block) is None:
+                self.allocator.occupy(c.block, Holding(c.node, c.pool))
+
     async def _relist_claims(self) -> str:
         listed = await self.store.list(claims.KIND)
         for obj in listed.items:
@@ -530,6 +539,34 @@ class IPAMController:
                 self.allocator.occupy(block, Holding(current.node, current.pool))
         return reserved
 
+    async def _stale_pools(
+        self, name: str, added: Sequence[tuple[str, ipaddress.IPv4Network]]
+    ) -> bool:
+        """Re-read the pools blocks were just taken from: a block outside its pool's live
+        CIDRs in the store (the allocator's view was stale: the CIDR was removed or the
+        pool deleted) is unclaimed and freed, and the pool view refreshed. Returns
+        whether any was."""
+        stale = False
+        for pool in sorted({p for p, _ in added if p != CLUSTER_POOL}):
+            try:
+                spec: PoolSpec | None = pool_spec_from_resource(
+                    await self.store.get(POOL.kind, pool)
+                )
+            except (NotFound, InvalidResource):
+                spec = None
+            if spec is not None:
+                self.allocator.upsert_pool(spec)
+            else:
+                self.allocator.remove_pool(pool)
+            for p, block in added:
+                if p == pool and (spec is None or not spec.contains(block)):
+                    log.info("pool changed under the allocator; block not handed out",
+                             extra={"node": name, "pool": pool, "cidr": str(block)})  # fmt: skip
+                    self.allocator.release(name, block)
+                    await claims.unclaim(self.store, block, name)
+                    stale = True
+        return stale
+
     async def reconcile(self, name: str) -> None:
         """Bring node ``name``'s record to its demand (see :meth:`MultiPoolAllocator.reconcile`).
 
@@ -543,7 +580,8 @@ class IPAMController:
         """
         if not self.allocator.ready:
             return
-        for attempt in range(self._conflict_retries):
+        attempt = relearned = 0
+        while attempt < self._conflict_retries:
             record = await self._get_node(name)
             if record is None:
                 released = self.allocator.release_node(name)
@@ -558,6 +596,7 @@ class IPAMController:
                 return
             if self.migrate and self.mode == "multi-pool" and nodes.pod_cidrs(record):
                 await self._migrate_node(name)
+                attempt += 1
                 continue
             recorded = self._recorded(record)
             if self.mode == "cluster-pool":
@@ -574,7 +613,14 @@ class IPAMController:
                              extra={"node": name, "cidr": str(block), "holder": got.node})  # fmt: skip
                     self.allocator.occupy(block, Holding(got.node, got.pool))
                     lost = True
+            if lost and relearned < 3:
+                relearned += 1  # our view of other nodes was stale: learn every claim
+                await self._learn_claims()
+                continue
+            if not lost:
+                lost = await self._stale_pools(name, result.added)
             if lost:
+                attempt += 1
                 continue
             for pool in {p for p, _ in result.freed}:
                 self.enqueue_pool(pool)
@@ -592,6 +638,7 @@ class IPAMController:
                 log.debug(
                     "node changed under us; retrying", extra={"node": name, "attempt": attempt}
                 )
+                attempt += 1
                 continue
             for pool, block in result.added:
                 self.metrics.allocations.labels(pool).inc()
