@@ -1,6 +1,6 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
-NAME: ``cni_latency``, ``datapath``, ``flows`` (``python -m bench NAME --help``). Without
+NAME: ``cni_latency``, ``datapath``, ``flows``, ``ipam`` (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
 """
@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import sys
 
-from bench import cni_latency, datapath, flows
+from bench import cni_latency, datapath, flows, ipam
 
-BENCHES = {"cni_latency": cni_latency.main, "datapath": datapath.main, "flows": flows.main}
+BENCHES = {
+    "cni_latency": cni_latency.main,
+    "datapath": datapath.main,
+    "flows": flows.main,
+    "ipam": ipam.main,
+}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
