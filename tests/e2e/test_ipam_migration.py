@@ -16,6 +16,8 @@ default pool covering the old cluster CIDR with the same mask; once every Cilium
 its podCIDR under ``pools.allocated[default]`` the agents are restarted one at a time with
 ``--ipam multi-pool``. Two ``ping -i 0.2`` streams (a→b and b→a) run from before the first
 restart until after the last; every pod must keep its address, and no ping may be lost.
+Afterwards a pod annotated ``ipam.cilium.io/ip-pool: blue`` (a CiliumPodIPPool applied then)
+gets its address from that pool through the real ResolvePool/demand/allocation path.
 """
 
 from __future__ import annotations
@@ -46,8 +48,21 @@ CLUSTER_CIDR = "10.243.0.0/16"  # this test's own range (stack 10.200/16, agent 
 MASK = 24
 READY_SECONDS = 60.0
 STOP_SECONDS = 15.0
+# The private stack's logs are copied here at the end of each run (pytest's tmp dirs rotate
+# quickly on a shared host).
+LOG_COPY = pathlib.Path("/tmp/cilia-e2e-ipam-migration-logs")
 MIGRATION_SECONDS = 30.0
 PING_INTERVAL = "0.2"
+BLUE_CIDR = "10.242.0.0/16"
+BLUE_POOL = {
+    "apiVersion": "cilium.io/v2alpha1",
+    "kind": "CiliumPodIPPool",
+    "metadata": {"name": "blue"},
+    "spec": {"ipv4": {"cidrs": [BLUE_CIDR], "maskSize": 28}},
+}
+# How long a pod of a pool new to the node keeps getting "no free address" (101) while the
+# agent's demand reaches the operator and the block comes back (kubelet retries the same way).
+POOL_DELIVERY_SECONDS = 30.0
 
 
 def _require_root() -> None:
@@ -246,9 +261,10 @@ class Stack:
         if not ok or not self.operator.running():
             pytest.fail(f"operator not ready:\n{self.operator.tail()}")
 
-    def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(cnirun.VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_addr],
+            input=stdin,
             capture_output=True,
             text=True,
             timeout=30,
@@ -298,12 +314,43 @@ def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
             a.remove_leftovers()
         operator.stop()
         redis.stop()
+        shutil.rmtree(LOG_COPY, ignore_errors=True)
+        LOG_COPY.mkdir(parents=True)
+        for proc in (operator, *(a.proc for a in agents)):
+            if proc.log.exists():
+                shutil.copy(proc.log, LOG_COPY / f"{proc.name}.log")
 
 
 def _pod(name: str) -> cnirun.Pod:
     pod = cnirun.Pod(name=f"cilia-e2e-{os.getpid()}-mig-{name}", namespace="mig")
     pod.create_netns()
     return pod
+
+
+def _add_until_ready(
+    pod: cnirun.Pod, agent: Agent, annotations: dict[str, str]
+) -> list[cnirun.CniOutcome]:
+    """ADD with ``args.cni.annotations``, retried while the pool has no block here yet."""
+    conf = cnirun.plugin_netconf(agent.conflist())
+    conf["args"] = {"cni": {"annotations": annotations}}
+    outcomes: list[cnirun.CniOutcome] = []
+
+    def attempt() -> bool:
+        out = cnirun.invoke(
+            "ADD",
+            stdin=json.dumps(conf),
+            container_id=pod.container_id,
+            netns=pod.netns,
+            ifname=pod.ifname,
+            args=cnirun.cni_args(pod.namespace, pod.name, pod.container_id),
+        )
+        outcomes.append(out)
+        if out.returncode == 0:
+            pod.result = out.json
+        return out.returncode == 0
+
+    cnirun.wait_for(attempt, POOL_DELIVERY_SECONDS, interval=0.5)
+    return outcomes
 
 
 def _pod_cidrs(stack: Stack) -> dict[str, str]:
@@ -399,19 +446,36 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
             mine = {k: before[k] for k in pods if owner[k] is agent}
             restored = agent.endpoints()
             assert {k: restored.get(pods[k].name) for k in mine} == mine, (
-                restored,
-                agent.proc.tail(),
+                f"{agent.name} restored {restored}; logs in {LOG_COPY}\n"
+                + "\n".join(
+                    line[-300:]
+                    for line in agent.proc.log.read_text().splitlines()
+                    if "restore" in line or "endpoint" in line
+                )
             )
-            assert cnirun.ping(pods["a1"].name, before["b1"], count=1), stack.logs()
-        # A pod made after the switch gets a fresh address of the same node CIDR.
-        late = _pod("a3")
-        pods["a3"] = late
-        owner["a3"] = a1
-        out = late.add(a1.conflist())
+            # A new flow (new ICMP id) crosses the restarted node too.
+            assert cnirun.ping(pods["a1"].name, before["b1"], count=3), stack.logs()
+        # After the switch, concurrently: a pod on a1 gets a fresh address of the same node
+        # CIDR; and, non-default pools being usable once every agent runs multi-pool, a pod
+        # on a2 annotated for a new pool gets its address from it (ResolvePool, demand, a
+        # block of that pool for the node).
+        late, blue = _pod("a3"), _pod("b3")
+        pods.update(a3=late, b3=blue)
+        owner.update(a3=a1, b3=a2)
+        applied = stack.cli("apply", "-f", "-", stdin=json.dumps(BLUE_POOL))
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        with ThreadPoolExecutor(2) as pool:
+            late_add = pool.submit(late.add, a1.conflist())
+            blue_adds = pool.submit(_add_until_ready, blue, a2, {"ipam.cilium.io/ip-pool": "blue"})
+            out, outcomes = late_add.result(), blue_adds.result()
         assert out.returncode == 0, out.stdout + stack.logs()
         assert ipaddress.ip_address(late.ip) in ipaddress.ip_network(cidr[a1.name])
         assert late.ip not in before.values()
-        time.sleep(1.0)  # a few pings after the last switch
+        assert outcomes[-1].returncode == 0, [o.stdout for o in outcomes] + [stack.logs()]
+        assert all(o.json.get("code") in (11, 101) for o in outcomes[:-1]), outcomes
+        assert ipaddress.ip_address(blue.ip) in ipaddress.ip_network(BLUE_CIDR), blue.ip
+        assert cnirun.ping(blue.name, before["a1"], count=1), stack.logs()
+        time.sleep(1.0)  # a few more pings of the streams after the last switch
     finally:
         results = [(s.label, *s.finish()[:2]) for s in streams]
 
@@ -435,4 +499,4 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
     for node in status["nodes"]:
         assert not node.get("podCidrs"), node
         allocated = {p["pool"]: p["cidrs"] for p in node.get("allocated", [])}
-        assert allocated == {"default": [cidr[node["nodeName"]]]}, node
+        assert allocated["default"] == [cidr[node["nodeName"]]], node
