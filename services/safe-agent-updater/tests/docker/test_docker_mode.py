@@ -61,7 +61,13 @@ def images(engine: docker.DockerClient) -> dict[str, str]:
         from images import build_service  # helper G's builder (scripts/images.py)
     finally:
         sys.path.pop(0)
-    base = build_service("safe-agent-updater", tag=BASE_TAG, client=engine, progress=None)
+    # The image only plays the agent (``serve``): reuse host wheels that are already built.
+    fresh_wheels = not (
+        ROOT / "build" / "images" / "wheels" / "local" / "safe-agent-updater"
+    ).is_dir()
+    base = build_service(
+        "safe-agent-updater", tag=BASE_TAG, client=engine, progress=None, wheels=fresh_wheels
+    )
     return {
         "A": _derive(engine, base, "cilia-sau-test:a", ['LABEL io.cilia.test.build="a"']),
         "B": _derive(engine, base, "cilia-sau-test:b", ['LABEL io.cilia.test.build="b"']),
