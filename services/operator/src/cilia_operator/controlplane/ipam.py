@@ -76,8 +76,11 @@ class IPAMServicer:
         self.conflict_retries = max(1, conflict_retries)
         self.default_pool = default_pool
 
-    async def _pools(self) -> dict[str, PoolSpec]:
-        """Pool specs (with draining CIDRs) as the store holds them now."""
+    async def _pools(self) -> Mapping[str, PoolSpec]:
+        """Pool specs (with draining CIDRs): the running controller's view (kept current by
+        its pool watch), else as the store holds them now."""
+        if self.controller.running:
+            return self.controller.allocator.pools
         return pool_specs((await self.store.list(POOL.kind)).items)
 
     @unary
@@ -173,7 +176,7 @@ class IPAMServicer:
 
         Errors: UNAVAILABLE.
         """
-        pools = await self._pools()
+        pools = pool_specs((await self.store.list(POOL.kind)).items)
         records = (await self.store.list(NODE.kind)).items
         held: dict[str, int] = {}
         out_nodes = []
