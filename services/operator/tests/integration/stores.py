@@ -42,12 +42,13 @@ def start_kubemock(**kwargs: Any) -> KubeMock:
 
 
 def kube_store(mock: KubeMock, **kwargs: Any) -> KubernetesStore:
-    """A KubernetesStore on ``mock`` (short watch timeout so reconnects are exercised)."""
+    """A KubernetesStore on ``mock``; 1 s watch requests, so every watch test also
+    exercises the reconnect from the last seen version."""
     from kubernetes.aio import client
 
     cfg = client.Configuration()
     cfg.host = mock.url
-    kwargs.setdefault("watch_timeout", 5)
+    kwargs.setdefault("watch_timeout", 1)
     return KubernetesStore(configuration=cfg, kinds=TEST_KINDS, **kwargs)
 
 

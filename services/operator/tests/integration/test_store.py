@@ -266,3 +266,25 @@ async def test_kubernetes_store_unreachable_is_store_unavailable(tmp_path: Any) 
     await op.stop()
     with pytest.raises(ValueError, match="no Kubernetes resource mapping"):
         await KubernetesStore(kubeconfig=str(kubeconfig)).get("Bogus", "x")
+
+
+async def test_watch_spans_reconnects_without_gaps_or_duplicates(make_store: StoreFactory) -> None:
+    store = make_store()
+    try:
+        since = (await store.list("Thing")).resource_version
+        seen: list[str] = []
+
+        async def follow() -> None:
+            async for event in store.watch("Thing", since):
+                seen.append(event.object["metadata"]["name"])
+                if len(seen) == 3:
+                    return
+
+        task = asyncio.create_task(follow())
+        for name in ("a", "b", "c"):
+            await store.create(obj(name))
+            await asyncio.sleep(1.2)  # longer than one watch request (kubernetes: 1 s)
+        await asyncio.wait_for(task, 10)
+        assert seen == ["a", "b", "c"]
+    finally:
+        await store.close()
