@@ -344,7 +344,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_cli_ipam_plan_and_status(redis_url: str) -> None:
+async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path: Any) -> None:
     offline = await asyncio.to_thread(
         run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--offline"
     )
@@ -374,6 +374,16 @@ async def test_cli_ipam_plan_and_status(redis_url: str) -> None:
         assert "1 of 2 nodes would not get a block" in small.stdout
         await demand(channel, "p1", 1)
         await allocation_until(channel, "p1", lambda a: a.pools)
+        edit = tmp_path / "grow.yaml"
+        edit.write_text(pool_yaml("default", ["10.251.0.0/22", "10.251.4.0/24"]))
+        dry = await asyncio.to_thread(
+            run_cli, "apply", "-f", str(edit), "--dry-run", "--server", op.address
+        )
+        assert dry.returncode == 0, dry.stderr
+        assert dry.stdout == (
+            "ciliumpodippool.cilium.io/default configured (dry run)\n"
+            "  pool default: CIDR 10.251.4.0/24 added: 1 new /24 blocks available at once\n"
+        )
         shown = await asyncio.to_thread(run_cli, "ipam", "status", "--server", op.address)
         assert shown.returncode == 0
         assert "mode: multi-pool" in shown.stdout and "default:10.251.0.0/24" in shown.stdout
