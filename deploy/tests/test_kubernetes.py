@@ -1,0 +1,269 @@
+"""deploy/kubernetes: rendered by kustomize, valid against the Kubernetes schemas, flags the
+binaries accept, the generation hash the updater expects, and the issue's layout rules.
+
+Rendering needs ``kubectl`` (its built-in kustomize). scripts/setup.sh installs it from the
+machine's Kubernetes/Google Cloud apt repository; without kubectl the render FAILS (never
+skips): every other check here runs on the rendered output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+KUSTOMIZE_DIR = ROOT / "deploy" / "kubernetes"
+#: Kubernetes version the manifests are validated against (kubernetes-validate's schemas).
+KUBERNETES_VERSION = "1.32.0"
+ANNOTATION = "safe-agent-updater-daemonset-generation"
+NAMESPACE = "cilia-system"
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, (
+        "kubectl not found: the kustomize render cannot run (scripts/setup.sh installs it "
+        "from the Kubernetes apt repository); refusing to pass without rendering"
+    )
+    out = subprocess.run(
+        [kubectl, "kustomize", str(KUSTOMIZE_DIR)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    for d in docs:
+        if d["kind"] == kind and d["metadata"]["name"] == name:
+            return d
+    raise AssertionError(f"{kind}/{name} not rendered")
+
+
+def test_every_object_is_valid_for_the_pinned_kubernetes(docs: list[dict[str, Any]]) -> None:
+    errors = []
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{d['kind']}/{d['metadata']['name']}: {exc.message} at {list(exc.path)}")
+    assert not errors, "\n".join(errors)
+
+
+def test_a_broken_object_is_refused_by_the_validator(docs: list[dict[str, Any]]) -> None:
+    """The validator really checks: an unknown field in the agent DaemonSet fails (strict)."""
+    ds = _find(docs, "DaemonSet", "cilia-agent")
+    broken = yaml.safe_load(yaml.safe_dump(ds))
+    broken["spec"]["updateStrategi"] = {"type": "OnDelete"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_all_namespaced_objects_land_in_cilia_system(docs: list[dict[str, Any]]) -> None:
+    cluster_kinds = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    for d in docs:
+        if d["kind"] not in cluster_kinds:
+            assert d["metadata"].get("namespace") == NAMESPACE, d["metadata"]["name"]
+
+
+def test_crds_include_the_operator_ipam_ones(docs: list[dict[str, Any]]) -> None:
+    crds = {d["metadata"]["name"] for d in docs if d["kind"] == "CustomResourceDefinition"}
+    assert {
+        "ciliumnetworkpolicies.cilium.io",
+        "ciliumpodippools.cilium.io",
+        "ciliumnodes.cilium.io",
+    } <= crds
+
+
+def test_generation_hash_is_stamped_and_current(docs: list[dict[str, Any]]) -> None:
+    """The committed annotation equals `cilia-safe-agent-updater hash` of the rendering, on
+    the agent template, the updater DaemonSet and its template (else: re-stamp, README)."""
+    from cilia_safe_agent_updater.generation import template_hash
+
+    agent = _find(docs, "DaemonSet", "cilia-agent")
+    updater = _find(docs, "DaemonSet", "cilia-safe-agent-updater")
+    want = template_hash(agent["spec"]["template"])
+    assert agent["spec"]["template"]["metadata"]["annotations"][ANNOTATION] == want, (
+        f"stale generation hash: set {ANNOTATION}: {want!r} in agent/daemonset.yaml and "
+        "safe-agent-updater/daemonset.yaml"
+    )
+    assert updater["metadata"]["annotations"][ANNOTATION] == want
+    assert updater["spec"]["template"]["metadata"]["annotations"][ANNOTATION] == want
+
+
+def test_agent_daemonset_layout(docs: list[dict[str, Any]]) -> None:
+    ds = _find(docs, "DaemonSet", "cilia-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert spec["hostNetwork"] is True
+    assert [c["name"] for c in spec["initContainers"]] == [
+        "check-linux-kernel",
+        "mount-bpf-fs",
+        "mount-cgroup",
+        "apply-sysctl-overwrites",
+        "clean-cilia-state",
+        "install-cni-binaries",
+    ]
+    agent = spec["containers"][0]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert probe in agent, probe
+    assert {c["name"] for c in spec["containers"]} == {"agent", "kube-rbac-proxy"}
+
+
+def test_updater_daemonset_layout(docs: list[dict[str, Any]]) -> None:
+    ds = _find(docs, "DaemonSet", "cilia-safe-agent-updater")
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1},
+    }
+    spec = ds["spec"]["template"]["spec"]
+    init = [c["name"] for c in spec["initContainers"]]
+    assert init[-1] == "safe-agent-updater" and all(
+        n.startswith(("prepull-", "check-")) for n in init[:-1]
+    )
+    assert "--mode=kubernetes" in spec["initContainers"][-1]["args"]
+    agent_images = {
+        c["image"]
+        for c in [
+            *_find(docs, "DaemonSet", "cilia-agent")["spec"]["template"]["spec"]["containers"],
+            *_find(docs, "DaemonSet", "cilia-agent")["spec"]["template"]["spec"]["initContainers"],
+        ]
+    }
+    prepulled = {c["image"] for c in spec["initContainers"] if c["name"].startswith("prepull-")}
+    assert agent_images <= prepulled, agent_images - prepulled
+    paused = {c["image"] for c in spec["containers"] if c["name"].startswith("pause-")}
+    assert {i for i in agent_images if "cilia-" in i} <= paused
+
+
+def test_operator_two_replicas_with_leader_election(docs: list[dict[str, Any]]) -> None:
+    dep = _find(docs, "Deployment", "cilia-operator")
+    assert dep["spec"]["replicas"] == 2
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--enable-leader-election" in args
+    anti = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"]
+
+
+def test_metrics_only_behind_kube_rbac_proxy(docs: list[dict[str, Any]]) -> None:
+    for kind, name, port in (
+        ("Deployment", "cilia-operator", 9963),
+        ("DaemonSet", "cilia-agent", 9962),
+    ):
+        containers = _find(docs, kind, name)["spec"]["template"]["spec"]["containers"]
+        main_args = containers[0]["args"]
+        assert f"--prometheus-serve-addr=127.0.0.1:{port}" in main_args
+        proxy = next(c for c in containers if c["name"] == "kube-rbac-proxy")
+        assert f"--upstream=http://127.0.0.1:{port}/" in proxy["args"]
+
+
+def test_relay_deployment_and_service(docs: list[dict[str, Any]]) -> None:
+    _find(docs, "Deployment", "cilia-relay")
+    svc = _find(docs, "Service", "cilia-relay")
+    assert [p["port"] for p in svc["spec"]["ports"]] == [4245]
+
+
+def _rules(docs: list[dict[str, Any]], sa: str) -> list[tuple[str, str, str, str]]:
+    """(scope, apiGroup, resource, verb) granted to a service account."""
+    out = []
+    for b in docs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(s.get("name") == sa for s in b.get("subjects", [])):
+            continue
+        role = _find(docs, b["roleRef"]["kind"], b["roleRef"]["name"])
+        scope = "namespace" if role["kind"] == "Role" else "cluster"
+        for r in role["rules"]:
+            for g in r.get("apiGroups", []):
+                for res in r.get("resources", []):
+                    for v in r["verbs"]:
+                        out.append((scope, g, res, v))
+    return out
+
+
+def test_rbac_is_least_privilege(docs: list[dict[str, Any]]) -> None:
+    for sa in ("cilia-operator", "cilia-agent", "cilia-safe-agent-updater", "cilia-relay"):
+        rules = _rules(docs, sa)
+        assert not [r for r in rules if "*" in r], f"{sa} has a wildcard: {rules}"
+        assert not [r for r in rules if r[2] == "secrets"], f"{sa} can read secrets"
+    assert _rules(docs, "cilia-relay") == []
+    upd = set(_rules(docs, "cilia-safe-agent-updater"))
+    assert ("namespace", "", "pods", "delete") in upd
+    assert ("namespace", "apps", "daemonsets", "get") in upd
+    assert not [r for r in upd if r[0] == "cluster" and r[3] != "get"], "cluster-wide writes"
+    agent = set(_rules(docs, "cilia-agent"))
+    assert not [
+        r
+        for r in agent
+        if r[3] in ("create", "update", "patch", "delete")
+        and r[2]
+        not in (
+            "ciliumnodes",
+            "ciliumnodes/status",
+            "ciliumendpoints",
+            "tokenreviews",
+            "subjectaccessreviews",
+        )
+    ], agent
+    op = set(_rules(docs, "cilia-operator"))
+    assert ("namespace", "coordination.k8s.io", "leases", "update") in op
+
+
+def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
+    from cilia_agent.__main__ import _build_parser as agent_parser
+    from cilia_operator.__main__ import build_parser as operator_parser
+    from cilia_relay.__main__ import build_parser as relay_parser
+    from cilia_safe_agent_updater.__main__ import build_parser as updater_parser
+
+    return {
+        "cilia-operator": operator_parser,
+        "cilia-agent": agent_parser,
+        "cilia-relay": relay_parser,
+        "cilia-safe-agent-updater": updater_parser,
+    }
+
+
+def test_every_flag_is_accepted_by_its_binary(docs: list[dict[str, Any]]) -> None:
+    """Each cilia-* container's args parse with the service's own argparse parser
+    ($(VAR) references replaced by a sample value, as the kubelet expands them)."""
+    parsers = _parsers()
+    checked = 0
+    for d in docs:
+        pod = d.get("spec", {}).get("template", {}).get("spec")
+        if not pod:
+            continue
+        for c in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+            image = c["image"].split(":")[0]
+            if image not in parsers or "command" in c:
+                continue
+            args = [
+                re.sub(
+                    r"\$\(([A-Z_]+)\)",
+                    lambda m: (
+                        "10.0.0.1"
+                        if m.group(1).endswith("HOST")
+                        else ("4250" if m.group(1).endswith("PORT") else "x")
+                    ),
+                    a,
+                )
+                for a in c.get("args", [])
+            ]
+            try:
+                parsers[image]().parse_args(args)
+            except SystemExit as exc:
+                pytest.fail(f"{d['metadata']['name']}/{c['name']}: {image} refuses {args} ({exc})")
+            checked += 1
+    assert checked >= 5
+
+
+def test_unknown_flag_is_refused_by_the_same_check() -> None:
+    with pytest.raises(SystemExit):
+        _parsers()["cilia-agent"]().parse_args(["serve", "--no-such-flag=1"])
