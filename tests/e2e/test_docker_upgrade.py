@@ -49,7 +49,7 @@ IMAGES = {
     "C": ("cilia-agent:e2e-upgrade-c", ['ENTRYPOINT ["false"]']),
 }
 FIXED_PORTS = (6390, 4250, 9962, 9963, 4244, 4245, 4222)
-STACK_FREE_WAIT_SECONDS = 120.0
+STACK_FREE_WAIT_SECONDS = float(os.environ.get("CILIA_E2E_STACK_WAIT", "120"))
 AGENT_START_SECONDS = 120.0
 UPDATER = cnirun.VENV_BIN / "cilia-safe-agent-updater"
 STREAM_PORT = 7811

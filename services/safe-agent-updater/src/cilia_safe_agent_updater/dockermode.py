@@ -201,12 +201,25 @@ def update_once(client: docker.DockerClient, settings: DockerSettings, reporter:
         docker.errors.APIError: an engine call failed (the CLI maps it to API_UNAVAILABLE).
     """
     name = settings.container
+    previous = f"{name}{PREVIOUS_SUFFIX}"
     try:
         old = client.containers.get(name)
     except docker.errors.NotFound as exc:
-        raise UpdaterError(
-            Exit.CONTAINER_NOT_FOUND, f"--container {name}: no such container"
-        ) from exc
+        try:
+            # An update interrupted between the rename and the new container: restore it.
+            old = client.containers.get(previous)
+        except docker.errors.NotFound:
+            raise UpdaterError(
+                Exit.CONTAINER_NOT_FOUND, f"--container {name}: no such container"
+            ) from exc
+        old.rename(name)
+        old.start()
+        reporter.step(
+            "AgentRestored",
+            f"found only {previous} (an interrupted update): renamed back and started",
+            warning=True,
+        )
+        old.reload()
     desired = ensure_image(client, settings.image, settings.pull_policy, reporter)
     running_id = old.attrs.get("Image", "")
     if running_id == desired.id:
@@ -227,7 +240,6 @@ def update_once(client: docker.DockerClient, settings: DockerSettings, reporter:
         running=running_id,
         desired=desired.id,
     )
-    previous = f"{name}{PREVIOUS_SUFFIX}"
     _remove(client, previous)  # a leftover of an interrupted run
     old.stop(timeout=settings.stop_timeout)
     old.rename(previous)

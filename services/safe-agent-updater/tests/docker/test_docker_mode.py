@@ -245,3 +245,18 @@ def test_unavailable_image_and_missing_container(
 
 def test_docker_mode_requires_image() -> None:
     assert main(["--mode", "docker", "--image", ""]) == Exit.USAGE
+
+
+def test_interrupted_update_is_recovered(
+    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str]
+) -> None:
+    """Only ``<name>-previous`` exists (updater killed after the rename): it comes back."""
+    name, address = agent
+    container = engine.containers.get(name)
+    container.stop(timeout=2)
+    container.rename(f"{name}-previous")
+    assert _update(name, address, "cilia-sau-test:a") == Exit.OK
+    restored = engine.containers.get(name)
+    assert restored.id == container.id
+    assert restored.status == "running"
+    assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
