@@ -26,8 +26,8 @@ from cilia_operator.store import Store
 
 FAST = {
     "enable_leader_election": True,
-    "leader_election_lease_duration": 1.5,
-    "leader_election_renew_deadline": 1.0,
+    "leader_election_lease_duration": 3.0,
+    "leader_election_renew_deadline": 2.0,
     "leader_election_retry_period": 0.1,
 }
 
