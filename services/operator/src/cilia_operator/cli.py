@@ -216,8 +216,9 @@ def ipam_plan(
 
 
 def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text") -> None:
-    """Print pools (CIDRs, draining CIDRs, blocks), per-node allocations and errors, and
-    the migration progress (``-o json``: the GetStatus response as JSON).
+    """Print pools (CIDRs, draining CIDRs, blocks), per-node allocations and errors, the
+    migration progress, and pools overlapping a node network registered after them
+    (``-o json``: the GetStatus response as JSON).
 
     Raises:
         CommandError: unreachable operator.
@@ -244,3 +245,25 @@ def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text")
         alloc = " ".join(filter(None, [alloc, *(f"podCIDR:{c}" for c in n.pod_cidrs)]))
         req = " ".join(f"{r.pool}={r.needed_ipv4}" for r in n.requested)
         print(f"{n.node_name:<11} {alloc or '-'}  {req or '-'}  {n.error or '-'}", file=out)
+    for line in _live_conflicts(status):
+        print(f"conflict: {line}", file=out)
+
+
+def _live_conflicts(status: Any) -> list[str]:
+    """Pools overlapping a node network that was registered after the pool was made
+    (``apply`` refuses the other order)."""
+    networks = [
+        NodeNetworks(
+            n.node_name,
+            tuple((ln.interface, ipaddress.IPv4Network(ln.cidr)) for ln in n.local_networks
+                  if ":" not in ln.cidr),
+            tuple(ipaddress.IPv4Network(c) for p in n.allocated for c in p.cidrs)
+            + tuple(ipaddress.IPv4Network(c) for c in n.pod_cidrs),
+        )
+        for n in status.nodes
+    ]  # fmt: skip
+    out = []
+    for p in status.pools:
+        cidrs = [ipaddress.IPv4Network(c) for c in p.cidrs]
+        out += [f"pool {p.name}: {e.reason}" for e in overlap_errors(cidrs, node_networks=networks)]
+    return out

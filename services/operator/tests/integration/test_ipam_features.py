@@ -4,6 +4,7 @@ overlap refusals (LAN, services), dry-run effects, migration, GetStatus and the 
 from __future__ import annotations
 
 import asyncio
+import io
 import ipaddress
 import json
 import subprocess
@@ -16,6 +17,7 @@ from cluster import running_operator
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_operator import cli
 from cilia_operator.app import Operator
 
 CLUSTER = {
@@ -344,50 +346,56 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path: Any) -> None:
-    offline = await asyncio.to_thread(
-        run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--offline"
-    )
+def test_cli_ipam_plan_offline_prints_blocks_and_pod_ips() -> None:
+    offline = run_cli("ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--offline")
     assert offline.returncode == 0
     assert "node blocks:        16" in offline.stdout
     assert "pod IPs per node:   254" in offline.stdout
     assert "pod IPs in total:   4064" in offline.stdout
-    both = await asyncio.to_thread(
-        run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24",
+    both = run_cli(
+        "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24",
         "--allow-first-ip", "--allow-last-ip", "--offline",
     )  # fmt: skip
     assert "pod IPs per node:   256" in both.stdout
+
+
+def client(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """Run a real client command of ``cilia_operator.cli`` (sync gRPC) and its output."""
+    out = io.StringIO()
+    return fn(*args, out=out, **kwargs), out.getvalue()
+
+
+async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path: Any) -> None:
     async with running_operator(redis_url) as (op, channel):
         await register(channel, "p1", [("eth1", "172.24.3.0/24")])
         await register(channel, "p2")
-        live = await asyncio.to_thread(
-            run_cli, "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24",
-            "--server", op.address,
-        )  # fmt: skip
-        assert live.returncode == 1
-        assert "node 'p1' interface eth1 subnet 172.24.3.0/24" in live.stdout
-        small = await asyncio.to_thread(
-            run_cli, "ipam", "plan", "--cidr", "10.251.0.0/24", "--mask-size", "24",
-            "--server", op.address,
-        )  # fmt: skip
-        assert "overlaps pool 'default'" in small.stdout
-        assert "1 of 2 nodes would not get a block" in small.stdout
+        server = {"server": op.address, "timeout": 10.0}
+        problems, live = await asyncio.to_thread(
+            client, cli.ipam_plan, ["172.24.0.0/20"], 24, False, False, **server
+        )
+        assert problems == 1
+        assert "node 'p1' interface eth1 subnet 172.24.3.0/24" in live
+        _, small = await asyncio.to_thread(
+            client, cli.ipam_plan, ["10.251.0.0/24"], 24, False, False, **server
+        )
+        assert "overlaps pool 'default'" in small
+        assert "1 of 2 nodes would not get a block" in small
         await demand(channel, "p1", 1)
         await allocation_until(channel, "p1", lambda a: a.pools)
         edit = tmp_path / "grow.yaml"
         edit.write_text(pool_yaml("default", ["10.251.0.0/22", "10.251.4.0/24"]))
-        dry = await asyncio.to_thread(
-            run_cli, "apply", "-f", str(edit), "--dry-run", "--server", op.address
-        )
-        assert dry.returncode == 0, dry.stderr
-        assert dry.stdout == (
+        _, dry = await asyncio.to_thread(client, cli.apply, str(edit), op.address, True, 10.0)
+        assert dry == (
             "ciliumpodippool.cilium.io/default configured (dry run)\n"
             "  pool default: CIDR 10.251.4.0/24 added: 1 new /24 blocks available at once\n"
         )
+        await register(channel, "p3", [("eth9", "10.251.3.0/24")])  # after the pool
         shown = await asyncio.to_thread(run_cli, "ipam", "status", "--server", op.address)
         assert shown.returncode == 0
         assert "mode: multi-pool" in shown.stdout and "default:10.251.0.0/24" in shown.stdout
-        raw = await asyncio.to_thread(
-            run_cli, "ipam", "status", "-o", "json", "--server", op.address
-        )
-        assert json.loads(raw.stdout)["pools"][0]["name"] == "default"
+        assert (
+            "conflict: pool default: 10.251.0.0/22 overlaps node 'p3' interface eth9 subnet "
+            "10.251.3.0/24"
+        ) in shown.stdout
+        _, raw = await asyncio.to_thread(client, cli.ipam_status, output="json", **server)
+        assert json.loads(raw)["pools"][0]["name"] == "default"
