@@ -252,6 +252,11 @@ def _binary(env: dict[str, str], stdin: bytes) -> tuple[int, str]:
     return run.returncode, run.stdout
 
 
+#: Per-test limit (the suite's default is 300 s): 10,000 cases on a loaded 2-core host.
+FUZZ_TIMEOUT_SECONDS = 900
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_SECONDS)
 @settings(
     max_examples=max(1, IN_PROCESS_CASES // BATCH),
     deadline=None,
@@ -268,6 +273,7 @@ def test_fuzzed_invocation_in_process_gives_success_or_spec_error_and_no_partial
         fuzz.check(env, status, out, _in_process, data)
 
 
+@pytest.mark.timeout(FUZZ_TIMEOUT_SECONDS)
 @settings(
     max_examples=BINARY_CASES,
     deadline=None,
