@@ -12,6 +12,7 @@ capabilities, as deploy/compose does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,8 +28,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-import contextlib
-
 import images  # noqa: E402
 
 docker = pytest.importorskip("docker")
