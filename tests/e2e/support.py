@@ -113,9 +113,13 @@ class NodeState:
 def node_state() -> NodeState:
     """Snapshot :class:`NodeState` now (the BPF maps through bpftool: see cnirun.bpf_map_dump)."""
     ipcache = cnirun.bpf_ipcache()
+    # One ``cilia-agent status`` exec (each CLI run costs ~1 s of Python start-up on a busy host).
+    status = cnirun.agent_cli("status")
+    match = re.search(r"^Pool default: (\d+)/\d+ used", status.stdout, re.MULTILINE)
+    used = int(match.group(1)) if match else pool_used()
     return NodeState(
         endpoints={k: str(ep.get("ipv4", "")) for k, ep in endpoint_keys().items()},
-        used=pool_used(),
+        used=used,
         lxc=frozenset(cnirun.host_lxc_links()),
         state_files=frozenset(p.name for p in cnirun.agent_state_files()),
         bpf_endpoints=cnirun.bpf_endpoints(),

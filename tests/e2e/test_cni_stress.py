@@ -17,7 +17,7 @@ Knobs (environment; the defaults keep the module within its budget on a 2-core h
 
 - ``CILIA_E2E_CHAOS_SEED``: RNG seed (default: random, printed);
 - ``CILIA_E2E_CHAOS_CYCLES`` (1000): ADD/DEL cycles to run;
-- ``CILIA_E2E_CHAOS_SECONDS`` (75): no new cycle starts after this many seconds (the test
+- ``CILIA_E2E_CHAOS_SECONDS`` (45): no new cycle starts after this many seconds (the test
   budget; the cycle count reached is printed and recorded as a junit property);
 - ``CILIA_E2E_CHAOS_WORKERS`` (4): concurrent runtimes;
 - ``CILIA_E2E_CHAOS_AGENT_KILLS`` (5): agent SIGKILLs, spread over the run.
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 PARALLEL = 50
 CHAOS_SEED = int(os.environ.get("CILIA_E2E_CHAOS_SEED") or random.SystemRandom().randrange(2**32))
 CHAOS_CYCLES = int(os.environ.get("CILIA_E2E_CHAOS_CYCLES", "1000"))
-CHAOS_SECONDS = float(os.environ.get("CILIA_E2E_CHAOS_SECONDS", "75"))
+CHAOS_SECONDS = float(os.environ.get("CILIA_E2E_CHAOS_SECONDS", "45"))
 CHAOS_WORKERS = int(os.environ.get("CILIA_E2E_CHAOS_WORKERS", "4"))
 CHAOS_AGENT_KILLS = int(os.environ.get("CILIA_E2E_CHAOS_AGENT_KILLS", "5"))
 # Share of plugin execs SIGKILLed (ADD, DEL), at a uniform point of [0, KILL_WINDOW x the
@@ -71,7 +71,7 @@ SETTLE_SECONDS = 30.0
 AGENT_START_SECONDS = 90.0
 # An agent kill waits for this many successful ADDs since the previous restart (so every
 # restarted agent serves pods before it dies again) ...
-ADDS_BETWEEN_AGENT_KILLS = 5
+ADDS_BETWEEN_AGENT_KILLS = 3
 # ... and cycles go on past CHAOS_SECONDS until every kill happened, at most this much longer.
 KILL_GRACE_SECONDS = 90.0
 
