@@ -121,7 +121,8 @@ async def test_cluster_pool_exhaustion_is_written_to_the_node_status(redis_url: 
         ]
         await register(channel, "late")
         late = await allocation_until(channel, "late", lambda a: a.error)
-        assert not late.pod_cidrs and "exhausted" in late.error and "10.252.4.0/24" in late.error
+        assert not late.pod_cidrs and "10.252.4.0/24" in late.error
+        assert late.error.startswith("cluster-pool exhausted"), late.error
 
 
 NAMESPACED = """

@@ -626,7 +626,8 @@ class IPAMController:
                 self.enqueue_pool(pool)
             cluster = result.allocated.pop(CLUSTER_POOL, [])
             if self.mode == "cluster-pool":
-                updated = nodes.with_pod_cidrs(record, cluster, result.error)
+                error = result.error.replace(f"pool {CLUSTER_POOL!r}", "cluster-pool")
+                updated = nodes.with_pod_cidrs(record, cluster, error)
             else:
                 updated = nodes.with_allocation(record, result.allocated, result.error)
             if updated == record:
