@@ -14,7 +14,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
           python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool
-          docker.io debootstrap python3-venv)
+          docker.io docker-compose debootstrap python3-venv)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
