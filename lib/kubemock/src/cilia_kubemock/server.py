@@ -516,7 +516,7 @@ class KubeMock:
             elif ctype == "application/merge-patch+json":
                 new = merge_patch(current, patch)
             elif ctype == "application/strategic-merge-patch+json":
-                if not t.group == "" and t.group not in ("apps", "coordination.k8s.io"):
+                if "." in t.group and not t.group.endswith(".k8s.io"):  # a custom resource
                     raise ApiError(
                         415,
                         "UnsupportedMediaType",
