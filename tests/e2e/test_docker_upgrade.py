@@ -1,33 +1,39 @@
 """Docker-mode upgrade of a containerised agent under live pod traffic (issue 6, "Must show").
 
-The host's agent runs as a container (privileged, host network, the host's /sys/fs/bpf,
-/run/netns, /lib/modules, /usr/src bind-mounted, and the stack's run directory — its
-``/var/run/cilia`` — bound at the same path so the conflist's socket path is valid on the host).
-Redis and the operator come from ``scripts/stack.sh up redis operator``. Two pods are plumbed by
-the real ``cilia-cni`` on the host talking to the containerised agent's socket, and exchange a
-continuous UDP request/echo stream (one datagram every 10 ms, both directions). Then:
+The agent runs as a container (privileged — see :func:`_privilege_flags` — host network, the
+host's /sys/fs/bpf, /run/netns, /lib/modules, /usr/src bind-mounted, and its run directory —
+what /var/run/cilia is in production — bound at the same path so the conflist's socket path is
+valid on the host). The test starts its own redis-server and cilia-operator on free ports
+(the fixed-port stack of the team brief is shared by other e2e runs on a developer machine)
+and gives the agent private names: node ``upg-<tag>``, host device ``cilia_u<tag>``, bpffs pin
+dir ``/sys/fs/bpf/cilia-upg-<tag>``, pool ``10.231.<n>.0/24``, no metrics/Hubble TCP ports.
+Two pods are plumbed by the real ``cilia-cni`` on the host talking to the containerised
+agent's socket, and exchange a continuous UDP request/echo stream (one datagram every 10 ms,
+both directions). Then:
 
-1. ``cilia-safe-agent-updater --mode docker`` upgrades image A → B (B = A with another label):
-   exit 0, the container runs B;
+1. ``cilia-safe-agent-updater --mode docker`` upgrades image A → B (B = A with another label)
+   under the Redis lock: exit 0, the container runs B;
 2. a broken image C (entrypoint ``false``) is rolled back automatically: exit 22, B runs again;
 3. not one datagram of the stream was lost over the whole run, and a new pod still gets an IP.
 
-The fixed-port stack must be free (the stack's ports are fixed by the team brief): the test
-waits for it and stops its own redis/operator afterwards. It drives Docker only through the
-``docker`` CLI and the project's ``.venv`` binaries, so the e2e tox env needs nothing else.
+It drives Docker only through the ``docker`` CLI and the project's ``.venv`` binaries, so the
+e2e tox env needs nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -40,7 +46,6 @@ import cnirun  # noqa: E402
 
 pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
 
-CONTAINER = "cilia-e2e-upgrade-agent"
 NETNS_PREFIX = "cilia-e2e-upg-"
 IMAGE_BASE = "cilia-agent:e2e-upgrade"
 IMAGES = {
@@ -48,8 +53,6 @@ IMAGES = {
     "B": ("cilia-agent:e2e-upgrade-b", ['LABEL io.cilia.e2e.build="b"']),
     "C": ("cilia-agent:e2e-upgrade-c", ['ENTRYPOINT ["false"]']),
 }
-FIXED_PORTS = (6390, 4250, 9962, 9963, 4244, 4245, 4222)
-STACK_FREE_WAIT_SECONDS = float(os.environ.get("CILIA_E2E_STACK_WAIT", "120"))
 AGENT_START_SECONDS = 120.0
 UPDATER = cnirun.VENV_BIN / "cilia-safe-agent-updater"
 STREAM_PORT = 7811
@@ -116,20 +119,10 @@ def _docker(
     )
 
 
-def _port_busy(port: int) -> bool:
+def _free_port() -> int:
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
-def _stack_free() -> bool:
-    if any(cnirun.component_pid(c) for c in ("redis", "operator", "agent", "relay")):
-        return False
-    return not any(_port_busy(p) for p in FIXED_PORTS)
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _require() -> None:
@@ -202,136 +195,153 @@ def _privilege_flags(image: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _run_agent(image: str) -> None:
-    run = cnirun.RUN
-    out = _docker(
-        "run",
-        "-d",
-        "--name",
-        CONTAINER,
-        *_privilege_flags(image),
-        "--network",
-        "host",
-        "--restart",
-        "unless-stopped",
-        "-v",
-        "/sys/fs/bpf:/sys/fs/bpf:rw",
-        "-v",
-        "/run/netns:/run/netns:rw,rslave",
-        "-v",
-        "/lib/modules:/lib/modules:ro",
-        "-v",
-        "/usr/src:/usr/src:ro",
-        "-v",
-        f"{run}:{run}:rw",
-        image,
-        "serve",
-        "--node-name",
-        socket.gethostname(),
-        "--operator",
-        "127.0.0.1:4250",
-        "--state-dir",
-        f"{run}/agent/state",
-        "--socket",
-        str(cnirun.AGENT_SOCKET),
-        "--cni-conf-dir",
-        str(cnirun.CONFLIST.parent),
-        "--cni-conf-name",
-        cnirun.CONFLIST.name,
-        "--prometheus-serve-addr",
-        ":9962",
-        "--log-level",
-        "info",
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+@dataclasses.dataclass
+class Host:
+    """The test's private control plane and agent names (see the module docstring)."""
+
+    tag: str
+    dir: pathlib.Path
+    redis_port: int
+    operator_port: int
+    images: dict[str, str]
+    procs: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+
+    @property
+    def container(self) -> str:
+        return f"cilia-e2e-upg-agent-{self.tag}"
+
+    @property
+    def socket(self) -> pathlib.Path:
+        return self.dir / "cilia.sock"
+
+    @property
+    def conflist(self) -> pathlib.Path:
+        return self.dir / "net.d" / "05-cilia.conflist"
+
+    @property
+    def host_device(self) -> str:
+        return f"cilia_u{self.tag}"
+
+    @property
+    def pin_dir(self) -> str:
+        return f"/sys/fs/bpf/cilia-upg-{self.tag}"
+
+    def agent_args(self) -> list[str]:
+        return [
+            "serve", "--node-name", f"upg-{self.tag}",
+            "--operator", f"127.0.0.1:{self.operator_port}",
+            "--state-dir", str(self.dir / "state"), "--socket", str(self.socket),
+            "--cni-conf-dir", str(self.conflist.parent), "--cni-conf-name", self.conflist.name,
+            "--host-device-name", self.host_device, "--bpf-pin-dir", self.pin_dir,
+            "--prometheus-serve-addr", "", "--hubble-listen-address", "", "--log-level", "info",
+        ]  # fmt: skip
+
+    def run_agent(self, image: str) -> None:
+        out = _docker(
+            "run", "-d", "--name", self.container, *_privilege_flags(image),
+            "--network", "host", "--restart", "unless-stopped",
+            "-v", "/sys/fs/bpf:/sys/fs/bpf:rw",
+            "-v", "/run/netns:/run/netns:rw,rslave",
+            "-v", "/lib/modules:/lib/modules:ro",
+            "-v", "/usr/src:/usr/src:ro",
+            "-v", f"{self.dir}:{self.dir}:rw",
+            image, *self.agent_args(),
+            check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+
+    def image(self) -> str:
+        return _docker("inspect", "-f", "{{.Image}}", self.container).stdout.strip()
+
+    def logs(self) -> str:
+        out = _docker("logs", "--tail", "60", self.container, check=False)
+        return out.stdout[-4000:] + out.stderr[-4000:]
+
+    def healthy(self) -> bool:
+        return (
+            subprocess.run(
+                [str(cnirun.VENV_BIN / "cilia-agent"), "status", "--timeout", "2",
+                 "--socket", str(self.socket)],
+                capture_output=True, timeout=15, check=False,
+            ).returncode
+            == 0
+        )  # fmt: skip
+
+    def updater(self, image: str, health_timeout: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(UPDATER), "--mode", "docker", "--container", self.container, "--image", image,
+             "--agent-health-address", f"unix:{self.socket}",
+             "--health-timeout", str(health_timeout), "--health-interval", "0.5",
+             "--stop-timeout", "10", "--redis", f"redis://127.0.0.1:{self.redis_port}/0",
+             "--lock-name", f"cilia:e2e:safe-agent-updater:{self.tag}"],
+            capture_output=True, text=True, timeout=health_timeout * 3 + 120, check=False,
+        )  # fmt: skip
 
 
-def _container_image() -> str:
-    return _docker("inspect", "-f", "{{.Image}}", CONTAINER).stdout.strip()
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
 
-
-def _agent_logs() -> str:
-    out = _docker("logs", "--tail", "60", CONTAINER, check=False)
-    return out.stdout[-4000:] + out.stderr[-4000:]
-
-
-def _updater(image: str, health_timeout: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            str(UPDATER),
-            "--mode",
-            "docker",
-            "--container",
-            CONTAINER,
-            "--image",
-            image,
-            "--agent-health-address",
-            f"unix:{cnirun.AGENT_SOCKET}",
-            "--health-timeout",
-            str(health_timeout),
-            "--health-interval",
-            "0.5",
-            "--stop-timeout",
-            "10",
-            "--redis",
-            "redis://127.0.0.1:6390/0",
-            "--lock-name",
-            "cilia:e2e:safe-agent-updater",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=health_timeout * 3 + 120,
-        check=False,
-    )
-
-
-def _agent_healthy() -> bool:
-    return cnirun.agent_cli("status", "--timeout", "2", timeout=15).returncode == 0
+    return cnirun.wait_for(ready, timeout, interval=0.1)
 
 
 @pytest.fixture
-def containerised_host() -> Iterator[dict[str, str]]:
-    """Redis + operator from the stack, the agent as a container from image A; image ids."""
+def containerised_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    """Own redis + operator, the agent as a container from image A."""
     _require()
-    _docker("rm", "-f", CONTAINER, f"{CONTAINER}-previous", check=False)
-    for name in cnirun.list_netns(NETNS_PREFIX):
-        cnirun.delete_netns(name)
-    images = _build_images()
-    # Other e2e runs share the fixed ports: wait until the stack is free, then start our
-    # redis + operator; another run may win the race between the check and `up`, so retry.
-    deadline = time.monotonic() + STACK_FREE_WAIT_SECONDS
-    while True:
-        up = None
-        if _stack_free():
-            up = cnirun.stack("up", "--fresh", "redis", "operator", check=False)
-            if up.returncode == 0:
-                break
-            if "needs a stopped stack" not in up.stderr:
-                cnirun.stack("down", check=False)
-                pytest.fail(f"scripts/stack.sh up redis operator failed:\n{up.stderr}")
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"the fixed-port stack stayed busy for {STACK_FREE_WAIT_SECONDS:g} s "
-                "(another e2e run?)"
-            )
-        time.sleep(2.0)
+    tag = secrets.token_hex(3)
+    host = Host(
+        tag=tag,
+        dir=pathlib.Path(tempfile.mkdtemp(prefix=f"cilia-upg-{tag}-", dir="/tmp")),
+        redis_port=_free_port(),
+        operator_port=_free_port(),
+        images=_build_images(),
+    )
+    pool = f"10.231.{secrets.randbelow(250) + 1}.0/24"
+    log = open(host.dir / "control-plane.log", "wb")  # noqa: SIM115
     try:
+        host.procs.append(subprocess.Popen(
+            ["redis-server", "--port", str(host.redis_port), "--bind", "127.0.0.1",
+             "--save", "", "--dir", str(host.dir)],
+            stdout=log, stderr=log,
+        ))  # fmt: skip
+        assert _wait_port(host.redis_port, host.procs[-1], 20), "redis-server did not start"
+        host.procs.append(subprocess.Popen(
+            [str(cnirun.VENV_BIN / "cilia-operator"), "serve",
+             "--store", f"redis://127.0.0.1:{host.redis_port}/0",
+             "--listen", f"127.0.0.1:{host.operator_port}",
+             "--prometheus-serve-addr", f"127.0.0.1:{_free_port()}",
+             "--auto-create-cilium-pod-ip-pools", f"default=ipv4-cidrs:{pool};ipv4-mask-size:26",
+             "--ipam-default-ip-pool", "default", "--log-level", "info"],
+            stdout=log, stderr=log,
+        ))  # fmt: skip
+        assert _wait_port(host.operator_port, host.procs[-1], 60), "cilia-operator did not start"
         _ensure_bpffs()
-        cnirun.create_netns(f"{NETNS_PREFIX}keep")  # /run/netns exists, shared, before binding
-        with contextlib.suppress(FileNotFoundError):
-            cnirun.CONFLIST.unlink()
-        _run_agent(IMAGES["A"][0])
+        cnirun.create_netns(f"{NETNS_PREFIX}{tag}-keep")  # /run/netns shared before binding
+        host.run_agent(IMAGES["A"][0])
         if not cnirun.wait_for(
-            lambda: cnirun.CONFLIST.exists() and _agent_healthy(), AGENT_START_SECONDS, interval=0.5
+            lambda: host.conflist.exists() and host.healthy(), AGENT_START_SECONDS, interval=0.5
         ):
-            pytest.fail(f"containerised agent not ready:\n{_agent_logs()}")
-        yield images
+            pytest.fail(f"containerised agent not ready:\n{host.logs()}")
+        yield host
     finally:
-        _docker("rm", "-f", CONTAINER, f"{CONTAINER}-previous", check=False)
-        for name in cnirun.list_netns(NETNS_PREFIX):
+        _docker("rm", "-f", host.container, f"{host.container}-previous", check=False)
+        for name in cnirun.list_netns(f"{NETNS_PREFIX}{tag}"):
             cnirun.delete_netns(name)
-        cnirun.stack("down", check=False)
+        for proc in reversed(host.procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        subprocess.run(["ip", "link", "del", host.host_device], capture_output=True, check=False)
+        shutil.rmtree(host.pin_dir, ignore_errors=True)
+        shutil.rmtree(host.dir, ignore_errors=True)
 
 
 def _netns_python(netns: str, code: str, *args: str) -> subprocess.Popen[str]:
@@ -345,12 +355,13 @@ def _netns_python(netns: str, code: str, *args: str) -> subprocess.Popen[str]:
 
 @pytest.mark.timeout(600)
 def test_upgrade_a_to_b_then_broken_c_rolls_back_without_losing_a_packet(
-    containerised_host: dict[str, str],
+    containerised_host: Host,
 ) -> None:
-    images = containerised_host
-    assert _container_image() == images["A"]
-    conflist = cnirun.load_conflist()
-    pods = [cnirun.Pod(name=f"{NETNS_PREFIX}{i}") for i in (1, 2)]
+    host = containerised_host
+    images = host.images
+    assert host.image() == images["A"]
+    conflist = cnirun.load_conflist(host.conflist)
+    pods = [cnirun.Pod(name=f"{NETNS_PREFIX}{host.tag}-{i}") for i in (1, 2)]
     server = client = None
     try:
         for pod in pods:
@@ -362,28 +373,29 @@ def test_upgrade_a_to_b_then_broken_c_rolls_back_without_losing_a_packet(
         assert client.stdout is not None and client.stdout.readline().strip() == "streaming"
         time.sleep(1.0)  # traffic flowing before the first replacement
 
-        upgrade = _updater(IMAGES["B"][0], health_timeout=120)
-        assert upgrade.returncode == 0, upgrade.stderr[-4000:] + _agent_logs()
-        assert _container_image() == images["B"]
+        upgrade = host.updater(IMAGES["B"][0], health_timeout=120)
+        assert upgrade.returncode == 0, upgrade.stderr[-4000:] + host.logs()
+        assert host.image() == images["B"]
         assert '"step": "AgentUpdated"' in upgrade.stderr
 
-        broken = _updater(IMAGES["C"][0], health_timeout=15)
-        assert broken.returncode == 22, broken.stderr[-4000:] + _agent_logs()
+        broken = host.updater(IMAGES["C"][0], health_timeout=15)
+        assert broken.returncode == 22, broken.stderr[-4000:] + host.logs()
         assert '"step": "AgentRolledBack"' in broken.stderr
-        assert _container_image() == images["B"]
-        assert _agent_healthy()
+        assert host.image() == images["B"]
+        assert host.healthy()
         time.sleep(1.0)  # traffic after the rollback too
 
         client.send_signal(signal.SIGTERM)
         out, _err = client.communicate(timeout=30)
         stats = json.loads(out.strip().splitlines()[-1])
+        print(f"UDP request/echo stream across A->B upgrade and C rollback: {stats}")
         assert stats["sent"] > 500, stats
         assert stats["missing"] == [] and stats["received"] == stats["sent"], stats
 
-        late = cnirun.Pod(name=f"{NETNS_PREFIX}3")
+        late = cnirun.Pod(name=f"{NETNS_PREFIX}{host.tag}-3")
         late.create_netns()
         pods.append(late)
-        late.add(cnirun.load_conflist(), timeout=60).check()
+        late.add(cnirun.load_conflist(host.conflist), timeout=60).check()
         assert cnirun.ping(late.name, pods[1].ip, count=2)
     finally:
         for proc in (client, server):
@@ -391,6 +403,6 @@ def test_upgrade_a_to_b_then_broken_c_rolls_back_without_losing_a_packet(
                 proc.kill()
                 proc.wait()
         with contextlib.suppress(Exception):
-            conf = cnirun.load_conflist()
+            conf = cnirun.load_conflist(host.conflist)
             for pod in pods:
                 pod.delete(conf, timeout=30)
