@@ -235,6 +235,8 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
     assert not set(host_veths.values()) & set(cnirun.sh("ip", "-o", "link").stdout.split())
     assert not ifindexes & set(after.bpf_endpoints), after.bpf_endpoints
     assert not {f"{ip}/32" for ip in ips} & set(after.ipcache_pods | cnirun.bpf_ipcache())
+    for ip in ips:
+        assert not cnirun.sh("ip", "route", "show", f"{ip}/32").stdout.strip(), f"route to {ip}"
     leases = tmp_path / "ipam" / NS
     assert not {ip for ip in ips if (leases / ip).exists()}, "host-local still holds addresses"
     for role in ROLES:
