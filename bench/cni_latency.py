@@ -183,17 +183,44 @@ def bench_reference(args: argparse.Namespace, concurrency: int) -> dict[str, Any
 def bench_cilia(
     args: argparse.Namespace, stack: datapath.Stack, concurrency: int
 ) -> dict[str, Any]:
-    """cilia-cni through ``stack`` (its agent's conflist)."""
+    """cilia-cni through ``stack`` (its agent's conflist, plus a ``log-file`` of ours whose
+    ``durationMs``/``grpcImportMs``/``agentMs`` fields say where each ADD's time went)."""
     conflist = cnirun.load_conflist(stack.conflist)
-    return run_pods(
-        "cilia",
-        conflist,
-        cnirun.CILIA_CNI,
-        str(cnirun.VENV_BIN),
-        args.pods,
-        args.warmup,
-        concurrency,
-    )
+    with tempfile.TemporaryDirectory(prefix="cilia-bench-cnilog-") as logdir:
+        log_file = pathlib.Path(logdir) / "cni.log"
+        plugins = [dict(conflist["plugins"][0], **{"log-file": str(log_file)})]
+        data = run_pods(
+            "cilia",
+            dict(conflist, plugins=plugins),
+            cnirun.CILIA_CNI,
+            str(cnirun.VENV_BIN),
+            args.pods,
+            args.warmup,
+            concurrency,
+        )
+        records = [json.loads(line) for line in log_file.read_text().splitlines() if line]
+        data["log"] = [r for r in records if str(r.get("msg", "")).endswith("succeeded")]
+    return data
+
+
+def breakdown(data: dict[str, Any]) -> dict[str, float]:
+    """Median ms of an ADD's parts: exec wall, in-plugin run, grpc import, agent call, and
+    the rest (interpreter start, plugin imports, exit = wall - run)."""
+    adds = [r for r in data["log"] if r.get("command") == "ADD"][-len(data["add"]) :]
+
+    def med(key: str) -> float:
+        values = [float(r[key]) for r in adds if key in r]
+        return round(statistics.median(values), 1) if values else 0.0
+
+    wall = round(statistics.median(data["add"]) * 1000, 1)
+    run = med("durationMs")
+    return {
+        "wall_ms": wall,
+        "interpreter_start_imports_exit_ms": round(wall - run, 1),
+        "run_ms": run,
+        "grpc_import_ms": med("grpcImportMs"),
+        "agent_call_ms": med("agentMs"),
+    }
 
 
 def bench_version(args: argparse.Namespace) -> list[float]:
@@ -317,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": {str(c): summary_of(ref[c]) for c in levels},
         "cilia": {str(c): summary_of(cil[c]) for c in levels},
         "cilia_version": summarize(version),
+        "cilia_add_breakdown_median": {str(c): breakdown(cil[c]) for c in levels},
     }
     ratio: dict[str, float] = {}
     for conc in levels:
@@ -342,6 +370,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {ratio[f'{op}_p99_c{conc}']:>6.2f}x   "
                 f"pods/s {ratio[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
             )
+
+    print("\nwhere a cilia-cni ADD's time goes (medians, ms):")
+    for conc in levels:
+        b = summary["cilia_add_breakdown_median"][str(conc)]
+        print(
+            f"  c={conc:<3} wall {b['wall_ms']:.1f} = interpreter start + imports + exit "
+            f"{b['interpreter_start_imports_exit_ms']:.1f} + run {b['run_ms']:.1f} "
+            f"(grpc import {b['grpc_import_ms']:.1f}, agent call {b['agent_call_ms']:.1f})"
+        )
 
     now = dt.datetime.now(dt.UTC)
     report = {
