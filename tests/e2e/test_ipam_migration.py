@@ -16,8 +16,8 @@ default pool covering the old cluster CIDR with the same mask; once every Cilium
 its podCIDR under ``pools.allocated[default]`` the agents are restarted one at a time with
 ``--ipam multi-pool``. Two ``ping -i 0.2`` streams (a→b and b→a) run from before the first
 restart until after the last; every pod must keep its address, and no ping may be lost.
-Afterwards a pod annotated ``ipam.cilium.io/ip-pool: blue`` (a CiliumPodIPPool applied then)
-gets its address from that pool through the real ResolvePool/demand/allocation path.
+Afterwards a pod annotated ``ipam.cilium.io/ip-pool: blue`` (a second pool the restarted
+operator auto-created) gets its address from that pool through the real ResolvePool/demand/allocation path.
 """
 
 from __future__ import annotations
@@ -48,18 +48,15 @@ CLUSTER_CIDR = "10.243.0.0/16"  # this test's own range (stack 10.200/16, agent 
 MASK = 24
 READY_SECONDS = 60.0
 STOP_SECONDS = 15.0
+# Pods' netns prefix: deliberately not conftest's "cilia-e2e-", whose stale-pod sweep (run by
+# any other e2e session on this shared host) would delete these pods' netns mid-test.
+NETNS_PREFIX = "cilia-ipmig-"
 # The private stack's logs are copied here at the end of each run (pytest's tmp dirs rotate
 # quickly on a shared host).
 LOG_COPY = pathlib.Path("/tmp/cilia-e2e-ipam-migration-logs")
 MIGRATION_SECONDS = 30.0
 PING_INTERVAL = "0.2"
 BLUE_CIDR = "10.242.0.0/16"
-BLUE_POOL = {
-    "apiVersion": "cilium.io/v2alpha1",
-    "kind": "CiliumPodIPPool",
-    "metadata": {"name": "blue"},
-    "spec": {"ipv4": {"cidrs": [BLUE_CIDR], "maskSize": 28}},
-}
 # How long a pod of a pool new to the node keeps getting "no free address" (101) while the
 # agent's demand reaches the operator and the block comes back (kubelet retries the same way).
 POOL_DELIVERY_SECONDS = 30.0
@@ -261,10 +258,9 @@ class Stack:
         if not ok or not self.operator.running():
             pytest.fail(f"operator not ready:\n{self.operator.tail()}")
 
-    def cli(self, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(cnirun.VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_addr],
-            input=stdin,
             capture_output=True,
             text=True,
             timeout=30,
@@ -322,7 +318,7 @@ def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
 
 
 def _pod(name: str) -> cnirun.Pod:
-    pod = cnirun.Pod(name=f"cilia-e2e-{os.getpid()}-mig-{name}", namespace="mig")
+    pod = cnirun.Pod(name=f"{NETNS_PREFIX}{os.getpid()}-{name}", namespace="mig")
     pod.create_netns()
     return pod
 
@@ -435,6 +431,8 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
             "--enable-cluster-pool-to-multi-pool-migration",
             "--auto-create-cilium-pod-ip-pools",
             f"default=ipv4-cidrs:{CLUSTER_CIDR};ipv4-mask-size:{MASK}",
+            "--auto-create-cilium-pod-ip-pools",
+            f"blue=ipv4-cidrs:{BLUE_CIDR};ipv4-mask-size:28",  # used only after the switch
         )
         assert cnirun.wait_for(lambda: _migrated(stack, cidr), MIGRATION_SECONDS), (
             json.dumps(stack.ipam_status(), indent=1) + stack.logs()
@@ -462,8 +460,6 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         late, blue = _pod("a3"), _pod("b3")
         pods.update(a3=late, b3=blue)
         owner.update(a3=a1, b3=a2)
-        applied = stack.cli("apply", "-f", "-", stdin=json.dumps(BLUE_POOL))
-        assert applied.returncode == 0, applied.stdout + applied.stderr
         with ThreadPoolExecutor(2) as pool:
             late_add = pool.submit(late.add, a1.conflist())
             blue_adds = pool.submit(_add_until_ready, blue, a2, {"ipam.cilium.io/ip-pool": "blue"})
