@@ -292,6 +292,8 @@ def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
     agents = [Agent(i, tmp_path, operator_addr, tag) for i in (1, 2)]
     s = Stack(tmp_path, operator_addr, f"redis://127.0.0.1:{redis_port}/0", redis, operator, agents)
     try:
+        for name in cnirun.list_netns(NETNS_PREFIX):  # pods of an earlier, killed run
+            cnirun.delete_netns(name)
         for a in agents:
             a.remove_leftovers()
         redis.start(
