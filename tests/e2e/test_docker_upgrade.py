@@ -81,14 +81,17 @@ def on_term(*_):
 signal.signal(signal.SIGTERM, on_term)
 sent, got = 0, set()
 next_at = time.monotonic()
-def drain(timeout):
-    r, _, _ = select.select([s], [], [], timeout)
-    while r:
-        try:
-            got.add(int(s.recv(64)))
-        except (ConnectionRefusedError, ValueError):
-            pass
-        r, _, _ = select.select([s], [], [], 0)
+def drain(until):
+    while True:
+        left = until - time.monotonic()
+        r, _, _ = select.select([s], [], [], max(0.0, left))
+        if r:
+            try:
+                got.add(int(s.recv(64)))
+            except (ConnectionRefusedError, ValueError):
+                pass
+        elif left <= 0:
+            return
 print("streaming", flush=True)
 while not stop:
     try:
@@ -97,10 +100,10 @@ while not stop:
         pass
     sent += 1
     next_at += interval
-    drain(max(0.0, next_at - time.monotonic()))
+    drain(next_at)
 end = time.monotonic() + 2.0
 while len(got) < sent and time.monotonic() < end:
-    drain(0.1)
+    drain(time.monotonic() + 0.1)
 print(json.dumps({"sent": sent, "received": len(got),
                   "missing": sorted(set(range(sent)) - got)[:50]}), flush=True)
 """
