@@ -237,7 +237,8 @@ def test_unavailable_image_and_missing_container(
 ) -> None:
     name, address = agent
     before = engine.containers.get(name).id
-    missing = f"cilia-sau-test:missing-{secrets.token_hex(3)}"
+    # A registry on a closed local port: the engine's pull fails at once, never leaves the host.
+    missing = f"127.0.0.1:9/cilia-sau-test:missing-{secrets.token_hex(3)}"
     assert _update(name, address, missing) == Exit.IMAGE_UNAVAILABLE
     assert engine.containers.get(name).id == before
     assert _update(f"{name}-nope", address, "cilia-sau-test:b") == Exit.CONTAINER_NOT_FOUND
@@ -259,4 +260,41 @@ def test_interrupted_update_is_recovered(
     restored = engine.containers.get(name)
     assert restored.id == container.id
     assert restored.status == "running"
+    assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
+
+
+def test_pull_always_falls_back_to_the_local_image(
+    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str]
+) -> None:
+    """No registry here: ``--pull-policy always`` tolerates a failed pull of a local image."""
+    name, address = agent
+    local_ref = "127.0.0.1:9/cilia-sau-test:b"  # closed local port: the pull fails at once
+    engine.images.get(images["B"]).tag(local_ref)
+    try:
+        assert _update(name, address, local_ref, "--pull-policy", "always") == Exit.OK
+        assert engine.containers.get(name).attrs["Image"] == images["B"]
+    finally:
+        engine.images.remove(local_ref)
+
+
+def test_loop_mode_applies_the_image_on_its_own(
+    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str]
+) -> None:
+    name, address = agent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
+         "--container", name, "--image", "cilia-sau-test:b", "--agent-health-address", address,
+         "--health-interval", "0.2", "--stop-timeout", "2", "--interval", "0.5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while engine.containers.get(name).attrs["Image"] != images["B"]:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "loop mode never replaced the container"
+            time.sleep(0.5)
+        assert proc.poll() is None  # still looping after a successful pass
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
     assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
