@@ -413,9 +413,10 @@ def _run_docker(args: argparse.Namespace) -> Exit:
         docker_timeout=args.docker_timeout,
     )
     client = dockermode.docker_client(settings)
+    rejected: set[str] = set()  # loop mode: image ids already rolled back are not retried
     while True:
         try:
-            code = dockermode.run(settings, Reporter(), client)
+            code = dockermode.run(settings, Reporter(), client, rejected)
         except docker.errors.DockerException as exc:
             code_error = UpdaterError(Exit.API_UNAVAILABLE, f"Docker engine: {exc}")
             if args.interval <= 0:

@@ -193,8 +193,17 @@ def _remove(client: docker.DockerClient, name_or_id: str) -> None:
         client.containers.get(name_or_id).remove(force=True)
 
 
-def update_once(client: docker.DockerClient, settings: DockerSettings, reporter: Reporter) -> Exit:
+def update_once(
+    client: docker.DockerClient,
+    settings: DockerSettings,
+    reporter: Reporter,
+    rejected: set[str] | None = None,
+) -> Exit:
     """One Docker-mode pass without the lock (the caller holds it); return the exit code.
+
+    ``rejected`` (loop mode) holds image ids that were already rolled back: such an image is
+    not tried again (exit code ROLLED_BACK without touching the container) until the desired
+    reference resolves to another id; a rolled-back id is added to it.
 
     Raises:
         UpdaterError: CONTAINER_NOT_FOUND, IMAGE_UNAVAILABLE, ROLLED_BACK, ROLLBACK_FAILED.
@@ -229,6 +238,14 @@ def update_once(client: docker.DockerClient, settings: DockerSettings, reporter:
             image_id=desired.id,
         )
         return Exit.OK
+    if rejected is not None and desired.id in rejected:
+        reporter.step(
+            "ImageSkipped",
+            f"{settings.image} ({str(desired.id)[:19]}) was rolled back before; not retried",
+            warning=True,
+            image_id=desired.id,
+        )
+        return Exit.ROLLED_BACK
     try:
         old_image: Image | None = client.images.get(running_id)
     except docker.errors.ImageNotFound:
@@ -283,6 +300,8 @@ def update_once(client: docker.DockerClient, settings: DockerSettings, reporter:
             warning=True,
             image_id=running_id,
         )
+        if rejected is not None and desired.id:
+            rejected.add(desired.id)
         raise UpdaterError(
             Exit.ROLLED_BACK,
             f"{settings.image} never became healthy within {settings.health_timeout:g} s "
@@ -296,7 +315,10 @@ def update_once(client: docker.DockerClient, settings: DockerSettings, reporter:
 
 
 def run(
-    settings: DockerSettings, reporter: Reporter, client: docker.DockerClient | None = None
+    settings: DockerSettings,
+    reporter: Reporter,
+    client: docker.DockerClient | None = None,
+    rejected: set[str] | None = None,
 ) -> Exit:
     """Take the Redis lock (when ``--redis``), run :func:`update_once`, release the lock.
 
@@ -305,7 +327,7 @@ def run(
     """
     client = client or docker_client(settings)
     if not settings.redis_url:
-        return update_once(client, settings, reporter)
+        return update_once(client, settings, reporter, rejected)
     try:
         conn = redis.Redis.from_url(settings.redis_url)
         lock = conn.lock(
@@ -326,7 +348,7 @@ def run(
     )
     started = time.monotonic()
     try:
-        return update_once(client, settings, reporter)
+        return update_once(client, settings, reporter, rejected)
     finally:
         try:
             lock.release()

@@ -298,3 +298,35 @@ def test_loop_mode_applies_the_image_on_its_own(
         proc.terminate()
         proc.wait(timeout=30)
     assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
+
+
+def test_loop_mode_does_not_retry_a_rolled_back_image(
+    engine: docker.DockerClient,
+    agent: tuple[str, str],
+    images: dict[str, str],
+    tmp_path: pathlib.Path,
+) -> None:
+    name, address = agent
+    log_path = tmp_path / "updater.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
+             "--container", name, "--image", "cilia-sau-test:c", "--agent-health-address",
+             address, "--health-interval", "0.2", "--health-timeout", "2",
+             "--stop-timeout", "2", "--interval", "0.2"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while log_path.read_text().count('"step": "ImageSkipped"') < 2:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no ImageSkipped step"
+                time.sleep(0.2)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert text.count('"step": "AgentRolledBack"') == 1
+    assert text.count('"step": "AgentStarted"') == 1
+    assert engine.containers.get(name).attrs["Image"] == images["A"]
+    assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
