@@ -31,8 +31,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from kubernetes.aio import client as kube_client
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
+from cilia_kubemock import KubeMock
 from cilia_operator.controlplane.ipam import IPAMServicer
 from cilia_operator.controlplane.resources import ResourceServicer
 from cilia_operator.ipam import claims
@@ -40,6 +42,8 @@ from cilia_operator.ipam import node as nodes
 from cilia_operator.ipam.controller import IPAMController
 from cilia_operator.ipam.pool import pool_specs
 from cilia_operator.metrics import Metrics
+from cilia_operator.store import Store
+from cilia_operator.store.kubernetes import KubernetesStore
 from cilia_operator.store.redis import RedisStore
 
 T = TypeVar("T")
@@ -80,11 +84,21 @@ class IPAMMachine(RuleBasedStateMachine):
     """Two controller replicas on one Redis store, driven step by step."""
 
     def __init__(self, url: str) -> None:
+        """``url``: a Redis URL, or ``kubernetes`` for a fresh mock API server
+        (``lib/kubemock``, real HTTP) behind the Kubernetes store."""
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.url = url
-        self.store = RedisStore(url, prefix="prop/")
-        self.run(self._flush())
+        self.mock: KubeMock | None = None
+        self.store: Store
+        if url == "kubernetes":
+            self.mock = KubeMock()
+            cfg = kube_client.Configuration()
+            cfg.host = self.run(self.mock.start_async())
+            self.store = KubernetesStore(configuration=cfg, watch_timeout=1)
+        else:
+            self.store = RedisStore(url, prefix="prop/")
+            self.run(self._flush())
         self.replicas: list[IPAMController] = [self._start(), self._start()]
         self.ctx = Context()
         self.resources = ResourceServicer(self.store, None, [Net("10.96.0.0/12")])
@@ -109,6 +123,8 @@ class IPAMMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.run(self.store.close())
+        if self.mock is not None:
+            self.run(self.mock.stop_async())
         self.loop.close()
 
     def ipam(self, replica: int) -> IPAMServicer:
@@ -336,6 +352,20 @@ def test_ipam_blocks_stay_disjoint_inside_pools_and_are_never_lost(redis_url: st
         lambda: IPAMMachine(redis_url),
         settings=settings(
             max_examples=30,
+            stateful_step_count=20,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+def test_two_allocators_share_no_block_on_the_kubernetes_store() -> None:
+    """The same machine on the Kubernetes store (mock API server, real HTTP): block
+    claims rely on its 409 AlreadyExists the same way."""
+    run_state_machine_as_test(
+        lambda: IPAMMachine("kubernetes"),
+        settings=settings(
+            max_examples=20,
             stateful_step_count=20,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
