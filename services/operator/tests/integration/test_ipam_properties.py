@@ -54,6 +54,7 @@ Net = ipaddress.IPv4Network
 UNIVERSE = [Net(f"10.250.{i // 4}.{(i % 4) * 64}/26") for i in range(8)]
 MASK = 28
 POOLS = ["p0", "p1", "p2"]
+CLUSTER_CIDRS = (Net("10.249.0.0/27"),)  # cluster-pool mode: 2 blocks of /28 only
 NODES = [f"n{i}" for i in range(4)]
 
 
@@ -116,8 +117,13 @@ class IPAMMachine(RuleBasedStateMachine):
         finally:
             await client.aclose()
 
+    mode = "multi-pool"
+
     def _start(self) -> IPAMController:
-        controller = IPAMController(self.store, Metrics(), conflict_retries=3)
+        controller = IPAMController(
+            self.store, Metrics(), conflict_retries=3, mode=self.mode,
+            cluster_cidrs=CLUSTER_CIDRS, cluster_mask_size=MASK,
+        )  # fmt: skip
         self.run(controller.start(run=False))
         return controller
 
@@ -345,6 +351,51 @@ class IPAMMachine(RuleBasedStateMachine):
                     )
 
         self.run(go())
+
+
+class ClusterPoolMachine(IPAMMachine):
+    """The same interleavings with both replicas in cluster-pool mode: 2 blocks, so nodes
+    compete for them; a node holds at most one podCIDR, ever."""
+
+    mode = "cluster-pool"
+
+    @invariant()
+    def one_pod_cidr_per_node_disjoint_claimed_never_lost(self) -> None:
+        records = self.run(self._records())
+        stored_claims = {c.block: c for c in self.run(claims.list_claims(self.store))}
+        seen: dict[Net, str] = {}
+        for name, record in records.items():
+            pod = nodes.pod_cidrs(record)
+            assert len(pod) <= 1, f"{name} holds {pod}"
+            previous = self.pod_held.get(name)
+            assert previous is None or pod == [previous], f"{name} lost {previous}"
+            for block in pod:
+                assert any(block.subnet_of(c) for c in CLUSTER_CIDRS), block
+                assert block not in seen, f"{block} held by {seen[block]} and {name}"
+                seen[block] = name
+                claim = stored_claims.get(block)
+                assert claim is not None and claim.node == name, (name, block, claim)
+                self.pod_held[name] = block
+        for name in set(self.pod_held) - set(records):
+            del self.pod_held[name]
+
+    @property
+    def pod_held(self) -> dict[str, Net]:
+        if not hasattr(self, "_pod_held"):
+            self._pod_held: dict[str, Net] = {}
+        return self._pod_held
+
+
+def test_cluster_pool_nodes_hold_one_disjoint_block_each(redis_url: str) -> None:
+    run_state_machine_as_test(
+        lambda: ClusterPoolMachine(redis_url),
+        settings=settings(
+            max_examples=15,
+            stateful_step_count=15,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
 
 
 def test_ipam_blocks_stay_disjoint_inside_pools_and_are_never_lost(redis_url: str) -> None:
