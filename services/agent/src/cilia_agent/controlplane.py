@@ -449,14 +449,31 @@ class OperatorAPI:
                 f"endpoint record at operator {self.address} failed: {_describe(exc)}"
             ) from exc
 
-    async def delete_endpoint(self, namespace: str, name: str) -> None:
-        """``EndpointService.DeleteEndpoint``. Raises OperatorUnavailable."""
+    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
+        """``EndpointService.DeleteEndpoint`` of this node's (and, when given, this
+        container's) record. A record the operator says belongs to another node or
+        container (FAILED_PRECONDITION) is not ours to delete: logged, not an error.
+
+        Raises OperatorUnavailable for any other failure (the caller retries).
+        """
         try:
             await self.endpoints.DeleteEndpoint(
-                cp.DeleteEndpointRequest(namespace=namespace, name=name, node_name=self.node_name),
+                cp.DeleteEndpointRequest(
+                    namespace=namespace,
+                    name=name,
+                    node_name=self.node_name,
+                    container_id=container_id,
+                ),
                 timeout=self.timeout,
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                log.info(
+                    "operator kept the endpoint record: %s",
+                    exc.details(),
+                    extra={"endpoint": f"{namespace}/{name}", "container_id": container_id},
+                )
+                return
             raise OperatorUnavailable(f"endpoint delete failed: {_describe(exc)}") from exc
 
     def watch_identities(self) -> AsyncIterable[cp.WatchIdentitiesResponse]:

@@ -100,7 +100,7 @@ class FakeControl(LocalControlPlane):
             raise OperatorUnavailable("endpoint record at operator failed (test)")
         self.records[record.name] = record
 
-    async def delete_endpoint(self, namespace: str, name: str) -> None:
+    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
         self.deleted.append((namespace, name))
 
 

@@ -13,6 +13,7 @@ from cluster import register, running_operator
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator.controlplane.streams import Changed, Listed, follow
+from cilia_operator.store.base import NotFound
 from cilia_operator.store.redis import RedisStore
 
 
@@ -98,6 +99,19 @@ async def test_endpoint_records_are_cilium_endpoints_and_foreign_deletes_are_ref
             await endpoints.DeleteEndpoint(pb.DeleteEndpointRequest(name="web", node_name="n9"))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "belongs to node 'n1'" in (err.value.details() or "")
+        # a stale DEL of an older sandbox of the same pod leaves the newer record alone
+        with pytest.raises(grpc.aio.AioRpcError) as stale:
+            await endpoints.DeleteEndpoint(
+                pb.DeleteEndpointRequest(name="web", node_name="n1", container_id="cid-old")
+            )
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "belongs to container 'cid-web'" in (stale.value.details() or "")
+        assert await op.store.get("CiliumEndpoint", "web", "default")
+        await endpoints.DeleteEndpoint(
+            pb.DeleteEndpointRequest(name="web", node_name="n1", container_id="cid-web")
+        )
+        with pytest.raises(NotFound):
+            await op.store.get("CiliumEndpoint", "web", "default")
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await endpoints.UpsertEndpoint(
                 pb.UpsertEndpointRequest(endpoint=record("x", "10.1", 300))

@@ -98,8 +98,8 @@ class ControlPlane(Protocol):
     async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
         """Record the endpoint (feeds every agent's ipcache)."""
 
-    async def delete_endpoint(self, namespace: str, name: str) -> None:
-        """Remove the endpoint record."""
+    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
+        """Remove the endpoint record (only this container's, when ``container_id`` is set)."""
 
 
 class LocalControlPlane:
@@ -135,7 +135,7 @@ class LocalControlPlane:
     async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
         """No operator: nothing to record."""
 
-    async def delete_endpoint(self, namespace: str, name: str) -> None:
+    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
         """No operator: nothing to delete."""
 
 
@@ -524,8 +524,10 @@ class Enforcement:
                 problems.append(f"datapath: program {prog} not attached to {rec.host_ifname}")
         return problems
 
-    def _delete_call(self, namespace: str, name: str) -> Callable[[], Awaitable[None]]:
-        return lambda: self.control.delete_endpoint(namespace, name)
+    def _delete_call(
+        self, namespace: str, name: str, container_id: str
+    ) -> Callable[[], Awaitable[None]]:
+        return lambda: self.control.delete_endpoint(namespace, name, container_id)
 
     def forget(self, records: Iterable[EndpointRecord]) -> None:
         """Release the operator record and identity of endpoints that are gone.
@@ -551,7 +553,8 @@ class Enforcement:
                 )
             else:
                 self.retry.submit(
-                    f"DeleteEndpoint {namespace}/{name}", self._delete_call(namespace, name)
+                    f"DeleteEndpoint {namespace}/{name}",
+                    self._delete_call(namespace, name, rec.container_id),
                 )
             if rec.identity:
                 self._release_if_unused(rec.identity)

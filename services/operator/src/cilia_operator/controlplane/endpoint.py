@@ -105,7 +105,9 @@ class EndpointServicer:
         """Delete the endpoint's record; succeeds when it is absent.
 
         With ``node_name`` set, a record owned by another node (the pod name was reused
-        there) is left alone: FAILED_PRECONDITION naming that node.
+        there) is left alone: FAILED_PRECONDITION naming that node. With ``container_id``
+        set, a record of another container (a newer sandbox of the same pod) is left
+        alone the same way, so a stale DEL never removes the newer sandbox's record.
         Errors: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED, UNAVAILABLE.
         """
         namespace = records.check_namespace(request.namespace or records.DEFAULT_NAMESPACE)
@@ -121,6 +123,13 @@ class EndpointServicer:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"endpoint {namespace}/{name} belongs to node {owner!r}, "
                     f"not {request.node_name!r}; not deleted",
+                )
+            recorded = records.container_id_of(current)
+            if request.container_id and recorded and recorded != request.container_id:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"endpoint {namespace}/{name} belongs to container {recorded!r}, "
+                    f"not {request.container_id!r}; not deleted",
                 )
             try:
                 await self.store.delete(records.KIND, name, namespace, resource_version(current))

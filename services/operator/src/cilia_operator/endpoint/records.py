@@ -142,6 +142,12 @@ def node_name_of(record: Resource) -> str:
     return str(networking.get("node-name") or "")
 
 
+def container_id_of(record: Resource) -> str:
+    """``status.external-identifiers.container-id`` ("" when absent)."""
+    external = (record.get("status") or {}).get("external-identifiers") or {}
+    return str(external.get("container-id") or "")
+
+
 def parse_endpoint(record: Resource) -> Endpoint | None:
     """The ipcache view of a record; None when it has no IPv4 address or identity."""
     meta = record.get("metadata") or {}
