@@ -338,6 +338,11 @@ class IPAMMachine(RuleBasedStateMachine):
             for name, record in records.items():
                 held = nodes.allocated(record)
                 error = nodes.operator_error(record)
+                if self.mode == "cluster-pool":
+                    assert len(nodes.pod_cidrs(record)) == 1 or error.startswith(
+                        "cluster-pool exhausted"
+                    ), (name, record)
+                    continue
                 for pool, needed in nodes.requested(record).items():
                     spec = pools.get(pool)
                     have = sum(spec.usable(b) for b in held.get(pool, [])) if spec else 0
