@@ -269,6 +269,29 @@ async def test_mask_change_and_in_use_delete_are_refused_with_the_reason(redis_u
         assert (await op.store.get("CiliumPodIPPool", "default"))["spec"]["ipv4"]["maskSize"] == 24
 
 
+async def test_demand_returns_its_write_version_and_allocations_carry_allow_flags(
+    redis_url: str,
+) -> None:
+    pools = ["default=ipv4-cidrs:10.251.0.0/24;ipv4-mask-size:26;allow-first-ip:true"]
+    async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=pools) as (
+        op,
+        channel,
+    ):
+        await register(channel, "f1")
+        response = await pb_grpc.IPAMServiceStub(channel).UpdateDemand(
+            pb.UpdateDemandRequest(
+                node_name="f1", demands=[pb.PoolDemand(pool="default", needed_ipv4=10)]
+            )
+        )
+        stored = await op.store.get("CiliumNode", "f1")
+        assert int(response.resource_version) <= int(stored["metadata"]["resourceVersion"])
+        assert stored["spec"]["ipam"]["pools"]["requested"][0]["needed"]["ipv4-addrs"] == 10
+        got = await allocation_until(channel, "f1", lambda a: a.pools)
+        [entry] = got.pools
+        assert (entry.allow_first_ip, entry.allow_last_ip) == (True, False)
+        assert int(got.resource_version) > int(response.resource_version)
+
+
 async def test_adding_a_cidr_serves_waiting_demand_at_once(redis_url: str) -> None:
     pools = ["default=ipv4-cidrs:10.251.0.0/24;ipv4-mask-size:24"]
     async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=pools) as (_, channel):

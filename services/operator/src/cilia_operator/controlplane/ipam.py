@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 def allocation_message(
     record: Resource, pools: Mapping[str, PoolSpec] | None = None
 ) -> pb.NodeAllocation:
-    """A CiliumNode record as ``NodeAllocation``: allocated pools, podCIDRs (cluster-pool),
-    draining blocks, error, resourceVersion.
+    """A CiliumNode record as ``NodeAllocation``: allocated pools (with the pool's
+    allowFirstIP/allowLastIP), podCIDRs (cluster-pool), draining blocks, error,
+    resourceVersion.
 
     A block is draining when it lies in a draining CIDR of its pool, outside the pool's
     CIDRs, or its pool is unknown (``pools`` None: nothing is reported draining).
@@ -44,11 +45,19 @@ def allocation_message(
             ]
             if gone:
                 draining.append(pb.PoolCIDRs(pool=pool, cidrs=gone))
+
+    def entry(pool: str, blocks: list[ipaddress.IPv4Network]) -> pb.PoolCIDRs:
+        spec = pools.get(pool) if pools is not None else None
+        return pb.PoolCIDRs(
+            pool=pool,
+            cidrs=[str(b) for b in blocks],
+            allow_first_ip=spec.allow_first_ip if spec else False,
+            allow_last_ip=spec.allow_last_ip if spec else False,
+        )
+
     return pb.NodeAllocation(
         node_name=record["metadata"]["name"],
-        pools=[
-            pb.PoolCIDRs(pool=pool, cidrs=[str(b) for b in blocks]) for pool, blocks in allocated
-        ],
+        pools=[entry(pool, blocks) for pool, blocks in allocated],
         error=nodes.operator_error(record),
         resource_version=resource_version(record),
         pod_cidrs=[str(b) for b in nodes.pod_cidrs(record)],
@@ -87,7 +96,9 @@ class IPAMServicer:
     async def UpdateDemand(  # noqa: N802 (gRPC method name)
         self, request: pb.UpdateDemandRequest, context: Any
     ) -> pb.UpdateDemandResponse:
-        """Write ``spec.ipam.pools.requested`` and drop released CIDRs from ``allocated``.
+        """Write ``spec.ipam.pools.requested`` and drop released CIDRs from ``allocated``
+        (their block claims are deleted); returns the resourceVersion of that write (of
+        the unchanged record when nothing changed).
 
         Errors: NOT_FOUND (node not registered), INVALID_ARGUMENT (bad pool/CIDR),
         UNAVAILABLE, ABORTED.
@@ -115,10 +126,11 @@ class IPAMServicer:
                     grpc.StatusCode.NOT_FOUND, f"node {name!r} is not registered: call Register"
                 )
             updated = nodes.with_demand(record, demands, released)
+            written = resource_version(record)
             if updated == record:
                 break
             try:
-                await self.store.update(updated)
+                written = resource_version(await self.store.update(updated))
             except Conflict:
                 continue
             if released:
@@ -127,12 +139,13 @@ class IPAMServicer:
             break
         else:
             raise Contention(NODE.kind, "", name)
-        still = nodes.allocated(await self.store.get(NODE.kind, name))
-        for pool, block in released:
-            if block not in still.get(pool, []):
-                await claims.unclaim(self.store, block, name)
+        if released:
+            still = nodes.allocated(await self.store.get(NODE.kind, name))
+            for pool, block in released:
+                if block not in still.get(pool, []):
+                    await claims.unclaim(self.store, block, name)
         self.controller.enqueue(name)
-        return pb.UpdateDemandResponse()
+        return pb.UpdateDemandResponse(resource_version=written)
 
     @unary
     async def ResolvePool(  # noqa: N802 (gRPC method name)
