@@ -34,6 +34,7 @@ version), ``CILIA_DEBIAN_MIRROR`` (mirror for debootstrap; default: the host's a
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -65,6 +66,8 @@ BUILD_DIR = ROOT / "build" / "images"
 #: Fixed zip timestamps for the project's own wheels, so an unchanged source gives a
 #: byte-identical wheel and the engine's layer cache stays valid (seconds since the epoch).
 SOURCE_DATE_EPOCH = "1700000000"
+#: Images built at the same time by :func:`build_all` (``--jobs``).
+DEFAULT_JOBS = 2
 #: Seconds the Docker SDK waits for one API call (a build streams, so this bounds silence).
 DOCKER_TIMEOUT = 900
 #: Local (non-PyPI) packages: name of the wheel's distribution -> source directory.
@@ -584,14 +587,16 @@ def build_all(
     base_image: str | None = None,
     progress: Progress = _say,
     nocache: bool = False,
+    jobs: int = DEFAULT_JOBS,
 ) -> dict[str, str]:
-    """Build the base image (if missing), the wheels once, then each image.
+    """Build the base image (if missing), the wheels once, then the images, ``jobs`` at a
+    time (each build with its own SDK client; the engine runs them concurrently).
 
     Returns:
         ``{service: image id}``.
 
     Raises:
-        ImageBuildError: the first failing step.
+        ImageBuildError: the first failing build (the others are still waited for).
     """
     services = list(services)
     client = docker_client()
@@ -599,19 +604,21 @@ def build_all(
     py = [s for s in services if s in SERVICES]
     if py:
         build_wheels(py, progress=progress)
-    out: dict[str, str] = {}
-    for svc in services:
-        t = tag.replace("{service}", svc) if tag else None
-        out[svc] = build_service(
+
+    def one(svc: str) -> str:
+        return build_service(
             svc,
-            t,
+            tag.replace("{service}", svc) if tag else None,
             base_image=base,
-            client=client,
+            client=docker_client(),
             progress=progress,
             wheels=False,
             nocache=nocache,
         )
-    return out
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {svc: pool.submit(one, svc) for svc in services}
+        return {svc: fut.result() for svc, fut in futures.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -634,6 +641,12 @@ def main(argv: list[str] | None = None) -> int:
         help="tag instead of cilia-<svc>:<version> + :git-<rev>; "
         "'{service}' is replaced by the image name",
     )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_JOBS,
+        help=f"images built concurrently, >= 1 (default {DEFAULT_JOBS})",
+    )
     ap.add_argument("--no-cache", action="store_true", help="ignore the engine's layer cache")
     ap.add_argument("--quiet", action="store_true", help="print only one line per image")
     ap.add_argument(
@@ -642,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
         help="only build build/images/wheels (for a hand-run `docker build`)",
     )
     ns = ap.parse_args(argv)
+    if ns.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {ns.jobs}")
     known = (*SERVICES, *EXTRA_IMAGES)
     for name in ns.images:
         if name not in known:
@@ -668,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             base_image=ns.base_image,
             progress=progress,
             nocache=ns.no_cache,
+            jobs=ns.jobs,
         )
     except ImageBuildError as exc:
         _say(f"error: {exc}")
