@@ -71,6 +71,21 @@ def _method(name: str, service: object = _SERVICE) -> str:
     return f"/{svc.full_name}/{svc.methods_by_name[name].name}"  # type: ignore[attr-defined]
 
 
+def _unary(
+    channel: grpc.Channel, name: str, request: Any, response: Any, service: object = _SERVICE
+) -> Any:
+    """Return the unary-unary callable of method ``name`` of ``service`` on ``channel``.
+
+    ``request``/``response`` are the generated message classes (``agent_pb2.AddRequest``, ...)
+    whose ``SerializeToString``/``FromString`` (de)serialize the call.
+    """
+    return channel.unary_unary(
+        _method(name, service),
+        request_serializer=request.SerializeToString,
+        response_deserializer=response.FromString,
+    )
+
+
 class AgentClient:
     """One insecure channel to ``unix:<socket_path>``; use as a context manager.
 
@@ -83,30 +98,13 @@ class AgentClient:
         #: Milliseconds spent in calls to the agent (channel set-up included), for the log.
         self.call_ms = 0.0
         self._channel = grpc.insecure_channel("unix:" + socket_path, options=_CHANNEL_OPTIONS)
-        self._add = self._channel.unary_unary(
-            _method("Add"),
-            request_serializer=agent_pb2.AddRequest.SerializeToString,
-            response_deserializer=agent_pb2.AddResponse.FromString,
-        )
-        self._del = self._channel.unary_unary(
-            _method("Del"),
-            request_serializer=agent_pb2.DelRequest.SerializeToString,
-            response_deserializer=agent_pb2.DelResponse.FromString,
-        )
-        self._check = self._channel.unary_unary(
-            _method("Check"),
-            request_serializer=agent_pb2.CheckRequest.SerializeToString,
-            response_deserializer=agent_pb2.CheckResponse.FromString,
-        )
-        self._gc = self._channel.unary_unary(
-            _method("GC"),
-            request_serializer=agent_pb2.GCRequest.SerializeToString,
-            response_deserializer=agent_pb2.GCResponse.FromString,
-        )
-        self._status = self._channel.unary_unary(
-            _method("Status", _DEBUG),
-            request_serializer=agent_pb2.StatusRequest.SerializeToString,
-            response_deserializer=agent_pb2.StatusResponse.FromString,
+        channel = self._channel
+        self._add = _unary(channel, "Add", agent_pb2.AddRequest, agent_pb2.AddResponse)
+        self._del = _unary(channel, "Del", agent_pb2.DelRequest, agent_pb2.DelResponse)
+        self._check = _unary(channel, "Check", agent_pb2.CheckRequest, agent_pb2.CheckResponse)
+        self._gc = _unary(channel, "GC", agent_pb2.GCRequest, agent_pb2.GCResponse)
+        self._status = _unary(
+            channel, "Status", agent_pb2.StatusRequest, agent_pb2.StatusResponse, _DEBUG
         )
 
     def __enter__(self) -> AgentClient:

@@ -419,13 +419,23 @@ def parse_prev_result(conf: Mapping[str, object], command: str) -> dict[str, obj
     return prev
 
 
-def _del_queue_dir(conf: Mapping[str, object]) -> str:
-    path = conf.get("del-queue-dir", DEFAULT_DEL_QUEUE_DIR)
+def _absolute_path(conf: Mapping[str, object], key: str, default: str) -> str:
+    """Return ``conf[key]`` (``default`` when absent) as an absolute path.
+
+    Raises:
+        InvalidNetworkConfig: the value is not a string, not absolute, or holds a NUL byte;
+            the message names the field ``key``.
+    """
+    path = conf.get(key, default)
     if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
         raise InvalidNetworkConfig(
-            f"network config field `del-queue-dir` must be an absolute path, got {_shown(path)}"
+            f"network config field `{key}` must be an absolute path, got {_shown(path)}"
         )
     return path
+
+
+def _del_queue_dir(conf: Mapping[str, object]) -> str:
+    return _absolute_path(conf, "del-queue-dir", DEFAULT_DEL_QUEUE_DIR)
 
 
 def _del_queue_max(conf: Mapping[str, object]) -> int:
@@ -439,11 +449,7 @@ def _del_queue_max(conf: Mapping[str, object]) -> int:
 
 
 def _socket_path(conf: Mapping[str, object]) -> str:
-    path = conf.get("agent-socket", DEFAULT_AGENT_SOCKET)
-    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
-        raise InvalidNetworkConfig(
-            f"network config field `agent-socket` must be an absolute path, got {_shown(path)}"
-        )
+    path = _absolute_path(conf, "agent-socket", DEFAULT_AGENT_SOCKET)
     if len(path.encode("utf-8", "surrogatepass")) > MAX_SOCKET_PATH_BYTES:
         raise InvalidNetworkConfig(
             f"network config field `agent-socket` is longer than {MAX_SOCKET_PATH_BYTES} bytes "
