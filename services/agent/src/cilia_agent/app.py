@@ -268,13 +268,7 @@ class Agent:
         self._update_ipam_gauges()
         if cfg.operator:
             if cfg.ipam == "multi-pool":
-                self.pool_resolver = PoolResolver(
-                    address=cfg.operator,
-                    node_name=cfg.node_name,
-                    timeout=cfg.operator_timeout,
-                    min_backoff=cfg.operator_reconnect_min_backoff,
-                    max_backoff=cfg.operator_reconnect_max_backoff,
-                )
+                self.pool_resolver = PoolResolver.from_config(cfg)
                 self.selector.resolver = self.pool_resolver
             self.operator = OperatorClient(
                 address=cfg.operator,
@@ -319,13 +313,7 @@ class Agent:
             self.bpf.table(table)  # create bcc's table objects once, on this thread
         control: ControlPlane
         if cfg.operator:
-            self.operator_api = OperatorAPI(
-                address=cfg.operator,
-                node_name=cfg.node_name,
-                timeout=cfg.operator_timeout,
-                min_backoff=cfg.operator_reconnect_min_backoff,
-                max_backoff=cfg.operator_reconnect_max_backoff,
-            )
+            self.operator_api = OperatorAPI.from_config(cfg)
             control = self.operator_api
         else:
             control = LocalControlPlane()

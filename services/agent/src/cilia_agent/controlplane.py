@@ -36,13 +36,14 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import grpc
 from pyroute2 import IPRoute
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
+from cilia_agent.config import Config
 from cilia_agent.ipam.node import Demand
 
 log = logging.getLogger(__name__)
@@ -295,17 +296,18 @@ class PoolNotResolved(Exception):
     several pools' selectors match, or a required named pool does not exist)."""
 
 
-class PoolResolver:
-    """``IPAMService.ResolvePool`` for each new pod (multi-pool mode), over its own channel.
+class OperatorConnection:
+    """One channel to the operator for unary calls with a fixed deadline; the base of
+    :class:`PoolResolver` and :class:`OperatorAPI`.
 
     Args:
         address: operator ``host:port``.
-        node_name: this node (sent with each request).
-        timeout: deadline (s) of each call (``--operator-timeout``).
+        node_name: this node (sent with the requests).
+        timeout: deadline (s) of each unary call (``--operator-timeout``).
         min_backoff, max_backoff: gRPC channel reconnect backoff (s).
 
-    Create it inside the running event loop; :meth:`close` closes the channel. Nothing is
-    cached: a pool edit applies to the next pod.
+    Create it inside the running event loop; :meth:`close` closes the channel. A subclass
+    creates its service stubs on the channel in :meth:`_stubs`.
     """
 
     def __init__(
@@ -321,11 +323,43 @@ class PoolResolver:
         self.node_name = node_name
         self.timeout = timeout
         self.channel = _operator_channel(address, min_backoff, max_backoff)
-        self.ipam = cp_grpc.IPAMServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        self._stubs(self.channel)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Self:
+        """Connect to ``cfg.operator`` as ``cfg.node_name`` with ``--operator-timeout`` and
+        the ``--operator-reconnect-{min,max}-backoff`` of the agent's config."""
+        return cls(
+            address=cfg.operator,
+            node_name=cfg.node_name,
+            timeout=cfg.operator_timeout,
+            min_backoff=cfg.operator_reconnect_min_backoff,
+            max_backoff=cfg.operator_reconnect_max_backoff,
+        )
+
+    def _stubs(self, channel: grpc.aio.Channel) -> None:
+        """Create the subclass's service stubs on ``channel`` (called once by __init__)."""
 
     async def close(self) -> None:
-        """Close the channel."""
+        """Close the channel (open streams end with CANCELLED)."""
         await self.channel.close()
+
+
+class PoolResolver(OperatorConnection):
+    """``IPAMService.ResolvePool`` for each new pod (multi-pool mode), over its own channel.
+
+    Args (keyword-only, see :class:`OperatorConnection`):
+        address: operator ``host:port``.
+        node_name: this node (sent with each request).
+        timeout: deadline (s) of each call (``--operator-timeout``).
+        min_backoff, max_backoff: gRPC channel reconnect backoff (s).
+
+    Create it inside the running event loop; :meth:`close` closes the channel. Nothing is
+    cached: a pool edit applies to the next pod.
+    """
+
+    def _stubs(self, channel: grpc.aio.Channel) -> None:
+        self.ipam = cp_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
 
     async def resolve(
         self,
@@ -375,40 +409,25 @@ class OperatorUnavailable(Exception):
     """A call to the operator failed (unreachable, deadline, or an operator error)."""
 
 
-class OperatorAPI:
+class OperatorAPI(OperatorConnection):
     """Unary calls and watch streams of IdentityService, EndpointService, PolicyService
     and NodeService.WatchNodes over one channel.
 
-    Args:
+    Args (keyword-only, see :class:`OperatorConnection`):
         address: operator ``host:port``.
         node_name: this node (sent with Allocate/Release/endpoint records).
         timeout: deadline (s) of each unary call (``--operator-timeout``).
         min_backoff, max_backoff: gRPC channel reconnect backoff (s).
 
-    Create it inside the running event loop; :meth:`close` closes the channel.
+    Create it inside the running event loop; :meth:`close` closes the channel (streams end
+    with CANCELLED).
     """
 
-    def __init__(
-        self,
-        *,
-        address: str,
-        node_name: str,
-        timeout: float,
-        min_backoff: float,
-        max_backoff: float,
-    ) -> None:
-        self.address = address
-        self.node_name = node_name
-        self.timeout = timeout
-        self.channel = _operator_channel(address, min_backoff, max_backoff)
-        self.identities = cp_grpc.IdentityServiceStub(self.channel)  # type: ignore[no-untyped-call]
-        self.endpoints = cp_grpc.EndpointServiceStub(self.channel)  # type: ignore[no-untyped-call]
-        self.policies = cp_grpc.PolicyServiceStub(self.channel)  # type: ignore[no-untyped-call]
-        self.nodes = cp_grpc.NodeServiceStub(self.channel)  # type: ignore[no-untyped-call]
-
-    async def close(self) -> None:
-        """Close the channel (streams end with CANCELLED)."""
-        await self.channel.close()
+    def _stubs(self, channel: grpc.aio.Channel) -> None:
+        self.identities = cp_grpc.IdentityServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.endpoints = cp_grpc.EndpointServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.policies = cp_grpc.PolicyServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.nodes = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
 
     async def allocate_identity(self, labels: list[str]) -> cp.Identity:
         """``IdentityService.Allocate`` for the (filtered, sorted) ``labels``.
