@@ -13,18 +13,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cilia_common import grpcserver
 from cilia_common.logs import setup_logging
 from cilia_safe_agent_updater import __version__
 from cilia_safe_agent_updater.exitcodes import Exit, UpdaterError
 from cilia_safe_agent_updater.steps import Reporter
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    _Settings = TypeVar("_Settings", bound=DataclassInstance)
 
 COMPONENT = "cilia-safe-agent-updater"
 DEFAULT_HEALTH_LISTEN_ADDRESS = "127.0.0.1:9878"
@@ -350,32 +357,26 @@ def _hash_command(args: argparse.Namespace) -> int:
     return int(Exit.OK)
 
 
+def _settings(cls: type[_Settings], args: argparse.Namespace, **given: Any) -> _Settings:
+    """Build the mode's settings dataclass ``cls`` from the parsed flags.
+
+    Each field takes the flag of the same name (``args.<field>``), except the fields passed
+    in ``given`` (renamed or inverted flags, e.g. ``check_images=not args.no_image_check``).
+
+    Raises:
+        AttributeError: a field has neither a flag of its name nor a value in ``given``.
+    """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in given}
+    return cls(**values, **given)
+
+
 def _run_kubernetes(args: argparse.Namespace) -> Exit:
     from cilia_safe_agent_updater import kube
 
     if not args.node_name:
         raise UpdaterError(Exit.USAGE, "--node-name (or NODE_NAME) is required in kubernetes mode")
-    settings = kube.KubeSettings(
-        node_name=args.node_name,
-        namespace=args.namespace,
-        agent_daemonset=args.agent_daemonset,
-        agent_selector=args.agent_selector,
-        expected_generation=args.expected_generation,
-        poll_interval=args.poll_interval,
-        image_check_attempts=args.image_check_attempts,
-        check_images=not args.no_image_check,
-        pod_replace_attempts=args.pod_replace_attempts,
-        ready_attempts=args.ready_attempts,
-        agent_health_address=args.agent_health_address,
-        health_attempts=args.health_attempts,
-        health_rpc_timeout=args.health_rpc_timeout,
-        api_timeout=args.api_timeout,
-        max_concurrent_updates=args.max_concurrent_updates,
-        lease_namespace=args.lease_namespace,
-        lease_prefix=args.lease_prefix,
-        lease_duration=args.lease_duration,
-        lease_wait_timeout=args.lease_wait_timeout,
-        events=not args.no_events,
+    settings = _settings(
+        kube.KubeSettings, args, check_images=not args.no_image_check, events=not args.no_events
     )
     api = kube.KubeAPI(
         kube.api_client(
@@ -396,22 +397,7 @@ def _run_docker(args: argparse.Namespace) -> Exit:
 
     if not args.image:
         raise UpdaterError(Exit.USAGE, "--image is required in docker mode")
-    settings = dockermode.DockerSettings(
-        image=args.image,
-        container=args.container,
-        docker_url=args.docker_url,
-        pull_policy=args.pull_policy,
-        agent_health_address=args.agent_health_address,
-        health_timeout=args.health_timeout,
-        health_interval=args.health_interval,
-        health_rpc_timeout=args.health_rpc_timeout,
-        stop_timeout=args.stop_timeout,
-        redis_url=args.redis,
-        lock_name=args.lock_name,
-        lock_ttl=args.lock_ttl,
-        lock_wait_timeout=args.lock_wait_timeout,
-        docker_timeout=args.docker_timeout,
-    )
+    settings = _settings(dockermode.DockerSettings, args, redis_url=args.redis)
     client = dockermode.docker_client(settings)
     rejected: set[str] = set()  # loop mode: image ids already rolled back are not retried
     while True:

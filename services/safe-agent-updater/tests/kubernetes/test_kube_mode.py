@@ -104,6 +104,16 @@ class Controller(threading.Thread):
         self.created: list[str] = []
         self.max_not_ready = 0
 
+    def __enter__(self) -> Controller:
+        """Start the thread; ``with Controller(...) as c:`` runs it for the block."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the thread and wait for it to end."""
+        self.stop.set()
+        self.join()
+
     def run(self) -> None:
         serial = 0
         while not self.stop.wait(0.02):
@@ -195,13 +205,8 @@ def test_differing_hash_deletes_waits_for_ready_and_health(
     kube_api: KubeAPI, agent_health: str
 ) -> None:
     _setup(kube_api.mock)
-    controller = Controller(kube_api.mock, ["node-1"])
-    controller.start()
-    try:
+    with Controller(kube_api.mock, ["node-1"]) as controller:
         assert _run(kube_api, health_addr=agent_health) == Exit.OK
-    finally:
-        controller.stop.set()
-        controller.join()
     pods = kube_api.mock.objects("Pod", NS)
     assert [p["metadata"]["name"] for p in pods] == controller.created
     assert len(pods) == 1
@@ -227,13 +232,8 @@ def test_terminating_old_pod_is_not_taken_for_the_replacement(
     kube_api: KubeAPI, agent_health: str
 ) -> None:
     _setup(kube_api.mock)
-    controller = Controller(kube_api.mock, ["node-1"])
-    controller.start()
-    try:
+    with Controller(kube_api.mock, ["node-1"]) as controller:
         assert _run(kube_api, health_addr=agent_health) == Exit.OK
-    finally:
-        controller.stop.set()
-        controller.join()
     live = [
         p for p in kube_api.mock.objects("Pod", NS) if not p["metadata"].get("deletionTimestamp")
     ]
@@ -242,13 +242,8 @@ def test_terminating_old_pod_is_not_taken_for_the_replacement(
 
 def test_replacement_never_ready_fails_bounded(kube_api: KubeAPI) -> None:
     _setup(kube_api.mock)
-    controller = Controller(kube_api.mock, ["node-1"], make_ready=False)
-    controller.start()
-    try:
+    with Controller(kube_api.mock, ["node-1"], make_ready=False):
         code = _run(kube_api, "--ready-attempts", "5")
-    finally:
-        controller.stop.set()
-        controller.join()
     assert code == Exit.REPLACEMENT_NOT_READY
     reasons = _reasons(kube_api.mock)
     assert reasons[-1] == "UpdateFailed"
@@ -257,9 +252,7 @@ def test_replacement_never_ready_fails_bounded(kube_api: KubeAPI) -> None:
 
 def test_agent_health_never_serving_fails(kube_api: KubeAPI, tmp_path: pathlib.Path) -> None:
     _setup(kube_api.mock)
-    controller = Controller(kube_api.mock, ["node-1"])
-    controller.start()
-    try:
+    with Controller(kube_api.mock, ["node-1"]):
         code = _run(
             kube_api,
             "--health-attempts",
@@ -268,9 +261,6 @@ def test_agent_health_never_serving_fails(kube_api: KubeAPI, tmp_path: pathlib.P
             "0.2",
             health_addr=f"unix:{tmp_path}/nobody.sock",
         )
-    finally:
-        controller.stop.set()
-        controller.join()
     assert code == Exit.AGENT_UNHEALTHY
 
 
@@ -366,25 +356,22 @@ def test_transient_get_failures_are_retried_not_fatal(
     proxy = FlakyProxy(kube_api.url, ds_path, failures=3)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     kubeconfig = write_kubeconfig(f"http://127.0.0.1:{proxy.server_address[1]}", tmp_path / "kc")
-    controller = Controller(kube_api.mock, ["node-1"])
-    controller.start()
     try:
-        code = main(
-            [
-                "--mode",
-                "kubernetes",
-                "--kubeconfig",
-                str(kubeconfig),
-                "--node-name",
-                "node-1",
-                "--agent-health-address",
-                agent_health,
-                *FAST,
-            ]
-        )
+        with Controller(kube_api.mock, ["node-1"]):
+            code = main(
+                [
+                    "--mode",
+                    "kubernetes",
+                    "--kubeconfig",
+                    str(kubeconfig),
+                    "--node-name",
+                    "node-1",
+                    "--agent-health-address",
+                    agent_health,
+                    *FAST,
+                ]
+            )
     finally:
-        controller.stop.set()
-        controller.join()
         proxy.shutdown()
     assert proxy.failed == 3
     assert code == Exit.OK
@@ -436,13 +423,8 @@ def test_expired_lease_is_taken_and_released(kube_api: KubeAPI, agent_health: st
     _setup(kube_api.mock)
     stale = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=120)
     kube_api.mock.put_object(_lease("node-9", stale))
-    controller = Controller(kube_api.mock, ["node-1"])
-    controller.start()
-    try:
+    with Controller(kube_api.mock, ["node-1"]):
         code = _run(kube_api, "--max-concurrent-updates", "1", health_addr=agent_health)
-    finally:
-        controller.stop.set()
-        controller.join()
     assert code == Exit.OK
     lease = kube_api.mock.get_object("Lease", "cilia-safe-agent-updater-0", NS)
     assert lease["spec"].get("holderIdentity") is None
