@@ -71,7 +71,6 @@ from cilia_agent.hubble.metrics import read_bcc_counters
 from cilia_agent.hubble.peer import join_host_port
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 from cilia_agent.ipam import IPAM
-from cilia_agent.ipam.allocator import usable_hosts
 from cilia_agent.ipam.node import Demand, NodePools
 from cilia_agent.ipam.selection import PoolSelectingEndpointManager, PoolSelector
 from cilia_agent.metrics import Metrics
@@ -518,7 +517,7 @@ class Agent:
                     break
         if first is None:
             return
-        router = ipaddress.IPv4Address(usable_hosts(ipaddress.IPv4Network(first))[0])
+        router = self.ipam.first_usable(first)
         self.ipam.occupy(router, ROUTER_OWNER)
         self.router_ip = router
         log.info("router IP chosen", extra={"router_ip": str(router), "cidr": first})
@@ -557,6 +556,7 @@ class Agent:
                 list(allocation.pod_cidrs),
                 {p.pool: list(p.cidrs) for p in allocation.draining},
                 allocation.error,
+                {p.pool: (p.allow_first_ip, p.allow_last_ip) for p in allocation.pools},
             )
             for pool, reason in change.rejected.items():
                 log.error("allocation rejected", extra={"pool": pool, "reason": reason})
@@ -685,7 +685,13 @@ class Agent:
             node_name=self.config.node_name,
             router_ip=self._router_str(),
             pools=[
-                agent_pb2.PoolStatus(pool=p.pool, cidrs=p.cidrs, used=p.used, capacity=p.capacity)
+                agent_pb2.PoolStatus(
+                    pool=p.pool,
+                    cidrs=p.cidrs,
+                    used=p.used,
+                    capacity=p.capacity,
+                    draining_cidrs=p.draining,
+                )
                 for p in self.ipam.status()
             ],
             endpoint_count=len(self.endpoints.list()),

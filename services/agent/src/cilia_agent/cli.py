@@ -63,8 +63,10 @@ def status(socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout) -> in
     out.write(f"Router IP: {resp.router_ip or '-'}\n")
     out.write(f"Endpoints: {resp.endpoint_count}\n")
     for pool in resp.pools:
+        draining = f", draining {', '.join(pool.draining_cidrs)}" if pool.draining_cidrs else ""
         out.write(
-            f"Pool {pool.pool}: {pool.used}/{pool.capacity} used, CIDRs {', '.join(pool.cidrs)}\n"
+            f"Pool {pool.pool}: {pool.used}/{pool.capacity} used, "
+            f"CIDRs {', '.join(pool.cidrs)}{draining}\n"
         )
     for line in details:
         out.write(f"{line}\n")

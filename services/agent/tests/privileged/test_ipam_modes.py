@@ -247,6 +247,9 @@ def test_draining_cidr_keeps_its_pods_gives_no_new_address_and_is_handed_back_on
             )
         )
         wait(lambda: "draining: blue " + cidrs[1] in a.agent.status().message)
+        status = {p.pool: p for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
+        assert list(status["blue"].draining_cidrs) == [cidrs[1]]
+        assert list(status["default"].draining_cidrs) == []
         for i in range(3):
             assert add(a, env, f"new{i}", pool="blue") in ipaddress.ip_network(cidrs[2])
         assert not any(r.released for r in op.demands)
@@ -256,6 +259,34 @@ def test_draining_cidr_keeps_its_pods_gives_no_new_address_and_is_handed_back_on
         wait(lambda: cp.PoolCIDRs(pool="blue", cidrs=[cidrs[1]]) in op.demands[-1].released)
         pools = {p.pool: list(p.cidrs) for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
         assert pools["blue"] == [cidrs[2]]
+    finally:
+        op.stop()
+
+
+def test_pool_allowing_first_and_last_ip_hands_out_every_address_of_its_cidr(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    blue = ipaddress.ip_network(cidrs[1].replace(".0/24", ".0/30"))
+    allocation = cp.NodeAllocation(
+        node_name=node,
+        pools=[
+            cp.PoolCIDRs(pool="default", cidrs=[cidrs[0]]),
+            cp.PoolCIDRs(pool="blue", cidrs=[str(blue)], allow_first_ip=True, allow_last_ip=True),
+        ],
+    )
+    op = Operator("multi-pool", allocation)
+    try:
+        a = start(env, op, ipam_multi_pool_pre_allocation={"default": 8, "blue": 4})
+        status = {p.pool: p for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
+        assert (status["blue"].capacity, status["default"].capacity) == (4, 254)
+        got = {add(a, env, f"b{i}", pool="blue") for i in range(4)}
+        assert got == set(blue)  # network and broadcast address included
+        with pytest.raises(grpc.RpcError) as full:
+            add(a, env, "b4", pool="blue")
+        assert "no free IPv4 address in pool 'blue'" in full.value.details()
+        # Demand 4 is exactly covered: nothing handed back.
+        assert not any(r.released for r in op.demands)
     finally:
         op.stop()
 

@@ -220,3 +220,63 @@ def test_cluster_pool_holds_pod_cidrs_as_the_default_pool_and_sends_no_demand() 
     assert ipam.cidrs() == {"default": ["10.251.4.0/24"]}
     with pytest.raises(ValueError, match="ipam"):
         NodePools(ipam, "crd")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("allow_first", "allow_last", "want"),
+    [
+        (False, False, ["10.251.6.1", "10.251.6.2"]),
+        (True, False, ["10.251.6.0", "10.251.6.1", "10.251.6.2"]),
+        (False, True, ["10.251.6.1", "10.251.6.2", "10.251.6.3"]),
+        (True, True, ["10.251.6.0", "10.251.6.1", "10.251.6.2", "10.251.6.3"]),
+    ],
+)
+def test_allow_first_and_last_ip_decide_the_usable_addresses_of_a_slash_30(
+    allow_first: bool, allow_last: bool, want: list[str]
+) -> None:
+    ipam = IPAM()
+    ipam.set_reservation("p", allow_first, allow_last)
+    ipam.add_cidrs("p", ["10.251.6.0/30"])
+    assert ipam.free("p") == len(want) and ipam.status()[0].capacity == len(want)
+    got = sorted(ipam.allocate("p", f"o{i}") for i in range(len(want)))
+    assert got == [ipaddress.IPv4Address(a) for a in want]
+    with pytest.raises(PoolExhausted):
+        ipam.allocate("p", "one-too-many")
+    assert ipam.first_usable("10.251.6.0/30") == ipaddress.IPv4Address(want[0])
+
+
+def test_slash_31_and_32_ignore_the_reservation_flags() -> None:
+    ipam = IPAM()
+    ipam.set_reservation("p", False, False)
+    ipam.add_cidrs("p", ["10.251.7.0/31", "10.251.7.9/32"])
+    assert ipam.free("p") == 3
+    assert ipam.first_usable("10.251.7.0/31") == ipaddress.IPv4Address("10.251.7.0")
+
+
+def test_node_pools_take_allow_first_last_from_the_allocation_into_hand_back_math() -> None:
+    from cilia_agent.ipam.node import NodePools
+
+    ipam = IPAM({"blue": 16})
+    pools = NodePools(ipam, "multi-pool")
+    listed = {"blue": ["10.251.8.0/28", "10.251.8.16/28"]}
+    # Reserved (default): 14 + 14 usable; 16 needed → both /28 stay.
+    pools.apply("default", listed)
+    demand = pools.demand("blue")
+    assert demand is not None and demand.released == {} and ipam.free("blue") == 28
+    # allowFirstIP + allowLastIP: 16 per /28 → one /28 covers 16, the other is handed back.
+    pools.apply("default", listed, reservation={"blue": (True, True)})
+    assert ipam.free("blue") == 32
+    demand = pools.demand("blue")
+    assert demand is not None and demand.released == {"blue": ["10.251.8.16/28"]}
+    assert ipam.free("blue") == 16
+    got = {ipam.allocate("blue", f"o{i}") for i in range(16)}
+    assert got == set(ipaddress.IPv4Network("10.251.8.0/28"))
+
+
+def test_pool_status_lists_draining_cidrs() -> None:
+    ipam = IPAM()
+    ipam.add_cidrs("blue", ["10.251.9.0/29", "10.251.9.8/29"])
+    ipam.allocate("blue", "old")
+    ipam.set_draining("blue", ["10.251.9.0/29"])
+    (st,) = ipam.status()
+    assert st.draining == ["10.251.9.0/29"] and st.cidrs == ["10.251.9.0/29", "10.251.9.8/29"]

@@ -61,23 +61,21 @@ class AddressInUse(AllocationError):
         super().__init__(f"address {address} is already in use by {owner}")
 
 
-def usable_hosts(cidr: Net4) -> tuple[int, int]:
+def usable_hosts(
+    cidr: Net4, allow_first: bool = False, allow_last: bool = False
+) -> tuple[int, int]:
     """Return the first and last usable address of ``cidr`` as integers.
 
-    The network and broadcast addresses are skipped unless the prefix is /31 or
-    /32 (upstream ``allowFirstIP``/``allowLastIP`` default false; /31 and /32
-    are exempt, reference: cilium-upstream.md §1).
+    The network (first) address is skipped unless ``allow_first``, the broadcast
+    (last) address unless ``allow_last`` (the pool's ``allowFirstIP``/``allowLastIP``,
+    upstream default false); /31 and /32 always use every address (reference:
+    cilium-upstream.md §1). A /30 gives 2 addresses with both false, 4 with both true.
     """
     first = int(cidr.network_address)
     last = int(cidr.broadcast_address)
     if cidr.prefixlen <= 30:
-        return first + 1, last - 1
+        return first + (0 if allow_first else 1), last - (0 if allow_last else 1)
     return first, last
-
-
-def _size(cidr: Net4) -> int:
-    lo, hi = usable_hosts(cidr)
-    return hi - lo + 1
 
 
 @dataclass
@@ -89,13 +87,32 @@ class _Pool:
     cursor: dict[Net4, int] = field(default_factory=dict)
     # CIDRs removed from their pool by the operator while in use: no new allocations.
     draining: set[Net4] = field(default_factory=set)
+    # The pool's allowFirstIP / allowLastIP (from the operator's allocation).
+    allow_first: bool = False
+    allow_last: bool = False
+
+    def hosts(self, net: Net4) -> tuple[int, int]:
+        """First and last usable address of ``net`` under this pool's reservation."""
+        return usable_hosts(net, self.allow_first, self.allow_last)
+
+    def size(self, net: Net4) -> int:
+        lo, hi = self.hosts(net)
+        return hi - lo + 1
 
     def capacity(self) -> int:
-        return sum(_size(c) for c in self.cidrs)
+        return sum(self.size(c) for c in self.cidrs)
 
     def open_capacity(self) -> int:
         """Usable addresses of the CIDRs new allocations may come from (not draining)."""
-        return sum(_size(c) for c in self.cidrs if c not in self.draining)
+        return sum(self.size(c) for c in self.cidrs if c not in self.draining)
+
+    def usable_open(self, addr: IPv4) -> bool:
+        """True when ``addr`` is a usable address of an open (non-draining) CIDR."""
+        for net in self.cidrs:
+            if addr in net:
+                lo, hi = self.hosts(net)
+                return net not in self.draining and lo <= int(addr) <= hi
+        return False
 
 
 @dataclass(frozen=True)
@@ -170,7 +187,7 @@ class IPAM:
                                 f"CIDR {net} of pool {pool!r} overlaps {held} of pool {other.name!r}"
                             )
                 entry.cidrs.append(net)
-                entry.cursor[net] = usable_hosts(net)[0]
+                entry.cursor[net] = entry.hosts(net)[0]
                 added.append(net)
                 for addr, (held_pool, owner) in list(self._owners.items()):
                     if not held_pool and addr in net:
@@ -216,6 +233,31 @@ class IPAM:
             if entry is not None:
                 entry.draining = {n for n in entry.cidrs if n in nets}
 
+    def set_reservation(self, pool: str, allow_first: bool, allow_last: bool) -> None:
+        """Set ``pool``'s ``allowFirstIP`` / ``allowLastIP`` (CiliumPodIPPool spec).
+
+        False (the default, upstream too) keeps the first / last address of each CIDR
+        of the pool (/30 and larger) out of allocation; /31 and /32 are always fully
+        usable. Affects capacity, free counts, hand-back math and new allocations;
+        addresses already held stay held. Creates the pool entry when unknown.
+        """
+        with self._lock:
+            entry = self._pools.setdefault(pool, _Pool(pool))
+            entry.allow_first = allow_first
+            entry.allow_last = allow_last
+
+    def first_usable(self, cidr: str | Net4) -> IPv4:
+        """First usable address of ``cidr`` under its pool's reservation (router IP).
+
+        A CIDR no pool holds uses the default reservation (first and last kept).
+        """
+        net = cidr if isinstance(cidr, Net4) else ipaddress.IPv4Network(cidr)
+        with self._lock:
+            for entry in self._pools.values():
+                if net in entry.cidrs:
+                    return IPv4(entry.hosts(net)[0])
+        return IPv4(usable_hosts(net)[0])
+
     def take_unneeded(
         self, demand: Mapping[str, int], keep: Iterable[Net4] = ()
     ) -> dict[str, list[Net4]]:
@@ -243,8 +285,8 @@ class IPAM:
                     if net in entry.draining:
                         self._drop_locked(entry, net)
                         out.setdefault(name, []).append(net)
-                    elif capacity - _size(net) >= needed:
-                        capacity -= _size(net)
+                    elif capacity - entry.size(net) >= needed:
+                        capacity -= entry.size(net)
                         self._drop_locked(entry, net)
                         out.setdefault(name, []).append(net)
         return out
@@ -291,8 +333,8 @@ class IPAM:
         raise PoolExhausted(pool, cidrs, draining)
 
     def _next_free_locked(self, entry: _Pool, net: Net4) -> IPv4 | None:
-        lo, hi = usable_hosts(net)
-        start = entry.cursor.get(net, lo)
+        lo, hi = entry.hosts(net)
+        start = min(max(entry.cursor.get(net, lo), lo), hi)
         size = hi - lo + 1
         for i in range(size):
             candidate = lo + (start - lo + i) % size
@@ -344,8 +386,7 @@ class IPAM:
         entry = self._pools.get(pool)
         if entry is None:
             return 0
-        open_nets = [n for n in entry.cidrs if n not in entry.draining]
-        used = sum(1 for a in self._owners if any(a in n for n in open_nets))
+        used = sum(1 for a in self._owners if entry.usable_open(a))
         return entry.open_capacity() - used
 
     # --- reporting -----------------------------------------------------------------

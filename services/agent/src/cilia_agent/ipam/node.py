@@ -101,8 +101,13 @@ class NodePools:
         pod_cidrs: Iterable[str] = (),
         draining: Mapping[str, Iterable[str]] | None = None,
         error: str = "",
+        reservation: Mapping[str, tuple[bool, bool]] | None = None,
     ) -> AllocationChange:
         """Take one ``NodeAllocation`` (its ``pools``, ``pod_cidrs``, ``draining``, ``error``).
+
+        ``reservation``: ``pool -> (allow_first_ip, allow_last_ip)`` of the allocation's
+        ``PoolCIDRs``; pools not listed keep their current setting (default: first and
+        last address of each CIDR reserved).
 
         New CIDRs are added; CIDRs no longer listed are dropped once no address in them
         is held; CIDRs handed back stay out while the allocation still lists them.
@@ -131,6 +136,9 @@ class NodePools:
             wanted.setdefault(pool, []).extend(n for n in nets if n not in wanted[pool])
         listed = {(pool, net) for pool, nets in wanted.items() for net in nets}
         self.released &= listed  # gone from the allocation: the operator took it back
+        for pool, (allow_first, allow_last) in (reservation or {}).items():
+            if pool in wanted:
+                self.ipam.set_reservation(pool, allow_first, allow_last)
         for pool, nets in wanted.items():
             keep = [n for n in nets if (pool, n) not in self.released]
             try:
