@@ -281,6 +281,7 @@ class Agent:
                 on_registered=self._on_registered,
                 on_allocation=self.apply_allocation,
                 hubble_address=self.hubble_address,
+                on_demand_sent=lambda d, rv: self.pools.release_acknowledged(d.released, rv),
             )
             self.operator.start()
             self._start_watches()
@@ -557,7 +558,10 @@ class Agent:
                 {p.pool: list(p.cidrs) for p in allocation.draining},
                 allocation.error,
                 {p.pool: (p.allow_first_ip, p.allow_last_ip) for p in allocation.pools},
+                allocation.resource_version,
             )
+            if change.stale:
+                return
             for pool, reason in change.rejected.items():
                 log.error("allocation rejected", extra={"pool": pool, "reason": reason})
             for pool, cidrs in change.added.items():

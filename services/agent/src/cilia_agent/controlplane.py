@@ -139,6 +139,8 @@ class OperatorClient:
         on_registered: awaited with the ``RegisterResponse`` (default pool, the
             operator's IPAM mode) after each Register.
         on_allocation: awaited with every ``NodeAllocation`` received.
+        on_demand_sent: called with each demand the operator accepted and the
+            ``UpdateDemandResponse.resource_version`` (its write of the node).
         hubble_address: returns ``host:port`` of this node's Hubble server given the
             node's addresses ("" = none), sent with Register.
     """
@@ -157,6 +159,7 @@ class OperatorClient:
         on_registered: Callable[[cp.RegisterResponse], Awaitable[None]],
         on_allocation: Callable[[cp.NodeAllocation], Awaitable[None]],
         hubble_address: Callable[[list[str]], str] = lambda _addresses: "",
+        on_demand_sent: Callable[[Demand, str], None] = lambda _demand, _rv: None,
     ) -> None:
         self.address = address
         self.node_name = node_name
@@ -169,6 +172,7 @@ class OperatorClient:
         self._on_registered = on_registered
         self._on_allocation = on_allocation
         self._hubble_address = hubble_address
+        self._on_demand_sent = on_demand_sent
         self._demand_event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.connected = False
@@ -264,7 +268,7 @@ class OperatorClient:
             if demand is None or demand == last:
                 continue
             try:
-                await ipam.UpdateDemand(
+                resp = await ipam.UpdateDemand(
                     cp.UpdateDemandRequest(
                         node_name=self.node_name,
                         demands=[
@@ -288,6 +292,7 @@ class OperatorClient:
                 continue
             attempt = 0
             last = demand
+            self._on_demand_sent(demand, resp.resource_version)
             log.info("demand sent", extra={"demand": demand.needed, "released": demand.released})
 
 

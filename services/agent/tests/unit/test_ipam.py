@@ -280,3 +280,30 @@ def test_pool_status_lists_draining_cidrs() -> None:
     ipam.set_draining("blue", ["10.251.9.0/29"])
     (st,) = ipam.status()
     assert st.draining == ["10.251.9.0/29"] and st.cidrs == ["10.251.9.0/29", "10.251.9.8/29"]
+
+
+def test_node_pools_ignore_an_allocation_older_than_the_last_release_listing_its_cidrs() -> None:
+    from cilia_agent.ipam.node import NodePools
+
+    ipam = IPAM({"default": 8})
+    pools = NodePools(ipam, "multi-pool")
+    both = {"default": ["10.251.10.0/24", "10.251.11.0/24"]}
+    pools.apply("default", both, resource_version="5")
+    demand = pools.demand("default")
+    assert demand is not None and demand.released == {"default": ["10.251.11.0/24"]}
+    pools.release_acknowledged(demand.released, "7")  # the operator wrote the release at 7
+    # The operator processed it (8): the CIDR leaves the remembered set.
+    assert not pools.apply("default", {"default": ["10.251.10.0/24"]}, resource_version="8").stale
+    assert pools.released == set()
+    # A replayed allocation from before the release (6) must not bring it back.
+    old = pools.apply("default", {**both, "blue": ["10.251.12.0/24"]}, resource_version="6")
+    assert old.stale and old.added == {}
+    assert ipam.cidrs() == {"default": ["10.251.10.0/24"]}
+    # Older allocations not listing a released CIDR, and newer ones listing it, apply.
+    assert pools.apply("default", {"default": ["10.251.10.0/24"]}, resource_version="6").added == {}
+    newer = pools.apply("default", both, resource_version="9")
+    assert not newer.stale and newer.added == {"default": ["10.251.11.0/24"]}
+    # Non-numeric versions cannot be ordered: never ignored.
+    pools.release_acknowledged({"default": ["10.251.11.0/24"]}, "x")
+    assert pools.last_release is not None and pools.last_release[0] == 7
+    assert not pools.apply("default", both, resource_version="abc").stale

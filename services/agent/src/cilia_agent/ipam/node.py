@@ -19,7 +19,10 @@ the default pool, so an agent keeps its addresses whichever of operator and agen
 switched first during a migration (mixed nodes keep connectivity).
 
 A CIDR handed back is remembered until an allocation no longer lists it: allocations that
-still list it (sent before the operator processed the release) never bring it back.
+still list it (sent before the operator processed the release) never bring it back. The
+``resource_version`` the operator answered the last release with is kept too: an allocation
+older than it that lists a CIDR of that release (e.g. replayed after a reconnect, once the
+CIDR had already left the remembered set) is ignored as stale.
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ class AllocationChange:
     dropped: dict[str, list[str]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     draining: dict[str, list[str]] = field(default_factory=dict)
+    stale: bool = False
+    """True when the allocation was ignored (older than the last release, lists its CIDRs)."""
+
+
+def _version(resource_version: str) -> int | None:
+    """``resource_version`` as an integer, None when empty or not numeric (not comparable)."""
+    try:
+        return int(resource_version)
+    except ValueError:
+        return None
 
 
 class NodePools:
@@ -89,6 +102,19 @@ class NodePools:
         self.static = {p: [Net4(c) for c in cidrs] for p, cidrs in (static or {}).items()}
         self.released: set[tuple[str, Net4]] = set()
         self.operator_error = ""
+        # (resource_version, CIDRs) of the last release the operator acknowledged.
+        self.last_release: tuple[int, frozenset[tuple[str, Net4]]] | None = None
+
+    def release_acknowledged(
+        self, released: Mapping[str, Iterable[str]], resource_version: str
+    ) -> None:
+        """Remember the ``UpdateDemandResponse.resource_version`` of a demand handing back
+        ``released`` (``pool -> [cidr, ...]``); no-op when nothing was released or the
+        version is not numeric."""
+        version = _version(resource_version)
+        cidrs = frozenset((pool, Net4(c)) for pool, nets in released.items() for c in nets)
+        if version is not None and cidrs:
+            self.last_release = (version, cidrs)
 
     def error_about(self, pool: str) -> str:
         """The operator's last error for this node when it names ``pool`` ("" otherwise)."""
@@ -102,6 +128,7 @@ class NodePools:
         draining: Mapping[str, Iterable[str]] | None = None,
         error: str = "",
         reservation: Mapping[str, tuple[bool, bool]] | None = None,
+        resource_version: str = "",
     ) -> AllocationChange:
         """Take one ``NodeAllocation`` (its ``pools``, ``pod_cidrs``, ``draining``, ``error``).
 
@@ -109,13 +136,16 @@ class NodePools:
         ``PoolCIDRs``; pools not listed keep their current setting (default: first and
         last address of each CIDR reserved).
 
+        ``resource_version``: the allocation's; when it is older than the last
+        acknowledged release (:meth:`release_acknowledged`) and lists one of its CIDRs,
+        the allocation is ignored (``stale`` set, nothing changed).
+
         New CIDRs are added; CIDRs no longer listed are dropped once no address in them
         is held; CIDRs handed back stay out while the allocation still lists them.
         Malformed or overlapping CIDRs of one pool are reported in ``rejected`` (that
         pool's other changes still apply).
         """
         change = AllocationChange()
-        self.operator_error = error
         wanted: dict[str, list[Net4]] = {}
         for pool, cidrs in pools.items():
             if self.mode == "cluster-pool" and pool != default_pool:
@@ -135,6 +165,19 @@ class NodePools:
         for pool, nets in self.static.items():
             wanted.setdefault(pool, []).extend(n for n in nets if n not in wanted[pool])
         listed = {(pool, net) for pool, nets in wanted.items() for net in nets}
+        version = _version(resource_version)
+        if (
+            self.last_release is not None
+            and version is not None
+            and version < self.last_release[0]
+            and listed & self.last_release[1]
+        ):
+            log.info(
+                "ignoring an allocation older than the last release that still lists its CIDRs",
+                extra={"resource_version": resource_version, "release": self.last_release[0]},
+            )
+            return AllocationChange(stale=True)
+        self.operator_error = error
         self.released &= listed  # gone from the allocation: the operator took it back
         for pool, (allow_first, allow_last) in (reservation or {}).items():
             if pool in wanted:
