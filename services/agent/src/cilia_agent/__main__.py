@@ -36,7 +36,8 @@ def _build_parser() -> argparse.ArgumentParser:
     client.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)"
     )
-    sub.add_parser("status", parents=[client], help="show agent status")
+    status_parser = sub.add_parser("status", parents=[client], help="show agent status")
+    status_parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
     endpoint = sub.add_parser("endpoint", help="endpoint commands")
     esub = endpoint.add_subparsers(dest="endpoint_command", required=True)
     pins = argparse.ArgumentParser(add_help=False)
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     socket = pathlib.Path(args.socket)
     try:
         if args.command == "status":
-            return cli.status(socket, args.timeout)
+            return cli.status(socket, args.timeout, output=args.output)
         return cli.endpoint_list(
             socket, args.timeout, args.output, pin_dir=pathlib.Path(args.bpf_pin_dir)
         )

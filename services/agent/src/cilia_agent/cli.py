@@ -48,13 +48,21 @@ def _call(socket: pathlib.Path, timeout: float, method: str) -> Any:
             ) from exc
 
 
-def status(socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout) -> int:
-    """Print the agent status; exit code 0 when ready, 1 when not ready.
+def status(
+    socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout, output: str = "table"
+) -> int:
+    """Print the agent status (``output`` "table", or "json": the StatusResponse in
+    protobuf's JSON mapping, e.g. ``{"ready": true, "pools": [{"pool": "default",
+    "used": 3, "capacity": 254, ...}]}``); exit code 0 when ready, 1 when not ready.
 
     Raises:
         AgentUnavailable: the socket does not answer.
     """
     resp: agent_pb2.StatusResponse = _call(socket, timeout, "status")
+    if output == "json":
+        data = json_format.MessageToDict(resp, always_print_fields_with_no_presence=True)
+        out.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return 0 if resp.ready else 1
     reason, *details = resp.message.split("\n")
     state = "ready" if resp.ready else f"not ready ({reason})"
     out.write(f"Node:      {resp.node_name}\n")

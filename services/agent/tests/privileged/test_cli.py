@@ -75,6 +75,14 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
         assert "cli-node" in st.stdout and "not ready" in st.stdout
         assert f"Datapath: eBPF loaded, pin dir {env.pin_dir}" in st.stdout
         assert "Hubble: 0/4095 flows" in st.stdout
+        js = subprocess.run(
+            [str(BIN), "status", "--socket", str(sock), "-o", "json"],
+            capture_output=True,
+            text=True,
+        )
+        assert js.returncode == 1, js.stderr
+        assert json.loads(js.stdout)["nodeName"] == "cli-node"
+        assert json.loads(js.stdout)["ready"] is False
         hubble_sock = env.tmp / "hubble.sock"
         assert hubble_sock.stat().st_mode & 0o777 == 0o600
         assert (env.pin_dir / "cilia_policy").exists()
