@@ -187,9 +187,9 @@ async def run_latency(url: str, rounds: int) -> tuple[list[float], list[float]]:
     )
     await op.start()
     channel = grpc.aio.insecure_channel(op.address)
-    ipam = pb_grpc.IPAMServiceStub(channel)
+    ipam = pb_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
     try:
-        await pb_grpc.NodeServiceStub(channel).Register(
+        await pb_grpc.NodeServiceStub(channel).Register(  # type: ignore[no-untyped-call]
             pb.RegisterRequest(node_name="bench-node", addresses=["192.0.2.1"])
         )
         stream = ipam.WatchAllocations(pb.WatchAllocationsRequest(node_name="bench-node"))
