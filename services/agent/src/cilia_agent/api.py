@@ -19,7 +19,12 @@ import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 from cilia_agent.controlplane import OperatorUnavailable
-from cilia_agent.datapath import DatapathError, InterfaceExists, NetnsNotFound
+from cilia_agent.datapath import (
+    DatapathError,
+    DefaultRouteExists,
+    InterfaceExists,
+    NetnsNotFound,
+)
 from cilia_agent.endpoint import (
     AddParams,
     AgentNotReady,
@@ -45,6 +50,7 @@ DEBUG_SERVICE = "cilia.agent.v1.DebugService"
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT),
+    (DefaultRouteExists, grpc.StatusCode.INVALID_ARGUMENT),
     (PolicyMapFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE),
     (PolicyNotReady, grpc.StatusCode.UNAVAILABLE),

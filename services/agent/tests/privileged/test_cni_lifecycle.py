@@ -425,3 +425,22 @@ def test_a_retried_add_after_an_abandoned_one_gets_a_live_endpoint(env: Env) -> 
     assert [(e.id, e.state) for e in eps] == [(r.endpoint_id, "ready")]
     assert a.debug.Status(agent_pb2.StatusRequest()).pools[0].used == used_before + 1
     assert len(state_files(env)) == 1
+
+
+def test_a_second_interface_in_a_netns_with_our_eth0_is_refused_cleanly(env: Env) -> None:
+    a = env.start_agent()
+    ns = netns(env)
+    name = ns.rsplit("/", 1)[1]
+    a.attach.Add(add_req(ns, "two-if"), timeout=10)
+    before = held_ips(a)
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Add(add_req(ns, "two-if", ifname="net1"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already has a default route via eth0" in str(err.value.details())
+    assert "second Cilia interface is not supported" in str(err.value.details())
+    # Nothing of net1 left behind: no veth on either side, no address held, eth0 intact.
+    assert not link_exists(host_ifname("two-if", "net1"))
+    links = sh("ip", "-n", name, "-o", "link", "show")
+    assert "net1" not in links and "eth0" in links
+    assert held_ips(a) == before
+    a.attach.Check(agent_pb2.CheckRequest(container_id="two-if", ifname="eth0", netns=ns))

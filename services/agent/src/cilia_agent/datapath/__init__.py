@@ -5,11 +5,17 @@ the eBPF datapath (``loader``: bcc compile + tc attach; ``layout``: map layouts;
 Everything here is synchronous and is run by the endpoint layer in worker threads.
 """
 
-from cilia_agent.datapath.errors import DatapathError, InterfaceExists, NetnsNotFound
+from cilia_agent.datapath.errors import (
+    DatapathError,
+    DefaultRouteExists,
+    InterfaceExists,
+    NetnsNotFound,
+)
 from cilia_agent.datapath.linux import LinuxDatapath, PlumbRequest, PlumbResult, host_ifname
 
 __all__ = [
     "DatapathError",
+    "DefaultRouteExists",
     "InterfaceExists",
     "LinuxDatapath",
     "NetnsNotFound",

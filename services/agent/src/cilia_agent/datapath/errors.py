@@ -24,5 +24,21 @@ class InterfaceExists(DatapathError):
         super().__init__(f"interface {ifname!r} already exists in network namespace {netns!r}")
 
 
+class DefaultRouteExists(DatapathError):
+    """``netns`` already has an IPv4 default route (via ``via``, an interface name).
+
+    A second Cilia interface in one netns (``CNI_IFNAME=net1`` next to our ``eth0``) is
+    refused up front: its default route would collide. gRPC INVALID_ARGUMENT.
+    """
+
+    def __init__(self, netns: str, via: str) -> None:
+        self.netns = netns
+        self.via = via
+        super().__init__(
+            f"network namespace {netns!r} already has a default route via {via}; "
+            "a second Cilia interface is not supported"
+        )
+
+
 class IptablesError(DatapathError):
     """An iptables command failed (command line and stderr in the message)."""

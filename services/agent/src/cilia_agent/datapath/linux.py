@@ -18,18 +18,25 @@ import ipaddress
 import logging
 import pathlib
 from dataclasses import dataclass
+from socket import AF_INET
 from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from cilia_agent.datapath.errors import DatapathError, InterfaceExists, NetnsNotFound
+from cilia_agent.datapath.errors import (
+    DatapathError,
+    DefaultRouteExists,
+    InterfaceExists,
+    NetnsNotFound,
+)
 from cilia_agent.datapath.iptables import Iptables
 from cilia_agent.datapath.netns import iproute_in, is_netns
 
 log = logging.getLogger(__name__)
 
 RTNH_F_ONLINK = 4
+RT_TABLE_MAIN = 254
 IP_FORWARD = pathlib.Path("/proc/sys/net/ipv4/ip_forward")
 IFNAMSIZ = 15
 LOOPBACK_INDEX = 1  # lo is ifindex 1 in every network namespace
@@ -87,6 +94,21 @@ def _get(ipr: IPRoute, name: str) -> Any:
         if exc.code == 19:  # ENODEV
             return None
         raise
+
+
+def _default_route_dev(ns: IPRoute) -> str | None:
+    """Name (else ``ifindex N``) of the device of an IPv4 default route in ``ns``'s main
+    table, or None when there is none."""
+    for route in ns.get_routes(family=AF_INET, table=RT_TABLE_MAIN):
+        if route.get("dst_len") != 0:
+            continue
+        oif = route.get_attr("RTA_OIF")
+        if oif is None:
+            return "a gateway"
+        links = ns.link("get", index=oif)
+        name = links[0].get_attr("IFLA_IFNAME") if links else None
+        return str(name) if name else f"ifindex {oif}"
+    return None
 
 
 class LinuxDatapath:
@@ -183,6 +205,8 @@ class LinuxDatapath:
         Raises:
             NetnsNotFound: ``req.netns`` does not exist or is not a netns.
             InterfaceExists: ``req.ifname`` already exists in the netns.
+            DefaultRouteExists: the netns already has an IPv4 default route (e.g. our
+                ``eth0`` when this is ``net1``); nothing is created.
             DatapathError: any other netlink failure.
         """
         host = host_ifname(req.container_id, req.ifname)
@@ -190,6 +214,9 @@ class LinuxDatapath:
         with iproute_in(req.netns) as ns, IPRoute() as ipr:
             if _get(ns, req.ifname) is not None:
                 raise InterfaceExists(req.ifname, req.netns)
+            via = _default_route_dev(ns)
+            if via is not None:
+                raise DefaultRouteExists(req.netns, via)
             stale = _get(ipr, host)
             if stale is not None:
                 log.warning(
