@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import grpc
 import pytest
-from cni_testlib import AgentServer, assert_cni_error, cni_env, exec_cni, netconf
+from cni_testlib import AgentServer, assert_cni_error, cni_binary, cni_env, exec_cni, netconf
 
 from cilia.agent.v1 import agent_pb2
 
@@ -209,3 +210,40 @@ def test_unwritable_log_file_does_not_fail_the_operation(agent: AgentServer) -> 
     run = exec_cni(cni_env("ADD"), conf)
     assert run.returncode == 0, run
     assert "cannot write log-file" in run.stderr
+
+
+def _exec_with_fds(
+    env: dict[str, str], stdin: bytes | None, stdout: str | None
+) -> subprocess.CompletedProcess[bytes]:
+    """Exec cilia-cni with stdin ``None`` = closed fd 0, stdout a path or ``None`` = closed."""
+    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+    redirs = ("<&- " if stdin is None else "") + (f">{stdout}" if stdout else ">&-")
+    return subprocess.run(
+        ["/bin/sh", "-c", f'exec "$0" {redirs}', cni_binary()],
+        input=stdin,
+        env=full_env,
+        stderr=subprocess.PIPE,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("target", ["/dev/full", None], ids=["dev-full", "closed"])
+def test_successful_add_whose_result_cannot_be_written_exits_non_zero(
+    agent: AgentServer, target: str | None
+) -> None:
+    stdin = json.dumps(netconf(agent.socket)).encode()
+    proc = _exec_with_fds(cni_env("ADD", container_id="fullout1"), stdin, target)
+    assert proc.returncode == 1, proc
+    assert b"Traceback" not in proc.stderr
+    assert [r.container_id for r in agent.servicer.add_requests] == ["fullout1"]  # it did ADD
+
+
+def test_closed_stdin_is_code_5(agent: AgentServer, short_tmp: str) -> None:
+    out = os.path.join(short_tmp, "out.json")
+    proc = _exec_with_fds(cni_env("ADD"), None, out)
+    assert proc.returncode == 1, proc
+    with open(out) as f:
+        reply = json.load(f)
+    assert reply["code"] == 5, reply
+    assert "stdin" in reply["msg"]

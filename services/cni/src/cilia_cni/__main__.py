@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 def main() -> NoReturn:
     """Run one CNI invocation from ``os.environ`` and stdin; print the JSON to stdout.
 
-    Exits with status 0 (success) or 1 (CNI error, spec error JSON on stdout). Nothing but
-    the JSON is printed and no traceback ever reaches stdout or stderr. The process ends
+    Exits with status 0 (success) or 1 (CNI error, spec error JSON on stdout; also when
+    stdout cannot be written, e.g. ``>/dev/full`` or closed: a result the runtime never
+    read must not count as success, the runtime then DELs). A closed stdin (``<&-``) is
+    "stdin cannot be read", code 5. Nothing but the JSON is printed and no traceback ever reaches stdout or stderr. The process ends
     with ``os._exit`` once stdout is flushed: the interpreter teardown of grpc and asyncio
     costs about 60 ms per pod operation and has nothing left to do (the agent channel is
     closed and the log file is written with unbuffered ``write(2)`` calls).
@@ -33,7 +35,7 @@ def main() -> NoReturn:
         sys.stdout.write(out)
         sys.stdout.flush()
     except (OSError, ValueError, AttributeError):
-        pass  # stdout closed or a broken pipe: nothing left to tell
+        status = 1  # stdout full, closed or a broken pipe: the result was not delivered
     try:  # noqa: SIM105 - contextlib is not worth its import time here
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
@@ -42,8 +44,8 @@ def main() -> NoReturn:
 
 
 def _read_stdin() -> bytes:
-    if sys.stdin is None:
-        return b""
+    if sys.stdin is None:  # fd 0 was closed when the process started
+        raise OSError("stdin is closed")
     return sys.stdin.buffer.read()
 
 
