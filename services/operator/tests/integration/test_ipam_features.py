@@ -249,6 +249,25 @@ async def test_removing_an_in_use_cidr_drains_it_until_handed_back(redis_url: st
         )
 
 
+async def test_a_draining_block_does_not_count_as_capacity_for_new_demand(
+    redis_url: str,
+) -> None:
+    pools = ["blue=ipv4-cidrs:10.232.0.0/24,10.232.1.0/24;ipv4-mask-size:26"]
+    async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=pools) as (_, channel):
+        await register(channel, "dr1")
+        await demand(channel, "dr1", 1, pool="blue")
+        first = await allocation_until(channel, "dr1", lambda a: a.pools)
+        assert blocks(first) == ["10.232.0.0/26"]
+        await apply(channel, pool_yaml("blue", ["10.232.1.0/24"], mask=26))
+        await allocation_until(channel, "dr1", lambda a: a.draining)
+        await demand(channel, "dr1", 2, pool="blue")
+        got = await allocation_until(
+            channel, "dr1", lambda a: any(c.startswith("10.232.1.") for c in blocks(a))
+        )
+        assert sorted(blocks(got)) == ["10.232.0.0/26", "10.232.1.0/26"]
+        assert got.error == ""
+
+
 async def test_mask_change_and_in_use_delete_are_refused_with_the_reason(redis_url: str) -> None:
     async with running_operator(redis_url) as (op, channel):
         await register(channel, "m1")

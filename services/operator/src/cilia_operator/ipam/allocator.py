@@ -305,6 +305,12 @@ class MultiPoolAllocator:
            are occupied (a block another node holds is reported and left alone).
         2. For each requested pool, in name order: while the usable addresses held
            (:meth:`PoolSpec.usable`) are fewer than ``needed``, hand out a whole block.
+           Only blocks inside the pool's live CIDRs count as capacity: a block in a
+           draining CIDR (or outside the pool) counts 0, because its addresses go away
+           once the agent moves its pods out. ``needed`` already includes the addresses
+           the node still uses inside draining blocks, so the live blocks alone must
+           cover it (conservative: the operator cannot see per-block use; upstream
+           likewise excludes draining CIDRs from available capacity).
 
         Args:
             node: node name.
@@ -355,10 +361,14 @@ class MultiPoolAllocator:
                 result.errors.append(f"pool {pool!r} not found")
                 continue
             blocks = result.allocated.setdefault(pool, [])
-            have = sum(spec.usable(b) for b in blocks)
+            have = sum(spec.usable(b) for b in blocks if spec.contains(b))
             while have < needed:
                 kept = spare.get(pool)
                 new = kept.pop(0) if kept else self._take(pool, node)
+                if new is not None and not spec.contains(new):
+                    # a reserved block in a draining CIDR: keep it, it adds no capacity
+                    blocks.append(new)
+                    continue
                 if new is None:
                     result.errors.append(
                         f"pool {pool!r} exhausted: no free /{spec.mask_size} block left in "
