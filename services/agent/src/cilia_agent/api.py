@@ -39,7 +39,7 @@ from cilia_agent.endpoint import (
 )
 from cilia_agent.endpoint.chaining import parse_prev_result
 from cilia_agent.endpoint.enforcement import InvalidLabels, PolicyNotReady
-from cilia_agent.ipam import PoolExhausted
+from cilia_agent.ipam import PoolExhausted, PoolPending
 from cilia_agent.policy.maps import PolicyMapFull
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InterfaceExists, grpc.StatusCode.ALREADY_EXISTS),
     (EndpointConflict, grpc.StatusCode.ALREADY_EXISTS),
     (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PoolPending, grpc.StatusCode.UNAVAILABLE),
     (AgentNotReady, grpc.StatusCode.UNAVAILABLE),
     (DatapathError, grpc.StatusCode.INTERNAL),
     (StateError, grpc.StatusCode.INTERNAL),

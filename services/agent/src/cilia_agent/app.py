@@ -124,6 +124,8 @@ class Agent:
         self.endpoints: EndpointManager = PoolSelectingEndpointManager(
             selector=self.selector,
             operator_error=self.pools.error_about,
+            allocation_wait=config.ipam_allocation_wait if config.operator else 0.0,
+            wait_when_full=config.ipam == "multi-pool",
             ipam=self.ipam,
             datapath=self.datapath,
             store=self.store,

@@ -84,6 +84,9 @@ FLAG_HELP: dict[str, str] = {
     "none (default default)",
     "ipam_pending_allocation_ttl": "seconds a failed allocation keeps counting in the demand "
     "(default 300, upstream pendingAllocationTTL)",
+    "ipam_allocation_wait": "seconds an ADD whose pool has no free address on this node waits "
+    "for the operator's allocation before failing with 'retry' (CNI code 11); only with an "
+    "operator; a pool the operator reports exhausted fails at once with code 101 (default 5)",
     "host_device_name": "dummy device holding the router IP (default cilia_host)",
     "prometheus_serve_addr": "[host]:port of the metrics endpoint; empty disables (default :9962)",
     "install_iptables_rules": "manage the CILIA_FORWARD chain and FORWARD jump (default true)",
@@ -147,6 +150,7 @@ class Config(BaseModel):
     ipam_multi_pool_pre_allocation: dict[str, int] = Field(default_factory=lambda: {"default": 8})
     ipam_default_ip_pool: str = "default"
     ipam_pending_allocation_ttl: float = Field(default=300.0, gt=0)
+    ipam_allocation_wait: float = Field(default=5.0, ge=0)
     host_device_name: str = "cilia_host"
     prometheus_serve_addr: str = ":9962"
     install_iptables_rules: bool = True

@@ -16,6 +16,7 @@ import queue
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -164,21 +165,25 @@ def test_each_pod_gets_the_pool_the_operator_resolves_and_an_exhausted_pool_is_c
     blue = cidrs[1].replace(".0/24", ".0/30")  # 2 usable addresses
     op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
     try:
-        a = start(env, op, ipam_multi_pool_pre_allocation={"default": 8})
+        a = start(env, op, ipam_multi_pool_pre_allocation={"default": 8}, ipam_allocation_wait=2.0)
         op.pool_of["blue-1"] = "blue"
-        # blue has no CIDR on this node yet: the real plugin reports 101 naming the pool,
-        # and the pending request is sent as demand at once.
-        first = cni_add(env, "blue-1")
-        assert first.returncode != 0 and first.json["code"] == 101, first.stdout
-        assert "'blue'" in first.json["msg"] + first.json.get("details", ""), first.stdout
-        wait(lambda: any(d.pool == "blue" and d.needed_ipv4 == 1 for d in op.demands[-1].demands))
-        op.updates.put(alloc(node, {"default": [cidrs[0]], "blue": [blue]}))
-        wait(lambda: any(p.pool == "blue" for p in a.debug.Status(agent_pb2.StatusRequest()).pools))
+
+        # blue has no CIDR on this node yet: the ADD sends the demand at once and waits for
+        # the operator's allocation, which the stand-in delivers a moment later.
+        def deliver() -> None:
+            wait(lambda: any(d.pool == "blue" for r in op.demands for d in r.demands))
+            time.sleep(0.3)
+            op.updates.put(alloc(node, {"default": [cidrs[0]], "blue": [blue]}))
+
+        late = threading.Thread(target=deliver, daemon=True)
+        late.start()
         got = cni_add(env, "blue-1")
+        late.join()
         assert got.returncode == 0, got.stdout
         assert ipaddress.IPv4Interface(got.json["ips"][0]["address"]).ip in ipaddress.ip_network(
             blue
         )
+        assert any(d.pool == "blue" and d.needed_ipv4 == 1 for r in op.demands for d in r.demands)
         req = op.resolves[-1]
         assert (req.node_name, req.pod_namespace, req.pod_name) == (node, "ns1", "blue-1")
         # Not cached: the next pod of the same name pattern follows the operator's new answer.
@@ -186,10 +191,12 @@ def test_each_pod_gets_the_pool_the_operator_resolves_and_an_exhausted_pool_is_c
         op.pool_of["plain-2"] = "blue"
         assert add(a, env, "plain-2") in ipaddress.ip_network(blue)
         assert op.resolves[-1].pod_labels == {"app": "plain-2"}
+        # blue is full and the operator has not (yet) said it is exhausted: retry (code 11).
         op.pool_of["blue-3"] = "blue"
         third = cni_add(env, "blue-3")
-        assert third.returncode != 0 and third.json["code"] == 101, third.stdout
-        assert "no free IPv4 address in pool 'blue'" in third.stdout, third.stdout
+        assert third.returncode != 0 and third.json["code"] == 11, third.stdout
+        assert "pool 'blue': all addresses of" in third.json["msg"], third.stdout
+        assert "waiting for the operator to allocate another CIDR" in third.json["msg"]
         # The operator could not add a block either: its reason reaches the CNI error.
         exhausted = "pool 'blue' exhausted: no free /30 block left in 10.251.9.0/30"
         op.updates.put(alloc(node, {"default": [cidrs[0]], "blue": [blue]}, error=exhausted))
@@ -201,6 +208,30 @@ def test_each_pod_gets_the_pool_the_operator_resolves_and_an_exhausted_pool_is_c
         n = len(op.resolves)
         assert add(a, env, "explicit", pool="default") in ipaddress.ip_network(cidrs[0])
         assert len(op.resolves) == n
+    finally:
+        op.stop()
+
+
+def test_a_pool_the_operator_never_allocates_is_unavailable_within_the_wait(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
+    try:
+        a = start(env, op, ipam_allocation_wait=0.5)
+        op.pool_of["green-1"] = "green"
+        with pytest.raises(grpc.RpcError) as pending:
+            add(a, env, "green-1")
+        assert pending.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert pending.value.details() == (
+            "pool 'green': waiting for the operator to allocate a CIDR to this node "
+            "(waited 0.5 s); retry"
+        )
+        assert any(d.pool == "green" for r in op.demands for d in r.demands)  # demand sent
+        assert not a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+        # The real plugin maps it to "try again later".
+        cni = cni_add(env, "green-1")
+        assert cni.returncode != 0 and cni.json["code"] == 11, cni.stdout
     finally:
         op.stop()
 
@@ -277,14 +308,20 @@ def test_pool_allowing_first_and_last_ip_hands_out_every_address_of_its_cidr(
     )
     op = Operator("multi-pool", allocation)
     try:
-        a = start(env, op, ipam_multi_pool_pre_allocation={"default": 8, "blue": 4})
+        a = start(
+            env,
+            op,
+            ipam_multi_pool_pre_allocation={"default": 8, "blue": 4},
+            ipam_allocation_wait=0.2,
+        )
         status = {p.pool: p for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
         assert (status["blue"].capacity, status["default"].capacity) == (4, 254)
         got = {add(a, env, f"b{i}", pool="blue") for i in range(4)}
         assert got == set(blue)  # network and broadcast address included
         with pytest.raises(grpc.RpcError) as full:
             add(a, env, "b4", pool="blue")
-        assert "no free IPv4 address in pool 'blue'" in full.value.details()
+        assert full.value.code() == grpc.StatusCode.UNAVAILABLE  # not exhausted per the operator
+        assert f"pool 'blue': all addresses of {blue} in use" in full.value.details()
         # Demand 4 is exactly covered: nothing handed back.
         assert not any(r.released for r in op.demands)
     finally:

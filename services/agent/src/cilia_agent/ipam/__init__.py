@@ -9,6 +9,7 @@ from cilia_agent.ipam.allocator import (
     AddressInUse,
     AllocationError,
     PoolExhausted,
+    PoolPending,
     PoolStatus,
 )
 from cilia_agent.ipam.ceil import needed_ip_ceil
@@ -18,6 +19,7 @@ __all__ = [
     "AddressInUse",
     "AllocationError",
     "PoolExhausted",
+    "PoolPending",
     "PoolStatus",
     "needed_ip_ceil",
 ]

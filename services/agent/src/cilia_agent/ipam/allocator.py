@@ -52,6 +52,25 @@ class PoolExhausted(AllocationError):
         super().__init__(text)
 
 
+class PoolPending(AllocationError):
+    """``pool`` has no free address yet, but the operator has not called it exhausted: the
+    demand was sent and no (further) CIDR arrived within ``waited`` seconds
+    (``--ipam-allocation-wait``). Transient: the caller should retry (gRPC UNAVAILABLE,
+    CNI code 11). ``cidrs``: the pool's open CIDRs on this node (all in use).
+    """
+
+    def __init__(self, pool: str, cidrs: list[str], waited: float) -> None:
+        self.pool = pool
+        self.cidrs = cidrs
+        self.waited = waited
+        if cidrs:
+            what = f"all addresses of {', '.join(cidrs)} in use, waiting for the operator to "
+            what += "allocate another CIDR to this node"
+        else:
+            what = "waiting for the operator to allocate a CIDR to this node"
+        super().__init__(f"pool {pool!r}: {what} (waited {waited:g} s); retry")
+
+
 class AddressInUse(AllocationError):
     """``address`` is already held by ``owner``."""
 

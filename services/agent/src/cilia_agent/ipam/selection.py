@@ -14,6 +14,7 @@ endpoint manager itself stays unaware of the IPAM mode.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 from cilia_agent.controlplane import PoolNotResolved, PoolResolver
 from cilia_agent.endpoint import AddParams, EndpointManager, EndpointRecord, InvalidRequest
 from cilia_agent.endpoint.manager import validate_add
-from cilia_agent.ipam.allocator import PoolExhausted
+from cilia_agent.ipam.allocator import PoolExhausted, PoolPending
 from cilia_agent.ipam.node import IPAMMode
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,21 @@ class PoolSelectingEndpointManager(EndpointManager):
     An exhausted pool's error carries what the operator reported about that pool for this
     node (e.g. the pool itself has no free block left), so the CNI error says why.
 
+    A pool with no CIDR on this node yet (or, with ``wait_when_full``, with every address
+    in use) is not exhausted until the operator says so: the failed allocation already
+    sent the grown demand, so the Add waits up to ``allocation_wait`` seconds for the
+    operator's allocation and tries again (upstream's agent also blocks the ADD on the
+    operator's allocation). Still nothing: :class:`PoolPending` (retry, CNI code 11).
+
     Args:
         selector: the pool selector.
         operator_error: returns the operator's last error about a pool ("" when none).
+        allocation_wait: seconds an Add waits for the operator's allocation
+            (``--ipam-allocation-wait``); 0 = fail at once with :class:`PoolExhausted`
+            (no operator).
+        wait_when_full: also wait when the pool has CIDRs but all are in use (multi-pool:
+            the operator adds blocks on demand; cluster-pool: a full podCIDR is final).
+        poll_interval: seconds between checks for new addresses while waiting.
         Every other argument as :class:`EndpointManager`.
     """
 
@@ -102,11 +115,17 @@ class PoolSelectingEndpointManager(EndpointManager):
         *,
         selector: PoolSelector,
         operator_error: Callable[[str], str] = lambda _pool: "",
+        allocation_wait: float = 0.0,
+        wait_when_full: bool = False,
+        poll_interval: float = 0.05,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.selector = selector
         self._operator_error = operator_error
+        self.allocation_wait = allocation_wait
+        self.wait_when_full = wait_when_full
+        self.poll_interval = poll_interval
 
     async def add(self, p: AddParams) -> EndpointRecord:
         """Select the pool, then :meth:`EndpointManager.add` (same errors, plus those of
@@ -114,10 +133,34 @@ class PoolSelectingEndpointManager(EndpointManager):
         if not p.prev_result and self.get(p.container_id, p.ifname) is None:
             validate_add(p)  # bad input is refused before the operator is asked
             p = dataclasses.replace(p, pool=await self.selector.select(p))
-        try:
-            return await super().add(p)
-        except PoolExhausted as exc:
-            error = self._operator_error(exc.pool)
-            if not error or exc.operator_error:
-                raise
-            raise PoolExhausted(exc.pool, exc.cidrs, exc.draining, error) from exc
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while True:
+            try:
+                return await super().add(p)
+            except PoolExhausted as exc:
+                error = self._operator_error(exc.pool)
+                if exc.operator_error:
+                    raise
+                if error:
+                    raise PoolExhausted(exc.pool, exc.cidrs, exc.draining, error) from exc
+                if self.allocation_wait <= 0 or (exc.cidrs and not self.wait_when_full):
+                    raise
+                if deadline is None:
+                    deadline = loop.time() + self.allocation_wait
+                    log.info(
+                        "waiting for the operator's allocation",
+                        extra={"pool": exc.pool, "container_id": p.container_id},
+                    )
+                if not await self._wait_for_addresses(exc.pool, deadline):
+                    raise PoolPending(exc.pool, exc.cidrs, self.allocation_wait) from exc
+
+    async def _wait_for_addresses(self, pool: str, deadline: float) -> bool:
+        """True once ``pool`` has a free address or the operator reported an error about
+        it (try again); False at ``deadline`` (event-loop time)."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            await asyncio.sleep(min(self.poll_interval, max(0.0, deadline - loop.time())))
+            if self.ipam.free(pool) > 0 or self._operator_error(pool):
+                return True
+        return False
