@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -137,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
-        p.add_argument("--timeout", type=float, default=10.0, help=f"seconds per request {d}")
+        p.add_argument("--timeout", type=_positive_seconds, default=10.0,
+                       help=f"seconds per request, > 0 {d}")  # fmt: skip
 
     apply = sub.add_parser("apply", help="create or update resources from a manifest")
     apply.add_argument(
@@ -180,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pool", default="",
                       help="pool name the plan is for (an update of it is not an overlap) "
                       "(default: a new pool)")  # fmt: skip
+    plan.add_argument("--service-cluster-ip-range", action="append", default=None,
+                      help="service CIDR no pool CIDR may overlap, as the operator's flag "
+                      "(repeat for several) (default: 10.96.0.0/12)")  # fmt: skip
     plan.add_argument("--offline", action="store_true",
                       help="do not contact the operator (default: check against it when "
                       "reachable)")  # fmt: skip
@@ -188,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
     client(status)
     return parser
+
+
+def _positive_seconds(value: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds > 0")
+    return seconds
 
 
 def _duration(value: str) -> float:
@@ -279,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             problems = cli.ipam_plan(
                 args.cidr, args.mask_size, args.allow_first_ip, args.allow_last_ip,
                 None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
+                service_cidrs=tuple(args.service_cluster_ip_range or ("10.96.0.0/12",)),
             )  # fmt: skip
             return 1 if problems else 0
         elif args.command == "ipam":
@@ -293,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except cli.CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return cli.EXIT_ERROR
+    except BrokenPipeError:
+        # the reader (``| head``) went away: exit quietly, stdout is useless now
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     return 0
 
 

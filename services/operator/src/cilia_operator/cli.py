@@ -150,22 +150,34 @@ def ipam_plan(
     timeout: float,
     out: IO[str],
     pool: str = "",
+    service_cidrs: tuple[str, ...] = ("10.96.0.0/12",),
 ) -> int:
     """Print the node blocks, pod IPs per block and in total for a pool shape; with a
     reachable operator (``server``), also check it against live pools and nodes:
-    overlaps (pools, node networks) and nodes that would not get a block.
+    overlaps (pools, node networks, ``service_cidrs`` -- the operator's
+    ``--service-cluster-ip-range``, default 10.96.0.0/12), a maskSize change of the
+    existing ``pool`` (immutable) and nodes that would not get a block.
 
     Returns the number of problems found against the live cluster (0 = fits).
 
     Raises:
-        CommandError: a CIDR or the mask is invalid.
+        CommandError: a CIDR or the mask is invalid, or two ``--cidr`` values overlap
+            (apply refuses that too).
     """
-    nets = []
+    nets: list[ipaddress.IPv4Network] = []
     for cidr in cidrs:
         try:
-            nets.append(ipaddress.IPv4Network(cidr, strict=True))
+            net = ipaddress.IPv4Network(cidr, strict=True)
         except ValueError as exc:
             raise CommandError(f"--cidr: {cidr!r} is not an IPv4 CIDR: {exc}") from None
+        for prev in nets:
+            if net.overlaps(prev):
+                raise CommandError(f"--cidr: {net} overlaps --cidr {prev}")
+        nets.append(net)
+    try:
+        services = [ipaddress.IPv4Network(c, strict=True) for c in service_cidrs]
+    except ValueError as exc:
+        raise CommandError(f"--service-cluster-ip-range: {exc}") from None
     try:
         plan = plan_numbers(nets, mask_size, allow_first, allow_last)
     except ValueError as exc:
@@ -198,7 +210,15 @@ def ipam_plan(
         for n in status.nodes
     ]  # fmt: skip
     problems = [str(e) for e in pool_overlaps(pool, nets, others)]
-    problems += [str(e) for e in overlap_errors(nets, node_networks=networks)]
+    problems += [
+        str(e) for e in overlap_errors(nets, service_cidrs=services, node_networks=networks)
+    ]
+    for p in status.pools:
+        if pool and p.name == pool and p.mask_size != mask_size:
+            problems.append(
+                f"--mask-size: cannot change IPv4 mask size in existing pool {pool!r} "
+                f"({p.mask_size} -> {mask_size}); apply would refuse it"
+            )
     node_count = len(status.nodes)
     if plan.blocks < node_count:
         problems.append(

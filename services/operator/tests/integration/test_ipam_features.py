@@ -7,6 +7,7 @@ import asyncio
 import io
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -442,3 +443,52 @@ async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path
         ) in shown.stdout
         _, raw = await asyncio.to_thread(client, cli.ipam_status, output="json", **server)
         assert json.loads(raw)["pools"][0]["name"] == "default"
+
+
+async def test_cli_ipam_plan_refuses_what_apply_refuses(redis_url: str) -> None:
+    async with running_operator(redis_url) as (op, _):
+        server = {"server": op.address, "timeout": 10.0}
+        problems, svc = await asyncio.to_thread(
+            client, cli.ipam_plan, ["10.100.0.0/24"], 26, False, False, **server
+        )
+        assert problems == 1
+        assert "overlaps the service CIDR 10.96.0.0/12" in svc and "fits" not in svc
+        problems, mask = await asyncio.to_thread(
+            client, cli.ipam_plan, ["10.251.0.0/24"], 26, False, False, pool="default", **server
+        )
+        assert problems == 1
+        assert "cannot change IPv4 mask size in existing pool 'default' (24 -> 26)" in mask
+        with pytest.raises(
+            cli.CommandError, match=r"10\.240\.0\.0/25 overlaps --cidr 10\.240\.0\.0/24"
+        ):
+            await asyncio.to_thread(
+                client, cli.ipam_plan, ["10.240.0.0/24", "10.240.0.0/25"], 26, False, False,
+                **server,
+            )  # fmt: skip
+
+
+def test_cli_offline_plan_refuses_overlapping_cidrs_and_bad_timeouts() -> None:
+    both = run_cli(
+        "ipam", "plan", "--cidr", "10.240.0.0/24", "--cidr", "10.240.0.0/25",
+        "--mask-size", "26", "--offline",
+    )  # fmt: skip
+    assert both.returncode == 2 and "overlaps --cidr 10.240.0.0/24" in both.stderr
+    for bad in ("0", "-1", "nan", "inf"):
+        got = run_cli("ipam", "status", "--timeout", bad)
+        assert got.returncode == 2 and "--timeout" in got.stderr and "> 0" in got.stderr, bad
+        assert "Traceback" not in got.stderr
+
+
+def test_cli_output_into_a_closed_pipe_exits_quietly() -> None:
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        got = subprocess.run(
+            [sys.executable, "-m", "cilia_operator", "ipam", "plan", "--cidr", "172.24.0.0/20",
+             "--mask-size", "24", "--offline"],
+            stdout=writer, stderr=subprocess.PIPE, text=True, timeout=30,
+        )  # fmt: skip
+    finally:
+        os.close(writer)
+    assert "Traceback" not in got.stderr and "BrokenPipe" not in got.stderr
+    assert got.returncode != 0

@@ -116,3 +116,20 @@ def test_manifest_that_is_not_yaml_names_the_line() -> None:
     with pytest.raises(InvalidManifest) as err:
         validate_manifest("a: [1, 2\nb: 3\n", {})
     assert "line" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("cidr", "name"),
+    [
+        ("127.0.0.0/16", "loopback"),
+        ("224.1.0.0/16", "multicast"),
+        ("169.254.0.0/16", "link-local"),
+        ("0.0.0.0/8", "this network"),
+        ("240.0.0.0/16", "reserved"),
+    ],
+)
+def test_special_purpose_ipv4_ranges_are_refused(cidr: str, name: str) -> None:
+    with pytest.raises(InvalidResource) as err:
+        validate_pool(pool(ipv4={"cidrs": ["10.10.0.0/16", cidr], "maskSize": 24}))
+    assert paths(err.value) == ["spec.ipv4.cidrs[1]"]
+    assert name in str(err.value)

@@ -149,8 +149,20 @@ class PoolSpec:
         return size - (0 if self.allow_first_ip else 1) - (0 if self.allow_last_ip else 1)
 
 
+# IPv4 ranges no pod address may come from (RFC 6890): refused in spec.ipv4.cidrs.
+_SPECIAL_V4: tuple[tuple[str, ipaddress.IPv4Network], ...] = (
+    ('"this network"', ipaddress.IPv4Network("0.0.0.0/8")),
+    ("loopback", ipaddress.IPv4Network("127.0.0.0/8")),
+    ("link-local", ipaddress.IPv4Network("169.254.0.0/16")),
+    ("multicast", ipaddress.IPv4Network("224.0.0.0/4")),
+    ("reserved", ipaddress.IPv4Network("240.0.0.0/4")),
+)
+
+
 def validate_pool(doc: Mapping[str, Any]) -> CiliumPodIPPool:
-    """Validate a CiliumPodIPPool manifest (schema and semantics).
+    """Validate a CiliumPodIPPool manifest (schema and semantics). IPv4 CIDRs in the
+    "this network" (0/8), loopback, link-local, multicast or reserved (240/4) ranges
+    are refused.
 
     Raises:
         InvalidResource: every problem found, each with its field path, e.g.
@@ -166,6 +178,14 @@ def validate_pool(doc: Mapping[str, Any]) -> CiliumPodIPPool:
             continue
         nets = [ipaddress.ip_network(c) for c in spec.cidrs]
         for i, net in enumerate(nets):
+            for name, special in _SPECIAL_V4 if family == "ipv4" else ():
+                if net.overlaps(special):
+                    errors.append(
+                        FieldError(
+                            f"spec.{family}.cidrs[{i}]",
+                            f"{net} overlaps the {name} range {special}: not usable for pods",
+                        )
+                    )
             if spec.maskSize < net.prefixlen:
                 errors.append(
                     FieldError(
