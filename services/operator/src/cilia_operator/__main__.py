@@ -13,7 +13,7 @@ cilia-operator apply -f FILE [--server ADDR] [--dry-run]
 cilia-operator get KIND [NAME] [-n NAMESPACE | -A] [-o json|yaml] [--server ADDR]
 cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
 cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-last-ip]
-                         [--server ADDR | --offline]
+                         [--pool NAME] [--service-cluster-ip-range CIDR] [--server ADDR | --offline]
 cilia-operator ipam status [-o text|json] [--server ADDR]
 cilia-operator --version
 """
@@ -298,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
                 service_cidrs=tuple(args.service_cluster_ip_range or ("10.96.0.0/12",)),
             )  # fmt: skip
+            sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
         elif args.command == "ipam":
             cli.ipam_status(args.server, args.timeout, sys.stdout, output=args.output)
@@ -308,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             cli.delete(args.kind, args.name, args.server, args.timeout, sys.stdout,
                        namespace=args.namespace)  # fmt: skip
+        sys.stdout.flush()
     except cli.CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return cli.EXIT_ERROR
