@@ -40,14 +40,10 @@ def _netns_addresses(netns: str, ifname: str) -> set[str]:
     return {f"{a['local']}/{a['prefixlen']}" for a in out[0]["addr_info"]}
 
 
-def _unimplemented(run: Any) -> bool:
-    """The agent does not implement the RPC yet (agent side landing separately)."""
-    return run.returncode != 0 and "UNIMPLEMENTED" in run.json.get("details", "")
-
-
 def _require_agent_rpc(run: Any, what: str) -> None:
-    if _unimplemented(run):
-        pytest.xfail(f"cilia-agent does not implement {what} yet (agent side of issue 4)")
+    """The agent must implement ``what`` (an UNIMPLEMENTED answer is a failure, not a skip)."""
+    details = run.json.get("details", "") if run.returncode != 0 else ""
+    assert "UNIMPLEMENTED" not in details, f"cilia-agent does not implement {what}: {details}"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -249,8 +245,9 @@ def test_chained_after_ptp_and_followed_by_portmap(
     cni = Libcni(conflist, libcni.cni_path, libcni.cache_dir)
     ns = netns.add()
     run = cni.add("chain-1", ns)
-    if run.returncode != 0 and "UNIMPLEMENTED" in run.stdout:
-        pytest.xfail("cilia-agent does not implement chaining yet (agent side of issue 4)")
+    assert "UNIMPLEMENTED" not in run.stdout, (
+        f"cilia-agent does not implement chaining: {run.stdout}"
+    )
     assert run.returncode == 0, run
     result = run.json
     assert result["ips"][0]["address"].startswith("10.238.254.")
