@@ -346,18 +346,7 @@ class Pod:
         timeout: float = DEFAULT_EXEC_TIMEOUT_SECONDS,
     ) -> ListOutcome:
         """ADD through every plugin of ``conflist`` (:func:`exec_list`); caches the result."""
-        outcome = exec_list(
-            "ADD",
-            conflist,
-            container_id=self.container_id,
-            netns=self.netns,
-            ifname=self.ifname,
-            args=self.cni_args(),
-            cni_path=cni_path,
-            labels=self.labels,
-            runtime_config=runtime_config,
-            timeout=timeout,
-        )
+        outcome = self._exec_list("ADD", conflist, cni_path, runtime_config, timeout, None)
         if outcome.ok:
             self.result = outcome.result
         return outcome
@@ -371,8 +360,20 @@ class Pod:
         timeout: float = DEFAULT_EXEC_TIMEOUT_SECONDS,
     ) -> ListOutcome:
         """DEL through every plugin of ``conflist`` in reverse, with the cached result."""
+        return self._exec_list("DEL", conflist, cni_path, runtime_config, timeout, self.result)
+
+    def _exec_list(
+        self,
+        command: str,
+        conflist: Mapping[str, Any],
+        cni_path: str,
+        runtime_config: Mapping[str, Any] | None,
+        timeout: float,
+        prev_result: Any,
+    ) -> ListOutcome:
+        """:func:`exec_list` for this pod's container id, netns, ifname, args and labels."""
         return exec_list(
-            "DEL",
+            command,
             conflist,
             container_id=self.container_id,
             netns=self.netns,
@@ -381,7 +382,7 @@ class Pod:
             cni_path=cni_path,
             labels=self.labels,
             runtime_config=runtime_config,
-            prev_result=self.result,
+            prev_result=prev_result,
             timeout=timeout,
         )
 
