@@ -558,9 +558,24 @@ def kill_component(name: str, *, timeout: float = 10.0) -> int:
     if pid is None:
         raise RuntimeError(f"stack component {name} is not running")
     os.kill(pid, signal.SIGKILL)
-    if not wait_for(lambda: component_pid(name) != pid, timeout, interval=0.05):
+    if not wait_for(lambda: _exited(pid), timeout, interval=0.05):
         raise RuntimeError(f"{name} (pid {pid}) still alive {timeout:g}s after SIGKILL")
     return pid
+
+
+def _exited(pid: int) -> bool:
+    """True once every thread of ``pid`` has finished exiting (gone, or a lone zombie leader).
+
+    ``/proc/PID/cmdline`` turns empty as soon as the address space is dropped, but the listening
+    sockets close only when the last thread has released the file table; a thread leaves
+    ``/proc/PID/task`` after that. Restarting earlier finds the TCP ports still held.
+    """
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X") and len(tasks) <= 1
 
 
 def start_component(name: str, *, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:

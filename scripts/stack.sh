@@ -16,6 +16,9 @@
 #   --stop-timeout S   CILIA_STACK_STOP_TIMEOUT (10)  seconds `down` waits after SIGTERM before SIGKILL
 #   --fresh            CILIA_STACK_FRESH=1            `up` first deletes Redis data and agent state
 #   CILIA_STACK_LOG_LINES (40)                        log lines shown when a component fails to start
+#   CILIA_STACK_PORT_WAIT (5)                         seconds `up` waits for a component's TCP ports
+#                                                     to be released (a process just SIGKILLed holds
+#                                                     its listeners until its exit finishes)
 #
 # Addresses (fixed by the team brief): Redis 127.0.0.1:6390 (appendonly), operator gRPC
 # 127.0.0.1:4250 + metrics :9963, agent socket .run/cilia.sock (Hubble .run/hubble.sock, :4244,
@@ -33,6 +36,7 @@ TIMEOUT=${CILIA_STACK_TIMEOUT:-90}
 STOP_TIMEOUT=${CILIA_STACK_STOP_TIMEOUT:-10}
 FRESH=${CILIA_STACK_FRESH:-0}
 LOG_LINES=${CILIA_STACK_LOG_LINES:-40}
+PORT_WAIT=${CILIA_STACK_PORT_WAIT:-5}
 
 REDIS_PORT=6390
 OPERATOR_ADDR=127.0.0.1:4250
@@ -136,15 +140,20 @@ ports_of() {
 }
 
 # Fail early, naming the holder, when another process (e.g. a second checkout's stack on this
-# shared host) already listens on one of the component's ports.
+# shared host) still listens on one of the component's ports after PORT_WAIT seconds. The wait
+# covers a component that was just SIGKILLed: the kernel closes its listeners only when the last
+# of its threads has exited, a moment after /proc stops showing its command line.
 check_ports_free() {
-  local port holder
+  local port holder deadline=$((SECONDS + PORT_WAIT))
   for port in $(ports_of "$1"); do
-    holder=$(ss -ltnpH "sport = :$port" 2>/dev/null | grep -o 'users:(([^)]*))' | head -1 || true)
-    if [[ -n $holder ]] || ss -ltnH "sport = :$port" 2>/dev/null | grep -q .; then
-      die "$1 cannot start: TCP port $port is already in use ${holder:-by another process}" \
-        "(another stack? scripts/stack.sh status, or stop it where it was started)"
-    fi
+    while holder=$(ss -ltnpH "sport = :$port" 2>/dev/null | grep -o 'users:(([^)]*))' | head -1 || true)
+      [[ -n $holder ]] || ss -ltnH "sport = :$port" 2>/dev/null | grep -q .; do
+      if ((SECONDS >= deadline)); then
+        die "$1 cannot start: TCP port $port is already in use ${holder:-by another process}" \
+          "(another stack? scripts/stack.sh status, or stop it where it was started)"
+      fi
+      sleep 0.1
+    done
   done
 }
 
