@@ -5,7 +5,8 @@ answered here; then the other CNI_* variables (4), stdin JSON (6), ``cniVersion`
 also when the command is newer than the version: CHECK < 0.4.0, GC/STATUS < 1.1.0), the
 plugin's netconf keys (7), CNI_ARGS, labels, annotations and prevResult (4/7), the agent
 socket (11; 50 for STATUS; DEL queues itself on disk), the agent's answer (see
-:mod:`cilia_cni.agent`). grpc is imported only for that last step.
+:mod:`cilia_cni.agent`). The agent client (HTTP/2, protobuf) is imported only for that
+last step.
 """
 
 from __future__ import annotations
@@ -312,30 +313,19 @@ _COMMANDS = {"ADD": _add, "DEL": _del, "CHECK": _check, "GC": _gc, "STATUS": _st
 
 
 #: Where one run's time went (milliseconds), added to the log line of the outcome:
-#: ``grpcImportMs`` (grpc + generated messages), ``agentMs`` (the agent call).
+#: ``clientImportMs`` (the agent client: hpack, hyperframe, generated messages),
+#: ``agentMs`` (the agent calls).
 _TIMINGS: dict[str, float] = {}
 
 
-def _load_grpc() -> None:
-    """Import grpc and the generated messages (most of an ADD's start-up), timed once.
-
-    grpcio's extension imports asyncio, which tries ``import ssl`` (OpenSSL's loading,
-    about a tenth of ``import grpc``) and carries on without it when that fails. Nothing
-    here uses Python's ssl module (the channel is a plain unix socket; grpc's own TLS is in
-    its C core), so ssl is blocked for the duration of the import and unblocked after.
-    """
+def _load_client() -> None:
+    """Import the agent client and the generated messages, timed once."""
     if "cilia_cni.agent" in sys.modules:
         return
     started = time.monotonic()
-    blocked = "ssl" not in sys.modules
-    if blocked:
-        sys.modules["ssl"] = None  # type: ignore[assignment] # import raises ImportError
-    try:
-        import cilia_cni.agent  # noqa: F401 - imported for its side effect (grpc, agent_pb2)
-    finally:
-        if blocked and sys.modules.get("ssl", 0) is None:
-            del sys.modules["ssl"]
-    _TIMINGS["grpcImportMs"] = _ms(started)
+    import cilia_cni.agent  # noqa: F401 - imported for its side effect (h2grpc, agent_pb2)
+
+    _TIMINGS["clientImportMs"] = _ms(started)
 
 
 def _client(socket_path: str) -> AgentClient:
@@ -345,7 +335,7 @@ def _client(socket_path: str) -> AgentClient:
 
 
 def _check_socket(path: str, op: str) -> None:
-    """Fail fast (without importing grpc) when the agent's socket is absent."""
+    """Fail fast (before importing the agent client) when the agent's socket is absent."""
     hint = "start or check cilia-agent (cilia-agent status --socket " + path + ")"
     try:
         mode = os.stat(path).st_mode
@@ -362,7 +352,7 @@ def _check_socket(path: str, op: str) -> None:
         raise AgentUnreachable(
             f"cilia-agent socket {path} is not a unix socket, cannot {op}: {hint}"
         )
-    _load_grpc()
+    _load_client()
 
 
 def _error(

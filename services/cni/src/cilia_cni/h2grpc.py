@@ -1,0 +1,531 @@
+"""A unary gRPC client over HTTP/2 on a unix socket, without grpcio: one connection, one
+stream per call.
+
+Why not grpcio: the plugin is exec'd once per pod operation, and ``import grpc`` costs
+70-150 ms on an idle 2-core host (its extension imports asyncio, ``grpc/__init__`` imports
+``grpc.aio``) — more than everything else in an ADD. This client needs only the
+python-hyper libraries ``hyperframe`` (HTTP/2 frame encoding and decoding) and ``hpack``
+(HPACK header compression, RFC 7541); the code here is the client side of the connection
+sequence and gRPC's 5-byte message framing. The agent side (grpcio's server) is unchanged.
+
+Specs followed:
+
+- gRPC over HTTP/2 (grpc/grpc ``doc/PROTOCOL-HTTP2.md``): request headers ``:method POST``,
+  ``:scheme http``, ``:path /<package.Service>/<Method>``, ``:authority``, ``te: trailers``,
+  ``grpc-timeout`` (from the deadline, at most 8 digits), ``content-type:
+  application/grpc``; one Length-Prefixed-Message (compressed flag 0, 4-byte big-endian
+  length) in DATA frames, END_STREAM on the last; status from the Trailers, or from the
+  Trailers-Only HEADERS; ``grpc-message`` percent-decoded (UTF-8, invalid escapes kept
+  as-is); no ``grpc-status`` → INTERNAL; a non-200 ``:status`` → the HTTP-to-gRPC mapping
+  (``doc/http-grpc-status-mapping.md``); RST_STREAM codes mapped as the document's table
+  (CANCEL after the deadline → DEADLINE_EXCEEDED); early Trailers → RST_STREAM NO_ERROR;
+  the deadline passing → RST_STREAM CANCEL and DEADLINE_EXCEEDED.
+- HTTP/2, RFC 9113: client connection preface and SETTINGS (push disabled, initial stream
+  window 2^31-1) plus a connection WINDOW_UPDATE to 2^31-1, so responses never wait for
+  flow control; the peer's SETTINGS applied (MAX_FRAME_SIZE, INITIAL_WINDOW_SIZE,
+  HEADER_TABLE_SIZE) and ACKed; PING answered with ACK; request DATA cut to the peer's
+  MAX_FRAME_SIZE and its stream and connection windows (WINDOW_UPDATE awaited when they are
+  spent); header blocks across HEADERS + CONTINUATION both ways; GOAWAY with a last stream
+  id below ours → UNAVAILABLE (the call was not processed), else the call may still finish.
+
+Errors are :class:`RpcError` with the gRPC status code; ``transport`` tells that nobody
+answered (connect failed, connection closed, stream refused before processing).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+from hpack import Decoder, Encoder
+from hpack.exceptions import HPACKError
+from hyperframe.exceptions import HyperframeError
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    PushPromiseFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+# gRPC status codes (grpc/grpc doc/statuscodes.md), index = numeric code.
+STATUS_NAMES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+OK, CANCELLED, UNKNOWN = 0, 1, 2
+DEADLINE_EXCEEDED = 4
+PERMISSION_DENIED, RESOURCE_EXHAUSTED = 7, 8
+UNIMPLEMENTED, INTERNAL, UNAVAILABLE, UNAUTHENTICATED = 12, 13, 14, 16
+
+#: RFC 9113 §3.4 client connection preface.
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+#: The one stream of a connection (client-initiated streams are odd).
+STREAM_ID = 1
+#: Largest flow-control window (RFC 9113 §6.9.1); advertised for the stream and connection.
+MAX_WINDOW = 2**31 - 1
+#: RFC 9113 §6.5.2 defaults until the peer's SETTINGS say otherwise.
+DEFAULT_WINDOW = 65535
+DEFAULT_MAX_FRAME_SIZE = 16384
+#: Largest response message accepted, bytes (grpcio's default max_receive_message_length).
+MAX_RESPONSE_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Largest decoded header list (response headers or trailers), bytes (hpack's default).
+MAX_HEADER_LIST_BYTES = 64 * 1024
+#: Bytes asked of one recv(2).
+RECV_BYTES = 256 * 1024
+#: ``:authority`` of every call (what grpcio sends for a ``unix:`` target).
+AUTHORITY = "localhost"
+USER_AGENT = "grpc-python-cilia-cni/0.1 (h2 unary)"
+
+# RFC 9113 §7 error codes used here.
+_NO_ERROR, _PROTOCOL_ERROR, _REFUSED_STREAM, _CANCEL = 0, 1, 7, 8
+_H2_ERRORS = (
+    "NO_ERROR",
+    "PROTOCOL_ERROR",
+    "INTERNAL_ERROR",
+    "FLOW_CONTROL_ERROR",
+    "SETTINGS_TIMEOUT",
+    "STREAM_CLOSED",
+    "FRAME_SIZE_ERROR",
+    "REFUSED_STREAM",
+    "CANCEL",
+    "COMPRESSION_ERROR",
+    "CONNECT_ERROR",
+    "ENHANCE_YOUR_CALM",
+    "INADEQUATE_SECURITY",
+    "HTTP_1_1_REQUIRED",
+)
+#: RST_STREAM error code → gRPC status (PROTOCOL-HTTP2.md "Errors"); others → INTERNAL.
+_RST_TO_STATUS = {_REFUSED_STREAM: UNAVAILABLE, _CANCEL: CANCELLED, 11: RESOURCE_EXHAUSTED}
+_RST_TO_STATUS[12] = PERMISSION_DENIED
+#: HTTP status → gRPC status (grpc/grpc doc/http-grpc-status-mapping.md); others → UNKNOWN.
+_HTTP_TO_STATUS = {
+    400: INTERNAL,
+    401: UNAUTHENTICATED,
+    403: PERMISSION_DENIED,
+    404: UNIMPLEMENTED,
+    429: UNAVAILABLE,
+    502: UNAVAILABLE,
+    503: UNAVAILABLE,
+    504: UNAVAILABLE,
+}
+_MESSAGE_PREFIX = struct.Struct(">BI")
+
+
+class RpcError(Exception):
+    """A call that did not end with status OK.
+
+    Attributes:
+        code: gRPC status code (0-16, :data:`STATUS_NAMES`).
+        details: the status message (``grpc-message`` percent-decoded, or this client's
+            own text for transport and protocol failures).
+        transport: True when the agent never answered the call: the connection could not
+            be made or closed before a status, or the stream was refused unprocessed.
+    """
+
+    def __init__(self, code: int, details: str, transport: bool = False) -> None:
+        super().__init__(f"{self.name_of(code)}: {details}")
+        self.code = code
+        self.details = details
+        self.transport = transport
+
+    @property
+    def name(self) -> str:
+        """The status code's name, e.g. ``"UNAVAILABLE"``."""
+        return self.name_of(self.code)
+
+    @staticmethod
+    def name_of(code: int) -> str:
+        return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else "UNKNOWN"
+
+
+def timeout_header(seconds: float) -> str:
+    """The ``grpc-timeout`` value for ``seconds`` left: the finest unit whose value has at
+    most 8 digits, rounded up (``0.5`` → ``"500000u"``, ``240`` → ``"240000m"``)."""
+    for unit, scale in (("u", 1_000_000), ("m", 1000), ("S", 1), ("M", 1 / 60), ("H", 1 / 3600)):
+        value = -int(-seconds * scale // 1)  # ceil without math
+        if value < 100_000_000:
+            return f"{max(value, 1)}{unit}"
+    return "99999999H"
+
+
+def percent_decode(value: bytes) -> str:
+    """Decode a ``grpc-message`` (UTF-8, then percent-encoded; PROTOCOL-HTTP2.md): valid
+    ``%XX`` escapes are decoded, broken ones kept as they are, bad UTF-8 replaced."""
+    from urllib.parse import unquote  # only on the error path
+
+    return unquote(value.decode("utf-8", "replace"), errors="replace")
+
+
+def unary_call(
+    socket_path: str, method: str, request: bytes, timeout: float, authority: str = AUTHORITY
+) -> bytes:
+    """Call the unary method ``method`` (``/package.Service/Method``) on the gRPC server at
+    the unix socket ``socket_path`` with the serialized request message ``request``; return
+    the serialized response message.
+
+    ``timeout`` (seconds, > 0) bounds everything: connect, send, the agent's work, receive;
+    it is sent as ``grpc-timeout``.
+
+    Raises:
+        RpcError: the call's status is not OK (DEADLINE_EXCEEDED when ``timeout`` passed;
+            UNAVAILABLE with ``transport`` when the socket refuses, is missing or closes).
+    """
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path)
+        except TimeoutError:
+            raise RpcError(
+                DEADLINE_EXCEEDED, f"connecting to unix:{socket_path} took longer than {timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise RpcError(
+                UNAVAILABLE,
+                f"failed to connect to unix:{socket_path}: {exc.strerror or exc}",
+                transport=True,
+            ) from None
+        return _Call(sock, deadline, socket_path).run(method, request, authority)
+    finally:
+        sock.close()
+
+
+class _Call:
+    """The client side of one HTTP/2 connection carrying stream 1 (RFC 9113 §5.1 states:
+    idle → open → half-closed (local) → closed)."""
+
+    def __init__(self, sock: socket.socket, deadline: float, where: str) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.where = f"unix:{where}"
+        self.buf = bytearray()
+        self.encoder = Encoder()
+        self.decoder = Decoder(MAX_HEADER_LIST_BYTES)
+        # What the peer lets us send (its SETTINGS and WINDOW_UPDATEs).
+        self.max_frame = DEFAULT_MAX_FRAME_SIZE
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.conn_window = DEFAULT_WINDOW
+        self.stream_window = DEFAULT_WINDOW
+        # The response.
+        self.block = bytearray()  # header block being assembled (HEADERS + CONTINUATION)
+        self.block_stream = 0
+        self.block_end_stream = False
+        self.headers: dict[bytes, bytes] | None = None
+        self.trailers: dict[bytes, bytes] | None = None
+        self.data = bytearray()
+        self.ended = False  # END_STREAM received on stream 1
+        self.send_closed = False  # the socket refused more writes
+        self.goaway_last_stream: int | None = None
+
+    # -- sending --------------------------------------------------------------------------
+
+    def run(self, method: str, request: bytes, authority: str) -> bytes:
+        settings = SettingsFrame(
+            0,
+            settings={
+                SettingsFrame.ENABLE_PUSH: 0,
+                SettingsFrame.INITIAL_WINDOW_SIZE: MAX_WINDOW,
+            },
+        )
+        window = WindowUpdateFrame(0, window_increment=MAX_WINDOW - DEFAULT_WINDOW)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._deadline_error()
+        block = self.encoder.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", method),
+                (":authority", authority),
+                ("grpc-timeout", timeout_header(left)),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                ("user-agent", USER_AGENT),
+            ]
+        )
+        self._send(PREFACE + settings.serialize() + window.serialize() + self._header_frames(block))
+        self._send_message(_MESSAGE_PREFIX.pack(0, len(request)) + request)
+        while not self.ended:
+            self._handle(self._read_frame())
+        return self._result()
+
+    def _header_frames(self, block: bytes) -> bytes:
+        """HEADERS (+ CONTINUATION) frames carrying ``block`` on stream 1 (RFC 9113 §6.10)."""
+        size = self.max_frame
+        first = HeadersFrame(STREAM_ID, block[:size])
+        rest = [block[i : i + size] for i in range(size, len(block), size)]
+        if not rest:
+            first.flags.add("END_HEADERS")
+        frames = [first.serialize()]
+        for i, part in enumerate(rest):
+            cont = ContinuationFrame(STREAM_ID, part)
+            if i == len(rest) - 1:
+                cont.flags.add("END_HEADERS")
+            frames.append(cont.serialize())
+        return b"".join(frames)
+
+    def _send_message(self, body: bytes) -> None:
+        """DATA frames of ``body`` within the peer's frame size and windows, END_STREAM on
+        the last; stops early when the response has already ended (early Trailers)."""
+        offset = 0
+        while offset < len(body):
+            if self.ended or self.send_closed:
+                if self.ended and not self.send_closed:  # PROTOCOL-HTTP2 "Early Server Closure"
+                    self._send(RstStreamFrame(STREAM_ID, error_code=_NO_ERROR).serialize())
+                return
+            allowed = min(self.conn_window, self.stream_window, self.max_frame)
+            if allowed <= 0:
+                self._handle(self._read_frame())  # wait for WINDOW_UPDATE / SETTINGS
+                continue
+            chunk = body[offset : offset + allowed]
+            offset += len(chunk)
+            frame = DataFrame(STREAM_ID, chunk)
+            if offset == len(body):
+                frame.flags.add("END_STREAM")
+            self._send(frame.serialize())
+            self.conn_window -= len(chunk)
+            self.stream_window -= len(chunk)
+
+    def _send(self, data: bytes) -> None:
+        """Write ``data`` before the deadline. A peer that closed the connection is not an
+        error yet: its answer may be waiting to be read (else reading reports the close)."""
+        if self.send_closed:
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._deadline_error()
+        self.sock.settimeout(left)
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            raise self._deadline_error() from None
+        except OSError:
+            self.send_closed = True
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def _recv_exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise self._deadline_error()
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(RECV_BYTES)
+            except TimeoutError:
+                raise self._deadline_error() from None
+            except OSError as exc:
+                raise self._closed_error(exc.strerror or str(exc)) from None
+            if not chunk:
+                raise self._closed_error("connection closed")
+            self.buf += chunk
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    def _read_frame(self) -> Frame:
+        try:
+            frame, length = Frame.parse_frame_header(memoryview(self._recv_exact(9)))
+            if length > DEFAULT_MAX_FRAME_SIZE:  # RFC 9113 §4.2: our advertised maximum
+                raise self._protocol_error(f"frame of {length} bytes exceeds MAX_FRAME_SIZE")
+            frame.parse_body(memoryview(self._recv_exact(length)))
+        except HyperframeError as exc:
+            raise self._protocol_error(f"malformed frame: {exc}") from None
+        return frame
+
+    def _handle(self, frame: Frame) -> None:
+        """Apply one received frame to the connection and stream state (RFC 9113 §6)."""
+        if self.block_stream and not isinstance(frame, ContinuationFrame):
+            raise self._protocol_error("header block interrupted before END_HEADERS")
+        if isinstance(frame, DataFrame):
+            if frame.stream_id == STREAM_ID:
+                if self.headers is None or self.ended:
+                    raise self._protocol_error("DATA outside the response")
+                self.data += frame.data
+                if len(self.data) > MAX_RESPONSE_MESSAGE_BYTES + _MESSAGE_PREFIX.size:
+                    raise RpcError(
+                        INTERNAL,
+                        f"response from {self.where} is larger than "
+                        f"{MAX_RESPONSE_MESSAGE_BYTES} bytes",
+                    )
+                if "END_STREAM" in frame.flags:
+                    self.ended = True
+        elif isinstance(frame, HeadersFrame):
+            self.block = bytearray(frame.data)
+            self.block_stream = frame.stream_id
+            self.block_end_stream = "END_STREAM" in frame.flags
+            if "END_HEADERS" in frame.flags:
+                self._header_block()
+        elif isinstance(frame, ContinuationFrame):
+            if frame.stream_id != self.block_stream or not self.block_stream:
+                raise self._protocol_error("CONTINUATION without its HEADERS")
+            self.block += frame.data
+            if len(self.block) > MAX_HEADER_LIST_BYTES:
+                raise self._protocol_error("header block too large")
+            if "END_HEADERS" in frame.flags:
+                self._header_block()
+        elif isinstance(frame, SettingsFrame):
+            if "ACK" not in frame.flags:
+                self._apply_settings(frame.settings)
+                self._send(SettingsFrame(0, flags=["ACK"]).serialize())
+        elif isinstance(frame, PingFrame):
+            if "ACK" not in frame.flags:
+                self._send(PingFrame(0, frame.opaque_data, flags=["ACK"]).serialize())
+        elif isinstance(frame, WindowUpdateFrame):
+            if frame.stream_id == 0:
+                self.conn_window += frame.window_increment
+            elif frame.stream_id == STREAM_ID:
+                self.stream_window += frame.window_increment
+        elif isinstance(frame, RstStreamFrame):
+            if frame.stream_id == STREAM_ID:
+                self._reset(frame.error_code)
+        elif isinstance(frame, GoAwayFrame):
+            self.goaway_last_stream = frame.last_stream_id
+            if frame.last_stream_id < STREAM_ID:
+                raise RpcError(
+                    UNAVAILABLE,
+                    f"{self.where} closed the connection before taking the call (GOAWAY "
+                    f"{_h2_error(frame.error_code)}{_debug(frame.additional_data)})",
+                    transport=True,
+                )
+        elif isinstance(frame, PushPromiseFrame):
+            raise self._protocol_error("PUSH_PROMISE although SETTINGS_ENABLE_PUSH is 0")
+        # PRIORITY, ALTSVC and extension frames are ignored (RFC 9113 §5.5).
+
+    def _apply_settings(self, settings: dict[int, int]) -> None:
+        for key, value in settings.items():
+            if key == SettingsFrame.INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise self._protocol_error("SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1")
+                self.stream_window += value - self.peer_initial_window  # §6.9.2
+                self.peer_initial_window = value
+            elif key == SettingsFrame.MAX_FRAME_SIZE:
+                if not DEFAULT_MAX_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise self._protocol_error(f"SETTINGS_MAX_FRAME_SIZE {value} out of range")
+                self.max_frame = value
+            elif key == SettingsFrame.HEADER_TABLE_SIZE:
+                self.encoder.header_table_size = value
+
+    def _header_block(self) -> None:
+        """Decode a complete header block; the first on stream 1 is the response headers
+        (or Trailers-Only with END_STREAM), the second the Trailers."""
+        stream, block, end = self.block_stream, bytes(self.block), self.block_end_stream
+        self.block_stream = 0
+        self.block = bytearray()
+        try:
+            fields = self.decoder.decode(block, raw=True)  # always: keeps the HPACK state
+        except HPACKError as exc:
+            raise self._protocol_error(f"header block cannot be decoded: {exc}") from None
+        if stream != STREAM_ID:
+            return
+        decoded = {bytes(k): bytes(v) for k, v in fields}
+        if self.headers is None:
+            if decoded.get(b":status", b"").startswith(b"1"):
+                return  # 1xx informational (RFC 9113 §8.1)
+            self.headers = decoded
+            if end:
+                self.trailers = decoded  # Trailers-Only
+        elif not end:
+            raise self._protocol_error("a second header block without END_STREAM")
+        else:
+            self.trailers = decoded
+        if end:
+            self.ended = True
+
+    def _reset(self, error_code: int) -> None:
+        code = _RST_TO_STATUS.get(error_code, INTERNAL)
+        if code == CANCELLED and time.monotonic() >= self.deadline:
+            code = DEADLINE_EXCEEDED  # PROTOCOL-HTTP2.md "Client Cancellation"
+        raise RpcError(
+            code,
+            f"{self.where} reset the stream (RST_STREAM {_h2_error(error_code)})",
+            transport=error_code == _REFUSED_STREAM,
+        )
+
+    # -- outcome --------------------------------------------------------------------------
+
+    def _result(self) -> bytes:
+        headers = self.headers or {}
+        trailers = self.trailers or {}
+        http_status = headers.get(b":status", b"")
+        if http_status != b"200":
+            code = _HTTP_TO_STATUS.get(int(http_status) if http_status.isdigit() else 0, UNKNOWN)
+            raise RpcError(
+                code, f"{self.where} answered HTTP status {http_status.decode('ascii', 'replace')}"
+            )
+        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            raise RpcError(UNKNOWN, f"{self.where} answered a non-gRPC content-type")
+        raw_status = trailers.get(b"grpc-status")
+        if raw_status is None:
+            raise RpcError(INTERNAL, f"{self.where} ended the call without grpc-status")
+        code = int(raw_status) if raw_status.isdigit() else UNKNOWN
+        if code != OK:
+            message = trailers.get(b"grpc-message", b"")
+            raise RpcError(code if code < len(STATUS_NAMES) else UNKNOWN, percent_decode(message))
+        return self._message()
+
+    def _message(self) -> bytes:
+        """The one Length-Prefixed-Message of a unary response."""
+        data = self.data
+        if len(data) < _MESSAGE_PREFIX.size:
+            raise RpcError(INTERNAL, f"{self.where} returned status OK without a message")
+        compressed, length = _MESSAGE_PREFIX.unpack_from(data)
+        if compressed:
+            raise RpcError(INTERNAL, f"{self.where} sent a compressed message unasked")
+        if len(data) != _MESSAGE_PREFIX.size + length:
+            raise RpcError(
+                INTERNAL, f"{self.where} sent {len(data)} bytes for one message of {length}"
+            )
+        return bytes(data[_MESSAGE_PREFIX.size :])
+
+    def _deadline_error(self) -> RpcError:
+        try:  # a client cancellation (PROTOCOL-HTTP2.md): best effort, never blocks
+            self.sock.settimeout(0)
+            self.sock.send(RstStreamFrame(STREAM_ID, error_code=_CANCEL).serialize())
+        except OSError:
+            pass
+        return RpcError(DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _closed_error(self, why: str) -> RpcError:
+        return RpcError(
+            UNAVAILABLE, f"{self.where}: socket closed before the call ended ({why})", True
+        )
+
+    def _protocol_error(self, why: str) -> RpcError:
+        try:  # RFC 9113 §5.4.1: a connection error is GOAWAY + close; best effort
+            self.sock.settimeout(0)
+            self.sock.send(GoAwayFrame(0, error_code=_PROTOCOL_ERROR).serialize())
+        except OSError:
+            pass
+        return RpcError(INTERNAL, f"HTTP/2 protocol error from {self.where}: {why}")
+
+
+def _h2_error(code: int) -> str:
+    return _H2_ERRORS[code] if 0 <= code < len(_H2_ERRORS) else f"0x{code:x}"
+
+
+def _debug(data: bytes) -> str:
+    return f": {data.decode('utf-8', 'replace')}" if data else ""
