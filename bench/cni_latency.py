@@ -184,7 +184,7 @@ def bench_cilia(
     args: argparse.Namespace, stack: datapath.Stack, concurrency: int
 ) -> dict[str, Any]:
     """cilia-cni through ``stack`` (its agent's conflist, plus a ``log-file`` of ours whose
-    ``durationMs``/``grpcImportMs``/``agentMs`` fields say where each ADD's time went)."""
+    ``durationMs``/``clientImportMs``/``agentMs`` fields say where each ADD's time went)."""
     conflist = cnirun.load_conflist(stack.conflist)
     with tempfile.TemporaryDirectory(prefix="cilia-bench-cnilog-") as logdir:
         log_file = pathlib.Path(logdir) / "cni.log"
@@ -204,8 +204,9 @@ def bench_cilia(
 
 
 def breakdown(data: dict[str, Any]) -> dict[str, float]:
-    """Median ms of an ADD's parts: exec wall, in-plugin run, grpc import, agent call, and
-    the rest (interpreter start, plugin imports, exit = wall - run)."""
+    """Median ms of an ADD's parts: exec wall, in-plugin run, agent-client import (HTTP/2
+    client + generated messages), agent call, and the rest (interpreter start, plugin
+    imports, exit = wall - run)."""
     adds = [r for r in data["log"] if r.get("command") == "ADD"][-len(data["add"]) :]
 
     def med(key: str) -> float:
@@ -218,7 +219,7 @@ def breakdown(data: dict[str, Any]) -> dict[str, float]:
         "wall_ms": wall,
         "interpreter_start_imports_exit_ms": round(wall - run, 1),
         "run_ms": run,
-        "grpc_import_ms": med("grpcImportMs"),
+        "client_import_ms": med("clientImportMs"),
         "agent_call_ms": med("agentMs"),
     }
 
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  c={conc:<3} wall {b['wall_ms']:.1f} = interpreter start + imports + exit "
             f"{b['interpreter_start_imports_exit_ms']:.1f} + run {b['run_ms']:.1f} "
-            f"(grpc import {b['grpc_import_ms']:.1f}, agent call {b['agent_call_ms']:.1f})"
+            f"(agent client import {b['client_import_ms']:.1f}, agent call {b['agent_call_ms']:.1f})"
         )
 
     now = dt.datetime.now(dt.UTC)
