@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import grpc
-from google.protobuf import json_format
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
+from cilia_common.protojson import message_to_dict
 
 EXIT_AGENT_UNAVAILABLE = 2
 DEFAULT_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
@@ -52,15 +52,16 @@ def status(
     socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout, output: str = "table"
 ) -> int:
     """Print the agent status (``output`` "table", or "json": the StatusResponse in
-    protobuf's JSON mapping, e.g. ``{"ready": true, "pools": [{"pool": "default",
-    "used": 3, "capacity": 254, ...}]}``); exit code 0 when ready, 1 when not ready.
+    protobuf's JSON mapping with every field present and 64-bit integers as numbers, e.g.
+    ``{"ready": true, "pools": [{"pool": "default", "used": 3, "capacity": 254, ...}]}``);
+    exit code 0 when ready, 1 when not ready.
 
     Raises:
         AgentUnavailable: the socket does not answer.
     """
     resp: agent_pb2.StatusResponse = _call(socket, timeout, "status")
     if output == "json":
-        data = json_format.MessageToDict(resp, always_print_fields_with_no_presence=True)
+        data = message_to_dict(resp)
         out.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
         return 0 if resp.ready else 1
     reason, *details = resp.message.split("\n")
@@ -120,8 +121,8 @@ def endpoint_list(
 
     Identity and policy enforcement come from the pinned endpoint map under ``pin_dir``
     (the identity falls back to the agent's record; enforcement "-" / absent in JSON when
-    the map cannot be read, e.g. BPF disabled). JSON items always carry ``identity``
-    (0 = none) and ``chained``.
+    the map cannot be read, e.g. BPF disabled). JSON items carry every Endpoint field with
+    its .proto name, zero/empty ones too (``identity`` 0 = none), ``id`` as a number.
 
     Raises:
         AgentUnavailable: the socket does not answer.
@@ -132,9 +133,7 @@ def endpoint_list(
     if output == "json":
         items = []
         for e in resp.endpoints:
-            item = json_format.MessageToDict(e, preserving_proto_field_name=True)
-            item["identity"] = e.identity
-            item["chained"] = e.chained
+            item = message_to_dict(e, preserving_proto_field_name=True)
             info = infos[e.id]
             if info is not None and int(info.ep_id) == e.id:
                 item["identity"] = int(info.sec_identity)

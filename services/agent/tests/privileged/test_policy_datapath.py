@@ -394,6 +394,9 @@ def test_cli_shows_datapath_status_endpoint_identities_and_pinned_maps(cluster: 
     assert by_pod["backend"]["policy_enforcement"] == {"ingress": True, "egress": False}
     assert by_pod["frontend"]["policy_enforcement"] == {"ingress": False, "egress": False}
     assert by_pod["backend"]["identity"] >= 256
+    # uint64 id as a JSON number (not protobuf's "12"), zero/empty fields present
+    assert by_pod["backend"]["id"] == cluster.pods["backend"].endpoint_id
+    assert by_pod["backend"]["chained"] is False and by_pod["backend"]["state"] == "ready"
     table = run("endpoint", "list", "--socket", str(cfg.socket), *pin)
     assert "IDENTITY" in table and "ingress" in table
     policy = json.loads(run("bpf", "policy", "list", "-o", "json", *pin))

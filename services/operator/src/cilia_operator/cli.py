@@ -17,6 +17,7 @@ import yaml
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_common.protojson import message_to_dict
 
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
 from .ipam.pool import PoolSpec, pool_overlaps
@@ -238,7 +239,9 @@ def ipam_plan(
 def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text") -> None:
     """Print pools (CIDRs, draining CIDRs, blocks), per-node allocations and errors, the
     migration progress, and pools overlapping a node network registered after them
-    (``-o json``: the GetStatus response as JSON).
+    (``-o json``: the GetStatus response in protobuf's JSON mapping with every field
+    present, zero/empty ones too, and 64-bit counts as JSON numbers:
+    ``{"mode": "multi-pool", "pools": [{"name": "default", "blocksTotal": 16, ...}], ...}``).
 
     Raises:
         CommandError: unreachable operator.
@@ -246,9 +249,7 @@ def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text")
     status = _call(_ipam_stub(server).GetStatus, pb.IPAMServiceGetStatusRequest(), server,
                    timeout)  # fmt: skip
     if output == "json":
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps(MessageToDict(status), indent=2), file=out)
+        print(json.dumps(message_to_dict(status), indent=2), file=out)
         return
     print(f"mode: {status.mode}   leader: {'yes' if status.leader else 'no'}", file=out)
     if status.migration:

@@ -442,7 +442,13 @@ async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path
             "10.251.3.0/24"
         ) in shown.stdout
         _, raw = await asyncio.to_thread(client, cli.ipam_status, output="json", **server)
-        assert json.loads(raw)["pools"][0]["name"] == "default"
+        data = json.loads(raw)
+        assert data["pools"][0]["name"] == "default"
+        # numbers as JSON numbers, zero/empty fields present (scripts index them)
+        assert data["pools"][0]["blocksTotal"] == 4 and data["pools"][0]["blocksAllocated"] == 1
+        assert data["pools"][0]["drainingCidrs"] == []
+        assert data["migration"] == "" and data["nodesMigrated"] == 0
+        assert {n["nodeName"]: n["error"] for n in data["nodes"]} == {"p1": "", "p2": "", "p3": ""}
 
 
 async def test_cli_ipam_plan_refuses_what_apply_refuses(redis_url: str) -> None:
