@@ -68,11 +68,13 @@ class GateHooks:
     async def create(
         self,
         rec: EndpointRecord,
-        ifindex: int,
+        ifindex: int | Awaitable[int],
         on_identity: Callable[[int], Awaitable[None]] | None = None,
     ) -> int:
         if on_identity is not None:
             await on_identity(4242)
+        if not isinstance(ifindex, int):
+            await ifindex  # the veth exists from here on (as for the real hooks)
         self.entered.set()
         while not self.gate.is_set():
             await asyncio.sleep(0.01)

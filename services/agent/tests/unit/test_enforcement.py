@@ -229,6 +229,58 @@ def test_failed_endpoint_record_detaches_and_removes_entries() -> None:
     run(main())
 
 
+def test_failed_endpoint_record_is_deleted_before_create_returns() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        h.control.fail_upsert = True  # e.g. a timeout after the operator stored it
+        with pytest.raises(OperatorUnavailable):
+            await h.enf.create(rec(2, "backend", "10.0.0.3"), 12)
+        assert h.control.deleted == [("default", "backend")], "not left to a background retry"
+
+    run(main())
+
+
+def test_identity_is_allocated_while_the_veth_is_plumbed_and_the_veth_waited_for() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        identities: list[int] = []
+
+        async def on_identity(identity: int) -> None:
+            identities.append(identity)
+
+        plumbed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        create = asyncio.create_task(h.enf.create(rec(1, "web", "10.0.0.2"), plumbed, on_identity))
+        await h.settle()
+        assert identities == [256], "allocated and persisted before the veth exists"
+        assert not create.done() and not h.dp.calls and not h.dp.ipcache, "veth not touched"
+        plumbed.set_result(11)
+        assert await create == 256
+        assert h.dp.calls == ["set_endpoint 11", "attach 11"] and h.dp.attached == {11}
+        assert h.control.records["web"].identity == 256
+
+    run(main())
+
+
+def test_failed_plumb_releases_the_identity_and_raises_its_error() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        plumbed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        create = asyncio.create_task(h.enf.create(rec(1, "web", "10.0.0.2"), plumbed))
+        await h.settle()
+        plumbed.set_exception(OSError("veth add failed (test)"))
+        with pytest.raises(OSError, match="veth add failed"):
+            await create
+        await h.settle()
+        assert h.control.releases == [256]
+        assert not h.dp.calls and not h.dp.eps and not h.dp.ipcache and not h.control.records
+        assert h.resolver.endpoint_by_id(1) is None
+
+    run(main())
+
+
 def test_identity_released_only_when_its_last_local_endpoint_is_deleted() -> None:
     async def main() -> None:
         h = Harness()

@@ -390,13 +390,25 @@ class Enforcement:
     async def create(
         self,
         rec: EndpointRecord,
-        ifindex: int,
+        ifindex: int | Awaitable[int],
         on_identity: Callable[[int], Awaitable[None]] | None = None,
     ) -> int:
         """Give a plumbed endpoint its identity, policy and programs; returns the identity.
 
+        ``ifindex`` is the host veth's index (0: looked up by name), or an awaitable of it
+        while the veth is still being plumbed: the identity is allocated (and
+        ``on_identity`` awaited) first, so that operator round trip overlaps the netlink
+        work; nothing touches the veth before the awaitable has delivered (its error is
+        raised after the identity is released again).
+
         ``on_identity`` is awaited with the identity right after the operator allocated
         it (the manager persists it, so a crash before the Add finishes can release it).
+
+        The programs are attached while ``UpsertEndpoint`` is in flight (both before the
+        return, so the pod never sends an unenforced packet and its operator record exists
+        once the Add succeeds); when either fails, the record is deleted again (awaited, so a
+        retried Add of the same container cannot be overtaken by the deletion; queued for
+        retry when the operator is unreachable) along with everything else.
 
         Raises:
             InvalidLabels: the labels cannot form an identity.
@@ -407,9 +419,9 @@ class Enforcement:
         Everything done is undone before raising.
         """
         labels, namespace = self.identity_labels(rec)
-        if ifindex <= 0:
-            ifindex = await self._run(socket.if_nametoindex, rec.host_ifname)
+        pending = None if isinstance(ifindex, int) else ifindex
         undo: list[Callable[[], Awaitable[None] | None]] = []
+        inflight: tuple[asyncio.Future[Any], ...] = ()
         try:
             allocated = await self.control.allocate_identity(list(labels.strings()))
             identity = int(allocated.id)
@@ -426,12 +438,18 @@ class Enforcement:
             self._learn_identity(identity, labels.strings())
             if self.mode == "default":
                 await self.wait_ready()
-            ep = _Endpoint(rec, ifindex, identity, labels, namespace, self._flags(None))
+            if pending is not None:
+                ifindex, pending = await pending, None
+            assert isinstance(ifindex, int)
+            if ifindex <= 0:
+                ifindex = await self._run(socket.if_nametoindex, rec.host_ifname)
+            host_index = ifindex
+            ep = _Endpoint(rec, host_index, identity, labels, namespace, self._flags(None))
             self._register(ep)
 
             def unregister() -> None:
                 self._unregister(rec.id)
-                self.datapath.delete_endpoint(ifindex)
+                self.datapath.delete_endpoint(host_index)
 
             undo.append(unregister)
             if self.mode != "never":
@@ -446,13 +464,24 @@ class Enforcement:
                     self._write_endpoint(ep)
             else:
                 self._write_endpoint(ep)
-            undo.append(lambda: self._run(self.datapath.detach, ifindex))
-            await self._run(self.datapath.attach, ifindex)
+            undo.append(lambda: self._run(self.datapath.detach, host_index))
             self._publish(ep)
             undo.append(lambda: self._unpublish(ep))
-            await self.control.upsert_endpoint(self._endpoint_record(ep))
+            undo.append(lambda: self._delete_record_now(rec))
+            attach = asyncio.ensure_future(self._run(self.datapath.attach, host_index))
+            upsert = asyncio.ensure_future(self.control.upsert_endpoint(self._endpoint_record(ep)))
+            inflight = (attach, upsert)
+            await asyncio.wait(inflight)
+            upsert.result()  # the operator's error first (UNAVAILABLE to the CNI)
+            attach.result()
             return identity
         except BaseException:
+            # nothing is undone while a step is still running: the veth being plumbed (the
+            # caller owns it), the attach, the operator call
+            for running in (pending, *inflight):
+                if running is not None:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(running)
             for step in reversed(undo):
                 try:
                     result = step()
@@ -461,6 +490,21 @@ class Enforcement:
                 except Exception:
                     log.exception("undoing enforcement of endpoint %d failed", rec.id)
             raise
+
+    async def _delete_record_now(self, rec: EndpointRecord) -> None:
+        """Delete the operator record of a failed Add before the Add returns (queued for
+        retry when the operator cannot be reached)."""
+        namespace = rec.pod_namespace or DEFAULT_NAMESPACE
+        name = rec.pod_name or rec.container_id
+        call = self._delete_call(namespace, name, rec.container_id)
+        try:
+            await call()
+        except Exception as exc:
+            log.warning(
+                "rollback: deleting the operator record failed, retrying in the background",
+                extra={"container_id": rec.container_id, "reason": str(exc)},
+            )
+            self.retry.submit(f"DeleteEndpoint {namespace}/{name}", call)
 
     def _unpublish(self, ep: _Endpoint) -> None:
         self.resolver.remove_endpoint(ep.rec.id)

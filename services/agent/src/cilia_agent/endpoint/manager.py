@@ -30,6 +30,7 @@ from cilia_agent.datapath import (
     LinuxDatapath,
     NetnsNotFound,
     PlumbRequest,
+    PlumbResult,
     host_ifname,
 )
 from cilia_agent.endpoint.chaining import PrevResult, parse_prev_result
@@ -140,12 +141,14 @@ class EndpointHooks(Protocol):
     async def create(
         self,
         rec: EndpointRecord,
-        ifindex: int,
+        ifindex: int | Awaitable[int],
         on_identity: Callable[[int], Awaitable[None]] | None = None,
     ) -> int:
         """Enforce policy on a plumbed endpoint; returns its identity. Undoes itself on error.
 
-        ``on_identity`` is awaited as soon as the identity is allocated."""
+        ``ifindex`` is the host veth's index, or a future of it while the veth is being
+        plumbed (the veth must not be touched before it resolves; its error is the plumb
+        error). ``on_identity`` is awaited as soon as the identity is allocated."""
 
     async def delete(self, rec: EndpointRecord) -> None:
         """Remove what :meth:`create` (or a restore) set up for ``rec``."""
@@ -401,26 +404,75 @@ class EndpointManager:
             wrote = True
             self._endpoints[key] = rec
             plumbing = True
-            result = await self._run(
-                self.datapath.plumb,
-                PlumbRequest(p.container_id, p.ifname, p.netns, address, router, rec.mtu),
-            )
-            rec = rec.model_copy(
-                update={"host_mac": result.host_mac, "container_mac": result.container_mac}
-            )
-            if self.hooks is not None:
-                identity = await self.hooks.create(
-                    rec, result.host_ifindex, self._identity_writer(rec)
-                )
+            request = PlumbRequest(p.container_id, p.ifname, p.netns, address, router, rec.mtu)
+            if self.hooks is None:
+                result = await self._run(self.datapath.plumb, request)
+            else:
+                result, identity = await self._plumb_and_enforce(rec, request, self.hooks)
                 hooked = True
                 rec = rec.model_copy(update={"identity": identity})
-            rec = rec.model_copy(update={"state": "ready"})
+            rec = rec.model_copy(
+                update={
+                    "host_mac": result.host_mac,
+                    "container_mac": result.container_mac,
+                    "state": "ready",
+                }
+            )
             await self._run(self.store.write_endpoint, rec)
             self._endpoints[key] = rec
             return rec
         except BaseException:
             await asyncio.shield(self._rollback(key, rec, wrote, plumbing, hooked, extra))
             raise
+
+    async def _plumb_and_enforce(
+        self, rec: EndpointRecord, request: PlumbRequest, hooks: EndpointHooks
+    ) -> tuple[PlumbResult, int]:
+        """Plumb the veth while the hooks allocate the identity (one operator round trip
+        overlapped with the netlink work); the hooks touch the veth only once it exists.
+
+        Both always finish before this returns or raises: on a failure of either, the
+        hooks have undone themselves and a veth that was created is still there for the
+        caller's rollback (a failed plumb removes what it created itself).
+        """
+        loop = asyncio.get_running_loop()
+        plumb: asyncio.Future[PlumbResult] = asyncio.ensure_future(
+            self._run(self.datapath.plumb, request)
+        )
+        ifindex: asyncio.Future[int] = loop.create_future()
+
+        def deliver(done: asyncio.Future[PlumbResult]) -> None:
+            if ifindex.done():
+                return
+            if done.cancelled():
+                ifindex.cancel()
+            elif (exc := done.exception()) is not None:
+                ifindex.set_exception(exc)
+            else:
+                ifindex.set_result(done.result().host_ifindex)
+
+        plumb.add_done_callback(deliver)
+        enforce = asyncio.ensure_future(hooks.create(rec, ifindex, self._identity_writer(rec)))
+        try:
+            await asyncio.wait((plumb, enforce))
+        except BaseException:
+            await asyncio.shield(asyncio.wait((plumb, enforce)))
+            raise
+        finally:
+            if ifindex.done() and not ifindex.cancelled():
+                ifindex.exception()  # retrieved: the plumb error is raised below
+        plumb_failed = plumb.cancelled() or plumb.exception() is not None
+        if plumb_failed and not enforce.cancelled() and enforce.exception() is None:
+            # hooks that did not wait for the veth finished anyway: undo them too
+            try:
+                await asyncio.shield(hooks.delete(rec))
+            except Exception as exc:
+                log.error(
+                    "rollback: cannot undo enforcement",
+                    extra={"container_id": rec.container_id, "reason": str(exc)},
+                )
+        result = plumb.result()  # the netlink error first (e.g. InterfaceExists)
+        return result, enforce.result()
 
     async def _create_chained(
         self, p: AddParams, key: tuple[str, str], prev: PrevResult
