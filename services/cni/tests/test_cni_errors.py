@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from typing import Any
 
 import pytest
-from cni_testlib import assert_cni_error, cni_env, exec_cni, netconf
+from cni_testlib import (
+    EXEC_TIMEOUT_SECONDS,
+    CniRun,
+    assert_cni_error,
+    cni_binary,
+    cni_env,
+    exec_cni,
+    netconf,
+)
 
 
 def test_missing_cni_command_fails_with_code_4() -> None:
@@ -223,3 +232,33 @@ def test_gc_with_malformed_attachments_fails_with_code_7(
     conf = netconf(absent_socket, version="1.1.0", **{"cni.dev/attachments": attachments})
     run = exec_cni({"CNI_COMMAND": "GC", "CNI_PATH": "/opt/cni/bin"}, conf)
     assert_cni_error(run, 7, field)
+
+
+@pytest.mark.parametrize("command", ["ADD", "DEL", "VERSION"])
+def test_stdin_that_is_a_directory_is_code_5(command: str) -> None:
+    """``cilia-cni < /``: CPython cannot even start with such a stdin; the launcher hands
+    the plugin a closed stdin and says why, so the runtime still gets the spec error."""
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        proc = subprocess.run(
+            [cni_binary()],
+            stdin=fd,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **cni_env(command)},
+            capture_output=True,
+            timeout=EXEC_TIMEOUT_SECONDS,
+            check=False,
+        )
+    finally:
+        os.close(fd)
+    run = CniRun(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+    assert run.returncode == 1, run
+    assert_cni_error(run, 5, "stdin is a directory")
+    assert run.stderr == ""
+
+
+def test_launcher_ignores_the_runtimes_python_variables(absent_socket: str) -> None:
+    """python3 -I: PYTHONPATH/PYTHONSTARTUP/PYTHONHOME in the runtime's environment never
+    reach the plugin (a PYTHONPATH shadowing `json` would break every command)."""
+    env = cni_env("ADD", PYTHONPATH="/nonexistent", PYTHONHOME="/nonexistent")
+    run = exec_cni(env, netconf(absent_socket))
+    assert_cni_error(run, 11, absent_socket)

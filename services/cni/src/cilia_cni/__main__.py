@@ -17,10 +17,13 @@ def main() -> NoReturn:
     Exits with status 0 (success) or 1 (CNI error, spec error JSON on stdout; also when
     stdout cannot be written, e.g. ``>/dev/full`` or closed: a result the runtime never
     read must not count as success, the runtime then DELs). A closed stdin (``<&-``) is
-    "stdin cannot be read", code 5. Nothing but the JSON is printed and no traceback ever reaches stdout or stderr. The process ends
-    with ``os._exit`` once stdout is flushed: the interpreter teardown of grpc and asyncio
-    costs about 60 ms per pod operation and has nothing left to do (the agent channel is
-    closed and the log file is written with unbuffered ``write(2)`` calls).
+    "stdin cannot be read", code 5; so is stdin being a directory (``cilia-cni < /``),
+    which the launcher (services/cni/launcher/cilia-cni) reports with the argument
+    ``--stdin-is-a-directory``, since CPython cannot start with such a stdin. Nothing but
+    the JSON is printed and no traceback ever reaches stdout or stderr. The process ends
+    with ``os._exit`` once stdout is flushed: the interpreter teardown has nothing left to
+    do (every agent connection is closed and the log file is written with unbuffered
+    ``write(2)`` calls).
     """
     try:
         from cilia_cni.plugin import run
@@ -43,7 +46,13 @@ def main() -> NoReturn:
     os._exit(status)
 
 
+#: Argument of the launcher: stdin is a directory (the interpreter got a closed stdin).
+STDIN_IS_A_DIRECTORY = "--stdin-is-a-directory"
+
+
 def _read_stdin() -> bytes:
+    if sys.argv[1:] == [STDIN_IS_A_DIRECTORY]:
+        raise IsADirectoryError(21, "stdin is a directory")  # EISDIR
     if sys.stdin is None:  # fd 0 was closed when the process started
         raise OSError("stdin is closed")
     return sys.stdin.buffer.read()
