@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -82,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cilia_common.grpcserver import BindError
 
         setup_logging("cilia-agent", config.log_level)
+        for note in config.relative_path_notes(values):
+            logging.getLogger("cilia_agent").warning(note)
         try:
             app.run(config)
         except BpfUnavailable as exc:

@@ -11,9 +11,23 @@ from __future__ import annotations
 import pathlib
 import re
 import socket
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
+# directory at start and logged (Config.relative_path_notes).
+PATH_FLAGS = (
+    "state_dir",
+    "socket",
+    "cni_conf_dir",
+    "cni_log_file",
+    "cni_del_queue_dir",
+    "bpf_dir",
+    "bpf_pin_dir",
+    "hubble_socket",
+)
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.\-]{1,15}$")
 _POOL = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -227,6 +241,11 @@ class Config(BaseModel):
     def _absolute_opt(cls, value: pathlib.Path | None) -> pathlib.Path | None:
         return value.absolute() if value is not None else None
 
+    @field_validator("cni_log_file")
+    @classmethod
+    def _absolute_log(cls, value: str) -> str:
+        return str(pathlib.Path(value).absolute()) if value else ""
+
     @field_validator("bpf_events_ringbuf_pages")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
@@ -264,6 +283,27 @@ class Config(BaseModel):
                 "operator_reconnect_max_backoff must be >= operator_reconnect_min_backoff"
             )
         return self
+
+    def relative_path_notes(self, given: Mapping[str, Any]) -> list[str]:
+        """One line per path flag in ``given`` (the raw flag values, by field name) that
+        was relative: ``--state-dir: relative path 'state' resolved against the working
+        directory to /root/state``. Every path flag (:data:`PATH_FLAGS`) is resolved against
+        the agent's working directory at start (as a Go agent's ``os.Open`` would): the
+        conflist and the CNI plugin, which run from the kubelet's working directory, need
+        absolute paths. The agent logs these lines at start so a relative path is never
+        silent.
+        """
+        notes = []
+        for name in PATH_FLAGS:
+            raw = given.get(name)
+            if raw is None or str(raw) == "" or pathlib.Path(str(raw)).is_absolute():
+                continue
+            flag = "--" + name.replace("_", "-")
+            notes.append(
+                f"{flag}: relative path {str(raw)!r} resolved against the working directory "
+                f"to {getattr(self, name)}"
+            )
+        return notes
 
     def hubble_socket_path(self) -> pathlib.Path:
         """``--hubble-socket``, default ``hubble.sock`` next to ``--socket``."""

@@ -177,3 +177,39 @@ def test_cni_flags_defaults_and_parsing(tmp_path: pathlib.Path) -> None:
         Config(cni_del_queue_replay_interval=0)
     assert "cni_del_queue_replay_interval" in str(err.value)
     assert main(["serve", "--cni-exclusive", "maybe"]) == 2
+
+
+def test_relative_path_flags_are_resolved_against_the_cwd_and_logged(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Every path flag of ``serve``, given relative, through the real parser and main():
+    the agent logs the absolute path it uses for each (start-up then fails on purpose:
+    ``--state-dir`` names a regular file, so nothing is served)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "state").write_text("not a directory")
+    flags = {
+        "--state-dir": "state",
+        "--socket": "run/cilia.sock",
+        "--cni-conf-dir": "net.d",
+        "--cni-log-file": "cni.log",
+        "--cni-del-queue-dir": "q",
+        "--bpf-dir": "bpf",
+        "--bpf-pin-dir": "pins",
+        "--hubble-socket": "run/hubble.sock",
+    }
+    argv = [sys.executable, "-m", "cilia_agent", "serve", "--node-name", "rel-paths"]
+    for flag, value in flags.items():
+        argv += [flag, value]
+    argv += ["--operator", "", "--enable-bpf", "false", "--prometheus-serve-addr", ""]
+    got = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 1 and "cannot create state dir" in got.stderr, got.stderr
+    for flag, value in flags.items():
+        assert (
+            f"{flag}: relative path '{value}' resolved against the working directory "
+            f"to {tmp_path / value}"
+        ) in got.stderr, flag
+    c = Config.model_validate({"cni_log_file": "cni.log", "cni_conf_dir": "/etc/cni/net.d"})
+    assert c.cni_log_file == str(pathlib.Path.cwd() / "cni.log")
+    assert c.relative_path_notes({"cni_conf_dir": "/etc/cni/net.d", "cni_log_file": ""}) == []
