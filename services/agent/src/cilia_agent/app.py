@@ -168,9 +168,14 @@ class Agent:
         cfg = self.config
         loop = asyncio.get_running_loop()
 
-        # A failed allocation grows the demand: send it at once (thread-safe).
+        # A failed allocation grows the demand: send it at once (thread-safe), and again
+        # when that request's --ipam-pending-allocation-ttl has run out (it then no longer
+        # counts: a pool nothing else uses is handed back without waiting for another change).
         def pending() -> None:
             loop.call_soon_threadsafe(self._on_endpoints_changed)
+            loop.call_soon_threadsafe(
+                loop.call_later, cfg.ipam_pending_allocation_ttl + 0.5, self._on_endpoints_changed
+            )
 
         self.ipam.on_pending = pending
         self.node = self.store.load_node()

@@ -236,6 +236,45 @@ def test_a_pool_the_operator_never_allocates_is_unavailable_within_the_wait(
         op.stop()
 
 
+@pytest.mark.parametrize(("ended_by", "ttl"), [("del", 300.0), ("ttl", 1.0)])
+def test_a_failed_adds_demand_ends_at_its_del_or_its_ttl_and_the_pool_is_handed_back(
+    env: Env, cidrs: list[str], ended_by: str, ttl: float
+) -> None:
+    """A pod add that failed (no CIDR of its pool yet) keeps requesting an address of the
+    pool; its DEL ends that request at once (well before the 300 s TTL), and a request
+    nobody deletes ends with its --ipam-pending-allocation-ttl: either way the agent sends
+    the smaller demand and hands the pool's CIDR back (so the operator lets the pool be
+    deleted) without waiting for another pod change."""
+    node = f"test-{env.tag}"
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
+    try:
+        a = start(env, op, ipam_allocation_wait=0.2, ipam_pending_allocation_ttl=ttl)
+
+        def green_wanted() -> int:
+            return sum(d.needed_ipv4 for d in op.demands[-1].demands if d.pool == "green")
+
+        def handed_back() -> bool:
+            return cp.PoolCIDRs(pool="green", cidrs=[cidrs[2]]) in op.demands[-1].released
+
+        op.pool_of["green-1"] = "green"
+        with pytest.raises(grpc.RpcError) as failed:
+            add(a, env, "green-1")
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        if ended_by == "del":
+            wait(lambda: green_wanted() == 1)
+        # the operator's block arrives after the add gave up: held for the pending request
+        op.updates.put(alloc(node, {"default": [cidrs[0]], "green": [cidrs[2]]}))
+        wait(lambda: a.agent.ipam.cidrs().get("green") == [cidrs[2]] or handed_back())
+        if ended_by == "del":
+            assert green_wanted() == 1 and not handed_back()
+            a.attach.Del(agent_pb2.DelRequest(container_id="green-1", ifname="eth0"), timeout=10)
+            assert "green" not in a.agent.ipam.demand(["default"])  # at once, not in 300 s
+        wait(lambda: green_wanted() == 0 and handed_back())
+        assert not a.agent.ipam.cidrs().get("green")
+    finally:
+        op.stop()
+
+
 def test_pool_refused_by_the_operator_or_operator_down_changes_nothing(
     env: Env, cidrs: list[str]
 ) -> None:

@@ -636,9 +636,12 @@ class EndpointManager:
                     extra={**extra, "removed_leftover_veth": leftover},
                 )
                 self._forget_lock(key)
+                if self.ipam.forget_pending(_owner(*key)):  # a DEL after a failed ADD
+                    self._on_change()
                 return False
             await self._delete_locked(key, rec, extra)
         self._forget_lock(key)
+        self.ipam.forget_pending(_owner(*key))
         self._on_change()
         return True
 

@@ -387,6 +387,17 @@ class IPAM:
         with self._lock:
             return self._owners.pop(IPv4(address), None) is not None
 
+    def forget_pending(self, owner: str) -> bool:
+        """Drop ``owner``'s pending requests (its attachment was deleted: a DEL after a
+        failed ADD), so they stop counting in the demand before ``pending_ttl`` ends and a
+        pool with no other use is handed back at once. Returns True when one was dropped
+        (the caller then sends the smaller demand)."""
+        with self._lock:
+            keys = [k for k in self._pending if k[1] == owner]
+            for key in keys:
+                del self._pending[key]
+            return bool(keys)
+
     def allocated(self) -> dict[IPv4, str]:
         """Return ``address -> owner`` of every held address."""
         with self._lock:
