@@ -5,7 +5,8 @@
 #
 #   1. /opt/cilia (the plugin's venv) is copied to <host lib dir>/<version>-<content hash>
 #      through a temporary directory and rename(2), unless that exact copy exists already;
-#   2. the host's <bin dir>/cilia-cni becomes a wrapper exec'ing that copy, written to a
+#   2. the host's <bin dir>/cilia-cni becomes a wrapper exec'ing that copy's launcher
+#      (bin/cilia-cni: the copy's python3 -I; a stdin that is a directory is a CNI error), written to a
 #      temporary file in the same directory and renamed over the old one: a runtime that
 #      execs cilia-cni meanwhile gets either the old or the new plugin, never half a file;
 #   3. copies other than the new one and the one the previous wrapper used are removed.
@@ -35,12 +36,14 @@ if [ ! -d "$lib_dir/$id" ]; then
   trap - EXIT
   say "copied the plugin to $host_lib/$id"
 fi
-previous=$(sed -n 's|^exec .*/cilia/\([^/]*\)/bin/python .*|\1|p' "$bin_dir/cilia-cni" 2>/dev/null || true)
+# The copy the current wrapper runs (old wrappers: `exec <copy>/bin/python <copy>/bin/cilia-cni`,
+# new ones: `exec <copy>/bin/cilia-cni`; both name <copy> last).
+previous=$(sed -n 's|^exec .*/cilia/\([^/]*\)/bin/.*|\1|p' "$bin_dir/cilia-cni" 2>/dev/null || true)
 wrapper=$(mktemp "$bin_dir/.cilia-cni.XXXXXX")
 cat > "$wrapper" <<WRAPPER
 #!/bin/sh
 # cilia-cni $version, installed by cilia-cni-install from the cilia-cni image ($id).
-exec $host_lib/$id/bin/python $host_lib/$id/bin/cilia-cni "\$@"
+exec $host_lib/$id/bin/cilia-cni "\$@"
 WRAPPER
 chmod 0755 "$wrapper"
 mv -f "$wrapper" "$bin_dir/cilia-cni"
