@@ -80,7 +80,7 @@ class GateHooks:
             await asyncio.sleep(0.01)
         return 4242
 
-    async def delete(self, rec: EndpointRecord) -> None:
+    async def delete(self, rec: EndpointRecord, *, veth_deleted_next: bool = False) -> None:
         self.deleted.append(rec.id)
 
     async def health(self, rec: EndpointRecord) -> list[str]:

@@ -281,6 +281,22 @@ def test_failed_plumb_releases_the_identity_and_raises_its_error() -> None:
     run(main())
 
 
+def test_delete_before_the_veth_goes_removes_entries_but_leaves_the_programs_to_it() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        own, chained = rec(1, "web", "10.0.0.2"), rec(2, "db", "10.0.0.3")
+        for r, ifindex in ((own, 11), (chained, 12)):
+            r.identity = await h.enf.create(r, ifindex)
+        await h.enf.delete(own, veth_deleted_next=True)
+        assert h.dp.attached == {11, 12}, "own veth: the programs go with the device"
+        await h.enf.delete(chained)
+        assert h.dp.attached == {11}, "chained veth stays: programs detached"
+        assert not h.dp.eps and not h.dp.ipcache
+
+    run(main())
+
+
 def test_identity_released_only_when_its_last_local_endpoint_is_deleted() -> None:
     async def main() -> None:
         h = Harness()

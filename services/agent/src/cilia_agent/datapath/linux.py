@@ -275,11 +275,9 @@ class LinuxDatapath:
 
     @staticmethod
     def _delete_link(ipr: IPRoute, name: str) -> bool:
-        idx = _first(ipr, name)
-        if idx is None:
-            return False
+        """Delete link ``name`` by name (one RTM_DELLINK); False when it does not exist."""
         try:
-            ipr.link("del", index=idx)
+            ipr.link("del", ifname=name)
         except NetlinkError as exc:
             if exc.code != 19:  # ENODEV: already gone
                 raise

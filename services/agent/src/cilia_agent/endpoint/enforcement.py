@@ -510,16 +510,23 @@ class Enforcement:
         self.resolver.remove_endpoint(ep.rec.id)
         self.resolver.remove_interface(ep.ifindex)
 
-    async def delete(self, rec: EndpointRecord) -> None:
+    async def delete(self, rec: EndpointRecord, *, veth_deleted_next: bool = False) -> None:
         """Remove the endpoint's programs, map entries and metadata; release its operator
-        record and (when unused) its identity in the background."""
+        record and (when unused) its identity in the background.
+
+        ``veth_deleted_next``: the caller deletes the host veth right after this (an own
+        endpoint's Del): its clsact qdisc and both programs go with the device, so they are
+        not detached one by one first (two netlink round trips and a socket saved). The map
+        entries are removed either way, before the device goes.
+        """
         ep = self._eps.get(rec.id)
         ifindex = ep.ifindex if ep is not None else 0
         if ifindex == 0:
             with contextlib.suppress(OSError):
                 ifindex = await self._run(socket.if_nametoindex, rec.host_ifname)
         if ifindex:
-            await self._run(self.datapath.detach, ifindex)
+            if not veth_deleted_next:
+                await self._run(self.datapath.detach, ifindex)
             self.datapath.delete_endpoint(ifindex)
         try:
             self.engine.remove_endpoint(rec.id)

@@ -150,8 +150,11 @@ class EndpointHooks(Protocol):
         plumbed (the veth must not be touched before it resolves; its error is the plumb
         error). ``on_identity`` is awaited as soon as the identity is allocated."""
 
-    async def delete(self, rec: EndpointRecord) -> None:
-        """Remove what :meth:`create` (or a restore) set up for ``rec``."""
+    async def delete(self, rec: EndpointRecord, *, veth_deleted_next: bool = False) -> None:
+        """Remove what :meth:`create` (or a restore) set up for ``rec``.
+
+        ``veth_deleted_next``: the caller deletes the host veth right afterwards (anything
+        attached to the device goes with it)."""
 
     async def health(self, rec: EndpointRecord) -> list[str]:
         """Problems of ``rec``'s enforcement (programs, map entries); [] when healthy."""
@@ -580,7 +583,7 @@ class EndpointManager:
     ) -> None:
         if hooked and self.hooks is not None:
             try:
-                await self.hooks.delete(rec)
+                await self.hooks.delete(rec, veth_deleted_next=plumbing)
             except Exception as exc:
                 log.error("rollback: cannot undo enforcement", extra={**extra, "reason": str(exc)})
         if plumbing:
@@ -668,7 +671,7 @@ class EndpointManager:
         self._endpoints[key] = rec
         await self._run(self.store.write_endpoint, rec)
         if self.hooks is not None:
-            await self.hooks.delete(rec)
+            await self.hooks.delete(rec, veth_deleted_next=not rec.chained)
         if not rec.chained:
             await self._run(self.datapath.unplumb, rec.host_ifname)
         self._release_ip(rec)
