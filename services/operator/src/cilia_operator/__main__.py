@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pool name the plan is for (an update of it is not an overlap) "
                       "(default: a new pool)")  # fmt: skip
     plan.add_argument("--service-cluster-ip-range", action="append", default=None,
-                      help="service CIDR no pool CIDR may overlap, as the operator's flag "
-                      "(repeat for several) (default: 10.96.0.0/12)")  # fmt: skip
+                      help="extra service CIDR no pool CIDR may overlap (repeat for several) "
+                      "(default: the live operator's --service-cluster-ip-range; offline "
+                      "10.96.0.0/12)")  # fmt: skip
     plan.add_argument("--offline", action="store_true",
                       help="do not contact the operator (default: check against it when "
                       "reachable)")  # fmt: skip
@@ -296,7 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             problems = cli.ipam_plan(
                 args.cidr, args.mask_size, args.allow_first_ip, args.allow_last_ip,
                 None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
-                service_cidrs=tuple(args.service_cluster_ip_range or ("10.96.0.0/12",)),
+                service_cidrs=(
+                    tuple(args.service_cluster_ip_range) if args.service_cluster_ip_range else None
+                ),
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0

@@ -168,7 +168,11 @@ class Operator:
             Service(
                 pb_grpc.add_IPAMServiceServicer_to_server,
                 IPAMServicer(
-                    self.store, self.controller, conflict_retries, config.ipam_default_ip_pool
+                    self.store,
+                    self.controller,
+                    conflict_retries,
+                    config.ipam_default_ip_pool,
+                    service_cidrs=config.service_cidrs,
                 ),
                 SERVICE_NAMES[1],
             ),

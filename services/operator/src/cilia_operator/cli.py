@@ -24,6 +24,7 @@ from .ipam.pool import PoolSpec, pool_overlaps
 from .kinds import UnknownKind, kind_of, resolve_kind
 
 EXIT_ERROR = 2
+DEFAULT_SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/12")  # the operator's default
 
 
 class CommandError(Exception):
@@ -151,15 +152,20 @@ def ipam_plan(
     timeout: float,
     out: IO[str],
     pool: str = "",
-    service_cidrs: tuple[str, ...] = ("10.96.0.0/12",),
+    service_cidrs: tuple[str, ...] | None = None,
 ) -> int:
     """Print the node blocks, pod IPs per block and in total for a pool shape; with a
     reachable operator (``server``), also check it against live pools and nodes:
-    overlaps (pools, node networks, ``service_cidrs`` -- the operator's
-    ``--service-cluster-ip-range``, default 10.96.0.0/12), a maskSize change of the
-    existing ``pool`` (immutable) and nodes that would not get a block.
+    overlaps (pools, node networks, service CIDRs), a maskSize change of the existing
+    ``pool`` (immutable) and nodes that would not get a block.
 
-    Returns the number of problems found against the live cluster (0 = fits).
+    The service CIDRs checked are the operator's own ``--service-cluster-ip-range``
+    (GetStatus ``service_cidrs``) plus ``service_cidrs`` when given; offline, or against an
+    operator too old to report them, ``service_cidrs`` or else the operator's default
+    10.96.0.0/12.
+
+    Returns the number of problems found (0 = fits); offline only service CIDR overlaps
+    are checked.
 
     Raises:
         CommandError: a CIDR or the mask is invalid, or two ``--cidr`` values overlap
@@ -176,7 +182,7 @@ def ipam_plan(
                 raise CommandError(f"--cidr: {net} overlaps --cidr {prev}")
         nets.append(net)
     try:
-        services = [ipaddress.IPv4Network(c, strict=True) for c in service_cidrs]
+        given = [ipaddress.IPv4Network(c, strict=True) for c in service_cidrs or ()]
     except ValueError as exc:
         raise CommandError(f"--service-cluster-ip-range: {exc}") from None
     try:
@@ -189,12 +195,21 @@ def ipam_plan(
     print(f"pod IPs per node:   {plan.usable_per_block}", file=out)
     print(f"pod IPs in total:   {plan.total_usable}", file=out)
     if server is None:
-        return 0
+        services = given or [DEFAULT_SERVICE_CIDR]
+        print(f"service CIDRs:      {', '.join(str(s) for s in services)} (offline)", file=out)
+        offline = [str(e) for e in overlap_errors(nets, service_cidrs=services)]
+        for problem in offline:
+            print(f"problem: {problem}", file=out)
+        return len(offline)
     try:
         status = _ipam_stub(server).GetStatus(pb.IPAMServiceGetStatusRequest(), timeout=timeout)
     except grpc.RpcError as exc:
         print(f"live check skipped: cannot reach operator at {server}: {exc.details()}", file=out)
         return 0
+    services = list(dict.fromkeys([*(ipaddress.IPv4Network(c) for c in status.service_cidrs
+                                     if ":" not in c), *given]))  # fmt: skip
+    if not status.service_cidrs and not given:
+        services = [DEFAULT_SERVICE_CIDR]  # an operator older than GetStatus.service_cidrs
     others = [
         PoolSpec(p.name, tuple(ipaddress.IPv4Network(c) for c in p.cidrs), p.mask_size,
                  draining=tuple(ipaddress.IPv4Network(c) for c in p.draining_cidrs))
@@ -228,6 +243,7 @@ def ipam_plan(
         )
     print(f"live cluster:       {node_count} nodes, {len(status.pools)} pools ({server})",
           file=out)  # fmt: skip
+    print(f"service CIDRs:      {', '.join(str(s) for s in services)}", file=out)
     for problem in problems:
         print(f"problem: {problem}", file=out)
     if not problems:

@@ -473,6 +473,40 @@ async def test_cli_ipam_plan_refuses_what_apply_refuses(redis_url: str) -> None:
             )  # fmt: skip
 
 
+async def test_cli_ipam_plan_checks_the_operators_own_service_cidrs(redis_url: str) -> None:
+    async with running_operator(redis_url, service_cluster_ip_range=["10.200.0.0/16"]) as (
+        op,
+        channel,
+    ):
+        assert list((await status(channel)).service_cidrs) == ["10.200.0.0/16"]
+        refused = await asyncio.to_thread(
+            run_cli, "ipam", "plan", "--cidr", "10.200.8.0/22", "--mask-size", "24",
+            "--server", op.address,
+        )  # fmt: skip
+        assert refused.returncode == 1, refused.stderr
+        assert "10.200.8.0/22 overlaps the service CIDR 10.200.0.0/16" in refused.stdout
+        assert "service CIDRs:      10.200.0.0/16" in refused.stdout
+        # the operator's range replaces the 10.96.0.0/12 default: this one fits
+        fits = await asyncio.to_thread(
+            run_cli, "ipam", "plan", "--cidr", "10.100.0.0/24", "--mask-size", "26",
+            "--server", op.address,
+        )  # fmt: skip
+        assert fits.returncode == 0, fits.stdout + fits.stderr
+        assert "fits:" in fits.stdout
+        # an extra --service-cluster-ip-range is checked as well as the operator's
+        extra = await asyncio.to_thread(
+            run_cli, "ipam", "plan", "--cidr", "10.100.0.0/24", "--mask-size", "26",
+            "--service-cluster-ip-range", "10.100.0.0/20", "--server", op.address,
+        )  # fmt: skip
+        assert extra.returncode == 1 and "service CIDR 10.100.0.0/20" in extra.stdout
+
+
+def test_cli_offline_plan_checks_the_default_service_cidr() -> None:
+    got = run_cli("ipam", "plan", "--cidr", "10.100.0.0/24", "--mask-size", "26", "--offline")
+    assert got.returncode == 1
+    assert "10.100.0.0/24 overlaps the service CIDR 10.96.0.0/12" in got.stdout
+
+
 def test_cli_offline_plan_refuses_overlapping_cidrs_and_bad_timeouts() -> None:
     both = run_cli(
         "ipam", "plan", "--cidr", "10.240.0.0/24", "--cidr", "10.240.0.0/25",

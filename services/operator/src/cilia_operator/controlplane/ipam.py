@@ -70,7 +70,8 @@ class IPAMServicer:
 
     Args:
         store: the Store; controller: reconciles nodes and feeds allocation streams;
-        conflict_retries: write attempts per request.
+        conflict_retries: write attempts per request; service_cidrs: the operator's
+        ``--service-cluster-ip-range``, reported by GetStatus.
     """
 
     def __init__(
@@ -79,11 +80,13 @@ class IPAMServicer:
         controller: IPAMController,
         conflict_retries: int,
         default_pool: str = "default",
+        service_cidrs: tuple[ipaddress.IPv4Network, ...] = (),
     ) -> None:
         self.store = store
         self.controller = controller
         self.conflict_retries = max(1, conflict_retries)
         self.default_pool = default_pool
+        self.service_cidrs = service_cidrs
 
     async def _pools(self) -> Mapping[str, PoolSpec]:
         """Pool specs (with draining CIDRs): the running controller's view (kept current by
@@ -185,7 +188,8 @@ class IPAMServicer:
         self, request: pb.IPAMServiceGetStatusRequest, context: Any
     ) -> pb.IPAMServiceGetStatusResponse:
         """Pools (CIDRs, draining CIDRs, blocks total/allocated), every node's allocation,
-        demand, podCIDRs, error and local networks, migration progress, leadership.
+        demand, podCIDRs, error and local networks, migration progress, leadership and
+        the service CIDRs pools must not overlap.
 
         Errors: UNAVAILABLE.
         """
@@ -236,6 +240,7 @@ class IPAMServicer:
             nodes_migrated=migration.nodes_migrated,
             nodes_total=migration.nodes_total,
             leader=self.controller.running,
+            service_cidrs=[str(c) for c in self.service_cidrs],
         )
 
     @streaming
