@@ -285,7 +285,14 @@ async def test_mask_change_and_in_use_delete_are_refused_with_the_reason(redis_u
                 pb.DeleteRequest(kind="cpip", name="default")
             )
         assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "m1" in (gone.value.details() or "")
+        held = [str(b) for p in (await status(channel)).nodes[0].allocated for b in p.cidrs]
+        # why (which node holds what and still requests addresses) and how long at most
+        assert (
+            f"is in use by node(s) m1: node m1 holds {held[0]} and requests 1 address(es) "
+            "from it (pods of the pool on that node, or a pod add still waiting)"
+        ) in (gone.value.details() or "")
+        assert "at the latest its --ipam-pending-allocation-ttl (default 300 s) after the " \
+            "failure" in (gone.value.details() or "")  # fmt: skip
         assert (await op.store.get("CiliumPodIPPool", "default"))["spec"]["ipv4"]["maskSize"] == 24
 
 
