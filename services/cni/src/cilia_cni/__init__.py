@@ -3,6 +3,7 @@
 Exec'd by the container runtime once per pod operation (CNI spec 1.0.0/1.1.0); it
 validates the invocation and forwards it to the node agent over the
 ``cilia.agent.v1`` gRPC contract on a unix socket. Its import graph is kept to the
-standard library (json/os/sys) plus, only when the agent is contacted, grpc and the
-generated agent stubs: start-up is on every pod's critical path.
+standard library (json/os/sys) plus, only when the agent is contacted, its own HTTP/2
+gRPC client (:mod:`cilia_cni.h2grpc`: hpack, hyperframe) and the generated messages
+(protobuf); not grpcio: start-up is on every pod's critical path.
 """

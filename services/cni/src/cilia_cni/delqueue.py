@@ -6,7 +6,7 @@ in protobuf binary form, written to ``.<name>.tmp`` first and renamed, so the ag
 reads a partial file. The agent replays every ``*.del`` in name order before it serves
 requests, then deletes it (upstream: cilium-cni's ``/var/run/cilium/deleteQueue``).
 
-Imported only on that path: it needs the generated messages but not grpc.
+Imported only on that path: it needs the generated messages but not the agent client.
 """
 
 from __future__ import annotations

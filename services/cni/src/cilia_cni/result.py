@@ -3,7 +3,7 @@
 Shapes (spec "Success" of each version): 0.3.0, 0.3.1 and 0.4.0 carry ``ips[].version``
 (``"4"``/``"6"``); 1.0.0 dropped it; ``interfaces[].mtu`` exists from 1.1.0 on.
 
-Kept free of grpc/protobuf imports: it reads the response's attributes only.
+Kept free of protobuf imports: it reads the response's attributes only.
 """
 
 from __future__ import annotations
