@@ -16,9 +16,11 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,6 +62,80 @@ def _seconds(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0 seconds")
     return value
+
+
+REDIS_URL_FORM = "redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] or unix:///PATH[?db=DB]"
+DOCKER_URL_FORM = "unix:///PATH, tcp://HOST:PORT, http(s)://HOST:PORT or ssh://[USER@]HOST"
+IMAGE_FORM = "[REGISTRY[:PORT]/]NAME[:TAG][@DIGEST], e.g. registry.local:5000/cilia-agent:1.2"
+
+# The image reference grammar of the Docker/OCI distribution spec: lowercase path
+# components separated by '/', an optional registry host[:port] first, a tag of at most
+# 128 word characters, dots and dashes, and/or an algorithm:hex digest.
+_IMAGE_REFERENCE = re.compile(
+    r"^(?:(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"(?::[0-9]+)?)/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+
+
+def _redis_url(text: str) -> str:
+    """argparse type of ``--redis``: empty (no lock) or a Redis URL redis-py accepts, with a
+    host (redis/rediss) or socket path (unix) and a numeric database."""
+    if not text:
+        return text
+    from redis.connection import parse_url
+
+    try:
+        parse_url(text)  # type: ignore[no-untyped-call, unused-ignore]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Redis URL ({exc}); expected {REDIS_URL_FORM}"
+        ) from None
+    url = urllib.parse.urlsplit(text)
+    problem = ""
+    if url.scheme in ("redis", "rediss"):
+        db = url.path.strip("/")
+        if not url.hostname:
+            problem = "no host"
+        elif db and not db.isdigit():
+            problem = f"database {db!r} is not a number"
+    elif not url.path:
+        problem = "no socket path"
+    if problem:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Redis URL ({problem}); expected {REDIS_URL_FORM}"
+        )
+    return text
+
+
+def _docker_url(text: str) -> str:
+    """argparse type of ``--docker-url``: empty ($DOCKER_HOST or the local socket) or an
+    Engine address docker-py can parse (``docker.utils.parse_host``)."""
+    if not text:
+        return text
+    import docker.errors
+    import docker.utils
+
+    try:
+        docker.utils.parse_host(text, False, False)
+    except (docker.errors.DockerException, ValueError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Docker Engine address ({exc}); expected {DOCKER_URL_FORM}"
+        ) from None
+    return text
+
+
+def _image(text: str) -> str:
+    """argparse type of ``--image``: empty (then the mode refuses it) or an image reference
+    (lowercase repository path, optional registry, tag and digest)."""
+    if text and not _IMAGE_REFERENCE.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an image reference; expected {IMAGE_FORM} "
+            "(repository lowercase, tag [A-Za-z0-9_.-] up to 128 characters)"
+        )
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,12 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-events", action="store_true", help="do not create core/v1 Events (log lines only)"
     )
     dock = parser.add_argument_group("docker mode")
-    dock.add_argument("--image", default="", help="desired agent image reference (required)")
+    dock.add_argument(
+        "--image",
+        type=_image,
+        default="",
+        help=f"desired agent image reference {IMAGE_FORM} (required)",
+    )
     dock.add_argument(
         "--container", default="cilia-agent", help="agent container name (default cilia-agent)"
     )
     dock.add_argument(
-        "--docker-url", default="", help="Engine API URL (default $DOCKER_HOST or the local socket)"
+        "--docker-url",
+        type=_docker_url,
+        default="",
+        help=f"Engine API address: {DOCKER_URL_FORM} (default $DOCKER_HOST or the local socket)",
     )
     dock.add_argument(
         "--pull-policy",
@@ -243,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dock.add_argument(
         "--redis",
+        type=_redis_url,
         default="",
         help="Redis URL of the one-host-at-a-time lock, e.g. redis://127.0.0.1:6390/0 (default: no lock)",
     )

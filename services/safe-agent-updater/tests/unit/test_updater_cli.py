@@ -10,9 +10,12 @@ import sys
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cilia_safe_agent_updater import __version__
+from cilia_safe_agent_updater.__main__ import main
+from cilia_safe_agent_updater.exitcodes import Exit
 
 STARTUP_TIMEOUT_SECONDS = 20.0
 
@@ -95,3 +98,41 @@ def test_serve_fails_with_exit_2_when_address_is_taken() -> None:
         )
     assert out.returncode == 2
     assert "cannot listen on" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "form"),
+    [
+        ("--redis", "127.0.0.1:6379", "redis://HOST[:PORT][/DB]"),
+        ("--redis", "redis://h:port/0", "redis://HOST[:PORT][/DB]"),
+        ("--redis", "redis://h/zero", "database 'zero' is not a number"),
+        ("--redis", "redis:///0", "no host"),
+        ("--docker-url", "localhost", "tcp://HOST:PORT"),
+        ("--docker-url", "tcp://h:notaport", "unix:///PATH"),
+        ("--image", "Cilia Agent:1", "[REGISTRY[:PORT]/]NAME[:TAG][@DIGEST]"),
+        ("--image", "cilia-agent:", "[REGISTRY[:PORT]/]NAME[:TAG][@DIGEST]"),
+    ],
+)
+def test_malformed_addresses_and_image_are_usage_errors(
+    flag: str, value: str, form: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 (usage) naming the flag and the expected form, before any connection is
+    tried (3 is kept for a well-formed address that does not answer)."""
+    argv = ["--mode", "docker", "--image", "cilia-agent:1", "--docker-url", "tcp://127.0.0.1:9"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, flag, value])
+    assert exit_info.value.code == Exit.USAGE
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value!r}" in err and form in err, err
+
+
+def test_well_formed_engine_address_that_does_not_answer_exits_3() -> None:
+    got = subprocess.run(
+        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
+         "--image", "registry.local:5000/cilia/agent:1.2@sha256:" + "a" * 64,
+         "--docker-url", f"tcp://127.0.0.1:{_free_port()}", "--docker-timeout", "5",
+         "--redis", "redis://127.0.0.1:6379/0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert got.returncode == Exit.API_UNAVAILABLE, got.stderr
+    assert "--docker-url: Docker engine" in got.stderr
