@@ -1,6 +1,7 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
-NAME: ``cni_latency``, ``datapath``, ``flows``, ``ipam`` (``python -m bench NAME --help``). Without
+NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``
+(``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from bench import cni_latency, datapath, flows, ipam
+from bench import agent_add, cni_latency, datapath, flows, ipam
 
 BENCHES = {
     "cni_latency": cni_latency.main,
+    "agent_add": agent_add.main,
     "datapath": datapath.main,
     "flows": flows.main,
     "ipam": ipam.main,

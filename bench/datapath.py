@@ -122,6 +122,7 @@ class Stack:
         pin_dir: the agent's bpffs pin dir; pids: component → pid (shared: read from
             ``.run/<component>.pid`` on each call of :meth:`pid`).
         started: whether this benchmark started it.
+        agent_socket: the agent's gRPC unix socket (private stacks; None = not known).
     """
 
     kind: str
@@ -132,6 +133,7 @@ class Stack:
     pin_dir: pathlib.Path
     pids: dict[str, int] = field(default_factory=dict)
     started: bool = False
+    agent_socket: pathlib.Path | None = None
 
     def pid(self, component: str) -> int | None:
         """Pid of ``redis``, ``operator``, ``agent`` or ``relay`` (None when unknown)."""
@@ -189,6 +191,7 @@ def private_stack(args: argparse.Namespace) -> Iterator[Stack]:
         hubble_socket=base / "hubble.sock",
         pin_dir=pathlib.Path(f"/sys/fs/bpf/cilia-bench-{tag}"),
         started=True,
+        agent_socket=base / "cilia.sock",
     )
     host_device = f"cilia_b{tag}"
     (base / "redis").mkdir()
