@@ -253,8 +253,8 @@ def ipam_plan(
 
 
 def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text") -> None:
-    """Print pools (CIDRs, draining CIDRs, blocks), per-node allocations and errors, the
-    migration progress, and pools overlapping a node network registered after them
+    """Print the service CIDRs, pools (CIDRs, draining CIDRs, blocks), per-node allocations
+    and errors, the migration progress, and pools overlapping a node network registered after them
     (``-o json``: the GetStatus response in protobuf's JSON mapping with every field
     present, zero/empty ones too, and 64-bit counts as JSON numbers:
     ``{"mode": "multi-pool", "pools": [{"name": "default", "blocksTotal": 16, ...}], ...}``).
@@ -268,6 +268,8 @@ def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text")
         print(json.dumps(message_to_dict(status), indent=2), file=out)
         return
     print(f"mode: {status.mode}   leader: {'yes' if status.leader else 'no'}", file=out)
+    if status.service_cidrs:
+        print(f"service CIDRs: {', '.join(status.service_cidrs)}", file=out)
     if status.migration:
         print(f"migration cluster-pool -> multi-pool: {status.migration} "
               f"({status.nodes_migrated}/{status.nodes_total} nodes)", file=out)  # fmt: skip

@@ -444,6 +444,7 @@ async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path
         shown = await asyncio.to_thread(run_cli, "ipam", "status", "--server", op.address)
         assert shown.returncode == 0
         assert "mode: multi-pool" in shown.stdout and "default:10.251.0.0/24" in shown.stdout
+        assert "service CIDRs: 10.96.0.0/12" in shown.stdout
         assert (
             "conflict: pool default: 10.251.0.0/22 overlaps node 'p3' interface eth9 subnet "
             "10.251.3.0/24"
@@ -455,6 +456,7 @@ async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path
         assert data["pools"][0]["blocksTotal"] == 4 and data["pools"][0]["blocksAllocated"] == 1
         assert data["pools"][0]["drainingCidrs"] == []
         assert data["migration"] == "" and data["nodesMigrated"] == 0
+        assert data["serviceCidrs"] == ["10.96.0.0/12"]
         assert {n["nodeName"]: n["error"] for n in data["nodes"]} == {"p1": "", "p2": "", "p3": ""}
 
 
