@@ -13,6 +13,10 @@ Baseline: Debian's reference ``bridge`` + ``host-local`` plugins from ``--refere
 ``--reference-subnet``. Also measured: ``cilia-cni`` VERSION (interpreter start + imports,
 no agent round trip), the floor under any ADD.
 
+``--compare-cni PATH`` adds a third plugin set in the same run: another build of
+cilia-cni (e.g. an older checkout's, through a small launcher) against the same stack, so
+a change is measured before/after under the same load.
+
 The cilia stack is private by default (redis, operator, agent, relay of this checkout on
 free ports, pods from ``--pool-cidr``; see ``bench.datapath.private_stack``).
 
@@ -181,10 +185,14 @@ def bench_reference(args: argparse.Namespace, concurrency: int) -> dict[str, Any
 
 
 def bench_cilia(
-    args: argparse.Namespace, stack: datapath.Stack, concurrency: int
+    args: argparse.Namespace,
+    stack: datapath.Stack,
+    concurrency: int,
+    plugin: pathlib.Path = cnirun.CILIA_CNI,
 ) -> dict[str, Any]:
-    """cilia-cni through ``stack`` (its agent's conflist, plus a ``log-file`` of ours whose
-    ``durationMs``/``clientImportMs``/``agentMs`` fields say where each ADD's time went)."""
+    """cilia-cni (``plugin``) through ``stack`` (its agent's conflist, plus a ``log-file`` of
+    ours whose ``durationMs``/``clientImportMs``/``agentMs`` fields say where each ADD's time
+    went)."""
     conflist = cnirun.load_conflist(stack.conflist)
     with tempfile.TemporaryDirectory(prefix="cilia-bench-cnilog-") as logdir:
         log_file = pathlib.Path(logdir) / "cni.log"
@@ -192,7 +200,7 @@ def bench_cilia(
         data = run_pods(
             "cilia",
             dict(conflist, plugins=plugins),
-            cnirun.CILIA_CNI,
+            plugin,
             str(cnirun.VENV_BIN),
             args.pods,
             args.warmup,
@@ -219,7 +227,8 @@ def breakdown(data: dict[str, Any]) -> dict[str, float]:
         "wall_ms": wall,
         "interpreter_start_imports_exit_ms": round(wall - run, 1),
         "run_ms": run,
-        "client_import_ms": med("clientImportMs"),
+        # grpcImportMs: the field's name before the grpcio-free client (--compare-cni)
+        "client_import_ms": med("clientImportMs") or med("grpcImportMs"),
         "agent_call_ms": med("agentMs"),
     }
 
@@ -304,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_RESULTS_DIR,
         help="where the JSON goes (default bench/results)",
     )
+    parser.add_argument(
+        "--compare-cni",
+        type=pathlib.Path,
+        help="another cilia-cni executable to measure in the same run (default: none)",
+    )
     datapath.add_stack_flags(parser)
     parser.set_defaults(pool_cidr=DEFAULT_POOL_CIDR)
     args = parser.parse_args(argv)
@@ -320,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         cnirun.delete_netns(stale)
     ref: dict[int, dict[str, Any]] = {}
     cil: dict[int, dict[str, Any]] = {}
+    cmp: dict[int, dict[str, Any]] = {}
     try:
         with datapath.stack_running(args) as stack:
             print(f"stack: {datapath.describe(stack)}", flush=True)
@@ -328,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                 ref[conc] = bench_reference(args, conc)
                 print(f"cilia-cni: {args.pods} pods, concurrency {conc} ...", flush=True)
                 cil[conc] = bench_cilia(args, stack, conc)
+                if args.compare_cni:
+                    print(f"{args.compare_cni}: {args.pods} pods, concurrency {conc} ...")
+                    cmp[conc] = bench_cilia(args, stack, conc, args.compare_cni)
             version = bench_version(args)
     except (BenchError, datapath.BenchError, cnirun.CniRunError, OSError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
@@ -347,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         "cilia_version": summarize(version),
         "cilia_add_breakdown_median": {str(c): breakdown(cil[c]) for c in levels},
     }
+    if cmp:
+        summary["compare"] = {str(c): summary_of(cmp[c]) for c in levels}
+        summary["compare_add_breakdown_median"] = {str(c): breakdown(cmp[c]) for c in levels}
+        summary["compare_plugin"] = str(args.compare_cni)
     ratio: dict[str, float] = {}
     for conc in levels:
         r, c = summary["reference"][str(conc)], summary["cilia"][str(conc)]
@@ -356,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
             ratio[f"{op}_pods_per_s_c{conc}"] = round(c[op]["pods_per_s"] / r[op]["pods_per_s"], 3)
     rows: list[tuple[str, str, int, dict[str, float]]] = []
     for conc in levels:
-        for name, key in (("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")):
+        sets = [("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")]
+        if cmp:
+            sets.append(("compare " + args.compare_cni.name, "compare"))
+        for name, key in sets:
             for op in ("add", "del"):
                 rows.append((name, op.upper(), conc, summary[key][str(conc)][op]))
     rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
@@ -372,14 +397,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"pods/s {ratio[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
             )
 
-    print("\nwhere a cilia-cni ADD's time goes (medians, ms):")
-    for conc in levels:
-        b = summary["cilia_add_breakdown_median"][str(conc)]
-        print(
-            f"  c={conc:<3} wall {b['wall_ms']:.1f} = interpreter start + imports + exit "
-            f"{b['interpreter_start_imports_exit_ms']:.1f} + run {b['run_ms']:.1f} "
-            f"(agent client import {b['client_import_ms']:.1f}, agent call {b['agent_call_ms']:.1f})"
-        )
+    breakdowns = [("cilia-cni", "cilia_add_breakdown_median")]
+    if cmp:
+        breakdowns.append((str(args.compare_cni), "compare_add_breakdown_median"))
+        print("ratio compare / cilia-cni (> 1: cilia-cni is faster):")
+        for conc in levels:
+            for op in ("add", "del"):
+                new, old = summary["cilia"][str(conc)][op], summary["compare"][str(conc)][op]
+                print(
+                    f"  {op.upper():<4} c={conc:<3} p50 {old['p50_ms'] / new['p50_ms']:>6.2f}x   "
+                    f"p99 {old['p99_ms'] / new['p99_ms']:>6.2f}x"
+                )
+    for label, key in breakdowns:
+        print(f"\nwhere a {label} ADD's time goes (medians, ms):")
+        for conc in levels:
+            b = summary[key][str(conc)]
+            print(
+                f"  c={conc:<3} wall {b['wall_ms']:.1f} = interpreter start + imports + exit "
+                f"{b['interpreter_start_imports_exit_ms']:.1f} + run {b['run_ms']:.1f} "
+                f"(agent client import {b['client_import_ms']:.1f}, "
+                f"agent call {b['agent_call_ms']:.1f})"
+            )
 
     now = dt.datetime.now(dt.UTC)
     report = {

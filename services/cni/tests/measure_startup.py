@@ -6,6 +6,10 @@ child, steadier than wall time on a loaded host — over N execs of the real bin
 ``python -X importtime`` cumulative cost of the top-level imports on the VERSION and ADD
 paths. ADD/DEL talk to the contract-level agent peer of the tests (no datapath work),
 so their numbers are the plugin's own overhead.
+
+A/B: ``--binary A --binary B`` execs A and B alternately (one of each per round, so both
+see the same host load) and prints a row per binary; e.g. an older checkout's plugin
+against this one.
 """
 
 from __future__ import annotations
@@ -23,30 +27,38 @@ from cni_testlib import AgentServer, cni_binary, cni_env, netconf
 
 
 def _wall_ms(
-    env: dict[str, str], stdin: bytes, n: int, before: Callable[[], None]
-) -> tuple[float, float, float]:
-    """(median wall ms, p90 wall ms, median CPU ms) of ``n`` execs."""
+    binaries: list[str], env: dict[str, str], stdin: bytes, n: int, before: Callable[[], None]
+) -> list[tuple[float, float, float]]:
+    """Per binary: (median wall ms, p90 wall ms, median CPU ms) of ``n`` execs, the
+    binaries taking turns."""
     full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
-    samples, cpu = [], []
+    samples: list[list[float]] = [[] for _ in binaries]
+    cpu: list[list[float]] = [[] for _ in binaries]
     for _ in range(n):
-        before()  # forget earlier attachments so every ADD succeeds
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            [cni_binary()],
-            env=full,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        for i, binary in enumerate(binaries):
+            before()  # forget earlier attachments so every ADD succeeds
+            start = time.perf_counter()
+            proc = subprocess.Popen(
+                [binary],
+                env=full,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            assert proc.stdin is not None
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+            _, _, usage = os.wait4(proc.pid, 0)
+            proc.returncode = 0  # reaped by wait4
+            samples[i].append((time.perf_counter() - start) * 1000)
+            cpu[i].append((usage.ru_utime + usage.ru_stime) * 1000)
+    out = []
+    for wall, used in zip(samples, cpu, strict=True):
+        wall.sort()
+        out.append(
+            (statistics.median(wall), wall[int(len(wall) * 0.9) - 1], statistics.median(used))
         )
-        assert proc.stdin is not None
-        proc.stdin.write(stdin)
-        proc.stdin.close()
-        _, _, usage = os.wait4(proc.pid, 0)
-        proc.returncode = 0  # reaped by wait4
-        samples.append((time.perf_counter() - start) * 1000)
-        cpu.append((usage.ru_utime + usage.ru_stime) * 1000)
-    samples.sort()
-    return statistics.median(samples), samples[int(len(samples) * 0.9) - 1], statistics.median(cpu)
+    return out
 
 
 def _importtime(env: dict[str, str], stdin: bytes) -> list[tuple[str, float]]:
@@ -73,7 +85,13 @@ def _importtime(env: dict[str, str], stdin: bytes) -> list[tuple[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-n", type=int, default=30, help="execs per scenario (default 30)")
+    parser.add_argument(
+        "--binary",
+        action="append",
+        help="plugin to exec (repeat for an interleaved A/B; default: the installed cilia-cni)",
+    )
     args = parser.parse_args()
+    binaries = args.binary or [cni_binary()]
     server = AgentServer().start()
     absent = os.path.join(server.dir, "absent.sock")
     try:
@@ -91,10 +109,14 @@ def main() -> None:
             ("ADD via agent peer (result)", cni_env("ADD"), good),
             ("DEL via agent peer", cni_env("DEL"), good),
         ]
-        print(f"| path (n={args.n}) | median ms | p90 ms | median CPU ms |\n|---|---|---|---|")
+        print(
+            f"| path (n={args.n}) | binary | median ms | p90 ms | median CPU ms |\n"
+            "|---|---|---|---|---|"
+        )
         for label, env, stdin in scenarios:
-            med, p90, cpu = _wall_ms(env, stdin, args.n, server.servicer.reset)
-            print(f"| {label} | {med:.1f} | {p90:.1f} | {cpu:.1f} |")
+            rows = _wall_ms(binaries, env, stdin, args.n, server.servicer.reset)
+            for binary, (med, p90, cpu) in zip(binaries, rows, strict=True):
+                print(f"| {label} | {binary} | {med:.1f} | {p90:.1f} | {cpu:.1f} |")
         print(f"\n| python baseline (`python -c pass`, n={args.n}) | ", end="")
         samples = []
         for _ in range(args.n):
