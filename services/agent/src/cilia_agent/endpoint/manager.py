@@ -224,6 +224,26 @@ class EndpointManager:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def _write(self, rec: EndpointRecord) -> None:
+        """Persist ``rec``. A durable store (``--state-fsync``: two fsyncs) writes in the
+        worker pool; otherwise the small write + rename runs on the loop (~0.1 ms here),
+        sparing a thread hand-off each way, which costs more than the write on a busy host.
+
+        Raises:
+            StateError: the file could not be written.
+        """
+        if self.store.durable:
+            await self._run(self.store.write_endpoint, rec)
+        else:
+            self.store.write_endpoint(rec)
+
+    async def _remove(self, container_id: str, ifname: str) -> None:
+        """Remove a state file (an unlink: on the loop unless the store is durable)."""
+        if self.store.durable:
+            await self._run(self.store.remove_endpoint, container_id, ifname)
+        else:
+            self.store.remove_endpoint(container_id, ifname)
+
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         lock = self._locks.get(key)
         if lock is None:
@@ -262,7 +282,7 @@ class EndpointManager:
             if rec is None:
                 return
             rec = rec.model_copy(update={"identity": identity})
-            await self._run(self.store.write_endpoint, rec)
+            await self._write(rec)
             self._endpoints[key] = rec
 
     # --- Add -----------------------------------------------------------------------
@@ -403,7 +423,7 @@ class EndpointManager:
         rec = self._new_record(p, ipv4=str(address), pool=pool, host_ifname=host_ifname(*key))
         wrote = plumbing = hooked = False
         try:
-            await self._run(self.store.write_endpoint, rec)
+            await self._write(rec)
             wrote = True
             self._endpoints[key] = rec
             plumbing = True
@@ -421,7 +441,7 @@ class EndpointManager:
                     "state": "ready",
                 }
             )
-            await self._run(self.store.write_endpoint, rec)
+            await self._write(rec)
             self._endpoints[key] = rec
             return rec
         except BaseException:
@@ -517,21 +537,21 @@ class EndpointManager:
         )
         wrote = False
         try:
-            await self._run(self.store.write_endpoint, rec)
+            await self._write(rec)
             wrote = True
             self._endpoints[key] = rec
             if self.hooks is not None:
                 identity = await self.hooks.create(rec, peer.ifindex, self._identity_writer(rec))
                 rec = rec.model_copy(update={"identity": identity})
             rec = rec.model_copy(update={"state": "ready"})
-            await self._run(self.store.write_endpoint, rec)
+            await self._write(rec)
             self._endpoints[key] = rec
             return rec
         except BaseException:
             # hooks.create undoes itself; the interface and address are the other plugin's
             self._endpoints.pop(key, None)
             if wrote:
-                await asyncio.shield(self._run(self.store.remove_endpoint, *key))
+                await asyncio.shield(self._remove(*key))
             raise
 
     def _identity_writer(self, rec: EndpointRecord) -> Callable[[int], Awaitable[None]]:
@@ -539,9 +559,7 @@ class EndpointManager:
         a restore after a crash mid-Add releases it (:meth:`restore` → ``cleaned``)."""
 
         async def write(identity: int) -> None:
-            await self._run(
-                self.store.write_endpoint, rec.model_copy(update={"identity": identity})
-            )
+            await self._write(rec.model_copy(update={"identity": identity}))
 
         return write
 
@@ -593,7 +611,7 @@ class EndpointManager:
                 log.error("rollback: cannot delete veth", extra={**extra, "reason": str(exc)})
         self._release_ip(rec)
         if wrote:
-            await self._run(self.store.remove_endpoint, *key)
+            await self._remove(*key)
         self._endpoints.pop(key, None)
 
     # --- Del -----------------------------------------------------------------------
@@ -669,13 +687,13 @@ class EndpointManager:
     ) -> None:
         rec = rec.model_copy(update={"state": "disconnecting"})
         self._endpoints[key] = rec
-        await self._run(self.store.write_endpoint, rec)
+        await self._write(rec)
         if self.hooks is not None:
             await self.hooks.delete(rec, veth_deleted_next=not rec.chained)
         if not rec.chained:
             await self._run(self.datapath.unplumb, rec.host_ifname)
         self._release_ip(rec)
-        await self._run(self.store.remove_endpoint, *key)
+        await self._remove(*key)
         del self._endpoints[key]
         self._update_gauges()
         log.info(
