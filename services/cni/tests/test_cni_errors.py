@@ -154,6 +154,8 @@ def test_command_newer_than_the_config_version_fails_with_code_1(
         ({"del-queue-dir": "relative"}, "`del-queue-dir`"),
         ({"del-queue-max": 0}, "`del-queue-max`"),
         ({"del-queue-max": "256"}, "`del-queue-max`"),
+        ({"agent-max-response-bytes": 1023}, "`agent-max-response-bytes`"),
+        ({"agent-max-response-bytes": 4.5}, "`agent-max-response-bytes`"),
     ],
 )
 def test_invalid_network_config_fails_with_code_7_naming_the_field(

@@ -101,6 +101,7 @@ NETCONF_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "mtu": st.sampled_from([0, 1500]) | JSON_VALUES,
     "del-queue-dir": st.just(QUEUE) | JSON_VALUES,
     "del-queue-max": st.sampled_from([1, 256]) | JSON_VALUES,
+    "agent-max-response-bytes": st.sampled_from([4096, 4194304]) | JSON_VALUES,
     "args": st.fixed_dictionaries(
         {"cni": st.fixed_dictionaries({"labels": LABELS, "annotations": JSON_VALUES})}
     )

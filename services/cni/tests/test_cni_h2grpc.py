@@ -221,6 +221,18 @@ def test_large_request_and_response_cross_frames_and_windows(
     assert server.servicer.requests == [request]
 
 
+def test_response_over_the_configured_limit_is_refused(server: GrpcServer) -> None:
+    valid = [agent_pb2.Attachment(container_id=f"c{i:08d}", ifname="eth0") for i in range(200)]
+    request = agent_pb2.GCRequest(valid_attachments=valid)  # the response: 3800 bytes
+    with AgentClient(server.socket, max_response_bytes=3000) as client:
+        with pytest.raises(InternalError) as caught:
+            client.gc(request, timeout=10)
+        assert "larger than 3000 bytes" in caught.value.msg
+        assert "`agent-max-response-bytes`" in caught.value.msg
+        client.max_response_bytes = 3800  # exactly the message: accepted
+        assert len(client.gc(request, timeout=10).released) == 200
+
+
 def test_large_add_request(server: GrpcServer) -> None:
     prev = "p" * 300_000
     with AgentClient(server.socket) as client:

@@ -42,7 +42,13 @@ from cilia_cni.errors import (
     PoolExhausted,
     UnknownContainer,
 )
-from cilia_cni.h2grpc import INTERNAL, RpcError, unary_call
+from cilia_cni.h2grpc import (
+    INTERNAL,
+    MAX_RESPONSE_MESSAGE_BYTES,
+    ResponseTooLarge,
+    RpcError,
+    unary_call,
+)
 
 # typing is not imported at run time (start-up cost); mypy honours this constant.
 TYPE_CHECKING = False
@@ -83,8 +89,12 @@ class AgentClient:
     timeout.
     """
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(
+        self, socket_path: str, max_response_bytes: int = MAX_RESPONSE_MESSAGE_BYTES
+    ) -> None:
         self.socket_path = socket_path
+        #: Largest response message accepted (netconf ``agent-max-response-bytes``).
+        self.max_response_bytes = max_response_bytes
         #: Milliseconds spent in calls to the agent (connection set-up included), for the log.
         self.call_ms = 0.0
 
@@ -178,8 +188,16 @@ class AgentClient:
         started = time.monotonic()
         try:
             raw = unary_call(
-                self.socket_path, _method(name, service), request.SerializeToString(), timeout
+                self.socket_path,
+                _method(name, service),
+                request.SerializeToString(),
+                timeout,
+                max_response_bytes=self.max_response_bytes,
             )
+        except ResponseTooLarge as exc:
+            raise RpcError(
+                INTERNAL, f"{exc.details}: raise netconf `agent-max-response-bytes`"
+            ) from None
         finally:
             self.call_ms += (time.monotonic() - started) * 1000
         try:

@@ -92,7 +92,7 @@ MAX_WINDOW = 2**31 - 1
 #: RFC 9113 §6.5.2 defaults until the peer's SETTINGS say otherwise.
 DEFAULT_WINDOW = 65535
 DEFAULT_MAX_FRAME_SIZE = 16384
-#: Largest response message accepted, bytes (grpcio's default max_receive_message_length).
+#: Default largest response message accepted, bytes (grpcio's max_receive_message_length).
 MAX_RESPONSE_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Largest decoded header list (response headers or trailers), bytes (hpack's default).
 MAX_HEADER_LIST_BYTES = 64 * 1024
@@ -164,6 +164,10 @@ class RpcError(Exception):
         return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else "UNKNOWN"
 
 
+class ResponseTooLarge(RpcError):
+    """The response message exceeds ``max_response_bytes`` (INTERNAL; reading stopped)."""
+
+
 def timeout_header(seconds: float) -> str:
     """The ``grpc-timeout`` value for ``seconds`` left: the finest unit whose value has at
     most 8 digits, rounded up (``0.5`` → ``"500000u"``, ``240`` → ``"240000m"``)."""
@@ -183,14 +187,20 @@ def percent_decode(value: bytes) -> str:
 
 
 def unary_call(
-    socket_path: str, method: str, request: bytes, timeout: float, authority: str = AUTHORITY
+    socket_path: str,
+    method: str,
+    request: bytes,
+    timeout: float,
+    authority: str = AUTHORITY,
+    max_response_bytes: int = MAX_RESPONSE_MESSAGE_BYTES,
 ) -> bytes:
     """Call the unary method ``method`` (``/package.Service/Method``) on the gRPC server at
     the unix socket ``socket_path`` with the serialized request message ``request``; return
     the serialized response message.
 
     ``timeout`` (seconds, > 0) bounds everything: connect, send, the agent's work, receive;
-    it is sent as ``grpc-timeout``.
+    it is sent as ``grpc-timeout``. A response message larger than ``max_response_bytes``
+    fails the call (:class:`ResponseTooLarge`).
 
     Raises:
         RpcError: the call's status is not OK (DEADLINE_EXCEEDED when ``timeout`` passed;
@@ -212,7 +222,8 @@ def unary_call(
                 f"failed to connect to unix:{socket_path}: {exc.strerror or exc}",
                 transport=True,
             ) from None
-        return _Call(sock, deadline, socket_path).run(method, request, authority)
+        call = _Call(sock, deadline, socket_path, max_response_bytes)
+        return call.run(method, request, authority)
     finally:
         sock.close()
 
@@ -221,8 +232,11 @@ class _Call:
     """The client side of one HTTP/2 connection carrying stream 1 (RFC 9113 §5.1 states:
     idle → open → half-closed (local) → closed)."""
 
-    def __init__(self, sock: _socket.socket, deadline: float, where: str) -> None:
+    def __init__(
+        self, sock: _socket.socket, deadline: float, where: str, max_response_bytes: int
+    ) -> None:
         self.sock = sock
+        self.max_response_bytes = max_response_bytes
         self.deadline = deadline
         self.where = f"unix:{where}"
         self.buf = bytearray()
@@ -369,11 +383,11 @@ class _Call:
                 if self.headers is None or self.ended:
                     raise self._protocol_error("DATA outside the response")
                 self.data += frame.data
-                if len(self.data) > MAX_RESPONSE_MESSAGE_BYTES + _MESSAGE_PREFIX.size:
-                    raise RpcError(
+                if len(self.data) > self.max_response_bytes + _MESSAGE_PREFIX.size:
+                    raise ResponseTooLarge(
                         INTERNAL,
-                        f"response from {self.where} is larger than "
-                        f"{MAX_RESPONSE_MESSAGE_BYTES} bytes",
+                        f"the response from {self.where} is larger than "
+                        f"{self.max_response_bytes} bytes",
                     )
                 if "END_STREAM" in frame.flags:
                     self.ended = True

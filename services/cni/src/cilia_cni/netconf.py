@@ -44,6 +44,10 @@ DEFAULT_DEL_QUEUE_DIR = "/var/run/cilia/del-queue"
 DEFAULT_DEL_QUEUE_MAX = 256
 #: Upper bound of ``del-queue-max`` (each entry is one small file).
 MAX_DEL_QUEUE_MAX = 65536
+#: Largest agent response message accepted, bytes (grpcio's default receive limit).
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+#: Bounds of ``agent-max-response-bytes``.
+MAX_RESPONSE_BYTES_RANGE = (1024, 256 * 1024 * 1024)
 #: containerd's capability carrying the pod's annotations in ``runtimeConfig``.
 POD_ANNOTATIONS_CAPABILITY = "io.kubernetes.cri.pod-annotations"
 #: Spec rule for ``name``.
@@ -63,6 +67,8 @@ class NetConf:
         mtu: MTU for both veth ends, ``0`` = the agent's ``--mtu`` (``mtu``).
         del_queue_dir: absolute directory of the DEL queue (``del-queue-dir``).
         del_queue_max: most queued DELs, 1..65536 (``del-queue-max``, default 256).
+        max_response_bytes: largest agent response message accepted, 1 KiB..256 MiB
+            (``agent-max-response-bytes``, default 4 MiB).
     """
 
     __slots__ = (
@@ -73,6 +79,7 @@ class NetConf:
         "del_queue_max",
         "del_timeout",
         "log_file",
+        "max_response_bytes",
         "mtu",
         "name",
     )
@@ -88,6 +95,7 @@ class NetConf:
         mtu: int = 0,
         del_queue_dir: str = DEFAULT_DEL_QUEUE_DIR,
         del_queue_max: int = DEFAULT_DEL_QUEUE_MAX,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         self.cni_version = cni_version
         self.name = name
@@ -98,6 +106,7 @@ class NetConf:
         self.mtu = mtu
         self.del_queue_dir = del_queue_dir
         self.del_queue_max = del_queue_max
+        self.max_response_bytes = max_response_bytes
 
 
 def _reject_constant(name: str) -> float:
@@ -195,6 +204,7 @@ def parse(conf: Mapping[str, object], cni_version: str, plugin_type: str) -> Net
         mtu=_mtu(conf),
         del_queue_dir=_del_queue_dir(conf),
         del_queue_max=_del_queue_max(conf),
+        max_response_bytes=_max_response_bytes(conf),
     )
 
 
@@ -436,6 +446,17 @@ def _absolute_path(conf: Mapping[str, object], key: str, default: str) -> str:
 
 def _del_queue_dir(conf: Mapping[str, object]) -> str:
     return _absolute_path(conf, "del-queue-dir", DEFAULT_DEL_QUEUE_DIR)
+
+
+def _max_response_bytes(conf: Mapping[str, object]) -> int:
+    low, high = MAX_RESPONSE_BYTES_RANGE
+    value = conf.get("agent-max-response-bytes", DEFAULT_MAX_RESPONSE_BYTES)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidNetworkConfig(
+            f"network config field `agent-max-response-bytes` must be an integer in "
+            f"{low}..{high}, got {_shown(value)}"
+        )
+    return value
 
 
 def _del_queue_max(conf: Mapping[str, object]) -> int:

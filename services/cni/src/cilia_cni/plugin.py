@@ -144,7 +144,7 @@ def _add(
         mtu=config.mtu,
         prev_result=json.dumps(prev) if prev is not None else "",
     )
-    with _client(config.agent_socket) as client:
+    with _client(config) as client:
         try:
             response = client.add(request, config.add_timeout)
             _TIMINGS["agentMs"] = round(client.call_ms, 1)
@@ -202,7 +202,7 @@ def _del(
     )
     try:
         _check_socket(config.agent_socket, "DEL")
-        with _client(config.agent_socket) as client:
+        with _client(config) as client:
             client.delete(request, config.del_timeout)
             _TIMINGS["agentMs"] = round(client.call_ms, 1)
     except AgentUnreachable as exc:
@@ -256,7 +256,7 @@ def _check(
         routes=[agent_pb2.Route(dst=r["dst"], gw=r.get("gw", "")) for r in routes],
         mac=str(interfaces[index].get("mac", "")),
     )
-    with _client(config.agent_socket) as client:
+    with _client(config) as client:
         client.check(request, config.add_timeout)
     return ""
 
@@ -274,7 +274,7 @@ def _gc(
             agent_pb2.Attachment(container_id=cid, ifname=ifname) for cid, ifname in valid
         ]
     )
-    with _client(config.agent_socket) as client:
+    with _client(config) as client:
         response = client.gc(request, config.add_timeout)
     log.write(
         "info",
@@ -290,7 +290,7 @@ def _status(
     """STATUS: 0 when the agent is ready and some pool has a free address, else 50."""
     try:
         _check_socket(config.agent_socket, "STATUS")
-        with _client(config.agent_socket) as client:
+        with _client(config) as client:
             status = client.status(config.add_timeout)
     except AgentUnavailable as exc:
         raise PluginNotAvailable(exc.msg, exc.details) from None
@@ -328,10 +328,10 @@ def _load_client() -> None:
     _TIMINGS["clientImportMs"] = _ms(started)
 
 
-def _client(socket_path: str) -> AgentClient:
+def _client(config: netconf.NetConf) -> AgentClient:
     from cilia_cni.agent import AgentClient
 
-    return AgentClient(socket_path)
+    return AgentClient(config.agent_socket, config.max_response_bytes)
 
 
 def _check_socket(path: str, op: str) -> None:
