@@ -260,6 +260,23 @@ def test_del_never_releases_an_address_another_attachment_holds(env: Env) -> Non
     a.attach.Check(agent_pb2.CheckRequest(container_id="victim", ifname="eth0"))
 
 
+def test_durable_state_dir_add_and_del_write_and_remove_the_state_file(env: Env) -> None:
+    # --state-fsync: state files are written in the worker pool (fsynced), not on the loop
+    a = env.start_agent(state_fsync=True)
+    hooks = GateHooks()
+    a.agent.endpoints.hooks = hooks
+    fut = a.attach.Add.future(add_req(netns(env), "durable"), timeout=30)
+    assert hooks.entered.wait(10)
+    [creating] = [json.loads(f.read_text()) for f in state_files(env)]
+    assert (creating["state"], creating["identity"]) == ("creating", 4242)
+    hooks.gate.set()
+    assert fut.result().endpoint_id
+    [ready] = [json.loads(f.read_text()) for f in state_files(env)]
+    assert (ready["state"], ready["identity"], ready["container_id"]) == ("ready", 4242, "durable")
+    assert a.attach.Del(agent_pb2.DelRequest(container_id="durable", ifname="eth0")).deleted
+    assert state_files(env) == [] and hooks.deleted
+
+
 # --- abandoned Add -------------------------------------------------------------------------
 
 
