@@ -53,6 +53,7 @@ class FakeDatapath:
         self.ipcache: dict[str, tuple[int, str]] = {}
         self.attached: set[int] = set()
         self.calls: list[str] = []
+        self.fail_attach = False
 
     def table(self, name: str) -> FakeTable:
         assert name == "cilia_policy"
@@ -77,6 +78,8 @@ class FakeDatapath:
         self.ipcache.pop(f"{ip}/{plen}", None)
 
     def attach(self, ifindex: int) -> None:
+        if self.fail_attach:
+            raise OSError("attach failed (test)")
         self.calls.append(f"attach {ifindex}")
         self.attached.add(ifindex)
 
@@ -229,14 +232,28 @@ def test_failed_endpoint_record_detaches_and_removes_entries() -> None:
     run(main())
 
 
-def test_failed_endpoint_record_is_deleted_before_create_returns() -> None:
+def test_failed_attach_deletes_the_operator_record_before_create_returns() -> None:
     async def main() -> None:
         h = Harness()
         await h.sync()
-        h.control.fail_upsert = True  # e.g. a timeout after the operator stored it
-        with pytest.raises(OperatorUnavailable):
+        h.dp.fail_attach = True
+        with pytest.raises(OSError, match="attach failed"):
             await h.enf.create(rec(2, "backend", "10.0.0.3"), 12)
         assert h.control.deleted == [("default", "backend")], "not left to a background retry"
+        assert not h.dp.eps and not h.dp.ipcache
+
+    run(main())
+
+
+def test_unreachable_operator_on_upsert_queues_the_record_deletion() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync()
+        h.control.fail_upsert = True  # e.g. a deadline after the operator stored it
+        with pytest.raises(OperatorUnavailable):
+            await h.enf.create(rec(2, "backend", "10.0.0.3"), 12)
+        await h.settle()
+        assert h.control.deleted == [("default", "backend")]
 
     run(main())
 

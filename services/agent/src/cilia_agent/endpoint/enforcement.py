@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
-from cilia_agent.controlplane import RetryQueue
+from cilia_agent.controlplane import OperatorUnavailable, RetryQueue
 from cilia_agent.datapath.layout import IDENTITY_HOST, EndpointInfo, ip_to_map
 from cilia_agent.datapath.loader import Datapath
 from cilia_agent.endpoint.state import EndpointRecord
@@ -406,9 +406,11 @@ class Enforcement:
 
         The programs are attached while ``UpsertEndpoint`` is in flight (both before the
         return, so the pod never sends an unenforced packet and its operator record exists
-        once the Add succeeds); when either fails, the record is deleted again (awaited, so a
-        retried Add of the same container cannot be overtaken by the deletion; queued for
-        retry when the operator is unreachable) along with everything else.
+        once the Add succeeds); when either fails, the record is deleted again along with
+        everything else: awaited when the operator answered (so a retried Add of the same
+        container cannot be overtaken by the deletion), through the retry queue when the
+        upsert raised OperatorUnavailable (unreachable/deadline: no second
+        ``--operator-timeout`` inside the Add; a timed-out upsert may have been stored).
 
         Raises:
             InvalidLabels: the labels cannot form an identity.
@@ -467,10 +469,19 @@ class Enforcement:
             undo.append(lambda: self._run(self.datapath.detach, host_index))
             self._publish(ep)
             undo.append(lambda: self._unpublish(ep))
-            undo.append(lambda: self._delete_record_now(rec))
             attach = asyncio.ensure_future(self._run(self.datapath.attach, host_index))
             upsert = asyncio.ensure_future(self.control.upsert_endpoint(self._endpoint_record(ep)))
             inflight = (attach, upsert)
+
+            def delete_record() -> Awaitable[None] | None:
+                failed = upsert.done() and not upsert.cancelled() and upsert.exception()
+                if isinstance(failed, OperatorUnavailable):
+                    # the operator did not answer: no second --operator-timeout inline
+                    self.retry.submit(*self._delete_call_of(rec))
+                    return None
+                return self._delete_record_now(rec)
+
+            undo.append(delete_record)
             await asyncio.wait(inflight)
             upsert.result()  # the operator's error first (UNAVAILABLE to the CNI)
             attach.result()
@@ -491,12 +502,17 @@ class Enforcement:
                     log.exception("undoing enforcement of endpoint %d failed", rec.id)
             raise
 
-    async def _delete_record_now(self, rec: EndpointRecord) -> None:
-        """Delete the operator record of a failed Add before the Add returns (queued for
-        retry when the operator cannot be reached)."""
+    def _delete_call_of(self, rec: EndpointRecord) -> tuple[str, Callable[[], Awaitable[None]]]:
         namespace = rec.pod_namespace or DEFAULT_NAMESPACE
         name = rec.pod_name or rec.container_id
-        call = self._delete_call(namespace, name, rec.container_id)
+        return f"DeleteEndpoint {namespace}/{name}", self._delete_call(
+            namespace, name, rec.container_id
+        )
+
+    async def _delete_record_now(self, rec: EndpointRecord) -> None:
+        """Delete the operator record of a failed Add before the Add returns (queued for
+        retry when that fails)."""
+        what, call = self._delete_call_of(rec)
         try:
             await call()
         except Exception as exc:
@@ -504,7 +520,7 @@ class Enforcement:
                 "rollback: deleting the operator record failed, retrying in the background",
                 extra={"container_id": rec.container_id, "reason": str(exc)},
             )
-            self.retry.submit(f"DeleteEndpoint {namespace}/{name}", call)
+            self.retry.submit(what, call)
 
     def _unpublish(self, ep: _Endpoint) -> None:
         self.resolver.remove_endpoint(ep.rec.id)
