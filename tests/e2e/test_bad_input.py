@@ -14,8 +14,13 @@ from support import endpoint_ips, pool_used
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
 
-def _snapshot() -> tuple[set[str], set[str], int]:
-    return set(cnirun.host_lxc_links()), endpoint_ips(), pool_used()
+def _snapshot(pod: cnirun.Pod) -> tuple[bool, set[str], int]:
+    """(the pod's host veth exists, the agent's endpoint IPs, addresses in use).
+
+    The host veth is looked up by the name the agent would give it: other runs on this host
+    (private agents, other tests) create and delete ``lxc*`` links of their own meanwhile.
+    """
+    return pod.host_veth in cnirun.host_lxc_links(), endpoint_ips(), pool_used()
 
 
 def _error_code(outcome: cnirun.CniOutcome) -> int:
@@ -44,12 +49,12 @@ def test_malformed_json_is_rejected_with_code_6_and_changes_nothing(
     make_pod: Callable[..., cnirun.Pod],
 ) -> None:
     pod = make_pod()
-    before = _snapshot()
+    before = _snapshot(pod)
 
     outcome = cnirun.invoke("ADD", stdin='{"cniVersion": "1.0.0", "name": ', **_add_env(pod))
 
     assert _error_code(outcome) == 6
-    assert _snapshot() == before
+    assert _snapshot(pod) == before
     assert _pod_has_no_interface(pod)
 
 
@@ -57,14 +62,14 @@ def test_missing_container_id_is_rejected_with_code_4_and_changes_nothing(
     conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
 ) -> None:
     pod = make_pod()
-    before = _snapshot()
+    before = _snapshot(pod)
     env = _add_env(pod) | {"container_id": None}
 
     outcome = cnirun.invoke("ADD", stdin=json.dumps(cnirun.plugin_netconf(conflist)), **env)
 
     assert _error_code(outcome) == 4
     assert "CNI_CONTAINERID" in outcome.json["msg"]
-    assert _snapshot() == before
+    assert _snapshot(pod) == before
     assert _pod_has_no_interface(pod)
 
 
@@ -83,11 +88,11 @@ def test_add_with_agent_down_returns_code_11_and_leaves_nothing_behind(
     conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
 ) -> None:
     pod = make_pod()
-    before = _snapshot()
+    before = _snapshot(pod)
     with _agent_down():
         outcome = pod.add(conflist)
         assert _error_code(outcome) == 11, outcome.stdout
-        assert set(cnirun.host_lxc_links()) == before[0]
+        assert pod.host_veth not in cnirun.host_lxc_links()
         assert _pod_has_no_interface(pod)
-    assert _snapshot() == before
+    assert _snapshot(pod) == before
     assert pod.container_id not in cnirun.agent_cli("endpoint", "list", "-o", "json").stdout
