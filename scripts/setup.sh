@@ -69,8 +69,10 @@ if [[ ! -x $VENV/bin/python ]]; then
   "$PY" -m venv "$VENV"
 fi
 stamp=$VENV/.cilia-setup
-inputs=$(cat constraints.txt proto/pyproject.toml proto/setup.py lib/*/pyproject.toml \
-         services/*/pyproject.toml $(find proto/cilia -name '*.proto' | sort) | sha256sum | cut -c1-16)
+# this script is an input too: a changed install step reinstalls an existing .venv
+inputs=$(cat scripts/setup.sh constraints.txt proto/pyproject.toml proto/setup.py \
+         lib/*/pyproject.toml services/*/pyproject.toml $(find proto/cilia -name '*.proto' | sort) \
+         | sha256sum | cut -c1-16)
 if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
   log "installing Python packages into $VENV"
   # pip only bootstraps uv (PyPI wheel, pinned); uv installs the rest, here and in every tox env
