@@ -1,7 +1,7 @@
 """gRPC boundary of ``cilia.agent.v1``: AttachmentService and DebugService.
 
 Domain exceptions become gRPC status codes here (STYLE.md "Errors"):
-InvalidRequest/InvalidLabels → INVALID_ARGUMENT, NetnsNotFound/UnknownAttachment →
+InvalidRequest/InvalidLabels/OperatorRejected → INVALID_ARGUMENT, NetnsNotFound/UnknownAttachment →
 NOT_FOUND, CheckFailed → FAILED_PRECONDITION,
 InterfaceExists/EndpointConflict → ALREADY_EXISTS, PoolExhausted/PolicyMapFull →
 RESOURCE_EXHAUSTED, AgentNotReady/OperatorUnavailable (identity allocation)/
@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
-from cilia_agent.controlplane import OperatorUnavailable
+from cilia_agent.controlplane import OperatorRejected, OperatorUnavailable
 from cilia_agent.datapath import (
     DatapathError,
     DefaultRouteExists,
@@ -52,6 +52,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT),
     (DefaultRouteExists, grpc.StatusCode.INVALID_ARGUMENT),
     (PolicyMapFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OperatorRejected, grpc.StatusCode.INVALID_ARGUMENT),  # before its base class
     (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE),
     (PolicyNotReady, grpc.StatusCode.UNAVAILABLE),
     (NetnsNotFound, grpc.StatusCode.NOT_FOUND),

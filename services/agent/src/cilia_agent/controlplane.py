@@ -414,6 +414,24 @@ class OperatorUnavailable(Exception):
     """A call to the operator failed (unreachable, deadline, or an operator error)."""
 
 
+class OperatorRejected(OperatorUnavailable):
+    """The operator answered INVALID_ARGUMENT: the request itself is wrong (e.g. a pod name
+    that is no DNS-1123 subdomain) and retrying it cannot succeed. The CNI gets code 7
+    instead of 11 ("try again later"), so a runtime does not retry it forever. A subclass of
+    :class:`OperatorUnavailable`: every caller that handles a failed operator call handles
+    this one too.
+    """
+
+
+def _operator_error(exc: grpc.aio.AioRpcError, message: str) -> OperatorUnavailable:
+    """The exception for a failed operator call: :class:`OperatorRejected` for
+    INVALID_ARGUMENT, else :class:`OperatorUnavailable`; ``message`` gets the status."""
+    kind = (
+        OperatorRejected if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else OperatorUnavailable
+    )
+    return kind(f"{message}: {_describe(exc)}")
+
+
 class OperatorAPI(OperatorConnection):
     """Unary calls and watch streams of IdentityService, EndpointService, PolicyService
     and NodeService.WatchNodes over one channel.
@@ -438,15 +456,16 @@ class OperatorAPI(OperatorConnection):
         """``IdentityService.Allocate`` for the (filtered, sorted) ``labels``.
 
         Raises:
-            OperatorUnavailable: the call failed; the message names the reason.
+            OperatorRejected: the operator refused the labels (INVALID_ARGUMENT).
+            OperatorUnavailable: the call failed otherwise; the message names the reason.
         """
         try:
             resp = await self.identities.Allocate(
                 cp.AllocateRequest(node_name=self.node_name, labels=labels), timeout=self.timeout
             )
         except grpc.aio.AioRpcError as exc:
-            raise OperatorUnavailable(
-                f"identity allocation at operator {self.address} failed: {_describe(exc)}"
+            raise _operator_error(
+                exc, f"identity allocation at operator {self.address} failed"
             ) from exc
         identity: cp.Identity = resp.identity
         if identity.id == 0:
@@ -463,14 +482,19 @@ class OperatorAPI(OperatorConnection):
             raise OperatorUnavailable(f"identity release failed: {_describe(exc)}") from exc
 
     async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
-        """``EndpointService.UpsertEndpoint``. Raises OperatorUnavailable."""
+        """``EndpointService.UpsertEndpoint``.
+
+        Raises:
+            OperatorRejected: the operator refused the record (INVALID_ARGUMENT).
+            OperatorUnavailable: any other failure.
+        """
         try:
             await self.endpoints.UpsertEndpoint(
                 cp.UpsertEndpointRequest(endpoint=record), timeout=self.timeout
             )
         except grpc.aio.AioRpcError as exc:
-            raise OperatorUnavailable(
-                f"endpoint record at operator {self.address} failed: {_describe(exc)}"
+            raise _operator_error(
+                exc, f"endpoint record at operator {self.address} failed"
             ) from exc
 
     async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:

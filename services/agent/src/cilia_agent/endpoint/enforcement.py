@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
-from cilia_agent.controlplane import OperatorUnavailable, RetryQueue
+from cilia_agent.controlplane import OperatorRejected, OperatorUnavailable, RetryQueue
 from cilia_agent.datapath.layout import IDENTITY_HOST, EndpointInfo, ip_to_map
 from cilia_agent.datapath.loader import Datapath
 from cilia_agent.endpoint.state import EndpointRecord
@@ -475,7 +475,9 @@ class Enforcement:
 
             def delete_record() -> Awaitable[None] | None:
                 failed = upsert.done() and not upsert.cancelled() and upsert.exception()
-                if isinstance(failed, OperatorUnavailable):
+                if isinstance(failed, OperatorUnavailable) and not isinstance(
+                    failed, OperatorRejected
+                ):
                     # the operator did not answer: no second --operator-timeout inline
                     self.retry.submit(*self._delete_call_of(rec))
                     return None
