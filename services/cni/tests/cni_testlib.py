@@ -395,7 +395,7 @@ class Libcni:
       result is cached in ``<cache>/results/<net>-<container id>-<ifname>``;
     - CHECK runs them in order with the cached result as ``prevResult``;
     - DEL runs them in reverse with the cached result (when any) and drops the cache;
-    - GC (1.1.0) passes ``cni.dev/attachments``; STATUS passes the config only.
+    - GC (1.1.0) passes ``cni.dev/valid-attachments`` and ``cni.dev/attachments``; STATUS passes the config only.
     """
 
     def __init__(self, conflist: dict[str, Any], cni_path: list[str], cache_dir: str) -> None:
@@ -516,11 +516,17 @@ class Libcni:
             os.unlink(self._cache(container_id, ifname))
         return run
 
-    def gc(self, valid: list[tuple[str, str]]) -> CniRun:
+    def gc(
+        self,
+        valid: list[tuple[str, str]],
+        keys: tuple[str, ...] = ("cni.dev/valid-attachments", "cni.dev/attachments"),
+    ) -> CniRun:
+        """GC keeping ``valid``, sent under each of ``keys`` (libcni sends both)."""
         attachments = [{"containerID": c, "ifname": i} for c, i in valid]
+        extra = dict.fromkeys(keys, attachments)
         run = CniRun(0, "", "")
         for index in range(len(self.conflist["plugins"])):
-            run = self._exec(index, {"CNI_COMMAND": "GC"}, **{"cni.dev/attachments": attachments})
+            run = self._exec(index, {"CNI_COMMAND": "GC"}, **extra)
             if run.returncode != 0:
                 return run
         return run

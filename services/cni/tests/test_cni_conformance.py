@@ -195,6 +195,39 @@ def test_gc_releases_every_attachment_not_listed(
     assert real_agent.endpoints() == []
 
 
+@pytest.mark.parametrize("key", ["cni.dev/valid-attachments", "cni.dev/attachments"])
+def test_gc_with_either_keep_list_key_alone_keeps_the_listed_attachment(
+    real_agent: RealAgent, libcni: Libcni, netns: Netns, key: str
+) -> None:
+    """Spec 1.1.0 names the keep-list `cni.dev/valid-attachments`; older libcni only
+    `cni.dev/attachments`: either alone keeps what it lists."""
+    cni = libcni.with_version("1.1.0")
+    keep = cni.add("gc-key-keep", netns.add())
+    drop = cni.add("gc-key-drop", netns.add())
+    assert keep.returncode == drop.returncode == 0
+    run = cni.gc([("gc-key-keep", "eth0")], keys=(key,))
+    assert (run.returncode, run.stdout) == (0, ""), run
+    assert [e[0] for e in real_agent.endpoints()] == ["gc-key-keep"]
+    assert keep.json["interfaces"][0]["name"] in host_links()
+    assert drop.json["interfaces"][0]["name"] not in host_links()
+
+
+def test_gc_without_a_keep_list_is_code_7_and_releases_nothing(
+    real_agent: RealAgent, libcni: Libcni, netns: Netns
+) -> None:
+    cni = libcni.with_version("1.1.0")
+    add = cni.add("gc-nokey", netns.add())
+    assert add.returncode == 0, add
+    before = real_agent.usage()
+    err = assert_cni_error(
+        cni.gc([], keys=()), 7, "`cni.dev/valid-attachments`", "`cni.dev/attachments`"
+    )
+    assert "missing" in err["msg"]
+    assert [e[0] for e in real_agent.endpoints()] == ["gc-nokey"]
+    assert add.json["interfaces"][0]["name"] in host_links()
+    assert real_agent.usage() == before
+
+
 def test_agent_down_del_is_queued_and_replayed_other_commands_fail_clearly(
     real_agent: RealAgent, libcni: Libcni, netns: Netns
 ) -> None:

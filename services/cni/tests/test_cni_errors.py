@@ -236,6 +236,25 @@ def test_gc_with_malformed_attachments_fails_with_code_7(
     assert_cni_error(run, 7, field)
 
 
+def test_gc_prefers_valid_attachments_and_names_it_when_malformed(absent_socket: str) -> None:
+    conf = netconf(
+        absent_socket,
+        version="1.1.0",
+        **{"cni.dev/valid-attachments": [{"containerID": "c1"}], "cni.dev/attachments": []},
+    )
+    run = exec_cni({"CNI_COMMAND": "GC", "CNI_PATH": "/opt/cni/bin"}, conf)
+    assert_cni_error(run, 7, "`cni.dev/valid-attachments[0].ifname`")
+
+
+def test_gc_without_any_keep_list_key_fails_with_code_7_naming_both(absent_socket: str) -> None:
+    """Neither key: refused before the agent is even looked for (an absent key must never
+    read as "keep nothing")."""
+    run = exec_cni(
+        {"CNI_COMMAND": "GC", "CNI_PATH": "/opt/cni/bin"}, netconf(absent_socket, version="1.1.0")
+    )
+    assert_cni_error(run, 7, "`cni.dev/valid-attachments`", "`cni.dev/attachments`")
+
+
 @pytest.mark.parametrize("command", ["ADD", "DEL", "VERSION"])
 def test_stdin_that_is_a_directory_is_code_5(command: str) -> None:
     """``cilia-cni < /``: CPython cannot even start with such a stdin; the launcher hands

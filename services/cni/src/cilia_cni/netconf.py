@@ -323,36 +323,49 @@ def _args_cni(conf: Mapping[str, object]) -> dict[str, object] | None:
     return cni
 
 
-def parse_attachments(conf: Mapping[str, object]) -> list[tuple[str, str]]:
-    """GC's ``cni.dev/attachments``: ``[{"containerID", "ifname"}]`` -> ``[(id, ifname)]``.
+#: GC's keep-list: spec 1.1.0 names it ``cni.dev/valid-attachments``; libcni (1.2+) sends
+#: the same list under both keys, and older runtimes only ``cni.dev/attachments``.
+VALID_ATTACHMENTS_KEYS = ("cni.dev/valid-attachments", "cni.dev/attachments")
 
-    An absent key means "no attachment is valid any more" (spec 1.1.0: the runtime sends
-    every attachment it still uses).
+
+def parse_attachments(conf: Mapping[str, object]) -> list[tuple[str, str]]:
+    """GC's keep-list ``[{"containerID", "ifname"}]`` -> ``[(id, ifname)]``.
+
+    Read from ``cni.dev/valid-attachments`` (spec 1.1.0 "GC"), else from
+    ``cni.dev/attachments`` (libcni sends both with the same content). An explicit empty
+    list means "keep nothing"; neither key present is refused, since reading it as an
+    empty list would release every attachment on the node.
 
     Raises:
-        InvalidNetworkConfig: not a list of objects with non-empty string ``containerID``
-            and ``ifname`` (the element is named).
+        InvalidNetworkConfig: neither key is present, or the list is not a list of
+            objects with non-empty string ``containerID`` and ``ifname`` (the element is
+            named).
     """
-    items = conf.get("cni.dev/attachments")
-    if items is None:
-        return []
+    key = next((k for k in VALID_ATTACHMENTS_KEYS if conf.get(k) is not None), None)
+    if key is None:
+        raise InvalidNetworkConfig(
+            "network config fields `cni.dev/valid-attachments` and `cni.dev/attachments` are "
+            "both missing: GC needs the list of attachments to keep (an empty list keeps "
+            "nothing); refusing to release every attachment on the node"
+        )
+    items = conf[key]
     if not isinstance(items, list):
         raise InvalidNetworkConfig(
-            f"network config field `cni.dev/attachments` must be a list, got {_json_type(items)}"
+            f"network config field `{key}` must be a list, got {_json_type(items)}"
         )
     result: list[tuple[str, str]] = []
     for i, item in enumerate(items):
-        where = f"cni.dev/attachments[{i}]"
+        where = f"{key}[{i}]"
         if not isinstance(item, dict):
             raise InvalidNetworkConfig(
                 f"network config field `{where}` must be an object {{containerID, ifname}}, "
                 f"got {_json_type(item)}"
             )
         cid, ifname = item.get("containerID"), item.get("ifname")
-        for key, value in (("containerID", cid), ("ifname", ifname)):
+        for field, value in (("containerID", cid), ("ifname", ifname)):
             if not isinstance(value, str) or not value:
                 raise InvalidNetworkConfig(
-                    f"network config field `{where}.{key}` must be a non-empty string, "
+                    f"network config field `{where}.{field}` must be a non-empty string, "
                     f"got {_shown(value)}"
                 )
         assert isinstance(cid, str) and isinstance(ifname, str)

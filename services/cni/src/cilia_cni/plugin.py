@@ -264,7 +264,8 @@ def _check(
 def _gc(
     invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
 ) -> str:
-    """GC: the agent releases every attachment not in ``cni.dev/attachments``."""
+    """GC: the agent releases every attachment not in ``cni.dev/valid-attachments``
+    (or ``cni.dev/attachments``); neither key present is code 7, nothing released."""
     valid = netconf.parse_attachments(conf)
     _check_socket(config.agent_socket, "GC")
     from cilia.agent.v1 import agent_pb2
