@@ -7,7 +7,7 @@ Steps (each under a heading; any failure exits 1 after cleaning up):
   3. ping pod↔pod and pod↔node;
   4. show ``cilia-agent endpoint list``;
   5. DEL every pod, show ``cilia-agent status`` and check the addresses were released;
-  6. stop the stack unless ``KEEP=1`` (or ``--keep``).
+  6. stop the stack unless ``KEEP=1`` (or ``--keep``) or it was running before the demo.
 """
 
 from __future__ import annotations
@@ -316,6 +316,9 @@ class Demo:
         self.heading("Tear down")
         if keep:
             print("  KEEP=1: the stack keeps running (scripts/stack.sh status | make down)")
+            return
+        if not self.started_stack:
+            print("  the stack was running before the demo: left running (make down stops it)")
             return
         out = cnirun.stack("down", check=False)
         if out.stderr.strip():
