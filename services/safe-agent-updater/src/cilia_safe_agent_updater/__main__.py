@@ -28,6 +28,7 @@ from cilia_common import grpcserver
 from cilia_common.logs import setup_logging
 from cilia_safe_agent_updater import __version__
 from cilia_safe_agent_updater.exitcodes import Exit, UpdaterError
+from cilia_safe_agent_updater.redact import redact_url, scrub
 from cilia_safe_agent_updater.steps import Reporter
 
 if TYPE_CHECKING:
@@ -87,11 +88,12 @@ def _redis_url(text: str) -> str:
         return text
     from redis.connection import parse_url
 
+    shown = redact_url(text)  # never echo a password
     try:
         parse_url(text)  # type: ignore[no-untyped-call, unused-ignore]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a Redis URL ({exc}); expected {REDIS_URL_FORM}"
+            f"{shown!r} is not a Redis URL ({scrub(str(exc), text)}); expected {REDIS_URL_FORM}"
         ) from None
     url = urllib.parse.urlsplit(text)
     problem = ""
@@ -105,7 +107,7 @@ def _redis_url(text: str) -> str:
         problem = "no socket path"
     if problem:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a Redis URL ({problem}); expected {REDIS_URL_FORM}"
+            f"{shown!r} is not a Redis URL ({problem}); expected {REDIS_URL_FORM}"
         )
     return text
 
@@ -122,7 +124,8 @@ def _docker_url(text: str) -> str:
         docker.utils.parse_host(text, False, False)
     except (docker.errors.DockerException, ValueError) as exc:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a Docker Engine address ({exc}); expected {DOCKER_URL_FORM}"
+            f"{redact_url(text)!r} is not a Docker Engine address ({scrub(str(exc), text)}); "
+            f"expected {DOCKER_URL_FORM}"
         ) from None
     return text
 
@@ -492,15 +495,20 @@ def _run_docker(args: argparse.Namespace) -> Exit:
             code_error = UpdaterError(Exit.API_UNAVAILABLE, f"Docker engine: {exc}")
             if args.interval <= 0:
                 raise code_error from exc
-            log.error(str(code_error), extra={"exit_code": int(code_error.code)})
+            log.error(_scrubbed(code_error, args), extra={"exit_code": int(code_error.code)})
         except UpdaterError as exc:
             if args.interval <= 0:
                 raise
-            log.error(str(exc), extra={"exit_code": int(exc.code)})
+            log.error(_scrubbed(exc, args), extra={"exit_code": int(exc.code)})
         else:
             if args.interval <= 0:
                 return code
         time.sleep(args.interval)
+
+
+def _scrubbed(exc: BaseException, args: argparse.Namespace) -> str:
+    """``str(exc)`` without the passwords of ``--redis`` / ``--docker-url`` (see redact.py)."""
+    return scrub(str(exc), getattr(args, "redis", ""), getattr(args, "docker_url", ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -522,8 +530,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _run_kubernetes(args) if args.mode == "kubernetes" else _run_docker(args)
     except UpdaterError as exc:
-        log.error(str(exc), extra={"exit_code": int(exc.code), "exit_name": exc.code.name})
-        print(f"{COMPONENT}: {exc}", file=sys.stderr)
+        message = _scrubbed(exc, args)
+        log.error(message, extra={"exit_code": int(exc.code), "exit_name": exc.code.name})
+        print(f"{COMPONENT}: {message}", file=sys.stderr)
         return int(exc.code)
     log.info("done", extra={"exit_code": int(code)})
     return int(code)

@@ -37,6 +37,7 @@ from docker.models.images import Image
 
 from cilia_safe_agent_updater import health
 from cilia_safe_agent_updater.exitcodes import Exit, UpdaterError
+from cilia_safe_agent_updater.redact import redact_url, scrub
 from cilia_safe_agent_updater.steps import Reporter
 
 log = logging.getLogger("cilia_safe_agent_updater.docker")
@@ -337,7 +338,10 @@ def run(
         )
         acquired = lock.acquire()
     except (redis.RedisError, ValueError) as exc:
-        raise UpdaterError(Exit.API_UNAVAILABLE, f"--redis {settings.redis_url}: {exc}") from exc
+        url = settings.redis_url  # the message and the log never carry its password
+        raise UpdaterError(
+            Exit.API_UNAVAILABLE, f"--redis {redact_url(url)}: {scrub(str(exc), url)}"
+        ) from exc
     if not acquired:
         raise UpdaterError(
             Exit.LOCK_TIMEOUT,
@@ -358,5 +362,7 @@ def run(
                 extra={"held_s": round(time.monotonic() - started, 1), "error": str(exc)},
             )
         except redis.RedisError as exc:
-            log.warning("Redis lock not released", extra={"error": str(exc)})
+            log.warning(
+                "Redis lock not released", extra={"error": scrub(str(exc), settings.redis_url)}
+            )
         conn.close()

@@ -103,8 +103,9 @@ def agent(
             engine.containers.get(n).remove(force=True)
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def _redis_server(directory: pathlib.Path, *extra: str) -> Iterator[int]:
+    """A private redis-server on a free port (``extra``: more server flags); yields the port."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
@@ -112,30 +113,31 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--dir",
-            str(tmp_path_factory.mktemp("redis")),
-        ],
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(directory),
+         *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     client = redis.Redis(port=port)
     for _ in range(200):
         try:
             client.ping()
             break
+        except redis.AuthenticationError:  # requirepass: up, refusing the anonymous ping
+            break
         except redis.ConnectionError:
             time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _redis_server(tmp_path_factory.mktemp("redis")) as port:
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 def _update(name: str, address: str, image: str, *extra: str) -> int:
@@ -330,3 +332,44 @@ def test_loop_mode_does_not_retry_a_rolled_back_image(
     assert text.count('"step": "AgentStarted"') == 1
     assert engine.containers.get(name).attrs["Image"] == images["A"]
     assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
+
+
+SECRET = "s3cr3tPW"
+
+
+def _updater(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_redis_password_never_printed_when_redis_refuses_or_rejects_it(
+    engine: docker.DockerClient, tmp_path: pathlib.Path
+) -> None:
+    """Connection refused and a wrong password (a real redis-server with requirepass): exit 3,
+    the message names the redacted URL, the password appears nowhere in stdout/stderr."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = int(sock.getsockname()[1])
+    refused = _updater("--image", "cilia-sau-test:b", "--container", "sau-nonexistent",
+                       "--redis", f"redis://admin:{SECRET}@127.0.0.1:{closed}/0")  # fmt: skip
+    with _redis_server(tmp_path, "--requirepass", "the-right-one") as port:
+        rejected = _updater("--image", "cilia-sau-test:b", "--container", "sau-nonexistent",
+                            "--redis", f"redis://admin:{SECRET}@127.0.0.1:{port}/0",
+                            "--lock-wait-timeout", "1")  # fmt: skip
+        rejected_default_user = _updater(
+            "--image", "cilia-sau-test:b", "--container", "sau-nonexistent",
+            "--redis", f"redis://:{SECRET}@127.0.0.1:{port}/0", "--lock-wait-timeout", "1",
+        )  # fmt: skip
+    for got, port_shown in (
+        (refused, closed),
+        (rejected, port),
+        (rejected_default_user, port),
+    ):
+        assert got.returncode == Exit.API_UNAVAILABLE, got.stderr
+        assert SECRET not in got.stdout + got.stderr, got.stderr
+        assert "--redis redis://" in got.stderr and f":***@127.0.0.1:{port_shown}/0" in got.stderr
+        assert '"exit_code": 3' in got.stderr  # the JSON log line, redacted too

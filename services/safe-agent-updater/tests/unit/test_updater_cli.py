@@ -136,3 +136,22 @@ def test_well_formed_engine_address_that_does_not_answer_exits_3() -> None:
     )  # fmt: skip
     assert got.returncode == Exit.API_UNAVAILABLE, got.stderr
     assert "--docker-url: Docker engine" in got.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://admin:s3cr3tPW@h:port/0",  # malformed: parse-time message
+        "redis://admin:s3cr3tPW@h/zero",
+        "unix:///run/redis.sock?password=s3cr3tPW&db=x",
+    ],
+)
+def test_malformed_redis_url_error_does_not_echo_the_password(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--mode", "docker", "--image", "cilia-agent:1", "--redis", url])
+    assert exit_info.value.code == Exit.USAGE
+    captured = capsys.readouterr()
+    assert "s3cr3tPW" not in captured.out + captured.err, captured.err
+    assert "argument --redis: " in captured.err and "***" in captured.err, captured.err
