@@ -3,6 +3,7 @@ non-zero exit, the offending variable or field named, nothing on stderr."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -283,3 +284,35 @@ def test_launcher_ignores_the_runtimes_python_variables(absent_socket: str) -> N
     env = cni_env("ADD", PYTHONPATH="/nonexistent", PYTHONHOME="/nonexistent")
     run = exec_cni(env, netconf(absent_socket))
     assert_cni_error(run, 11, absent_socket)
+
+
+@pytest.mark.parametrize("command", ["ADD", "VERSION"])
+def test_endless_stdin_is_code_6_naming_the_limit(command: str) -> None:
+    """``cilia-cni < /dev/zero`` reads MAX_STDIN_BYTES + 1 bytes and stops (before: read
+    until memory ran out)."""
+    from cilia_cni.plugin import MAX_STDIN_BYTES
+
+    with open("/dev/zero", "rb") as zero:
+        proc = subprocess.run(
+            [cni_binary()],
+            stdin=zero,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **cni_env(command)},
+            capture_output=True,
+            timeout=EXEC_TIMEOUT_SECONDS,
+            check=False,
+        )
+    run = CniRun(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+    assert_cni_error(run, 6, str(MAX_STDIN_BYTES), "MAX_STDIN_BYTES")
+    assert run.stderr == ""
+
+
+def test_stdin_of_exactly_the_limit_is_read_and_decoded(absent_socket: str) -> None:
+    """The limit itself is allowed: a netconf padded with spaces to MAX_STDIN_BYTES reaches
+    the next check (the absent agent socket, 11)."""
+    from cilia_cni.plugin import MAX_STDIN_BYTES
+
+    data = json.dumps(netconf(absent_socket)).encode()
+    run = exec_cni(cni_env("ADD"), data + b" " * (MAX_STDIN_BYTES - len(data)))
+    assert_cni_error(run, 11, absent_socket)
+    over = exec_cni(cni_env("ADD"), data + b" " * (MAX_STDIN_BYTES + 1 - len(data)))
+    assert_cni_error(over, 6, "MAX_STDIN_BYTES")

@@ -55,7 +55,9 @@ def _read_stdin() -> bytes:
         raise IsADirectoryError(21, "stdin is a directory")  # EISDIR
     if sys.stdin is None:  # fd 0 was closed when the process started
         raise OSError("stdin is closed")
-    return sys.stdin.buffer.read()
+    from cilia_cni.plugin import MAX_STDIN_BYTES  # imported already by main()
+
+    return sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)  # one more: "too large" is seen
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """One plugin run: environment + stdin in, result or error JSON out, exit status back.
 
-Order of checks (first failure wins): CNI_COMMAND (4), stdin readable (5), VERSION is
+Order of checks (first failure wins): CNI_COMMAND (4), stdin readable (5) and at most
+:data:`MAX_STDIN_BYTES` (6), VERSION is
 answered here; then the other CNI_* variables (4), stdin JSON (6), ``cniVersion`` (1,
 also when the command is newer than the version: CHECK < 0.4.0, GC/STATUS < 1.1.0), the
 plugin's netconf keys (7), CNI_ARGS, labels, annotations and prevResult (4/7), the agent
@@ -23,6 +24,7 @@ from cilia_cni.errors import (
     AgentUnavailable,
     AgentUnreachable,
     CniError,
+    DecodingFailure,
     IncompatibleVersion,
     InternalError,
     InvalidNetworkConfig,
@@ -40,6 +42,13 @@ if TYPE_CHECKING:
     from cilia_cni.agent import AgentClient
 
 
+#: Largest network configuration read from stdin, bytes (16 MiB). A netconf is a few KiB;
+#: GC's keep-list for 10,000 pods is ~0.8 MiB. More is refused with code 6 before decoding
+#: (``cilia-cni < /dev/zero`` must not grow without bound). The stdin reader of
+#: ``__main__`` reads at most one byte more than this.
+MAX_STDIN_BYTES = 16 * 1024 * 1024
+
+
 def run(
     env: Mapping[str, str], read_stdin: Callable[[], bytes], plugin_type: str
 ) -> tuple[int, str]:
@@ -47,7 +56,9 @@ def run(
 
     Args:
         env: the process environment (CNI_* variables).
-        read_stdin: returns all of stdin (called at most once, after CNI_COMMAND is known).
+        read_stdin: returns stdin, at most ``MAX_STDIN_BYTES + 1`` bytes of it (called at
+            most once, after CNI_COMMAND is known); more than :data:`MAX_STDIN_BYTES` is
+            code 6.
         plugin_type: the name this binary was exec'd as (accepted as netconf ``type``).
 
     Returns:
@@ -65,6 +76,12 @@ def run(
             raw = read_stdin()
         except (OSError, ValueError) as exc:
             raise IOFailure(f"cannot read the network configuration from stdin: {exc}") from None
+        if len(raw) > MAX_STDIN_BYTES:
+            raise DecodingFailure(
+                f"network configuration on stdin is larger than {MAX_STDIN_BYTES} bytes "
+                f"(cilia-cni's MAX_STDIN_BYTES, {MAX_STDIN_BYTES // 1024 // 1024} MiB): "
+                "not read further"
+            )
         decode_error: CniError | None = None
         try:
             conf = netconf.decode(raw) if (raw.strip() or command != "VERSION") else {}
