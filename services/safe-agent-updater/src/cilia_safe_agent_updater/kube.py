@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import urllib3
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_attempt, wait_fixed
@@ -84,6 +85,26 @@ class KubeSettings:
     events: bool = True
 
 
+def _one_line(exc: BaseException) -> str:
+    """``str(exc)`` on one line (PyYAML messages span several)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or repr(exc)
+
+
+def _server_problem(server: str) -> str:
+    """Why ``server`` (a kubeconfig cluster's ``server``) is not an API server URL; "" if it is.
+
+    Accepted: ``http(s)://HOST[:PORT][/PATH]`` as urllib3 parses it (what the client sends
+    requests to).
+    """
+    try:
+        url = urllib3.util.parse_url(server)
+    except urllib3.exceptions.LocationParseError as exc:
+        return f"{server!r} is not a URL ({_one_line(exc)})"
+    if url.scheme not in ("http", "https") or not url.host:
+        return f"{server!r} is not a URL of the form https://HOST[:PORT]"
+    return ""
+
+
 def api_client(kubeconfig: str | None, *, retries: int, backoff: float) -> client.ApiClient:
     """Return an ApiClient for ``kubeconfig`` (None: in-cluster config) that retries by itself.
 
@@ -94,9 +115,13 @@ def api_client(kubeconfig: str | None, *, retries: int, backoff: float) -> clien
     raises ``ApiException`` with its status.
 
     Raises:
-        UpdaterError(USAGE): no kubeconfig and not running in a cluster.
+        UpdaterError(USAGE): no kubeconfig and not running in a cluster, or an unreadable
+            kubeconfig (missing file, not YAML, not UTF-8, wrong structure, a cluster
+            ``server`` that is not an ``http(s)://HOST[:PORT]`` URL); the one-line message
+            names the file and the problem.
     """
     cfg = client.Configuration()
+    source = kubeconfig if kubeconfig else "in-cluster config"
     try:
         if kubeconfig:
             config.load_kube_config(  # type: ignore[no-untyped-call]
@@ -105,10 +130,25 @@ def api_client(kubeconfig: str | None, *, retries: int, backoff: float) -> clien
         else:
             config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     except (config.ConfigException, OSError) as exc:
+        if not kubeconfig:
+            raise UpdaterError(
+                Exit.USAGE, f"--kubeconfig: cannot load {source}: {_one_line(exc)}"
+            ) from exc
+        raise UpdaterError(
+            Exit.USAGE, f"--kubeconfig {source}: unreadable kubeconfig: {_one_line(exc)}"
+        ) from exc
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        # not YAML (yaml.YAMLError), not UTF-8 (UnicodeDecodeError is a ValueError), or YAML
+        # of the wrong shape (the client indexes it blindly: TypeError/AttributeError/...)
         raise UpdaterError(
             Exit.USAGE,
-            f"--kubeconfig: cannot load {kubeconfig if kubeconfig else 'in-cluster config'}: {exc}",
+            f"--kubeconfig {source}: unreadable kubeconfig: {type(exc).__name__}: {_one_line(exc)}",
         ) from exc
+    problem = _server_problem(str(cfg.host or ""))
+    if problem:
+        raise UpdaterError(
+            Exit.USAGE, f"--kubeconfig {source}: unreadable kubeconfig: cluster server {problem}"
+        )
     cfg.retries = urllib3.Retry(
         total=retries,
         connect=retries,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -155,3 +156,42 @@ def test_malformed_redis_url_error_does_not_echo_the_password(
     captured = capsys.readouterr()
     assert "s3cr3tPW" not in captured.out + captured.err, captured.err
     assert "argument --redis: " in captured.err and "***" in captured.err, captured.err
+
+
+_KUBECONFIG_NOT_A_URL = """\
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "not a url"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"garbage: [", "ParserError"),
+        (bytes(range(128, 256)) * 2, "UnicodeDecodeError"),
+        (b"[1, 2]", "TypeError"),
+        (_KUBECONFIG_NOT_A_URL.encode(), "cluster server 'not a url' is not a URL"),
+        (b"", "is empty"),
+    ],
+    ids=["bad-yaml", "binary", "wrong-shape", "server-not-a-url", "empty"],
+)
+def test_unreadable_kubeconfig_is_a_usage_error_without_traceback(
+    content: bytes, problem: str, tmp_path: pathlib.Path
+) -> None:
+    """README: exit 2 for an unreadable kubeconfig; one line naming the file and the problem."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_bytes(content)
+    got = subprocess.run(
+        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "kubernetes",
+         "--node-name", "n", "--kubeconfig", str(kubeconfig), "--api-retries", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert got.returncode == Exit.USAGE, got.stderr
+    assert "Traceback" not in got.stderr, got.stderr
+    last = got.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"cilia-safe-agent-updater: --kubeconfig {kubeconfig}: "), last
+    assert "unreadable kubeconfig" in last and problem in last, last
