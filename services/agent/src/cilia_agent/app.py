@@ -688,8 +688,28 @@ class Agent:
         """The debug Status response.
 
         ``message``: first line the not-ready reason ("" when ready), then one line each
-        for datapath, policy, identities and Hubble (the contract has no fields for them yet).
+        for datapath, policy, identities and Hubble, the text of ``datapath``/``hubble``
+        (set only when the eBPF datapath / Hubble runs).
         """
+        datapath = None
+        if self.bpf is not None and self.enforcement is not None:
+            st = self.enforcement.status()
+            datapath = agent_pb2.DatapathStatus(
+                pin_dir=str(self.config.bpf_pin_dir),
+                policy_mode=self.config.enable_policy,
+                policy_revision=st.policy_revision,
+                policies=st.policies,
+                policy_synced=st.synced,
+                identities=st.identities,
+                ipcache_entries=st.ipcache_entries,
+                pending_operator_calls=st.pending_operator_calls,
+            )
+        hubble = None
+        if self.hubble is not None:
+            hs = self.hubble.store.status()
+            hubble = agent_pb2.HubbleStatus(
+                num_flows=hs.num_flows, max_flows=hs.max_flows, seen_flows=hs.seen_flows
+            )
         return agent_pb2.StatusResponse(
             ready=self.ready,
             message="\n".join([self.not_ready_reason, *self.status_lines()]),
@@ -707,6 +727,8 @@ class Agent:
             ],
             endpoint_count=len(self.endpoints.list()),
             version=__version__,
+            datapath=datapath,
+            hubble=hubble,
         )
 
 

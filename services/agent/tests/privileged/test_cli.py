@@ -81,8 +81,16 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             text=True,
         )
         assert js.returncode == 1, js.stderr
-        assert json.loads(js.stdout)["nodeName"] == "cli-node"
-        assert json.loads(js.stdout)["ready"] is False
+        status = json.loads(js.stdout)
+        assert status["nodeName"] == "cli-node"
+        assert status["ready"] is False
+        # the datapath and Hubble counts as JSON numbers, zero ones included
+        assert status["datapath"]["pinDir"] == str(env.pin_dir)
+        assert status["datapath"]["policySynced"] is True  # no operator: nothing to wait for
+        assert status["datapath"]["policies"] == 0
+        assert isinstance(status["datapath"]["identities"], int)
+        assert status["datapath"]["ipcacheEntries"] >= 1  # the node's own addresses
+        assert status["hubble"] == {"numFlows": 0, "maxFlows": 4095, "seenFlows": 0}
         hubble_sock = env.tmp / "hubble.sock"
         assert hubble_sock.stat().st_mode & 0o777 == 0o600
         assert (env.pin_dir / "cilia_policy").exists()
