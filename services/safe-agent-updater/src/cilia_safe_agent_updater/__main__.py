@@ -69,13 +69,25 @@ REDIS_URL_FORM = "redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] or unix://
 DOCKER_URL_FORM = "unix:///PATH, tcp://HOST:PORT, http(s)://HOST:PORT or ssh://[USER@]HOST"
 IMAGE_FORM = "[REGISTRY[:PORT]/]NAME[:TAG][@DIGEST], e.g. registry.local:5000/cilia-agent:1.2"
 
-# The image reference grammar of the Docker/OCI distribution spec: lowercase path
-# components separated by '/', an optional registry host[:port] first, a tag of at most
-# 128 word characters, dots and dashes, and/or an algorithm:hex digest.
+# The image reference grammar of the Docker/OCI distribution spec (distribution/reference):
+# an optional registry host[:port] first, then lowercase path components separated by '/',
+# a tag of at most 128 word characters, dots and dashes, and/or an algorithm:hex digest.
+# The grammar lets a domain component be upper case (DNS names are case-insensitive), but
+# Docker's normalisation (ParseNormalizedNamed, splitDockerDomain) takes the first component
+# for a registry host only when it contains a '.' or a ':' or is exactly 'localhost';
+# otherwise it is a path component of a docker.io repository and must be lowercase. So
+# 'Registry.Local:5000/cilia/agent' is valid, 'UPPER/case' and 'Nginx' are not (the engine
+# answers "repository name must be lowercase" to both).
+_HOST_COMPONENT = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_REGISTRY = (
+    rf"(?:{_HOST_COMPONENT}(?:\.{_HOST_COMPONENT})+(?::[0-9]+)?"  # has a dot
+    rf"|{_HOST_COMPONENT}:[0-9]+"  # has a port
+    r"|localhost)"
+)
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _IMAGE_REFERENCE = re.compile(
-    r"^(?:(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-    r"(?::[0-9]+)?)/)?"
-    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    rf"^(?:{_REGISTRY}/)?"
+    rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
     r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
 )
@@ -121,6 +133,10 @@ def _docker_url(text: str) -> str:
     import docker.utils
 
     try:
+        if text.startswith("unix://") and not text.startswith("unix:///"):
+            # docker-py would read unix://run/docker.sock as /run/docker.sock (legacy form):
+            # an ambiguous relative-looking path is refused instead of guessed
+            raise ValueError("a unix socket needs an absolute path, unix:///PATH")
         docker.utils.parse_host(text, False, False)
     except (docker.errors.DockerException, ValueError) as exc:
         raise argparse.ArgumentTypeError(
@@ -132,11 +148,14 @@ def _docker_url(text: str) -> str:
 
 def _image(text: str) -> str:
     """argparse type of ``--image``: empty (then the mode refuses it) or an image reference
-    (lowercase repository path, optional registry, tag and digest)."""
+    (lowercase repository path, optional registry host -- any case -- tag and digest; see
+    ``_IMAGE_REFERENCE`` for when the first component counts as the registry)."""
     if text and not _IMAGE_REFERENCE.match(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not an image reference; expected {IMAGE_FORM} "
-            "(repository lowercase, tag [A-Za-z0-9_.-] up to 128 characters)"
+            "(repository path lowercase; the first component is a registry host, which may "
+            "be upper case, only with a '.' or ':' or as 'localhost'; tag [A-Za-z0-9_.-] up "
+            "to 128 characters)"
         )
     return text
 

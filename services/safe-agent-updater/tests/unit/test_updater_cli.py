@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cilia_safe_agent_updater import __version__
-from cilia_safe_agent_updater.__main__ import main
+from cilia_safe_agent_updater.__main__ import build_parser, main
 from cilia_safe_agent_updater.exitcodes import Exit
 
 STARTUP_TIMEOUT_SECONDS = 20.0
@@ -112,6 +112,15 @@ def test_serve_fails_with_exit_2_when_address_is_taken() -> None:
         ("--docker-url", "tcp://h:notaport", "unix:///PATH"),
         ("--image", "Cilia Agent:1", "[REGISTRY[:PORT]/]NAME[:TAG][@DIGEST]"),
         ("--image", "cilia-agent:", "[REGISTRY[:PORT]/]NAME[:TAG][@DIGEST]"),
+        # path components are lowercase; a first component without '.'/':' (not 'localhost')
+        # is a path component, as in Docker's normalisation (the engine refuses these too)
+        ("--image", "Nginx:1", "repository path lowercase"),
+        ("--image", "UPPER/case:tag", "repository path lowercase"),
+        ("--image", "LOCALHOST/agent:1", "repository path lowercase"),
+        ("--image", "registry.local/Cilia/agent:1", "repository path lowercase"),
+        ("--image", "registry.local:5000/cilia/Agent:1", "repository path lowercase"),
+        ("--docker-url", "unix://relative/path", "unix:///PATH"),
+        ("--docker-url", "unix://", "unix:///PATH"),
     ],
 )
 def test_malformed_addresses_and_image_are_usage_errors(
@@ -195,3 +204,27 @@ def test_unreadable_kubeconfig_is_a_usage_error_without_traceback(
     last = got.stderr.strip().splitlines()[-1]
     assert last.startswith(f"cilia-safe-agent-updater: --kubeconfig {kubeconfig}: "), last
     assert "unreadable kubeconfig" in last and problem in last, last
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "cilia-agent:1",
+        "cilia/agent_x.y__z--w:1.2",
+        "localhost/cilia-agent:1",
+        "localhost:5000/cilia-agent",
+        "registry.local:5000/cilia/agent:1.2",
+        # the registry host is a DNS name: case-insensitive, the grammar allows upper case
+        "Registry.Local:5000/cilia/agent:1.2",
+        "REGISTRY:5000/cilia/agent",
+        "cilia-agent@sha256:" + "a" * 64,
+    ],
+)
+def test_well_formed_image_references_are_accepted(image: str) -> None:
+    args = build_parser().parse_args(["--mode", "docker", "--image", image])
+    assert args.image == image
+
+
+def test_absolute_unix_docker_url_is_accepted() -> None:
+    args = build_parser().parse_args(["--docker-url", "unix:///var/run/docker.sock"])
+    assert args.docker_url == "unix:///var/run/docker.sock"
