@@ -316,3 +316,51 @@ def test_stdin_of_exactly_the_limit_is_read_and_decoded(absent_socket: str) -> N
     assert_cni_error(run, 11, absent_socket)
     over = exec_cni(cni_env("ADD"), data + b" " * (MAX_STDIN_BYTES + 1 - len(data)))
     assert_cni_error(over, 6, "MAX_STDIN_BYTES")
+
+
+LONE = "\ud800"
+
+
+@pytest.mark.parametrize("command", ["ADD", "DEL"])
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        (
+            {"args": {"cni": {"labels": [{"key": "a" + LONE, "value": "v"}]}}},
+            "args.cni.labels[0].key",
+        ),
+        (
+            {"args": {"cni": {"labels": [{"key": "app", "value": LONE}]}}},
+            "args.cni.labels[0].value",
+        ),
+        ({"args": {"cni": {"annotations": {"k": LONE}}}}, "args.cni.annotations.k"),
+        (
+            {"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"k": "x" + LONE}}},
+            "runtimeConfig.io.kubernetes.cri.pod-annotations.k",
+        ),
+        ({"runtimeConfig": {"other": [LONE]}}, "runtimeConfig.other[0]"),
+        ({"agent-socket": "/tmp/" + LONE}, "agent-socket"),
+        ({"log-file": "/tmp/cilia-cni-t-" + LONE}, "log-file"),
+        ({"del-queue-dir": "/tmp/" + LONE}, "del-queue-dir"),
+        ({"cni.dev/valid-attachments": [{"containerID": LONE, "ifname": "e"}]}, "containerID"),
+        ({"x" + LONE: 1}, "(top level)"),
+    ],
+)
+def test_lone_surrogate_escape_anywhere_is_code_6_naming_the_field(
+    command: str, extra: dict[str, Any], field: str, absent_socket: str
+) -> None:
+    """``"\\ud800"`` decodes to a str no UTF-8 encode accepts (protobuf, the log, paths):
+    refused once at decode time (before: 999 "UnicodeEncodeError: surrogates not allowed")."""
+    data = json.dumps(netconf(absent_socket, **extra))  # ensure_ascii: "\ud800" escapes
+    assert "\\ud800" in data
+    run = exec_cni(cni_env(command), data.encode())
+    assert_cni_error(run, 6, field, "not valid Unicode")
+    assert run.stderr == ""
+    assert not os.path.exists("/tmp/cilia-cni-t-" + LONE)
+
+
+def test_a_valid_surrogate_pair_escape_is_accepted(absent_socket: str) -> None:
+    """``"\\ud83d\\ude00"`` is one character (U+1F600): it reaches the next check."""
+    conf = netconf(absent_socket, args={"cni": {"labels": [{"key": "app", "value": "\U0001f600"}]}})
+    run = exec_cni(cni_env("ADD"), json.dumps(conf).encode())
+    assert_cni_error(run, 11, absent_socket)

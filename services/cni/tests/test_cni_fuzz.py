@@ -32,10 +32,18 @@ BINARY_CASES = 200
 TEXT = st.text(
     alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12
 )
+# JSON strings may hold what no environment can: a lone surrogate ("\ud800" in the
+# JSON text, json.dumps' escape of one), which no UTF-8 encode accepts later.
+LONE_SURROGATE_TEXT = st.builds(
+    lambda a, s, b: a + s + b, TEXT, st.characters(categories=["Cs"]), TEXT
+)
+JSON_TEXT = TEXT | LONE_SURROGATE_TEXT
+# Absolute paths holding a lone surrogate (always refused, so nothing is ever created).
+PATHS = LONE_SURROGATE_TEXT.map(lambda t: "/tmp/cilia-cnit-fuzz-" + t)
 # Small on purpose: generating the data is most of the cost of a case.
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | TEXT,
-    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(TEXT, inner, max_size=2),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | JSON_TEXT,
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(JSON_TEXT, inner, max_size=2),
     max_leaves=4,
 )
 # Placeholders replaced at run time: the real agent's socket, an absent one, a tmp DEL
@@ -64,7 +72,7 @@ VALID_ENV = st.fixed_dictionaries(
     }
 )
 LABELS = st.lists(
-    st.fixed_dictionaries({"key": st.sampled_from(["app", "tier"]) | TEXT, "value": TEXT})
+    st.fixed_dictionaries({"key": st.sampled_from(["app", "tier"]) | JSON_TEXT, "value": JSON_TEXT})
     | JSON_VALUES,
     max_size=3,
 )
@@ -94,12 +102,12 @@ NETCONF_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "cniVersion": st.sampled_from([*SUPPORTED, "0.2.0"]) | JSON_VALUES,
     "name": st.just("cilia") | JSON_VALUES,
     "type": st.just("cilia-cni") | JSON_VALUES,
-    "agent-socket": st.sampled_from([AGENT, ABSENT]) | JSON_VALUES,
+    "agent-socket": st.sampled_from([AGENT, ABSENT]) | PATHS | JSON_VALUES,
     "agent-timeout-seconds": st.sampled_from([5, 2.5]) | JSON_VALUES,
     "agent-del-timeout-seconds": st.sampled_from([5]) | JSON_VALUES,
-    "log-file": st.sampled_from(["", "relative.log", 3]),
+    "log-file": st.sampled_from(["", "relative.log", 3]) | PATHS,
     "mtu": st.sampled_from([0, 1500]) | JSON_VALUES,
-    "del-queue-dir": st.just(QUEUE) | JSON_VALUES,
+    "del-queue-dir": st.just(QUEUE) | PATHS | JSON_VALUES,
     "del-queue-max": st.sampled_from([1, 256]) | JSON_VALUES,
     "agent-max-response-bytes": st.sampled_from([4096, 4194304]) | JSON_VALUES,
     "args": st.fixed_dictionaries(
@@ -107,12 +115,18 @@ NETCONF_VALUES: dict[str, st.SearchStrategy[Any]] = {
     )
     | JSON_VALUES,
     "runtimeConfig": st.fixed_dictionaries(
-        {"io.kubernetes.cri.pod-annotations": st.dictionaries(TEXT, TEXT, max_size=2)}
+        {"io.kubernetes.cri.pod-annotations": st.dictionaries(JSON_TEXT, JSON_TEXT, max_size=2)}
     )
     | JSON_VALUES,
     "prevResult": PREV_RESULT | JSON_VALUES,
+    "cni.dev/valid-attachments": st.lists(
+        st.fixed_dictionaries({"containerID": JSON_TEXT, "ifname": JSON_TEXT}) | JSON_VALUES,
+        max_size=2,
+    )
+    | JSON_VALUES,
     "cni.dev/attachments": st.lists(
-        st.fixed_dictionaries({"containerID": TEXT, "ifname": TEXT}) | JSON_VALUES, max_size=2
+        st.fixed_dictionaries({"containerID": JSON_TEXT, "ifname": JSON_TEXT}) | JSON_VALUES,
+        max_size=2,
     )
     | JSON_VALUES,
 }

@@ -118,7 +118,8 @@ def decode(data: bytes) -> dict[str, object]:
 
     Raises:
         DecodingFailure: not UTF-8, not JSON (NaN/Infinity included), too deeply nested,
-            or not an object.
+            not an object, or a string or key holding a lone surrogate escape
+            (``"\\ud800"``, the field named): every string of the result is valid Unicode.
     """
     try:
         text = data.decode("utf-8")
@@ -133,7 +134,45 @@ def decode(data: bytes) -> dict[str, object]:
         raise DecodingFailure(
             f"network configuration on stdin must be a JSON object, got {type(obj).__name__}"
         )
+    if _SURROGATE_ESCAPE.search(text):  # only a \uD800-\uDFFF escape can make one
+        _reject_surrogates(obj, "")
     return obj
+
+
+#: A JSON escape of a UTF-16 surrogate; UTF-8 input itself cannot encode one (decode
+#: rejects it), so a string holding a lone surrogate always comes from such an escape.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+#: A lone surrogate in a decoded string (a valid pair was joined by json already).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_surrogates(value: object, where: str) -> None:
+    """Refuse any key or string holding a lone surrogate (``"\\ud800"``): it is not
+    Unicode, and every later UTF-8 encode (protobuf, the log, paths) would fail on it.
+
+    Raises:
+        DecodingFailure: naming the field (``args.cni.labels[0].key``) or the key.
+    """
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise DecodingFailure(
+                f"network config field `{where}` is not valid Unicode: it holds a lone "
+                "UTF-16 surrogate escape (\\ud800-\\udfff without its pair)"
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else key
+            if _SURROGATE.search(key):
+                shown = key.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+                raise DecodingFailure(
+                    f"network config key {shown!r} under `{where or '(top level)'}` is not "
+                    "valid Unicode: it holds a lone UTF-16 surrogate escape "
+                    "(\\ud800-\\udfff without its pair)"
+                )
+            _reject_surrogates(item, path)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _reject_surrogates(item, f"{where}[{i}]")
 
 
 def error_version(conf: Mapping[str, object] | None) -> str:
