@@ -62,7 +62,7 @@ from cilia_agent.controlplane import (
     run_watch,
 )
 from cilia_agent.datapath import LinuxDatapath
-from cilia_agent.datapath.iptables import Iptables
+from cilia_agent.datapath.iptables import Iptables, IptablesReconciler
 from cilia_agent.endpoint import EndpointManager, NodeState, RestoreReport, StateStore
 from cilia_agent.endpoint.enforcement import ControlPlane, Enforcement, LocalControlPlane
 from cilia_agent.endpoint.state import EndpointRecord
@@ -110,6 +110,13 @@ class Agent:
         )
         self.executor = ThreadPoolExecutor(
             max_workers=config.datapath_workers, thread_name_prefix="datapath"
+        )
+        # --iptables-reconcile-interval: the rules are re-checked and repaired while serving
+        self.iptables_reconciler = IptablesReconciler(
+            self.datapath.iptables,
+            config.iptables_reconcile_interval if config.install_iptables_rules else 0.0,
+            self.executor,
+            self.metrics.registry,
         )
         self.node = NodeState()
         self.router_ip: ipaddress.IPv4Address | None = None
@@ -295,6 +302,10 @@ class Agent:
         elif self.enforcement is not None:
             self.enforcement.local_synced()
         self._tasks.append(loop.create_task(self._replay_loop(), name="del-queue-replay"))
+        if self.iptables_reconciler.interval > 0:
+            self._tasks.append(
+                loop.create_task(self.iptables_reconciler.run(), name="iptables-reconcile")
+            )
 
     async def _load_bpf(self) -> None:
         """Mount bpffs if needed, compile and load the datapath, wire policy and Hubble."""

@@ -105,6 +105,10 @@ FLAG_HELP: dict[str, str] = {
     "prometheus_serve_addr": "[host]:port of the metrics endpoint; empty disables (default :9962)",
     "install_iptables_rules": "manage the CILIA_FORWARD chain and FORWARD jump (default true)",
     "iptables_timeout": "seconds one iptables command may take (default 10)",
+    "iptables_reconcile_interval": "seconds between checks that CILIA_FORWARD holds its two "
+    "rules and FORWARD jumps to it before any DROP/REJECT; what is missing is re-installed "
+    "(dockerd restarts and firewall reloads remove them); only with --install-iptables-rules; "
+    "0 disables (default 10)",
     "log_level": "debug, info, warning or error (default info)",
     "operator_timeout": "deadline in seconds of each unary call to the operator (default 10)",
     "operator_reconnect_min_backoff": "first reconnect delay in seconds after the operator "
@@ -169,6 +173,7 @@ class Config(BaseModel):
     prometheus_serve_addr: str = ":9962"
     install_iptables_rules: bool = True
     iptables_timeout: float = Field(default=10.0, gt=0)
+    iptables_reconcile_interval: float = Field(default=10.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     operator_timeout: float = Field(default=10.0, gt=0)
     operator_reconnect_min_backoff: float = Field(default=1.0, gt=0)
