@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+from cni_testlib import assert_cni_error, cni_env, exec_cni, netconf
 from hpack import Decoder, Encoder
 from hyperframe.frame import (
     ContinuationFrame,
@@ -560,3 +561,66 @@ def test_timeout_header_units() -> None:
     assert h2grpc.timeout_header(30) == "30000000u"
     assert h2grpc.timeout_header(240) == "240000m"
     assert h2grpc.timeout_header(1e-9) == "1u"
+
+
+# -- a socket that does not speak HTTP/2 ---------------------------------------------------
+
+
+class ForeignServer:
+    """Answers every connection on ``<tmp>/foreign.sock`` with ``reply`` once it has read
+    the client's first bytes, then closes it (an HTTP/1.1 server, or anything else)."""
+
+    def __init__(self, directory: str, reply: bytes) -> None:
+        self.socket = os.path.join(directory, "foreign.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.socket)
+        self.listener.listen(8)
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+
+
+HTTP1_REPLY = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+FOREIGN_REPLIES = {
+    "http1": HTTP1_REPLY,
+    "garbage": b"\x00\x00\x04\x00\x00\x00\x00\x00\x01abcd and more garbage\n" * 3,
+    "text": b"hello, this is not HTTP/2 at all\n" * 10,
+}
+
+
+@pytest.mark.parametrize("reply", sorted(FOREIGN_REPLIES))
+def test_a_socket_that_does_not_speak_http2_is_unreachable_code_11(
+    short_tmp: str, reply: str
+) -> None:
+    """Before: 999 "frame of 4740180 bytes exceeds MAX_FRAME_SIZE" (b"HTTP/1.1 " read as
+    a frame header). The server's preface must be a SETTINGS frame (RFC 9113 §3.4)."""
+    server = ForeignServer(short_tmp, FOREIGN_REPLIES[reply])
+    try:
+        with AgentClient(server.socket) as client, pytest.raises(AgentUnreachable) as caught:
+            client.add(agent_pb2.AddRequest(container_id="x", ifname="eth0"), 5)
+        assert caught.value.code == 11
+        assert "does not speak HTTP/2 (gRPC)" in caught.value.msg
+        assert "agent-socket" in caught.value.msg
+        conf = netconf(server.socket)
+        run = exec_cni(cni_env("ADD"), conf)
+        assert_cni_error(run, 11, "does not speak HTTP/2 (gRPC)", server.socket)
+        # DEL: the agent never got it, so it is queued like for an absent socket.
+        run = exec_cni(cni_env("DEL"), conf)
+        assert (run.returncode, run.stdout) == (0, ""), run
+        assert len(os.listdir(conf["del-queue-dir"])) == 1
+    finally:
+        server.close()

@@ -9,6 +9,7 @@ gRPC status → CNI error (documented in services/cni/README.md):
 
 =========================================================  =======================
 UNAVAILABLE, DEADLINE_EXCEEDED, connection failures         11 AgentUnavailable
+the socket does not speak HTTP/2 (first frame not SETTINGS)  11 AgentUnreachable
 INVALID_ARGUMENT                                            7  InvalidNetworkConfig
 NOT_FOUND (ADD: netns does not exist)                       8  InvalidNetNS
 NOT_FOUND (CHECK: unknown container_id/ifname)              3  UnknownContainer
@@ -45,6 +46,7 @@ from cilia_cni.errors import (
 from cilia_cni.h2grpc import (
     INTERNAL,
     MAX_RESPONSE_MESSAGE_BYTES,
+    NotHttp2,
     ResponseTooLarge,
     RpcError,
     unary_call,
@@ -233,6 +235,12 @@ class AgentClient:
             return AgentUnavailable(
                 f"{where} cannot complete {op} now: {agent_msg}; the runtime will retry",
                 f"gRPC {status}",
+            )
+        if isinstance(exc, NotHttp2):
+            return AgentUnreachable(
+                f"{where}: the agent socket does not speak HTTP/2 (gRPC), cannot {op}: is "
+                f"netconf `agent-socket` cilia-agent's socket? {check}",
+                f"gRPC {status}: {agent_msg}",
             )
         if cls is AgentUnavailable:
             return AgentUnreachable(

@@ -168,6 +168,12 @@ class ResponseTooLarge(RpcError):
     """The response message exceeds ``max_response_bytes`` (INTERNAL; reading stopped)."""
 
 
+class NotHttp2(RpcError):
+    """The peer's first bytes are not an HTTP/2 SETTINGS frame (RFC 9113 §3.4: the server
+    connection preface), e.g. an HTTP/1.1 server or anything else listening on the socket:
+    UNAVAILABLE with ``transport`` (the agent never got the call)."""
+
+
 def timeout_header(seconds: float) -> str:
     """The ``grpc-timeout`` value for ``seconds`` left: the finest unit whose value has at
     most 8 digits, rounded up (``0.5`` → ``"500000u"``, ``240`` → ``"240000m"``)."""
@@ -257,6 +263,7 @@ class _Call:
         self.ended = False  # END_STREAM received on stream 1
         self.send_closed = False  # the socket refused more writes
         self.goaway_last_stream: int | None = None
+        self.got_preface = False  # the server's SETTINGS (its connection preface) arrived
 
     # -- sending --------------------------------------------------------------------------
 
@@ -365,14 +372,34 @@ class _Call:
         return data
 
     def _read_frame(self) -> Frame:
+        header = self._recv_exact(9)
         try:
-            frame, length = Frame.parse_frame_header(memoryview(self._recv_exact(9)))
-            if length > DEFAULT_MAX_FRAME_SIZE:  # RFC 9113 §4.2: our advertised maximum
-                raise self._protocol_error(f"frame of {length} bytes exceeds MAX_FRAME_SIZE")
+            frame, length = Frame.parse_frame_header(memoryview(header))
+        except HyperframeError as exc:
+            if not self.got_preface:
+                raise self._not_http2(header) from None
+            raise self._protocol_error(f"malformed frame: {exc}") from None
+        if not self.got_preface:
+            # RFC 9113 §3.4: the server's preface is a SETTINGS frame, first. Anything else
+            # (b"HTTP/1.1 ", garbage) is not an HTTP/2 server: say so, not "frame too big".
+            if not isinstance(frame, SettingsFrame) or length > DEFAULT_MAX_FRAME_SIZE:
+                raise self._not_http2(header)
+            self.got_preface = True
+        if length > DEFAULT_MAX_FRAME_SIZE:  # RFC 9113 §4.2: our advertised maximum
+            raise self._protocol_error(f"frame of {length} bytes exceeds MAX_FRAME_SIZE")
+        try:
             frame.parse_body(memoryview(self._recv_exact(length)))
         except HyperframeError as exc:
             raise self._protocol_error(f"malformed frame: {exc}") from None
         return frame
+
+    def _not_http2(self, first: bytes) -> NotHttp2:
+        return NotHttp2(
+            UNAVAILABLE,
+            f"the agent socket {self.where} does not speak HTTP/2 (gRPC): its first bytes "
+            f"are {first!r}, not an HTTP/2 SETTINGS frame",
+            transport=True,
+        )
 
     def _handle(self, frame: Frame) -> None:
         """Apply one received frame to the connection and stream state (RFC 9113 §6)."""
