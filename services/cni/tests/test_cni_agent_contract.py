@@ -104,7 +104,7 @@ def test_add_twice_for_the_same_ifname_fails_with_code_100(agent: AgentServer) -
         (grpc.StatusCode.INVALID_ARGUMENT, 7),
         (grpc.StatusCode.NOT_FOUND, 8),
         (grpc.StatusCode.ALREADY_EXISTS, 100),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 101),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 999),  # not the pool's message: see below
         (grpc.StatusCode.FAILED_PRECONDITION, 999),
         (grpc.StatusCode.INTERNAL, 999),
         (grpc.StatusCode.UNIMPLEMENTED, 999),
@@ -123,6 +123,30 @@ def test_add_maps_agent_status_to_cni_code(
         assert "cannot complete ADD now: agent says unavailable" in err["msg"]
     assert run.stderr == ""
     assert agent.servicer.del_requests == [], "a refused ADD is the agent's to roll back"
+
+
+def test_resource_exhausted_is_101_only_for_the_agents_pool_exhaustion(
+    agent: AgentServer,
+) -> None:
+    message = "no free IPv4 address in pool 'default' (10.251.0.0/26)"
+    agent.servicer.fail_add = (grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    err = assert_cni_error(exec_cni(cni_env("ADD"), netconf(agent.socket)), 101, message)
+    assert "RESOURCE_EXHAUSTED" in err["details"]
+
+
+def test_request_over_the_agents_grpc_size_limit_is_code_7_not_pool_exhausted(
+    agent: AgentServer,
+) -> None:
+    """50,000 labels of ~100 bytes: the AddRequest (~5.5 MB) exceeds grpcio's 4 MiB receive
+    limit; the server answers RESOURCE_EXHAUSTED "Received message larger than max" (before:
+    101 "pool exhausted")."""
+    labels = [{"key": f"k{i:05d}", "value": "v" * 100} for i in range(50_000)]
+    conf = netconf(agent.socket, args={"cni": {"labels": labels}})
+    err = assert_cni_error(
+        exec_cni(cni_env("ADD"), conf), 7, "larger than max", "message size limit"
+    )
+    assert "RESOURCE_EXHAUSTED" in err["details"]
+    assert agent.servicer.add_requests == []
 
 
 def test_add_that_outlives_its_timeout_fails_with_code_11_and_is_rolled_back(

@@ -41,7 +41,6 @@ from cilia_cni.errors import (
     CheckMismatch,
     CniError,
     InternalError,
-    PoolExhausted,
     UnknownContainer,
 )
 
@@ -184,7 +183,7 @@ def test_every_error_status_and_its_percent_encoded_message(
         (grpc.StatusCode.UNAVAILABLE, AgentUnavailable, "cannot complete CHECK now"),
         (grpc.StatusCode.NOT_FOUND, UnknownContainer, "holds no attachment"),
         (grpc.StatusCode.FAILED_PRECONDITION, CheckMismatch, "differs from prevResult"),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, PoolExhausted, "refused CHECK"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, InternalError, "failed CHECK"),
         (grpc.StatusCode.DATA_LOSS, InternalError, "failed CHECK"),
     ],
 )

@@ -15,9 +15,17 @@ NOT_FOUND (ADD: netns does not exist)                       8  InvalidNetNS
 NOT_FOUND (CHECK: unknown container_id/ifname)              3  UnknownContainer
 FAILED_PRECONDITION (CHECK: mismatch, differences listed)   102 CheckMismatch
 ALREADY_EXISTS (ifname exists in the netns)                 100 AttachmentExists
-RESOURCE_EXHAUSTED (pool has no free address)               101 PoolExhausted
+RESOURCE_EXHAUSTED "no free IPv4 address in pool ..."       101 PoolExhausted
+RESOURCE_EXHAUSTED "... message larger than max ..."        7  InvalidNetworkConfig
+RESOURCE_EXHAUSTED, anything else (e.g. policy map full)    999 InternalError
 anything else                                               999 InternalError
 =========================================================  =======================
+
+RESOURCE_EXHAUSTED means two unrelated things: the agent's IPAM has no address (its
+``PoolExhausted``, message :data:`POOL_EXHAUSTED_PREFIX`, checked against the real agent by
+test_cni_conformance) and gRPC's own message size limit (grpc core: "Received message
+larger than max (N vs. M)" on the server, "Sent message larger than max" on a client),
+which a request with e.g. 50,000 labels hits: that is the netconf's doing (code 7).
 
 The transport is :func:`cilia_cni.h2grpc.unary_call`: one HTTP/2 connection per call, no
 retries, no proxy (as the grpcio channel before it: ``grpc.enable_retries=0``).
@@ -58,6 +66,11 @@ if TYPE_CHECKING:
     from typing import TypeVar
 
     _Response = TypeVar("_Response", bound=Message)
+
+#: How cilia-agent's IPAM ``PoolExhausted`` message starts (services/agent ipam/allocator.py).
+POOL_EXHAUSTED_PREFIX = "no free IPv4 address in pool"
+#: grpc core's message size limit errors ("Received/Sent message larger than max (N vs. M)").
+SIZE_LIMIT_TEXT = "message larger than max"
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AttachmentService"]
 _DEBUG = agent_pb2.DESCRIPTOR.services_by_name["DebugService"]
@@ -229,6 +242,16 @@ class AgentClient:
                 f"gRPC {status}: {agent_msg}",
             )
         cls = by_status.get(status, InternalError)
+        if status == "RESOURCE_EXHAUSTED":
+            if SIZE_LIMIT_TEXT in agent_msg:
+                return InvalidNetworkConfig(
+                    f"{where} refused {op}: the request is larger than the agent's gRPC "
+                    f"message size limit ({agent_msg}, bytes): the network config carries "
+                    "too much (labels, annotations, prevResult or attachments)",
+                    f"gRPC {status}",
+                )
+            if not agent_msg.startswith(POOL_EXHAUSTED_PREFIX):
+                cls = InternalError
         if cls is AgentUnavailable and not (exc.transport or agent_msg == "(no message)"):
             # The agent answered: it is up but cannot serve the request now (for
             # example its operator is unreachable). Say why, in its own words.
