@@ -364,3 +364,15 @@ def test_a_valid_surrogate_pair_escape_is_accepted(absent_socket: str) -> None:
     conf = netconf(absent_socket, args={"cni": {"labels": [{"key": "app", "value": "\U0001f600"}]}})
     run = exec_cni(cni_env("ADD"), json.dumps(conf).encode())
     assert_cni_error(run, 11, absent_socket)
+
+
+def test_log_file_that_is_a_fifo_without_reader_never_hangs(
+    absent_socket: str, short_tmp: str
+) -> None:
+    """Before: open(2) of the FIFO blocked until the exec timeout. Now the log fails at once
+    (reported on stderr, as any unwritable log-file) and the operation goes on: 11."""
+    fifo = os.path.join(short_tmp, "log.fifo")
+    os.mkfifo(fifo)
+    run = exec_cni(cni_env("ADD"), netconf(absent_socket, **{"log-file": fifo}), timeout=30)
+    assert_cni_error(run, 11, absent_socket)
+    assert "cannot write log-file" in run.stderr and fifo in run.stderr

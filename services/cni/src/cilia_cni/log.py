@@ -20,7 +20,8 @@ class EventLog:
     Every line: ``{"time": RFC 3339 UTC with ms, "level", "component": "cilia-cni",
     "command", "containerID", "ifname", "msg", ...fields}``. Each line is written with a
     single ``write(2)`` on an ``O_APPEND`` descriptor, so concurrent plugin runs do not
-    interleave lines.
+    interleave lines. The file is opened ``O_NONBLOCK``: a FIFO with no reader (or a full
+    one) is a log failure (reported once on stderr), never a hang.
     """
 
     __slots__ = ("_base", "_failed", "_path")
@@ -44,8 +45,12 @@ class EventLog:
         record.update(fields)
         line = json.dumps(record, default=str) + "\n"
         try:
+            # O_NONBLOCK: a log-file that is a FIFO without a reader fails at once (ENXIO)
+            # instead of blocking the plugin forever; no effect on a regular file.
             fd = os.open(
-                self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE
+                self._path,
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK,
+                LOG_FILE_MODE,
             )
             try:
                 os.write(fd, line.encode("utf-8", "backslashreplace"))
