@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pool name the plan is for (an update of it is not an overlap) "
                       "(default: a new pool)")  # fmt: skip
     plan.add_argument("--service-cluster-ip-range", action="append", default=None,
-                      help="extra service CIDR no pool CIDR may overlap (repeat for several) "
+                      help="extra service CIDR no pool CIDR may overlap (repeat, or a comma "
+                      "list, for several) "
                       "(default: the live operator's --service-cluster-ip-range; offline "
                       "10.96.0.0/12)")  # fmt: skip
     plan.add_argument("--offline", action="store_true",

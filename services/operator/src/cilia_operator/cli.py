@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import sys
 from typing import IO, Any
 
@@ -20,7 +21,7 @@ from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_common.protojson import message_to_dict
 
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
-from .ipam.pool import PoolSpec, pool_overlaps
+from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
 from .kinds import UnknownKind, kind_of, resolve_kind
 
 EXIT_ERROR = 2
@@ -31,8 +32,53 @@ class CommandError(Exception):
     """A client command failed; the message is the one line shown to the user."""
 
 
+SERVER_FORM = "HOST:PORT, [IPV6]:PORT, dns:[//AUTHORITY/]HOST:PORT or unix:PATH"
+_HOSTNAME = re.compile(
+    r"^[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*\.?$"
+)
+
+
+def check_server(server: str) -> str:
+    """Return ``server`` when it is a gRPC target the operator can be reached at:
+    ``HOST:PORT`` (hostname or IPv4), ``[IPV6]:PORT``, ``dns:[//AUTHORITY/]HOST:PORT``,
+    ``unix:PATH`` / ``unix:///PATH`` or ``unix-abstract:NAME``; the port is 1..65535.
+
+    Raises:
+        CommandError: anything else (``--server garbage::``), so a typo is a usage error
+            rather than an "operator unreachable".
+    """
+    problem = ""
+    if server.startswith(("unix:", "unix-abstract:")):
+        if not server.partition(":")[2].strip("/"):
+            problem = "no socket path"
+    else:
+        target = server.removeprefix("dns:")
+        if target != server and target.startswith("//"):
+            target = target[2:].partition("/")[2]  # dns://AUTHORITY/HOST:PORT
+        if target.startswith("["):
+            host, _, rest = target[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ""
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                problem = f"{host!r} is not an IPv6 address"
+        else:
+            host, sep, port = target.rpartition(":")
+            if not sep:
+                host, port = target, ""
+            if not host or not _HOSTNAME.match(host):
+                problem = f"{host!r} is not a host name or IPv4 address" if host else "no host"
+        if not problem and not (port.isdigit() and 1 <= int(port) <= 65535):
+            problem = f"port {port!r} is not in 1..65535" if port else "no port"
+    if problem:
+        raise CommandError(f"--server: {server!r} is not an operator address ({problem}); "
+                           f"expected {SERVER_FORM}")  # fmt: skip
+    return server
+
+
 def _stub(server: str) -> Any:
-    return pb_grpc.ResourceServiceStub(grpc.insecure_channel(server))  # type: ignore[no-untyped-call]
+    channel = grpc.insecure_channel(check_server(server))
+    return pb_grpc.ResourceServiceStub(channel)  # type: ignore[no-untyped-call]
 
 
 def _call(method: Any, request: Any, server: str, timeout: float) -> Any:
@@ -140,7 +186,41 @@ def delete(
 
 
 def _ipam_stub(server: str) -> Any:
-    return pb_grpc.IPAMServiceStub(grpc.insecure_channel(server))  # type: ignore[no-untyped-call]
+    channel = grpc.insecure_channel(check_server(server))
+    return pb_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
+
+
+def _service_cidrs(values: tuple[str, ...] | None) -> list[ipaddress.IPv4Network]:
+    """``--service-cluster-ip-range`` values, each one CIDR or a comma list (as the
+    operator's own flag takes them)."""
+    out: list[ipaddress.IPv4Network] = []
+    for value in values or ():
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            try:
+                net = ipaddress.IPv4Network(part.strip(), strict=True)
+            except ValueError as exc:
+                raise CommandError(
+                    f"--service-cluster-ip-range: {part.strip()!r} is not an IPv4 CIDR: {exc}"
+                ) from None
+            if net not in out:
+                out.append(net)
+    return out
+
+
+def _offline_checks(
+    nets: list[ipaddress.IPv4Network], given: list[ipaddress.IPv4Network], out: IO[str], note: str
+) -> int:
+    services = given or [DEFAULT_SERVICE_CIDR]
+    print(f"service CIDRs:      {', '.join(str(s) for s in services)} ({note})", file=out)
+    offline = [str(e) for e in overlap_errors(nets, service_cidrs=services)]
+    for problem in offline:
+        print(f"problem: {problem}", file=out)
+    if not offline:
+        print("fits: no overlap with the service CIDRs (pools and node networks not checked)",
+              file=out)  # fmt: skip
+    return len(offline)
 
 
 def ipam_plan(
@@ -154,13 +234,17 @@ def ipam_plan(
     pool: str = "",
     service_cidrs: tuple[str, ...] | None = None,
 ) -> int:
-    """Print the node blocks, pod IPs per block and in total for a pool shape; with a
+    """Print the node blocks, pod IPs per node and in total for a pool shape; with a
     reachable operator (``server``), also check it against live pools and nodes:
     overlaps (pools, node networks, service CIDRs), a maskSize change of the existing
     ``pool`` (immutable) and nodes that would not get a block.
 
+    Pod IPs per node are a block's usable addresses minus the agent's router IP (the first
+    usable address of a node's first block); the total assumes one block per node.
+
     The service CIDRs checked are the operator's own ``--service-cluster-ip-range``
-    (GetStatus ``service_cidrs``) plus ``service_cidrs`` when given; offline, or against an
+    (GetStatus ``service_cidrs``) plus ``service_cidrs`` when given (each a CIDR or a comma
+    list); offline, with an unreachable operator (said so in the output), or against an
     operator too old to report them, ``service_cidrs`` or else the operator's default
     10.96.0.0/12.
 
@@ -168,8 +252,10 @@ def ipam_plan(
     are checked.
 
     Raises:
-        CommandError: a CIDR or the mask is invalid, or two ``--cidr`` values overlap
-            (apply refuses that too).
+        CommandError: a CIDR or the mask is invalid, a CIDR overlaps a special-purpose
+            range (loopback, link-local, multicast, ...), the mask leaves no pod address,
+            two ``--cidr`` values overlap (apply refuses these too), or ``server`` is not
+            an address (:func:`check_server`).
     """
     nets: list[ipaddress.IPv4Network] = []
     for cidr in cidrs:
@@ -177,35 +263,46 @@ def ipam_plan(
             net = ipaddress.IPv4Network(cidr, strict=True)
         except ValueError as exc:
             raise CommandError(f"--cidr: {cidr!r} is not an IPv4 CIDR: {exc}") from None
+        hits = special_ranges(net)
+        if hits:
+            name, special = hits[0]
+            raise CommandError(
+                f"--cidr: {net} overlaps the {name} range {special}: not usable for pods "
+                "(apply refuses it too)"
+            )
         for prev in nets:
             if net.overlaps(prev):
                 raise CommandError(f"--cidr: {net} overlaps --cidr {prev}")
         nets.append(net)
-    try:
-        given = [ipaddress.IPv4Network(c, strict=True) for c in service_cidrs or ()]
-    except ValueError as exc:
-        raise CommandError(f"--service-cluster-ip-range: {exc}") from None
+    given = _service_cidrs(service_cidrs)
+    if server is not None:
+        check_server(server)
     try:
         plan = plan_numbers(nets, mask_size, allow_first, allow_last)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    if plan.pods_per_node < 1:
+        raise CommandError(
+            f"--mask-size: a /{mask_size} block leaves no pod address: its "
+            f"{plan.usable_per_block} usable address is the agent's router IP (use a shorter mask)"
+        )
     print(f"CIDRs:              {', '.join(str(n) for n in nets)}", file=out)
     print(f"block size:         /{mask_size}", file=out)
     print(f"node blocks:        {plan.blocks}", file=out)
-    print(f"pod IPs per node:   {plan.usable_per_block}", file=out)
-    print(f"pod IPs in total:   {plan.total_usable}", file=out)
+    print(f"IPs per block:      {plan.usable_per_block}", file=out)
+    print(f"pod IPs per node:   {plan.pods_per_node} (one block; the agent's router IP takes "
+          "one address)", file=out)  # fmt: skip
+    print(f"pod IPs in total:   {plan.pods_total} ({plan.blocks} nodes with one block each)",
+          file=out)  # fmt: skip
     if server is None:
-        services = given or [DEFAULT_SERVICE_CIDR]
-        print(f"service CIDRs:      {', '.join(str(s) for s in services)} (offline)", file=out)
-        offline = [str(e) for e in overlap_errors(nets, service_cidrs=services)]
-        for problem in offline:
-            print(f"problem: {problem}", file=out)
-        return len(offline)
+        return _offline_checks(nets, given, out, "offline")
     try:
         status = _ipam_stub(server).GetStatus(pb.IPAMServiceGetStatusRequest(), timeout=timeout)
     except grpc.RpcError as exc:
-        print(f"live check skipped: cannot reach operator at {server}: {exc.details()}", file=out)
-        return 0
+        print(f"live check skipped: cannot reach operator at {server}: {exc.details()}; "
+              "falling back to the offline checks (service CIDRs only; pools and node "
+              "networks not checked)", file=out)  # fmt: skip
+        return _offline_checks(nets, given, out, "offline: operator unreachable")
     services = list(dict.fromkeys([*(ipaddress.IPv4Network(c) for c in status.service_cidrs
                                      if ":" not in c), *given]))  # fmt: skip
     if not status.service_cidrs and not given:

@@ -8,6 +8,7 @@ import io
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -401,13 +402,94 @@ def test_cli_ipam_plan_offline_prints_blocks_and_pod_ips() -> None:
     offline = run_cli("ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--offline")
     assert offline.returncode == 0
     assert "node blocks:        16" in offline.stdout
-    assert "pod IPs per node:   254" in offline.stdout
-    assert "pod IPs in total:   4064" in offline.stdout
+    assert "IPs per block:      254" in offline.stdout
+    # the agent's router IP is the first usable address of a node's first block
+    assert "pod IPs per node:   253" in offline.stdout
+    assert "pod IPs in total:   4048" in offline.stdout
     both = run_cli(
         "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24",
         "--allow-first-ip", "--allow-last-ip", "--offline",
     )  # fmt: skip
-    assert "pod IPs per node:   256" in both.stdout
+    assert "pod IPs per node:   255" in both.stdout
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_cli_plan_with_unreachable_operator_falls_back_to_offline_checks() -> None:
+    server = f"127.0.0.1:{_closed_port()}"
+    overlap = run_cli(
+        "ipam", "plan", "--cidr", "10.96.0.0/16", "--mask-size", "24", "--server", server,
+        "--service-cluster-ip-range", "10.96.0.0/12", "--timeout", "2",
+    )  # fmt: skip
+    assert overlap.returncode == 1, overlap.stdout + overlap.stderr
+    assert f"live check skipped: cannot reach operator at {server}" in overlap.stdout
+    assert "falling back to the offline checks" in overlap.stdout
+    assert "service CIDRs:      10.96.0.0/12 (offline: operator unreachable)" in overlap.stdout
+    assert "10.96.0.0/16 overlaps the service CIDR 10.96.0.0/12" in overlap.stdout
+    default = run_cli(
+        "ipam", "plan", "--cidr", "10.100.0.0/24", "--mask-size", "26", "--server", server,
+        "--timeout", "2",
+    )  # fmt: skip
+    assert default.returncode == 1 and "service CIDR 10.96.0.0/12" in default.stdout
+    fits = run_cli(
+        "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--server", server,
+        "--timeout", "2",
+    )  # fmt: skip
+    assert fits.returncode == 0, fits.stdout
+    assert "offline: operator unreachable" in fits.stdout and "fits:" in fits.stdout
+
+
+def test_cli_plan_takes_a_comma_list_of_service_cidrs_like_the_operator() -> None:
+    got = run_cli(
+        "ipam", "plan", "--cidr", "10.200.8.0/22", "--mask-size", "24", "--offline",
+        "--service-cluster-ip-range", "10.96.0.0/12,10.200.0.0/16",
+    )  # fmt: skip
+    assert got.returncode == 1, got.stderr
+    assert "service CIDRs:      10.96.0.0/12, 10.200.0.0/16 (offline)" in got.stdout
+    assert "10.200.8.0/22 overlaps the service CIDR 10.200.0.0/16" in got.stdout
+    bad = run_cli(
+        "ipam", "plan", "--cidr", "10.1.0.0/16", "--mask-size", "24", "--offline",
+        "--service-cluster-ip-range", "10.96.0.0/12,nonsense",
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "--service-cluster-ip-range: 'nonsense' is not an IPv4 CIDR" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--server", "garbage::"], "--server: 'garbage::' is not an operator address"),
+        (["--server", "127.0.0.1"], "no port"),
+        (["--server", "127.0.0.1:99999"], "not in 1..65535"),
+        (["--mask-size", "32", "--offline"], "--mask-size: a /32 block leaves no pod address"),
+        (["--cidr", "127.0.0.0/16", "--offline"], "overlaps the loopback range 127.0.0.0/8"),
+        (["--cidr", "224.0.0.0/16", "--offline"], "overlaps the multicast range 224.0.0.0/4"),
+        (["--cidr", "169.254.0.0/16", "--offline"], "link-local range 169.254.0.0/16"),
+    ],
+    ids=["server-garbage", "server-no-port", "server-port", "mask-32", "loopback", "multicast",
+         "link-local"],
+)  # fmt: skip
+def test_cli_plan_usage_errors(args: list[str], message: str) -> None:
+    """Exit 2 with one line naming the flag, like apply refusing the same pool."""
+    cidr = [] if "--cidr" in args else ["--cidr", "10.1.0.0/16"]
+    mask = [] if "--mask-size" in args else ["--mask-size", "24"]
+    got = run_cli("ipam", "plan", *cidr, *mask, *args)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert message in got.stderr and "Traceback" not in got.stderr, got.stderr
+    assert got.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "server",
+    ["127.0.0.1:4250", "localhost:4250", "op.kube-system.svc.cluster.local:4250", "[::1]:4250",
+     "dns:///operator:4250", "unix:/run/cilia/operator.sock", "unix:///run/op.sock"],
+)  # fmt: skip
+def test_cli_server_forms_accepted(server: str) -> None:
+    assert cli.check_server(server) == server
 
 
 def client(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:

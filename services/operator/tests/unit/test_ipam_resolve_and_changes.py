@@ -79,6 +79,10 @@ def test_plan_numbers_match_the_issue_example() -> None:
     assert (plan.blocks, plan.usable_per_block, plan.total_usable) == (16, 254, 4064)
     assert plan_numbers([Net("172.24.0.0/20")], 24, True, False).usable_per_block == 255
     assert plan_numbers([Net("10.0.0.0/30")], 31, False, False).usable_per_block == 2
+    # the agent's router IP takes the first usable address of a node's first block
+    assert (plan.pods_per_node, plan.pods_total) == (253, 4048)
+    assert plan_numbers([Net("10.0.0.0/30")], 31, False, False).pods_per_node == 1
+    assert plan_numbers([Net("10.0.0.0/30")], 32, False, False).pods_per_node == 0
     with pytest.raises(ValueError, match="shorter than the prefix"):
         plan_numbers([Net("172.24.0.0/20")], 16, False, False)
 

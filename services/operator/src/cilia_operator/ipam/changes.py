@@ -194,13 +194,31 @@ def plan_pool_change(
     return change
 
 
+ROUTER_IPS_PER_NODE = 1
+"""Addresses the agent keeps out of a node's first block: its router IP (the cilia_host
+address and the pods' gateway) is the first usable address of that block
+(services/agent app.py ``_choose_router_ip``)."""
+
+
 @dataclass(frozen=True)
 class Plan:
-    """``cilia-operator ipam plan`` numbers for one pool shape."""
+    """``cilia-operator ipam plan`` numbers for one pool shape.
+
+    Attributes:
+        blocks: node blocks of ``/mask_size`` the CIDRs hold.
+        usable_per_block: addresses of one block pods could use (first/last reserved
+            unless allowed), as upstream counts them.
+        total_usable: ``blocks * usable_per_block``.
+        pods_per_node: pod addresses of a node holding one block: ``usable_per_block``
+            minus the agent's router IP (:data:`ROUTER_IPS_PER_NODE`).
+        pods_total: ``blocks * pods_per_node`` (every block on its own node).
+    """
 
     blocks: int
     usable_per_block: int
     total_usable: int
+    pods_per_node: int = 0
+    pods_total: int = 0
 
 
 def plan_numbers(cidrs: Sequence[Net], mask_size: int, allow_first: bool, allow_last: bool) -> Plan:
@@ -219,4 +237,5 @@ def plan_numbers(cidrs: Sequence[Net], mask_size: int, allow_first: bool, allow_
             )
     blocks = sum(1 << (mask_size - c.prefixlen) for c in cidrs)
     per = usable_per_block(mask_size, allow_first, allow_last)
-    return Plan(blocks, per, blocks * per)
+    pods = max(0, per - ROUTER_IPS_PER_NODE)
+    return Plan(blocks, per, blocks * per, pods, blocks * pods)

@@ -159,6 +159,13 @@ _SPECIAL_V4: tuple[tuple[str, ipaddress.IPv4Network], ...] = (
 )
 
 
+def special_ranges(net: ipaddress.IPv4Network) -> list[tuple[str, ipaddress.IPv4Network]]:
+    """The special-purpose ranges (RFC 6890) ``net`` overlaps, as ``(name, range)`` pairs:
+    "this network" 0/8, loopback 127/8, link-local 169.254/16, multicast 224/4, reserved
+    240/4. No pod address may come from them (:func:`validate_pool` refuses such CIDRs)."""
+    return [(name, special) for name, special in _SPECIAL_V4 if net.overlaps(special)]
+
+
 def validate_pool(doc: Mapping[str, Any]) -> CiliumPodIPPool:
     """Validate a CiliumPodIPPool manifest (schema and semantics). IPv4 CIDRs in the
     "this network" (0/8), loopback, link-local, multicast or reserved (240/4) ranges
