@@ -252,3 +252,17 @@ def test_agent_flags_off_start_no_reconcile(env: Env) -> None:
         assert a.agent.iptables_reconciler.interval == 0
         assert not any(t.get_name() == "iptables-reconcile" for t in a.agent._tasks)
         a.stop()
+
+
+def test_flag_default_parse_and_negative_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from cilia_agent.__main__ import main
+    from cilia_agent.config import Config
+
+    assert Config().iptables_reconcile_interval == 10.0
+    assert (
+        Config.model_validate({"iptables_reconcile_interval": "0.5"}).iptables_reconcile_interval
+        == 0.5
+    )
+    assert main(["serve", "--iptables-reconcile-interval", "-1", "--operator", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--iptables-reconcile-interval" in err and "greater than or equal to 0" in err, err
