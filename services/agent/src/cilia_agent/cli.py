@@ -10,12 +10,14 @@ like upstream ``cilium-dbg bpf``: they work while the agent is down; root needed
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import os
 import pathlib
 import socket as socketlib
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TextIO
 
 import grpc
 
@@ -23,11 +25,41 @@ from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 from cilia_common.protojson import message_to_dict
 
 EXIT_AGENT_UNAVAILABLE = 2
+EXIT_BROKEN_PIPE = 1
+"""Exit status when the reader of stdout went away (``| head -1``), as ``cilia-operator``."""
+
+_P = ParamSpec("_P")
 DEFAULT_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
 
 
 class AgentUnavailable(Exception):
     """The agent's socket does not answer (not running, wrong path, no permission)."""
+
+
+def quiet_on_broken_pipe(command: Callable[_P, int]) -> Callable[_P, int]:
+    """Wrap an output command so a closed stdout (``cilia-agent endpoint list | head -1``)
+    ends it quietly with :data:`EXIT_BROKEN_PIPE` instead of a BrokenPipeError traceback.
+
+    stdout is flushed inside the wrapper (a write into a closed pipe may only fail at the
+    flush), and on EPIPE pointed at /dev/null so the interpreter's final flush at exit does
+    not report the error again.
+    """
+
+    @functools.wraps(command)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> int:
+        try:
+            code = command(*args, **kwargs)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+            return EXIT_BROKEN_PIPE
+        return code
+
+    return wrapper
 
 
 def _call(socket: pathlib.Path, timeout: float, method: str) -> Any:
@@ -48,6 +80,7 @@ def _call(socket: pathlib.Path, timeout: float, method: str) -> Any:
             ) from exc
 
 
+@quiet_on_broken_pipe
 def status(
     socket: pathlib.Path, timeout: float, out: TextIO = sys.stdout, output: str = "table"
 ) -> int:
@@ -110,6 +143,7 @@ def _ifindex(name: str) -> int:
         return 0
 
 
+@quiet_on_broken_pipe
 def endpoint_list(
     socket: pathlib.Path,
     timeout: float,
@@ -184,6 +218,7 @@ def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
 _PROTO = {0: "ANY", 1: "ICMP", 6: "TCP", 17: "UDP"}
 
 
+@quiet_on_broken_pipe
 def bpf_policy_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
     """Print the pinned policy map (every endpoint's entries) with packet/byte counters.
 
@@ -234,6 +269,7 @@ def bpf_policy_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout
     return 0
 
 
+@quiet_on_broken_pipe
 def bpf_ipcache_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
     """Print the pinned ipcache (prefix → identity, hosting node).
 
