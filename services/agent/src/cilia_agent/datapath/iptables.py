@@ -3,8 +3,9 @@
 Once Docker runs, the FORWARD policy is DROP (environment-notes.md), so routed
 pod traffic needs explicit admission. The agent owns one chain,
 ``CILIA_FORWARD``, holding ``-i lxc+ -j ACCEPT`` and ``-o lxc+ -j ACCEPT``, and
-one jump ``FORWARD -j CILIA_FORWARD`` inserted at position 1 when absent. No
-other rule is touched.
+one jump ``FORWARD -j CILIA_FORWARD`` inserted at position 1 when absent (or
+moved there when found after a DROP/REJECT rule). Rules in ``CILIA_FORWARD`` other
+than its two are deleted; no other rule is touched.
 
 dockerd restarts, firewall reloads (``iptables -F FORWARD``, firewalld, ufw) and
 people remove the jump or flush the chain; every routed pod packet is then dropped.
