@@ -126,6 +126,42 @@ def test_check_passes_then_lists_every_difference(env: Env) -> None:
     assert "interface eth0 not found" in msg and f"host veth {host_ifname('chk', 'eth0')}" in msg
 
 
+def test_check_fails_on_a_changed_mtu_and_on_addresses_without_the_assigned_one(env: Env) -> None:
+    a = env.start_agent()
+    ns = netns(env)
+    name = ns.rsplit("/", 1)[1]
+    r = a.attach.Add(add_req(ns, "chkmtu"), timeout=10)
+    ip = r.ips[0].address
+    other = agent_pb2.CheckRequest(
+        container_id="chkmtu", ifname="eth0", netns=ns, addresses=["10.255.255.1/32"]
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Check(other)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"address {ip} assigned at Add is not in the request's addresses" in (
+        err.value.details() or ""
+    )
+    configured = a.config.mtu
+    sh("ip", "-n", name, "link", "set", "eth0", "mtu", str(configured - 100))
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Check(agent_pb2.CheckRequest(container_id="chkmtu", ifname="eth0", netns=ns))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"mtu: expected {configured}, eth0 has {configured - 100}" in (err.value.details() or "")
+    sh("ip", "-n", name, "link", "set", "eth0", "mtu", str(configured))
+    ok = agent_pb2.CheckRequest(container_id="chkmtu", ifname="eth0", netns=ns, addresses=[ip])
+    assert a.attach.Check(ok).endpoint_id == r.endpoint_id
+
+
+def test_add_refuses_a_5000_char_container_id_quoting_only_its_start(env: Env) -> None:
+    a = env.start_agent()
+    long_id = "a" * 5000
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Add(add_req(netns(env), long_id), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    msg = err.value.details() or ""
+    assert "container_id:" in msg and "(5000 chars)" in msg and len(msg) < 300
+
+
 def test_check_unknown_attachment_is_not_found_and_creating_is_unavailable(env: Env) -> None:
     a = env.start_agent()
     with pytest.raises(grpc.RpcError) as err:

@@ -109,18 +109,32 @@ class RestoreReport:
     identities are released by the enforcement layer)."""
 
 
+#: Longest request value quoted in an error message (longer ones are cut, length named).
+MAX_SHOWN_CHARS = 80
+
+
+def _shown(value: str) -> str:
+    """``repr(value)`` cut to :data:`MAX_SHOWN_CHARS` (the full length is named)."""
+    text = repr(value)
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[: MAX_SHOWN_CHARS - 4]}...' ({len(value)} chars)"
+
+
 def validate_ifname(value: str, field_name: str = "ifname") -> None:
     """Raise InvalidRequest unless ``value`` is a Linux interface name (1-15 chars)."""
     if not value:
         raise InvalidRequest(field_name, "must not be empty")
     if len(value) > 15 or value in (".", "..") or _IFNAME_BAD.search(value):
-        raise InvalidRequest(field_name, f"{value!r} is not a valid interface name")
+        raise InvalidRequest(field_name, f"{_shown(value)} is not a valid interface name")
 
 
 def validate_add(p: AddParams) -> None:
     """Check every Add field; raises InvalidRequest naming the first bad one."""
     if not _CONTAINER_ID.match(p.container_id):
-        raise InvalidRequest("container_id", f"{p.container_id!r} must be 1-255 of [A-Za-z0-9_.-]")
+        raise InvalidRequest(
+            "container_id", f"{_shown(p.container_id)} must be 1-255 of [A-Za-z0-9_.-]"
+        )
     validate_ifname(p.ifname)
     if not p.netns:
         raise InvalidRequest("netns", "must not be empty")
@@ -711,6 +725,9 @@ class EndpointManager:
         route (the request's, else the default route via the router; a route with an
         empty gateway matches any gateway); the host veth exists; the enforcement
         hooks report no problem (programs attached, endpoint map entry present).
+        When the request lists addresses (the runtime's prevResult), the address the
+        agent assigned (or the chained prevResult's) must be among them. The interface
+        MTU must be the one configured at Add (not checked for chained endpoints).
         IPv6 addresses and routes in the request are not checked (IPv4 only).
 
         Raises:
@@ -765,17 +782,31 @@ class EndpointManager:
             if rec.chained
             else [f"{rec.ipv4}/32"]
         )
+        assigned = ipaddress.ip_interface(
+            str(parse_prev_result(rec.prev_result, rec.ifname).address)
+            if rec.chained
+            else f"{rec.ipv4}/32"
+        )
+        wanted: set[ipaddress.IPv4Interface | ipaddress.IPv6Interface] = set()
         for text in expected:
             try:
                 want = ipaddress.ip_interface(text)
             except ValueError:
-                diffs.append(f"expected address {text!r} is not an address")
+                diffs.append(f"expected address {_shown(text)} is not an address")
                 continue
+            wanted.add(want)
             if want.version == 4 and want not in have:
                 diffs.append(
                     f"address {want} missing on {rec.ifname} "
                     f"(has {', '.join(sorted(iface.addresses)) or 'none'})"
                 )
+        if c.addresses and assigned not in wanted:
+            diffs.append(
+                f"address {assigned} assigned at Add is not in the request's addresses "
+                f"(prevResult.ips: {', '.join(sorted(map(str, wanted))) or 'none'})"
+            )
+        if not rec.chained and iface.mtu and iface.mtu != rec.mtu:
+            diffs.append(f"mtu: expected {rec.mtu}, {rec.ifname} has {iface.mtu}")
         if c.mac and c.mac.lower() != iface.mac:
             diffs.append(f"mac: expected {c.mac.lower()}, {rec.ifname} has {iface.mac}")
         routes = c.routes or self._expected_routes(rec)

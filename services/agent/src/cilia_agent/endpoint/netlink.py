@@ -38,6 +38,7 @@ class NetnsInterface:
             the default route is ``("0.0.0.0/0", gw)``. Routes of every device are listed.
         peer_ifindex: ``IFLA_LINK`` (a veth's peer index in the peer's netns; 0 = none).
         peer_netnsid: ``IFLA_LINK_NETNSID`` (-1 when the peer is in the same netns).
+        mtu: ``IFLA_MTU`` in bytes (0 when the kernel did not report it).
     """
 
     ifindex: int
@@ -47,6 +48,7 @@ class NetnsInterface:
     routes: list[tuple[str, str]] = field(default_factory=list)
     peer_ifindex: int = 0
     peer_netnsid: int = -1
+    mtu: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ def inspect_interface(netns: str, ifname: str) -> NetnsInterface | None:
                 routes=_routes(ns),
                 peer_ifindex=int(msg.get("IFLA_LINK") or 0),
                 peer_netnsid=int(netnsid) if netnsid is not None else -1,
+                mtu=int(msg.get("IFLA_MTU") or 0),
             )
     except NetlinkError as exc:
         raise DatapathError(f"cannot read {ifname} in {netns}: {exc}") from exc
