@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
-from .ipam.pool import PoolSpec
+from .ipam.pool import PoolSpec, no_pod_address
 
 
 class ConfigError(ValueError):
@@ -119,6 +119,11 @@ class Config(BaseModel):
         nets = [ipaddress.IPv4Network(c) for c in self.cluster_pool_ipv4_cidr]
         if self.ipam == "cluster-pool" and not nets:
             raise ValueError("--cluster-pool-ipv4-cidr: required with --ipam cluster-pool")
+        why = no_pod_address(self.cluster_pool_ipv4_mask_size, False, False)
+        if why:
+            raise ValueError(
+                f"--cluster-pool-ipv4-mask-size: {self.cluster_pool_ipv4_mask_size}: {why}"
+            )
         for net in nets:
             if self.cluster_pool_ipv4_mask_size < net.prefixlen:
                 raise ValueError(

@@ -21,6 +21,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator import cli
 from cilia_operator.app import Operator
+from cilia_operator.ipam.changes import plan_numbers
 
 CLUSTER = {
     "ipam": "cluster-pool",
@@ -623,3 +624,37 @@ def test_cli_output_into_a_closed_pipe_exits_quietly() -> None:
         os.close(writer)
     assert "Traceback" not in got.stderr and "BrokenPipe" not in got.stderr
     assert got.returncode != 0
+
+
+async def test_apply_refuses_a_mask_leaving_no_pod_address_and_dry_run_counts_like_plan(
+    redis_url: str,
+) -> None:
+    """apply -f refuses maskSize 32 (the agent's router IP takes the block's only address)
+    naming the pool and field, writes nothing; the dry run's pod IPs per block are plan's."""
+    async with running_operator(redis_url) as (op, channel):
+        for extra in ("", ", allowFirstIP: true, allowLastIP: true"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await apply(channel, pool_yaml("tiny", ["10.233.0.0/24"], mask=32, extra=extra))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = err.value.details() or ""
+            assert "CiliumPodIPPool tiny" in details and "spec.ipv4.maskSize" in details
+            assert "no pod address left" in details and "router IP" in details
+        assert [p["metadata"]["name"] for p in (await op.store.list("CiliumPodIPPool")).items] == [
+            "default"
+        ]
+        # /31 keeps both addresses: router + 1 pod, accepted.
+        await apply(channel, pool_yaml("pair", ["10.233.1.0/24"], mask=31))
+        for mask, extra in ((26, ""), (30, ""), (30, ", allowFirstIP: true"), (31, "")):
+            first = "allowFirstIP" in extra
+            plan = plan_numbers([ipaddress.IPv4Network("10.233.2.0/24")], mask, first, False)
+            dry = await apply(
+                channel, pool_yaml("new", ["10.233.2.0/24"], mask=mask, extra=extra), True
+            )
+            assert (
+                f"pool new: created with {plan.blocks} blocks of /{mask} "
+                f"({plan.pods_per_node} pod IPs each: {plan.usable_per_block} usable, the "
+                "agent's router IP takes one)"
+            ) in dry.effects
+        assert (mask, plan.pods_per_node) == (31, 1)
+        names = {p["metadata"]["name"] for p in (await op.store.list("CiliumPodIPPool")).items}
+        assert names == {"default", "pair"}

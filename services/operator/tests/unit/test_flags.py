@@ -137,3 +137,23 @@ def test_bad_identity_flags_exit_2_naming_the_flag(capsys: pytest.CaptureFixture
         main(["serve", "--identity-gc-interval", "soon"])
     assert exit_.value.code == 2
     assert "--identity-gc-interval" in capsys.readouterr().err
+
+
+def test_mask_leaving_no_pod_address_exits_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cilia_operator.__main__ import main
+
+    cluster = ["serve", "--ipam", "cluster-pool", "--cluster-pool-ipv4-cidr", "10.0.0.0/16"]
+    assert main([*cluster, "--cluster-pool-ipv4-mask-size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "--cluster-pool-ipv4-mask-size: 32" in err and "no pod address left" in err
+    pools = [
+        "serve",
+        "--auto-create-cilium-pod-ip-pools",
+        "x=ipv4-cidrs:10.0.0.0/24;ipv4-mask-size:32",
+    ]
+    assert main(pools) == 2
+    err = capsys.readouterr().err
+    assert "pool 'x'" in err and "spec.ipv4.maskSize: 32" in err and "router IP" in err

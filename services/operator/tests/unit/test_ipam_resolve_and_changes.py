@@ -131,3 +131,24 @@ def test_cluster_pool_flags_are_validated() -> None:
     ok = Config(ipam="cluster-pool", cluster_pool_ipv4_cidr=["10.0.0.0/16,10.1.0.0/16"])
     assert ok.cluster_pool_cidrs == (Net("10.0.0.0/16"), Net("10.1.0.0/16"))
     assert ok.service_cidrs == (Net("10.96.0.0/12"),)
+
+
+def test_cluster_pool_mask_leaving_no_pod_address_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"--cluster-pool-ipv4-mask-size: 32: a /32 block has 1 "
+                       "usable address and the agent takes the first as its router IP"):  # fmt: skip
+        Config(ipam="cluster-pool", cluster_pool_ipv4_cidr=["10.0.0.0/16"],
+               cluster_pool_ipv4_mask_size=32)  # fmt: skip
+    ok = Config(ipam="cluster-pool", cluster_pool_ipv4_cidr=["10.0.0.0/16"],
+                cluster_pool_ipv4_mask_size=31)  # fmt: skip
+    assert ok.cluster_pool_ipv4_mask_size == 31
+
+
+def test_dry_run_of_a_new_pool_counts_pod_ips_like_plan() -> None:
+    new = PoolSpec("blue", (Net("10.1.0.0/24"),), 30, allow_first_ip=True)
+    change = plan_pool_change(new, None, {})
+    plan = plan_numbers(new.cidrs, 30, True, False)
+    assert (plan.usable_per_block, plan.pods_per_node) == (3, 2)
+    assert change.effects == [
+        "pool blue: created with 64 blocks of /30 (2 pod IPs each: 3 usable, the agent's "
+        "router IP takes one)"
+    ]

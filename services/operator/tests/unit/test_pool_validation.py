@@ -133,3 +133,60 @@ def test_special_purpose_ipv4_ranges_are_refused(cidr: str, name: str) -> None:
         validate_pool(pool(ipv4={"cidrs": ["10.10.0.0/16", cidr], "maskSize": 24}))
     assert paths(err.value) == ["spec.ipv4.cidrs[1]"]
     assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("mask", "flags", "refused"),
+    [
+        (32, {}, True),
+        (32, {"allowFirstIP": True, "allowLastIP": True}, True),
+        (31, {}, False),  # /31 keeps both addresses: router + 1 pod
+        (30, {}, False),  # 2 usable without the flags: router + 1 pod
+        (30, {"allowFirstIP": True}, False),
+    ],
+)
+def test_mask_leaving_no_pod_address_after_the_router_ip_is_refused(
+    mask: int, flags: dict[str, bool], refused: bool
+) -> None:
+    doc = pool(ipv4={"cidrs": ["10.10.0.0/16"], "maskSize": mask}, **flags)
+    if not refused:
+        validate_pool(doc)
+        return
+    with pytest.raises(InvalidResource) as err:
+        validate_pool(doc)
+    [only] = err.value.errors
+    assert only.path == "spec.ipv4.maskSize"
+    assert only.reason == (
+        "32: a /32 block has 1 usable address and the agent takes the first as its router "
+        "IP: no pod address left (use a mask of at most 31)"
+    )
+    # a pool stored before the check still loads (the controller keeps serving it)
+    assert validate_pool(doc, stored=True).spec.ipv4 is not None
+
+
+def test_apply_manifest_with_mask_32_names_the_pool_and_field() -> None:
+    text = (
+        "apiVersion: cilium.io/v2alpha1\nkind: CiliumPodIPPool\nmetadata: {name: tiny}\n"
+        "spec: {ipv4: {cidrs: [10.20.0.0/24], maskSize: 32}}\n"
+    )
+    with pytest.raises(InvalidManifest) as err:
+        validate_manifest(text, {})
+    assert "CiliumPodIPPool tiny" in str(err.value)
+    assert "spec.ipv4.maskSize: 32: a /32 block has 1 usable address" in str(err.value)
+
+
+def test_pod_ips_per_node_is_shared_by_plan_and_apply() -> None:
+    from cilia_operator.ipam.changes import plan_numbers
+    from cilia_operator.ipam.pool import pods_per_node, usable_per_block
+
+    for mask in range(16, 33):
+        for first in (False, True):
+            for last in (False, True):
+                plan = plan_numbers([ipaddress.IPv4Network("10.0.0.0/16")], mask, first, last)
+                assert plan.usable_per_block == usable_per_block(mask, first, last)
+                assert plan.pods_per_node == pods_per_node(mask, first, last)
+                assert plan.usable_per_block == PoolSpec("p", (), mask, first, last).usable(
+                    ipaddress.IPv4Network(f"10.0.0.0/{mask}")
+                )
+    assert (pods_per_node(24, False, False), pods_per_node(31, False, False)) == (253, 1)
+    assert pods_per_node(32, True, True) == 0

@@ -23,7 +23,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import FieldError
-from .pool import PoolSpec
+from .pool import ROUTER_IPS_PER_NODE, PoolSpec, pods_per_node, usable_per_block
+
+__all__ = [
+    "ROUTER_IPS_PER_NODE",
+    "NodeNetworks",
+    "Plan",
+    "PoolChange",
+    "overlap_errors",
+    "plan_numbers",
+    "plan_pool_change",
+    "pods_per_node",
+    "usable_per_block",
+]
 
 Net = ipaddress.IPv4Network
 
@@ -58,15 +70,6 @@ class PoolChange:
     errors: list[FieldError] = field(default_factory=list)
     effects: list[str] = field(default_factory=list)
     draining: list[Net] = field(default_factory=list)
-
-
-def usable_per_block(mask_size: int, allow_first: bool, allow_last: bool) -> int:
-    """Pod addresses of one block of ``/mask_size`` (first/last reserved unless allowed;
-    /31 and /32 keep every address, as upstream)."""
-    size = 1 << (32 - mask_size)
-    if size <= 2:
-        return size
-    return size - (0 if allow_first else 1) - (0 if allow_last else 1)
 
 
 def overlap_errors(
@@ -158,10 +161,11 @@ def plan_pool_change(
                     )
                 )
     usable = usable_per_block(new.mask_size, new.allow_first_ip, new.allow_last_ip)
+    pods = pods_per_node(new.mask_size, new.allow_first_ip, new.allow_last_ip)
     if stored is None:
         change.effects.append(
             f"pool {name}: created with {new.blocks_total()} blocks of /{new.mask_size} "
-            f"({usable} pod IPs each)"
+            f"({pods} pod IPs each: {usable} usable, the agent's router IP takes one)"
         )
     for _, cidr in fresh:
         blocks = 1 << max(0, new.mask_size - cidr.prefixlen)
@@ -192,12 +196,6 @@ def plan_pool_change(
                 "stays in use, no new blocks from it; released when the node hands it back)"
             )
     return change
-
-
-ROUTER_IPS_PER_NODE = 1
-"""Addresses the agent keeps out of a node's first block: its router IP (the cilia_host
-address and the pods' gateway) is the first usable address of that block
-(services/agent app.py ``_choose_router_ip``)."""
 
 
 @dataclass(frozen=True)
@@ -237,5 +235,5 @@ def plan_numbers(cidrs: Sequence[Net], mask_size: int, allow_first: bool, allow_
             )
     blocks = sum(1 << (mask_size - c.prefixlen) for c in cidrs)
     per = usable_per_block(mask_size, allow_first, allow_last)
-    pods = max(0, per - ROUTER_IPS_PER_NODE)
+    pods = pods_per_node(mask_size, allow_first, allow_last)
     return Plan(blocks, per, blocks * per, pods, blocks * pods)

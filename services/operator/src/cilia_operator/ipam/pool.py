@@ -142,11 +142,52 @@ class PoolSpec:
 
     def usable(self, block: ipaddress.IPv4Network) -> int:
         """Usable pod addresses in ``block``: 2^hostbits, minus the first and last address
-        unless allowed; /31 and /32 keep every address (upstream rule)."""
-        size = block.num_addresses
-        if size <= 2:
-            return size
-        return size - (0 if self.allow_first_ip else 1) - (0 if self.allow_last_ip else 1)
+        unless allowed; /31 and /32 keep every address (upstream rule;
+        :func:`usable_per_block`)."""
+        return usable_per_block(block.prefixlen, self.allow_first_ip, self.allow_last_ip)
+
+
+ROUTER_IPS_PER_NODE = 1
+"""Addresses the agent keeps out of a node's first block: its router IP (the cilia_host
+address and the pods' gateway) is the first usable address of that block
+(services/agent app.py ``_choose_router_ip``)."""
+
+
+def usable_per_block(mask_size: int, allow_first: bool, allow_last: bool) -> int:
+    """Usable addresses of one block of ``/mask_size`` (1..32): 2^(32 - mask_size), minus
+    the first and last address unless allowed; /31 and /32 keep every address (as upstream
+    counts them, reference: cilium-upstream.md §1)."""
+    size = 1 << (32 - mask_size)
+    if size <= 2:
+        return size
+    return size - (0 if allow_first else 1) - (0 if allow_last else 1)
+
+
+def pods_per_node(mask_size: int, allow_first: bool, allow_last: bool) -> int:
+    """Pod addresses of a node holding one block of ``/mask_size``: the block's usable
+    addresses (:func:`usable_per_block`) minus the agent's router IP
+    (:data:`ROUTER_IPS_PER_NODE`); 0 when nothing is left for pods. Used by
+    ``cilia-operator ipam plan``, ``apply`` (validation and dry run) and
+    ``--cluster-pool-ipv4-mask-size``."""
+    return max(0, usable_per_block(mask_size, allow_first, allow_last) - ROUTER_IPS_PER_NODE)
+
+
+def no_pod_address(mask_size: int, allow_first: bool, allow_last: bool) -> str | None:
+    """Why a block of ``/mask_size`` (1..32) with these flags leaves no pod address, or
+    None when it leaves at least one (usable addresses >= router IP + 1 pod).
+
+    E.g. ``a /32 block has 1 usable address and the agent takes it as its router IP: no
+    pod address left (use a mask of at most 31)``.
+    """
+    if pods_per_node(mask_size, allow_first, allow_last) >= 1:
+        return None
+    usable = usable_per_block(mask_size, allow_first, allow_last)
+    longest = next(m for m in range(32, 0, -1) if pods_per_node(m, allow_first, allow_last))
+    return (
+        f"a /{mask_size} block has {usable} usable address{'es' if usable != 1 else ''} "
+        "and the agent takes the first as its router IP: no pod address left (use a mask "
+        f"of at most {longest})"
+    )
 
 
 # IPv4 ranges no pod address may come from (RFC 6890): refused in spec.ipv4.cidrs.
@@ -166,10 +207,17 @@ def special_ranges(net: ipaddress.IPv4Network) -> list[tuple[str, ipaddress.IPv4
     return [(name, special) for name, special in _SPECIAL_V4 if net.overlaps(special)]
 
 
-def validate_pool(doc: Mapping[str, Any]) -> CiliumPodIPPool:
+def validate_pool(doc: Mapping[str, Any], *, stored: bool = False) -> CiliumPodIPPool:
     """Validate a CiliumPodIPPool manifest (schema and semantics). IPv4 CIDRs in the
     "this network" (0/8), loopback, link-local, multicast or reserved (240/4) ranges
-    are refused.
+    are refused, and so is an IPv4 ``maskSize`` whose block leaves no pod address once
+    the agent took its router IP (:func:`no_pod_address`; in practice /32: a /31 keeps
+    both addresses, a /30 has 2 even without allowFirstIP/allowLastIP).
+
+    Args:
+        doc: the manifest.
+        stored: the pool is already in the store (loaded by the controller): the
+            no-pod-address check is skipped so a pool accepted before it keeps working.
 
     Raises:
         InvalidResource: every problem found, each with its field path, e.g.
@@ -209,6 +257,11 @@ def validate_pool(doc: Mapping[str, Any]) -> CiliumPodIPPool:
                             f"{net} overlaps cidrs[{j}] {nets[j]} of the same pool",
                         )
                     )
+    v4 = pool.spec.ipv4
+    if v4 is not None and not stored:
+        why = no_pod_address(v4.maskSize, pool.spec.allowFirstIP, pool.spec.allowLastIP)
+        if why:
+            errors.append(FieldError("spec.ipv4.maskSize", f"{v4.maskSize}: {why}"))
     if errors:
         raise InvalidResource(errors)
     return pool
@@ -250,7 +303,7 @@ def pool_spec_from_resource(obj: Mapping[str, Any]) -> PoolSpec:
         InvalidResource: the stored object is invalid.
     """
     doc = {k: v for k, v in obj.items() if k in ("apiVersion", "kind", "metadata", "spec")}
-    spec = to_pool_spec(validate_pool(doc))
+    spec = to_pool_spec(validate_pool(doc, stored=True))
     return dataclasses.replace(spec, draining=draining_cidrs(obj))
 
 
