@@ -75,6 +75,18 @@ def test_malformed_variable_fails_with_code_4_naming_it(
     assert_cni_error(run, 4, variable)
 
 
+@pytest.mark.parametrize("command", ["ADD", "CHECK", "DEL"])
+def test_a_5000_char_container_id_fails_with_code_4_quoting_only_its_start(
+    command: str, absent_socket: str
+) -> None:
+    run = exec_cni(cni_env(command, CNI_CONTAINERID="a" * 5000), netconf(absent_socket))
+    err = assert_cni_error(run, 4, "CNI_CONTAINERID", "5000 characters", "longer than 255")
+    assert "a" * 100 not in err["msg"] + err["details"]
+    # 255 is accepted as far as the environment goes (the absent agent socket fails next).
+    ok = exec_cni(cni_env("ADD", CNI_CONTAINERID="a" * 255), netconf(absent_socket))
+    assert ok.json["code"] != 4, ok
+
+
 @pytest.mark.parametrize("cni_args", ["K8S_POD_NAME", "A=B;", "=x", "A=B=C", "A=1;;B=2"])
 def test_malformed_cni_args_fails_with_code_4(cni_args: str, absent_socket: str) -> None:
     run = exec_cni(cni_env("ADD", CNI_ARGS=cni_args), netconf(absent_socket))

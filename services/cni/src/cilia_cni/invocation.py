@@ -21,6 +21,9 @@ COMMANDS = ("ADD", "DEL", "CHECK", "VERSION", "STATUS", "GC")
 ATTACHMENT_COMMANDS = ("ADD", "DEL", "CHECK")
 #: Container id rule of libcni (pkg/utils ValidateContainerID).
 _CONTAINER_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
+#: Longest CNI_CONTAINERID accepted, in characters: cilia-agent's limit (1-255 of the
+#: libcni characters; containerd and CRI-O ids are 64 hex characters). Longer is code 4.
+MAX_CONTAINER_ID_CHARS = 255
 #: Linux IFNAMSIZ (16) minus the terminating NUL.
 MAX_IFNAME_BYTES = 15
 _MAX_SHOWN = 80
@@ -48,7 +51,8 @@ class Invocation:
 
     Attributes:
         command: one of :data:`COMMANDS` (CNI_COMMAND).
-        container_id: CNI_CONTAINERID (libcni rule ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``);
+        container_id: CNI_CONTAINERID (libcni rule ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``, at most
+            :data:`MAX_CONTAINER_ID_CHARS`);
             empty for VERSION, STATUS and GC.
         netns: CNI_NETNS, an absolute path; required for ADD and CHECK, may be empty for
             DEL, empty for VERSION, STATUS and GC.
@@ -117,6 +121,11 @@ def parse_invocation(env: Mapping[str, str], command: str) -> Invocation:
     if not container_id:
         raise InvalidEnvironment(
             f"required environment variable CNI_CONTAINERID is missing for {command}"
+        )
+    if len(container_id) > MAX_CONTAINER_ID_CHARS:
+        raise InvalidEnvironment(
+            f"CNI_CONTAINERID {show(container_id)} is {len(container_id)} characters, longer "
+            f"than {MAX_CONTAINER_ID_CHARS} (the limit cilia-agent accepts)"
         )
     if not _CONTAINER_ID.fullmatch(container_id):
         raise InvalidEnvironment(
