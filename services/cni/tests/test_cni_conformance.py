@@ -151,6 +151,39 @@ def test_check_reports_a_mismatch_with_prev_result(
     assert_cni_error(cni.check("chk-1", ns), 102)
 
 
+@pytest.mark.parametrize("version", ["0.4.0", "1.1.0"])
+def test_check_fails_on_another_sandbox_no_cached_address_or_a_changed_mtu(
+    real_agent: RealAgent, libcni: Libcni, netns: Netns, version: str
+) -> None:
+    cni = libcni.with_version(version)
+    ns, other = netns.add(), netns.add()
+    add = cni.add("chk-2", ns)
+    assert add.returncode == 0, add
+    assert cni.check("chk-2", ns).returncode == 0
+    moved = json.loads(add.stdout)
+    [container] = [i for i in moved["interfaces"] if i.get("sandbox")]
+    assert container["sandbox"] == ns
+    container["sandbox"] = other
+    assert_cni_error(cni.check("chk-2", ns, prevResult=moved), 102, "sandbox", other, ns)
+    no_ips = json.loads(add.stdout)
+    no_ips["ips"] = []
+    assert_cni_error(cni.check("chk-2", ns, prevResult=no_ips), 102, "prevResult.ips")
+    # Another address of ours inside the netns, cached instead of the assigned one.
+    elsewhere = json.loads(add.stdout)
+    assigned = elsewhere["ips"][0]["address"]
+    sh("ip", "-n", os.path.basename(ns), "addr", "add", "10.238.255.253/32", "dev", "eth0")
+    elsewhere["ips"][0]["address"] = "10.238.255.253/32"
+    assert_cni_error(cni.check("chk-2", ns, prevResult=elsewhere), 102, f"address {assigned}")
+    sh("ip", "-n", os.path.basename(ns), "addr", "del", "10.238.255.253/32", "dev", "eth0")
+    assert cni.check("chk-2", ns).returncode == 0
+    name = os.path.basename(ns)
+    [link] = json.loads(sh("ip", "-n", name, "-j", "link", "show", "dev", "eth0"))
+    mtu = link["mtu"]  # what the agent set at ADD (its --mtu)
+    sh("ip", "-n", name, "link", "set", "eth0", "mtu", str(mtu - 100))
+    assert_cni_error(cni.check("chk-2", ns), 102, f"mtu: expected {mtu}, eth0 has {mtu - 100}")
+    assert cni.delete("chk-2", ns).returncode == 0
+
+
 def test_status_is_0_when_ready_with_free_addresses(real_agent: RealAgent, libcni: Libcni) -> None:
     run = libcni.with_version("1.1.0").status()
     assert (run.returncode, run.stdout) == (0, ""), run

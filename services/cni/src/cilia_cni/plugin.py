@@ -23,6 +23,7 @@ from cilia_cni.errors import (
     AgentTimeout,
     AgentUnavailable,
     AgentUnreachable,
+    CheckMismatch,
     CniError,
     DecodingFailure,
     IncompatibleVersion,
@@ -31,7 +32,13 @@ from cilia_cni.errors import (
     IOFailure,
     PluginNotAvailable,
 )
-from cilia_cni.invocation import Invocation, parse_cni_args, parse_command, parse_invocation
+from cilia_cni.invocation import (
+    Invocation,
+    parse_cni_args,
+    parse_command,
+    parse_invocation,
+    show,
+)
 from cilia_cni.log import EventLog
 
 # typing is not imported at run time (start-up cost); mypy honours this constant.
@@ -233,7 +240,12 @@ def _del(
 def _check(
     invocation: Invocation, conf: Mapping[str, object], config: netconf.NetConf, log: EventLog
 ) -> str:
-    """CHECK: the agent compares the netns and its endpoint with prevResult."""
+    """CHECK: the agent compares the netns and its endpoint with prevResult.
+
+    Refused here with code 102 (:class:`CheckMismatch`), before asking the agent: the
+    ``sandbox`` of prevResult's interface is not CNI_NETNS; prevResult.ips holds no address
+    for that interface (the agent then checks the one it assigned is listed).
+    """
     prev = netconf.parse_prev_result(conf, "CHECK")
     if prev is None:
         raise InvalidNetworkConfig(
@@ -259,9 +271,23 @@ def _check(
             f"network config field `prevResult.interfaces` has no interface named "
             f"{invocation.ifname!r} (CNI_IFNAME): it is not this attachment's result"
         )
+    sandbox = str(interfaces[index].get("sandbox") or "")
+    if sandbox and not _same_netns(sandbox, invocation.netns):
+        raise CheckMismatch(
+            f"prevResult.interfaces[{index}].sandbox {show(sandbox)} is not CNI_NETNS "
+            f"{show(invocation.netns)}: the cached result is another sandbox's; "
+            "the runtime should DEL and ADD the container again"
+        )
     ips = prev.get("ips") or []
     routes = prev.get("routes") or []
     assert isinstance(ips, list) and isinstance(routes, list)
+    addresses = [ip["address"] for ip in ips if ip.get("interface", index) == index]
+    if not addresses:
+        raise CheckMismatch(
+            f"prevResult.ips has no address for interface {invocation.ifname!r} "
+            f"(prevResult.interfaces[{index}]): the container's address is not what the "
+            "runtime cached; the runtime should DEL and ADD the container again"
+        )
     _check_socket(config.agent_socket, "CHECK")
     from cilia.agent.v1 import agent_pb2
 
@@ -269,13 +295,23 @@ def _check(
         container_id=invocation.container_id,
         ifname=invocation.ifname,
         netns=invocation.netns,
-        addresses=[ip["address"] for ip in ips if ip.get("interface", index) == index],
+        addresses=addresses,
         routes=[agent_pb2.Route(dst=r["dst"], gw=r.get("gw", "")) for r in routes],
         mac=str(interfaces[index].get("mac", "")),
     )
     with _client(config) as client:
         client.check(request, config.add_timeout)
     return ""
+
+
+def _same_netns(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name the same netns (equal, or the same inode)."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
 
 
 def _gc(
