@@ -65,17 +65,15 @@ class BenchError(RuntimeError):
     """The benchmark could not run (stack, an RPC or the plumbing failed)."""
 
 
-def agent_cpu_ms(pid: int) -> float:
-    """utime + stime of process ``pid`` in ms (all threads).
+def agent_cpu_ms(stack: datapath.Stack, pid: int) -> float:
+    """utime + stime of the stack's agent ``pid`` in ms (all threads), read with
+    :func:`bench.datapath.process_cpu_seconds`.
 
     Raises:
-        BenchError: the process is gone.
+        bench.datapath.BenchError: the agent is gone or was restarted (another pid).
     """
-    try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError as exc:
-        raise BenchError(f"agent pid {pid} is gone: {exc}") from exc
-    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+    datapath.check_same_agent(stack, pid)
+    return datapath.process_cpu_seconds(pid) * 1000
 
 
 def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
@@ -108,7 +106,7 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
         for i, netns in enumerate(paths):
             timed = i >= args.warmup
             if i == args.warmup:
-                cpu_start = agent_cpu_ms(agent_pid)
+                cpu_start = agent_cpu_ms(stack, agent_pid)
             container_id = f"bench-agent-{tag}-{i}"
             request = agent_pb2.AddRequest(
                 container_id=container_id,
@@ -142,7 +140,9 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
                 out["del"].append(deleted - added)
                 out["floor_add"].append(floor_added - floor_start)
                 out["floor_del"].append(floor_deleted - floor_added)
-        out["agent_cpu_ms_per_pod"] = round((agent_cpu_ms(agent_pid) - cpu_start) / args.pods, 1)
+        out["agent_cpu_ms_per_pod"] = round(
+            (agent_cpu_ms(stack, agent_pid) - cpu_start) / args.pods, 1
+        )
     finally:
         channel.close()
         for name in names:

@@ -663,33 +663,41 @@ class Agent:
     def _router_str(self) -> str:
         return str(self.router_ip) if self.router_ip else ""
 
-    def status_lines(self) -> list[str]:
-        """Datapath, policy, identity, Hubble and operator lines of ``cilia-agent status``."""
+    def status_lines(
+        self,
+        datapath: agent_pb2.DatapathStatus | None,
+        hubble: agent_pb2.HubbleStatus | None,
+        pools: list[agent_pb2.PoolStatus],
+    ) -> list[str]:
+        """Datapath, policy, identity, IPAM and Hubble lines of ``cilia-agent status``: the
+        text of the :meth:`status` fields (``None``: the datapath / Hubble does not run)."""
         cfg = self.config
         lines: list[str] = []
-        if self.bpf is not None and self.enforcement is not None:
-            st = self.enforcement.status()
+        if datapath is not None:
             lines.append(
-                f"Datapath: eBPF loaded, pin dir {cfg.bpf_pin_dir}, policy mode {cfg.enable_policy}"
+                f"Datapath: eBPF loaded, pin dir {datapath.pin_dir}, "
+                f"policy mode {datapath.policy_mode}"
             )
             lines.append(
-                f"Policy: revision {st.policy_revision}, {st.policies} policies, "
-                f"{'synced' if st.synced else 'waiting for identity/policy streams'}"
+                f"Policy: revision {datapath.policy_revision}, {datapath.policies} policies, "
+                f"{'synced' if datapath.policy_synced else 'waiting for identity/policy streams'}"
             )
-            lines.append(f"Identities: {st.identities} known, ipcache {st.ipcache_entries} entries")
-            lines.append(f"Operator calls pending retry: {st.pending_operator_calls}")
+            lines.append(
+                f"Identities: {datapath.identities} known, "
+                f"ipcache {datapath.ipcache_entries} entries"
+            )
+            lines.append(f"Operator calls pending retry: {datapath.pending_operator_calls}")
         else:
             lines.append("Datapath: eBPF disabled (--enable-bpf=false), plumbing only")
-        draining = [f"{p.pool} {c}" for p in self.ipam.status() for c in p.draining]
+        draining = [f"{p.pool} {c}" for p in pools for c in p.draining_cidrs]
         lines.append(
             f"IPAM: {cfg.ipam}, default pool {self.default_pool}"
             + (f", draining: {', '.join(draining)}" if draining else "")
             + (f", handing back: {len(self.pools.released)} CIDRs" if self.pools.released else "")
         )
-        if self.hubble is not None:
-            hs = self.hubble.store.status()
+        if hubble is not None:
             lines.append(
-                f"Hubble: {hs.num_flows}/{hs.max_flows} flows, {hs.seen_flows} seen, "
+                f"Hubble: {hubble.num_flows}/{hubble.max_flows} flows, {hubble.seen_flows} seen, "
                 f"unix:{cfg.hubble_socket_path()}"
                 + (f", {cfg.hubble_listen_address}" if cfg.hubble_listen_address else "")
             )
@@ -699,8 +707,9 @@ class Agent:
         """The debug Status response.
 
         ``message``: first line the not-ready reason ("" when ready), then one line each
-        for datapath, policy, identities and Hubble, the text of ``datapath``/``hubble``
-        (set only when the eBPF datapath / Hubble runs).
+        for datapath, policy, identities, IPAM and Hubble (:meth:`status_lines`, the text of
+        the same fields). ``datapath``/``hubble`` are set only when the eBPF datapath /
+        Hubble runs. Every count is read once per call.
         """
         datapath = None
         if self.bpf is not None and self.enforcement is not None:
@@ -721,21 +730,22 @@ class Agent:
             hubble = agent_pb2.HubbleStatus(
                 num_flows=hs.num_flows, max_flows=hs.max_flows, seen_flows=hs.seen_flows
             )
+        pools = [
+            agent_pb2.PoolStatus(
+                pool=p.pool,
+                cidrs=p.cidrs,
+                used=p.used,
+                capacity=p.capacity,
+                draining_cidrs=p.draining,
+            )
+            for p in self.ipam.status()
+        ]
         return agent_pb2.StatusResponse(
             ready=self.ready,
-            message="\n".join([self.not_ready_reason, *self.status_lines()]),
+            message="\n".join([self.not_ready_reason, *self.status_lines(datapath, hubble, pools)]),
             node_name=self.config.node_name,
             router_ip=self._router_str(),
-            pools=[
-                agent_pb2.PoolStatus(
-                    pool=p.pool,
-                    cidrs=p.cidrs,
-                    used=p.used,
-                    capacity=p.capacity,
-                    draining_cidrs=p.draining,
-                )
-                for p in self.ipam.status()
-            ],
+            pools=pools,
             endpoint_count=len(self.endpoints.list()),
             version=__version__,
             datapath=datapath,
