@@ -11,13 +11,15 @@ bare traceback).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
+from cilia_agent.config import Config
 from cilia_agent.controlplane import OperatorRejected, OperatorUnavailable
 from cilia_agent.datapath import (
     DatapathError,
@@ -38,43 +40,56 @@ from cilia_agent.endpoint import (
     UnknownAttachment,
 )
 from cilia_agent.endpoint.chaining import parse_prev_result
-from cilia_agent.endpoint.enforcement import InvalidLabels, PolicyNotReady
+from cilia_agent.endpoint.regeneration import InvalidLabels, PolicyNotReady
 from cilia_agent.ipam import PoolExhausted, PoolPending
 from cilia_agent.policy.maps import PolicyMapFull
+from cilia_common import grpcerrors
+from cilia_common.grpcserver import Service, bound_port, set_serving, start_server_with_ports
+from cilia_common.runtime import announce_listening
 
 log = logging.getLogger(__name__)
 
 ATTACHMENT_SERVICE = "cilia.agent.v1.AttachmentService"
 DEBUG_SERVICE = "cilia.agent.v1.DebugService"
 
-_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT),
-    (DefaultRouteExists, grpc.StatusCode.INVALID_ARGUMENT),
-    (PolicyMapFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (OperatorRejected, grpc.StatusCode.INVALID_ARGUMENT),  # before its base class
-    (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (PolicyNotReady, grpc.StatusCode.UNAVAILABLE),
-    (NetnsNotFound, grpc.StatusCode.NOT_FOUND),
-    (UnknownAttachment, grpc.StatusCode.NOT_FOUND),
-    (CheckFailed, grpc.StatusCode.FAILED_PRECONDITION),
-    (InterfaceExists, grpc.StatusCode.ALREADY_EXISTS),
-    (EndpointConflict, grpc.StatusCode.ALREADY_EXISTS),
-    (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (PoolPending, grpc.StatusCode.UNAVAILABLE),
-    (AgentNotReady, grpc.StatusCode.UNAVAILABLE),
-    (DatapathError, grpc.StatusCode.INTERNAL),
-    (StateError, grpc.StatusCode.INTERNAL),
+# exception → (status code, ErrorInfo reason); the first match wins (subclasses first)
+_CODES: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
+    (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_LABELS"),
+    (DefaultRouteExists, grpc.StatusCode.INVALID_ARGUMENT, "DEFAULT_ROUTE_EXISTS"),
+    (PolicyMapFull, grpc.StatusCode.RESOURCE_EXHAUSTED, "POLICY_MAP_FULL"),
+    (OperatorRejected, grpc.StatusCode.INVALID_ARGUMENT, "OPERATOR_REJECTED"),
+    (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE, "OPERATOR_UNAVAILABLE"),
+    (PolicyNotReady, grpc.StatusCode.UNAVAILABLE, "POLICY_NOT_READY"),
+    (NetnsNotFound, grpc.StatusCode.NOT_FOUND, "NETNS_NOT_FOUND"),
+    (UnknownAttachment, grpc.StatusCode.NOT_FOUND, "UNKNOWN_ATTACHMENT"),
+    (CheckFailed, grpc.StatusCode.FAILED_PRECONDITION, "CHECK_FAILED"),
+    (InterfaceExists, grpc.StatusCode.ALREADY_EXISTS, "INTERFACE_EXISTS"),
+    (EndpointConflict, grpc.StatusCode.ALREADY_EXISTS, "ENDPOINT_CONFLICT"),
+    (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, "POOL_EXHAUSTED"),
+    (PoolPending, grpc.StatusCode.UNAVAILABLE, "POOL_PENDING"),
+    (AgentNotReady, grpc.StatusCode.UNAVAILABLE, "NOT_READY"),
+    (DatapathError, grpc.StatusCode.INTERNAL, "DATAPATH_ERROR"),
+    (StateError, grpc.StatusCode.INTERNAL, "STATE_ERROR"),
 ]
+"""Reasons are sent as ``google.rpc.ErrorInfo`` (domain ``agent.cilia.io``): the CNI plugin
+maps ``POOL_EXHAUSTED`` to CNI code 101 from the reason, not from the message text."""
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
-    for kind, code in _CODES:
+    for kind, code, reason in _CODES:
         if isinstance(exc, kind):
-            await context.abort(code, str(exc))
+            await grpcerrors.abort(
+                context, code, str(exc), reason=reason, domain=grpcerrors.AGENT_DOMAIN
+            )
     log.exception("unexpected error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-    raise AssertionError("unreachable")  # pragma: no cover
+    await grpcerrors.abort(
+        context,
+        grpc.StatusCode.INTERNAL,
+        f"internal error: {exc}",
+        reason="INTERNAL",
+        domain=grpcerrors.AGENT_DOMAIN,
+    )
 
 
 def add_response(rec: EndpointRecord, router_ip: str) -> agent_pb2.AddResponse:
@@ -139,9 +154,8 @@ def endpoint_message(rec: EndpointRecord) -> agent_pb2.Endpoint:
 class AttachmentServicer(agent_pb2_grpc.AttachmentServiceServicer):
     """Add/Del/Check/GC of pod attachments, called by ``cilia-cni``."""
 
-    def __init__(self, manager: EndpointManager, router_ip: Callable[[], str]) -> None:
+    def __init__(self, manager: EndpointManager) -> None:
         self.manager = manager
-        self.router_ip = router_ip
 
     async def Add(  # noqa: N802 - gRPC method name
         self, request: agent_pb2.AddRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -162,7 +176,8 @@ class AttachmentServicer(agent_pb2_grpc.AttachmentServiceServicer):
             rec = await self.manager.add(params)
         except Exception as exc:
             await _abort(context, exc)
-        return add_response(rec, self.router_ip())
+        router = self.manager.node.router_ip
+        return add_response(rec, str(router) if router else "")
 
     async def Del(  # noqa: N802 - gRPC method name
         self, request: agent_pb2.DelRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -203,19 +218,24 @@ class AttachmentServicer(agent_pb2_grpc.AttachmentServiceServicer):
         )
 
 
+class StatusSource(Protocol):
+    """Collects the debug Status (``cilia_agent.status.StatusCollector``)."""
+
+    def collect(self) -> agent_pb2.StatusResponse:
+        """The current status."""
+
+
 class DebugServicer(agent_pb2_grpc.DebugServiceServicer):
     """Read-only introspection used by ``cilia-agent status|endpoint list``."""
 
-    def __init__(
-        self, manager: EndpointManager, status: Callable[[], agent_pb2.StatusResponse]
-    ) -> None:
+    def __init__(self, manager: EndpointManager, status: StatusSource) -> None:
         self.manager = manager
         self._status = status
 
     async def Status(  # noqa: N802 - gRPC method name
         self, request: agent_pb2.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> agent_pb2.StatusResponse:
-        return self._status()
+        return self._status.collect()
 
     async def ListEndpoints(  # noqa: N802 - gRPC method name
         self,
@@ -225,3 +245,59 @@ class DebugServicer(agent_pb2_grpc.DebugServiceServicer):
         return agent_pb2.ListEndpointsResponse(
             endpoints=[endpoint_message(r) for r in self.manager.list()]
         )
+
+
+class HubbleServer(Protocol):
+    """The Hubble facade's serving side (``cilia_agent.hubble.service.Hubble``)."""
+
+    def services(self) -> list[Service]:
+        """Observer + Peer."""
+
+
+async def serve_api(
+    cfg: Config, manager: EndpointManager, status: StatusSource, hubble: HubbleServer
+) -> Callable[[], Awaitable[None]]:
+    """Serve the agent API on ``--socket`` (mode 0600) and Hubble on ``--hubble-socket``
+    and ``--hubble-listen-address``; each listener is announced with its bound address.
+
+    Returns the coroutine function that stops both servers (in-flight RPCs get
+    ``--shutdown-grace-period``) and removes the sockets.
+
+    Raises:
+        BindError: an address cannot be bound.
+    """
+    api, health, _ = await start_server_with_ports(
+        [
+            Service(
+                agent_pb2_grpc.add_AttachmentServiceServicer_to_server,
+                AttachmentServicer(manager),
+                ATTACHMENT_SERVICE,
+            ),
+            Service(
+                agent_pb2_grpc.add_DebugServiceServicer_to_server,
+                DebugServicer(manager, status),
+                DEBUG_SERVICE,
+            ),
+        ],
+        [f"unix:{cfg.socket}"],
+        socket_mode=0o600,
+    )
+    await set_serving(health, [ATTACHMENT_SERVICE, DEBUG_SERVICE])
+    announce_listening(log, "api", f"unix:{cfg.socket}")
+    unix = f"unix:{cfg.hubble_socket_path()}"
+    tcp = cfg.hubble_listen()
+    hubble_server, hubble_health, ports = await start_server_with_ports(
+        hubble.services(), [unix, *([tcp] if tcp else [])], socket_mode=0o600
+    )
+    await set_serving(hubble_health, [s.full_name for s in hubble.services()])
+    announce_listening(log, "hubble", unix)
+    if tcp:
+        announce_listening(log, "hubble-tcp", bound_port(tcp, ports[tcp]))
+
+    async def stop() -> None:
+        for server, path in ((api, cfg.socket), (hubble_server, cfg.hubble_socket_path())):
+            await server.stop(cfg.shutdown_grace_period)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    return stop

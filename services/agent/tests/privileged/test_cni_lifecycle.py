@@ -375,7 +375,7 @@ def test_queued_dels_are_replayed_before_serving(env: Env) -> None:
     assert not f1.exists() and not f2.exists() and not f3.exists()
     assert not corrupt.exists() and corrupt.with_name(corrupt.name + ".corrupt").exists()
     assert tmp.exists()
-    report = b.agent.del_queue_report
+    report = b.agent.cni.del_queue_report
     assert (len(report.deleted), len(report.nothing), report.corrupt) == (1, 2, [corrupt.name])
 
 

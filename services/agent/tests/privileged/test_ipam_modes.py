@@ -316,7 +316,7 @@ def test_draining_cidr_keeps_its_pods_gives_no_new_address_and_is_handed_back_on
                 draining=[cp.PoolCIDRs(pool="blue", cidrs=[cidrs[1]])],
             )
         )
-        wait(lambda: "draining: blue " + cidrs[1] in a.agent.status().message)
+        wait(lambda: "draining: blue " + cidrs[1] in a.agent.status.collect().message)
         status = {p.pool: p for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
         assert list(status["blue"].draining_cidrs) == [cidrs[1]]
         assert list(status["default"].draining_cidrs) == []

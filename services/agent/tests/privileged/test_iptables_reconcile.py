@@ -250,7 +250,7 @@ def test_agent_flags_off_start_no_reconcile(env: Env) -> None:
     for overrides in ({"iptables_reconcile_interval": 0}, {"install_iptables_rules": False}):
         a = env.start_agent(**overrides)
         assert a.agent.iptables_reconciler.interval == 0
-        assert not any(t.get_name() == "iptables-reconcile" for t in a.agent._tasks)
+        assert "iptables-reconcile" not in a.agent.tasks.names()
         a.stop()
 
 

@@ -517,7 +517,7 @@ def test_restart_under_ping_flood_loses_no_packet_and_keeps_enforcement(cluster:
     # enforcement unchanged under the new agent, endpoints restored with their identities
     eps = new.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
     assert sorted(e.pod_name for e in eps) == ["backend", "frontend", "other"]
-    wait(lambda: new.agent.enforcement is not None and new.agent.enforcement.ready)
+    wait(lambda: new.agent.enforcement is not None and new.agent.enforcement.streams.ready)
     assert not cluster.connect("other", "backend", 8080)
     assert cluster.connect("frontend", "backend", 8080)
     # flows resume in the new agent's Observer

@@ -61,7 +61,7 @@ async def _call_both(code: grpc.StatusCode) -> list[BaseException]:
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    return next(code for kind, code in _CODES if isinstance(exc, kind))
+    return next(code for kind, code, _reason in _CODES if isinstance(exc, kind))
 
 
 def test_operator_invalid_argument_is_a_permanent_rejection_mapped_to_invalid_argument() -> None:

@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from cilia_agent.endpoint import EndpointRecord, NodeState, StateError, StateStore
+from cilia_agent.endpoint import EndpointRecord, StateError, StateStore
+from cilia_agent.node import NodeState
 
 
 def _record(**kw: object) -> EndpointRecord:

@@ -13,7 +13,7 @@ from cilia_agent.endpoint.manager import (
     EndpointManager,
     RestoreReport,
 )
-from cilia_agent.endpoint.state import EndpointRecord, NodeState, StateError, StateStore
+from cilia_agent.endpoint.state import EndpointRecord, StateError, StateStore
 
 __all__ = [
     "AddParams",
@@ -24,7 +24,6 @@ __all__ = [
     "EndpointManager",
     "EndpointRecord",
     "InvalidRequest",
-    "NodeState",
     "RestoreReport",
     "StateError",
     "StateStore",

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import ipaddress
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -48,7 +49,7 @@ from cilia_agent.endpoint.netlink import (
     inspect_interface,
 )
 from cilia_agent.endpoint.state import EndpointRecord, StateStore
-from cilia_agent.ipam import IPAM, AddressInUse
+from cilia_agent.ipam import IPAM, AddressInUse, PoolExhausted
 from cilia_agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,43 @@ def validate_add(p: AddParams) -> None:
             raise InvalidRequest("labels", "label keys must not be empty")
 
 
+class NodeView(Protocol):
+    """What endpoints read of the local node (``cilia_agent.node.LocalNode``)."""
+
+    @property
+    def router_ip(self) -> ipaddress.IPv4Address | None:
+        """The pods' gateway (None until the first CIDR arrived)."""
+
+    @property
+    def default_pool(self) -> str:
+        """The pool of a pod that names none."""
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """None when Adds may proceed, else why not."""
+
+
+class PoolSelection(Protocol):
+    """Chooses a new pod's pool (``cilia_agent.ipam.selection.PoolSelector``)."""
+
+    async def select(
+        self,
+        requested: str,
+        namespace: str,
+        name: str,
+        labels: Mapping[str, str],
+        annotations: Mapping[str, str],
+    ) -> str:
+        """The pool for the pod. Raises ValueError (the pool cannot be served) or
+        OperatorUnavailable."""
+
+    async def wait_for_addresses(
+        self, exc: PoolExhausted, container_id: str, deadline: float | None
+    ) -> float:
+        """Wait after ``exc`` and return the deadline for the next attempt, or raise
+        PoolExhausted / PoolPending when the Add must fail."""
+
+
 class EndpointHooks(Protocol):
     """What the manager calls around plumbing (``endpoint.enforcement.Enforcement``)."""
 
@@ -195,9 +233,9 @@ class EndpointManager:
         metrics: the agent's metrics.
         executor: pool running blocking netlink/file work.
         mtu: default MTU when a request gives 0.
-        readiness: returns None when Add may proceed, else the reason.
-        default_pool: returns the current default pool name.
-        router_ip: returns the router IP (None until known).
+        node: the local node (readiness, router IP, default pool).
+        pools: chooses each new pod's pool and waits for the operator's allocation
+            (None: the requested pool or the default pool, no waiting).
         on_change: called after every successful Add/Del (demand recomputation).
         hooks: identity/policy/BPF enforcement run after plumbing (None = plumbing only).
     """
@@ -211,9 +249,8 @@ class EndpointManager:
         metrics: Metrics,
         executor: Executor,
         mtu: int,
-        readiness: Callable[[], str | None],
-        default_pool: Callable[[], str],
-        router_ip: Callable[[], ipaddress.IPv4Address | None],
+        node: NodeView,
+        pools: PoolSelection | None = None,
         on_change: Callable[[], None] = lambda: None,
         hooks: EndpointHooks | None = None,
     ) -> None:
@@ -223,9 +260,8 @@ class EndpointManager:
         self.metrics = metrics
         self.executor = executor
         self.mtu = mtu
-        self._readiness = readiness
-        self._default_pool = default_pool
-        self._router_ip = router_ip
+        self.node = node
+        self.pools = pools
         self._on_change = on_change
         self.hooks = hooks
         self._endpoints: dict[tuple[str, str], EndpointRecord] = {}
@@ -321,10 +357,30 @@ class EndpointManager:
             EndpointConflict: the key exists with another netns.
             NetnsNotFound: the netns does not exist.
             InterfaceExists: ``ifname`` already exists in the netns.
-            PoolExhausted: the pool has no free address.
+            PoolExhausted: the pool has no free address (after waiting for the operator's
+                allocation, see ``pools``); PoolPending: it did not come in time.
             DatapathError, StateError: plumbing or state file failure.
         """
         validate_add(p)
+        if self.pools is None or p.prev_result or self.get(p.container_id, p.ifname):
+            return await self._add_once(p)
+        # a new pod: its pool is chosen first (chained Adds and repeats skip this)
+        try:
+            pool = await self.pools.select(
+                p.pool, p.pod_namespace, p.pod_name, p.labels, p.annotations
+            )
+        except ValueError as exc:  # ipam's PoolRefused: the pool field cannot be served
+            raise InvalidRequest("pool", str(exc)) from exc
+        p = dataclasses.replace(p, pool=pool)
+        deadline: float | None = None
+        while True:
+            try:
+                return await self._add_once(p)
+            except PoolExhausted as exc:
+                deadline = await self.pools.wait_for_addresses(exc, p.container_id, deadline)
+
+    async def _add_once(self, p: AddParams) -> EndpointRecord:
+        """One Add attempt of :meth:`add` (same errors)."""
         prev = parse_prev_result(p.prev_result, p.ifname) if p.prev_result else None
         key = (p.container_id, p.ifname)
         caller = _Caller()
@@ -365,8 +421,8 @@ class EndpointManager:
                     log.info("add: endpoint already exists, returning it", extra=extra)
                     return existing
                 raise EndpointConflict(p.container_id, p.ifname, existing.netns)
-            reason = self._readiness()
-            router = self._router_ip()
+            reason = self.node.not_ready_reason
+            router = self.node.router_ip
             if prev is None and (reason is not None or router is None):
                 raise AgentNotReady(reason or "router IP not known yet")
             if not self.datapath.netns_exists(p.netns):
@@ -430,7 +486,7 @@ class EndpointManager:
         router: ipaddress.IPv4Address,
         extra: dict[str, str],
     ) -> EndpointRecord:
-        pool = p.pool or self._default_pool()
+        pool = p.pool or self.node.default_pool
         owner = _owner(*key)
         address = self.ipam.allocate(pool, owner)
         self.metrics.ipam_events.labels(action="allocate", family="ipv4").inc()
@@ -744,7 +800,7 @@ class EndpointManager:
             raise UnknownAttachment(c.container_id, c.ifname)
         if rec.state != "ready":
             raise AgentNotReady(f"endpoint {rec.id} is {rec.state}")
-        reason = self._readiness()
+        reason = self.node.not_ready_reason
         if reason is not None and not rec.chained:
             raise AgentNotReady(reason)
         diffs: Lines = []
@@ -771,7 +827,7 @@ class EndpointManager:
         if rec.chained:
             prev = parse_prev_result(rec.prev_result, rec.ifname)
             return [(r["dst"], r["gw"]) for r in prev.routes]
-        router = self._router_ip()
+        router = self.node.router_ip
         return [("0.0.0.0/0", str(router) if router else "")]
 
     def _compare(self, rec: EndpointRecord, c: CheckParams, iface: NetnsInterface) -> Lines:

@@ -20,6 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cilia_agent.node.state import NodeState
+
 log = logging.getLogger(__name__)
 
 EndpointStateName = Literal["creating", "ready", "disconnecting"]
@@ -78,24 +80,6 @@ class EndpointRecord(BaseModel):
     def key(self) -> tuple[str, str]:
         """The attachment key ``(container_id, ifname)``."""
         return (self.container_id, self.ifname)
-
-
-class NodeState(BaseModel):
-    """Node-level state kept across restarts.
-
-    Attributes:
-        router_ip: the node's router IP (first usable address of its first CIDR), or "".
-        default_pool: default pool name the operator announced.
-        allocation: last allocation seen, ``pool -> [cidr, ...]``.
-        registered: the operator accepted this node at least once.
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-    router_ip: str = ""
-    default_pool: str = ""
-    allocation: dict[str, list[str]] = Field(default_factory=dict)
-    registered: bool = False
 
 
 def atomic_write(

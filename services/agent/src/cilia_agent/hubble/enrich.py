@@ -1,9 +1,11 @@
 """Enrichment lookups: who is behind an endpoint id, an IP, an identity, an ifindex.
 
-The parser only talks to the :class:`Resolver` protocol; the agent either
-implements it over its own state or feeds a :class:`MemoryResolver` from its
-endpoint manager, the operator's ipcache stream (``EndpointService.WatchIPCache``),
-the identity stream and the veths it creates.
+The parser only talks to the :class:`Resolver` protocol. The agent implements it with
+:class:`OwnerResolver` over the owners of node state, read through getters (no copy of
+their data is pushed here): the local endpoints (endpoint regeneration), the ipcache
+(local pods, this node's addresses, the operator's ``WatchIPCache`` stream) and the
+identities (allocator + identity cache). :class:`MemoryResolver` is the fake fed by hand
+(tests, replay).
 
 Upstream: Hubble's parser getters (``pkg/hubble/parser/getters``: EndpointGetter,
 IdentityGetter, IPGetter, LinkGetter) play the same role.
@@ -207,6 +209,130 @@ class MemoryResolver:
     def interface_name(self, ifindex: int) -> str | None:
         """Registered name, else (optionally) the kernel's name for the index."""
         name = self._interfaces.get(ifindex)
+        if name is not None or not self._kernel_names or ifindex <= 0:
+            return name
+        try:
+            return socket.if_indextoname(ifindex)
+        except OSError:
+            return None
+
+
+class LocalEndpointLike(Protocol):
+    """A local endpoint as the endpoint owner exposes it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def identity(self) -> int: ...
+
+    @property
+    def pod_namespace(self) -> str: ...
+
+    @property
+    def pod_name(self) -> str: ...
+
+    @property
+    def label_strings(self) -> tuple[str, ...]: ...
+
+
+class EndpointGetter(Protocol):
+    """Local endpoints (upstream ``getters.EndpointGetter``)."""
+
+    def endpoint(self, ep_id: int) -> LocalEndpointLike | None:
+        """The endpoint with this id."""
+
+    def endpoint_by_ip(self, ip: str) -> LocalEndpointLike | None:
+        """The endpoint holding this IP."""
+
+    def interface_name(self, ifindex: int) -> str | None:
+        """Host veth name of the endpoint enforced on ``ifindex``."""
+
+
+class IPEntryLike(Protocol):
+    """An ipcache entry: identity and ``namespace/name`` owner ("" for non-pods)."""
+
+    @property
+    def identity(self) -> int: ...
+
+    @property
+    def owner(self) -> str: ...
+
+
+class IPGetter(Protocol):
+    """The ipcache (upstream ``getters.IPGetter``)."""
+
+    def lookup(self, ip: str) -> IPEntryLike | None:
+        """Longest-prefix entry for ``ip``."""
+
+
+class IdentityGetter(Protocol):
+    """Security identities (upstream ``getters.IdentityGetter``)."""
+
+    def labels_of(self, identity: int) -> Sequence[str] | None:
+        """Labels of an identity known to the node."""
+
+
+class OwnerResolver:
+    """:class:`Resolver` reading the agent's owners through getters.
+
+    Args:
+        endpoints: local endpoints (None: the eBPF datapath is off, no endpoint enforced).
+        ipcache: the node's ipcache.
+        identities: identity labels (None: only the reserved identities are named).
+        kernel_interface_names: an ifindex no endpoint holds is named by the kernel
+            (``if_indextoname`` in the agent's network namespace).
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoints: EndpointGetter | None,
+        ipcache: IPGetter,
+        identities: IdentityGetter | None,
+        kernel_interface_names: bool = True,
+    ) -> None:
+        self.endpoints = endpoints
+        self.ipcache = ipcache
+        self.identities = identities
+        self._kernel_names = kernel_interface_names
+
+    @staticmethod
+    def _ref(ep: LocalEndpointLike) -> EndpointRef:
+        return EndpointRef(
+            id=ep.id,
+            identity=ep.identity,
+            namespace=ep.pod_namespace,
+            pod_name=ep.pod_name,
+            labels=ep.label_strings,
+        )
+
+    def endpoint_by_id(self, ep_id: int) -> EndpointRef | None:
+        """See :meth:`Resolver.endpoint_by_id`."""
+        ep = self.endpoints.endpoint(ep_id) if self.endpoints is not None else None
+        return self._ref(ep) if ep is not None else None
+
+    def endpoint_by_ip(self, ip: str) -> EndpointRef | None:
+        """Local endpoints first, then the longest matching ipcache prefix."""
+        ep = self.endpoints.endpoint_by_ip(ip) if self.endpoints is not None else None
+        if ep is not None:
+            return self._ref(ep)
+        entry = self.ipcache.lookup(ip)
+        if entry is None:
+            return None
+        namespace, name = _owner(entry.owner)
+        return EndpointRef(identity=entry.identity, namespace=namespace, pod_name=name)
+
+    def identity_labels(self, identity: int) -> Sequence[str] | None:
+        """The node's labels of the identity, else the reserved identities' labels."""
+        labels = self.identities.labels_of(identity) if self.identities is not None else None
+        if labels is not None:
+            return labels
+        return RESERVED_IDENTITY_LABELS.get(identity)
+
+    def interface_name(self, ifindex: int) -> str | None:
+        """An endpoint's host veth, else (optionally) the kernel's name for the index."""
+        name = self.endpoints.interface_name(ifindex) if self.endpoints is not None else None
         if name is not None or not self._kernel_names or ifindex <= 0:
             return name
         try:

@@ -2,23 +2,25 @@
 
 Typical wiring (inside the agent's event loop)::
 
-    hubble = Hubble(HubbleConfig(node_name=cfg.node_name,
-                                 capacity=cfg.hubble_event_buffer_capacity,
-                                 advertise_address="10.0.0.5:4244",
-                                 version=__version__),
+    hubble = Hubble(hubble_config(cfg, __version__, node_addresses),
+                    resolver=OwnerResolver(endpoints=regeneration, ipcache=ipcache,
+                                           identities=identity_allocator),
                     registry=agent_metrics.registry)
-    # enrichment: feed hubble.resolver (a MemoryResolver) from the endpoint manager,
-    # the ipcache / identity watch streams and the veths the agent creates
-    server, health = await hubble.serve([f"unix:{run_dir}/hubble.sock", ":4244"])
     await hubble.start_reader(datapath_bpf)     # the bcc BPF object of bpf_lxc.c
-    asyncio.create_task(hubble.peers.consume_watch(node_stub.WatchNodes(req)))
-    hubble.metrics.update_datapath_counters(read_bcc_counters(datapath_bpf))  # periodic
+    server = ...hubble.services()...            # Observer + Peer (api.serve_api)
+    supervisor.spawn("watch-nodes", ... hubble.peers.consume_watch ...)
+    metrics.scrape_hook.refresh = hubble.refresh_datapath_counters
     ...
     await hubble.stop(); await server.stop(grace)
+
+The resolver reads the owners of node state through getters (upstream Hubble's parser
+getters); Hubble holds no copy of their data. Without a resolver, a :class:`MemoryResolver`
+(the hand-fed fake of tests and replays) is used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +30,18 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from cilia.hubble.observer import observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2_grpc
+from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
-from cilia_agent.hubble.metrics import HubbleMetrics
+from cilia_agent.hubble.metrics import HubbleMetrics, read_bcc_counters
 from cilia_agent.hubble.observer import FlowStore, ObserverServicer
 from cilia_agent.hubble.parser import BootClock, Parser
-from cilia_agent.hubble.peer import DEFAULT_PEER_BUFFER, PeerInfo, PeerRegistry, PeerServicer
+from cilia_agent.hubble.peer import (
+    DEFAULT_PEER_BUFFER,
+    PeerInfo,
+    PeerRegistry,
+    PeerServicer,
+    join_host_port,
+)
 from cilia_agent.hubble.reader import (
     DEFAULT_POLL_TIMEOUT_MS,
     DEFAULT_QUEUE_SIZE,
@@ -77,8 +86,8 @@ class Hubble:
 
     Args:
         config: settings (validated here).
-        resolver: enrichment lookups; default a fresh :class:`MemoryResolver` the agent
-            feeds through ``hubble.resolver``.
+        resolver: enrichment lookups (the agent's ``OwnerResolver``); default a fresh
+            :class:`MemoryResolver` fed by hand (tests, replays).
         registry: Prometheus registry for the metrics (default the global one).
         clock: monotonic → wall conversion (tests inject a fixed offset).
 
@@ -106,6 +115,7 @@ class Hubble:
         self.observer_servicer = ObserverServicer(self.store, config.advertise_address)
         self.peer_servicer = PeerServicer(self.peers)
         self.reader: EventReader | None = None
+        self._bpf: Any = None
 
     def services(self) -> list[grpcserver.Service]:
         """The Observer and Peer services for :func:`cilia_common.grpcserver.start_server`."""
@@ -152,6 +162,7 @@ class Hubble:
             raise ValueError("pass exactly one of bpf or source")
         if self.reader is not None:
             raise RuntimeError("Hubble reader already started")
+        self._bpf = bpf
         record_source = source if source is not None else BccRingBuffer(bpf)
         self.reader = EventReader(
             record_source,
@@ -163,6 +174,12 @@ class Hubble:
         )
         await self.reader.start()
 
+    def refresh_datapath_counters(self) -> None:
+        """Read the datapath's per-CPU ``cilia_metrics`` map into the drop/forward counters
+        (called at each scrape; nothing without a bcc datapath)."""
+        if self._bpf is not None:
+            self.metrics.update_datapath_counters(read_bcc_counters(self._bpf))
+
     async def stop(self) -> None:
         """Stop the reader (flushing queued events into the ring). Servers are the caller's."""
         if self.reader is not None:
@@ -172,3 +189,28 @@ class Hubble:
     def close_metrics(self) -> None:
         """Unregister the metrics (when the registry outlives this object)."""
         self.metrics.close()
+
+
+def hubble_advertise_address(cfg: Config, addresses: Sequence[str]) -> str:
+    """``host:port`` other nodes and the relay reach this node's Hubble TCP server at
+    ("" when TCP is disabled, its port is 0, or the node has no address): the host of
+    ``--hubble-listen-address`` when given, else the node's first IP."""
+    port = cfg.hubble_port()
+    if not cfg.hubble_listen_address or port == 0:
+        return ""
+    host = cfg.hubble_listen_address.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = addresses[0] if addresses else ""
+    return join_host_port(host, port) if host else ""
+
+
+def hubble_config(cfg: Config, version: str, addresses: Sequence[str]) -> HubbleConfig:
+    """The :class:`HubbleConfig` of the agent's flags (``--hubble-event-buffer-capacity``,
+    ``--hubble-event-queue-size``, ``--node-name``) for a node with ``addresses``."""
+    return HubbleConfig(
+        node_name=cfg.node_name,
+        capacity=cfg.hubble_event_buffer_capacity,
+        advertise_address=hubble_advertise_address(cfg, addresses),
+        version=version,
+        queue_size=cfg.hubble_event_queue_size,
+    )

@@ -1,17 +1,19 @@
-"""Enforcement of endpoints: identity, policy-map entries, BPF programs, Hubble metadata.
+"""Regeneration of one endpoint: identity, policy-map entries, BPF programs, operator record.
 
-The one place where the endpoint lifecycle meets the eBPF datapath
-(``datapath.loader.Datapath``), the policy engine (``policy.engine.PolicyEngine``),
-Hubble's enrichment (``hubble.enrich.MemoryResolver``) and the operator's
-identity/endpoint services. The endpoint manager calls :meth:`Enforcement.create`
-after plumbing and :meth:`Enforcement.delete` before unplumbing; the agent feeds the
-operator's watch streams through the ``consume_*`` methods.
+The endpoint manager calls :meth:`Regeneration.create` after plumbing and
+:meth:`Regeneration.delete` before unplumbing (the ``EndpointHooks`` protocol); it reads
+and writes the owners of node state instead of holding copies:
+``identity.IdentityAllocator`` (allocation, local reference counts, release),
+``ipcache.IPCache`` (the endpoint's ``/32``), ``policy.PolicyEngine`` and
+``policy.PolicyStreams`` (entries and readiness), the loaded ``datapath.loader.Datapath``
+(endpoint map, tc programs) and the operator's EndpointService. Hubble reads the local
+endpoints through :meth:`Regeneration.endpoint` / :meth:`Regeneration.endpoint_by_ip`.
 
 Add (after the veth exists; every step is undone in reverse order on failure):
 
 1. identity labels = ``pod_identity_labels(namespace, labels)`` (upstream label filter);
 2. ``IdentityService.Allocate`` → identity (operator unreachable: UNAVAILABLE);
-   the identity is fed to the engine and the resolver at once;
+   the identity is learned by the cache at once;
 3. policy mode ``default``: wait up to ``--endpoint-policy-wait-timeout`` until the
    identity and policy streams have synced (upstream blocks endpoint creation until
    its policy is computed), else UNAVAILABLE;
@@ -20,14 +22,13 @@ Add (after the veth exists; every step is undone in reverse order on failure):
    enforcement flags);
 5. both tc programs attached to the host veth — before the CNI result returns, so the
    pod never sends an unenforced packet;
-6. the resolver learns the endpoint (flows show pod names);
-7. ``EndpointService.UpsertEndpoint`` (every agent's ipcache learns IP → identity).
+6. ``EndpointService.UpsertEndpoint`` (every agent's ipcache learns IP → identity).
 
-Del: detach, endpoint-map entry, policy entries, ipcache entry, resolver, then
-``DeleteEndpoint`` and (when no local endpoint uses the identity any more)
-``IdentityService.Release`` — both best effort through a :class:`RetryQueue`.
+Del: detach, endpoint-map entry, policy entries, ipcache entry, then ``DeleteEndpoint``
+and (when no local endpoint uses the identity any more) ``IdentityService.Release`` —
+both best effort through a ``RetryQueue``.
 
-Restart: :meth:`Enforcement.restore` re-attaches the freshly compiled programs with
+Restart: :meth:`Regeneration.restore` re-attaches the freshly compiled programs with
 ``replace-filter`` and rewrites the endpoint entries keeping the enforcement flags found
 in the pinned map; policy entries are adopted by ``PolicyEngine.restore`` and rewritten
 only where they differ once both streams have synced. Maps and filters stay in the
@@ -37,6 +38,8 @@ Policy modes (``--enable-policy``, upstream ``enable-policy``): ``default`` enfo
 direction once a rule selects the endpoint for it; ``always`` enforces both directions
 on every endpoint; ``never`` writes no policy entries and enforces nothing.
 
+Source: upstream ``pkg/endpoint`` regeneration (reference: cilium-upstream.md §7).
+
 Not thread-safe: every method runs on the agent's event loop (blocking netlink work is
 sent to the executor).
 """
@@ -45,184 +48,154 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
+import functools
 import logging
 import socket
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
-from cilia_agent.controlplane import OperatorRejected, OperatorUnavailable, RetryQueue
-from cilia_agent.datapath.layout import IDENTITY_HOST, EndpointInfo, ip_to_map
+from cilia_agent.controlplane import (
+    ControlPlane,
+    OperatorRejected,
+    OperatorUnavailable,
+    RetryQueue,
+)
+from cilia_agent.datapath.layout import EndpointInfo, ip_to_map
 from cilia_agent.datapath.loader import Datapath
 from cilia_agent.endpoint.state import EndpointRecord
-from cilia_agent.hubble.enrich import MemoryResolver
-from cilia_agent.identity.labels import (
-    MINIMAL_CLUSTER_IDENTITY,
-    LabelError,
-    LabelSet,
-    is_cluster_identity,
-    pod_identity_labels,
-)
-from cilia_agent.metrics import Metrics
+from cilia_agent.identity.allocator import IdentityAllocator
+from cilia_agent.identity.labels import LabelError, LabelSet, pod_identity_labels
+from cilia_agent.ipcache import IPCache
 from cilia_agent.policy.compiler import EndpointPolicy
 from cilia_agent.policy.engine import PolicyEngine
-from cilia_agent.policy.maps import PolicyMapError, PolicyMapWriter
+from cilia_agent.policy.maps import PolicyMapError
 from cilia_agent.policy.model import DEFAULT_NAMESPACE
+from cilia_agent.policy.watcher import PolicyNotReady, PolicyStreams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PolicyMode = Literal["default", "always", "never"]
 
-
-class PolicyNotReady(Exception):
-    """The identity/policy streams did not sync within ``--endpoint-policy-wait-timeout``."""
+__all__ = ["InvalidLabels", "LocalEndpoint", "PolicyMode", "PolicyNotReady", "Regeneration"]
 
 
 class InvalidLabels(ValueError):
     """The pod's labels cannot form an identity (the message names the label)."""
 
 
-class ControlPlane(Protocol):
-    """The operator calls enforcement needs (``controlplane.OperatorAPI``)."""
+@dataclass
+class LocalEndpoint:
+    """An enforced endpoint of this node (what Hubble reads to name flows).
 
-    async def allocate_identity(self, labels: list[str]) -> cp.Identity:
-        """Identity of a sorted, filtered label set. Raises OperatorUnavailable."""
-
-    async def release_identity(self, identity: int) -> None:
-        """Drop this node's reference."""
-
-    async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
-        """Record the endpoint (feeds every agent's ipcache)."""
-
-    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
-        """Remove the endpoint record (only this container's, when ``container_id`` is set)."""
-
-
-class LocalControlPlane:
-    """:class:`ControlPlane` for an agent without an operator (``--operator ''``).
-
-    Identities are numbered by this agent alone from 256 up, one per label set (seeded
-    from restored endpoints so numbers survive restarts); endpoint records go nowhere.
-    Meant for tests and single-host setups: identities are not shared with other nodes.
+    Attributes:
+        rec: its state record.
+        ifindex: host veth index the programs are attached to.
+        identity: security identity.
+        labels: identity labels.
+        namespace: policy namespace (``default`` when the pod gave none).
+        enforce: ``(ingress, egress)`` enforcement flags in ``cilia_endpoints``.
     """
 
-    def __init__(self) -> None:
-        self._by_labels: dict[tuple[str, ...], int] = {}
-        self._next = MINIMAL_CLUSTER_IDENTITY
-
-    def seed(self, labels: Iterable[str], identity: int) -> None:
-        """Reuse ``identity`` for ``labels`` (restored endpoint)."""
-        key = tuple(sorted(labels))
-        self._by_labels.setdefault(key, identity)
-        self._next = max(self._next, identity + 1)
-
-    async def allocate_identity(self, labels: list[str]) -> cp.Identity:
-        """See :class:`ControlPlane`."""
-        key = tuple(sorted(labels))
-        identity = self._by_labels.get(key)
-        if identity is None:
-            identity = self._by_labels[key] = self._next
-            self._next += 1
-        return cp.Identity(id=identity, labels=list(key))
-
-    async def release_identity(self, identity: int) -> None:
-        """Identities stay numbered for the life of the process."""
-
-    async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
-        """No operator: nothing to record."""
-
-    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
-        """No operator: nothing to delete."""
-
-
-@dataclass
-class _Endpoint:
     rec: EndpointRecord
     ifindex: int
     identity: int
     labels: LabelSet
     namespace: str
-    enforce: tuple[bool, bool] = (True, True)  # (ingress, egress)
+    enforce: tuple[bool, bool] = (True, True)
+
+    @property
+    def id(self) -> int:
+        """Endpoint id."""
+        return self.rec.id
+
+    @property
+    def pod_namespace(self) -> str:
+        """Namespace shown in flows: the pod's, or the policy namespace for a named pod."""
+        return self.rec.pod_namespace or (self.namespace if self.rec.pod_name else "")
+
+    @property
+    def pod_name(self) -> str:
+        """Pod name ("" when the runtime gave none)."""
+        return self.rec.pod_name
+
+    @property
+    def label_strings(self) -> tuple[str, ...]:
+        """Identity labels as ``source:key=value`` strings."""
+        return self.labels.strings()
 
 
 @dataclass
-class EnforcementStatus:
+class RegenerationStatus:
     """Numbers for ``cilia-agent status``."""
 
-    policy_revision: int
-    policies: int
-    identities: int
-    synced: bool
     endpoints: int
-    ipcache_entries: int
     pending_operator_calls: int
 
 
-@dataclass
-class _IpcacheState:
-    remote: dict[str, int] = field(default_factory=dict)  # cidr → identity (from the stream)
-    host: set[str] = field(default_factory=set)  # this node's addresses (identity 1)
-
-
-def _net(cidr: str) -> ipaddress.IPv4Network:
-    return ipaddress.IPv4Network(cidr, strict=False)
-
-
-class Enforcement:
-    """Identity + policy + BPF + Hubble metadata of the node's endpoints.
+class Regeneration:
+    """Identity + policy + BPF + operator record of the node's endpoints.
 
     Args:
         datapath: the loaded datapath (maps pinned, programs compiled).
-        resolver: Hubble's enrichment store.
-        control: operator calls (:class:`~cilia_agent.controlplane.OperatorAPI`) or a
-            :class:`LocalControlPlane`.
+        identities: the local identity allocator.
+        ipcache: the node's ipcache (this writes its endpoints' ``/32``).
+        engine: the policy engine (entries; calls back :meth:`on_enforce`).
+        streams: readiness of policy computation.
+        control: the operator's EndpointService (or the no-operator stand-in).
         retry: where best-effort operator calls are retried.
         executor: thread pool for tc attach/detach.
-        metrics: the agent's metrics (``cilium_policy``).
         node_name: this node.
         mode: ``--enable-policy``.
-        policy_wait_timeout: ``--endpoint-policy-wait-timeout`` (s).
-        policy_map_max: ``--bpf-policy-map-max`` (capacity the writer checks).
     """
 
     def __init__(
         self,
         *,
         datapath: Datapath,
-        resolver: MemoryResolver,
+        identities: IdentityAllocator,
+        ipcache: IPCache,
+        engine: PolicyEngine,
+        streams: PolicyStreams,
         control: ControlPlane,
         retry: RetryQueue,
         executor: Executor,
-        metrics: Metrics,
         node_name: str,
         mode: PolicyMode = "default",
-        policy_wait_timeout: float = 10.0,
-        policy_map_max: int = 65536,
     ) -> None:
         self.datapath = datapath
-        self.resolver = resolver
+        self.identities = identities
+        self.ipcache = ipcache
+        self.engine = engine
+        self.streams = streams
         self.control = control
         self.retry = retry
         self.executor = executor
-        self.metrics = metrics
         self.node_name = node_name
         self.mode = mode
-        self.policy_wait_timeout = policy_wait_timeout
-        self.engine = PolicyEngine(
-            PolicyMapWriter(datapath.table("cilia_policy"), capacity=policy_map_max),
-            on_enforce=self._on_enforce,
-        )
-        self._eps: dict[int, _Endpoint] = {}
-        self._identity_users: dict[int, set[int]] = {}
-        self._local_ips: dict[str, int] = {}  # pod IP → ep_id
-        self._ipcache = _IpcacheState()
-        self._resolver_identities: set[int] = set()
-        self._local_labels: dict[int, tuple[str, ...]] = {}  # identities local endpoints use
-        self._ready = asyncio.Event()
+        self._eps: dict[int, LocalEndpoint] = {}
+        self._by_ip: dict[str, int] = {}
+        self._by_ifindex: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ Hubble's getters
+
+    def endpoint(self, ep_id: int) -> LocalEndpoint | None:
+        """The enforced endpoint ``ep_id``, or None."""
+        return self._eps.get(ep_id)
+
+    def endpoint_by_ip(self, ip: str) -> LocalEndpoint | None:
+        """The enforced endpoint holding ``ip``, or None."""
+        ep_id = self._by_ip.get(ip)
+        return self._eps.get(ep_id) if ep_id is not None else None
+
+    def interface_name(self, ifindex: int) -> str | None:
+        """Host veth name of the endpoint enforced on ``ifindex``, or None."""
+        ep_id = self._by_ifindex.get(ifindex)
+        ep = self._eps.get(ep_id) if ep_id is not None else None
+        return ep.rec.host_ifname if ep is not None else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -236,7 +209,7 @@ class Enforcement:
             return (True, True)  # always, or fail-closed until the policy is computed
         return (policy.enforce_ingress, policy.enforce_egress)
 
-    def _write_endpoint(self, ep: _Endpoint) -> None:
+    def _write_endpoint(self, ep: LocalEndpoint) -> None:
         self.datapath.set_endpoint(
             ep.ifindex,
             EndpointInfo(
@@ -248,7 +221,9 @@ class Enforcement:
             ),
         )
 
-    def _on_enforce(self, ep_id: int, policy: EndpointPolicy) -> None:
+    def on_enforce(self, ep_id: int, policy: EndpointPolicy) -> None:
+        """The engine recompiled ``ep_id``: write its enforcement flags (entries are in
+        place before enforcement turns on)."""
         ep = self._eps.get(ep_id)
         if ep is None:
             return
@@ -261,59 +236,10 @@ class Enforcement:
         ep.enforce = flags
         self._write_endpoint(ep)
 
-    def _update_ready(self) -> None:
-        if self.engine.ready:
-            self._ready.set()
-        else:
-            self._ready.clear()
-        self.metrics.policy.set(len(self.engine.repository))
-
     @property
     def ready(self) -> bool:
         """True once the identity and policy streams have synced (policies computable)."""
-        return self.engine.ready
-
-    async def wait_ready(self) -> None:
-        """Wait up to ``policy_wait_timeout`` for :attr:`ready`.
-
-        Raises:
-            PolicyNotReady: the streams did not sync in time.
-        """
-        if self.engine.ready:
-            return
-        try:
-            await asyncio.wait_for(self._ready.wait(), self.policy_wait_timeout)
-        except TimeoutError as exc:
-            raise PolicyNotReady(
-                "policy not computable yet: identities/policies from the operator have not "
-                f"synced within {self.policy_wait_timeout:g}s (--endpoint-policy-wait-timeout)"
-            ) from exc
-
-    def _learn_identity(self, identity: int, labels: Iterable[str]) -> None:
-        """Feed an identity we allocated to the engine and resolver without waiting for
-        the operator's stream (local endpoints are selectable at once)."""
-        labels = list(labels)
-        self.resolver.set_identity(identity, labels)
-        self._resolver_identities.add(identity)
-        if not is_cluster_identity(identity):
-            return
-        self._local_labels[identity] = tuple(sorted(labels))
-        known = self.engine.identities.get(identity)
-        if known is not None and known.strings() == tuple(sorted(labels)):
-            return
-        try:
-            self.engine.on_identities(
-                cp.WatchIdentitiesResponse(
-                    events=[
-                        cp.IdentityEvent(
-                            type=cp.EVENT_TYPE_UPSERT,
-                            identity=cp.Identity(id=identity, labels=labels),
-                        )
-                    ]
-                )
-            )
-        except PolicyMapError:
-            log.exception("policy map update after a new identity failed; retried later")
+        return self.streams.ready
 
     def identity_labels(self, rec: EndpointRecord) -> tuple[LabelSet, str]:
         """The endpoint's identity labels and namespace.
@@ -327,7 +253,7 @@ class Enforcement:
         except LabelError as exc:
             raise InvalidLabels(f"labels: {exc}") from exc
 
-    def _endpoint_record(self, ep: _Endpoint) -> cp.EndpointRecord:
+    def _endpoint_record(self, ep: LocalEndpoint) -> cp.EndpointRecord:
         rec = ep.rec
         return cp.EndpointRecord(
             namespace=ep.namespace,
@@ -340,50 +266,24 @@ class Enforcement:
             container_id=rec.container_id,
         )
 
-    def _register(self, ep: _Endpoint) -> None:
+    def _register(self, ep: LocalEndpoint) -> None:
         self._eps[ep.rec.id] = ep
-        self._identity_users.setdefault(ep.identity, set()).add(ep.rec.id)
-        self._local_ips[ep.rec.ipv4] = ep.rec.id
-        self.datapath.upsert_ipcache(ep.rec.ipv4, 32, ep.identity)
+        self.identities.acquire(ep.identity, ep.rec.id)
+        self._by_ip[ep.rec.ipv4] = ep.rec.id
+        self._by_ifindex[ep.ifindex] = ep.rec.id
+        self.ipcache.upsert_endpoint(ep.rec.ipv4, ep.identity, ep.rec.id)
 
-    def _unregister(self, ep_id: int) -> _Endpoint | None:
+    def _unregister(self, ep_id: int) -> LocalEndpoint | None:
         ep = self._eps.pop(ep_id, None)
         if ep is None:
             return None
-        users = self._identity_users.get(ep.identity)
-        if users is not None:
-            users.discard(ep_id)
-        if self._local_ips.get(ep.rec.ipv4) == ep_id:
-            del self._local_ips[ep.rec.ipv4]
-            remote = self._ipcache.remote.get(f"{ep.rec.ipv4}/32")
-            if remote is not None:  # the stream still knows the address (another node now)
-                self.datapath.upsert_ipcache(ep.rec.ipv4, 32, remote)
-            else:
-                self.datapath.delete_ipcache(ep.rec.ipv4, 32)
+        self.identities.drop(ep.identity, ep_id)
+        if self._by_ip.get(ep.rec.ipv4) == ep_id:
+            del self._by_ip[ep.rec.ipv4]
+        if self._by_ifindex.get(ep.ifindex) == ep_id:
+            del self._by_ifindex[ep.ifindex]
+        self.ipcache.delete_endpoint(ep.rec.ipv4, ep_id)
         return ep
-
-    def _release_if_unused(self, identity: int) -> None:
-        users = self._identity_users.get(identity)
-        if users:
-            return
-        self._identity_users.pop(identity, None)
-        self._local_labels.pop(identity, None)
-        if identity:
-            self.retry.submit(
-                f"Release identity {identity}", lambda: self.control.release_identity(identity)
-            )
-
-    def _publish(self, ep: _Endpoint) -> None:
-        rec = ep.rec
-        self.resolver.set_endpoint(
-            rec.id,
-            ipv4=rec.ipv4,
-            identity=ep.identity,
-            namespace=rec.pod_namespace or (ep.namespace if rec.pod_name else ""),
-            pod_name=rec.pod_name,
-            labels=ep.labels.strings(),
-        )
-        self.resolver.set_interface(ep.ifindex, rec.host_ifname)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -425,28 +325,22 @@ class Enforcement:
         undo: list[Callable[[], Awaitable[None] | None]] = []
         inflight: tuple[asyncio.Future[Any], ...] = ()
         try:
-            allocated = await self.control.allocate_identity(list(labels.strings()))
-            identity = int(allocated.id)
+            identity = await self.identities.allocate(labels.strings())
             # the Add in flight uses the identity: a concurrent failing Add must not release it
-            self._identity_users.setdefault(identity, set()).add(rec.id)
-
-            def release() -> None:
-                self._identity_users.get(identity, set()).discard(rec.id)
-                self._release_if_unused(identity)
-
-            undo.append(release)
+            self.identities.acquire(identity, rec.id)
+            undo.append(functools.partial(self.identities.release, identity, rec.id))
             if on_identity is not None:
                 await on_identity(identity)
-            self._learn_identity(identity, labels.strings())
+            self.identities.learn(identity, labels.strings())
             if self.mode == "default":
-                await self.wait_ready()
+                await self.streams.wait_ready()
             if pending is not None:
                 ifindex, pending = await pending, None
             assert isinstance(ifindex, int)
             if ifindex <= 0:
                 ifindex = await self._run(socket.if_nametoindex, rec.host_ifname)
             host_index = ifindex
-            ep = _Endpoint(rec, host_index, identity, labels, namespace, self._flags(None))
+            ep = LocalEndpoint(rec, host_index, identity, labels, namespace, self._flags(None))
             self._register(ep)
 
             def unregister() -> None:
@@ -467,8 +361,6 @@ class Enforcement:
             else:
                 self._write_endpoint(ep)
             undo.append(lambda: self._run(self.datapath.detach, host_index))
-            self._publish(ep)
-            undo.append(lambda: self._unpublish(ep))
             attach = asyncio.ensure_future(self._run(self.datapath.attach, host_index))
             upsert = asyncio.ensure_future(self.control.upsert_endpoint(self._endpoint_record(ep)))
             inflight = (attach, upsert)
@@ -524,10 +416,6 @@ class Enforcement:
             )
             self.retry.submit(what, call)
 
-    def _unpublish(self, ep: _Endpoint) -> None:
-        self.resolver.remove_endpoint(ep.rec.id)
-        self.resolver.remove_interface(ep.ifindex)
-
     async def delete(self, rec: EndpointRecord, *, veth_deleted_next: bool = False) -> None:
         """Remove the endpoint's programs, map entries and metadata; release its operator
         record and (when unused) its identity in the background.
@@ -551,9 +439,6 @@ class Enforcement:
         except PolicyMapError:
             log.exception("deleting the policy entries of endpoint %d failed", rec.id)
         self._unregister(rec.id)
-        self.resolver.remove_endpoint(rec.id)
-        if ifindex:
-            self.resolver.remove_interface(ifindex)
         self.forget([rec])
 
     async def health(self, rec: EndpointRecord) -> list[str]:
@@ -626,20 +511,14 @@ class Enforcement:
                     self._delete_call(namespace, name, rec.container_id),
                 )
             if rec.identity:
-                self._release_if_unused(rec.identity)
+                self.identities.release_if_unused(rec.identity)
 
     def purge_ipcache(self, records: Iterable[EndpointRecord]) -> None:
         """Remove the pinned ipcache ``/32`` of endpoints cleaned up at restore (a crash
         mid-Add or a missed Del) unless a live local endpoint uses the address now."""
         for rec in records:
-            if rec.ipv4 and rec.ipv4 not in self._local_ips:
-                try:
-                    self.datapath.delete_ipcache(rec.ipv4, 32)
-                except Exception as exc:
-                    log.warning(
-                        "cannot remove a stale ipcache entry",
-                        extra={"ipv4": rec.ipv4, "reason": str(exc)},
-                    )
+            if rec.ipv4:
+                self.ipcache.purge(rec.ipv4)
 
     async def restore(self, records: Iterable[EndpointRecord]) -> list[EndpointRecord]:
         """Re-enforce endpoints restored from state files after a restart.
@@ -663,8 +542,7 @@ class Enforcement:
                 missing.append(rec)
                 continue
             labels, namespace = self.identity_labels(rec)
-            if isinstance(self.control, LocalControlPlane):
-                self.control.seed(labels.strings(), rec.identity)
+            self.identities.seed(labels.strings(), rec.identity)
             old = existing.get(ifindex)
             if old is not None and old.ep_id == rec.id:
                 flags = (bool(old.enforce_ingress), bool(old.enforce_egress))
@@ -675,7 +553,7 @@ class Enforcement:
                     "policy is computed",
                     extra={"endpoint_id": rec.id, "host_ifname": rec.host_ifname},
                 )
-            ep = _Endpoint(rec, ifindex, rec.identity, labels, namespace, flags)
+            ep = LocalEndpoint(rec, ifindex, rec.identity, labels, namespace, flags)
             if self.mode == "never":
                 ep.enforce = (False, False)
             self._register(ep)
@@ -692,8 +570,7 @@ class Enforcement:
                         "reason": str(exc),
                     },
                 )
-            self._learn_identity(rec.identity, labels.strings())
-            self._publish(ep)
+            self.identities.learn(rec.identity, labels.strings())
             if self.mode != "never":
                 self.engine.set_endpoint(rec.id, labels, namespace)
         for ifindex in existing:
@@ -704,171 +581,10 @@ class Enforcement:
             log.info("restore: policy entries of gone endpoints removed", extra={"ids": pruned})
         return missing
 
-    # ------------------------------------------------------------------ node addresses
-
-    def set_host_addresses(self, addresses: Iterable[str]) -> None:
-        """This node's addresses (and router IP) → identity 1 (host) in the ipcache."""
-        for address in addresses:
-            if not address:
-                continue
-            cidr = f"{ipaddress.IPv4Address(address)}/32"
-            self._ipcache.host.add(cidr)
-            self.datapath.upsert_ipcache(address, 32, IDENTITY_HOST)
-            self.resolver.set_ipcache(cidr, IDENTITY_HOST)
-
-    def local_synced(self) -> None:
-        """No operator: there are no policies and no remote identities; mark both synced."""
-        self.engine.on_identities(cp.WatchIdentitiesResponse(synced=True))
-        self.engine.on_policies(cp.WatchPoliciesResponse(synced=True))
-        self._update_ready()
-
-    # ------------------------------------------------------------------ watch streams
-
-    async def consume_identities(self, stream: AsyncIterable[cp.WatchIdentitiesResponse]) -> bool:
-        """Follow one ``WatchIdentities`` stream (a new stream resyncs the cache).
-
-        Identities of local endpoints missing from the initial listing (allocated while
-        the listing was being taken) are kept: they are added to the listing rather than
-        removed and re-added when the operator's event arrives.
-        """
-        delivered = False
-        listed: set[int] | None = None
-        async for response in stream:
-            if not delivered:
-                self.engine.identities.begin_resync()
-                delivered = True
-                listed = set()
-            if listed is not None:
-                listed.update(e.identity.id for e in response.events)
-                if response.synced:
-                    response = self._with_local_identities(response, listed)
-                    listed = None
-            try:
-                self.engine.on_identities(response)
-            finally:
-                for event in response.events:
-                    ident = event.identity
-                    if event.type == cp.EVENT_TYPE_DELETE:
-                        self.resolver.remove_identity(ident.id)
-                        self._resolver_identities.discard(ident.id)
-                    else:
-                        self.resolver.set_identity(ident.id, list(ident.labels))
-                        self._resolver_identities.add(ident.id)
-                if response.synced:
-                    stale = [
-                        i for i in self._resolver_identities if i not in self.engine.identities
-                    ]
-                    for identity in stale:
-                        self.resolver.remove_identity(identity)
-                        self._resolver_identities.discard(identity)
-                self._update_ready()
-        return delivered
-
-    def _with_local_identities(
-        self, response: cp.WatchIdentitiesResponse, listed: set[int]
-    ) -> cp.WatchIdentitiesResponse:
-        extra = {i: labels for i, labels in self._local_labels.items() if i not in listed}
-        if not extra:
-            return response
-        merged = cp.WatchIdentitiesResponse()
-        merged.CopyFrom(response)
-        for identity, labels in sorted(extra.items()):
-            merged.events.append(
-                cp.IdentityEvent(
-                    type=cp.EVENT_TYPE_UPSERT,
-                    identity=cp.Identity(id=identity, labels=list(labels)),
-                )
-            )
-        return merged
-
-    async def consume_policies(self, stream: AsyncIterable[cp.WatchPoliciesResponse]) -> bool:
-        """Follow one ``WatchPolicies`` stream (a new stream resyncs the repository)."""
-        delivered = False
-        async for response in stream:
-            if not delivered:
-                self.engine.repository.begin_resync()
-                delivered = True
-            try:
-                result, recompiled = self.engine.on_policies(response)
-                if result.updates or recompiled:
-                    log.info(
-                        "policies applied",
-                        extra={
-                            "revision": self.engine.repository.revision,
-                            "policies": len(self.engine.repository),
-                            "recompiled_endpoints": sorted(recompiled),
-                        },
-                    )
-            finally:
-                self._update_ready()
-        return delivered
-
-    async def consume_ipcache(self, stream: AsyncIterable[cp.WatchIPCacheResponse]) -> bool:
-        """Follow one ``WatchIPCache`` stream into the BPF ipcache and the resolver.
-
-        Entries for this node's endpoints and addresses are owned locally and ignored;
-        after a reconnect, entries the new listing does not contain are removed.
-        """
-        delivered = False
-        seen: set[str] | None = set()
-        async for response in stream:
-            delivered = True
-            for event in response.events:
-                entry = event.entry
-                try:
-                    net = _net(entry.cidr)
-                except ValueError:
-                    log.warning("ipcache: ignoring bad CIDR %r", entry.cidr)
-                    continue
-                cidr = str(net)
-                if seen is not None:
-                    seen.add(cidr)
-                if event.type == cp.EVENT_TYPE_DELETE:
-                    self._ipcache_delete(cidr, net)
-                else:
-                    self._ipcache_upsert(cidr, net, entry)
-            if response.synced and seen is not None:
-                for cidr in [c for c in self._ipcache.remote if c not in seen]:
-                    self._ipcache_delete(cidr, _net(cidr))
-                seen = None
-        return delivered
-
-    def _locally_owned(self, cidr: str, net: ipaddress.IPv4Network) -> bool:
-        return cidr in self._ipcache.host or (
-            net.prefixlen == 32 and str(net.network_address) in self._local_ips
-        )
-
-    def _ipcache_upsert(
-        self, cidr: str, net: ipaddress.IPv4Network, entry: cp.IPCacheEntry
-    ) -> None:
-        self._ipcache.remote[cidr] = entry.identity
-        if self._locally_owned(cidr, net):
-            return
-        self.datapath.upsert_ipcache(
-            str(net.network_address), net.prefixlen, entry.identity, entry.host_ip
-        )
-        self.resolver.set_ipcache(cidr, entry.identity, entry.owner)
-
-    def _ipcache_delete(self, cidr: str, net: ipaddress.IPv4Network) -> None:
-        if self._ipcache.remote.pop(cidr, None) is None:
-            return
-        if self._locally_owned(cidr, net):
-            return
-        self.datapath.delete_ipcache(str(net.network_address), net.prefixlen)
-        self.resolver.remove_ipcache(cidr)
-
     # ------------------------------------------------------------------ status
 
-    def status(self) -> EnforcementStatus:
+    def status(self) -> RegenerationStatus:
         """Counters for ``cilia-agent status``."""
-        return EnforcementStatus(
-            policy_revision=self.engine.repository.revision,
-            policies=len(self.engine.repository),
-            identities=len(self.engine.identities),
-            synced=self.engine.ready,
-            endpoints=len(self._eps),
-            ipcache_entries=len(self._ipcache.remote)
-            + len(self._ipcache.host)
-            + len(self._local_ips),
-            pending_operator_calls=self.retry.pending,
+        return RegenerationStatus(
+            endpoints=len(self._eps), pending_operator_calls=self.retry.pending
         )

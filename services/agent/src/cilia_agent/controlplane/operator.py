@@ -34,9 +34,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Self, TypeVar
+from typing import Protocol, Self, TypeVar
 
 import grpc
 from pyroute2 import IPRoute
@@ -44,9 +44,22 @@ from pyroute2 import IPRoute
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
 from cilia_agent.config import Config
-from cilia_agent.ipam.node import Demand
 
 log = logging.getLogger(__name__)
+
+
+class Demand(Protocol):
+    """What the node asks for with ``UpdateDemand`` (``cilia_agent.ipam.node.Demand``).
+
+    ``needed``: ``pool -> addresses needed``; ``released``: ``pool -> [cidr, ...]`` handed
+    back. Compared with ``==`` to skip sending the same demand twice.
+    """
+
+    @property
+    def needed(self) -> Mapping[str, int]: ...
+
+    @property
+    def released(self) -> Mapping[str, Sequence[str]]: ...
 
 
 def backoff_delay(attempt: int, minimum: float, maximum: float) -> float:
@@ -111,7 +124,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _operator_channel(address: str, min_backoff: float, max_backoff: float) -> grpc.aio.Channel:
+def operator_channel(address: str, min_backoff: float, max_backoff: float) -> grpc.aio.Channel:
     """An insecure channel to the operator with the reconnect backoff ``min``..``max`` (s)."""
     ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
     return grpc.aio.insecure_channel(
@@ -143,6 +156,8 @@ class OperatorClient:
             ``UpdateDemandResponse.resource_version`` (its write of the node).
         hubble_address: returns ``host:port`` of this node's Hubble server given the
             node's addresses ("" = none), sent with Register.
+        channel: the agent's one operator channel (gRPC reconnects it; its owner closes
+            it); None = a channel of its own for each session.
     """
 
     def __init__(
@@ -160,6 +175,7 @@ class OperatorClient:
         on_allocation: Callable[[cp.NodeAllocation], Awaitable[None]],
         hubble_address: Callable[[list[str]], str] = lambda _addresses: "",
         on_demand_sent: Callable[[Demand, str], None] = lambda _demand, _rv: None,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
         self.address = address
         self.node_name = node_name
@@ -173,13 +189,14 @@ class OperatorClient:
         self._on_allocation = on_allocation
         self._hubble_address = hubble_address
         self._on_demand_sent = on_demand_sent
+        self._channel = channel
         self._demand_event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.connected = False
 
     def start(self) -> None:
         """Start the session task (call from the running event loop)."""
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="operator-client")
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="operator-client")
 
     async def stop(self) -> None:
         """Cancel the session task and wait for it."""
@@ -193,7 +210,8 @@ class OperatorClient:
         """Ask for the demand to be recomputed and sent (coalesced)."""
         self._demand_event.set()
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Keep a session with the operator until cancelled (reconnects with backoff)."""
         attempt = 0
         while True:
             try:
@@ -218,7 +236,11 @@ class OperatorClient:
     async def _session(self) -> bool:
         nets = await asyncio.to_thread(read_node_networks, self.exclude_devices)
         delivered = False
-        async with _operator_channel(self.address, self.min_backoff, self.max_backoff) as channel:
+        own = self._channel is None
+        channel = self._channel or operator_channel(
+            self.address, self.min_backoff, self.max_backoff
+        )
+        try:
             node = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
             ipam = cp_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
             resp = await node.Register(
@@ -244,17 +266,21 @@ class OperatorClient:
             await self._on_registered(resp)
             self.connected = True
             sender = asyncio.get_running_loop().create_task(self._send_demand(ipam))
+            stream = ipam.WatchAllocations(cp.WatchAllocationsRequest(node_name=self.node_name))
             try:
-                stream = ipam.WatchAllocations(cp.WatchAllocationsRequest(node_name=self.node_name))
                 async for msg in stream:
                     delivered = True
                     await self._on_allocation(msg.allocation)
                     if sender.done():
                         sender.result()  # re-raise a demand failure → reconnect
             finally:
+                stream.cancel()  # a shared channel outlives the session: end the call
                 sender.cancel()
                 with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                     await sender
+        finally:
+            if own:
+                await channel.close()
         return delivered
 
     async def _send_demand(self, ipam: cp_grpc.IPAMServiceStub) -> None:
@@ -323,31 +349,37 @@ class OperatorConnection:
         timeout: float,
         min_backoff: float,
         max_backoff: float,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
         self.address = address
         self.node_name = node_name
         self.timeout = timeout
-        self.channel = _operator_channel(address, min_backoff, max_backoff)
+        self._owns_channel = channel is None
+        self.channel = channel or operator_channel(address, min_backoff, max_backoff)
         self._stubs(self.channel)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Self:
+    def from_config(cls, cfg: Config, channel: grpc.aio.Channel | None = None) -> Self:
         """Connect to ``cfg.operator`` as ``cfg.node_name`` with ``--operator-timeout`` and
-        the ``--operator-reconnect-{min,max}-backoff`` of the agent's config."""
+        the ``--operator-reconnect-{min,max}-backoff`` of the agent's config; over
+        ``channel`` when given (the agent's one operator channel, closed by its owner)."""
         return cls(
             address=cfg.operator,
             node_name=cfg.node_name,
             timeout=cfg.operator_timeout,
             min_backoff=cfg.operator_reconnect_min_backoff,
             max_backoff=cfg.operator_reconnect_max_backoff,
+            channel=channel,
         )
 
     def _stubs(self, channel: grpc.aio.Channel) -> None:
         """Create the subclass's service stubs on ``channel`` (called once by __init__)."""
 
     async def close(self) -> None:
-        """Close the channel (open streams end with CANCELLED)."""
-        await self.channel.close()
+        """Close the channel if this connection made it (open streams end with CANCELLED);
+        a shared channel is closed by its owner."""
+        if self._owns_channel:
+            await self.channel.close()
 
 
 class PoolResolver(OperatorConnection):
@@ -561,8 +593,10 @@ async def run_watch(
     attempt = 0
     while True:
         delivered = False
+        stream: AsyncIterable[T] | None = None
         try:
-            delivered = await consume(open_stream())
+            stream = open_stream()
+            delivered = await consume(stream)
             reason = "stream ended"
         except asyncio.CancelledError:
             raise
@@ -570,6 +604,10 @@ async def run_watch(
             reason = _describe(exc)
             if not isinstance(exc, grpc.aio.AioRpcError):
                 log.exception("watch %s: consumer failed", name)
+        finally:
+            cancel = getattr(stream, "cancel", None)
+            if cancel is not None:  # a call on the shared channel: end it, keep the channel
+                cancel()
         if delivered:
             attempt = 0
         delay = backoff_delay(attempt, min_backoff, max_backoff)

@@ -1,9 +1,11 @@
-"""Enforcement (identity + policy + datapath + Hubble metadata) over an in-memory datapath.
+"""Endpoint regeneration (identity + policy + datapath + ipcache) over an in-memory datapath,
+with Hubble's resolver reading the owners.
 
 The datapath stand-in keeps the loader's API (``set_endpoint``, ``upsert_ipcache``,
 ``attach`` …) in dicts and records the order of calls; the policy map is a dict keyed
-by the key's bytes. Everything else is real: PolicyEngine, PolicyMapWriter,
-MemoryResolver, RetryQueue, the controlplane protobufs.
+by the key's bytes. Everything else is real: IPCache with its BPF writer, IdentityAllocator,
+PolicyEngine, PolicyMapWriter, PolicyStreams, OwnerResolver, RetryQueue, the controlplane
+protobufs.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ import pytest
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.controlplane import OperatorUnavailable, RetryQueue
-from cilia_agent.endpoint.enforcement import (
-    Enforcement,
-    LocalControlPlane,
-    PolicyMode,
-    PolicyNotReady,
-)
+from cilia_agent.endpoint.regeneration import PolicyMode, PolicyNotReady, Regeneration
 from cilia_agent.endpoint.state import EndpointRecord
-from cilia_agent.hubble.enrich import MemoryResolver
+from cilia_agent.hubble.enrich import OwnerResolver
+from cilia_agent.identity.allocator import IdentityAllocator
+from cilia_agent.identity.local import LocalControlPlane
+from cilia_agent.identity.watcher import consume_identities
+from cilia_agent.ipcache import IPCache
+from cilia_agent.ipcache.bpf import BPFWriter
+from cilia_agent.ipcache.watcher import consume_ipcache
 from cilia_agent.metrics import Metrics
+from cilia_agent.policy.engine import PolicyEngine
+from cilia_agent.policy.maps import PolicyMapError, PolicyMapWriter
+from cilia_agent.policy.watcher import PolicyStreams
 
 NS_LABEL = "k8s:io.kubernetes.pod.namespace=default"
 
@@ -148,28 +154,53 @@ async def stream(*items: Any) -> Any:
 
 
 class Harness:
-    def __init__(self, mode: PolicyMode = "default", wait: float = 2.0) -> None:
-        self.dp = FakeDatapath()
+    """The owners wired as the agent wires them (``cilia_agent.enforcement.load``)."""
+
+    def __init__(
+        self, mode: PolicyMode = "default", wait: float = 2.0, dp: FakeDatapath | None = None
+    ) -> None:
+        self.dp = dp or FakeDatapath()
         self.control = FakeControl()
-        self.resolver = MemoryResolver(kernel_interface_names=False)
         self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(2)
         self.retry = RetryQueue(min_backoff=0.01, max_backoff=0.05)
-        self.enf = Enforcement(
+        self.ipcache = IPCache([BPFWriter(self.dp)])
+        self.engine = PolicyEngine(PolicyMapWriter(self.dp.table("cilia_policy"), capacity=65536))
+        self.streams = PolicyStreams(self.engine, self.metrics.policy, wait)
+        self.identities = IdentityAllocator(
+            self.control, self.retry, self.engine, on_learn_error=(PolicyMapError,)
+        )
+        self.enf = Regeneration(
             datapath=self.dp,  # type: ignore[arg-type]
-            resolver=self.resolver,
+            identities=self.identities,
+            ipcache=self.ipcache,
+            engine=self.engine,
+            streams=self.streams,
             control=self.control,
             retry=self.retry,
             executor=self.executor,
-            metrics=self.metrics,
             node_name="n1",
             mode=mode,
-            policy_wait_timeout=wait,
+        )
+        self.engine.on_enforce = self.enf.on_enforce
+        self.resolver = OwnerResolver(
+            endpoints=self.enf,
+            ipcache=self.ipcache,
+            identities=self.identities,
+            kernel_interface_names=False,
         )
 
+    async def consume_ipcache(self, messages: Any) -> bool:
+        return await consume_ipcache(self.ipcache, messages)
+
     async def sync(self, *policies: cp.PolicyEvent) -> None:
-        await self.enf.consume_identities(stream(cp.WatchIdentitiesResponse(synced=True)))
-        await self.enf.consume_policies(
+        await consume_identities(
+            self.engine,
+            self.identities,
+            stream(cp.WatchIdentitiesResponse(synced=True)),
+            self.streams.changed,
+        )
+        await self.streams.consume_policies(
             stream(cp.WatchPoliciesResponse(events=list(policies), synced=True))
         )
 
@@ -353,7 +384,7 @@ def test_ipcache_stream_resync_drops_stale_entries_and_never_overrides_local_one
         h = Harness()
         await h.sync()
         await h.enf.create(rec(1, "web", "10.0.0.2"), 11)
-        h.enf.set_host_addresses(["192.0.2.10"])
+        h.ipcache.set_host_addresses(["192.0.2.10"])
 
         def entry(cidr: str, ident: int, owner: str = "") -> cp.IPCacheEvent:
             return cp.IPCacheEvent(
@@ -370,14 +401,14 @@ def test_ipcache_stream_resync_drops_stale_entries_and_never_overrides_local_one
             ],
             synced=True,
         )
-        await h.enf.consume_ipcache(stream(first))
+        await h.consume_ipcache(stream(first))
         assert h.dp.ipcache["10.1.0.5/32"] == (300, "192.0.2.20")
         assert h.dp.ipcache["10.0.0.2/32"] == (256, "")
         assert h.dp.ipcache["192.0.2.10/32"] == (1, "")
         ref = h.resolver.endpoint_by_ip("10.1.0.5")
         assert ref is not None and ref.pod_name == "remote"
         # reconnect: the new listing no longer has 10.1.0.6
-        await h.enf.consume_ipcache(
+        await h.consume_ipcache(
             stream(cp.WatchIPCacheResponse(events=[entry("10.1.0.5/32", 300)], synced=True))
         )
         assert "10.1.0.6/32" not in h.dp.ipcache and "10.1.0.5/32" in h.dp.ipcache
@@ -397,17 +428,7 @@ def test_restore_keeps_pinned_flags_until_recomputed_and_prunes_gone_endpoints()
         assert len(first.dp.policy.data) == 0, "no frontend identity yet: nothing to allow"
 
         # a new agent on the same pinned maps; endpoint 3 disappeared while it was down
-        second = Harness()
-        second.dp = first.dp
-        second.enf = Enforcement(
-            datapath=first.dp,  # type: ignore[arg-type]
-            resolver=second.resolver,
-            control=second.control,
-            retry=second.retry,
-            executor=second.executor,
-            metrics=second.metrics,
-            node_name="n1",
-        )
+        second = Harness(dp=first.dp)
         second.enf.engine.restore()
         first.dp.calls.clear()
         missing = await second.enf.restore([back])  # host veth "lo" = ifindex 1

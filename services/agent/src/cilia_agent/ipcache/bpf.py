@@ -1,0 +1,41 @@
+"""The ipcache listener that keeps the pinned ``cilia_ipcache`` LPM trie in line.
+
+The map's key is ``{prefixlen, IPv4}`` and its value ``{identity, tunnel/host IP}``
+(``datapath.layout``); the loader's ``upsert_ipcache``/``delete_ipcache`` write them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from cilia_agent.ipcache.cache import Entry
+
+
+class IPCacheMap(Protocol):
+    """The loader's ipcache calls (``cilia_agent.datapath.loader.Datapath``)."""
+
+    def upsert_ipcache(self, ip: str, plen: int, identity: int, node_ip: str = "") -> None:
+        """Write ``ip/plen → identity, node_ip``."""
+
+    def delete_ipcache(self, ip: str, plen: int) -> None:
+        """Remove ``ip/plen``."""
+
+
+class BPFWriter:
+    """:class:`~cilia_agent.ipcache.cache.Listener` writing ``cilia_ipcache``.
+
+    Raises (from its calls): whatever the map write raises (bcc ``KeyError``/``OSError``).
+    """
+
+    def __init__(self, bpf_map: IPCacheMap) -> None:
+        self.map = bpf_map
+
+    def upsert(self, prefix: str, entry: Entry) -> None:
+        """Write the prefix's entry."""
+        ip, _, plen = prefix.partition("/")
+        self.map.upsert_ipcache(ip, int(plen), entry.identity, entry.host_ip)
+
+    def delete(self, prefix: str) -> None:
+        """Remove the prefix."""
+        ip, _, plen = prefix.partition("/")
+        self.map.delete_ipcache(ip, int(plen))
