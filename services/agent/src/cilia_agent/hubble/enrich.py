@@ -71,6 +71,17 @@ class Resolver(Protocol):
         """Name of a host network interface."""
 
 
+def kernel_name(ifindex: int) -> str | None:
+    """The kernel's name for ``ifindex`` in the agent's network namespace (None: no such
+    interface, or ``ifindex`` ≤ 0)."""
+    if ifindex <= 0:
+        return None
+    try:
+        return socket.if_indextoname(ifindex)
+    except OSError:
+        return None
+
+
 def _owner(owner: str) -> tuple[str, str]:
     namespace, _, name = owner.partition("/")
     return (namespace, name) if name else ("", "")
@@ -209,12 +220,7 @@ class MemoryResolver:
     def interface_name(self, ifindex: int) -> str | None:
         """Registered name, else (optionally) the kernel's name for the index."""
         name = self._interfaces.get(ifindex)
-        if name is not None or not self._kernel_names or ifindex <= 0:
-            return name
-        try:
-            return socket.if_indextoname(ifindex)
-        except OSError:
-            return None
+        return name if name is not None or not self._kernel_names else kernel_name(ifindex)
 
 
 class LocalEndpointLike(Protocol):
@@ -333,9 +339,4 @@ class OwnerResolver:
     def interface_name(self, ifindex: int) -> str | None:
         """An endpoint's host veth, else (optionally) the kernel's name for the index."""
         name = self.endpoints.interface_name(ifindex) if self.endpoints is not None else None
-        if name is not None or not self._kernel_names or ifindex <= 0:
-            return name
-        try:
-            return socket.if_indextoname(ifindex)
-        except OSError:
-            return None
+        return name if name is not None or not self._kernel_names else kernel_name(ifindex)
