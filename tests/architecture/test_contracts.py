@@ -6,7 +6,9 @@ build the import graph). Three things are shown:
 1. every enforced contract (id without the ``target-`` prefix) is KEPT by today's code;
 2. the contracts really fail on a forbidden import: a copy of ``.importlinter`` is checked
    against a synthetic set of packages named like ours where one service imports another and
-   the CNI plugin imports grpcio; ``lint-imports`` exits 1 and reports those contracts BROKEN;
+   the CNI plugin imports grpcio, an operator domain imports its servicers and the agent's
+   reserved identities table imports the datapath; ``lint-imports`` exits 1 and reports
+   those contracts BROKEN;
 3. each ``target-`` contract (a shape that code is being moved into, e.g. the agent's
    intended layers of issue 10) is checked and its broken imports are shown; it is an
    expected failure until the move lands, and fails the run (strict xfail) once it is KEPT,
@@ -93,7 +95,8 @@ _LAYOUT = {
     ],
     "cilia_agent": [
         "__main__", "cli", "app", "api", "endpoint/__init__", "hubble/__init__",
-        "policy/__init__", "identity/__init__", "identity/labels", "ipam/__init__",
+        "policy/__init__", "identity/__init__", "identity/labels", "identity/reserved",
+        "ipam/__init__",
         "cni/__init__", "controlplane", "datapath/__init__", "metrics", "config",
     ],
     "cilia_cni": [
@@ -131,13 +134,16 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: pathlib.Path) -> None
             "cilia_cni.agent": "import grpc\n",
             # an operator domain importing its servicers (upward)
             "cilia_operator.ipam/__init__": "from cilia_operator import controlplane\n",
+            # the agent's reserved identities table (a leaf) importing the datapath
+            "cilia_agent.identity/reserved": "import cilia_agent.datapath\n",
         },
     )
     broken = lint_imports(*ENFORCED, cwd=tmp_path, env=env)
     assert broken.returncode == 1, broken.stdout + broken.stderr
     report = broken.stdout
-    assert "Contracts: " in report and "3 broken." in report, report
+    assert "Contracts: " in report and "4 broken." in report, report
     assert "services never import each other" in report and "BROKEN" in report, report
     assert "cilia_relay.observer -> cilia_agent.hubble" in report, report
     assert "cilia_cni.agent -> grpc" in report, report
     assert "cilia_operator.ipam -> cilia_operator.controlplane" in report, report
+    assert "cilia_agent.identity.reserved -> cilia_agent.datapath" in report, report

@@ -12,9 +12,11 @@ import ctypes
 import ipaddress
 import socket
 
-# Reserved identities (upstream pkg/identity/numericidentity.go).
-IDENTITY_HOST = 1
-IDENTITY_WORLD = 2
+from cilia_agent.identity import reserved
+
+# Reserved identities the datapath knows (bpf/lib/common.h; the table: identity.reserved).
+IDENTITY_HOST = reserved.HOST
+IDENTITY_WORLD = reserved.WORLD
 
 DIR_INGRESS = 0  # to the pod (tc egress of the host veth)
 DIR_EGRESS = 1  # from the pod (tc ingress of the host veth)
