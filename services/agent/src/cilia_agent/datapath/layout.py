@@ -12,9 +12,11 @@ import ctypes
 import ipaddress
 import socket
 
-# Reserved identities (upstream pkg/identity/numericidentity.go).
-IDENTITY_HOST = 1
-IDENTITY_WORLD = 2
+from cilia_agent.identity import reserved
+
+# Reserved identities the datapath knows (bpf/lib/common.h; the table: identity.reserved).
+IDENTITY_HOST = reserved.HOST
+IDENTITY_WORLD = reserved.WORLD
 
 DIR_INGRESS = 0  # to the pod (tc egress of the host veth)
 DIR_EGRESS = 1  # from the pod (tc ingress of the host veth)
@@ -113,3 +115,48 @@ def policy_key(ep_id: int, peer: int, egress: int, protocol: int = 0, port: int 
         POLICY_PREFIX_FULL if port else POLICY_PREFIX_PROTO if protocol else POLICY_PREFIX_STATIC
     )
     return PolicyKey(prefix, ep_id, peer, egress, protocol, port_to_map(port) if port else 0)
+
+
+class FlowEvent(ctypes.Structure):
+    """``struct flow_event``: one ring-buffer record (48 bytes, no padding).
+
+    Decoded by :mod:`cilia_agent.hubble.events` (field meanings there); this mirror lets the
+    layout be checked against the compiled type's BTF. Addresses and ports in network order.
+    """
+
+    _fields_ = [
+        ("ts_ns", ctypes.c_uint64),
+        ("saddr", ctypes.c_uint32),
+        ("daddr", ctypes.c_uint32),
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("event_type", ctypes.c_uint8),
+        ("verdict", ctypes.c_uint8),
+        ("drop_reason", ctypes.c_uint8),
+        ("src_identity", ctypes.c_uint32),
+        ("dst_identity", ctypes.c_uint32),
+        ("ep_id", ctypes.c_uint32),
+        ("ifindex", ctypes.c_uint32),
+        ("len", ctypes.c_uint32),
+        ("dir", ctypes.c_uint8),
+        ("is_reply", ctypes.c_uint8),
+        ("tcp_flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+MAP_LAYOUTS: dict[
+    str, tuple[type[ctypes.Structure] | type[ctypes.c_uint32], type[ctypes.Structure]]
+] = {
+    "cilia_ipcache": (IpcacheKey, IpcacheValue),
+    "cilia_endpoints": (ctypes.c_uint32, EndpointInfo),
+    "cilia_policy": (PolicyKey, PolicyValue),
+}
+"""Map name in ``bpf/bpf_lxc.c`` → (key, value) mirrors, for every map the agent writes.
+
+``cilia_ct`` and ``cilia_metrics`` are only read, by bcc with its own types, and have no mirror.
+"""
+
+STRUCT_LAYOUTS: dict[str, type[ctypes.Structure]] = {"flow_event": FlowEvent}
+"""C struct name → mirror, for types that are not a map's key or value (ring-buffer records)."""

@@ -19,16 +19,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-# Reserved identities and their labels (upstream pkg/identity/numericidentity.go).
+from cilia_agent.identity import reserved
+
+# Reserved identities and the label Hubble shows for each (``reserved:<name>``).
 RESERVED_IDENTITY_LABELS: dict[int, tuple[str, ...]] = {
-    1: ("reserved:host",),
-    2: ("reserved:world",),
-    3: ("reserved:unmanaged",),
-    4: ("reserved:health",),
-    5: ("reserved:init",),
-    6: ("reserved:remote-node",),
-    7: ("reserved:kube-apiserver",),
-    8: ("reserved:ingress",),
+    identity: (f"reserved:{reserved.NAMES[identity]}",) for identity in reserved.LABELLED
 }
 
 

@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from cilia_agent.identity import reserved
+
 # Label sources (upstream pkg/labels).
 SOURCE_K8S = "k8s"
 SOURCE_RESERVED = "reserved"
@@ -44,7 +46,7 @@ POD_NAMESPACE_KEY = "io.kubernetes.pod.namespace"
 NAMESPACE_LABELS_PREFIX = "io.cilium.k8s.namespace.labels."
 """Key prefix upstream uses for namespace labels copied onto pods."""
 
-MINIMAL_CLUSTER_IDENTITY = 256
+MINIMAL_CLUSTER_IDENTITY = reserved.MINIMAL_CLUSTER_IDENTITY
 """First identity the operator allocates for label sets (upstream MinimalNumericIdentity)."""
 
 
@@ -324,29 +326,25 @@ def _reserved(id_: int, name: str, *extra: str) -> ReservedIdentity:
     )
 
 
-IDENTITY_UNKNOWN = 0
-IDENTITY_HOST = 1
-IDENTITY_WORLD = 2
-IDENTITY_UNMANAGED = 3
-IDENTITY_HEALTH = 4
-IDENTITY_INIT = 5
-IDENTITY_REMOTE_NODE = 6
-IDENTITY_KUBE_APISERVER = 7
-IDENTITY_INGRESS = 8
+# Names kept for the modules that import them from here; the numbers live in ``reserved``.
+IDENTITY_UNKNOWN = reserved.UNKNOWN
+IDENTITY_HOST = reserved.HOST
+IDENTITY_WORLD = reserved.WORLD
+IDENTITY_UNMANAGED = reserved.UNMANAGED
+IDENTITY_HEALTH = reserved.HEALTH
+IDENTITY_INIT = reserved.INIT
+IDENTITY_REMOTE_NODE = reserved.REMOTE_NODE
+IDENTITY_KUBE_APISERVER = reserved.KUBE_APISERVER
+IDENTITY_INGRESS = reserved.INGRESS
+
+# upstream labels kube-apiserver also as remote-node (numericidentity.go)
+_EXTRA_LABELS: Mapping[int, tuple[str, ...]] = {
+    reserved.KUBE_APISERVER: (reserved.NAMES[reserved.REMOTE_NODE],)
+}
 
 RESERVED_IDENTITIES: Mapping[int, ReservedIdentity] = {
-    r.id: r
-    for r in (
-        _reserved(IDENTITY_HOST, "host"),
-        _reserved(IDENTITY_WORLD, "world"),
-        _reserved(IDENTITY_UNMANAGED, "unmanaged"),
-        _reserved(IDENTITY_HEALTH, "health"),
-        _reserved(IDENTITY_INIT, "init"),
-        _reserved(IDENTITY_REMOTE_NODE, "remote-node"),
-        # upstream labels kube-apiserver also as remote-node (numericidentity.go)
-        _reserved(IDENTITY_KUBE_APISERVER, "kube-apiserver", "remote-node"),
-        _reserved(IDENTITY_INGRESS, "ingress"),
-    )
+    id_: _reserved(id_, reserved.NAMES[id_], *_EXTRA_LABELS.get(id_, ()))
+    for id_ in reserved.LABELLED
 }
 """Reserved identities 1..8 (upstream ``pkg/identity/numericidentity.go``)."""
 

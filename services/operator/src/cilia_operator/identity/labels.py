@@ -12,25 +12,18 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-MINIMAL_NUMERIC_IDENTITY = 256
+from . import reserved
+
+MINIMAL_NUMERIC_IDENTITY = reserved.MINIMAL_CLUSTER_IDENTITY
 """First cluster-allocated identity (upstream ``MinimalNumericIdentity``)."""
 
 MAX_NUMERIC_IDENTITY = 65535
 """Last identity for cluster-id 0 (upstream ``(1 << ClusterIDShift) - 1``)."""
 
-RESERVED_IDENTITIES: Mapping[str, int] = {
-    "host": 1,
-    "world": 2,
-    "unmanaged": 3,
-    "health": 4,
-    "init": 5,
-    "remote-node": 6,
-    "kube-apiserver": 7,
-    "ingress": 8,
-}
-"""``reserved:<name>`` -> numeric identity (upstream reserved identities 1..8)."""
+RESERVED_IDENTITIES: Mapping[str, int] = {reserved.NAMES[i]: i for i in reserved.LABELLED}
+"""``reserved:<name>`` -> numeric identity (upstream reserved identities 1..8; ``reserved``)."""
 
-REMOTE_NODE_IDENTITY = RESERVED_IDENTITIES["remote-node"]
+REMOTE_NODE_IDENTITY = reserved.REMOTE_NODE
 
 SOURCES = frozenset(
     {"k8s", "reserved", "container", "cni", "cidr", "cidrgroup", "node", "fqdn", "unspec", "gen",
