@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cilia_agent.datapath.layout import IDENTITY_HOST
+from cilia_agent.identity.reserved import HOST as IDENTITY_HOST
 
 log = logging.getLogger(__name__)
 
