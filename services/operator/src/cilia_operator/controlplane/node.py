@@ -38,6 +38,10 @@ def node_message(record: Resource) -> pb.Node:
         ],
         hubble_address=annotations.get(HUBBLE_ANNOTATION, ""),
         version=annotations.get(VERSION_ANNOTATION, ""),
+        pod_cidrs=sorted(
+            {str(b) for blocks in nodes.allocated(record).values() for b in blocks}
+            | {str(b) for b in nodes.pod_cidrs(record)}
+        ),
     )
 
 
@@ -126,7 +130,7 @@ class NodeServicer:
         self, request: pb.WatchNodesRequest, context: Any
     ) -> AsyncIterator[pb.WatchNodesResponse]:
         """Stream every registered node (one message, ``synced`` true), then each change
-        of a node's name/addresses/Hubble address/version, and deletions.
+        of a node's name/addresses/Hubble address/version/pod CIDRs, and deletions.
 
         A watch that falls behind the store's history relists and sends the difference
         (ending with ``synced`` true again). Errors: UNAVAILABLE.

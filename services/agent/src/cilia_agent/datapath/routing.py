@@ -1,0 +1,365 @@
+"""Routes to other nodes' pod CIDRs: native routing or a VXLAN tunnel (pyroute2).
+
+``--routing-mode native`` (upstream ``routing-mode=native``): for every other node, each of
+its pod CIDRs is routed via that node's address on the shared network::
+
+    10.200.1.0/24 via 192.0.2.12 proto 0xc1
+
+``--routing-mode tunnel --tunnel-protocol vxlan`` (upstream's default mode): one VXLAN
+device ``--tunnel-device`` (default ``cilium_vxlan``, UDP ``--tunnel-port`` 8472, VNI
+``--tunnel-vni``) whose MAC is derived from the node's own address
+(:func:`tunnel_mac`), so no MAC needs to be exchanged; for every other node::
+
+    fdb   <mac of 192.0.2.12> dev cilium_vxlan dst 192.0.2.12 permanent
+    neigh 192.0.2.12 lladdr <mac of 192.0.2.12> dev cilium_vxlan permanent
+    route 10.200.1.0/24 via 192.0.2.12 dev cilium_vxlan onlink proto 0xc1
+
+The device MTU is the underlay's minus :data:`VXLAN_OVERHEAD` (50 bytes: outer IPv4 20 +
+UDP 8 + VXLAN 8 + inner Ethernet 14), and pods get the same MTU.
+
+Every route carries the routing protocol :data:`RTPROT_CILIA`, so a restarted agent finds
+the routes it installed and removes only those of nodes that are gone (:meth:`sync`); routes
+and tunnel entries are never removed on a plain stop, so traffic between nodes goes on while
+the agent is down or restarting.
+
+Everything here is synchronous netlink work for the agent's worker threads.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from socket import AF_BRIDGE, AF_INET
+from typing import Literal, Protocol
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from cilia_agent.datapath.errors import DatapathError
+
+log = logging.getLogger(__name__)
+
+RoutingMode = Literal["native", "tunnel"]
+ROUTING_MODES: tuple[RoutingMode, ...] = ("native", "tunnel")
+
+RTPROT_CILIA = 0xC1
+"""Routing protocol number marking the routes this agent installed (``ip route ... proto
+0xc1``; not a number the kernel or common daemons use)."""
+
+RT_TABLE_MAIN = 254
+RTNH_F_ONLINK = 4
+NUD_PERMANENT = 0x80
+NTF_SELF = 0x02
+VXLAN_OVERHEAD = 50
+"""Bytes VXLAN over IPv4 adds to a packet (outer IPv4 20, UDP 8, VXLAN 8, inner Ethernet 14)."""
+
+
+@dataclass(frozen=True)
+class RemoteNode:
+    """Another node as the operator's node stream describes it.
+
+    Attributes:
+        name: node name.
+        address: the IPv4 address other nodes reach it at ("" when it has none).
+        pod_cidrs: every pod CIDR it holds (all pools, draining ones included).
+    """
+
+    name: str
+    address: str
+    pod_cidrs: tuple[str, ...] = field(default_factory=tuple)
+
+
+class NodeRoutes(Protocol):
+    """What the node manager calls (native routing or a tunnel)."""
+
+    def setup(self) -> None:
+        """Create what the mode needs on this node (idempotent)."""
+
+    def sync(self, nodes: Sequence[RemoteNode]) -> list[str]:
+        """Make the installed routes exactly those of ``nodes``; returns one line per node
+        that could not be routed (the reason)."""
+
+
+def tunnel_mac(address: str) -> str:
+    """The tunnel device MAC of the node at ``address``: ``0e:c1`` + its four IPv4 bytes
+    (locally administered, unicast), e.g. ``192.0.2.12`` → ``0e:c1:c0:00:02:0c``.
+
+    Raises:
+        ValueError: ``address`` is not IPv4.
+    """
+    packed = ipaddress.IPv4Address(address).packed
+    return "0e:c1:" + ":".join(f"{b:02x}" for b in packed)
+
+
+def _routes(ipr: IPRoute) -> dict[str, tuple[str, int]]:
+    """Installed routes of :data:`RTPROT_CILIA`: ``cidr -> (gateway, oif)``."""
+    out: dict[str, tuple[str, int]] = {}
+    for route in ipr.get_routes(family=AF_INET, table=RT_TABLE_MAIN):
+        if route.get("proto") != RTPROT_CILIA:
+            continue
+        dst = route.get_attr("RTA_DST")
+        if dst is None:
+            continue
+        cidr = f"{dst}/{route['dst_len']}"
+        out[cidr] = (route.get_attr("RTA_GATEWAY") or "", route.get_attr("RTA_OIF") or 0)
+    return out
+
+
+def _valid(node: RemoteNode) -> tuple[list[str], str]:
+    """The node's IPv4 pod CIDRs and the reason it cannot be routed ("" = routable)."""
+    if not node.address:
+        return [], f"node {node.name}: no address (its routes are withdrawn)"
+    try:
+        ipaddress.IPv4Address(node.address)
+    except ValueError:
+        return [], f"node {node.name}: address {node.address!r} is not IPv4"
+    cidrs: list[str] = []
+    for cidr in node.pod_cidrs:
+        try:
+            cidrs.append(str(ipaddress.IPv4Network(cidr)))
+        except ValueError:
+            log.warning("node %s: ignoring pod CIDR %r", node.name, cidr)
+    return cidrs, ""
+
+
+class NativeRouting:
+    """:class:`NodeRoutes` for ``--routing-mode native``.
+
+    Args:
+        local_cidrs: returns this node's own pod CIDRs (never routed elsewhere).
+    """
+
+    def __init__(self, local_cidrs: _LocalCidrs) -> None:
+        self.local_cidrs = local_cidrs
+
+    def setup(self) -> None:
+        """Nothing to create: routes use the node's own network."""
+
+    def sync(self, nodes: Sequence[RemoteNode]) -> list[str]:
+        """See :class:`NodeRoutes`. A gateway that is not on a directly connected network
+        is refused by the kernel: that node's routes are not installed and it is reported.
+
+        Raises:
+            DatapathError: the routing table cannot be read.
+        """
+        problems: list[str] = []
+        local = set(self.local_cidrs())
+        try:
+            with IPRoute() as ipr:
+                have = _routes(ipr)
+                want: dict[str, str] = {}
+                for node in nodes:
+                    cidrs, reason = _valid(node)
+                    if reason:
+                        problems.append(reason)
+                        continue
+                    for cidr in cidrs:
+                        if cidr not in local:
+                            want[cidr] = node.address
+                for cidr, gateway in want.items():
+                    if have.get(cidr, ("", 0))[0] == gateway:
+                        continue
+                    try:
+                        ipr.route(
+                            "replace",
+                            dst=cidr,
+                            gateway=gateway,
+                            proto=RTPROT_CILIA,
+                            table=RT_TABLE_MAIN,
+                        )
+                        log.info("route installed", extra={"cidr": cidr, "via": gateway})
+                    except NetlinkError as exc:
+                        problems.append(f"route {cidr} via {gateway}: {exc.args[-1]}")
+                for cidr in set(have) - set(want):
+                    _delete_route(ipr, cidr)
+        except NetlinkError as exc:
+            raise DatapathError(f"cannot read or change the routing table: {exc}") from exc
+        return problems
+
+
+class _LocalCidrs(Protocol):
+    def __call__(self) -> Iterable[str]: ...
+
+
+def _unreachable(ipr: IPRoute, address: str) -> str:
+    """Why ``address`` cannot be reached through the underlay ("" when it can)."""
+    try:
+        ipr.route("get", dst=address)
+    except NetlinkError as exc:
+        return f"address {address} is not reachable from this node ({exc.args[-1]})"
+    return ""
+
+
+def _delete_route(ipr: IPRoute, cidr: str) -> None:
+    try:
+        ipr.route("del", dst=cidr, proto=RTPROT_CILIA, table=RT_TABLE_MAIN)
+        log.info("route withdrawn", extra={"cidr": cidr})
+    except NetlinkError as exc:
+        if exc.code != 3:  # ESRCH: already gone
+            log.warning("cannot withdraw route %s: %s", cidr, exc)
+
+
+class VxlanTunnel:
+    """:class:`NodeRoutes` for ``--routing-mode tunnel --tunnel-protocol vxlan``.
+
+    Args:
+        device: ``--tunnel-device``.
+        port: ``--tunnel-port`` (UDP).
+        vni: ``--tunnel-vni``.
+        local_address: this node's address (the tunnel source; its MAC derives from it).
+        mtu: the tunnel device MTU (underlay MTU − :data:`VXLAN_OVERHEAD`).
+        local_cidrs: returns this node's own pod CIDRs (never routed elsewhere).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str,
+        port: int,
+        vni: int,
+        local_address: str,
+        mtu: int,
+        local_cidrs: _LocalCidrs,
+    ) -> None:
+        self.device = device
+        self.port = port
+        self.vni = vni
+        self.local_address = local_address
+        self.mtu = mtu
+        self.local_cidrs = local_cidrs
+
+    def _index(self, ipr: IPRoute) -> int | None:
+        found = ipr.link_lookup(ifname=self.device)
+        return int(found[0]) if found else None
+
+    def setup(self) -> None:
+        """Create the VXLAN device (or fix the MTU/MAC of an existing one) and bring it up.
+
+        Raises:
+            DatapathError: netlink refused (e.g. the port is taken by another VXLAN device).
+        """
+        mac = tunnel_mac(self.local_address)
+        try:
+            with IPRoute() as ipr:
+                idx = self._index(ipr)
+                if idx is None:
+                    ipr.link(
+                        "add",
+                        ifname=self.device,
+                        kind="vxlan",
+                        vxlan_id=self.vni,
+                        vxlan_port=self.port,
+                        vxlan_local=self.local_address,
+                        vxlan_learning=0,
+                        address=mac,
+                        mtu=self.mtu,
+                    )
+                    idx = self._index(ipr)
+                    log.info(
+                        "tunnel device created",
+                        extra={"device": self.device, "vni": self.vni, "port": self.port},
+                    )
+                assert idx is not None
+                ipr.link("set", index=idx, mtu=self.mtu, address=mac, state="up")
+        except NetlinkError as exc:
+            raise DatapathError(
+                f"cannot create VXLAN device {self.device} (VNI {self.vni}, UDP {self.port}): "
+                f"{exc.args[-1]}"
+            ) from exc
+
+    def sync(self, nodes: Sequence[RemoteNode]) -> list[str]:
+        """See :class:`NodeRoutes`: FDB, neighbour and route per other node; the entries of
+        nodes no longer listed are removed.
+
+        Raises:
+            DatapathError: the tunnel device is missing or netlink refused a read.
+        """
+        problems: list[str] = []
+        local = set(self.local_cidrs())
+        try:
+            with IPRoute() as ipr:
+                idx = self._index(ipr)
+                if idx is None:
+                    raise DatapathError(f"tunnel device {self.device} does not exist")
+                have = _routes(ipr)
+                peers = self._peers(ipr, idx)
+                want: dict[str, str] = {}
+                addresses: set[str] = set()
+                for node in nodes:
+                    cidrs, reason = _valid(node)
+                    if reason:
+                        problems.append(reason)
+                        continue
+                    if node.address == self.local_address:
+                        continue
+                    unreachable = _unreachable(ipr, node.address)
+                    if unreachable:
+                        problems.append(f"node {node.name}: {unreachable}")
+                        continue
+                    addresses.add(node.address)
+                    for cidr in cidrs:
+                        if cidr not in local:
+                            want[cidr] = node.address
+                for address in addresses - peers:
+                    self._add_peer(ipr, idx, address)
+                for cidr, gateway in want.items():
+                    if have.get(cidr) == (gateway, idx):
+                        continue
+                    ipr.route(
+                        "replace",
+                        dst=cidr,
+                        gateway=gateway,
+                        oif=idx,
+                        flags=RTNH_F_ONLINK,
+                        proto=RTPROT_CILIA,
+                        table=RT_TABLE_MAIN,
+                    )
+                    log.info("tunnel route installed", extra={"cidr": cidr, "node": gateway})
+                for cidr in set(have) - set(want):
+                    _delete_route(ipr, cidr)
+                for address in peers - addresses:
+                    self._delete_peer(ipr, idx, address)
+        except NetlinkError as exc:
+            raise DatapathError(f"tunnel {self.device}: {exc.args[-1]}") from exc
+        return problems
+
+    def _peers(self, ipr: IPRoute, idx: int) -> set[str]:
+        """Addresses with a permanent neighbour entry on the tunnel device."""
+        out: set[str] = set()
+        for neigh in ipr.get_neighbours(family=AF_INET, ifindex=idx):
+            if neigh["state"] & NUD_PERMANENT:
+                dst = neigh.get_attr("NDA_DST")
+                if dst:
+                    out.add(dst)
+        return out
+
+    def _add_peer(self, ipr: IPRoute, idx: int, address: str) -> None:
+        mac = tunnel_mac(address)
+        ipr.fdb("append", ifindex=idx, lladdr=mac, dst=address, state=NUD_PERMANENT)
+        ipr.neigh("replace", dst=address, lladdr=mac, ifindex=idx, state=NUD_PERMANENT)
+        log.info("tunnel peer added", extra={"node": address, "mac": mac})
+
+    def _delete_peer(self, ipr: IPRoute, idx: int, address: str) -> None:
+        mac = tunnel_mac(address)
+        for op in (
+            lambda: ipr.neigh("del", dst=address, ifindex=idx),
+            lambda: ipr.fdb("del", ifindex=idx, lladdr=mac, dst=address, family=AF_BRIDGE),
+        ):
+            try:
+                op()
+            except NetlinkError as exc:
+                log.warning("tunnel peer %s: cannot remove an entry: %s", address, exc)
+        log.info("tunnel peer removed", extra={"node": address})
+
+
+def underlay_mtu(address: str) -> int:
+    """MTU of the interface holding ``address`` (1500 when it cannot be found)."""
+    with IPRoute() as ipr:
+        for addr in ipr.get_addr(family=AF_INET):
+            if addr.get_attr("IFA_ADDRESS") == address:
+                links = ipr.get_links(addr["index"])
+                if links:
+                    return int(links[0].get_attr("IFLA_MTU") or 1500)
+    return 1500
