@@ -210,7 +210,7 @@ def _positive_seconds(value: str) -> float:
 
 
 def _duration(value: str) -> float:
-    from .config import parse_duration
+    from cilia_common.durations import parse_duration
 
     try:
         return parse_duration(value)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 import urllib.parse
 from typing import Literal
 
@@ -27,34 +26,6 @@ def split_host_port(value: str, flag: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"{flag}: {value!r} is not [HOST]:PORT")
     return host.strip("[]"), int(port)
-
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(value: str) -> float:
-    """A Go-style duration (``15m``, ``1h30m``, ``500ms``, ``0``) or plain seconds
-    (``2.5``) in seconds, as upstream's duration flags take them.
-
-    Raises:
-        ValueError: not a non-negative duration.
-    """
-    text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        pos, seconds = 0, 0.0
-        for match in _DURATION_PART.finditer(text):
-            if match.start() != pos:
-                break
-            seconds += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-            pos = match.end()
-        if pos != len(text) or not text:
-            raise ValueError(f"{value!r} is not a duration (e.g. 15m, 30s, 500ms, 1h30m)") from None
-    if seconds < 0:
-        raise ValueError(f"{value!r} is negative")
-    return seconds
 
 
 class Config(BaseModel):

@@ -10,46 +10,22 @@ Every limit and timeout is a flag; :data:`FLAG_HELP` documents each one and its 
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
+from cilia_common import durations
 
 
 def parse_duration(text: str) -> float:
-    """Parse a Go duration string (``"1s"``, ``"250ms"``, ``"1m30s"``, ``"0"``) into seconds.
-
-    Returns:
-        the duration in seconds (float, >= 0).
+    """A Go duration (``"1s"``, ``"250ms"``, ``"1m30s"``, ``"0"``) in seconds, as upstream
+    hubble-relay's flags take it: a unit is required except for ``0``
+    (:func:`cilia_common.durations.parse_duration` with ``bare_seconds=False``).
 
     Raises:
-        ValueError: the text is not a non-negative Go duration (a unit is required
-            except for ``0``).
+        ValueError: not a non-negative Go duration.
     """
-    value = text.strip()
-    if value == "0":
-        return 0.0
-    pos = 0
-    total = 0.0
-    for match in _DURATION_PART.finditer(value):
-        if match.start() != pos:
-            break
-        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-        pos = match.end()
-    if not value or pos != len(value):
-        raise ValueError(f"{text!r} is not a duration (use e.g. 1s, 500ms, 1m30s)")
-    return total
+    return durations.parse_duration(text, bare_seconds=False)
 
 
 FLAG_HELP: dict[str, str] = {
@@ -138,13 +114,6 @@ class Config(BaseModel):
         if value and (value.startswith("unix:") or not _is_address(value)):
             raise ValueError(f"{value!r} is not [host]:port")
         return value
-
-    def metrics_listen(self) -> tuple[str, int] | None:
-        """``(host, port)`` of the metrics endpoint, or None when disabled."""
-        if not self.prometheus_serve_addr:
-            return None
-        host, _, port = self.prometheus_serve_addr.rpartition(":")
-        return (host or "0.0.0.0", int(port))
 
 
 def grpc_address(address: str) -> str:
