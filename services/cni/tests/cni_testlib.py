@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
+from cilia_common import grpcerrors
 
 #: Upper bound for one plugin exec in tests (the plugin's own timeouts are smaller).
 EXEC_TIMEOUT_SECONDS = 60
@@ -121,6 +122,8 @@ class ContractAgent(agent_pb2_grpc.AttachmentServiceServicer):  # type: ignore[m
     del_requests: list[agent_pb2.DelRequest] = field(default_factory=list)
     attachments: dict[tuple[str, str], str] = field(default_factory=dict)
     fail_add: tuple[grpc.StatusCode, str] | None = None
+    #: with ``fail_add``: abort with this google.rpc.ErrorInfo reason (domain agent.cilia.io)
+    fail_add_reason: str = ""
     fail_del: tuple[grpc.StatusCode, str] | None = None
     add_delay: float = 0.0
     add_response: agent_pb2.AddResponse | None = None
@@ -132,6 +135,7 @@ class ContractAgent(agent_pb2_grpc.AttachmentServiceServicer):  # type: ignore[m
         self.del_requests.clear()
         self.attachments.clear()
         self.fail_add = self.fail_del = self.add_response = None
+        self.fail_add_reason = ""
         self.add_delay = 0.0
         self.next_host = 2
 
@@ -141,6 +145,13 @@ class ContractAgent(agent_pb2_grpc.AttachmentServiceServicer):  # type: ignore[m
         self.add_requests.append(request)
         if self.add_delay:
             await asyncio.sleep(self.add_delay)
+        if self.fail_add is not None and self.fail_add_reason:
+            await grpcerrors.abort(
+                context,
+                *self.fail_add,
+                reason=self.fail_add_reason,
+                domain=grpcerrors.AGENT_DOMAIN,
+            )
         if self.fail_add is not None:
             await context.abort(*self.fail_add)
         if self.add_response is not None:

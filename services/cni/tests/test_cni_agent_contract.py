@@ -134,6 +134,27 @@ def test_resource_exhausted_is_101_only_for_the_agents_pool_exhaustion(
     assert "RESOURCE_EXHAUSTED" in err["details"]
 
 
+def test_pool_exhausted_reason_is_101_whatever_the_message(agent: AgentServer) -> None:
+    """The agent names pool exhaustion by a google.rpc.ErrorInfo reason (POOL_EXHAUSTED,
+    domain agent.cilia.io, in grpc-status-details-bin): the plugin reads the reason, not the
+    text, which may say anything."""
+    message = "the pool 'blue' ran dry"
+    agent.servicer.fail_add = (grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    agent.servicer.fail_add_reason = "POOL_EXHAUSTED"
+    err = assert_cni_error(exec_cni(cni_env("ADD"), netconf(agent.socket)), 101, message)
+    assert err["details"] == "gRPC RESOURCE_EXHAUSTED (POOL_EXHAUSTED)"
+
+
+def test_another_reason_with_the_old_pool_message_is_not_101(agent: AgentServer) -> None:
+    """An agent that sends reasons is trusted on them: the old message match is only the
+    fallback for an agent that sends none."""
+    message = "no free IPv4 address in pool 'default' (policy map full)"
+    agent.servicer.fail_add = (grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    agent.servicer.fail_add_reason = "POLICY_MAP_FULL"
+    err = assert_cni_error(exec_cni(cni_env("ADD"), netconf(agent.socket)), 999, message)
+    assert "RESOURCE_EXHAUSTED" in err["details"]
+
+
 def test_request_over_the_agents_grpc_size_limit_is_code_7_not_pool_exhausted(
     agent: AgentServer,
 ) -> None:

@@ -5,6 +5,8 @@ a scripted HTTP/2 peer (hyperframe + hpack) for what grpcio never sends on its o
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -43,6 +45,7 @@ from cilia_cni.errors import (
     InternalError,
     UnknownContainer,
 )
+from cilia_common import grpcerrors
 
 #: A status message that needs percent-encoding: non-ASCII, '%', control characters.
 AWKWARD = "netns /var/run/netns/pöd-1 gone: 100% sûre ✗ %41 %zz\ttab\nnewline"
@@ -623,3 +626,76 @@ def test_a_socket_that_does_not_speak_http2_is_unreachable_code_11(
         assert len(os.listdir(conf["del-queue-dir"])) == 1
     finally:
         server.close()
+
+
+@contextlib.contextmanager
+def _aio_server(methods: dict[str, Callable[..., Any]]) -> Iterator[str]:
+    """A grpc.aio server of ``cilia.test.Test`` with unary bytes ``methods``, on a unix
+    socket in a short tmp dir, run by a loop in a thread; yields the socket path."""
+    tmp = tempfile.mkdtemp(prefix="cilia-h2-", dir="/tmp")
+    path = os.path.join(tmp, "s.sock")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        handlers = {n: grpc.unary_unary_rpc_method_handler(m) for n, m in methods.items()}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("cilia.test.Test", handlers),)
+        )
+        server.add_insecure_port("unix:" + path)
+        await server.start()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield path
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_error_info_in_the_status_details_trailer_is_read_back() -> None:
+    """A real grpc.aio server aborts with google.rpc.ErrorInfo (cilia_common.grpcerrors):
+    the HTTP/2 client keeps grpc-status-details-bin and the agent client decodes the
+    (domain, reason)."""
+    from cilia_cni.agent import error_reason
+
+    async def fail(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await grpcerrors.abort(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "pool 'blue' ran dry",
+            reason="POOL_EXHAUSTED",
+            domain=grpcerrors.AGENT_DOMAIN,
+            metadata={"pool": "blue"},
+        )
+
+    async def plain(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no details")
+
+    with _aio_server({"Fail": fail, "Plain": plain}) as sock:
+        with pytest.raises(h2grpc.RpcError) as err:
+            h2grpc.unary_call(sock, "/cilia.test.Test/Fail", b"", 5)
+        assert err.value.name == "RESOURCE_EXHAUSTED" and err.value.details == "pool 'blue' ran dry"
+        assert err.value.status_details
+        assert error_reason(err.value) == ("agent.cilia.io", "POOL_EXHAUSTED")
+        with pytest.raises(h2grpc.RpcError) as err:
+            h2grpc.unary_call(sock, "/cilia.test.Test/Plain", b"", 5)
+        assert err.value.status_details == b"" and error_reason(err.value) is None
+
+
+def test_malformed_status_details_are_no_reason() -> None:
+    assert error_reason_of(b"\xff\xff\xff") is None
+    assert h2grpc._binary_header(b"!!notbase64") == b""
+    assert h2grpc._binary_header(b"YWJj") == b"abc"  # unpadded base64 is accepted
+
+
+def error_reason_of(details: bytes) -> tuple[str, str] | None:
+    from cilia_cni.agent import error_reason
+
+    return error_reason(h2grpc.RpcError(8, "x", status_details=details))

@@ -9,9 +9,10 @@ struct and its ``Flags()`` method.
 
 Every error has one format, ``--flag: reason`` on one line, and exit status 2:
 
-* a value of the wrong type (``--mtu abc``, ``--dial-timeout soon``) stops argparse at once:
-  ``<prog>: --mtu: 'abc' is not an integer`` and ``SystemExit(2)``;
-* a value the model refuses (range, validators) raises :class:`FlagError` from
+* a value that is not of the field's type (``--mtu abc``, ``--dial-timeout soon``) stops
+  argparse at once: ``<prog>: --mtu: 'abc' is not an integer`` and ``SystemExit(2)``;
+* a value the model refuses (range, validators, and a bool flag's word that is not a
+  boolean, which the model's own bool parsing judges) raises :class:`FlagError` from
   :func:`config_from_args`; the caller prints ``<prog>: <error>`` and exits 2.
 
 Field options beyond pydantic's go in the annotation: ``Annotated[pathlib.Path,
@@ -300,9 +301,11 @@ class _ModelFlagAction(argparse.Action):
     ) -> None:
         raw = "true" if values is None else str(values)  # a bare switch: --flag
         try:
-            value = self.kind.convert(raw)
+            value: Any = self.kind.convert(raw)
         except ValueError as exc:
-            parser.exit(EXIT_USAGE, f"{parser.prog}: {flag_name(self.field)}: {exc}\n")
+            if not self.kind.switch:
+                parser.exit(EXIT_USAGE, f"{parser.prog}: {flag_name(self.field)}: {exc}\n")
+            value = raw  # not a boolean word: the model refuses it (FlagError), as any value
         given: dict[str, Any] = getattr(namespace, _GIVEN, None) or {}
         if self.kind.repeat:
             items = list(getattr(namespace, self.dest)) if self.field in given else []
@@ -348,6 +351,10 @@ def add_model_flags(
             metavar = "{" + ",".join(kind.choices) + "}"
         if metavar is None and kind.switch:
             metavar = "BOOL"
+        if metavar is None and kind.duration:
+            metavar = "DURATION"
+        if metavar is None and kind.convert is _to_int:
+            metavar = "N"
         parser.add_argument(
             flag_name(name),
             *options.aliases,

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 
 from cilia_agent import __version__
-from cilia_agent.config import FLAG_HELP, Config
+from cilia_agent.config import Config
+from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args, given_flags
 
 DEFAULT_SOCKET = "/var/run/cilia/cilia.sock"
 DEFAULT_PIN_DIR = "/sys/fs/bpf/cilia"
-FLAG_ALIASES = {"bpf_pin_dir": ("--bpf-root",)}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -24,11 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the agent")
-    defaults = Config.model_fields
-    for name, help_text in FLAG_HELP.items():
-        flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, ())]
-        serve.add_argument(*flags, dest=name, default=None, help=help_text)
-    del defaults
+    add_model_flags(serve, Config)  # every flag, help, default and range from config.Config
 
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
@@ -64,26 +60,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from pydantic import ValidationError
-
         from cilia_agent import app
         from cilia_common.logs import setup_logging
 
-        values = {k: v for k, v in vars(args).items() if k in FLAG_HELP and v is not None}
         try:
-            config = Config.model_validate(values)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or "config"
-            print(f"cilia-agent: --{field.replace('_', '-')}: {first['msg']}", file=sys.stderr)
-            return 2
+            config = config_from_args(Config, args)
+        except FlagError as exc:
+            print(f"cilia-agent: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         from cilia_agent.datapath import DatapathError
         from cilia_agent.datapath.loader import BpfUnavailable
         from cilia_agent.endpoint import StateError
         from cilia_common.grpcserver import BindError
 
         setup_logging("cilia-agent", config.log_level)
-        for note in config.relative_path_notes(values):
+        for note in config.relative_path_notes(given_flags(args)):
             logging.getLogger("cilia_agent").warning(note)
         try:
             app.run(config)

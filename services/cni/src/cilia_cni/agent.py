@@ -15,15 +15,24 @@ NOT_FOUND (ADD: netns does not exist)                       8  InvalidNetNS
 NOT_FOUND (CHECK: unknown container_id/ifname)              3  UnknownContainer
 FAILED_PRECONDITION (CHECK: mismatch, differences listed)   102 CheckMismatch
 ALREADY_EXISTS (ifname exists in the netns)                 100 AttachmentExists
-RESOURCE_EXHAUSTED "no free IPv4 address in pool ..."       101 PoolExhausted
+ErrorInfo reason POOL_EXHAUSTED (domain agent.cilia.io)      101 PoolExhausted
+RESOURCE_EXHAUSTED "no free IPv4 address in pool ..."       101 PoolExhausted (older agent)
 RESOURCE_EXHAUSTED "... message larger than max ..."        7  InvalidNetworkConfig
 RESOURCE_EXHAUSTED, anything else (e.g. policy map full)    999 InternalError
 anything else                                               999 InternalError
 =========================================================  =======================
 
+The agent names what went wrong for programs in the status's ``google.rpc.ErrorInfo``
+(``grpc-status-details-bin``; cilia_common.grpcerrors on its side): a (domain, reason) in
+:data:`_BY_REASON` decides the CNI code whatever the status code. The google.rpc messages
+are imported only when an error carries details (about 2 ms on an idle host, -X importtime;
+nothing on the success path). An agent that sends no ErrorInfo (older versions) is still
+understood by the message text below.
+
 RESOURCE_EXHAUSTED means two unrelated things: the agent's IPAM has no address (its
-``PoolExhausted``, message :data:`POOL_EXHAUSTED_PREFIX`, checked against the real agent by
-test_cni_conformance) and gRPC's own message size limit (grpc core: "Received message
+``PoolExhausted``: reason ``POOL_EXHAUSTED``, or for an older agent the message
+:data:`POOL_EXHAUSTED_PREFIX`, checked against the real agent by test_cni_conformance) and
+gRPC's own message size limit (grpc core: "Received message
 larger than max (N vs. M)" on the server, "Sent message larger than max" on a client),
 which a request with e.g. 50,000 labels hits: that is the netconf's doing (code 7).
 
@@ -67,8 +76,43 @@ if TYPE_CHECKING:
 
     _Response = TypeVar("_Response", bound=Message)
 
-#: How cilia-agent's IPAM ``PoolExhausted`` message starts (services/agent ipam/allocator.py).
+#: How cilia-agent's IPAM ``PoolExhausted`` message starts (services/agent ipam/allocator.py);
+#: read only when the agent sent no ErrorInfo (an agent older than the reasons).
 POOL_EXHAUSTED_PREFIX = "no free IPv4 address in pool"
+#: ``google.rpc.ErrorInfo.domain`` of cilia-agent's errors (cilia_common.grpcerrors).
+AGENT_DOMAIN = "agent.cilia.io"
+#: ErrorInfo reason of the agent's IPAM ``PoolExhausted``.
+POOL_EXHAUSTED_REASON = "POOL_EXHAUSTED"
+#: (domain, reason) → CNI error, ahead of the status code.
+_BY_REASON: dict[tuple[str, str], type[CniError]] = {
+    (AGENT_DOMAIN, POOL_EXHAUSTED_REASON): PoolExhausted,
+}
+_ERROR_INFO_TYPE = "google.rpc.ErrorInfo"
+
+
+def error_reason(exc: RpcError) -> tuple[str, str] | None:
+    """``(domain, reason)`` of the first ``google.rpc.ErrorInfo`` in ``exc``'s
+    ``grpc-status-details-bin`` (a serialized ``google.rpc.Status``), or None when the
+    trailer is absent, malformed or holds no ErrorInfo.
+
+    The ``google.rpc`` messages (googleapis-common-protos) are imported here, on the error
+    path only.
+    """
+    if not exc.status_details:
+        return None
+    from google.rpc import error_details_pb2, status_pb2
+
+    try:
+        status = status_pb2.Status.FromString(exc.status_details)
+        for detail in status.details:
+            if detail.type_url.rpartition("/")[2] == _ERROR_INFO_TYPE:
+                info = error_details_pb2.ErrorInfo.FromString(detail.value)
+                return info.domain, info.reason
+    except DecodeError:
+        return None
+    return None
+
+
 #: grpc core's message size limit errors ("Received/Sent message larger than max (N vs. M)").
 SIZE_LIMIT_TEXT = "message larger than max"
 
@@ -241,6 +285,11 @@ class AgentClient:
                 f"`{timeout_key}`): {check}",
                 f"gRPC {status}: {agent_msg}",
             )
+        reason = error_reason(exc)
+        if reason is not None and reason in _BY_REASON:
+            return _BY_REASON[reason](
+                f"{where} refused {op}: {agent_msg}", f"gRPC {status} ({reason[1]})"
+            )
         cls = by_status.get(status, InternalError)
         if status == "RESOURCE_EXHAUSTED":
             if SIZE_LIMIT_TEXT in agent_msg:
@@ -250,8 +299,8 @@ class AgentClient:
                     "too much (labels, annotations, prevResult or attachments)",
                     f"gRPC {status}",
                 )
-            if not agent_msg.startswith(POOL_EXHAUSTED_PREFIX):
-                cls = InternalError
+            if reason is not None or not agent_msg.startswith(POOL_EXHAUSTED_PREFIX):
+                cls = InternalError  # an agent with reasons names pool exhaustion by one
         if cls is AgentUnavailable and not (exc.transport or agent_msg == "(no message)"):
             # The agent answered: it is up but cannot serve the request now (for
             # example its operator is unreachable). Say why, in its own words.

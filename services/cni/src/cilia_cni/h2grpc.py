@@ -16,7 +16,7 @@ Specs followed:
   application/grpc``; one Length-Prefixed-Message (compressed flag 0, 4-byte big-endian
   length) in DATA frames, END_STREAM on the last; status from the Trailers, or from the
   Trailers-Only HEADERS; ``grpc-message`` percent-decoded (UTF-8, invalid escapes kept
-  as-is); no ``grpc-status`` → INTERNAL; a non-200 ``:status`` → the HTTP-to-gRPC mapping
+  as-is); ``grpc-status-details-bin`` base64-decoded and kept for the caller; no ``grpc-status`` → INTERNAL; a non-200 ``:status`` → the HTTP-to-gRPC mapping
   (``doc/http-grpc-status-mapping.md``); RST_STREAM codes mapped as the document's table
   (CANCEL after the deadline → DEADLINE_EXCEEDED); early Trailers → RST_STREAM NO_ERROR;
   the deadline passing → RST_STREAM CANCEL and DEADLINE_EXCEEDED.
@@ -146,13 +146,20 @@ class RpcError(Exception):
             own text for transport and protocol failures).
         transport: True when the agent never answered the call: the connection could not
             be made or closed before a status, or the stream was refused unprocessed.
+        status_details: the ``grpc-status-details-bin`` trailer, base64-decoded: a serialized
+            ``google.rpc.Status`` (the richer error model), b"" when absent or not base64.
+            Decoding it is the caller's (:mod:`cilia_cni.agent`): protobuf's ``google.rpc``
+            messages are imported only when an error carries details.
     """
 
-    def __init__(self, code: int, details: str, transport: bool = False) -> None:
+    def __init__(
+        self, code: int, details: str, transport: bool = False, status_details: bytes = b""
+    ) -> None:
         super().__init__(f"{self.name_of(code)}: {details}")
         self.code = code
         self.details = details
         self.transport = transport
+        self.status_details = status_details
 
     @property
     def name(self) -> str:
@@ -529,7 +536,11 @@ class _Call:
         code = int(raw_status) if raw_status.isdigit() else UNKNOWN
         if code != OK:
             message = trailers.get(b"grpc-message", b"")
-            raise RpcError(code if code < len(STATUS_NAMES) else UNKNOWN, percent_decode(message))
+            raise RpcError(
+                code if code < len(STATUS_NAMES) else UNKNOWN,
+                percent_decode(message),
+                status_details=_binary_header(trailers.get(b"grpc-status-details-bin", b"")),
+            )
         return self._message()
 
     def _message(self) -> bytes:
@@ -566,6 +577,19 @@ class _Call:
         except OSError:
             pass
         return RpcError(INTERNAL, f"HTTP/2 protocol error from {self.where}: {why}")
+
+
+def _binary_header(value: bytes) -> bytes:
+    """A ``-bin`` header's value: base64, padded or not (PROTOCOL-HTTP2.md "Binary-Header");
+    b"" when empty or not base64."""
+    if not value:
+        return b""
+    import binascii  # C module, imported only when an error carries details
+
+    try:
+        return binascii.a2b_base64(value + b"=" * (-len(value) % 4), strict_mode=True)
+    except binascii.Error:
+        return b""
 
 
 def _h2_error(code: int) -> str:

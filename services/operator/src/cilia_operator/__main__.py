@@ -27,9 +27,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
+from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args
 
 from . import __version__
+from .config import Config
 
 DEFAULT_SERVER = "127.0.0.1:4250"
 
@@ -43,99 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the operator")
+    add_model_flags(serve, Config)  # every flag, help, default and range from config.Config
+
     d = "(default: %(default)s)"
-    serve.add_argument("--store", default="redis://127.0.0.1:6379/0",
-                       help=f"store: redis://HOST:PORT/DB, or 'kubernetes' (CRDs via the API "
-                       f"server, see --kubeconfig) {d}")  # fmt: skip
-    serve.add_argument("--listen", default="127.0.0.1:4250",
-                       help=f"gRPC listen address HOST:PORT or unix:PATH {d}")  # fmt: skip
-    serve.add_argument("--prometheus-serve-addr", default=":9963",
-                       help=f"metrics listen address [HOST]:PORT, '' disables {d}")  # fmt: skip
-    serve.add_argument(
-        "--auto-create-cilium-pod-ip-pools", action="append", default=[], metavar="SPEC",
-        help="pools to create at start-up unless they exist: "
-        "'<pool>=ipv4-cidrs:<c>[,<c>...];ipv4-mask-size:<n>[;allow-first-ip:<b>]"
-        "[;allow-last-ip:<b>]'; several pools separated by spaces or by repeating the flag "
-        "(default: none)",
-    )  # fmt: skip
-    serve.add_argument("--ipam-default-ip-pool", default="default",
-                       help=f"pool agents allocate from by default {d}")  # fmt: skip
-    serve.add_argument("--log-level", default="info",
-                       choices=["debug", "info", "warning", "error"], help=d)  # fmt: skip
-    serve.add_argument("--store-key-prefix", default="cilia/",
-                       help=f"prefix of every Redis key {d}")  # fmt: skip
-    serve.add_argument("--store-event-history", type=int, default=10000,
-                       help=f"change events kept per kind for watches; a watcher further behind "
-                       f"relists {d}")  # fmt: skip
-    serve.add_argument("--store-watch-block-timeout", type=float, default=5.0,
-                       help=f"seconds one blocking stream read waits {d}")  # fmt: skip
-    serve.add_argument("--store-watch-batch-size", type=int, default=500,
-                       help=f"max events read per watch round trip {d}")  # fmt: skip
-    serve.add_argument("--store-connect-timeout", type=float, default=5.0,
-                       help=f"seconds to connect to the store {d}")  # fmt: skip
-    serve.add_argument("--store-request-timeout", type=float, default=10.0,
-                       help=f"seconds to wait for a store reply {d}")  # fmt: skip
-    serve.add_argument("--store-retry-interval", type=float, default=1.0,
-                       help=f"seconds between retries after a store error {d}")  # fmt: skip
-    serve.add_argument("--store-conflict-retries", type=int, default=5,
-                       help=f"attempts of a write that hits a resourceVersion conflict {d}")  # fmt: skip
-    serve.add_argument("--shutdown-grace-period", type=float, default=5.0,
-                       help=f"seconds in-flight RPCs get on SIGTERM {d}")  # fmt: skip
-    serve.add_argument("--identity-gc-interval", type=_duration, default="15m",
-                       help=f"identity GC period (Go duration or seconds); 0 disables {d}")  # fmt: skip
-    serve.add_argument("--identity-heartbeat-timeout", type=_duration, default="30m",
-                       help=f"how long an identity nothing references lives on {d}")  # fmt: skip
-    serve.add_argument("--identity-gc-rate-interval", type=_duration, default="1m",
-                       help=f"window of --identity-gc-rate-limit {d}")  # fmt: skip
-    serve.add_argument("--identity-gc-rate-limit", type=int, default=2500,
-                       help=f"max identities deleted per --identity-gc-rate-interval {d}")  # fmt: skip
-    serve.add_argument("--identity-max-id", type=int, default=65535,
-                       help=f"largest cluster identity (allocation starts at 256) {d}")  # fmt: skip
-    serve.add_argument("--watch-list-chunk-size", type=int, default=1000,
-                       help=f"max events per message of a watch stream's initial listing {d}")  # fmt: skip
-    serve.add_argument("--watch-buffer-size", type=int, default=1000,
-                       help=f"changes buffered per watch stream before its store watch "
-                       f"waits (it relists if it falls behind --store-event-history) {d}")  # fmt: skip
-    serve.add_argument("--ipam", choices=["cluster-pool", "multi-pool"], default="multi-pool",
-                       help=f"IPAM mode (upstream operator flag `ipam`; upstream's default is "
-                       f"cluster-pool) {d}")  # fmt: skip
-    serve.add_argument("--cluster-pool-ipv4-cidr", action="append", default=[], metavar="CIDR",
-                       help="cluster-pool mode: CIDRs node blocks are carved from; repeat the "
-                       "flag or separate with commas (default: none; required with "
-                       "--ipam cluster-pool)")  # fmt: skip
-    serve.add_argument("--cluster-pool-ipv4-mask-size", type=int, default=24,
-                       help=f"cluster-pool mode: prefix length of each node's block {d}")  # fmt: skip
-    serve.add_argument("--enable-cluster-pool-to-multi-pool-migration", action="store_true",
-                       help="adopt every node's spec.ipam.podCIDRs into the default pool's "
-                       "allocations before allocating (one-way; needs --ipam multi-pool) "
-                       "(default: off)")  # fmt: skip
-    serve.add_argument("--service-cluster-ip-range", action="append", default=None,
-                       metavar="CIDR",
-                       help="service CIDRs no pool may overlap; repeat or comma-separate "
-                       "(default: 10.96.0.0/12, kube-apiserver's default)")  # fmt: skip
-    serve.add_argument("--kubeconfig", default="",
-                       help="--store kubernetes: kubeconfig file; '' = in-cluster config, else "
-                       "$KUBECONFIG / ~/.kube/config (default: '')")  # fmt: skip
-    serve.add_argument("--store-watch-timeout", type=int, default=300,
-                       help=f"--store kubernetes: seconds one watch request lasts before it is "
-                       f"reopened from the last seen resourceVersion {d}")  # fmt: skip
-    serve.add_argument("--enable-leader-election", action="store_true",
-                       help="run the leader-only controllers (IPAM allocation, migration, "
-                       "identity GC) only while holding the leader lock: a Redis key or a "
-                       "coordination.k8s.io Lease (default: off = always leader)")  # fmt: skip
-    serve.add_argument("--leader-election-lease-duration", type=_duration, default="15s",
-                       help=f"how long a leader's lock outlives its last renewal {d}")  # fmt: skip
-    serve.add_argument("--leader-election-renew-deadline", type=_duration, default="10s",
-                       help=f"the leader steps down when it could not renew for this long {d}")  # fmt: skip
-    serve.add_argument("--leader-election-retry-period", type=_duration, default="2s",
-                       help=f"interval of acquire/renew attempts {d}")  # fmt: skip
-    serve.add_argument("--leader-election-lease-name", default="cilia-operator-resource-lock",
-                       help=f"Lease name (kubernetes) / Redis key suffix {d}")  # fmt: skip
-    serve.add_argument("--leader-election-lease-namespace", default="kube-system",
-                       help=f"namespace of the Lease (--store kubernetes) {d}")  # fmt: skip
-    serve.add_argument("--leader-election-id", default="",
-                       help="this replica's identity in the lock (default: $POD_NAME or "
-                       "hostname, plus a random suffix)")  # fmt: skip
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
@@ -209,79 +120,22 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
-def _duration(value: str) -> float:
-    from .config import parse_duration
-
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _serve(args: argparse.Namespace) -> int:
     from cilia_common.logs import setup_logging
 
     from .app import StartupError, run
-    from .config import Config
 
     try:
-        config = Config(
-            store=args.store,
-            listen=args.listen,
-            prometheus_serve_addr=args.prometheus_serve_addr,
-            auto_create_cilium_pod_ip_pools=args.auto_create_cilium_pod_ip_pools,
-            ipam_default_ip_pool=args.ipam_default_ip_pool,
-            log_level=args.log_level,
-            store_key_prefix=args.store_key_prefix,
-            store_event_history=args.store_event_history,
-            store_watch_block_timeout=args.store_watch_block_timeout,
-            store_watch_batch_size=args.store_watch_batch_size,
-            store_connect_timeout=args.store_connect_timeout,
-            store_request_timeout=args.store_request_timeout,
-            store_retry_interval=args.store_retry_interval,
-            store_conflict_retries=args.store_conflict_retries,
-            shutdown_grace_period=args.shutdown_grace_period,
-            identity_gc_interval=args.identity_gc_interval,
-            identity_heartbeat_timeout=args.identity_heartbeat_timeout,
-            identity_gc_rate_interval=args.identity_gc_rate_interval,
-            identity_gc_rate_limit=args.identity_gc_rate_limit,
-            identity_max_id=args.identity_max_id,
-            watch_list_chunk_size=args.watch_list_chunk_size,
-            watch_buffer_size=args.watch_buffer_size,
-            ipam=args.ipam,
-            cluster_pool_ipv4_cidr=args.cluster_pool_ipv4_cidr,
-            cluster_pool_ipv4_mask_size=args.cluster_pool_ipv4_mask_size,
-            enable_cluster_pool_to_multi_pool_migration=(
-                args.enable_cluster_pool_to_multi_pool_migration
-            ),
-            kubeconfig=args.kubeconfig,
-            store_watch_timeout=args.store_watch_timeout,
-            enable_leader_election=args.enable_leader_election,
-            leader_election_lease_duration=args.leader_election_lease_duration,
-            leader_election_renew_deadline=args.leader_election_renew_deadline,
-            leader_election_retry_period=args.leader_election_retry_period,
-            leader_election_lease_name=args.leader_election_lease_name,
-            leader_election_lease_namespace=args.leader_election_lease_namespace,
-            leader_election_id=args.leader_election_id,
-            **(
-                {"service_cluster_ip_range": args.service_cluster_ip_range}
-                if args.service_cluster_ip_range is not None
-                else {}
-            ),
-        )
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        where = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else ""
-        msg = err["msg"].removeprefix("Value error, ")
-        print(f"cilia-operator: {msg if msg.startswith('--') else f'{where}: {msg}'}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        config = config_from_args(Config, args)
+    except FlagError as exc:
+        print(f"cilia-operator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     setup_logging("cilia-operator", config.log_level)
     try:
         return asyncio.run(run(config))
     except StartupError as exc:
         print(f"cilia-operator: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

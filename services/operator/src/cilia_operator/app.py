@@ -10,18 +10,21 @@ gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-import threading
 from typing import Any
 
-from prometheus_client import start_http_server
-
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
-from cilia_common.grpcserver import Service, bound_port, set_serving, start_server_with_ports
+from cilia_common.grpcserver import (
+    BindError,
+    Service,
+    bound_port,
+    set_serving,
+    start_server_with_ports,
+)
+from cilia_common.metrics import MetricsServer, start_metrics_server
+from cilia_common.runtime import announce_listening, run_until_signal
 
-from .config import Config, split_host_port
+from .config import Config
 from .controlplane.endpoint import EndpointServicer
 from .controlplane.identity import IdentityServicer
 from .controlplane.ipam import IPAMServicer
@@ -124,8 +127,7 @@ class Operator:
         self.metrics_port: int | None = None
         self._server: Any = None
         self._health: Any = None
-        self._httpd: Any = None
-        self._http_thread: threading.Thread | None = None
+        self._metrics_server: MetricsServer | None = None
 
     async def start(self) -> None:
         """Start everything; returns once health is SERVING.
@@ -138,16 +140,16 @@ class Operator:
         except StoreError as exc:
             raise StartupError(str(exc)) from None
         if self.config.prometheus_serve_addr:
-            host, port = split_host_port(self.config.prometheus_serve_addr, "")
             try:
-                self._httpd, self._http_thread = start_http_server(
-                    port, host or "0.0.0.0", registry=self.metrics.registry
+                self._metrics_server = start_metrics_server(
+                    self.config.prometheus_serve_addr,
+                    self.metrics.registry,
+                    flag="--prometheus-serve-addr",
                 )
-            except OSError as exc:
-                raise StartupError(
-                    f"--prometheus-serve-addr {self.config.prometheus_serve_addr}: {exc}"
-                ) from None
-            self.metrics_port = int(self._httpd.server_port)
+            except BindError as exc:
+                raise StartupError(str(exc)) from None
+            self.metrics_port = self._metrics_server.port
+            announce_listening(log, "metrics", self._metrics_server.address)
         config = self.config
         conflict_retries = self.config.store_conflict_retries
         streams = {
@@ -203,6 +205,7 @@ class Operator:
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.address = bound_port(listen, ports[listen]) if listen in ports else listen
+        announce_listening(log, "grpc", self.address)
         try:
             await self._auto_create_pools()
             if self.elector is None:
@@ -284,9 +287,9 @@ class Operator:
         await self.identity_gc.stop()
         await self.controller.stop()
         await self.store.close()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         log.info("operator stopped")
 
 
@@ -295,25 +298,30 @@ async def run(config: Config) -> int:
 
     Exit 0 on a clean stop; 2 when start-up fails (reason logged and on stderr); 1 when
     this replica lost the leader election (as upstream: restart and compete again).
+
+    Raises:
+        StartupError: the operator could not start (it was stopped again).
     """
     operator = Operator(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await operator.start()
-    except StartupError as exc:
-        log.error("operator failed to start", extra={"error": str(exc)})
+    lost = operator.elector.lost if operator.elector is not None else None
+    started = False
+
+    async def start() -> None:
+        nonlocal started
+        try:
+            await operator.start()
+        except StartupError as exc:
+            log.error("operator failed to start", extra={"error": str(exc)})
+            raise
+        started = True
+
+    async def stop() -> None:
+        if started:
+            leader_lost = lost is not None and lost.is_set()
+            log.info(
+                "leader election lost; exiting" if leader_lost else "signal received; shutting down"
+            )
         await operator.stop()
-        raise
-    waits = [asyncio.create_task(stop.wait())]
-    if operator.elector is not None:
-        waits.append(asyncio.create_task(operator.elector.lost.wait()))
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for task in waits:
-        task.cancel()
-    lost = operator.elector is not None and operator.elector.lost.is_set()
-    log.info("leader election lost; exiting" if lost else "signal received; shutting down")
-    await operator.stop()
-    return 1 if lost else 0
+
+    await run_until_signal(start, stop, until=[lost] if lost is not None else [])
+    return 1 if lost is not None and lost.is_set() else 0

@@ -1,13 +1,19 @@
-"""The operator's validated configuration (one field per ``serve`` flag)."""
+"""The operator's validated configuration: one field per ``cilia-operator serve`` flag.
+
+Each field is its flag, written once (name, help, default, range): ``__main__`` generates the
+flags with :func:`cilia_common.flags.add_model_flags`. Durations (:data:`Duration`) take Go
+durations (``15m``) or seconds.
+"""
 
 from __future__ import annotations
 
 import ipaddress
-import re
 import urllib.parse
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from cilia_common.flags import Duration, Flag
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
 from .ipam.pool import PoolSpec, no_pod_address
@@ -29,75 +35,163 @@ def split_host_port(value: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(value: str) -> float:
-    """A Go-style duration (``15m``, ``1h30m``, ``500ms``, ``0``) or plain seconds
-    (``2.5``) in seconds, as upstream's duration flags take them.
-
-    Raises:
-        ValueError: not a non-negative duration.
-    """
-    text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        pos, seconds = 0, 0.0
-        for match in _DURATION_PART.finditer(text):
-            if match.start() != pos:
-                break
-            seconds += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-            pos = match.end()
-        if pos != len(text) or not text:
-            raise ValueError(f"{value!r} is not a duration (e.g. 15m, 30s, 500ms, 1h30m)") from None
-    if seconds < 0:
-        raise ValueError(f"{value!r} is negative")
-    return seconds
-
-
 class Config(BaseModel):
-    """``cilia-operator serve`` settings; defaults are the documented flag defaults."""
+    """``cilia-operator serve`` settings; each field's description, default and range are its
+    flag's help, default and range.
+
+    Raises (on construction):
+        pydantic.ValidationError: a value out of range or malformed; the message names the
+            flag (``--cluster-pool-ipv4-mask-size: ...``) or the field is the flag.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    store: str = "redis://127.0.0.1:6379/0"
-    listen: str = "127.0.0.1:4250"
-    prometheus_serve_addr: str = ":9963"
-    auto_create_cilium_pod_ip_pools: list[str] = Field(default_factory=list)
-    ipam_default_ip_pool: str = "default"
-    log_level: str = "info"
-    store_key_prefix: str = "cilia/"
-    store_event_history: int = Field(default=10000, ge=1)
-    store_watch_block_timeout: float = Field(default=5.0, gt=0)
-    store_watch_batch_size: int = Field(default=500, ge=1)
-    store_connect_timeout: float = Field(default=5.0, gt=0)
-    store_request_timeout: float = Field(default=10.0, gt=0)
-    store_retry_interval: float = Field(default=1.0, gt=0)
-    store_conflict_retries: int = Field(default=5, ge=1)
-    shutdown_grace_period: float = Field(default=5.0, ge=0)
-    identity_gc_interval: float = Field(default=900.0, ge=0)
-    identity_heartbeat_timeout: float = Field(default=1800.0, ge=0)
-    identity_gc_rate_interval: float = Field(default=60.0, gt=0)
-    identity_gc_rate_limit: int = Field(default=2500, ge=1)
-    identity_max_id: int = Field(default=65535, ge=256, le=65535)
-    watch_list_chunk_size: int = Field(default=1000, ge=1)
-    watch_buffer_size: int = Field(default=1000, ge=1)
-    ipam: Literal["cluster-pool", "multi-pool"] = "multi-pool"
-    cluster_pool_ipv4_cidr: list[str] = Field(default_factory=list)
-    cluster_pool_ipv4_mask_size: int = Field(default=24, ge=1, le=32)
-    enable_cluster_pool_to_multi_pool_migration: bool = False
-    service_cluster_ip_range: list[str] = Field(default_factory=lambda: ["10.96.0.0/12"])
-    kubeconfig: str = ""
-    store_watch_timeout: int = Field(default=300, ge=1)
-    enable_leader_election: bool = False
-    leader_election_lease_duration: float = Field(default=15.0, gt=0)
-    leader_election_renew_deadline: float = Field(default=10.0, gt=0)
-    leader_election_retry_period: float = Field(default=2.0, gt=0)
-    leader_election_lease_name: str = "cilia-operator-resource-lock"
-    leader_election_lease_namespace: str = "kube-system"
-    leader_election_id: str = ""
+    store: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="store: redis://HOST:PORT/DB, or 'kubernetes' (CRDs via the API server, "
+        "see --kubeconfig)",
+    )
+    listen: str = Field(
+        default="127.0.0.1:4250", description="gRPC listen address HOST:PORT or unix:PATH"
+    )
+    prometheus_serve_addr: str = Field(
+        default=":9963", description="metrics listen address [HOST]:PORT, '' disables"
+    )
+    auto_create_cilium_pod_ip_pools: Annotated[list[str], Flag(metavar="SPEC")] = Field(
+        default_factory=list,
+        description="pools to create at start-up unless they exist: "
+        "'<pool>=ipv4-cidrs:<c>[,<c>...];ipv4-mask-size:<n>[;allow-first-ip:<b>]"
+        "[;allow-last-ip:<b>]'; several pools separated by spaces or by repeating the flag",
+    )
+    ipam_default_ip_pool: str = Field(
+        default="default", description="pool agents allocate from by default"
+    )
+    log_level: Annotated[str, Flag(metavar="{debug,info,warning,error}")] = Field(
+        default="info", description="log level"
+    )
+    store_key_prefix: str = Field(default="cilia/", description="prefix of every Redis key")
+    store_event_history: int = Field(
+        default=10000,
+        ge=1,
+        description="change events kept per kind for watches; a watcher further behind relists",
+    )
+    store_watch_block_timeout: float = Field(
+        default=5.0, gt=0, description="seconds one blocking stream read waits"
+    )
+    store_watch_batch_size: int = Field(
+        default=500, ge=1, description="max events read per watch round trip"
+    )
+    store_connect_timeout: float = Field(
+        default=5.0, gt=0, description="seconds to connect to the store"
+    )
+    store_request_timeout: float = Field(
+        default=10.0, gt=0, description="seconds to wait for a store reply"
+    )
+    store_retry_interval: float = Field(
+        default=1.0, gt=0, description="seconds between retries after a store error"
+    )
+    store_conflict_retries: int = Field(
+        default=5, ge=1, description="attempts of a write that hits a resourceVersion conflict"
+    )
+    shutdown_grace_period: float = Field(
+        default=5.0, ge=0, description="seconds in-flight RPCs get on SIGTERM"
+    )
+    identity_gc_interval: Duration = Field(
+        default=900.0,
+        ge=0,
+        description="identity GC period (Go duration or seconds); 0 disables",
+    )
+    identity_heartbeat_timeout: Duration = Field(
+        default=1800.0, ge=0, description="how long an identity nothing references lives on"
+    )
+    identity_gc_rate_interval: Duration = Field(
+        default=60.0, gt=0, description="window of --identity-gc-rate-limit"
+    )
+    identity_gc_rate_limit: int = Field(
+        default=2500,
+        ge=1,
+        description="max identities deleted per --identity-gc-rate-interval",
+    )
+    identity_max_id: int = Field(
+        default=65535,
+        ge=256,
+        le=65535,
+        description="largest cluster identity (allocation starts at 256)",
+    )
+    watch_list_chunk_size: int = Field(
+        default=1000,
+        ge=1,
+        description="max events per message of a watch stream's initial listing",
+    )
+    watch_buffer_size: int = Field(
+        default=1000,
+        ge=1,
+        description="changes buffered per watch stream before its store watch waits (it "
+        "relists if it falls behind --store-event-history)",
+    )
+    ipam: Literal["cluster-pool", "multi-pool"] = Field(
+        default="multi-pool",
+        description="IPAM mode (upstream operator flag `ipam`; upstream's default is cluster-pool)",
+    )
+    cluster_pool_ipv4_cidr: Annotated[list[str], Flag(metavar="CIDR")] = Field(
+        default_factory=list,
+        description="cluster-pool mode: CIDRs node blocks are carved from; repeat the flag or "
+        "separate with commas (required with --ipam cluster-pool)",
+    )
+    cluster_pool_ipv4_mask_size: int = Field(
+        default=24,
+        ge=1,
+        le=32,
+        description="cluster-pool mode: prefix length of each node's block",
+    )
+    enable_cluster_pool_to_multi_pool_migration: bool = Field(
+        default=False,
+        description="adopt every node's spec.ipam.podCIDRs into the default pool's allocations "
+        "before allocating (one-way; needs --ipam multi-pool)",
+    )
+    service_cluster_ip_range: Annotated[list[str], Flag(metavar="CIDR")] = Field(
+        default_factory=lambda: ["10.96.0.0/12"],
+        description="service CIDRs no pool may overlap (kube-apiserver's default is "
+        "10.96.0.0/12); repeat or comma-separate",
+    )
+    kubeconfig: str = Field(
+        default="",
+        description="--store kubernetes: kubeconfig file; '' = in-cluster config, else "
+        "$KUBECONFIG / ~/.kube/config",
+    )
+    store_watch_timeout: int = Field(
+        default=300,
+        ge=1,
+        description="--store kubernetes: seconds one watch request lasts before it is reopened "
+        "from the last seen resourceVersion",
+    )
+    enable_leader_election: bool = Field(
+        default=False,
+        description="run the leader-only controllers (IPAM allocation, migration, identity GC) "
+        "only while holding the leader lock: a Redis key or a coordination.k8s.io Lease "
+        "(false = always leader)",
+    )
+    leader_election_lease_duration: Duration = Field(
+        default=15.0, gt=0, description="how long a leader's lock outlives its last renewal"
+    )
+    leader_election_renew_deadline: Duration = Field(
+        default=10.0,
+        gt=0,
+        description="the leader steps down when it could not renew for this long",
+    )
+    leader_election_retry_period: Duration = Field(
+        default=2.0, gt=0, description="interval of acquire/renew attempts"
+    )
+    leader_election_lease_name: str = Field(
+        default="cilia-operator-resource-lock",
+        description="Lease name (kubernetes) / Redis key suffix",
+    )
+    leader_election_lease_namespace: str = Field(
+        default="kube-system", description="namespace of the Lease (--store kubernetes)"
+    )
+    leader_election_id: Annotated[
+        str, Flag(default_text="$POD_NAME or hostname, plus a random suffix")
+    ] = Field(default="", description="this replica's identity in the lock")
 
     @field_validator("cluster_pool_ipv4_cidr", "service_cluster_ip_range")
     @classmethod

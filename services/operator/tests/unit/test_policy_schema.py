@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cilia_operator.config import parse_duration
+from cilia_common.durations import parse_duration
 from cilia_operator.errors import InvalidResource
 from cilia_operator.policy.validation import (
     CRD_RESOURCE,

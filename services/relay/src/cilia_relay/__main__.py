@@ -2,7 +2,7 @@
 
 * ``cilia-relay --version`` prints ``cilia-relay <version>``.
 * ``cilia-relay serve [flags]`` runs the relay (:mod:`cilia_relay.app`); flags and
-  defaults in :data:`cilia_relay.config.FLAG_HELP`.
+  defaults are the fields of :class:`cilia_relay.config.Config`.
 * ``cilia-relay observe [flags]`` streams flows like ``hubble observe``
   (:mod:`cilia_relay.cli.observe`).
 
@@ -16,11 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args
 from cilia_relay import __version__
-from cilia_relay.config import FLAG_HELP
+from cilia_relay.config import Config
 
 COMPONENT = "cilia-relay"
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="run the relay")
-    for name, help_text in FLAG_HELP.items():
-        serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=help_text)
+    add_model_flags(serve, Config)
 
     observe = sub.add_parser("observe", help="observe flows (like hubble observe)")
     observe.set_defaults(filters=[])
@@ -92,21 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from cilia_common import grpcserver
     from cilia_common.logs import setup_logging
     from cilia_relay import app
-    from cilia_relay.config import Config
 
-    values = {k: v for k, v in vars(args).items() if k in FLAG_HELP and v is not None}
     try:
-        config = Config.model_validate(values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "config"
-        message = str(first["msg"]).removeprefix("Value error, ")
-        print(f"{COMPONENT} serve: --{field.replace('_', '-')}: {message}", file=sys.stderr)
+        config = config_from_args(Config, args)
+    except FlagError as exc:
+        print(f"{COMPONENT} serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
     setup_logging(COMPONENT, config.log_level)
     try:

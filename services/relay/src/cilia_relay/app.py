@@ -3,24 +3,27 @@
 Start order: the Observer server on ``--listen-address`` and the health server on
 ``--health-listen-address`` (both report NOT_SERVING), metrics, then the peer manager.
 Health turns SERVING once the ``peer.Peer/Notify`` stream is established and back to
-NOT_SERVING while it is lost. Stop order is the reverse.
+NOT_SERVING while it is lost. Once bound, each listener is logged once as ``"listening"``
+with its name (``observer``, ``health``, ``metrics``) and bound address
+(:func:`cilia_common.runtime.announce_listening`). Stop order is the reverse.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia_common import grpcserver
+from cilia_common.metrics import MetricsServer, start_metrics_server
+from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_relay import __version__
 from cilia_relay.config import Config, grpc_address
 from cilia_relay.observer import ObserverOptions, RelayObserver
@@ -89,7 +92,8 @@ class Relay:
             ),
         )
         self._servers: list[tuple[grpc.aio.Server, Any]] = []
-        self._metrics_server: Any = None
+        self._metrics_server: MetricsServer | None = None
+        self.addresses: dict[str, str] = {}
 
     async def _on_peer_service(self, connected: bool) -> None:
         for _, health in self._servers:
@@ -106,37 +110,33 @@ class Relay:
         service = grpcserver.Service(
             observer_pb2_grpc.add_ObserverServicer_to_server, self.observer, OBSERVER_SERVICE
         )
+        listeners: tuple[tuple[str, list[grpcserver.Service], str], ...] = (
+            ("observer", [service], self.config.listen_address),
+            ("health", [], self.config.health_listen_address),
+        )
         try:
-            self._servers.append(
-                await grpcserver.start_server([service], [grpc_address(self.config.listen_address)])
-            )
-            self._servers.append(
-                await grpcserver.start_server([], [grpc_address(self.config.health_listen_address)])
-            )
-            listen = self.config.metrics_listen()
-            if listen is not None:
+            for name, services, address in listeners:
+                target = grpc_address(address)
+                server, health, ports = await grpcserver.start_server_with_ports(services, [target])
+                self._servers.append((server, health))
+                bound = grpcserver.bound_port(target, ports[target]) if target in ports else target
+                self.addresses[name] = bound
+            if self.config.prometheus_serve_addr:
                 registry = CollectorRegistry()
                 registry.register(PeerConnectionCollector(self.peers))
-                try:
-                    self._metrics_server = start_http_server(
-                        listen[1], addr=listen[0], registry=registry
-                    )
-                except OSError as exc:
-                    raise grpcserver.BindError(
-                        f"cannot listen on {self.config.prometheus_serve_addr}: {exc}"
-                    ) from exc
+                self._metrics_server = start_metrics_server(
+                    self.config.prometheus_serve_addr, registry, flag="--prometheus-serve-addr"
+                )
+                self.addresses["metrics"] = self._metrics_server.address
         except grpcserver.BindError:
             await self.stop(0)
             raise
+        for name, bound in self.addresses.items():
+            announce_listening(log, name, bound)
         await self.peers.start()
         log.info(
-            "listening",
-            extra={
-                "address": self.config.listen_address,
-                "health_address": self.config.health_listen_address,
-                "peer_service": self.config.peer_service,
-                "version": __version__,
-            },
+            "relay started",
+            extra={"peer_service": self.config.peer_service, "version": __version__},
         )
 
     async def stop(self, grace: float) -> None:
@@ -148,9 +148,7 @@ class Relay:
         self._servers = []
         await self.peers.stop()
         if self._metrics_server is not None:
-            server, thread = self._metrics_server
-            server.shutdown()
-            thread.join(timeout=5)
+            self._metrics_server.close()
             self._metrics_server = None
 
 
@@ -161,14 +159,19 @@ async def serve(config: Config) -> None:
         cilia_common.grpcserver.BindError: an address cannot be bound.
     """
     relay = Relay(config)
-    await relay.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down", extra={"grace_seconds": config.shutdown_grace_period})
-    await relay.stop(config.shutdown_grace_period)
+    started = False
+
+    async def start() -> None:
+        nonlocal started
+        await relay.start()  # a failed start stops what it started itself
+        started = True
+
+    async def stop() -> None:
+        if started:
+            log.info("shutting down", extra={"grace_seconds": config.shutdown_grace_period})
+            await relay.stop(config.shutdown_grace_period)
+
+    await run_until_signal(start, stop)
 
 
 def run(config: Config) -> None:

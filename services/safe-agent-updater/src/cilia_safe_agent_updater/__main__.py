@@ -17,15 +17,17 @@ import dataclasses
 import logging
 import os
 import re
-import signal
 import sys
 import time
 import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import grpc
+
 from cilia_common import grpcserver
 from cilia_common.logs import setup_logging
+from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_safe_agent_updater import __version__
 from cilia_safe_agent_updater.exitcodes import Exit, UpdaterError
 from cilia_safe_agent_updater.redact import redact_url, scrub
@@ -428,21 +430,28 @@ def grpc_address(address: str) -> str:
 async def serve(health_address: str, grace_seconds: float) -> None:
     """Serve gRPC health (SERVING) on ``health_address`` until SIGTERM or SIGINT.
 
-    Logs ``listening`` with the address once health reports SERVING.
+    Logs ``listening`` (listener ``health``, the bound address) once health reports SERVING.
 
     Raises:
         cilia_common.grpcserver.BindError: the address cannot be bound.
     """
-    server, health = await grpcserver.start_server([], [grpc_address(health_address)])
-    await grpcserver.set_serving(health, [])
-    log.info("listening", extra={"address": health_address, "version": __version__})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down", extra={"grace_seconds": grace_seconds})
-    await server.stop(grace_seconds)
+    servers: list[grpc.aio.Server] = []
+
+    async def start() -> None:
+        target = grpc_address(health_address)
+        server, health, ports = await grpcserver.start_server_with_ports([], [target])
+        servers.append(server)
+        await grpcserver.set_serving(health, [])
+        bound = grpcserver.bound_port(target, ports[target]) if target in ports else target
+        announce_listening(log, "health", bound)
+        log.info("serving", extra={"version": __version__})
+
+    async def stop() -> None:
+        if servers:
+            log.info("shutting down", extra={"grace_seconds": grace_seconds})
+            await servers[0].stop(grace_seconds)
+
+    await run_until_signal(start, stop)
 
 
 def _hash_command(args: argparse.Namespace) -> int:
