@@ -54,6 +54,7 @@ from cilia_agent.controlplane import (
 from cilia_agent.datapath import LinuxDatapath
 from cilia_agent.datapath.iptables import Iptables, IptablesReconciler
 from cilia_agent.datapath.loader import Datapath
+from cilia_agent.datapath.routing import node_routes
 from cilia_agent.endpoint import EndpointManager, RestoreReport, StateStore
 from cilia_agent.enforcement import Enforcement
 from cilia_agent.hubble.enrich import OwnerResolver
@@ -66,6 +67,7 @@ from cilia_agent.ipam.selection import PoolSelector
 from cilia_agent.ipcache import IPCache
 from cilia_agent.metrics import Metrics
 from cilia_agent.node import LocalNode
+from cilia_agent.node.manager import NodeManager, RouteSync
 from cilia_agent.status import Enforced, StatusCollector
 from cilia_common.metrics import start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
@@ -129,6 +131,8 @@ class Agent:
         self.endpoints: EndpointManager
         self.cni: CNIConfigManager
         self.status: StatusCollector
+        self.routes: RouteSync
+        self.nodes: NodeManager
 
     @property
     def bpf(self) -> Datapath | None:
@@ -177,6 +181,10 @@ class Agent:
                 "eBPF datapath disabled (--enable-bpf=false): pods are plumbed but get no "
                 "identity, no policy is enforced and Hubble records no flows"
             )
+        self.routes = RouteSync(
+            node_routes(cfg, nets.addresses, self.node.pod_cidrs), self.executor
+        )
+        await self.routes.setup()
         enf = self.enforcement
         self.hubble = Hubble(
             hubble_config(cfg, __version__, nets.addresses),
@@ -191,6 +199,7 @@ class Agent:
         if enf is not None:
             await self.hubble.start_reader(enf.bpf.bpf)
             self.metrics.scrape_hook.refresh = self.hubble.refresh_datapath_counters
+        self.nodes = NodeManager(cfg.node_name, [self.routes, self.hubble.peers])
         resolver = (
             PoolResolver.from_config(cfg, channel) if channel and cfg.ipam == "multi-pool" else None
         )
@@ -200,7 +209,7 @@ class Agent:
             store=self.store,
             metrics=self.metrics,
             executor=self.executor,
-            mtu=cfg.mtu,
+            mtu=cfg.pod_mtu(),
             node=self.node,
             pools=PoolSelector(
                 cfg.ipam,
@@ -272,9 +281,7 @@ class Agent:
         )
         self.ipam_manager.on_demand_changed(operator.demand_changed)
         self._spawn("operator-session", operator.run)
-        watches: list[enforcement_owners.Watch] = [
-            ("nodes", api.watch_nodes, self.hubble.peers.consume_watch)
-        ]
+        watches: list[enforcement_owners.Watch] = [("nodes", api.watch_nodes, self.nodes.consume)]
         if self.enforcement is not None:
             watches += enforcement_owners.watches(self.enforcement, api)
         for name, open_stream, consume in watches:

@@ -120,7 +120,29 @@ class Config(BaseModel):
         default=False,
         description="on a clean shutdown remove the conflist and restore the configs --cni-exclusive moved aside (upstream cni-uninstall; false: a restarting agent keeps serving its pods)",
     )
-    mtu: int = Field(default=1500, ge=68, le=65535, description="MTU of pod veth pairs in bytes")
+    mtu: int = Field(
+        default=1500,
+        ge=68,
+        le=65535,
+        description="MTU of the node's network in bytes; pods get it as is in native routing and minus the 50-byte VXLAN overhead in tunnel mode (upstream mtu)",
+    )
+    routing_mode: Literal["native", "tunnel"] = Field(
+        default="native",
+        description="how pods reach other nodes' pods: native (a route to each node's pod CIDRs via its address on the node network) or tunnel (VXLAN to each node) (upstream routing-mode)",
+    )
+    tunnel_protocol: Literal["vxlan"] = Field(
+        default="vxlan",
+        description="encapsulation in --routing-mode tunnel (upstream tunnel-protocol)",
+    )
+    tunnel_port: int = Field(
+        default=8472, ge=1, le=65535, description="UDP port of the tunnel (upstream tunnel-port)"
+    )
+    tunnel_device: Annotated[str, Flag(metavar="IFNAME")] = Field(
+        default="cilium_vxlan", description="name of the tunnel device (upstream's device name)"
+    )
+    tunnel_vni: int = Field(
+        default=2, ge=1, le=16777215, description="VXLAN network identifier of the tunnel"
+    )
     ipam: Literal["cluster-pool", "multi-pool"] = Field(
         default="multi-pool",
         description="IPAM mode, as the operator's: cluster-pool (addresses from the node's podCIDRs, no demand sent) or multi-pool (per-pod pools via the operator's ResolvePool, demand with pre-allocation, unneeded CIDRs handed back)",
@@ -257,7 +279,7 @@ class Config(BaseModel):
             return parse_bool(value)
         return value
 
-    @field_validator("host_device_name")
+    @field_validator("host_device_name", "tunnel_device")
     @classmethod
     def _ifname(cls, value: str) -> str:
         if not _IFNAME.match(value):
@@ -363,6 +385,10 @@ class Config(BaseModel):
             return None
         host, _, port = self.hubble_listen_address.rpartition(":")
         return f"{host or '0.0.0.0'}:{port}"
+
+    def pod_mtu(self) -> int:
+        """MTU of pod veth pairs: ``--mtu``, minus the VXLAN overhead (50) in tunnel mode."""
+        return self.mtu - 50 if self.routing_mode == "tunnel" else self.mtu
 
     def hubble_port(self) -> int:
         """Port of ``--hubble-listen-address`` (0 when TCP is disabled)."""

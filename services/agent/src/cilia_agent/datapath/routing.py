@@ -31,12 +31,13 @@ import ipaddress
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from socket import AF_BRIDGE, AF_INET
+from socket import AF_INET
 from typing import Literal, Protocol
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from cilia_agent.config import Config
 from cilia_agent.datapath.errors import DatapathError
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ RTPROT_CILIA = 0xC1
 RT_TABLE_MAIN = 254
 RTNH_F_ONLINK = 4
 NUD_PERMANENT = 0x80
-NTF_SELF = 0x02
 VXLAN_OVERHEAD = 50
 """Bytes VXLAN over IPv4 adds to a packet (outer IPv4 20, UDP 8, VXLAN 8, inner Ethernet 14)."""
 
@@ -209,7 +209,7 @@ class VxlanTunnel:
         port: ``--tunnel-port`` (UDP).
         vni: ``--tunnel-vni``.
         local_address: this node's address (the tunnel source; its MAC derives from it).
-        mtu: the tunnel device MTU (underlay MTU − :data:`VXLAN_OVERHEAD`).
+        mtu: the tunnel device MTU (underlay MTU - :data:`VXLAN_OVERHEAD`).
         local_cidrs: returns this node's own pod CIDRs (never routed elsewhere).
     """
 
@@ -262,7 +262,14 @@ class VxlanTunnel:
                         extra={"device": self.device, "vni": self.vni, "port": self.port},
                     )
                 assert idx is not None
-                ipr.link("set", index=idx, mtu=self.mtu, address=mac, state="up")
+                link = ipr.get_links(idx)[0]
+                if link.get_attr("IFLA_MTU") != self.mtu:
+                    ipr.link("set", index=idx, mtu=self.mtu)
+                if link.get_attr("IFLA_ADDRESS") != mac:
+                    # a new address flushes the device's neighbours: only when it differs, so
+                    # a restarted agent keeps forwarding through the entries it left
+                    ipr.link("set", index=idx, address=mac)
+                ipr.link("set", index=idx, state="up")
         except NetlinkError as exc:
             raise DatapathError(
                 f"cannot create VXLAN device {self.device} (VNI {self.vni}, UDP {self.port}): "
@@ -284,7 +291,7 @@ class VxlanTunnel:
                 if idx is None:
                     raise DatapathError(f"tunnel device {self.device} does not exist")
                 have = _routes(ipr)
-                peers = self._peers(ipr, idx)
+                neighbours, fdb = self._peers(ipr, idx)
                 want: dict[str, str] = {}
                 addresses: set[str] = set()
                 for node in nodes:
@@ -302,8 +309,10 @@ class VxlanTunnel:
                     for cidr in cidrs:
                         if cidr not in local:
                             want[cidr] = node.address
-                for address in addresses - peers:
-                    self._add_peer(ipr, idx, address)
+                for address in addresses:
+                    self._add_peer(
+                        ipr, idx, address, fdb=address in fdb, neigh=address in neighbours
+                    )
                 for cidr, gateway in want.items():
                     if have.get(cidr) == (gateway, idx):
                         continue
@@ -319,47 +328,70 @@ class VxlanTunnel:
                     log.info("tunnel route installed", extra={"cidr": cidr, "node": gateway})
                 for cidr in set(have) - set(want):
                     _delete_route(ipr, cidr)
-                for address in peers - addresses:
+                for address in (neighbours | fdb) - addresses:
                     self._delete_peer(ipr, idx, address)
         except NetlinkError as exc:
             raise DatapathError(f"tunnel {self.device}: {exc.args[-1]}") from exc
         return problems
 
-    def _peers(self, ipr: IPRoute, idx: int) -> set[str]:
-        """Addresses with a permanent neighbour entry on the tunnel device."""
-        out: set[str] = set()
+    def _peers(self, ipr: IPRoute, idx: int) -> tuple[set[str], set[str]]:
+        """``(neighbours, fdb)``: addresses with a permanent neighbour entry, and with an FDB
+        entry, on the tunnel device (a peer half set up by an interrupted sync is completed
+        or removed)."""
+        neighbours: set[str] = set()
         for neigh in ipr.get_neighbours(family=AF_INET, ifindex=idx):
             if neigh["state"] & NUD_PERMANENT:
                 dst = neigh.get_attr("NDA_DST")
                 if dst:
-                    out.add(dst)
-        return out
+                    neighbours.add(dst)
+        fdb: set[str] = set()
+        for entry in ipr.fdb("dump", ifindex=idx):
+            dst = entry.get_attr("NDA_DST")
+            if dst and entry["ifindex"] == idx:
+                fdb.add(dst)
+        return neighbours, fdb
 
-    def _add_peer(self, ipr: IPRoute, idx: int, address: str) -> None:
+    def _add_peer(self, ipr: IPRoute, idx: int, address: str, *, fdb: bool, neigh: bool) -> None:
+        """The FDB and neighbour entries of a peer that lacks them."""
         mac = tunnel_mac(address)
-        ipr.fdb("append", ifindex=idx, lladdr=mac, dst=address, state=NUD_PERMANENT)
-        ipr.neigh("replace", dst=address, lladdr=mac, ifindex=idx, state=NUD_PERMANENT)
-        log.info("tunnel peer added", extra={"node": address, "mac": mac})
+        if not fdb:
+            ipr.fdb("append", ifindex=idx, lladdr=mac, dst=address, state=NUD_PERMANENT)
+        if not neigh:
+            ipr.neigh("replace", dst=address, lladdr=mac, ifindex=idx, state=NUD_PERMANENT)
+        if not fdb or not neigh:
+            log.info("tunnel peer added", extra={"node": address, "mac": mac})
 
     def _delete_peer(self, ipr: IPRoute, idx: int, address: str) -> None:
         mac = tunnel_mac(address)
-        for op in (
-            lambda: ipr.neigh("del", dst=address, ifindex=idx),
-            lambda: ipr.fdb("del", ifindex=idx, lladdr=mac, dst=address, family=AF_BRIDGE),
-        ):
-            try:
-                op()
-            except NetlinkError as exc:
-                log.warning("tunnel peer %s: cannot remove an entry: %s", address, exc)
+        try:
+            ipr.neigh("del", dst=address, ifindex=idx)
+        except NetlinkError as exc:
+            log.warning("tunnel peer %s: cannot remove its neighbour entry: %s", address, exc)
+        try:
+            ipr.fdb("del", ifindex=idx, lladdr=mac, dst=address)
+        except NetlinkError as exc:
+            log.warning("tunnel peer %s: cannot remove its FDB entry: %s", address, exc)
         log.info("tunnel peer removed", extra={"node": address})
 
 
-def underlay_mtu(address: str) -> int:
-    """MTU of the interface holding ``address`` (1500 when it cannot be found)."""
-    with IPRoute() as ipr:
-        for addr in ipr.get_addr(family=AF_INET):
-            if addr.get_attr("IFA_ADDRESS") == address:
-                links = ipr.get_links(addr["index"])
-                if links:
-                    return int(links[0].get_attr("IFLA_MTU") or 1500)
-    return 1500
+def node_routes(cfg: Config, addresses: Sequence[str], local_cidrs: _LocalCidrs) -> NodeRoutes:
+    """The :class:`NodeRoutes` of ``--routing-mode`` (``addresses``: this node's, the first is
+    the tunnel source).
+
+    Raises:
+        DatapathError: tunnel mode on a node without an IPv4 address.
+    """
+    if cfg.routing_mode == "native":
+        return NativeRouting(local_cidrs)
+    if not addresses:
+        raise DatapathError(
+            "--routing-mode tunnel: this node has no IPv4 address to send the tunnel from"
+        )
+    return VxlanTunnel(
+        device=cfg.tunnel_device,
+        port=cfg.tunnel_port,
+        vni=cfg.tunnel_vni,
+        local_address=addresses[0],
+        mtu=cfg.pod_mtu(),
+        local_cidrs=local_cidrs,
+    )

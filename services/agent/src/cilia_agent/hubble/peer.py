@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,12 @@ class PeerRegistry:
             log.warning("node %s has no address; not announced as a Hubble peer", event.node.name)
             return
         self.upsert(peer)
+
+    async def nodes_changed(self, nodes: Mapping[str, controlplane_pb2.Node]) -> None:
+        """The node manager's full set of other nodes changed: the remote peers become
+        exactly the nodes with an address (``NodeListener`` of ``cilia_agent.node``)."""
+        peers = (peer_from_node(node, self.default_port) for node in nodes.values())
+        self.replace_all(p for p in peers if p is not None)
 
     async def consume_watch(
         self, stream: AsyncIterable[controlplane_pb2.WatchNodesResponse]

@@ -92,6 +92,10 @@ class LocalNode:
         """True once :meth:`check_ready` found the node ready."""
         return self._reason is None
 
+    def pod_cidrs(self) -> list[str]:
+        """Every CIDR this node holds, all pools (never routed to another node)."""
+        return [cidr for cidrs in self.ipam.cidrs().values() for cidr in cidrs]
+
     @property
     def lock(self) -> asyncio.Lock:
         """Held while an allocation is applied (and the state written)."""
