@@ -261,6 +261,24 @@ async def test_watch_nodes_lists_registered_nodes_then_streams_new_ones(redis_ur
         stream.cancel()
 
 
+async def test_watch_nodes_carries_each_nodes_pod_cidrs_once_allocated(redis_url: str) -> None:
+    async with operator(redis_url) as (_, channel):
+        await register(channel, "routed")
+        stream = pb_grpc.NodeServiceStub(channel).WatchNodes(pb.WatchNodesRequest())
+        initial = await stream.read()
+        assert [list(e.node.pod_cidrs) for e in initial.events] == [[]]
+        await demand(channel, "routed", 10)
+        allocated = cidrs(await allocation_until(channel, "routed", lambda a: a.pools))
+        async with asyncio.timeout(10):
+            while True:
+                events = (await stream.read()).events
+                if events and events[-1].node.pod_cidrs:
+                    break
+        assert list(events[-1].node.pod_cidrs) == sorted(allocated)
+        assert all(c.startswith("10.251.") for c in allocated)
+        stream.cancel()
+
+
 async def test_cli_apply_prints_one_line_per_resource_and_fails_with_exit_2(
     redis_url: str, tmp_path: Any
 ) -> None:
