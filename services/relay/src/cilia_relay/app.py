@@ -106,13 +106,18 @@ class Relay:
         service = grpcserver.Service(
             observer_pb2_grpc.add_ObserverServicer_to_server, self.observer, OBSERVER_SERVICE
         )
+        bound: dict[str, str] = {}
         try:
-            self._servers.append(
-                await grpcserver.start_server([service], [grpc_address(self.config.listen_address)])
-            )
-            self._servers.append(
-                await grpcserver.start_server([], [grpc_address(self.config.health_listen_address)])
-            )
+            for name, services, address in (
+                ("observer", [service], self.config.listen_address),
+                ("health", [], self.config.health_listen_address),
+            ):
+                server, health, ports = await grpcserver.start_server_with_ports(
+                    services, [grpc_address(address)]
+                )
+                self._servers.append((server, health))
+                port = ports.get(grpc_address(address))
+                bound[name] = address if port is None else grpcserver.bound_port(address, port)
             listen = self.config.metrics_listen()
             if listen is not None:
                 registry = CollectorRegistry()
@@ -125,9 +130,14 @@ class Relay:
                     raise grpcserver.BindError(
                         f"cannot listen on {self.config.prometheus_serve_addr}: {exc}"
                     ) from exc
+                http_server, _ = self._metrics_server
+                bound["metrics"] = f"{listen[0]}:{http_server.server_port}"
         except grpcserver.BindError:
             await self.stop(0)
             raise
+        # One line per listener with the address actually bound (port 0 is read back from it).
+        for name, address in bound.items():
+            log.info("listening", extra={"listener": name, "address": address})
         await self.peers.start()
         log.info(
             "listening",
