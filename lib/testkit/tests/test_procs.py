@@ -7,6 +7,7 @@ import asyncio
 import json
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -147,3 +148,10 @@ def test_kill_of_an_already_reaped_process_returns_its_status() -> None:
     proc = procs.spawn(["sh", "-c", "exit 5"])
     assert proc.wait(10) == 5
     assert procs.kill(proc) == 5
+
+
+def test_refused_address_refuses_connections_while_held() -> None:
+    with procs.refused_address() as address:
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5)

@@ -21,14 +21,16 @@ is really gone (every thread exited, so its sockets are closed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 #: Signals the exec wrapper resets to their default disposition.
@@ -301,3 +303,16 @@ def stop(
         except subprocess.TimeoutExpired:
             pass
     return kill(proc, group=group, timeout=timeout)
+
+
+@contextlib.contextmanager
+def refused_address(host: str = "127.0.0.1") -> Iterator[str]:
+    """``host:port`` where a TCP connect is refused, for "server unreachable" tests.
+
+    The port stays bound (never listening) by this process for the ``with`` block: the
+    kernel answers a SYN with RST, and no other process can start listening there
+    meanwhile (unlike a port picked, closed and hoped to stay free).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        yield f"{host}:{sock.getsockname()[1]}"
