@@ -252,26 +252,41 @@ def test_pull_always_falls_back_to_the_local_image(
         engine.images.remove(local_ref)
 
 
+def _image_of(engine: docker.DockerClient, name: str) -> str | None:
+    """The image id of container ``name``; None while no container holds the name (between
+    the updater's rename of the old one and the creation of its replacement)."""
+    try:
+        return str(engine.containers.get(name).attrs["Image"])
+    except docker.errors.NotFound:
+        return None
+
+
 def test_loop_mode_applies_the_image_on_its_own(
-    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str]
+    engine: docker.DockerClient,
+    agent: tuple[str, str],
+    images: dict[str, str],
+    tmp_path: pathlib.Path,
 ) -> None:
     name, address = agent
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
-         "--container", name, "--image", "cilia-sau-test:b", "--agent-health-address", address,
-         "--health-interval", "0.2", "--stop-timeout", "2", "--interval", "0.5"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while engine.containers.get(name).attrs["Image"] != images["B"]:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "loop mode never replaced the container"
-            time.sleep(0.5)
-        assert proc.poll() is None  # still looping after a successful pass
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    # the log goes to a file: a pipe nobody reads while polling would fill and block it
+    log_path = tmp_path / "updater.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
+             "--container", name, "--image", "cilia-sau-test:b", "--agent-health-address",
+             address, "--health-interval", "0.2", "--stop-timeout", "2", "--interval", "0.5"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while _image_of(engine, name) != images["B"]:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "loop mode never replaced the container"
+                time.sleep(0.5)
+            assert proc.poll() is None  # still looping after a successful pass
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
 
 
