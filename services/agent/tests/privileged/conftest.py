@@ -12,7 +12,6 @@ import contextlib
 import os
 import pathlib
 import secrets
-import shutil
 import subprocess
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,26 +23,20 @@ import pytest
 from cilia.agent.v1 import agent_pb2_grpc
 from cilia_agent.app import Agent
 from cilia_agent.config import Config
-
-
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, iptables)"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (ip)"
-    if shutil.which("iptables") is None:
-        return "needs the iptables binary"
-    return None
+from cilia_testkit import skips
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    reason = _skip_reason()
+    """Every test under this directory is privileged."""
     here = pathlib.Path(__file__).parent
     for item in items:
         if pathlib.Path(str(item.fspath)).is_relative_to(here):
             item.add_marker(pytest.mark.privileged)
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Root, iproute2 and iptables, or skip with the reason (fail in CI)."""
+    skips.require(skips.netns_missing() or skips.binary_missing("iptables"))
 
 
 class AgentThread:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import uuid
@@ -21,21 +20,12 @@ from cilia_agent.datapath.layout import (
 )
 from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir
 from cilia_agent.hubble.metrics import read_bcc_counters
+from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
 
 HOST_IP, POD_IP = "10.251.200.1", "10.251.200.2"
 EP_ID = 7
-
-
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for netns, tc and BPF"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (Debian python3-bpfcc) not importable; run scripts/setup.sh"
-    return None
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -59,9 +49,7 @@ class Pod:
 
 @pytest.fixture
 def pod() -> Iterator[Pod]:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    skips.require_bpf("netns, tc, BPF")
     tag = uuid.uuid4().hex[:6]
     netns, host_if = f"cilia-t-bpf{tag}", f"cilia_tb{tag}"
     sh("ip", "netns", "add", netns)

@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from cilia.agent.v1 import agent_pb2
+from cilia_testkit import skips
 
 from .conftest import AgentThread, Env, sh
 from .test_cni_lifecycle import held_ips, link_exists, netns, state_files
-from .test_policy_datapath import _bpf_missing
 
 
 class Veth:
@@ -172,9 +172,7 @@ def test_chained_add_refuses_what_it_cannot_adopt(env: Env) -> None:
 
 
 def test_chained_endpoint_gets_bpf_programs_and_gc_detaches_them(env: Env) -> None:
-    reason = _bpf_missing()
-    if reason:
-        pytest.skip(reason)
+    skips.require_bpf("netns, tc, BPF")
     a = env.start_agent(enable_bpf=True)
     v = Veth(env)
     r = chained_add(a, v, "chain-bpf")

@@ -22,6 +22,7 @@ import pytest
 from cilia.agent.v1 import agent_pb2
 from cilia_agent.datapath import host_ifname
 from cilia_agent.endpoint import EndpointRecord
+from cilia_testkit import skips
 
 from .conftest import Env, sh
 
@@ -405,11 +406,8 @@ def test_stale_del_keeps_the_new_sandbox_operator_record_ipcache_and_programs(en
     from cilia_agent.datapath.layout import ip_from_map
 
     from .fake_operator import FakeOperator
-    from .test_policy_datapath import _bpf_missing
 
-    reason = _bpf_missing()
-    if reason:
-        pytest.skip(reason)
+    skips.require_bpf("netns, tc, BPF")
     op = FakeOperator(env.cidr)
     try:
         a = env.start_agent(

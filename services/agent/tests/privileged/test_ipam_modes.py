@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import pathlib
 import queue
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,13 +26,9 @@ import pytest
 from cilia.agent.v1 import agent_pb2
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
+from cilia_testkit import cni as cnirun  # the libcni emulation (exec as a runtime does)
 
 from .conftest import AgentThread, Env
-
-ROOT = pathlib.Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun  # noqa: E402
 
 
 class Operator(cp_grpc.NodeServiceServicer, cp_grpc.IPAMServiceServicer):  # type: ignore[misc]

@@ -34,6 +34,7 @@ from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2, peer_pb2_grpc
 from cilia_agent.datapath import host_ifname
 from cilia_agent.datapath.layout import IDENTITY_HOST
+from cilia_testkit import skips
 
 from .conftest import AgentThread, Env
 from .fake_operator import FakeOperator
@@ -61,16 +62,6 @@ try:
 except OSError:
     sys.exit(1)
 """
-
-
-def _bpf_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (netns, tc, BPF)"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (Debian python3-bpfcc) not importable; run scripts/setup.sh"
-    return None
 
 
 @dataclass
@@ -209,9 +200,7 @@ def add_pod(env: Env, agent: AgentThread, name: str, labels: dict[str, str]) -> 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    reason = _bpf_missing()
-    if reason:
-        pytest.skip(reason)
+    skips.require_bpf("netns, tc, BPF")
     env = Env(tmp_path_factory.mktemp("policy"))
     op = FakeOperator(env.cidr)
     server: subprocess.Popen[bytes] | None = None

@@ -8,7 +8,6 @@ import io
 import ipaddress
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +21,7 @@ from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator import cli
 from cilia_operator.app import Operator
 from cilia_operator.ipam.changes import plan_numbers
+from cilia_testkit import procs
 
 CLUSTER = {
     "ipam": "cluster-pool",
@@ -414,34 +414,28 @@ def test_cli_ipam_plan_offline_prints_blocks_and_pod_ips() -> None:
     assert "pod IPs per node:   255" in both.stdout
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_cli_plan_with_unreachable_operator_falls_back_to_offline_checks() -> None:
-    server = f"127.0.0.1:{_closed_port()}"
-    overlap = run_cli(
-        "ipam", "plan", "--cidr", "10.96.0.0/16", "--mask-size", "24", "--server", server,
-        "--service-cluster-ip-range", "10.96.0.0/12", "--timeout", "2",
-    )  # fmt: skip
-    assert overlap.returncode == 1, overlap.stdout + overlap.stderr
-    assert f"live check skipped: cannot reach operator at {server}" in overlap.stdout
-    assert "falling back to the offline checks" in overlap.stdout
-    assert "service CIDRs:      10.96.0.0/12 (offline: operator unreachable)" in overlap.stdout
-    assert "10.96.0.0/16 overlaps the service CIDR 10.96.0.0/12" in overlap.stdout
-    default = run_cli(
-        "ipam", "plan", "--cidr", "10.100.0.0/24", "--mask-size", "26", "--server", server,
-        "--timeout", "2",
-    )  # fmt: skip
-    assert default.returncode == 1 and "service CIDR 10.96.0.0/12" in default.stdout
-    fits = run_cli(
-        "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--server", server,
-        "--timeout", "2",
-    )  # fmt: skip
-    assert fits.returncode == 0, fits.stdout
-    assert "offline: operator unreachable" in fits.stdout and "fits:" in fits.stdout
+    with procs.refused_address() as server:
+        overlap = run_cli(
+            "ipam", "plan", "--cidr", "10.96.0.0/16", "--mask-size", "24", "--server", server,
+            "--service-cluster-ip-range", "10.96.0.0/12", "--timeout", "2",
+        )  # fmt: skip
+        assert overlap.returncode == 1, overlap.stdout + overlap.stderr
+        assert f"live check skipped: cannot reach operator at {server}" in overlap.stdout
+        assert "falling back to the offline checks" in overlap.stdout
+        assert "service CIDRs:      10.96.0.0/12 (offline: operator unreachable)" in overlap.stdout
+        assert "10.96.0.0/16 overlaps the service CIDR 10.96.0.0/12" in overlap.stdout
+        default = run_cli(
+            "ipam", "plan", "--cidr", "10.100.0.0/24", "--mask-size", "26", "--server", server,
+            "--timeout", "2",
+        )  # fmt: skip
+        assert default.returncode == 1 and "service CIDR 10.96.0.0/12" in default.stdout
+        fits = run_cli(
+            "ipam", "plan", "--cidr", "172.24.0.0/20", "--mask-size", "24", "--server", server,
+            "--timeout", "2",
+        )  # fmt: skip
+        assert fits.returncode == 0, fits.stdout
+        assert "offline: operator unreachable" in fits.stdout and "fits:" in fits.stdout
 
 
 def test_cli_plan_takes_a_comma_list_of_service_cidrs_like_the_operator() -> None:

@@ -10,7 +10,7 @@ import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import pytest
@@ -20,6 +20,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator.app import Operator
 from cilia_operator.config import Config
+from cilia_testkit import procs
 
 POOL = "default=ipv4-cidrs:10.251.0.0/22;ipv4-mask-size:24"
 
@@ -304,13 +305,23 @@ async def test_cli_apply_prints_one_line_per_resource_and_fails_with_exit_2(
         assert got.returncode == 0 and "name: blue" in got.stdout
 
 
+def _bound_grpc_address(stderr: IO[str]) -> str:
+    """The gRPC address the operator bound (port 0), read from its JSON log: the
+    ``"listening"`` line of listener ``grpc``, or ``"operator serving"``'s ``listen``."""
+    for line in stderr:
+        found = procs.listening(line)
+        if found is not None and found[0] == "grpc":
+            return found[1]
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("msg") == "operator serving":
+            return str(record["listen"])
+    raise AssertionError("operator exited before it served")
+
+
 def test_serve_stops_cleanly_on_sigterm_and_exits_0(redis_url: str) -> None:
     import signal
     import time
 
-    from conftest import free_port
-
-    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -320,7 +331,7 @@ def test_serve_stops_cleanly_on_sigterm_and_exits_0(redis_url: str) -> None:
             "--store",
             redis_url,
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--prometheus-serve-addr",
             "",
             "--auto-create-cilium-pod-ip-pools",
@@ -329,7 +340,9 @@ def test_serve_stops_cleanly_on_sigterm_and_exits_0(redis_url: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    assert proc.stderr is not None
+    address = _bound_grpc_address(proc.stderr)
+    channel = grpc.insecure_channel(address)
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + 20
     while True:

@@ -1,8 +1,9 @@
 """``cilia-relay serve`` and ``cilia-relay observe`` exec'd as processes.
 
 Two contract-level fake agents run in the test's event loop (real gRPC on unix
-sockets); the relay is a real ``python -m cilia_relay serve`` process on TCP ports;
-``observe`` is exec'd against it and its output parsed.
+sockets); the relay is a real ``python -m cilia_relay serve`` process on TCP ports it binds
+itself (port 0, read back from its ``"listening"`` log lines); ``observe`` is exec'd against
+it (through cilia_testkit.procs: no ``preexec_fn``) and its output parsed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -26,16 +26,11 @@ from relay_fakes import NS, FakeAgent, agents, make_flow
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
+from cilia_testkit import procs
 
 pytestmark = pytest.mark.timeout(90)
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fake_cluster(sockdir: pathlib.Path, base: int) -> tuple[FakeAgent, FakeAgent]:
@@ -78,46 +73,53 @@ def fake_cluster(sockdir: pathlib.Path, base: int) -> tuple[FakeAgent, FakeAgent
     return a, b
 
 
-@pytest.fixture
-def ports() -> dict[str, int]:
-    return {"listen": free_port(), "health": free_port(), "metrics": free_port()}
+#: The relay's listeners, each logged as ``"listening"`` with the address it bound.
+LISTENERS = ("observer", "health", "metrics")
 
 
 async def start_relay(
-    peer_service: str, ports: dict[str, int], expect_connected: int
-) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "cilia_relay",
-        "serve",
-        "--peer-service",
-        peer_service,
-        "--listen-address",
-        f"127.0.0.1:{ports['listen']}",
-        "--health-listen-address",
-        f"127.0.0.1:{ports['health']}",
-        "--prometheus-serve-addr",
-        f"127.0.0.1:{ports['metrics']}",
-        "--retry-timeout",
-        "300ms",
-        "--sort-buffer-drain-timeout",
-        "200ms",
-        "--peer-update-interval",
-        "200ms",
+    peer_service: str, expect_connected: int
+) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """The relay on ports it binds itself; ``(process, {listener: "127.0.0.1:PORT"})``."""
+    proc = await procs.spawn_async(
+        [
+            sys.executable,
+            "-m",
+            "cilia_relay",
+            "serve",
+            "--peer-service",
+            peer_service,
+            "--listen-address",
+            "127.0.0.1:0",
+            "--health-listen-address",
+            "127.0.0.1:0",
+            "--prometheus-serve-addr",
+            "127.0.0.1:0",
+            "--retry-timeout",
+            "300ms",
+            "--sort-buffer-drain-timeout",
+            "200ms",
+            "--peer-update-interval",
+            "200ms",
+        ],
         env=ENV,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
+    assert proc.stderr is not None
+    try:
+        addresses = await procs.read_listening(proc.stderr, LISTENERS, timeout=30)
+    except EOFError as exc:
+        raise AssertionError(f"relay exited early: {exc}") from None
     deadline = time.monotonic() + 30
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['listen']}") as channel:
+    async with grpc.aio.insecure_channel(addresses["observer"]) as channel:
         stub = observer_pb2_grpc.ObserverStub(channel)
         while True:
             assert proc.returncode is None, "relay exited early"
             try:
                 nodes = (await stub.GetNodes(observer_pb2.GetNodesRequest(), timeout=2)).nodes
                 if sum(n.state == relay_pb2.NODE_CONNECTED for n in nodes) == expect_connected:
-                    return proc
+                    return proc, addresses
             except grpc.aio.AioRpcError:
                 pass
             assert time.monotonic() < deadline, "relay did not connect to the agents"
@@ -133,12 +135,8 @@ async def stop_relay(proc: asyncio.subprocess.Process) -> str:
 
 
 async def observe(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "cilia_relay",
-        "observe",
-        *args,
+    proc = await procs.spawn_async(
+        [sys.executable, "-m", "cilia_relay", "observe", *args],
         env=ENV,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -149,17 +147,17 @@ async def observe(*args: str) -> tuple[int, str, str]:
 
 
 def test_observe_prints_merged_compact_lines_and_json_through_the_relay_process(
-    sockdir: pathlib.Path, ports: dict[str, int]
+    sockdir: pathlib.Path,
 ) -> None:
     async def main() -> None:
         base = time.time_ns() - 120 * NS
         a, b = fake_cluster(sockdir, base)
         async with agents(a, b):
-            relay = await start_relay(a.address, ports, expect_connected=2)
-            server = f"127.0.0.1:{ports['listen']}"
+            relay, listening = await start_relay(a.address, expect_connected=2)
+            server = listening["observer"]
             try:
                 # health is SERVING on the health port once the Peer stream is up
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['health']}") as ch:
+                async with grpc.aio.insecure_channel(listening["health"]) as ch:
                     status = await health_pb2_grpc.HealthStub(ch).Check(
                         health_pb2.HealthCheckRequest(), timeout=2
                     )
@@ -211,9 +209,7 @@ def test_observe_prints_merged_compact_lines_and_json_through_the_relay_process(
 
                 metrics = await asyncio.to_thread(
                     lambda: (
-                        urllib.request.urlopen(
-                            f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=5
-                        )
+                        urllib.request.urlopen(f"http://{listening['metrics']}/metrics", timeout=5)
                         .read()
                         .decode()
                     )
@@ -229,13 +225,8 @@ def test_observe_prints_merged_compact_lines_and_json_through_the_relay_process(
     asyncio.run(main())
 
 
-def _default_sigint() -> None:
-    """In the child before exec: SIGINT back to its default disposition."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_observe_follow_streams_new_flows_and_survives_an_agent_dying(
-    sockdir: pathlib.Path, ports: dict[str, int]
+    sockdir: pathlib.Path,
 ) -> None:
     async def lines_of(stream: asyncio.StreamReader) -> AsyncIterator[str]:
         while True:
@@ -248,14 +239,15 @@ def test_observe_follow_streams_new_flows_and_survives_an_agent_dying(
         base = time.time_ns() - 120 * NS
         a, b = fake_cluster(sockdir, base)
         async with agents(a, b):
-            relay = await start_relay(a.address, ports, expect_connected=2)
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "cilia_relay", "observe",
-                "--server", f"127.0.0.1:{ports['listen']}", "--last", "1", "--follow",
+            relay, listening = await start_relay(a.address, expect_connected=2)
+            proc = await procs.spawn_async(
+                [sys.executable, "-m", "cilia_relay", "observe",
+                 "--server", listening["observer"], "--last", "1", "--follow"],
                 env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 # a test run started in the background (`cmd &`) inherits SIGINT ignored, and
-                # Python then never installs KeyboardInterrupt: give the child the default back
-                preexec_fn=_default_sigint,
+                # Python then never installs KeyboardInterrupt: an exec wrapper (no Python
+                # hook in the forked child) gives the child the default disposition back
+                default_signals=True,
             )  # fmt: skip
             try:
                 assert proc.stdout is not None and proc.stderr is not None

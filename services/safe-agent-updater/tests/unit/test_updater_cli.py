@@ -17,14 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cilia_safe_agent_updater import __version__
 from cilia_safe_agent_updater.__main__ import build_parser, main
 from cilia_safe_agent_updater.exitcodes import Exit
+from cilia_testkit import procs
 
 STARTUP_TIMEOUT_SECONDS = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _health_status(address: str) -> int:
@@ -45,8 +40,11 @@ def test_version_flag_prints_name_and_version() -> None:
     assert out.stdout.strip() == f"cilia-safe-agent-updater {__version__}"
 
 
-def test_serve_reports_serving_on_health_address_and_stops_on_sigterm() -> None:
-    address = f"127.0.0.1:{_free_port()}"
+def test_serve_reports_serving_on_health_address_and_stops_on_sigterm(
+    tmp_path: pathlib.Path,
+) -> None:
+    # a unix socket of its own: no TCP port to pick (the taken-port case is tested below)
+    address = f"unix:{tmp_path}/health.sock"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -137,13 +135,14 @@ def test_malformed_addresses_and_image_are_usage_errors(
 
 
 def test_well_formed_engine_address_that_does_not_answer_exits_3() -> None:
-    got = subprocess.run(
-        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
-         "--image", "registry.local:5000/cilia/agent:1.2@sha256:" + "a" * 64,
-         "--docker-url", f"tcp://127.0.0.1:{_free_port()}", "--docker-timeout", "5",
-         "--redis", "redis://127.0.0.1:6379/0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    with procs.refused_address() as refused:  # held bound, never listening
+        got = subprocess.run(
+            [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
+             "--image", "registry.local:5000/cilia/agent:1.2@sha256:" + "a" * 64,
+             "--docker-url", f"tcp://{refused}", "--docker-timeout", "5",
+             "--redis", "redis://127.0.0.1:6379/0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
     assert got.returncode == Exit.API_UNAVAILABLE, got.stderr
     assert "--docker-url: Docker engine" in got.stderr
 

@@ -3,7 +3,7 @@ BPF_PROG_TEST_RUN, ring-buffer events read by the Hubble reader into enriched fl
 
 Maps are pinned under a fresh ``/sys/fs/bpf/cilia-test-<rand>`` and removed afterwards.
 Under test run the programs see the packet on the loopback device (ifindex 1), so the
-endpoint under test is registered for ifindex 1 (bpf/tests/harness.py).
+endpoint under test is registered for ifindex 1 (cilia_bpf_testing.harness).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import ctypes
 import os
 import pathlib
 import shutil
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,29 +25,16 @@ from cilia.hubble.flow import flow_pb2
 from cilia_agent.hubble.enrich import MemoryResolver
 from cilia_agent.hubble.metrics import read_bcc_counters
 from cilia_agent.hubble.service import Hubble, HubbleConfig
+from cilia_bpf_testing import harness  # map layouts + packet builder
+from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
 
-REPO = pathlib.Path(__file__).resolve().parents[5]
-BPF_DIR = REPO / "bpf"
-sys.path.insert(0, str(BPF_DIR / "tests"))
-import harness  # noqa: E402  - bpf/tests/harness.py: map layouts + packet builder
+BPF_DIR = harness.BPF_DIR
 
 POD, PEER, OUTSIDE = "10.251.0.10", "10.251.0.20", "198.51.100.7"
 EP_ID, POD_ID, PEER_ID = 42, 1000, 1001
 FROM, TO = "cil_from_container", "cil_to_container"
-
-
-def _unsupported() -> str | None:
-    if os.geteuid() != 0:
-        return "BPF_PROG_TEST_RUN needs root"
-    if not pathlib.Path("/sys/fs/bpf").is_dir():
-        return "bpffs is not mounted at /sys/fs/bpf"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (Debian python3-bpfcc) is not importable; run scripts/setup.sh"
-    return None
 
 
 class Loaded:
@@ -74,9 +60,7 @@ class Loaded:
 
 @pytest.fixture
 def datapath() -> Iterator[Loaded]:
-    reason = _unsupported()
-    if reason:
-        pytest.skip(reason)
+    skips.require_bpf("BPF_PROG_TEST_RUN")
     from bcc import BPF
 
     pin_dir = pathlib.Path("/sys/fs/bpf") / f"cilia-test-{uuid.uuid4().hex[:8]}"

@@ -20,6 +20,8 @@ from cni_testlib import (
     netconf,
 )
 
+from cilia_testkit import skips
+
 
 def test_missing_cni_command_fails_with_code_4() -> None:
     run = exec_cni({}, b"")
@@ -199,7 +201,7 @@ def test_add_fails_with_code_11_when_agent_socket_is_absent(absent_socket: str) 
 
 def test_add_with_default_socket_names_the_default_path_when_agent_is_absent() -> None:
     if os.path.exists("/var/run/cilia/cilia.sock"):
-        pytest.skip("an agent socket exists at the default path on this host")
+        skips.host_in_use("an agent socket exists at the default path on this host")
     conf = netconf("unused")
     del conf["agent-socket"]
     run = exec_cni(cni_env("ADD"), conf)

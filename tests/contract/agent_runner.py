@@ -5,7 +5,7 @@ Usage: ``python agent_runner.py '<json>'`` with ``{"config": {Config fields},
 operator, as the agent's own privileged tests do), serves its unix socket, writes its
 conflist once ready, prints ``ready`` on stdout and runs until SIGTERM/SIGINT.
 
-Exec'd by :class:`cni_testlib.RealAgent`; a separate process so the tests can stop and
+Exec'd by :class:`realagent.RealAgent`; a separate process so the tests can stop and
 SIGKILL it (agent down, DEL queue replay) and so the plugin never shares its GIL.
 """
 

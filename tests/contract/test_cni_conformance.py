@@ -1,6 +1,6 @@
 """Conformance: cilia-cni driven the way libcni drives it, against a real cilia-agent.
 
-The runtime side (:class:`cni_testlib.Libcni`) reads the conflist the agent wrote, finds
+The runtime side (:class:`realagent.Libcni`) reads the conflist the agent wrote, finds
 ``cilia-cni`` by ``type`` in ``CNI_PATH``, caches the ADD result and passes it as
 ``prevResult`` to CHECK and DEL, runs DEL in reverse order. Every supported spec version
 and every command is exercised, including each error code (1, 3, 4, 6, 7, 11, 50) and
@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from cni_testlib import (
+from realagent import (
     Libcni,
     Netns,
     RealAgent,

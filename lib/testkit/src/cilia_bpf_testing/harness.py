@@ -36,10 +36,11 @@ from cilia_agent.datapath.layout import (  # noqa: F401  (re-exported for the te
     port_to_map,
 )
 from cilia_agent.datapath.loader import Datapath as AgentDatapath
-from cilia_agent.datapath.loader import DatapathConfig, remove_pins
+from cilia_agent.datapath.loader import DatapathConfig, default_bpf_dir, remove_pins
 from cilia_agent.hubble.events import FlowEvent, decode
 
-BPF_DIR = pathlib.Path(__file__).resolve().parents[1]
+#: The C sources (the repository's ``bpf/``, or ``$CILIA_BPF_DIR``), as the agent finds them.
+BPF_DIR = default_bpf_dir()
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
 

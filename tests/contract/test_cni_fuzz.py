@@ -14,9 +14,9 @@ import os
 from typing import Any
 
 import pytest
-from cni_testlib import DOCUMENTED_CODES, RealAgent, exec_cni, run_in_process
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from realagent import DOCUMENTED_CODES, RealAgent, exec_cni, run_in_process
 
 from cilia.agent.v1 import agent_pb2
 
@@ -252,7 +252,7 @@ class Fuzz:
 
 @pytest.fixture(scope="module")
 def fuzz(real_agent_process: RealAgent) -> Any:
-    from cni_testlib import Netns
+    from realagent import Netns
 
     if real_agent_process.proc is None:
         real_agent_process.start()

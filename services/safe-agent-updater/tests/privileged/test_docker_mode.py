@@ -13,8 +13,6 @@ import contextlib
 import io
 import pathlib
 import secrets
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,8 @@ import redis
 from cilia_safe_agent_updater import health
 from cilia_safe_agent_updater.__main__ import main
 from cilia_safe_agent_updater.exitcodes import Exit
+from cilia_testkit import procs, skips
+from cilia_testkit.redis import RedisServer
 
 pytestmark = pytest.mark.privileged
 
@@ -38,11 +38,9 @@ SOCKET_DIR = "/run/sau-test"
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[docker.DockerClient]:
-    try:
-        client = docker.from_env(version="auto", timeout=600)
-        client.ping()
-    except docker.errors.DockerException as exc:
-        pytest.skip(f"no Docker engine ({exc}); start dockerd (Debian docker.io)")
+    skips.require_docker()
+    client = docker.from_env(version="auto", timeout=600)
+    client.ping()
     yield client
     client.close()
 
@@ -56,18 +54,15 @@ def _derive(client: docker.DockerClient, base: str, tag: str, lines: list[str]) 
 @pytest.fixture(scope="module")
 def images(engine: docker.DockerClient) -> dict[str, str]:
     """Image ids of A, B (A + another label) and C (entrypoint exits)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from images import build_service  # helper G's builder (scripts/images.py)
-    finally:
-        sys.path.pop(0)
-    # The image only plays the agent (``serve``): reuse host wheels that are already built.
-    fresh_wheels = not (
-        ROOT / "build" / "images" / "wheels" / "local" / "safe-agent-updater"
-    ).is_dir()
-    base = build_service(
-        "safe-agent-updater", tag=BASE_TAG, client=engine, progress=None, wheels=fresh_wheels
-    )
+    # The project's image builder (scripts/images.py) as a user runs it; the host wheels it
+    # builds are cached by a digest of their sources, so an unchanged tree rebuilds nothing.
+    built = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "images.py"), "safe-agent-updater",
+         "--tag", BASE_TAG, "--quiet", "--jobs", "1"],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    base = str(engine.images.get(BASE_TAG).id)
     return {
         "A": _derive(engine, base, "cilia-sau-test:a", ['LABEL io.cilia.test.build="a"']),
         "B": _derive(engine, base, "cilia-sau-test:b", ['LABEL io.cilia.test.build="b"']),
@@ -105,33 +100,11 @@ def agent(
 
 @contextlib.contextmanager
 def _redis_server(directory: pathlib.Path, *extra: str) -> Iterator[int]:
-    """A private redis-server on a free port (``extra``: more server flags); yields the port."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(directory),
-         *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.AuthenticationError:  # requirepass: up, refusing the anonymous ping
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    try:
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    """A private redis-server on a TCP port it owns (``extra``: more server flags); its port."""
+    skips.require_binary("redis-server")
+    with RedisServer(directory, tcp=True, args=extra) as server:
+        assert server.port is not None
+        yield server.port
 
 
 @pytest.fixture(scope="module")
@@ -279,26 +252,41 @@ def test_pull_always_falls_back_to_the_local_image(
         engine.images.remove(local_ref)
 
 
+def _image_of(engine: docker.DockerClient, name: str) -> str | None:
+    """The image id of container ``name``; None while no container holds the name (between
+    the updater's rename of the old one and the creation of its replacement)."""
+    try:
+        return str(engine.containers.get(name).attrs["Image"])
+    except docker.errors.NotFound:
+        return None
+
+
 def test_loop_mode_applies_the_image_on_its_own(
-    engine: docker.DockerClient, agent: tuple[str, str], images: dict[str, str]
+    engine: docker.DockerClient,
+    agent: tuple[str, str],
+    images: dict[str, str],
+    tmp_path: pathlib.Path,
 ) -> None:
     name, address = agent
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
-         "--container", name, "--image", "cilia-sau-test:b", "--agent-health-address", address,
-         "--health-interval", "0.2", "--stop-timeout", "2", "--interval", "0.5"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while engine.containers.get(name).attrs["Image"] != images["B"]:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "loop mode never replaced the container"
-            time.sleep(0.5)
-        assert proc.poll() is None  # still looping after a successful pass
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    # the log goes to a file: a pipe nobody reads while polling would fill and block it
+    log_path = tmp_path / "updater.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cilia_safe_agent_updater", "--mode", "docker",
+             "--container", name, "--image", "cilia-sau-test:b", "--agent-health-address",
+             address, "--health-interval", "0.2", "--stop-timeout", "2", "--interval", "0.5"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while _image_of(engine, name) != images["B"]:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "loop mode never replaced the container"
+                time.sleep(0.5)
+            assert proc.poll() is None  # still looping after a successful pass
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
 
 
@@ -351,11 +339,10 @@ def test_redis_password_never_printed_when_redis_refuses_or_rejects_it(
 ) -> None:
     """Connection refused and a wrong password (a real redis-server with requirepass): exit 3,
     the message names the redacted URL, the password appears nowhere in stdout/stderr."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        closed = int(sock.getsockname()[1])
-    refused = _updater("--image", "cilia-sau-test:b", "--container", "sau-nonexistent",
-                       "--redis", f"redis://admin:{SECRET}@127.0.0.1:{closed}/0")  # fmt: skip
+    with procs.refused_address() as address:  # held bound, never listening: refused
+        closed = int(address.rsplit(":", 1)[1])
+        refused = _updater("--image", "cilia-sau-test:b", "--container", "sau-nonexistent",
+                           "--redis", f"redis://admin:{SECRET}@127.0.0.1:{closed}/0")  # fmt: skip
     with _redis_server(tmp_path, "--requirepass", "the-right-one") as port:
         rejected = _updater("--image", "cilia-sau-test:b", "--container", "sau-nonexistent",
                             "--redis", f"redis://admin:{SECRET}@127.0.0.1:{port}/0",

@@ -1,7 +1,7 @@
 """A compiled policy written by PolicyMapWriter into the real cilia_policy map of
 bpf/bpf_lxc.c gives the expected verdicts through BPF_PROG_TEST_RUN.
 
-Uses bpf/tests/harness.py (bcc compile with maps pinned under
+Uses cilia_bpf_testing.harness (bcc compile with maps pinned under
 /sys/fs/bpf/cilia-test-<rand>, removed afterwards). Under test run the program sees
 ifindex 1, so the endpoint is registered for ifindex 1.
 """
@@ -9,9 +9,6 @@ ifindex 1, so the endpoint is registered for ifindex 1.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,10 +18,10 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia_agent.policy.compiler import EndpointPolicy, PolicyEntry
 from cilia_agent.policy.engine import PolicyEngine
 from cilia_agent.policy.maps import PolicyMapWriter, encode_key
+from cilia_bpf_testing import harness as bpf_harness
+from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
-
-BPF_TESTS = pathlib.Path(__file__).resolve().parents[5] / "bpf" / "tests"
 
 BACKEND_IP, FRONTEND_IP, OTHER_IP, BANNED_IP = (
     "10.251.0.10",
@@ -36,30 +33,11 @@ EP_ID, BACKEND, FRONTEND, OTHER, BANNED = 42, 1001, 1000, 1002, 1005
 NS = "k8s:io.kubernetes.pod.namespace=prod"
 
 
-def _unsupported() -> str | None:
-    if os.geteuid() != 0:
-        return "BPF_PROG_TEST_RUN needs root"
-    if not pathlib.Path("/sys/fs/bpf").is_dir():
-        return "bpffs is not mounted at /sys/fs/bpf"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (Debian python3-bpfcc) is not importable; run scripts/setup.sh"
-    return None
-
-
 @pytest.fixture
-def harness() -> Iterator[Any]:
-    reason = _unsupported()
-    if reason:
-        pytest.skip(reason)
-    sys.path.insert(0, str(BPF_TESTS))
-    try:
-        import harness as h  # type: ignore[import-not-found]
-
-        yield h
-    finally:
-        sys.path.remove(str(BPF_TESTS))
+def harness() -> Any:
+    """:mod:`cilia_bpf_testing.harness`, once root, bpffs and bcc are there."""
+    skips.require_bpf("BPF_PROG_TEST_RUN")
+    return bpf_harness
 
 
 @pytest.fixture

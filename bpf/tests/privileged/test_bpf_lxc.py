@@ -6,9 +6,11 @@ run, so the endpoint under test is registered for ifindex 1.
 
 from __future__ import annotations
 
-import harness
 import pytest
-from harness import (
+
+from cilia_agent.datapath.layout import policy_key
+from cilia_bpf_testing import harness
+from cilia_bpf_testing.harness import (
     DIR_EGRESS,
     DIR_INGRESS,
     IDENTITY_WORLD,
@@ -23,8 +25,6 @@ from harness import (
     ip_to_map,
     packet,
 )
-
-from cilia_agent.datapath.layout import policy_key
 
 pytestmark = pytest.mark.privileged
 

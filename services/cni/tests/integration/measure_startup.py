@@ -1,6 +1,6 @@
 """Measure cilia-cni start-up: wall time per invocation and import time per path.
 
-Run from the repo root: ``.venv/bin/python services/cni/tests/measure_startup.py [-n 30]``.
+Run from the repo root: ``.venv/bin/python services/cni/tests/integration/measure_startup.py [-n 30]``.
 Prints a Markdown table (median/p90 wall ms and median CPU ms — user + system of the
 child, steadier than wall time on a loaded host — over N execs of the real binary) and the
 ``python -X importtime`` cumulative cost of the top-level imports on the VERSION and ADD

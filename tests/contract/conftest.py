@@ -1,28 +1,40 @@
+"""Fixtures of the cross-service contract suite: one real cilia-agent process, the runtime
+side as libcni drives plugins, named network namespaces.
+
+Every test here needs root and iproute2 (network namespaces, veth pairs, a real agent): it
+is marked privileged and skips with the reason otherwise (fails in CI,
+``cilia_testkit.skips``).
+"""
+
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator
 
 import pytest
-from cni_testlib import AgentServer, Libcni, Netns, RealAgent, cni_binary
+from realagent import Libcni, Netns, RealAgent, cni_binary
 
 from cilia.agent.v1 import agent_pb2
+from cilia_testkit import skips
+
+#: Debian's reference plugins (containernetworking-plugins), for chaining tests.
+REFERENCE_PLUGINS = "/usr/lib/cni"
 
 
-@pytest.fixture(scope="session")
-def agent_server() -> Iterator[AgentServer]:
-    """One contract-level agent peer for the session (state reset per test by ``agent``)."""
-    server = AgentServer().start()
-    yield server
-    server.stop()
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under this directory is privileged."""
+    here = pathlib.Path(__file__).parent
+    for item in items:
+        if pathlib.Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.privileged)
 
 
-@pytest.fixture
-def agent(agent_server: AgentServer) -> AgentServer:
-    agent_server.servicer.reset()
-    return agent_server
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Root and iproute2, or skip with the reason (fail in CI) before any fixture starts."""
+    skips.require_netns("network namespaces, veth pairs, a real cilia-agent")
 
 
 @pytest.fixture
@@ -33,35 +45,9 @@ def short_tmp() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def absent_socket(short_tmp: str) -> str:
-    path = os.path.join(short_tmp, "absent.sock")
-    assert not os.path.exists(path)
-    return path
-
-
-def _privileged_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth pairs, a real cilia-agent)"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (ip)"
-    return None
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests using the real agent are privileged; without root they skip with the reason
-    (CI runs them as root, where a skipped privileged test fails)."""
-    reason = _privileged_skip_reason()
-    for item in items:
-        if "real_agent" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.privileged)
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=reason))
-
-
 @pytest.fixture(scope="session")
 def real_agent_process() -> Iterator[RealAgent]:
-    """One real cilia-agent process for the session (see :class:`cni_testlib.RealAgent`)."""
+    """One real cilia-agent process for the session (see :class:`realagent.RealAgent`)."""
     agent = RealAgent()
     try:
         agent.start()
@@ -90,10 +76,6 @@ def netns() -> Iterator[Netns]:
     ns = Netns()
     yield ns
     ns.cleanup()
-
-
-#: Debian's reference plugins (containernetworking-plugins), for chaining tests.
-REFERENCE_PLUGINS = "/usr/lib/cni"
 
 
 @pytest.fixture

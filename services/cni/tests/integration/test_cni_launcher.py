@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from cni_testlib import EXEC_TIMEOUT_SECONDS, CniRun, assert_cni_error
 
-SOURCE = os.path.join(os.path.dirname(__file__), os.pardir, "launcher", "cilia-cni")
+SOURCE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "launcher", "cilia-cni")
 VERSION_ENV = {"CNI_COMMAND": "VERSION"}
 
 
