@@ -3,7 +3,7 @@
 Steps (each under a heading; any failure exits 1 after cleaning up):
   1. start the stack (``scripts/stack.sh up``; reused when already running);
   2. create ``--pods`` pods as netns ``cilia-demo-N`` by exec'ing ``.venv/bin/cilia-cni`` ADD
-     with the conflist the agent wrote (see ``scripts/cnirun.py``);
+     with the conflist the agent wrote (see ``cilia_testkit.cni``);
   3. ping pod↔pod and pod↔node;
   4. show ``cilia-agent endpoint list``;
   5. DEL every pod, show ``cilia-agent status`` and check the addresses were released;
@@ -23,9 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import cnirun
+from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
+from cilia_testkit.stack import (
+    SHARED_AGENT_SOCKET,
+    SHARED_CONFLIST,
+    SHARED_OPERATOR,
+    SHARED_RUN,
+    stack_sh,
+)
 
 DEFAULT_PODS = 3
 DEFAULT_PING_COUNT = 2
@@ -72,7 +77,7 @@ class Demo:
         self.pod_count = pods
         self.ping_count = ping_count
         self.up_timeout = up_timeout
-        self.pods: list[cnirun.Pod] = []
+        self.pods: list[cni.Pod] = []
         self.conflist: dict[str, Any] = {}
         self.step_no = 0
         self.started_stack = False
@@ -96,27 +101,27 @@ class Demo:
 
     def start_stack(self) -> None:
         self.heading("Start the stack (redis, cilia-operator, cilia-agent, cilia-relay)")
-        status = cnirun.stack("status", check=False)
+        status = stack_sh("status", check=False)
         if status.returncode == 0:
             print("  stack already running: reusing it")
         else:
-            cnirun.stack("down")
-            out = cnirun.stack("up", "--fresh", "--timeout", str(self.up_timeout), check=False)
+            stack_sh("down")
+            out = stack_sh("up", "--fresh", "--timeout", str(self.up_timeout), check=False)
             print(self.indent(out.stderr))
             if out.returncode != 0:
                 raise DemoError("scripts/stack.sh up failed (log tail above)")
             self.started_stack = True
-        self.conflist = cnirun.load_conflist()
-        self.ok(f"agent wrote {cnirun.CONFLIST.relative_to(cnirun.ROOT)}:")
+        self.conflist = cni.load_conflist(SHARED_CONFLIST)
+        self.ok(f"agent wrote {SHARED_CONFLIST.relative_to(ROOT)}:")
         print(self.indent(json.dumps(self.conflist, indent=2)))
 
     def create_pods(self) -> None:
         self.heading(f"Create {self.pod_count} pods through the real cilia-cni binary (CNI ADD)")
-        for stale in cnirun.list_netns("cilia-demo-"):
-            cnirun.delete_netns(stale)
+        for stale in netns.list_netns("cilia-demo-"):
+            netns.delete_netns(stale)
         for n in range(1, self.pod_count + 1):
             role = ROLES[n - 1] if n <= len(ROLES) else "other"
-            pod = cnirun.Pod(name=f"cilia-demo-{n}", namespace="demo", labels={"app": role})
+            pod = cni.Pod(name=f"cilia-demo-{n}", namespace="demo", labels={"app": role})
             pod.create_netns()
             self.pods.append(pod)
             outcome = pod.add(self.conflist)
@@ -126,9 +131,9 @@ class Demo:
                     self.indent(
                         f"CNI_COMMAND=ADD CNI_CONTAINERID={pod.container_id[:12]}… "
                         f"CNI_NETNS={pod.netns} CNI_IFNAME={pod.ifname} "
-                        f"CNI_PATH={cnirun.VENV_BIN}\n"
-                        f"CNI_ARGS={cnirun.cni_args(pod.namespace, pod.name, pod.container_id)}\n"
-                        f"stdin: {json.dumps(cnirun.plugin_netconf(self.conflist, labels=pod.labels))}"
+                        f"CNI_PATH={VENV_BIN}\n"
+                        f"CNI_ARGS={cni.cni_args(pod.namespace, pod.name, pod.container_id)}\n"
+                        f"stdin: {json.dumps(cni.plugin_netconf(self.conflist, labels=pod.labels))}"
                     )
                 )
             if outcome.returncode != 0:
@@ -142,16 +147,16 @@ class Demo:
             )
         print("  inside the first pod (ip -n cilia-demo-1 addr show eth0; ip route):")
         first = self.pods[0].name
-        print(self.indent(cnirun.sh("ip", "-n", first, "-br", "addr", "show", "eth0").stdout))
-        print(self.indent(cnirun.sh("ip", "-n", first, "route").stdout))
+        print(self.indent(host.sh("ip", "-n", first, "-br", "addr", "show", "eth0").stdout))
+        print(self.indent(host.sh("ip", "-n", first, "route").stdout))
 
     def connectivity(self) -> None:
         self.heading("Connectivity: pod <-> pod and pod <-> node")
         failures = 0
 
-        def check(label: str, netns: str, address: str) -> None:
+        def check(label: str, where: str, address: str) -> None:
             nonlocal failures
-            if cnirun.ping(netns, address, count=self.ping_count):
+            if netns.ping(where, address, count=self.ping_count):
                 self.ok(f"{label:<44} ping {address}")
             else:
                 failures += 1
@@ -169,7 +174,7 @@ class Demo:
 
     def endpoints(self) -> None:
         self.heading("Endpoints the agent holds (cilia-agent endpoint list)")
-        out = cnirun.agent_cli("endpoint", "list")
+        out = _agent_cli("endpoint", "list")
         print(self.indent(out.stdout or out.stderr))
         if out.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list exited {out.returncode}")
@@ -178,7 +183,7 @@ class Demo:
             raise DemoError(f"endpoint list does not show pods {missing}")
         self.ok(f"all {len(self.pods)} pods listed")
 
-    def connect(self, pod: cnirun.Pod, address: str) -> bool:
+    def connect(self, pod: cni.Pod, address: str) -> bool:
         """A real TCP connect from ``pod`` to ``address:8080`` that reads the greeting."""
         out = subprocess.run(
             [
@@ -225,12 +230,10 @@ class Demo:
                 if not self.connect(pod, backend.ip):
                     raise DemoError(f"{pod.name} cannot reach the backend before any policy")
                 self.ok(f"{pod.labels['app']:<8} -> backend:{BACKEND_PORT}  connected")
-            print(f"  cilia-operator apply -f {POLICY.relative_to(cnirun.ROOT)}:")
+            print(f"  cilia-operator apply -f {POLICY.relative_to(ROOT)}:")
             print(self.indent(POLICY.read_text()))
-            print(self.indent(cnirun.operator_cli("apply", "-f", str(POLICY)).stdout))
-            if not cnirun.wait_for(
-                lambda: not self.connect(other, backend.ip), POLICY_WAIT_SECONDS
-            ):
+            print(self.indent(_operator_cli("apply", "-f", str(POLICY)).stdout))
+            if not host.wait_for(lambda: not self.connect(other, backend.ip), POLICY_WAIT_SECONDS):
                 raise DemoError("the policy did not take effect: app=other still connects")
             self.ok(f"other    -> backend:{BACKEND_PORT}  refused by the datapath (dropped)")
             if not self.connect(frontend, backend.ip):
@@ -240,7 +243,7 @@ class Demo:
             server.kill()
             server.wait()
         argv = [
-            str(cnirun.VENV_BIN / "cilia-relay"),
+            str(VENV_BIN / "cilia-relay"),
             "observe",
             "--server",
             "127.0.0.1:4245",
@@ -265,18 +268,18 @@ class Demo:
             ]
             return bool(forwarded and dropped)
 
-        cnirun.wait_for(both_flows_seen, FLOWS_WAIT_SECONDS, interval=0.5)
+        host.wait_for(both_flows_seen, FLOWS_WAIT_SECONDS, interval=0.5)
         print(self.indent("\n".join(lines[-8:])))
         if not forwarded or not dropped:
             raise DemoError(
                 "cilia-relay observe did not show both the FORWARDED and the DROPPED flow"
             )
         self.ok("relay shows frontend FORWARDED and other DROPPED (Policy denied)")
-        cnirun.operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
+        _operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
 
     def delete_pods(self) -> None:
         self.heading("Delete the pods (CNI DEL) and check their addresses are released")
-        before = cnirun.agent_cli("status")
+        before = _agent_cli("status")
         print("  cilia-agent status before DEL:")
         print(self.indent(before.stdout or before.stderr))
         for pod in self.pods:
@@ -285,16 +288,16 @@ class Demo:
                 raise DemoError(f"DEL {pod.name} exited {outcome.returncode}: {outcome.stdout}")
             pod.destroy_netns()
             self.ok(f"DEL {pod.name:<14} released {pod.ip}  ({outcome.seconds * 1000:.0f} ms)")
-        after = cnirun.agent_cli("status")
+        after = _agent_cli("status")
         print("  cilia-agent status after DEL:")
         print(self.indent(after.stdout or after.stderr))
-        listed = cnirun.agent_cli("endpoint", "list", "-o", "json")
+        listed = _agent_cli("endpoint", "list", "-o", "json")
         if listed.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list -o json exited {listed.returncode}")
         still = [p.ip for p in self.pods if f'"{p.ip}' in listed.stdout]
         if still:
             raise DemoError(f"addresses still held after DEL: {still}")
-        leftovers = [p.name for p in self.pods if p.name in cnirun.list_netns("cilia-demo-")]
+        leftovers = [p.name for p in self.pods if p.name in netns.list_netns("cilia-demo-")]
         if leftovers:
             raise DemoError(f"netns left behind: {leftovers}")
         self.ok("no endpoint holds a demo address any more")
@@ -320,17 +323,39 @@ class Demo:
         if not self.started_stack:
             print("  the stack was running before the demo: left running (make down stops it)")
             return
-        out = cnirun.stack("down", check=False)
+        out = stack_sh("down", check=False)
         if out.stderr.strip():
             print(self.indent(out.stderr))
         self.ok("stack stopped")
 
 
+def _agent_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``cilia-agent ARGV --socket .run/cilia.sock``; never raises on the exit status."""
+    return subprocess.run(
+        [str(VENV_BIN / "cilia-agent"), *argv, "--socket", str(SHARED_AGENT_SOCKET)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def _operator_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``cilia-operator ARGV --server 127.0.0.1:4250``; never raises on the exit status."""
+    return subprocess.run(
+        [str(VENV_BIN / "cilia-operator"), *argv, "--server", SHARED_OPERATOR],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
 def _show_logs() -> None:
     for name in ("agent", "operator"):
-        path = cnirun.RUN / f"{name}.log"
+        path = SHARED_RUN / f"{name}.log"
         print(_c("33", f"  --- last lines of {path} ---"))
-        print(Demo.indent(cnirun.tail(path, 25)))
+        print(Demo.indent(host.tail(path, 25)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in steps:
             step()
-    except (DemoError, cnirun.CniRunError, OSError, ValueError, subprocess.SubprocessError) as exc:
+    except (DemoError, cni.CniRunError, OSError, ValueError, subprocess.SubprocessError) as exc:
         failed = str(exc)
         demo.bad(failed)
         _show_logs()

@@ -38,9 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import cnirun
 import pytest
-import traffic
+
+from cilia_testkit import VENV_BIN, cni, host, netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -102,7 +102,7 @@ class Proc:
             self.proc.wait(timeout=10)
 
     def tail(self) -> str:
-        return f"--- {self.name} ---\n{cnirun.tail(self.log, 25)}"
+        return f"--- {self.name} ---\n{host.tail(self.log, 25)}"
 
 
 @dataclass
@@ -135,7 +135,7 @@ class Agent:
         self.conflist_path.unlink(missing_ok=True)
         self.proc.start(
             [
-                str(cnirun.VENV_BIN / "cilia-agent"),
+                str(VENV_BIN / "cilia-agent"),
                 "serve",
                 "--ipam",
                 ipam,
@@ -166,20 +166,20 @@ class Agent:
 
     def wait_ready(self) -> None:
         """Wait until the conflist is written; fail with the log tail if not in time."""
-        ok = cnirun.wait_for(
+        ok = host.wait_for(
             lambda: self.conflist_path.exists() or not self.proc.running(), READY_SECONDS
         )
         if not ok or not self.proc.running():
             pytest.fail(f"agent {self.name} not ready:\n{self.proc.tail()}")
 
     def conflist(self) -> dict[str, Any]:
-        return cnirun.load_conflist(self.conflist_path)
+        return cni.load_conflist(self.conflist_path)
 
     def endpoints(self) -> dict[str, str]:
         """``pod name → IPv4`` of the agent's endpoints (``cilia-agent endpoint list``)."""
         out = subprocess.run(
             [
-                str(cnirun.VENV_BIN / "cilia-agent"),
+                str(VENV_BIN / "cilia-agent"),
                 "endpoint",
                 "list",
                 "-o",
@@ -203,13 +203,13 @@ class Agent:
     def remove_leftovers(self) -> None:
         shutil.rmtree(self.pin_dir, ignore_errors=True)
         if pathlib.Path(f"/sys/class/net/{self.device}").exists():
-            cnirun.sh("ip", "link", "del", self.device, check=False)
+            host.sh("ip", "link", "del", self.device, check=False)
 
 
 class PingStream:
     """``ping -i 0.2`` from pod ``src`` to ``address`` until :meth:`finish`."""
 
-    def __init__(self, src: cnirun.Pod, address: str) -> None:
+    def __init__(self, src: cni.Pod, address: str) -> None:
         self.label = f"{src.name} -> {address}"
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", src.name, "ping", "-n", "-i", PING_INTERVAL, address],
@@ -239,7 +239,7 @@ class Stack:
     def start_operator(self, *extra: str) -> None:
         self.operator.start(
             [
-                str(cnirun.VENV_BIN / "cilia-operator"),
+                str(VENV_BIN / "cilia-operator"),
                 "serve",
                 "--store",
                 self.redis_url,
@@ -252,7 +252,7 @@ class Stack:
                 *extra,
             ]
         )
-        ok = cnirun.wait_for(
+        ok = host.wait_for(
             lambda: self.ipam_status() is not None or not self.operator.running(), READY_SECONDS
         )
         if not ok or not self.operator.running():
@@ -260,7 +260,7 @@ class Stack:
 
     def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(cnirun.VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_addr],
+            [str(VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_addr],
             capture_output=True,
             text=True,
             timeout=30,
@@ -285,23 +285,24 @@ def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
     """Redis, then (by the test) the operator and two agents; all stopped at the end."""
     _require_root()
     tag = secrets.token_hex(3)
-    redis_port = traffic.free_port()
-    operator_addr = f"127.0.0.1:{traffic.free_port()}"
+    # unix sockets only: no TCP port to pick, nothing shared with another stack on this host
+    redis_socket = tmp_path / "redis.sock"
+    operator_addr = f"unix:{tmp_path / 'operator.sock'}"
     redis = Proc("redis", tmp_path / "redis.log")
     operator = Proc("operator", tmp_path / "operator.log")
     agents = [Agent(i, tmp_path, operator_addr, tag) for i in (1, 2)]
-    s = Stack(tmp_path, operator_addr, f"redis://127.0.0.1:{redis_port}/0", redis, operator, agents)
+    s = Stack(tmp_path, operator_addr, f"unix://{redis_socket}?db=0", redis, operator, agents)
     try:
-        for name in cnirun.list_netns(NETNS_PREFIX):  # pods of an earlier, killed run
-            cnirun.delete_netns(name)
+        for name in netns.list_netns(NETNS_PREFIX):  # pods of an earlier, killed run
+            netns.delete_netns(name)
         for a in agents:
             a.remove_leftovers()
         redis.start(
-            ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+            ["redis-server", "--port", "0", "--unixsocket", str(redis_socket), "--save", "",
              "--appendonly", "no", "--dir", str(tmp_path)]
         )  # fmt: skip
-        assert cnirun.wait_for(
-            lambda: cnirun.sh("redis-cli", "-p", str(redis_port), "ping", check=False).stdout
+        assert host.wait_for(
+            lambda: host.sh("redis-cli", "-s", str(redis_socket), "ping", check=False).stdout
             .strip() == "PONG",
             20,
         ), redis.tail()  # fmt: skip
@@ -319,35 +320,35 @@ def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
                 shutil.copy(proc.log, LOG_COPY / f"{proc.name}.log")
 
 
-def _pod(name: str) -> cnirun.Pod:
-    pod = cnirun.Pod(name=f"{NETNS_PREFIX}{os.getpid()}-{name}", namespace="mig")
+def _pod(name: str) -> cni.Pod:
+    pod = cni.Pod(name=f"{NETNS_PREFIX}{os.getpid()}-{name}", namespace="mig")
     pod.create_netns()
     return pod
 
 
 def _add_until_ready(
-    pod: cnirun.Pod, agent: Agent, annotations: dict[str, str]
-) -> list[cnirun.CniOutcome]:
+    pod: cni.Pod, agent: Agent, annotations: dict[str, str]
+) -> list[cni.CniOutcome]:
     """ADD with ``args.cni.annotations``, retried while the pool has no block here yet."""
-    conf = cnirun.plugin_netconf(agent.conflist())
+    conf = cni.plugin_netconf(agent.conflist())
     conf["args"] = {"cni": {"annotations": annotations}}
-    outcomes: list[cnirun.CniOutcome] = []
+    outcomes: list[cni.CniOutcome] = []
 
     def attempt() -> bool:
-        out = cnirun.invoke(
+        out = cni.invoke(
             "ADD",
             stdin=json.dumps(conf),
             container_id=pod.container_id,
             netns=pod.netns,
             ifname=pod.ifname,
-            args=cnirun.cni_args(pod.namespace, pod.name, pod.container_id),
+            args=cni.cni_args(pod.namespace, pod.name, pod.container_id),
         )
         outcomes.append(out)
         if out.returncode == 0:
             pod.result = out.json
         return out.returncode == 0
 
-    cnirun.wait_for(attempt, POOL_DELIVERY_SECONDS, interval=0.5)
+    host.wait_for(attempt, POOL_DELIVERY_SECONDS, interval=0.5)
     return outcomes
 
 
@@ -416,8 +417,8 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         # through the operator's ipcache stream).
         t0 = time.monotonic()
         for src, dst in (("a1", "b1"), ("b2", "a2")):
-            assert cnirun.wait_for(
-                lambda s=src, d=dst: cnirun.ping(pods[s].name, before[d], count=1), 20
+            assert host.wait_for(
+                lambda s=src, d=dst: netns.ping(pods[s].name, before[d], count=1), 20
             ), stack.logs()
         print(f"\ncross-node pings answered {time.monotonic() - t0:.1f} s after the ADDs")
         streams = [
@@ -436,7 +437,7 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
             "--auto-create-cilium-pod-ip-pools",
             f"blue=ipv4-cidrs:{BLUE_CIDR};ipv4-mask-size:28",  # used only after the switch
         )
-        assert cnirun.wait_for(lambda: _migrated(stack, cidr), MIGRATION_SECONDS), (
+        assert host.wait_for(lambda: _migrated(stack, cidr), MIGRATION_SECONDS), (
             json.dumps(stack.ipam_status(), indent=1) + stack.logs()
         )
         # 2. Agents switched one at a time; each restores its pods with their addresses.
@@ -454,7 +455,7 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
                 )
             )
             # A new flow (new ICMP id) crosses the restarted node too.
-            assert cnirun.ping(pods["a1"].name, before["b1"], count=3), stack.logs()
+            assert netns.ping(pods["a1"].name, before["b1"], count=3), stack.logs()
         # After the switch, concurrently: a pod on a1 gets a fresh address of the same node
         # CIDR; and, non-default pools being usable once every agent runs multi-pool, a pod
         # on a2 annotated for a new pool gets its address from it (ResolvePool, demand, a
@@ -472,7 +473,7 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         assert outcomes[-1].returncode == 0, [o.stdout for o in outcomes] + [stack.logs()]
         assert all(o.json.get("code") in (11, 101) for o in outcomes[:-1]), outcomes
         assert ipaddress.ip_address(blue.ip) in ipaddress.ip_network(BLUE_CIDR), blue.ip
-        assert cnirun.ping(blue.name, before["a1"], count=1), stack.logs()
+        assert netns.ping(blue.name, before["a1"], count=1), stack.logs()
         time.sleep(1.0)  # a few more pings of the streams after the last switch
     finally:
         results = [(s.label, *s.finish()[:2]) for s in streams]
