@@ -1,13 +1,16 @@
 """``make demo``: the standalone stack end to end, as a container runtime would drive it.
 
 Steps (each under a heading; any failure exits 1 after cleaning up):
-  1. start the stack (``scripts/stack.sh up``; reused when already running);
-  2. create ``--pods`` pods as netns ``cilia-demo-N`` by exec'ing ``.venv/bin/cilia-cni`` ADD
+  1. start the stack: a private :class:`cilia_testkit.stack.Stack` (own run dir, sockets,
+     pins, pool, ports the servers bind), stopped at the end; a ``make up`` stack already
+     running is reused and left up; with ``KEEP=1`` the ``make up`` stack (``scripts/stack.sh
+     up``) is started and left running;
+  2. create ``--pods`` pods as netns ``cilia-demo-<pid>-N`` by exec'ing ``.venv/bin/cilia-cni`` ADD
      with the conflist the agent wrote (see ``cilia_testkit.cni``);
   3. ping pod↔pod and pod↔node;
   4. show ``cilia-agent endpoint list``;
   5. DEL every pod, show ``cilia-agent status`` and check the addresses were released;
-  6. stop the stack unless ``KEEP=1`` (or ``--keep``) or it was running before the demo.
+  6. stop the stack it started, unless ``KEEP=1`` (or ``--keep``).
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from collections.abc import Callable
 from typing import Any
 
 from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
+from cilia_testkit.netns import NetnsRegistry
 from cilia_testkit.stack import (
     SHARED_AGENT_SOCKET,
     SHARED_CONFLIST,
     SHARED_OPERATOR,
+    SHARED_RELAY,
     SHARED_RUN,
+    Stack,
+    StackError,
     stack_sh,
 )
 
@@ -73,7 +80,8 @@ class DemoError(Exception):
 class Demo:
     """State of one demo run: the conflist, the pods, the step counter."""
 
-    def __init__(self, pods: int, ping_count: int, up_timeout: int) -> None:
+    def __init__(self, pods: int, ping_count: int, up_timeout: int, keep: bool) -> None:
+        self.keep = keep
         self.pod_count = pods
         self.ping_count = ping_count
         self.up_timeout = up_timeout
@@ -81,6 +89,14 @@ class Demo:
         self.conflist: dict[str, Any] = {}
         self.step_no = 0
         self.started_stack = False
+        self.private: Stack | None = None
+        self.registry = NetnsRegistry("cilia-demo-")
+        # where the stack answers: the ``make up`` stack's fixed addresses unless private
+        self.conflist_path = SHARED_CONFLIST
+        self.agent_socket = SHARED_AGENT_SOCKET
+        self.operator = SHARED_OPERATOR
+        self.relay = SHARED_RELAY
+        self.logs_dir = SHARED_RUN
 
     def heading(self, title: str) -> None:
         self.step_no += 1
@@ -103,26 +119,40 @@ class Demo:
         self.heading("Start the stack (redis, cilia-operator, cilia-agent, cilia-relay)")
         status = stack_sh("status", check=False)
         if status.returncode == 0:
-            print("  stack already running: reusing it")
-        else:
+            print("  `make up` stack already running: reusing it")
+        elif self.keep:
             stack_sh("down")
             out = stack_sh("up", "--fresh", "--timeout", str(self.up_timeout), check=False)
             print(self.indent(out.stderr))
             if out.returncode != 0:
                 raise DemoError("scripts/stack.sh up failed (log tail above)")
             self.started_stack = True
-        self.conflist = cni.load_conflist(SHARED_CONFLIST)
-        self.ok(f"agent wrote {SHARED_CONFLIST.relative_to(ROOT)}:")
+        else:
+            self.private = Stack("demo", ready_seconds=self.up_timeout)
+            try:
+                self.private.start()
+            except StackError as exc:
+                raise DemoError(f"the stack did not start: {exc}") from None
+            self.started_stack = True
+            self.conflist_path = self.private.agent.conflist_path
+            self.agent_socket = self.private.agent.socket
+            self.operator = self.private.operator_address
+            self.relay = self.private.relay_address
+            self.logs_dir = self.private.run_dir
+            print(self.indent(self.private.describe()))
+        self.conflist = cni.load_conflist(self.conflist_path)
+        shown = self.conflist_path
+        self.ok(f"agent wrote {shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown}:")
         print(self.indent(json.dumps(self.conflist, indent=2)))
 
     def create_pods(self) -> None:
         self.heading(f"Create {self.pod_count} pods through the real cilia-cni binary (CNI ADD)")
-        for stale in netns.list_netns("cilia-demo-"):
-            netns.delete_netns(stale)
+        self.registry.remove_stale()
         for n in range(1, self.pod_count + 1):
             role = ROLES[n - 1] if n <= len(ROLES) else "other"
-            pod = cni.Pod(name=f"cilia-demo-{n}", namespace="demo", labels={"app": role})
+            pod = cni.Pod(name=self.registry.name(), namespace="demo", labels={"app": role})
             pod.create_netns()
+            self.registry.adopt(pod.name)
             self.pods.append(pod)
             outcome = pod.add(self.conflist)
             if n == 1:
@@ -145,8 +175,8 @@ class Demo:
                 f"{pod.name:<14} ip {pod.ip:<15} host veth {host_if:<16} "
                 f"labels app={pod.labels['app']}  ({outcome.seconds * 1000:.0f} ms)"
             )
-        print("  inside the first pod (ip -n cilia-demo-1 addr show eth0; ip route):")
         first = self.pods[0].name
+        print(f"  inside the first pod (ip -n {first} addr show eth0; ip route):")
         print(self.indent(host.sh("ip", "-n", first, "-br", "addr", "show", "eth0").stdout))
         print(self.indent(host.sh("ip", "-n", first, "route").stdout))
 
@@ -174,7 +204,7 @@ class Demo:
 
     def endpoints(self) -> None:
         self.heading("Endpoints the agent holds (cilia-agent endpoint list)")
-        out = _agent_cli("endpoint", "list")
+        out = self.agent_cli("endpoint", "list")
         print(self.indent(out.stdout or out.stderr))
         if out.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list exited {out.returncode}")
@@ -232,7 +262,7 @@ class Demo:
                 self.ok(f"{pod.labels['app']:<8} -> backend:{BACKEND_PORT}  connected")
             print(f"  cilia-operator apply -f {POLICY.relative_to(ROOT)}:")
             print(self.indent(POLICY.read_text()))
-            print(self.indent(_operator_cli("apply", "-f", str(POLICY)).stdout))
+            print(self.indent(self.operator_cli("apply", "-f", str(POLICY)).stdout))
             if not host.wait_for(lambda: not self.connect(other, backend.ip), POLICY_WAIT_SECONDS):
                 raise DemoError("the policy did not take effect: app=other still connects")
             self.ok(f"other    -> backend:{BACKEND_PORT}  refused by the datapath (dropped)")
@@ -246,7 +276,7 @@ class Demo:
             str(VENV_BIN / "cilia-relay"),
             "observe",
             "--server",
-            "127.0.0.1:4245",
+            self.relay,
             "--to-pod",
             f"demo/{backend.name}",
             "--last",
@@ -275,11 +305,11 @@ class Demo:
                 "cilia-relay observe did not show both the FORWARDED and the DROPPED flow"
             )
         self.ok("relay shows frontend FORWARDED and other DROPPED (Policy denied)")
-        _operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
+        self.operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
 
     def delete_pods(self) -> None:
         self.heading("Delete the pods (CNI DEL) and check their addresses are released")
-        before = _agent_cli("status")
+        before = self.agent_cli("status")
         print("  cilia-agent status before DEL:")
         print(self.indent(before.stdout or before.stderr))
         for pod in self.pods:
@@ -288,20 +318,48 @@ class Demo:
                 raise DemoError(f"DEL {pod.name} exited {outcome.returncode}: {outcome.stdout}")
             pod.destroy_netns()
             self.ok(f"DEL {pod.name:<14} released {pod.ip}  ({outcome.seconds * 1000:.0f} ms)")
-        after = _agent_cli("status")
+        after = self.agent_cli("status")
         print("  cilia-agent status after DEL:")
         print(self.indent(after.stdout or after.stderr))
-        listed = _agent_cli("endpoint", "list", "-o", "json")
+        listed = self.agent_cli("endpoint", "list", "-o", "json")
         if listed.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list -o json exited {listed.returncode}")
         still = [p.ip for p in self.pods if f'"{p.ip}' in listed.stdout]
         if still:
             raise DemoError(f"addresses still held after DEL: {still}")
-        leftovers = [p.name for p in self.pods if p.name in netns.list_netns("cilia-demo-")]
+        leftovers = [p.name for p in self.pods if p.name in netns.list_netns(self.registry.prefix)]
         if leftovers:
             raise DemoError(f"netns left behind: {leftovers}")
         self.ok("no endpoint holds a demo address any more")
         self.pods = []
+
+    # -- the stack's clients and logs ---------------------------------------------------------
+
+    def agent_cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        """``cilia-agent ARGV --socket <the agent's socket>``; never raises on exit status."""
+        return subprocess.run(
+            [str(VENV_BIN / "cilia-agent"), *argv, "--socket", str(self.agent_socket)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def operator_cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        """``cilia-operator ARGV --server <the operator>``; never raises on exit status."""
+        return subprocess.run(
+            [str(VENV_BIN / "cilia-operator"), *argv, "--server", self.operator],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def show_logs(self) -> None:
+        for name in ("agent", "operator"):
+            path = self.logs_dir / f"{name}.log"
+            print(_c("33", f"  --- last lines of {path} ---"))
+            print(self.indent(host.tail(path, 25)))
 
     # -- cleanup ---------------------------------------------------------------------------
 
@@ -315,9 +373,14 @@ class Demo:
             pod.destroy_netns()
         self.pods = []
 
-    def teardown(self, keep: bool) -> None:
+    def teardown(self) -> None:
         self.heading("Tear down")
-        if keep:
+        self.registry.cleanup()
+        if self.private is not None:
+            self.private.stop()
+            self.ok("stack stopped")
+            return
+        if self.keep:
             print("  KEEP=1: the stack keeps running (scripts/stack.sh status | make down)")
             return
         if not self.started_stack:
@@ -327,35 +390,6 @@ class Demo:
         if out.stderr.strip():
             print(self.indent(out.stderr))
         self.ok("stack stopped")
-
-
-def _agent_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """``cilia-agent ARGV --socket .run/cilia.sock``; never raises on the exit status."""
-    return subprocess.run(
-        [str(VENV_BIN / "cilia-agent"), *argv, "--socket", str(SHARED_AGENT_SOCKET)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-
-
-def _operator_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """``cilia-operator ARGV --server 127.0.0.1:4250``; never raises on the exit status."""
-    return subprocess.run(
-        [str(VENV_BIN / "cilia-operator"), *argv, "--server", SHARED_OPERATOR],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-
-
-def _show_logs() -> None:
-    for name in ("agent", "operator"):
-        path = SHARED_RUN / f"{name}.log"
-        print(_c("33", f"  --- last lines of {path} ---"))
-        print(Demo.indent(host.tail(path, 25)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("make demo needs root (network namespaces, veth, iptables)", file=sys.stderr)
         return 1
-    demo = Demo(args.pods, args.ping_count, args.up_timeout)
+    demo = Demo(args.pods, args.ping_count, args.up_timeout, args.keep)
     started = time.monotonic()
     steps: list[Callable[[], None]] = [
         demo.start_stack,
@@ -410,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DemoError, cni.CniRunError, OSError, ValueError, subprocess.SubprocessError) as exc:
         failed = str(exc)
         demo.bad(failed)
-        _show_logs()
+        demo.show_logs()
         demo.cleanup_pods()
     finally:
-        demo.teardown(args.keep)
+        demo.teardown()
     elapsed = time.monotonic() - started
     print()
     if failed:

@@ -43,7 +43,8 @@ import pytest
 from support import POD_CIDR, NodeState, current_stack, dump_logs, node_state, router_ip
 
 from cilia_testkit import cni, host, netns
-from cilia_testkit.stack import StackError
+from cilia_testkit.netns import NetnsRegistry
+from cilia_testkit.stack import Stack, StackError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -80,18 +81,18 @@ KILL_GRACE_SECONDS = 90.0
 _names = itertools.count(1)
 
 
-def _netns_name(tag: str) -> str:
-    return f"cilia-e2e-{os.getpid()}-{tag}{next(_names)}"
+def _netns_name(registry: NetnsRegistry, tag: str) -> str:
+    return registry.name(f"{tag}{next(_names)}")
 
 
 @pytest.fixture
-def netns_pool(stack: None) -> Iterator[Callable[[str], str]]:
+def netns_pool(stack: Stack, pods_registry: NetnsRegistry) -> Iterator[Callable[[str], str]]:
     """Factory of fresh netns names (created); every one is deleted at teardown."""
     made: list[str] = []
     lock = threading.Lock()
 
     def make(tag: str) -> str:
-        name = _netns_name(tag)
+        name = _netns_name(pods_registry, tag)
         netns.create_netns(name)
         with lock:
             made.append(name)

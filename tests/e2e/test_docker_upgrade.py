@@ -3,9 +3,9 @@
 The agent runs as a container (privileged — see :func:`_privilege_flags` — host network, the
 host's /sys/fs/bpf, /run/netns, /lib/modules, /usr/src bind-mounted, and its run directory —
 what /var/run/cilia is in production — bound at the same path so the conflist's socket path is
-valid on the host). The test starts its own redis-server and cilia-operator on free ports
-(the fixed-port stack of the team brief is shared by other e2e runs on a developer machine)
-and gives the agent private names: node ``upg-<tag>``, host device ``cilia_u<tag>``, bpffs pin
+valid on the host). The test starts its own redis-server and cilia-operator through
+:class:`cilia_testkit.stack.Stack` (redis on a unix socket, the operator on a port it binds
+itself; nothing shared with the e2e session's stack or a ``make up`` one) and gives the agent private names: node ``upg-<tag>``, host device ``cilia_u<tag>``, bpffs pin
 dir ``/sys/fs/bpf/cilia-upg-<tag>``, pool ``10.231.<n>.0/24``, no metrics/Hubble TCP ports.
 Two pods are plumbed by the real ``cilia-cni`` on the host talking to the containerised
 agent's socket, and exchange a continuous UDP request/echo stream (one datagram every 10 ms,
@@ -34,13 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from cilia_testkit import ROOT, VENV_BIN, cni, netns
 from cilia_testkit.host import wait_for
-from cilia_testkit.stack import read_listeners
+from cilia_testkit.stack import Stack
 
 pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
 
@@ -197,17 +197,9 @@ class Host:
     tag: str
     dir: pathlib.Path
     images: dict[str, str]
-    #: ``127.0.0.1:PORT`` the operator bound (``--listen 127.0.0.1:0``, read from its log)
+    #: the test kit stack's operator (``127.0.0.1:PORT`` it bound) and redis (unix socket)
     operator_address: str = ""
-    procs: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
-
-    @property
-    def redis_socket(self) -> pathlib.Path:
-        return self.dir / "redis.sock"
-
-    @property
-    def redis_url(self) -> str:
-        return f"unix://{self.redis_socket}?db=0"
+    redis_url: str = ""
 
     @property
     def container(self) -> str:
@@ -281,15 +273,6 @@ class Host:
         )  # fmt: skip
 
 
-def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    def check() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
-        return ready()
-
-    return wait_for(check, timeout, interval=0.1)
-
-
 @pytest.fixture
 def containerised_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     """Own redis + operator, the agent as a container from image A."""
@@ -301,27 +284,13 @@ def containerised_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hos
         images=_build_images(),
     )
     pool = f"10.231.{secrets.randbelow(250) + 1}.0/24"
-    log = open(host.dir / "control-plane.log", "wb")  # noqa: SIM115
+    # redis (unix socket) + operator (port 0, read back) of the test kit; no agent process:
+    # the agent runs as a container.
+    control_plane = Stack("upg", pool_cidr=pool, mask_size=26, agents=0, relay=False)
     try:
-        host.procs.append(subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", str(host.redis_socket),
-             "--save", "", "--dir", str(host.dir)],
-            stdout=log, stderr=log,
-        ))  # fmt: skip
-        assert _wait(host.redis_socket.exists, host.procs[-1], 20), "redis-server did not start"
-        host.procs.append(subprocess.Popen(
-            [str(VENV_BIN / "cilia-operator"), "serve",
-             "--store", host.redis_url,
-             "--listen", "127.0.0.1:0",
-             "--prometheus-serve-addr", "127.0.0.1:0",
-             "--auto-create-cilium-pod-ip-pools", f"default=ipv4-cidrs:{pool};ipv4-mask-size:26",
-             "--ipam-default-ip-pool", "default", "--log-level", "info"],
-            stdout=log, stderr=log,
-        ))  # fmt: skip
-        assert _wait(
-            lambda: "grpc" in read_listeners(host.dir / "control-plane.log"), host.procs[-1], 60
-        ), "cilia-operator did not start"
-        host.operator_address = read_listeners(host.dir / "control-plane.log")["grpc"]
+        control_plane.start()
+        host.operator_address = control_plane.operator_address
+        host.redis_url = control_plane.redis_url
         _ensure_bpffs()
         netns.create_netns(f"{NETNS_PREFIX}{tag}-keep")  # /run/netns shared before binding
         host.run_agent(IMAGES["A"][0])
@@ -334,14 +303,7 @@ def containerised_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hos
         _docker("rm", "-f", host.container, f"{host.container}-previous", check=False)
         for name in netns.list_netns(f"{NETNS_PREFIX}{tag}"):
             netns.delete_netns(name)
-        for proc in reversed(host.procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        control_plane.stop()
         subprocess.run(["ip", "link", "del", host.host_device], capture_output=True, check=False)
         shutil.rmtree(host.pin_dir, ignore_errors=True)
         shutil.rmtree(host.dir, ignore_errors=True)

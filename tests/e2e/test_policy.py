@@ -24,6 +24,7 @@ import traffic
 from support import current_stack, dump_logs, endpoints
 
 from cilia_testkit import cni, host
+from cilia_testkit.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -55,8 +56,8 @@ class Pods:
 
 
 @pytest.fixture(scope="module")
-def pods(stack: None) -> Iterator[Pods]:
-    conflist = current_stack().agent.conflist()
+def pods(stack: Stack) -> Iterator[Pods]:
+    conflist = stack.agent.conflist()
     made: dict[str, cni.Pod] = {}
     servers: list[subprocess.Popen[str]] = []
     try:

@@ -346,13 +346,13 @@ class Agent:
         Raises:
             StackError: it exited or was not ready in time (log tail in the message).
         """
-        if extra:
-            self.extra_args = extra
-        self.launch()
+        self.launch(*extra)
         self.wait_ready(timeout)
 
-    def launch(self) -> None:
-        """Start without waiting (see :meth:`wait_ready`)."""
+    def launch(self, *extra: str) -> None:
+        """Start without waiting (see :meth:`wait_ready`); ``extra`` as for :meth:`start`."""
+        if extra:
+            self.extra_args = extra
         for d in (self.state_dir, self.conf_dir, self.del_queue_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.conflist_path.unlink(missing_ok=True)
@@ -432,6 +432,8 @@ class Stack:
             removed by :meth:`stop` unless ``keep_run_dir``).
         pool_cidr: the operator's ``default`` pool (default ``10.<210+slot>.0.0/16``).
         mask_size: per-node block size of that pool.
+        auto_pool: pass that pool as ``--auto-create-cilium-pod-ip-pools`` (False: the
+            operator flags, e.g. ``--ipam cluster-pool``, come from the caller only).
         agents: how many agents (0 = operator only).
         relay: start cilia-relay, peering with agent 0's Hubble socket.
         hubble_tcp: give each agent a Hubble TCP server (the relay needs it to reach peers).
@@ -449,6 +451,7 @@ class Stack:
         run_dir: pathlib.Path | None = None,
         pool_cidr: str | None = None,
         mask_size: int = 24,
+        auto_pool: bool = True,
         agents: int = 1,
         relay: bool = True,
         hubble_tcp: bool = True,
@@ -461,6 +464,7 @@ class Stack:
         self._given_run_dir = run_dir
         self._pool_cidr = pool_cidr
         self.mask_size = mask_size
+        self.auto_pool = auto_pool
         self.agent_count = agents
         self.with_relay = relay
         self.hubble_tcp = hubble_tcp
@@ -524,12 +528,16 @@ class Stack:
     ) -> None:
         self.stop()
 
-    def start(self) -> Self:
-        """Take a slot, make the run dir, start every component in order and wait for each.
+    def prepare(self) -> Self:
+        """Take a slot, make the run dir, name the agents and remove their leftovers (pins,
+        devices of a killed earlier stack of this slot); starts nothing. :meth:`start` calls
+        it; call it yourself to start components one by one (``start_redis`` …).
 
         Raises:
-            StackError: a component failed (everything started so far is stopped).
+            StackError: no free slot.
         """
+        if self.slot >= 0:
+            return self
         self.slot = self._exit.enter_context(_slot())
         if self._given_run_dir is None:
             self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"cilia-{self.name}-"))
@@ -539,9 +547,18 @@ class Stack:
         for proc in (self.redis, self.operator, self.relay):
             proc.log = self.run_dir / f"{proc.name}.log"
         self.agents = [Agent(self, i) for i in range(self.agent_count)]
+        for agent in self.agents:
+            agent.remove_leftovers()
+        return self
+
+    def start(self) -> Self:
+        """:meth:`prepare`, then start every component in order and wait for each.
+
+        Raises:
+            StackError: a component failed (everything started so far is stopped).
+        """
+        self.prepare()
         try:
-            for agent in self.agents:
-                agent.remove_leftovers()
             self.start_redis()
             self.start_operator()
             for agent in self.agents:
@@ -613,10 +630,7 @@ class Stack:
                 listen,
                 "--prometheus-serve-addr",
                 metrics,
-                "--auto-create-cilium-pod-ip-pools",
-                f"default=ipv4-cidrs:{self.pool_cidr};ipv4-mask-size:{self.mask_size}",
-                "--ipam-default-ip-pool",
-                "default",
+                *self._pool_flags(),
                 "--log-level",
                 "info",
                 *self.operator_args,
@@ -628,6 +642,16 @@ class Stack:
         )
         found = self.operator.listeners()
         self.operator_address, self.operator_metrics = found["grpc"], found["metrics"]
+
+    def _pool_flags(self) -> list[str]:
+        if not self.auto_pool:
+            return []
+        return [
+            "--auto-create-cilium-pod-ip-pools",
+            f"default=ipv4-cidrs:{self.pool_cidr};ipv4-mask-size:{self.mask_size}",
+            "--ipam-default-ip-pool",
+            "default",
+        ]
 
     def start_relay(self) -> None:
         """Start cilia-relay peering with agent 0's Hubble socket; ready once it logged its
@@ -737,6 +761,7 @@ class Stack:
         if self._given_run_dir is None and not self.keep_run_dir and self.run_dir.parts:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self._exit.close()
+        self.slot = -1
         self.started = False
 
     # -- clients --------------------------------------------------------------------------
