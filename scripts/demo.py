@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
+from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.netns import NetnsRegistry
 from cilia_testkit.stack import (
     SHARED_AGENT_SOCKET,
@@ -97,6 +98,7 @@ class Demo:
         self.operator = SHARED_OPERATOR
         self.relay = SHARED_RELAY
         self.logs_dir = SHARED_RUN
+        self.pin_dir = DEFAULT_PIN_DIR
 
     def heading(self, title: str) -> None:
         self.step_no += 1
@@ -139,6 +141,7 @@ class Demo:
             self.operator = self.private.operator_address
             self.relay = self.private.relay_address
             self.logs_dir = self.private.run_dir
+            self.pin_dir = self.private.agent.pin_dir
             print(self.indent(self.private.describe()))
         self.conflist = cni.load_conflist(self.conflist_path)
         shown = self.conflist_path
@@ -204,7 +207,7 @@ class Demo:
 
     def endpoints(self) -> None:
         self.heading("Endpoints the agent holds (cilia-agent endpoint list)")
-        out = self.agent_cli("endpoint", "list")
+        out = self.agent_cli("endpoint", "list", "--bpf-pin-dir", str(self.pin_dir))
         print(self.indent(out.stdout or out.stderr))
         if out.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list exited {out.returncode}")
@@ -321,7 +324,9 @@ class Demo:
         after = self.agent_cli("status")
         print("  cilia-agent status after DEL:")
         print(self.indent(after.stdout or after.stderr))
-        listed = self.agent_cli("endpoint", "list", "-o", "json")
+        listed = self.agent_cli(
+            "endpoint", "list", "-o", "json", "--bpf-pin-dir", str(self.pin_dir)
+        )
         if listed.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list -o json exited {listed.returncode}")
         still = [p.ip for p in self.pods if f'"{p.ip}' in listed.stdout]

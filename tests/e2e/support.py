@@ -52,8 +52,9 @@ def dump_logs() -> str:
 
 
 def endpoint_list() -> str:
-    """``cilia-agent endpoint list -o json`` output (asserts exit 0)."""
-    out = current_stack().agent_cli("endpoint", "list", "-o", "json")
+    """``cilia-agent endpoint list -o json`` output of the stack's agent, with its pin dir
+    (asserts exit 0)."""
+    out = current_stack().agent.endpoint_list("-o", "json")
     assert out.returncode == 0, f"endpoint list exited {out.returncode}: {out.stderr}"
     return out.stdout
 

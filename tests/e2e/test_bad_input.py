@@ -95,6 +95,4 @@ def test_add_with_agent_down_returns_code_11_and_leaves_nothing_behind(
         assert pod.host_veth not in host.host_lxc_links()
         assert _pod_has_no_interface(pod)
     assert _snapshot(pod) == before
-    assert (
-        pod.container_id not in current_stack().agent_cli("endpoint", "list", "-o", "json").stdout
-    )
+    assert pod.container_id not in current_stack().agent.endpoint_list("-o", "json").stdout

@@ -202,8 +202,11 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
         assert ep.get("chained") is True, ep
         assert ep["ipv4"] == pod.ip and ep["host_ifname"] == host_veths[role], ep
         ifindex = host.link_ifindex(host_veths[role])
-        assert bpfmaps.bpf_endpoints().get(ifindex, {}).get("ipv4") == pod.ip
-        assert f"{pod.ip}/32" in bpfmaps.bpf_ipcache()
+        assert (
+            bpfmaps.bpf_endpoints(current_stack().agent.pin_dir).get(ifindex, {}).get("ipv4")
+            == pod.ip
+        )
+        assert f"{pod.ip}/32" in bpfmaps.bpf_ipcache(current_stack().agent.pin_dir)
     assert node_state().used == before.used, "a chained pod took an address from Cilia's pool"
 
     servers = [traffic.start_servers(chained["backend"], (ALLOWED, OTHER_PORT))]
@@ -234,7 +237,9 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
     assert after.state_files == before.state_files
     assert not set(host_veths.values()) & set(host.sh("ip", "-o", "link").stdout.split())
     assert not ifindexes & set(after.bpf_endpoints), after.bpf_endpoints
-    assert not {f"{ip}/32" for ip in ips} & set(after.ipcache_pods | bpfmaps.bpf_ipcache())
+    assert not {f"{ip}/32" for ip in ips} & set(
+        after.ipcache_pods | bpfmaps.bpf_ipcache(current_stack().agent.pin_dir)
+    )
     for ip in ips:
         assert not host.sh("ip", "route", "show", f"{ip}/32").stdout.strip(), f"route to {ip}"
     leases = tmp_path / "ipam" / NS

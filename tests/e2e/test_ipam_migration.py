@@ -70,7 +70,7 @@ def _require_root() -> None:
 
 def _endpoints(agent: Agent) -> dict[str, str]:
     """``pod name → IPv4`` of ``agent``'s endpoints (``cilia-agent endpoint list``)."""
-    out = agent.cli("endpoint", "list", "-o", "json", "--bpf-pin-dir", str(agent.pin_dir))
+    out = agent.endpoint_list("-o", "json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout or "[]")
     if isinstance(data, dict):

@@ -123,10 +123,18 @@ def connect(
 
 
 def apply(*documents: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
-    """``cilia-operator apply -f -`` with ``documents`` as one multi-document stream."""
+    """``cilia-operator apply -f - --server <the session stack's operator>`` with
+    ``documents`` as one multi-document stream."""
     text = "\n---\n".join(json.dumps(doc) for doc in documents) + "\n"
     return subprocess.run(
-        [str(VENV_BIN / "cilia-operator"), "apply", "-f", "-"],
+        [
+            str(VENV_BIN / "cilia-operator"),
+            "apply",
+            "-f",
+            "-",
+            "--server",
+            current_stack().operator_address,
+        ],
         input=text,
         capture_output=True,
         text=True,

@@ -14,11 +14,12 @@ from typing import Any
 
 from cilia_testkit.host import sh
 
-#: The agent's default ``--bpf-pin-dir`` (the ``scripts/stack.sh`` stack uses it).
+#: The agent's default ``--bpf-pin-dir`` (the ``scripts/stack.sh`` stack uses it). Every
+#: function here takes the pin dir explicitly: each test kit Stack's agent has its own.
 DEFAULT_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
 
 
-def bpf_map_dump(name: str, pin_dir: pathlib.Path = DEFAULT_PIN_DIR) -> list[tuple[bytes, bytes]]:
+def bpf_map_dump(name: str, pin_dir: pathlib.Path) -> list[tuple[bytes, bytes]]:
     """Raw ``(key, value)`` bytes of the map pinned at ``pin_dir/name``.
 
     Raises:
@@ -40,7 +41,7 @@ def bpf_map_dump(name: str, pin_dir: pathlib.Path = DEFAULT_PIN_DIR) -> list[tup
     return [(raw(e["key"]), raw(e["value"])) for e in entries if "key" in e and "value" in e]
 
 
-def bpf_endpoints(pin_dir: pathlib.Path = DEFAULT_PIN_DIR) -> dict[int, dict[str, Any]]:
+def bpf_endpoints(pin_dir: pathlib.Path) -> dict[int, dict[str, Any]]:
     """The datapath's endpoint map: host veth ifindex → ``{ep_id, identity, ipv4}``.
 
     Layout ``struct endpoint_info``: u32 ep_id, u32 sec_identity, be32 ipv4,
@@ -56,7 +57,7 @@ def bpf_endpoints(pin_dir: pathlib.Path = DEFAULT_PIN_DIR) -> dict[int, dict[str
     return out
 
 
-def bpf_ipcache(pin_dir: pathlib.Path = DEFAULT_PIN_DIR) -> dict[str, int]:
+def bpf_ipcache(pin_dir: pathlib.Path) -> dict[str, int]:
     """The datapath's ipcache: ``"a.b.c.d/len"`` → security identity.
 
     Layout ``struct ipcache_key`` u32 prefixlen (host order), be32 ip;

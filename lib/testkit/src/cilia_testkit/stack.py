@@ -400,6 +400,13 @@ class Agent:
             check=False,
         )
 
+    def endpoint_list(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """``cilia-agent endpoint list ARGV`` with this agent's socket and ``--bpf-pin-dir``
+        (the enforcement columns come from its pinned maps); never raises on exit status."""
+        return self.cli(
+            "endpoint", "list", *argv, "--bpf-pin-dir", str(self.pin_dir), timeout=timeout
+        )
+
     def state_files(self, kind: str = "endpoints") -> list[pathlib.Path]:
         """Files under ``state_dir/kind`` (``[]`` when absent), sorted."""
         directory = self.state_dir / kind
