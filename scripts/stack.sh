@@ -5,7 +5,7 @@
 #   scripts/stack.sh up     [--fresh] [--timeout S] [COMPONENT...]   start (idempotent), wait until ready
 #   scripts/stack.sh down   [--stop-timeout S] [COMPONENT...]        stop (idempotent)
 #   scripts/stack.sh status                                          what runs, is the agent ready
-#   scripts/stack.sh purge                                           down, delete demo/e2e/bench netns, rm .run
+#   scripts/stack.sh purge                                           down, delete demo/e2e/bench/test-kit netns, rm .run
 #
 # COMPONENT: redis operator agent relay (default: all; started in that order, stopped in reverse).
 #
@@ -287,7 +287,7 @@ case $cmd in
   status) status ;;
   purge)
     for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do stop_one "${COMPONENTS[i]}"; done
-    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^cilia-(demo|e2e|bench)-' || true); do
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^cilia-(demo|e2e|bench|tk|ipmig)-' || true); do
       ip netns delete "$ns" && say "deleted netns $ns"
     done
     rm -rf "$RUN"
