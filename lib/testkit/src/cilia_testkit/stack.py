@@ -20,8 +20,11 @@ A :class:`Stack` owns everything it starts, so two stacks run side by side on on
   as ``<node IP>:<configured port>``, so port 0 cannot work before it advertises the bound
   one) on a port of the stack's slot.
 
-The slot (0..:data:`SLOTS`-1) is an ``flock``-held file under :data:`SLOT_DIR`; it only
-numbers what must be unique per host (device names, pin dirs, pool CIDR, the interim ports).
+The slot (0..:data:`SLOTS`-1) is an ``flock``-held file under :data:`SLOT_DIR` (released by
+the kernel when the holder dies); it numbers what must be unique per host (device names, pin
+dirs, pool CIDR, the interim ports). Each started process is recorded per slot, so the next
+holder of a slot kills what a killed test run left behind (:func:`_kill_orphans`) before it
+removes that slot's pins and devices.
 
 What two stacks still share on one host: the iptables chain ``CILIA_FORWARD`` and its jump
 from FORWARD (each agent installs the same two ``lxc+`` rules and repairs them; neither
@@ -251,6 +254,43 @@ def _slot() -> Iterator[int]:
     raise StackError(f"all {SLOTS} stack slots under {SLOT_DIR} are in use")
 
 
+def _kill_orphans(slot: int) -> list[int]:
+    """SIGKILL what an earlier holder of ``slot`` started and left running (its test process
+    was killed before :meth:`Stack.stop`); returns their pids.
+
+    The slot's record holds ``<pid> <run dir>`` lines; a pid counts only while its
+    ``/proc/PID/cmdline`` still names that run dir (pid reuse). The record is then emptied
+    and the earlier run dir removed when it is a temporary one of the kit.
+    """
+    record = SLOT_DIR / f"{slot}.pids"
+    killed: list[int] = []
+    try:
+        lines = record.read_text().splitlines()
+    except FileNotFoundError:
+        return killed
+    stale_dirs = set()
+    for line in lines:
+        pid_text, _, run_dir = line.partition(" ")
+        if not pid_text.isdigit() or not run_dir:
+            continue
+        stale_dirs.add(run_dir)
+        try:
+            cmdline = pathlib.Path(f"/proc/{pid_text}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if run_dir.encode() in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_text), signal.SIGKILL)
+            wait_for(lambda p=int(pid_text): _exited(p), 10, interval=0.05)
+            killed.append(int(pid_text))
+    record.write_text("")
+    for run_dir in stale_dirs:
+        path = pathlib.Path(run_dir)
+        if path.parent == pathlib.Path(tempfile.gettempdir()) and path.name.startswith("cilia-"):
+            shutil.rmtree(path, ignore_errors=True)
+    return killed
+
+
 def _listen_spec(
     component: str, listener: str, slot: int, unix_path: pathlib.Path, index: int = 0
 ) -> str:
@@ -357,6 +397,7 @@ class Agent:
             d.mkdir(parents=True, exist_ok=True)
         self.conflist_path.unlink(missing_ok=True)
         self.process.start(self.argv(*self.extra_args))
+        self.stack.record(self.process)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the conflist is written.
@@ -554,9 +595,16 @@ class Stack:
         for proc in (self.redis, self.operator, self.relay):
             proc.log = self.run_dir / f"{proc.name}.log"
         self.agents = [Agent(self, i) for i in range(self.agent_count)]
+        _kill_orphans(self.slot)
         for agent in self.agents:
             agent.remove_leftovers()
         return self
+
+    def record(self, process: Process) -> None:
+        """Note a started process in the slot's record (:func:`_kill_orphans` reads it)."""
+        if process.pid is not None and self.slot >= 0:
+            with (SLOT_DIR / f"{self.slot}.pids").open("a") as f:
+                f.write(f"{process.pid} {self.run_dir}\n")
 
     def start(self) -> Self:
         """:meth:`prepare`, then start every component in order and wait for each.
@@ -605,6 +653,7 @@ class Stack:
                 "no",
             ]
         )
+        self.record(self.redis)
         self.redis.wait_ready(
             lambda: (
                 self.redis_socket.exists()
@@ -644,6 +693,7 @@ class Stack:
                 *extra,
             ]
         )
+        self.record(self.operator)
         self.operator.wait_ready(
             lambda: {"grpc", "metrics"} <= self.operator.listeners().keys(), self.ready_seconds
         )
@@ -683,6 +733,7 @@ class Stack:
                 "info",
             ]
         )
+        self.record(self.relay)
         wanted = {"observer", "health"} - {listener for (c, listener) in ANNOUNCED if c == "relay"}
 
         def ready() -> bool:
