@@ -818,6 +818,8 @@ class Stack:
             agent.remove_leftovers()
         if self._given_run_dir is None and not self.keep_run_dir and self.run_dir.parts:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.slot >= 0:
+            (SLOT_DIR / f"{self.slot}.pids").write_text("")  # all stopped: nothing to reap
         self._exit.close()
         self.slot = -1
         self.started = False
