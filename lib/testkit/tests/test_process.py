@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cilia_testkit.host import wait_for
 from cilia_testkit.stack import SLOT_DIR, Process, StackError, _kill_orphans, _slot
 
 
@@ -75,3 +76,25 @@ def test_a_new_holder_of_a_slot_kills_what_a_killed_holder_left_running(
         for proc in (orphan, unrelated):
             proc.kill()
             proc.wait()
+
+
+def test_a_process_started_elsewhere_is_found_and_stopped_through_its_pidfile(
+    tmp_path: pathlib.Path,
+) -> None:
+    pidfile = tmp_path / "sleeper.pid"
+    first = Process("sleeper", tmp_path / "sleeper.log", pidfile=pidfile, binary="sleep(61)")
+    first.start([sys.executable, "-c", "import time; time.sleep(61)"])
+    assert first.proc is not None
+    try:
+        # a later command: a new Process object knowing only the pidfile
+        later = Process("sleeper", tmp_path / "sleeper.log", pidfile=pidfile, binary="sleep(61)")
+        # (until the child has exec'd, /proc/PID/cmdline is still the parent's)
+        assert wait_for(later.running, 5) and later.pid == first.proc.pid
+        wrong = Process("sleeper", tmp_path / "sleeper.log", pidfile=pidfile, binary="redis")
+        assert wrong.pid is None, "a pid whose command line lacks the binary was adopted"
+        pid, killed = later.stop(timeout=5)
+        assert (pid, killed) == (first.proc.pid, False)
+        assert first.proc.wait(timeout=5) == -signal.SIGTERM
+        assert not pidfile.exists() and later.pid is None
+    finally:
+        first.stop()

@@ -26,6 +26,11 @@ dirs, pool CIDR, the interim ports). Each started process is recorded per slot, 
 holder of a slot kills what a killed test run left behind (:func:`_kill_orphans`) before it
 removes that slot's pins and devices.
 
+``Stack(shared=True)`` is the ``make up`` stack instead (``scripts/stack.sh`` through
+:mod:`cilia_testkit.stackctl`): run dir ``.run/``, the README's fixed addresses
+(:data:`SHARED_OPERATOR` …), the agent's default pin dir and ``cilia_host``, pid files so that
+a later command finds the processes an earlier one started; its pins, device and run dir stay.
+
 What two stacks still share on one host: the iptables chain ``CILIA_FORWARD`` and its jump
 from FORWARD (each agent installs the same two ``lxc+`` rules and repairs them; neither
 removes them on exit, so they coexist) and the host's routing table (disjoint pool CIDRs).
@@ -51,8 +56,20 @@ from types import TracebackType
 from typing import Any, Self
 
 from cilia_testkit import ROOT, VENV_BIN
+from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.cni import load_conflist
 from cilia_testkit.host import sh, tail, wait_for
+
+#: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
+#: and its documented fixed addresses (README "The local stack").
+SHARED_RUN = ROOT / ".run"
+SHARED_CONFLIST = SHARED_RUN / "cni" / "net.d" / "05-cilia.conflist"
+SHARED_AGENT_SOCKET = SHARED_RUN / "cilia.sock"
+SHARED_REDIS_PORT = 6390
+SHARED_OPERATOR = "127.0.0.1:4250"
+SHARED_RELAY = "127.0.0.1:4245"
+SHARED_RELAY_HEALTH = "127.0.0.1:4222"
+SHARED_POOL = "10.200.0.0/16"
 
 #: Where stack slots are locked (one file per slot, held with ``flock`` while a Stack runs).
 SLOT_DIR = pathlib.Path(tempfile.gettempdir()) / "cilia-testkit-slots"
@@ -136,11 +153,21 @@ def _exited(pid: int) -> bool:
 
 
 class Process:
-    """One background process logging (stdout+stderr) to ``log``, in its own session."""
+    """One background process logging (stdout+stderr) to ``log``, in its own session.
 
-    def __init__(self, name: str, log: pathlib.Path) -> None:
+    With ``pidfile`` its pid is also written there, and a process started by another
+    command (``scripts/stack.sh up`` in an earlier shell) is found again from it: ``pid``,
+    ``running``, ``stop`` and ``kill`` then work by pid, checked against ``binary`` in
+    ``/proc/PID/cmdline`` (pid reuse).
+    """
+
+    def __init__(
+        self, name: str, log: pathlib.Path, *, pidfile: pathlib.Path | None = None, binary: str = ""
+    ) -> None:
         self.name = name
         self.log = log
+        self.pidfile = pidfile
+        self.binary = binary
         self.proc: subprocess.Popen[bytes] | None = None
         self.argv: list[str] = []
         #: byte offset of this start's header in ``log`` (read_listeners reads from here)
@@ -169,15 +196,34 @@ class Process:
                 env=env,
                 start_new_session=True,
             )
+        if self.pidfile is not None:
+            self.pidfile.write_text(f"{self.proc.pid}\n")
 
     @property
     def pid(self) -> int | None:
         """The pid while running, else None."""
-        return self.proc.pid if self.running() and self.proc is not None else None
+        if self.proc is not None:
+            return self.proc.pid if self.proc.poll() is None else None
+        return self._adopted_pid()
+
+    def _adopted_pid(self) -> int | None:
+        """The pid in ``pidfile`` when that process runs ``binary`` and is no zombie."""
+        if self.pidfile is None:
+            return None
+        try:
+            pid = int(self.pidfile.read_text().strip())
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        if not cmdline or self.binary.encode() not in cmdline or _exited(pid):
+            return None
+        return pid
 
     def running(self) -> bool:
         """True while the process has not exited."""
-        return self.proc is not None and self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self._adopted_pid() is not None
 
     def wait_ready(self, ready: Any, timeout: float) -> None:
         """Poll ``ready()`` until true.
@@ -192,17 +238,38 @@ class Process:
             code = self.proc.returncode if self.proc is not None else None
             raise StackError(f"{self.name} exited with status {code} on start:\n{self.tail()}")
 
-    def stop(self, timeout: float = STOP_SECONDS) -> None:
-        """SIGTERM, SIGKILL after ``timeout`` s; reaped. Idempotent."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+    def stop(self, timeout: float = STOP_SECONDS) -> tuple[int | None, bool]:
+        """SIGTERM, SIGKILL after ``timeout`` s; reaped (or, for a process found through the
+        pidfile, waited for until gone). Idempotent; the pidfile is removed.
+
+        Returns:
+            ``(pid, killed)``: the pid that was stopped (None when nothing ran) and whether
+            SIGKILL was needed.
+        """
+        pid, killed = None, False
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                pid = self.proc.pid
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    killed = True
+                    self.proc.kill()
+                    self.proc.wait(timeout=30)
+        else:
+            pid = self._adopted_pid()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                if not wait_for(lambda: _exited(pid), timeout, interval=0.1):
+                    killed = True
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    wait_for(lambda: _exited(pid), 30, interval=0.1)
+        if self.pidfile is not None:
+            self.pidfile.unlink(missing_ok=True)
+        return pid, killed
 
     def kill(self, timeout: float = 10.0) -> int:
         """SIGKILL and wait until every thread is gone (ports released); returns the pid.
@@ -210,14 +277,17 @@ class Process:
         Raises:
             StackError: it is not running, or still alive after ``timeout`` s.
         """
-        if self.proc is None or self.proc.poll() is not None:
+        pid = self.pid
+        if pid is None:
             raise StackError(f"{self.name} is not running")
-        pid = self.proc.pid
         os.kill(pid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise StackError(f"{self.name} (pid {pid}) alive {timeout:g}s after SIGKILL") from None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise StackError(
+                    f"{self.name} (pid {pid}) alive {timeout:g}s after SIGKILL"
+                ) from None
         if not wait_for(lambda: _exited(pid), timeout, interval=0.05):
             raise StackError(f"{self.name} (pid {pid}) threads alive {timeout:g}s after SIGKILL")
         return pid
@@ -334,9 +404,21 @@ class Agent:
         self.del_queue_dir = self.dir / "del-queue"
         self.pin_dir = pathlib.Path(f"/sys/fs/bpf/cilia-tk{stack.slot}-a{index}")
         self.host_device = f"cilia_t{stack.slot}a{index}"
-        name = "agent" if index == 0 else f"agent{index}"
-        self.process = Process(name, stack.run_dir / f"{name}.log")
         self.hubble_address = ""
+        self.metrics_address = "127.0.0.1:0"
+        if stack.shared:  # the make-up stack's documented paths and ports (README)
+            run = stack.run_dir
+            self.dir = run
+            self.socket, self.hubble_socket = run / "cilia.sock", run / "hubble.sock"
+            self.state_dir = run / "agent" / "state"
+            self.conf_dir = run / "cni" / "net.d"
+            self.conflist_path = self.conf_dir / "05-cilia.conflist"
+            self.del_queue_dir = run / "del-queue"
+            self.pin_dir = DEFAULT_PIN_DIR
+            self.host_device = "cilia_host"
+            self.hubble_address, self.metrics_address = ":4244", ":9962"
+        name = "agent" if index == 0 else f"agent{index}"
+        self.process = stack.process(name, "cilia-agent")
         self.extra_args: tuple[str, ...] = ()
 
     def argv(self, *extra: str) -> list[str]:
@@ -368,7 +450,7 @@ class Agent:
             "--cni-del-queue-dir",
             str(self.del_queue_dir),
             "--prometheus-serve-addr",
-            "127.0.0.1:0",
+            self.metrics_address,
             "--bpf-pin-dir",
             str(self.pin_dir),
             "--host-device-name",
@@ -507,8 +589,10 @@ class Stack:
         agent_args: Sequence[str] = (),
         ready_seconds: float = READY_SECONDS,
         keep_run_dir: bool = False,
+        shared: bool = False,
     ) -> None:
         self.name = name
+        self.shared = shared
         self._given_run_dir = run_dir
         self._pool_cidr = pool_cidr
         self.mask_size = mask_size
@@ -521,12 +605,13 @@ class Stack:
         self.ready_seconds = ready_seconds
         self.keep_run_dir = keep_run_dir
         self._exit = contextlib.ExitStack()
+        self._prepared = False
         self.slot = -1
         self.run_dir = pathlib.Path()
         self.agents: list[Agent] = []
-        self.redis = Process("redis", pathlib.Path("redis.log"))
-        self.operator = Process("operator", pathlib.Path("operator.log"))
-        self.relay = Process("relay", pathlib.Path("relay.log"))
+        self.redis = self.process("redis", "redis-server")
+        self.operator = self.process("operator", "cilia-operator")
+        self.relay = self.process("relay", "cilia-relay")
         self.operator_address = ""
         self.operator_metrics = ""
         self.relay_address = ""
@@ -552,8 +637,20 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
-        """The operator's ``--store`` URL (unix socket, db 0)."""
+        """The operator's ``--store`` URL (unix socket, db 0; the shared stack's TCP port)."""
+        if self.shared:
+            return f"redis://127.0.0.1:{SHARED_REDIS_PORT}/0"
         return f"unix://{self.redis_socket}?db=0"
+
+    def process(self, name: str, binary: str) -> Process:
+        """A :class:`Process` for component ``name`` logging to ``<run dir>/<name>.log``
+        (the shared stack's also with ``<run dir>/<name>.pid``)."""
+        return Process(
+            name,
+            self.run_dir / f"{name}.log",
+            pidfile=self.run_dir / f"{name}.pid" if self.shared else None,
+            binary=binary,
+        )
 
     def components(self) -> dict[str, Process]:
         """Component name → :class:`Process` (``redis``, ``operator``, ``agent``…, ``relay``)."""
@@ -584,20 +681,29 @@ class Stack:
         Raises:
             StackError: no free slot.
         """
-        if self.slot >= 0:
+        if self._prepared:
             return self
-        self.slot = self._exit.enter_context(_slot())
-        if self._given_run_dir is None:
-            self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"cilia-{self.name}-"))
+        if self.shared:
+            self.run_dir = SHARED_RUN  # created by the first start (`status` leaves no trace)
+            # fixed, so known before (and without) starting them in this process
+            self.operator_address, self.operator_metrics = SHARED_OPERATOR, "127.0.0.1:9963"
+            self.relay_address, self.relay_health_address = SHARED_RELAY, SHARED_RELAY_HEALTH
         else:
-            self.run_dir = self._given_run_dir
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        for proc in (self.redis, self.operator, self.relay):
-            proc.log = self.run_dir / f"{proc.name}.log"
+            self.slot = self._exit.enter_context(_slot())
+            if self._given_run_dir is None:
+                self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"cilia-{self.name}-"))
+            else:
+                self.run_dir = self._given_run_dir
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = self.process("redis", "redis-server")
+        self.operator = self.process("operator", "cilia-operator")
+        self.relay = self.process("relay", "cilia-relay")
         self.agents = [Agent(self, i) for i in range(self.agent_count)]
-        _kill_orphans(self.slot)
-        for agent in self.agents:
-            agent.remove_leftovers()
+        if not self.shared:
+            _kill_orphans(self.slot)
+            for agent in self.agents:
+                agent.remove_leftovers()
+        self._prepared = True
         return self
 
     def record(self, process: Process) -> None:
@@ -634,15 +740,17 @@ class Stack:
             raise StackError("redis-server not found: run scripts/setup.sh")
         data = self.run_dir / "redis"
         data.mkdir(exist_ok=True)
+        if self.shared:
+            listen = ["--port", str(SHARED_REDIS_PORT), "--bind", "127.0.0.1"]
+            ping = ["redis-cli", "-h", "127.0.0.1", "-p", str(SHARED_REDIS_PORT), "ping"]
+        else:
+            listen = ["--port", "0", "--unixsocket", str(self.redis_socket)]
+            listen += ["--unixsocketperm", "700"]
+            ping = ["redis-cli", "-s", str(self.redis_socket), "ping"]
         self.redis.start(
             [
                 binary,
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.redis_socket),
-                "--unixsocketperm",
-                "700",
+                *listen,
                 "--appendonly",
                 "yes",
                 "--save",
@@ -655,14 +763,7 @@ class Stack:
         )
         self.record(self.redis)
         self.redis.wait_ready(
-            lambda: (
-                self.redis_socket.exists()
-                and sh(
-                    "redis-cli", "-s", str(self.redis_socket), "ping", check=False
-                ).stdout.strip()
-                == "PONG"
-            ),
-            self.ready_seconds,
+            lambda: sh(*ping, check=False).stdout.strip() == "PONG", self.ready_seconds
         )
 
     def start_operator(self, *extra: str) -> None:
@@ -672,10 +773,15 @@ class Stack:
         Raises:
             StackError: it exited, or its listeners were not logged in time.
         """
-        listen = self.operator_address or _listen_spec("operator", "grpc", self.slot, self.run_dir)
-        metrics = self.operator_metrics or _listen_spec(
-            "operator", "metrics", self.slot, self.run_dir
-        )
+        if self.shared:
+            listen, metrics = SHARED_OPERATOR, ":9963"
+        else:
+            listen = self.operator_address or _listen_spec(
+                "operator", "grpc", self.slot, self.run_dir
+            )
+            metrics = self.operator_metrics or _listen_spec(
+                "operator", "metrics", self.slot, self.run_dir
+            )
         self.operator.start(
             [
                 str(VENV_BIN / "cilia-operator"),
@@ -713,12 +819,15 @@ class Stack:
     def start_relay(self) -> None:
         """Start cilia-relay peering with agent 0's Hubble socket; ready once it logged its
         listeners (``"listening"``)."""
-        observer = self.relay_address or _listen_spec(
-            "relay", "observer", self.slot, self.run_dir / "relay.sock"
-        )
-        health = self.relay_health_address or _listen_spec(
-            "relay", "health", self.slot, self.run_dir / "relay-health.sock"
-        )
+        if self.shared:
+            observer, health = SHARED_RELAY, SHARED_RELAY_HEALTH
+        else:
+            observer = self.relay_address or _listen_spec(
+                "relay", "observer", self.slot, self.run_dir / "relay.sock"
+            )
+            health = self.relay_health_address or _listen_spec(
+                "relay", "health", self.slot, self.run_dir / "relay-health.sock"
+            )
         self.relay.start(
             [
                 str(VENV_BIN / "cilia-relay"),
@@ -808,12 +917,15 @@ class Stack:
 
     def stop(self) -> None:
         """Stop everything in reverse order, remove agents' pins and devices, the run dir
-        (unless given or ``keep_run_dir``), and release the slot. Idempotent."""
+        (unless given or ``keep_run_dir``), and release the slot. Idempotent. The shared
+        stack keeps its run dir, pins and device (a restart restores from them)."""
         self.relay.stop()
         for agent in reversed(self.agents):
             agent.stop()
         self.operator.stop()
         self.redis.stop()
+        if self.shared:
+            return
         for agent in self.agents:
             agent.remove_leftovers()
         if self._given_run_dir is None and not self.keep_run_dir and self.run_dir.parts:
@@ -822,6 +934,7 @@ class Stack:
             (SLOT_DIR / f"{self.slot}.pids").write_text("")  # all stopped: nothing to reap
         self._exit.close()
         self.slot = -1
+        self._prepared = False
         self.started = False
 
     # -- clients --------------------------------------------------------------------------
@@ -855,13 +968,6 @@ class Stack:
 
 # ---------------------------------------------------------------------------------------
 # The user's stack of ``scripts/stack.sh`` / ``make up``: fixed ports, ``.run/``.
-
-#: ``scripts/stack.sh``'s run dir and the paths its agent uses.
-SHARED_RUN = ROOT / ".run"
-SHARED_CONFLIST = SHARED_RUN / "cni" / "net.d" / "05-cilia.conflist"
-SHARED_AGENT_SOCKET = SHARED_RUN / "cilia.sock"
-SHARED_OPERATOR = "127.0.0.1:4250"
-SHARED_RELAY = "127.0.0.1:4245"
 
 
 def stack_sh(
