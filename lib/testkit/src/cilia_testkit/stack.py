@@ -50,15 +50,15 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, Self
 
 from cilia_testkit import ROOT, VENV_BIN
+from cilia_testkit._process import Process, StackError, _exited
 from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.cni import load_conflist
-from cilia_testkit.host import sh, tail, wait_for
+from cilia_testkit.host import sh, wait_for
 
 #: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
 #: and its documented fixed addresses (README "The local stack").
@@ -78,20 +78,14 @@ SLOTS = 20
 #: TCP servers; see :func:`_listen_spec`).
 SLOT_PORT_BASE = 42400
 MAX_AGENTS = 8
-#: Seconds a component may take to get ready, and to stop after SIGTERM.
+#: Seconds a component may take to get ready.
 READY_SECONDS = 90.0
-STOP_SECONDS = 10.0
 
 #: Listeners whose bound address the service logs today (``(component, listener)``). The
 #: contract (``cilia_common.runtime.announce_listening``) adds the agent's ``hubble-tcp`` and
 #: ``metrics`` and the relay's ``observer`` and ``health``: add them here once they are logged,
 #: and :func:`_listen_spec` binds them on port 0 too.
 ANNOUNCED: frozenset[tuple[str, str]] = frozenset({("operator", "grpc"), ("operator", "metrics")})
-
-
-class StackError(RuntimeError):
-    """A component did not start, was not ready in time, or a listener was not reported.
-    The message carries the component's log tail."""
 
 
 def read_listeners(log: pathlib.Path, offset: int = 0) -> dict[str, str]:
@@ -136,169 +130,6 @@ def _logged(log: pathlib.Path, offset: int, message: str) -> bool:
     except FileNotFoundError:
         return False
     return f'"msg": "{message}"' in data
-
-
-def _exited(pid: int) -> bool:
-    """True once every thread of ``pid`` has exited (gone, or a lone zombie leader).
-
-    The listening sockets close only when the last thread has released the file table; a
-    restart before that finds the ports still held.
-    """
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    return state in ("Z", "X") and len(tasks) <= 1
-
-
-class Process:
-    """One background process logging (stdout+stderr) to ``log``, in its own session.
-
-    With ``pidfile`` its pid is also written there, and a process started by another
-    command (``scripts/stack.sh up`` in an earlier shell) is found again from it: ``pid``,
-    ``running``, ``stop`` and ``kill`` then work by pid, checked against ``binary`` in
-    ``/proc/PID/cmdline`` (pid reuse).
-    """
-
-    def __init__(
-        self, name: str, log: pathlib.Path, *, pidfile: pathlib.Path | None = None, binary: str = ""
-    ) -> None:
-        self.name = name
-        self.log = log
-        self.pidfile = pidfile
-        self.binary = binary
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.argv: list[str] = []
-        #: byte offset of this start's header in ``log`` (read_listeners reads from here)
-        self.offset = 0
-
-    def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        """Start ``argv`` (appending to the log after a ``# <UTC time> <argv>`` header).
-
-        Raises:
-            StackError: it is already running.
-        """
-        if self.running():
-            raise StackError(f"{self.name} is already running (pid {self.pid})")
-        self.argv = list(argv)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self.offset = out.tell()
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            out.write(f"# {stamp} {' '.join(self.argv)}\n".encode())
-            out.flush()
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env=env,
-                start_new_session=True,
-            )
-        if self.pidfile is not None:
-            self.pidfile.write_text(f"{self.proc.pid}\n")
-
-    @property
-    def pid(self) -> int | None:
-        """The pid while running, else None."""
-        if self.proc is not None:
-            return self.proc.pid if self.proc.poll() is None else None
-        return self._adopted_pid()
-
-    def _adopted_pid(self) -> int | None:
-        """The pid in ``pidfile`` when that process runs ``binary`` and is no zombie."""
-        if self.pidfile is None:
-            return None
-        try:
-            pid = int(self.pidfile.read_text().strip())
-            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            return None
-        if not cmdline or self.binary.encode() not in cmdline or _exited(pid):
-            return None
-        return pid
-
-    def running(self) -> bool:
-        """True while the process has not exited."""
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return self._adopted_pid() is not None
-
-    def wait_ready(self, ready: Any, timeout: float) -> None:
-        """Poll ``ready()`` until true.
-
-        Raises:
-            StackError: the process exited first, or ``timeout`` s passed (it is then stopped).
-        """
-        if not wait_for(lambda: not self.running() or ready(), timeout, interval=0.1):
-            self.stop()
-            raise StackError(f"{self.name} not ready after {timeout:g}s:\n{self.tail()}")
-        if not self.running():
-            code = self.proc.returncode if self.proc is not None else None
-            raise StackError(f"{self.name} exited with status {code} on start:\n{self.tail()}")
-
-    def stop(self, timeout: float = STOP_SECONDS) -> tuple[int | None, bool]:
-        """SIGTERM, SIGKILL after ``timeout`` s; reaped (or, for a process found through the
-        pidfile, waited for until gone). Idempotent; the pidfile is removed.
-
-        Returns:
-            ``(pid, killed)``: the pid that was stopped (None when nothing ran) and whether
-            SIGKILL was needed.
-        """
-        pid, killed = None, False
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                pid = self.proc.pid
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    killed = True
-                    self.proc.kill()
-                    self.proc.wait(timeout=30)
-        else:
-            pid = self._adopted_pid()
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-                if not wait_for(lambda: _exited(pid), timeout, interval=0.1):
-                    killed = True
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                    wait_for(lambda: _exited(pid), 30, interval=0.1)
-        if self.pidfile is not None:
-            self.pidfile.unlink(missing_ok=True)
-        return pid, killed
-
-    def kill(self, timeout: float = 10.0) -> int:
-        """SIGKILL and wait until every thread is gone (ports released); returns the pid.
-
-        Raises:
-            StackError: it is not running, or still alive after ``timeout`` s.
-        """
-        pid = self.pid
-        if pid is None:
-            raise StackError(f"{self.name} is not running")
-        os.kill(pid, signal.SIGKILL)
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise StackError(
-                    f"{self.name} (pid {pid}) alive {timeout:g}s after SIGKILL"
-                ) from None
-        if not wait_for(lambda: _exited(pid), timeout, interval=0.05):
-            raise StackError(f"{self.name} (pid {pid}) threads alive {timeout:g}s after SIGKILL")
-        return pid
-
-    def listeners(self) -> dict[str, str]:
-        """:func:`read_listeners` of this start's log lines."""
-        return read_listeners(self.log, self.offset)
-
-    def tail(self, lines: int = 30) -> str:
-        """The last ``lines`` log lines of this start (:func:`cilia_testkit.host.tail`)."""
-        return f"--- {self.log} ---\n{tail(self.log, lines)}"
 
 
 @contextlib.contextmanager
@@ -739,7 +570,7 @@ class Stack:
         if binary is None:
             raise StackError("redis-server not found: run scripts/setup.sh")
         data = self.run_dir / "redis"
-        data.mkdir(exist_ok=True)
+        data.mkdir(parents=True, exist_ok=True)
         if self.shared:
             listen = ["--port", str(SHARED_REDIS_PORT), "--bind", "127.0.0.1"]
             ping = ["redis-cli", "-h", "127.0.0.1", "-p", str(SHARED_REDIS_PORT), "ping"]
@@ -801,9 +632,13 @@ class Stack:
         )
         self.record(self.operator)
         self.operator.wait_ready(
-            lambda: {"grpc", "metrics"} <= self.operator.listeners().keys(), self.ready_seconds
+            lambda: (
+                {"grpc", "metrics"}
+                <= read_listeners(self.operator.log, self.operator.offset).keys()
+            ),
+            self.ready_seconds,
         )
-        found = self.operator.listeners()
+        found = read_listeners(self.operator.log, self.operator.offset)
         self.operator_address, self.operator_metrics = found["grpc"], found["metrics"]
 
     def _pool_flags(self) -> list[str]:
@@ -846,13 +681,13 @@ class Stack:
         wanted = {"observer", "health"} - {listener for (c, listener) in ANNOUNCED if c == "relay"}
 
         def ready() -> bool:
-            found = self.relay.listeners()
+            found = read_listeners(self.relay.log, self.relay.offset)
             if wanted == {"observer", "health"}:
                 return _logged(self.relay.log, self.relay.offset, "listening")
             return {"observer", "health"} - wanted <= found.keys()
 
         self.relay.wait_ready(ready, self.ready_seconds)
-        found = self.relay.listeners()
+        found = read_listeners(self.relay.log, self.relay.offset)
         self.relay_address = found.get("observer", observer)
         self.relay_health_address = found.get("health", health)
 
