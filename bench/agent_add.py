@@ -40,13 +40,9 @@ import sys
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun  # noqa: E402
-
-from bench import datapath  # noqa: E402
-from bench.cni_latency import summarize  # noqa: E402
+from bench import datapath
+from bench.cni_latency import summarize
+from cilia_testkit import ROOT, netns
 
 DEFAULT_PODS = 50
 DEFAULT_WARMUP = 3
@@ -102,8 +98,8 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
     stub = agent_pb2_grpc.AttachmentServiceStub(channel)  # type: ignore[no-untyped-call]
     cpu_start = 0.0
     try:
-        paths = [cnirun.create_netns(name) for name in names]
-        for i, netns in enumerate(paths):
+        paths = [netns.create_netns(name) for name in names]
+        for i, ns_path in enumerate(paths):
             timed = i >= args.warmup
             if i == args.warmup:
                 cpu_start = agent_cpu_ms(stack, agent_pid)
@@ -111,7 +107,7 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
             request = agent_pb2.AddRequest(
                 container_id=container_id,
                 ifname="eth0",
-                netns=netns,
+                netns=ns_path,
                 labels={"app": f"bench-{i % 3}"},
                 pod_namespace="bench",
                 pod_name=f"agent-add-{i}",
@@ -121,14 +117,14 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
                 stub.Add(request, timeout=args.rpc_timeout)
                 added = time.perf_counter()
                 stub.Del(
-                    agent_pb2.DelRequest(container_id=container_id, ifname="eth0", netns=netns),
+                    agent_pb2.DelRequest(container_id=container_id, ifname="eth0", netns=ns_path),
                     timeout=args.rpc_timeout,
                 )
                 deleted = time.perf_counter()
             except grpc.RpcError as exc:
                 raise BenchError(f"agent RPC for {names[i]} failed: {exc}") from exc
             plumb = PlumbRequest(
-                f"bench-floor-{tag}-{i}", "eth0", netns, FLOOR_POD_IP, FLOOR_ROUTER_IP, FLOOR_MTU
+                f"bench-floor-{tag}-{i}", "eth0", ns_path, FLOOR_POD_IP, FLOOR_ROUTER_IP, FLOOR_MTU
             )
             floor_start = time.perf_counter()
             result = floor.plumb(plumb)
@@ -146,7 +142,7 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
     finally:
         channel.close()
         for name in names:
-            cnirun.delete_netns(name)
+            netns.delete_netns(name)
     return out
 
 
@@ -203,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the agent benchmark needs root (netns, veth, BPF)", file=sys.stderr)
         return 1
-    for stale in cnirun.list_netns(NETNS_PREFIX):
-        cnirun.delete_netns(stale)
+    for stale in netns.list_netns(NETNS_PREFIX):
+        netns.delete_netns(stale)
     try:
         with datapath.stack_running(args) as stack:
             print(f"stack: {datapath.describe(stack)}", flush=True)

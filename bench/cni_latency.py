@@ -4,7 +4,7 @@ plugins, in the same run.
 For each plugin set and each ``--concurrency`` level (default 1 and 10), ``--pods`` pods
 (netns ``cilia-bench-cni-N``, created before the clock starts) are added by C parallel
 workers, then deleted the same way; each exec is timed from fork to exit, exactly as the
-runtime sees it (``scripts/cnirun.py`` builds the environment and stdin as libcni does,
+runtime sees it (``cilia_testkit.cni`` builds the environment and stdin as libcni does,
 DEL gets the cached ADD result as ``prevResult``), and pods/s is pods / wall time of the
 phase. ``--warmup`` extra pods per set are run first and not counted.
 
@@ -42,12 +42,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun  # noqa: E402
-
-from bench import datapath  # noqa: E402
+from bench import datapath
+from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
 
 DEFAULT_PODS = 50
 DEFAULT_WARMUP = 3
@@ -87,8 +83,8 @@ def summarize(seconds: list[float]) -> dict[str, float]:
 
 
 def _timed_phase(
-    pods: list[cnirun.Pod], op: Any, concurrency: int
-) -> tuple[list[cnirun.CniOutcome], float]:
+    pods: list[cni.Pod], op: Any, concurrency: int
+) -> tuple[list[cni.CniOutcome], float]:
     """Run ``op(pod)`` for every pod on ``concurrency`` workers; outcomes and wall seconds."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -111,16 +107,16 @@ def run_pods(
     Raises:
         BenchError: an ADD or DEL failed (its CNI error is included).
     """
-    created = [cnirun.Pod(name=f"{NETNS_PREFIX}{concurrency}-{i}") for i in range(warmup + pods)]
+    created = [cni.Pod(name=f"{NETNS_PREFIX}{concurrency}-{i}") for i in range(warmup + pods)]
     out: dict[str, Any] = {}
     try:
         for pod in created:
             pod.create_netns()
 
-        def add(pod: cnirun.Pod) -> cnirun.CniOutcome:
+        def add(pod: cni.Pod) -> cni.CniOutcome:
             return pod.add(conflist, plugin=plugin, cni_path=cni_path)
 
-        def delete(pod: cnirun.Pod) -> cnirun.CniOutcome:
+        def delete(pod: cni.Pod) -> cni.CniOutcome:
             outcome = pod.delete(conflist, plugin=plugin, cni_path=cni_path)
             if outcome.returncode == 0:
                 pod.result = None
@@ -181,19 +177,19 @@ def bench_reference(args: argparse.Namespace, concurrency: int) -> dict[str, Any
                 concurrency,
             )
         finally:
-            cnirun.sh("ip", "link", "del", REFERENCE_BRIDGE, check=False)
+            host.sh("ip", "link", "del", REFERENCE_BRIDGE, check=False)
 
 
 def bench_cilia(
     args: argparse.Namespace,
     stack: datapath.Stack,
     concurrency: int,
-    plugin: pathlib.Path = cnirun.CILIA_CNI,
+    plugin: pathlib.Path = cni.CILIA_CNI,
 ) -> dict[str, Any]:
     """cilia-cni (``plugin``) through ``stack`` (its agent's conflist, plus a ``log-file`` of
     ours whose ``durationMs``/``clientImportMs``/``agentMs`` fields say where each ADD's time
     went)."""
-    conflist = cnirun.load_conflist(stack.conflist)
+    conflist = cni.load_conflist(stack.conflist)
     with tempfile.TemporaryDirectory(prefix="cilia-bench-cnilog-") as logdir:
         log_file = pathlib.Path(logdir) / "cni.log"
         plugins = [dict(conflist["plugins"][0], **{"log-file": str(log_file)})]
@@ -201,7 +197,7 @@ def bench_cilia(
             "cilia",
             dict(conflist, plugins=plugins),
             plugin,
-            str(cnirun.VENV_BIN),
+            str(VENV_BIN),
             args.pods,
             args.warmup,
             concurrency,
@@ -237,7 +233,7 @@ def bench_version(args: argparse.Namespace) -> list[float]:
     """Timed ``cilia-cni`` VERSION execs (no agent involved)."""
     version: list[float] = []
     for _ in range(args.version_runs):
-        out = cnirun.invoke(
+        out = cni.invoke(
             "VERSION",
             stdin=json.dumps({"cniVersion": "1.0.0"}),
             container_id=None,
@@ -330,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the CNI benchmark needs root (netns, veth, bridges)", file=sys.stderr)
         return 1
-    for stale in cnirun.list_netns(NETNS_PREFIX):
-        cnirun.delete_netns(stale)
+    for stale in netns.list_netns(NETNS_PREFIX):
+        netns.delete_netns(stale)
     ref: dict[int, dict[str, Any]] = {}
     cil: dict[int, dict[str, Any]] = {}
     cmp: dict[int, dict[str, Any]] = {}
@@ -347,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{args.compare_cni}: {args.pods} pods, concurrency {conc} ...")
                     cmp[conc] = bench_cilia(args, stack, conc, args.compare_cni)
             version = bench_version(args)
-    except (BenchError, datapath.BenchError, cnirun.CniRunError, OSError) as exc:
+    except (BenchError, datapath.BenchError, cni.CniRunError, OSError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
 

@@ -7,7 +7,7 @@ started for this run on free ports, its own state dir, pin dir and host device, 
 ``--pool-cidr``, stopped and removed afterwards — the ``scripts/stack.sh`` stack is shared
 and ``tests/e2e`` restart it at will; ``--stack shared`` uses it, reused when running, else
 started and stopped again), two pods created by exec'ing the real ``cilia-cni`` ADD
-(``scripts/cnirun.py``) with the conflist the agent wrote, as netns
+(``cilia_testkit.cni``) with the conflist the agent wrote, as netns
 ``cilia-bench-dp-client`` / ``cilia-bench-dp-server`` in namespace ``bench`` with labels
 ``app=bench-client`` / ``app=bench-server``, and a CiliumNetworkPolicy applied with
 ``cilia-operator apply -f`` that lets only the client reach the server on TCP ``--iperf-port``
@@ -62,9 +62,7 @@ import os
 import pathlib
 import platform
 import random
-import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,10 +72,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun  # noqa: E402
+from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
+from cilia_testkit.stack import (
+    SHARED_CONFLIST,
+    SHARED_OPERATOR,
+    SHARED_RELAY,
+    SHARED_RUN,
+    StackError,
+    stack_sh,
+)
+from cilia_testkit.stack import Stack as TestkitStack
 
 DEFAULT_DURATION_SECONDS = 5
 DEFAULT_ENTRIES = 10_000
@@ -134,22 +138,27 @@ class Stack:
     pids: dict[str, int] = field(default_factory=dict)
     started: bool = False
     agent_socket: pathlib.Path | None = None
+    testkit: TestkitStack | None = None
 
     def pid(self, component: str) -> int | None:
         """Pid of ``redis``, ``operator``, ``agent`` or ``relay`` (None when unknown)."""
-        if self.kind == "private":
-            return self.pids.get(component)
+        if self.testkit is not None:
+            return self.testkit.pid(component)
         try:
-            return int((cnirun.RUN / f"{component}.pid").read_text().strip())
+            return int((SHARED_RUN / f"{component}.pid").read_text().strip())
         except (OSError, ValueError):
             return None
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _operator_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``cilia-operator ARGV`` (the caller passes ``--server``); never raises on exit status."""
+    return subprocess.run(
+        [str(VENV_BIN / "cilia-operator"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 def grpc_serving(address: str) -> bool:
@@ -169,158 +178,33 @@ def grpc_serving(address: str) -> bool:
 
 @contextlib.contextmanager
 def private_stack(args: argparse.Namespace) -> Iterator[Stack]:
-    """Redis, operator, agent and relay of this checkout on free ports, for this run only.
-
-    The same binaries and flags as ``scripts/stack.sh`` except the addresses: a temporary
-    directory for state, sockets and logs; pods from ``--pool-cidr``; its own pin dir
-    ``/sys/fs/bpf/cilia-bench-<tag>`` and host device ``cilia_b<tag>``. Everything is
-    stopped and removed on exit (logs are printed when a component fails to start).
+    """Redis, operator, agent and relay of this checkout for this run only
+    (:class:`cilia_testkit.stack.Stack`): its own run dir, sockets, state, pin dir, host
+    device and pool ``--pool-cidr``, TCP ports the servers bind themselves. Everything is
+    stopped and removed on exit.
 
     Raises:
         BenchError: a component exited or was not ready within ``--up-timeout`` s.
     """
-    tag = secrets.token_hex(3)
-    base = pathlib.Path(tempfile.mkdtemp(prefix="cilia-bench-stack-"))
-    redis_port, operator_port, relay_port = free_port(), free_port(), free_port()
-    relay_health, hubble_port = free_port(), free_port()
-    stack = Stack(
-        kind="private",
-        operator=f"127.0.0.1:{operator_port}",
-        relay=f"127.0.0.1:{relay_port}",
-        conflist=base / "net.d" / "05-cilia.conflist",
-        hubble_socket=base / "hubble.sock",
-        pin_dir=pathlib.Path(f"/sys/fs/bpf/cilia-bench-{tag}"),
-        started=True,
-        agent_socket=base / "cilia.sock",
-    )
-    host_device = f"cilia_b{tag}"
-    (base / "redis").mkdir()
-    bin_ = cnirun.VENV_BIN
-    components: list[tuple[str, list[str], Callable[[], bool]]] = [
-        (
-            "redis",
-            [
-                "redis-server",
-                "--port",
-                str(redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--dir",
-                str(base / "redis"),
-                "--daemonize",
-                "no",
-            ],
-            lambda: (
-                cnirun.sh("redis-cli", "-p", str(redis_port), "ping", check=False).stdout.strip()
-                == "PONG"
-            ),
-        ),
-        (
-            "operator",
-            [
-                str(bin_ / "cilia-operator"),
-                "serve",
-                "--store",
-                f"redis://127.0.0.1:{redis_port}/0",
-                "--listen",
-                stack.operator,
-                "--prometheus-serve-addr",
-                "",
-                "--auto-create-cilium-pod-ip-pools",
-                f"default=ipv4-cidrs:{args.pool_cidr};ipv4-mask-size:24",
-                "--ipam-default-ip-pool",
-                "default",
-                "--log-level",
-                "info",
-            ],
-            lambda: grpc_serving(stack.operator),
-        ),
-        (
-            "agent",
-            [
-                str(bin_ / "cilia-agent"),
-                "serve",
-                "--node-name",
-                socket.gethostname(),
-                "--operator",
-                stack.operator,
-                "--state-dir",
-                str(base / "state"),
-                "--socket",
-                str(base / "cilia.sock"),
-                "--hubble-socket",
-                str(stack.hubble_socket),
-                "--hubble-listen-address",
-                f"127.0.0.1:{hubble_port}",
-                "--cni-conf-dir",
-                str(stack.conflist.parent),
-                "--prometheus-serve-addr",
-                "",
-                "--bpf-pin-dir",
-                str(stack.pin_dir),
-                "--host-device-name",
-                host_device,
-                "--log-level",
-                "info",
-            ],
-            lambda: stack.conflist.exists(),
-        ),
-        (
-            "relay",
-            [
-                str(bin_ / "cilia-relay"),
-                "serve",
-                "--peer-service",
-                f"unix:{stack.hubble_socket}",
-                "--listen-address",
-                stack.relay,
-                "--health-listen-address",
-                f"127.0.0.1:{relay_health}",
-                "--log-level",
-                "info",
-            ],
-            lambda: grpc_serving(f"127.0.0.1:{relay_health}"),
-        ),
-    ]
-    procs: list[subprocess.Popen[bytes]] = []
+    tk = TestkitStack("bench", pool_cidr=args.pool_cidr, ready_seconds=args.up_timeout)
     try:
-        for name, argv, ready in components:
-            with (base / f"{name}.log").open("ab") as log:
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-                )
-            procs.append(proc)
-            stack.pids[name] = proc.pid
-            if not cnirun.wait_for(
-                lambda p=proc, r=ready: p.poll() is not None or r(), args.up_timeout
-            ):
-                raise BenchError(
-                    f"{name} not ready after {args.up_timeout}s:\n{cnirun.tail(base / f'{name}.log')}"
-                )
-            if proc.poll() is not None:
-                raise BenchError(
-                    f"{name} exited {proc.returncode}:\n{cnirun.tail(base / f'{name}.log')}"
-                )
-        yield stack
+        tk.start()
+    except StackError as exc:
+        raise BenchError(str(exc)) from None
+    try:
+        yield Stack(
+            kind="private",
+            operator=tk.operator_address,
+            relay=tk.relay_address,
+            conflist=tk.agent.conflist_path,
+            hubble_socket=tk.agent.hubble_socket,
+            pin_dir=tk.agent.pin_dir,
+            started=True,
+            agent_socket=tk.agent.socket,
+            testkit=tk,
+        )
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=args.stop_timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        from cilia_agent.datapath.loader import remove_pins
-
-        with contextlib.suppress(OSError):
-            remove_pins(stack.pin_dir)
-        cnirun.sh("ip", "link", "del", host_device, check=False)
-        shutil.rmtree(base, ignore_errors=True)
+        tk.stop()
 
 
 @contextlib.contextmanager
@@ -333,24 +217,24 @@ def shared_stack(args: argparse.Namespace) -> Iterator[Stack]:
     """
     stack = Stack(
         kind="shared",
-        operator="127.0.0.1:4250",
-        relay="127.0.0.1:4245",
-        conflist=cnirun.CONFLIST,
-        hubble_socket=cnirun.RUN / "hubble.sock",
+        operator=SHARED_OPERATOR,
+        relay=SHARED_RELAY,
+        conflist=SHARED_CONFLIST,
+        hubble_socket=SHARED_RUN / "hubble.sock",
         pin_dir=pathlib.Path("/sys/fs/bpf/cilia"),
     )
-    if cnirun.stack("status", check=False).returncode != 0:
-        cnirun.stack("down", check=False)
-        up = cnirun.stack("up", "--fresh", "--timeout", str(args.up_timeout), check=False)
+    if stack_sh("status", check=False).returncode != 0:
+        stack_sh("down", check=False)
+        up = stack_sh("up", "--fresh", "--timeout", str(args.up_timeout), check=False)
         if up.returncode != 0:
-            cnirun.stack("down", check=False)  # what this start left running
+            stack_sh("down", check=False)  # what this start left running
             raise BenchError(f"scripts/stack.sh up failed:\n{up.stderr}")
         stack.started = True
     try:
         yield stack
     finally:
         if stack.started and not args.keep_stack:
-            cnirun.stack("down", check=False)
+            stack_sh("down", check=False)
 
 
 def stack_running(args: argparse.Namespace) -> contextlib.AbstractContextManager[Stack]:
@@ -418,7 +302,7 @@ class BenchPod:
             :meth:`PodSet.wait_endpoints`).
     """
 
-    pod: cnirun.Pod
+    pod: cni.Pod
     host_ifname: str = ""
     ifindex: int = 0
     ep_id: int = 0
@@ -448,7 +332,7 @@ class PodSet:
         Raises:
             BenchError: ADD failed (CNI error included).
         """
-        pod = cnirun.Pod(name=name, namespace=POD_NAMESPACE, labels=labels)
+        pod = cni.Pod(name=name, namespace=POD_NAMESPACE, labels=labels)
         bench_pod = BenchPod(pod)
         pod.create_netns()
         self.pods.append(bench_pod)
@@ -474,7 +358,7 @@ class PodSet:
             current = endpoints()
             return all(p.ifindex in current and current[p.ifindex].sec_identity for p in self.pods)
 
-        if not cnirun.wait_for(ready, timeout):
+        if not host.wait_for(ready, timeout):
             raise BenchError("pods have no identity in cilia_endpoints (agent log: .run/agent.log)")
         current = endpoints()
         for p in self.pods:
@@ -493,8 +377,8 @@ class PodSet:
 
 def clear_stale_netns(prefix: str) -> None:
     """Delete netns left by an interrupted run (their veths go with them)."""
-    for stale in cnirun.list_netns(prefix):
-        cnirun.delete_netns(stale)
+    for stale in netns.list_netns(prefix):
+        netns.delete_netns(stale)
 
 
 @contextlib.contextmanager
@@ -507,13 +391,13 @@ def policy_applied(operator: str, yaml_text: str, name: str) -> Iterator[None]:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="cilia-bench-") as f:
         f.write(yaml_text)
         f.flush()
-        out = cnirun.operator_cli("apply", "-f", f.name, "--server", operator)
+        out = _operator_cli("apply", "-f", f.name, "--server", operator)
     if out.returncode != 0:
         raise BenchError(f"cilia-operator apply failed: {out.stdout}{out.stderr}")
     try:
         yield
     finally:
-        cnirun.operator_cli("delete", "cnp", name, "-n", POD_NAMESPACE, "--server", operator)
+        _operator_cli("delete", "cnp", name, "-n", POD_NAMESPACE, "--server", operator)
 
 
 def load_datapath(pin_dir: pathlib.Path) -> Any:
@@ -574,10 +458,10 @@ def wait_listening(netns: str, port: int, timeout: float) -> None:
     """
 
     def listening() -> bool:
-        out = cnirun.sh(*netns_argv(netns, "ss", "-Hltn", f"sport = :{port}"), check=False)
+        out = host.sh(*netns_argv(netns, "ss", "-Hltn", f"sport = :{port}"), check=False)
         return bool(out.stdout.strip())
 
-    if not cnirun.wait_for(listening, timeout, interval=0.05):
+    if not host.wait_for(listening, timeout, interval=0.05):
         raise BenchError(f"nothing listens on {netns} TCP {port} after {timeout:g}s")
 
 
@@ -688,7 +572,7 @@ except (TimeoutError, socket.timeout):
 
 def connect_probe(client: BenchPod, ip: str, port: int, timeout: float) -> str:
     """One TCP connect from ``client``: ``ok``, ``refused`` (RST) or ``timeout`` (dropped)."""
-    out = cnirun.sh(
+    out = host.sh(
         *netns_argv(client.name, sys.executable, "-c", CONNECT_PROBE, ip, str(port), str(timeout)),
         check=False,
         timeout=timeout + 15,
@@ -705,7 +589,7 @@ def iperf_stream(client: BenchPod, server_ip: str, port: int, seconds: int) -> d
     argv = netns_argv(
         client.name, "iperf3", "-c", server_ip, "-p", str(port), "-t", str(seconds), "-J"
     )
-    out = cnirun.sh(*argv, check=False, timeout=seconds + 30)
+    out = host.sh(*argv, check=False, timeout=seconds + 30)
     try:
         report = json.loads(out.stdout)
         end = report["end"]
@@ -729,7 +613,7 @@ def pingpong(client: BenchPod, server_ip: str, port: int, mode: str, seconds: in
     argv = netns_argv(
         client.name, sys.executable, "-c", PINGPONG_CLIENT, mode, server_ip, str(port), str(seconds)
     )
-    out = cnirun.sh(*argv, check=False, timeout=seconds + 30)
+    out = host.sh(*argv, check=False, timeout=seconds + 30)
     try:
         result = json.loads(out.stdout)
     except ValueError as exc:
@@ -745,7 +629,7 @@ def attached_prog_ids(ifname: str) -> dict[str, int]:
     """Program id of the tc bpf filter on each clsact hook of ``ifname`` (missing = absent)."""
     ids: dict[str, int] = {}
     for hook in ("ingress", "egress"):
-        out = cnirun.sh("tc", "-j", "filter", "show", "dev", ifname, hook, check=False)
+        out = host.sh("tc", "-j", "filter", "show", "dev", ifname, hook, check=False)
         if out.returncode != 0 or not out.stdout.strip():
             continue
         for entry in json.loads(out.stdout):
@@ -761,7 +645,7 @@ def detach(ifname: str) -> None:
     Raises:
         BenchError: tc failed.
     """
-    out = cnirun.sh("tc", "qdisc", "del", "dev", ifname, "clsact", check=False)
+    out = host.sh("tc", "qdisc", "del", "dev", ifname, "clsact", check=False)
     if out.returncode != 0:
         raise BenchError(f"tc qdisc del dev {ifname} clsact: {out.stderr.strip()}")
 
@@ -1020,7 +904,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("compiling the datapath in this process to reach the pinned maps ...", flush=True)
         datapath = load_datapath(cilia.pin_dir)
         stack.callback(datapath.close)
-        pods = PodSet(cnirun.load_conflist(cilia.conflist))
+        pods = PodSet(cni.load_conflist(cilia.conflist))
         stack.callback(pods.close)
         client = pods.add(f"{NETNS_PREFIX}client", {"app": "bench-client"})
         server = pods.add(f"{NETNS_PREFIX}server", {"app": "bench-server"})
@@ -1048,7 +932,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             allowed = {int(k.sec_label) for k in entries_of(datapath, server.ep_id)}
             return bool(info and info.enforce_ingress and client.identity in allowed)
 
-        if not cnirun.wait_for(enforced, args.policy_wait):
+        if not host.wait_for(enforced, args.policy_wait):
             raise BenchError("the policy was not written for the server endpoint in time")
         from_agent = len(entries_of(datapath, server.ep_id))
 
@@ -1187,7 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         out = run(args)
-    except (BenchError, cnirun.CniRunError, OSError, subprocess.SubprocessError) as exc:
+    except (BenchError, cni.CniRunError, OSError, subprocess.SubprocessError) as exc:
         print(f"\nbenchmark failed: {exc}", file=sys.stderr)
         return 1
     samples = out["samples"]

@@ -53,7 +53,6 @@ from typing import Any
 
 from bench.datapath import (
     POD_NAMESPACE,
-    ROOT,
     BenchError,
     BenchPod,
     PodSet,
@@ -73,10 +72,7 @@ from bench.datapath import (
     stack_running,
     write_results,
 )
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun
+from cilia_testkit import ROOT, VENV_BIN, cni, host
 
 DEFAULT_RATES = "1000,2000,5000,20000,0"
 DEFAULT_DURATION_SECONDS = 5
@@ -248,7 +244,7 @@ def send_udp(
         str(ports[0]),
         str(ports[1]),
     )
-    out = cnirun.sh(*argv, check=False, timeout=seconds + 30)
+    out = host.sh(*argv, check=False, timeout=seconds + 30)
     try:
         result = json.loads(out.stdout)
     except ValueError as exc:
@@ -268,7 +264,7 @@ def observing(args: argparse.Namespace, stack: Stack, client: BenchPod) -> Itera
     """Start the observe CLI (relay or agent socket) filtered on the client pod."""
     server = stack.relay if args.via == "relay" else f"unix:{stack.hubble_socket}"
     argv = [
-        str(cnirun.VENV_BIN / "cilia-relay"),
+        str(VENV_BIN / "cilia-relay"),
         "observe",
         "--server",
         server,
@@ -294,7 +290,7 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
         print("compiling the datapath in this process to reach the pinned maps ...", flush=True)
         datapath = load_datapath(cilia.pin_dir)
         stack.callback(datapath.close)
-        pods = PodSet(cnirun.load_conflist(cilia.conflist))
+        pods = PodSet(cni.load_conflist(cilia.conflist))
         stack.callback(pods.close)
         client = pods.add(f"{NETNS_PREFIX}client", {"app": "flows-client"})
         server = pods.add(f"{NETNS_PREFIX}server", {"app": "flows-server"})
@@ -315,7 +311,7 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
                         return key
             return None
 
-        if not cnirun.wait_for(lambda: deny_entry() is not None, args.policy_wait):
+        if not host.wait_for(lambda: deny_entry() is not None, args.policy_wait):
             raise BenchError("the deny entry was not written for the client endpoint in time")
         key = deny_entry()
         probe = connect_probe(client, server.ip, PROBE_PORT, PROBE_TIMEOUT_SECONDS)
@@ -466,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         out = run(args, rates)
-    except (BenchError, cnirun.CniRunError, OSError, subprocess.SubprocessError) as exc:
+    except (BenchError, cni.CniRunError, OSError, subprocess.SubprocessError) as exc:
         print(f"\nbenchmark failed: {exc}", file=sys.stderr)
         return 1
     head = (

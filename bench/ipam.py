@@ -29,9 +29,9 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -98,33 +98,28 @@ def run_naive(nodes: int, pools: list[Any]) -> float:
     return time.perf_counter() - start
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class RedisServer:
-    """A private redis-server on a free port (persistence off), stopped on exit."""
+    """A private redis-server on a unix socket in a temporary directory (no TCP port,
+    persistence off), stopped on exit."""
 
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("bench ipam: redis-server is not installed")
         self.dir = tempfile.mkdtemp(prefix="cilia-bench-ipam-")
-        self.port = free_port()
+        self.socket = os.path.join(self.dir, "redis.sock")
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [binary, "--port", "0", "--unixsocket", self.socket, "--save", "",
              "--appendonly", "no", "--dir", self.dir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"unix://{self.socket}?db=0"
         import redis
 
         deadline = time.monotonic() + 10
         while True:
             try:
-                redis.Redis(port=self.port).ping()
+                redis.Redis(unix_socket_path=self.socket).ping()
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline:

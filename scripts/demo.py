@@ -1,13 +1,16 @@
 """``make demo``: the standalone stack end to end, as a container runtime would drive it.
 
 Steps (each under a heading; any failure exits 1 after cleaning up):
-  1. start the stack (``scripts/stack.sh up``; reused when already running);
-  2. create ``--pods`` pods as netns ``cilia-demo-N`` by exec'ing ``.venv/bin/cilia-cni`` ADD
-     with the conflist the agent wrote (see ``scripts/cnirun.py``);
+  1. start the stack: a private :class:`cilia_testkit.stack.Stack` (own run dir, sockets,
+     pins, pool, ports the servers bind), stopped at the end; a ``make up`` stack already
+     running is reused and left up; with ``KEEP=1`` the ``make up`` stack (``scripts/stack.sh
+     up``) is started and left running;
+  2. create ``--pods`` pods as netns ``cilia-demo-<pid>-N`` by exec'ing ``.venv/bin/cilia-cni`` ADD
+     with the conflist the agent wrote (see ``cilia_testkit.cni``);
   3. ping pod↔pod and pod↔node;
   4. show ``cilia-agent endpoint list``;
   5. DEL every pod, show ``cilia-agent status`` and check the addresses were released;
-  6. stop the stack unless ``KEEP=1`` (or ``--keep``) or it was running before the demo.
+  6. stop the stack it started, unless ``KEEP=1`` (or ``--keep``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import cnirun
+from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
+from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
+from cilia_testkit.netns import NetnsRegistry
+from cilia_testkit.stack import (
+    SHARED_AGENT_SOCKET,
+    SHARED_CONFLIST,
+    SHARED_OPERATOR,
+    SHARED_RELAY,
+    SHARED_RUN,
+    Stack,
+    StackError,
+    stack_sh,
+)
 
 DEFAULT_PODS = 3
 DEFAULT_PING_COUNT = 2
@@ -68,14 +81,24 @@ class DemoError(Exception):
 class Demo:
     """State of one demo run: the conflist, the pods, the step counter."""
 
-    def __init__(self, pods: int, ping_count: int, up_timeout: int) -> None:
+    def __init__(self, pods: int, ping_count: int, up_timeout: int, keep: bool) -> None:
+        self.keep = keep
         self.pod_count = pods
         self.ping_count = ping_count
         self.up_timeout = up_timeout
-        self.pods: list[cnirun.Pod] = []
+        self.pods: list[cni.Pod] = []
         self.conflist: dict[str, Any] = {}
         self.step_no = 0
         self.started_stack = False
+        self.private: Stack | None = None
+        self.registry = NetnsRegistry("cilia-demo-")
+        # where the stack answers: the ``make up`` stack's fixed addresses unless private
+        self.conflist_path = SHARED_CONFLIST
+        self.agent_socket = SHARED_AGENT_SOCKET
+        self.operator = SHARED_OPERATOR
+        self.relay = SHARED_RELAY
+        self.logs_dir = SHARED_RUN
+        self.pin_dir = DEFAULT_PIN_DIR
 
     def heading(self, title: str) -> None:
         self.step_no += 1
@@ -96,28 +119,43 @@ class Demo:
 
     def start_stack(self) -> None:
         self.heading("Start the stack (redis, cilia-operator, cilia-agent, cilia-relay)")
-        status = cnirun.stack("status", check=False)
+        status = stack_sh("status", check=False)
         if status.returncode == 0:
-            print("  stack already running: reusing it")
-        else:
-            cnirun.stack("down")
-            out = cnirun.stack("up", "--fresh", "--timeout", str(self.up_timeout), check=False)
+            print("  `make up` stack already running: reusing it")
+        elif self.keep:
+            stack_sh("down")
+            out = stack_sh("up", "--fresh", "--timeout", str(self.up_timeout), check=False)
             print(self.indent(out.stderr))
             if out.returncode != 0:
                 raise DemoError("scripts/stack.sh up failed (log tail above)")
             self.started_stack = True
-        self.conflist = cnirun.load_conflist()
-        self.ok(f"agent wrote {cnirun.CONFLIST.relative_to(cnirun.ROOT)}:")
+        else:
+            self.private = Stack("demo", ready_seconds=self.up_timeout)
+            try:
+                self.private.start()
+            except StackError as exc:
+                raise DemoError(f"the stack did not start: {exc}") from None
+            self.started_stack = True
+            self.conflist_path = self.private.agent.conflist_path
+            self.agent_socket = self.private.agent.socket
+            self.operator = self.private.operator_address
+            self.relay = self.private.relay_address
+            self.logs_dir = self.private.run_dir
+            self.pin_dir = self.private.agent.pin_dir
+            print(self.indent(self.private.describe()))
+        self.conflist = cni.load_conflist(self.conflist_path)
+        shown = self.conflist_path
+        self.ok(f"agent wrote {shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown}:")
         print(self.indent(json.dumps(self.conflist, indent=2)))
 
     def create_pods(self) -> None:
         self.heading(f"Create {self.pod_count} pods through the real cilia-cni binary (CNI ADD)")
-        for stale in cnirun.list_netns("cilia-demo-"):
-            cnirun.delete_netns(stale)
+        self.registry.remove_stale()
         for n in range(1, self.pod_count + 1):
             role = ROLES[n - 1] if n <= len(ROLES) else "other"
-            pod = cnirun.Pod(name=f"cilia-demo-{n}", namespace="demo", labels={"app": role})
+            pod = cni.Pod(name=self.registry.name(), namespace="demo", labels={"app": role})
             pod.create_netns()
+            self.registry.adopt(pod.name)
             self.pods.append(pod)
             outcome = pod.add(self.conflist)
             if n == 1:
@@ -126,9 +164,9 @@ class Demo:
                     self.indent(
                         f"CNI_COMMAND=ADD CNI_CONTAINERID={pod.container_id[:12]}… "
                         f"CNI_NETNS={pod.netns} CNI_IFNAME={pod.ifname} "
-                        f"CNI_PATH={cnirun.VENV_BIN}\n"
-                        f"CNI_ARGS={cnirun.cni_args(pod.namespace, pod.name, pod.container_id)}\n"
-                        f"stdin: {json.dumps(cnirun.plugin_netconf(self.conflist, labels=pod.labels))}"
+                        f"CNI_PATH={VENV_BIN}\n"
+                        f"CNI_ARGS={cni.cni_args(pod.namespace, pod.name, pod.container_id)}\n"
+                        f"stdin: {json.dumps(cni.plugin_netconf(self.conflist, labels=pod.labels))}"
                     )
                 )
             if outcome.returncode != 0:
@@ -140,18 +178,18 @@ class Demo:
                 f"{pod.name:<14} ip {pod.ip:<15} host veth {host_if:<16} "
                 f"labels app={pod.labels['app']}  ({outcome.seconds * 1000:.0f} ms)"
             )
-        print("  inside the first pod (ip -n cilia-demo-1 addr show eth0; ip route):")
         first = self.pods[0].name
-        print(self.indent(cnirun.sh("ip", "-n", first, "-br", "addr", "show", "eth0").stdout))
-        print(self.indent(cnirun.sh("ip", "-n", first, "route").stdout))
+        print(f"  inside the first pod (ip -n {first} addr show eth0; ip route):")
+        print(self.indent(host.sh("ip", "-n", first, "-br", "addr", "show", "eth0").stdout))
+        print(self.indent(host.sh("ip", "-n", first, "route").stdout))
 
     def connectivity(self) -> None:
         self.heading("Connectivity: pod <-> pod and pod <-> node")
         failures = 0
 
-        def check(label: str, netns: str, address: str) -> None:
+        def check(label: str, where: str, address: str) -> None:
             nonlocal failures
-            if cnirun.ping(netns, address, count=self.ping_count):
+            if netns.ping(where, address, count=self.ping_count):
                 self.ok(f"{label:<44} ping {address}")
             else:
                 failures += 1
@@ -169,7 +207,7 @@ class Demo:
 
     def endpoints(self) -> None:
         self.heading("Endpoints the agent holds (cilia-agent endpoint list)")
-        out = cnirun.agent_cli("endpoint", "list")
+        out = self.agent_cli("endpoint", "list", "--bpf-pin-dir", str(self.pin_dir))
         print(self.indent(out.stdout or out.stderr))
         if out.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list exited {out.returncode}")
@@ -178,7 +216,7 @@ class Demo:
             raise DemoError(f"endpoint list does not show pods {missing}")
         self.ok(f"all {len(self.pods)} pods listed")
 
-    def connect(self, pod: cnirun.Pod, address: str) -> bool:
+    def connect(self, pod: cni.Pod, address: str) -> bool:
         """A real TCP connect from ``pod`` to ``address:8080`` that reads the greeting."""
         out = subprocess.run(
             [
@@ -225,12 +263,10 @@ class Demo:
                 if not self.connect(pod, backend.ip):
                     raise DemoError(f"{pod.name} cannot reach the backend before any policy")
                 self.ok(f"{pod.labels['app']:<8} -> backend:{BACKEND_PORT}  connected")
-            print(f"  cilia-operator apply -f {POLICY.relative_to(cnirun.ROOT)}:")
+            print(f"  cilia-operator apply -f {POLICY.relative_to(ROOT)}:")
             print(self.indent(POLICY.read_text()))
-            print(self.indent(cnirun.operator_cli("apply", "-f", str(POLICY)).stdout))
-            if not cnirun.wait_for(
-                lambda: not self.connect(other, backend.ip), POLICY_WAIT_SECONDS
-            ):
+            print(self.indent(self.operator_cli("apply", "-f", str(POLICY)).stdout))
+            if not host.wait_for(lambda: not self.connect(other, backend.ip), POLICY_WAIT_SECONDS):
                 raise DemoError("the policy did not take effect: app=other still connects")
             self.ok(f"other    -> backend:{BACKEND_PORT}  refused by the datapath (dropped)")
             if not self.connect(frontend, backend.ip):
@@ -240,10 +276,10 @@ class Demo:
             server.kill()
             server.wait()
         argv = [
-            str(cnirun.VENV_BIN / "cilia-relay"),
+            str(VENV_BIN / "cilia-relay"),
             "observe",
             "--server",
-            "127.0.0.1:4245",
+            self.relay,
             "--to-pod",
             f"demo/{backend.name}",
             "--last",
@@ -265,18 +301,18 @@ class Demo:
             ]
             return bool(forwarded and dropped)
 
-        cnirun.wait_for(both_flows_seen, FLOWS_WAIT_SECONDS, interval=0.5)
+        host.wait_for(both_flows_seen, FLOWS_WAIT_SECONDS, interval=0.5)
         print(self.indent("\n".join(lines[-8:])))
         if not forwarded or not dropped:
             raise DemoError(
                 "cilia-relay observe did not show both the FORWARDED and the DROPPED flow"
             )
         self.ok("relay shows frontend FORWARDED and other DROPPED (Policy denied)")
-        cnirun.operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
+        self.operator_cli("delete", "cnp", "backend-allow-frontend", "-n", "demo")
 
     def delete_pods(self) -> None:
         self.heading("Delete the pods (CNI DEL) and check their addresses are released")
-        before = cnirun.agent_cli("status")
+        before = self.agent_cli("status")
         print("  cilia-agent status before DEL:")
         print(self.indent(before.stdout or before.stderr))
         for pod in self.pods:
@@ -285,20 +321,50 @@ class Demo:
                 raise DemoError(f"DEL {pod.name} exited {outcome.returncode}: {outcome.stdout}")
             pod.destroy_netns()
             self.ok(f"DEL {pod.name:<14} released {pod.ip}  ({outcome.seconds * 1000:.0f} ms)")
-        after = cnirun.agent_cli("status")
+        after = self.agent_cli("status")
         print("  cilia-agent status after DEL:")
         print(self.indent(after.stdout or after.stderr))
-        listed = cnirun.agent_cli("endpoint", "list", "-o", "json")
+        listed = self.agent_cli(
+            "endpoint", "list", "-o", "json", "--bpf-pin-dir", str(self.pin_dir)
+        )
         if listed.returncode != 0:
             raise DemoError(f"cilia-agent endpoint list -o json exited {listed.returncode}")
         still = [p.ip for p in self.pods if f'"{p.ip}' in listed.stdout]
         if still:
             raise DemoError(f"addresses still held after DEL: {still}")
-        leftovers = [p.name for p in self.pods if p.name in cnirun.list_netns("cilia-demo-")]
+        leftovers = [p.name for p in self.pods if p.name in netns.list_netns(self.registry.prefix)]
         if leftovers:
             raise DemoError(f"netns left behind: {leftovers}")
         self.ok("no endpoint holds a demo address any more")
         self.pods = []
+
+    # -- the stack's clients and logs ---------------------------------------------------------
+
+    def agent_cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        """``cilia-agent ARGV --socket <the agent's socket>``; never raises on exit status."""
+        return subprocess.run(
+            [str(VENV_BIN / "cilia-agent"), *argv, "--socket", str(self.agent_socket)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def operator_cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        """``cilia-operator ARGV --server <the operator>``; never raises on exit status."""
+        return subprocess.run(
+            [str(VENV_BIN / "cilia-operator"), *argv, "--server", self.operator],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def show_logs(self) -> None:
+        for name in ("agent", "operator"):
+            path = self.logs_dir / f"{name}.log"
+            print(_c("33", f"  --- last lines of {path} ---"))
+            print(self.indent(host.tail(path, 25)))
 
     # -- cleanup ---------------------------------------------------------------------------
 
@@ -312,25 +378,23 @@ class Demo:
             pod.destroy_netns()
         self.pods = []
 
-    def teardown(self, keep: bool) -> None:
+    def teardown(self) -> None:
         self.heading("Tear down")
-        if keep:
+        self.registry.cleanup()
+        if self.private is not None:
+            self.private.stop()
+            self.ok("stack stopped")
+            return
+        if self.keep:
             print("  KEEP=1: the stack keeps running (scripts/stack.sh status | make down)")
             return
         if not self.started_stack:
             print("  the stack was running before the demo: left running (make down stops it)")
             return
-        out = cnirun.stack("down", check=False)
+        out = stack_sh("down", check=False)
         if out.stderr.strip():
             print(self.indent(out.stderr))
         self.ok("stack stopped")
-
-
-def _show_logs() -> None:
-    for name in ("agent", "operator"):
-        path = cnirun.RUN / f"{name}.log"
-        print(_c("33", f"  --- last lines of {path} ---"))
-        print(Demo.indent(cnirun.tail(path, 25)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("make demo needs root (network namespaces, veth, iptables)", file=sys.stderr)
         return 1
-    demo = Demo(args.pods, args.ping_count, args.up_timeout)
+    demo = Demo(args.pods, args.ping_count, args.up_timeout, args.keep)
     started = time.monotonic()
     steps: list[Callable[[], None]] = [
         demo.start_stack,
@@ -382,13 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in steps:
             step()
-    except (DemoError, cnirun.CniRunError, OSError, ValueError, subprocess.SubprocessError) as exc:
+    except (DemoError, cni.CniRunError, OSError, ValueError, subprocess.SubprocessError) as exc:
         failed = str(exc)
         demo.bad(failed)
-        _show_logs()
+        demo.show_logs()
         demo.cleanup_pods()
     finally:
-        demo.teardown(args.keep)
+        demo.teardown()
     elapsed = time.monotonic() - started
     print()
     if failed:

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+# Both imports resolve through pytest's rootdir handling (rootdir conftest.py and this test
+# directory are on the import path): no sys.path edits.
+from test_kubernetes import _parsers
+
+from scripts import images
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose" / "compose.yaml"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kubernetes import _parsers  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import images  # noqa: E402
 
 
 def _compose_cmd() -> list[str]:

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,9 +25,9 @@ from typing import Any
 
 import pytest
 
+from scripts import images
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import images  # noqa: E402
 
 docker = pytest.importorskip("docker")
 

@@ -1,35 +1,31 @@
-"""Fixtures for the end-to-end tests: the real stack (``scripts/stack.sh``), real pods.
+"""Fixtures for the end-to-end tests: the real stack (:class:`cilia_testkit.stack.Stack`), real
+pods.
 
-The stack is started once per session with ``scripts/stack.sh up --fresh`` (Redis, operator,
-agent, relay from ``.venv/bin``) and stopped at the end. Any stack already running from
-``make up`` is stopped first: the addresses and ports are fixed (team brief). Pods are netns
-``cilia-e2e-*`` driven through ``.venv/bin/cilia-cni`` by ``scripts/cnirun.py``, the helper
-``make demo`` uses too.
+The stack is started once per session (Redis on a unix socket, operator, agent, relay from
+``.venv/bin``, every TCP listener bound by the server itself, a run dir, BPF pin dir, host
+device and pool of its own) and stopped at the end, so a ``make up`` stack or a benchmark can
+run beside it. Pods are netns ``cilia-e2e-<pid>-N`` driven through ``.venv/bin/cilia-cni`` by
+:mod:`cilia_testkit.cni`, the emulation ``make demo`` and the benches use too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import pathlib
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import support
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun  # noqa: E402
+from cilia_testkit import VENV_BIN, cni
+from cilia_testkit.netns import NetnsRegistry
+from cilia_testkit.stack import Stack, StackError
 
 NETNS_PREFIX = "cilia-e2e-"
 STACK_UP_TIMEOUT_SECONDS = int(os.environ.get("CILIA_E2E_UP_TIMEOUT", "90"))
-
-_counter = itertools.count(1)
 
 
 def _require_privileges() -> None:
@@ -39,54 +35,61 @@ def _require_privileges() -> None:
         if shutil.which(tool) is None:
             pytest.skip(f"e2e needs {tool!r} on PATH (scripts/setup.sh installs it)")
     for binary in ("cilia-operator", "cilia-agent", "cilia-cni", "cilia-relay"):
-        if not (cnirun.VENV_BIN / binary).exists():
-            pytest.fail(f"{cnirun.VENV_BIN / binary} missing: run scripts/setup.sh (make setup)")
-
-
-def _remove_stale_pods() -> None:
-    for name in cnirun.list_netns(NETNS_PREFIX):
-        cnirun.delete_netns(name)
+        if not (VENV_BIN / binary).exists():
+            pytest.fail(f"{VENV_BIN / binary} missing: run scripts/setup.sh (make setup)")
 
 
 @pytest.fixture(scope="session")
-def stack() -> Iterator[None]:
+def pods_registry() -> Iterator[NetnsRegistry]:
+    """This session's pod namespaces (``cilia-e2e-<pid>-…``); a killed run's are removed."""
+    registry = NetnsRegistry(NETNS_PREFIX)
+    registry.remove_stale()
+    try:
+        yield registry
+    finally:
+        registry.cleanup()
+
+
+@pytest.fixture(scope="session")
+def stack(pods_registry: NetnsRegistry) -> Iterator[Stack]:
     """The real stack, started fresh for this session and stopped afterwards."""
     _require_privileges()
-    cnirun.stack("down")
-    _remove_stale_pods()
-    up = cnirun.stack("up", "--fresh", "--timeout", str(STACK_UP_TIMEOUT_SECONDS), check=False)
-    if up.returncode != 0:
-        cnirun.stack("down", check=False)
-        pytest.fail(f"scripts/stack.sh up failed:\n{up.stderr}")
+    s = Stack("e2e", pool_cidr=str(support.POD_CIDR), ready_seconds=STACK_UP_TIMEOUT_SECONDS)
     try:
-        yield
+        s.start()
+    except StackError as exc:
+        pytest.fail(f"the e2e stack did not start:\n{exc}")
+    support.use_stack(s)
+    try:
+        yield s
     finally:
-        _remove_stale_pods()
-        cnirun.stack("down", check=False)
+        support.use_stack(None)
+        s.stop()
 
 
 @pytest.fixture
-def conflist(stack: None) -> dict[str, Any]:
+def conflist(stack: Stack) -> dict[str, Any]:
     """The conflist the agent wrote (re-read each test: the agent may have been restarted)."""
-    return cnirun.load_conflist()
+    return stack.agent.conflist()
 
 
 @pytest.fixture
-def make_pod(stack: None) -> Iterator[Callable[..., cnirun.Pod]]:
-    """Factory: ``make_pod(labels=...)`` creates netns ``cilia-e2e-N`` and returns its Pod.
+def make_pod(stack: Stack, pods_registry: NetnsRegistry) -> Iterator[Callable[..., cni.Pod]]:
+    """Factory: ``make_pod(labels=...)`` creates netns ``cilia-e2e-<pid>-N``, returns its Pod.
 
     At teardown every pod made gets a DEL (errors ignored) and its netns is deleted.
     """
-    made: list[cnirun.Pod] = []
+    made: list[cni.Pod] = []
 
-    def make(**kw: Any) -> cnirun.Pod:
-        pod = cnirun.Pod(name=f"{NETNS_PREFIX}{os.getpid()}-{next(_counter)}", **kw)
+    def make(**kw: Any) -> cni.Pod:
+        pod = cni.Pod(name=pods_registry.name(), **kw)
         pod.create_netns()
+        pods_registry.adopt(pod.name)
         made.append(pod)
         return pod
 
     yield make
-    conf = cnirun.load_conflist() if cnirun.CONFLIST.exists() else None
+    conf = stack.agent.conflist() if stack.agent.conflist_path.exists() else None
     for pod in made:
         if conf is not None:
             with contextlib.suppress(OSError, subprocess.SubprocessError):

@@ -1,25 +1,44 @@
-"""Helpers shared by the e2e test modules (fixtures live in conftest.py)."""
+"""Helpers shared by the e2e test modules (fixtures live in conftest.py).
+
+They read the session's stack, set by the ``stack`` fixture through :func:`use_stack`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
 import json
-import pathlib
 import re
-import sys
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from cilia_testkit import bpfmaps, cni, host
+from cilia_testkit.stack import Stack
 
-import cnirun  # noqa: E402
+#: The e2e stack's pool: not the ``make up`` stack's 10.200.0.0/16, so both run side by side.
+POD_CIDR = ipaddress.ip_network("10.209.0.0/16")
 
-POD_CIDR = ipaddress.ip_network("10.200.0.0/16")
+_current: Stack | None = None
 
 
-def assert_pod_ip(pod: cnirun.Pod) -> ipaddress.IPv4Address:
-    """The pod's address, asserted to be inside the stack's pool 10.200.0.0/16."""
+def use_stack(stack: Stack | None) -> None:
+    """Make ``stack`` the one the helpers below talk to (the ``stack`` session fixture)."""
+    global _current
+    _current = stack
+
+
+def current_stack() -> Stack:
+    """The session's stack.
+
+    Raises:
+        RuntimeError: no test requested the ``stack`` fixture yet.
+    """
+    if _current is None:
+        raise RuntimeError("no e2e stack: request the `stack` fixture")
+    return _current
+
+
+def assert_pod_ip(pod: cni.Pod) -> ipaddress.IPv4Address:
+    """The pod's address, asserted to be inside the stack's pool :data:`POD_CIDR`."""
     ip = ipaddress.ip_address(pod.ip)
     assert ip in POD_CIDR, f"{pod.name} got {ip}, outside {POD_CIDR}"
     assert isinstance(ip, ipaddress.IPv4Address)
@@ -28,15 +47,14 @@ def assert_pod_ip(pod: cnirun.Pod) -> ipaddress.IPv4Address:
 
 def dump_logs() -> str:
     """Tail of the agent and operator logs, for assertion messages."""
-    return "\n".join(
-        f"--- {name}.log ---\n{cnirun.tail(cnirun.RUN / f'{name}.log', 20)}"
-        for name in ("agent", "operator")
-    )
+    stack = current_stack()
+    return "\n".join(stack.components()[name].tail(20) for name in ("agent", "operator"))
 
 
 def endpoint_list() -> str:
-    """``cilia-agent endpoint list -o json`` output (asserts exit 0)."""
-    out = cnirun.agent_cli("endpoint", "list", "-o", "json")
+    """``cilia-agent endpoint list -o json`` output of the stack's agent, with its pin dir
+    (asserts exit 0)."""
+    out = current_stack().agent.endpoint_list("-o", "json")
     assert out.returncode == 0, f"endpoint list exited {out.returncode}: {out.stderr}"
     return out.stdout
 
@@ -62,14 +80,14 @@ def endpoint_ips() -> set[str]:
 
 def pool_used(pool: str = "default") -> int:
     """``used`` of ``pool`` from ``cilia-agent status -o json`` (or the text form)."""
-    out = cnirun.agent_cli("status", "-o", "json")
+    out = current_stack().agent_cli("status", "-o", "json")
     if out.returncode == 0:
         data = json.loads(out.stdout)
         for entry in data.get("pools", []):
             if entry.get("pool") == pool:
                 return int(entry["used"])
         raise AssertionError(f"pool {pool!r} not in cilia-agent status: {out.stdout}")
-    text = cnirun.agent_cli("status")
+    text = current_stack().agent_cli("status")
     assert text.returncode == 0, text.stderr
     match = re.search(rf"{pool}\D*?(\d+)\s*/\s*\d+", text.stdout)
     assert match, f"no '{pool} used/capacity' in cilia-agent status:\n{text.stdout}"
@@ -83,7 +101,7 @@ def endpoint_keys() -> dict[tuple[str, str], dict[str, Any]]:
 
 def router_ip() -> str:
     """The node's router IP from ``cilia-agent status`` (``Router IP:`` line)."""
-    out = cnirun.agent_cli("status")
+    out = current_stack().agent_cli("status")
     match = re.search(r"^Router IP:\s*(\S+)", out.stdout, re.MULTILINE)
     assert match and match.group(1) != "-", f"no router IP in cilia-agent status:\n{out.stdout}"
     return match.group(1)
@@ -111,18 +129,18 @@ class NodeState:
 
 
 def node_state() -> NodeState:
-    """Snapshot :class:`NodeState` now (the BPF maps through bpftool: see cnirun.bpf_map_dump)."""
-    ipcache = cnirun.bpf_ipcache()
+    """Snapshot :class:`NodeState` now (the BPF maps through bpftool: see bpfmaps.bpf_map_dump)."""
+    ipcache = bpfmaps.bpf_ipcache(current_stack().agent.pin_dir)
     # One ``cilia-agent status`` exec (each CLI run costs ~1 s of Python start-up on a busy host).
-    status = cnirun.agent_cli("status")
+    status = current_stack().agent_cli("status")
     match = re.search(r"^Pool default: (\d+)/\d+ used", status.stdout, re.MULTILINE)
     used = int(match.group(1)) if match else pool_used()
     return NodeState(
         endpoints={k: str(ep.get("ipv4", "")) for k, ep in endpoint_keys().items()},
         used=used,
-        lxc=frozenset(cnirun.host_lxc_links()),
-        state_files=frozenset(p.name for p in cnirun.agent_state_files()),
-        bpf_endpoints=cnirun.bpf_endpoints(),
+        lxc=frozenset(host.host_lxc_links()),
+        state_files=frozenset(p.name for p in current_stack().agent.state_files()),
+        bpf_endpoints=bpfmaps.bpf_endpoints(current_stack().agent.pin_dir),
         ipcache_pods={
             prefix: ident
             for prefix, ident in ipcache.items()

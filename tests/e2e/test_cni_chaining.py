@@ -23,14 +23,15 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cnirun
 import pytest
 import traffic
-from support import dump_logs, endpoint_keys, node_state, router_ip
+from support import current_stack, dump_logs, endpoint_keys, node_state, router_ip
+
+from cilia_testkit import VENV_BIN, bpfmaps, cni, host, netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
-CNI_PATH = f"{cnirun.DEBIAN_CNI_DIR}:{cnirun.VENV_BIN}"
+CNI_PATH = f"{cni.DEBIAN_CNI_DIR}:{VENV_BIN}"
 NS = "cilia-e2e-chain"
 ROLES = ("frontend", "backend", "other")
 ALLOWED, OTHER_PORT = 8080, 9090
@@ -43,14 +44,14 @@ FIREWALL_COMMENT = "cilia-e2e-chain"
 
 def _require(*plugins: str) -> None:
     for plugin in plugins:
-        if not (cnirun.DEBIAN_CNI_DIR / plugin).exists():
+        if not (cni.DEBIAN_CNI_DIR / plugin).exists():
             pytest.fail(
-                f"{cnirun.DEBIAN_CNI_DIR / plugin} missing: scripts/setup.sh installs Debian's "
+                f"{cni.DEBIAN_CNI_DIR / plugin} missing: scripts/setup.sh installs Debian's "
                 "containernetworking-plugins"
             )
 
 
-def _fail_if_unimplemented(outcome: cnirun.ListOutcome, feature: str) -> None:
+def _fail_if_unimplemented(outcome: cni.ListOutcome, feature: str) -> None:
     """A clear failure (never a skip) when the agent or plugin lacks ``feature``."""
     text = " ".join(o.stdout for o in outcome.outcomes)
     if "UNIMPLEMENTED" in text or "must be the first plugin" in text:
@@ -78,12 +79,12 @@ def forward_accept(subnet: ipaddress.IPv4Network) -> Iterator[None]:
         for flag in ("-s", "-d")
     ]
     for rule in rules:
-        cnirun.sh("iptables", "-I", *rule, "ACCEPT")
+        host.sh("iptables", "-I", *rule, "ACCEPT")
     try:
         yield
     finally:
         for rule in rules:
-            cnirun.sh("iptables", "-D", *rule, "ACCEPT", check=False)
+            host.sh("iptables", "-D", *rule, "ACCEPT", check=False)
 
 
 def _ptp_conflist(
@@ -113,10 +114,10 @@ class ChainedPods:
 
     def __init__(self, conflist: dict[str, Any]) -> None:
         self.conflist = conflist
-        self.by_role: dict[str, cnirun.Pod] = {}
-        self.added: list[cnirun.Pod] = []
+        self.by_role: dict[str, cni.Pod] = {}
+        self.added: list[cni.Pod] = []
 
-    def __getitem__(self, role: str) -> cnirun.Pod:
+    def __getitem__(self, role: str) -> cni.Pod:
         return self.by_role[role]
 
     def reaches(self, src: str, dst: str, port: int) -> bool:
@@ -134,7 +135,7 @@ def chained(
     _require("ptp", "host-local")
     pods = ChainedPods(_ptp_conflist(conflist, subnet, tmp_path / "ipam"))
     for role in ROLES:
-        pod = cnirun.Pod(
+        pod = cni.Pod(
             name=f"cilia-e2e-{os.getpid()}-chain-{role}", namespace=NS, labels={"app": role}
         )
         pod.create_netns()
@@ -142,7 +143,7 @@ def chained(
     try:
         yield pods
     finally:
-        cnirun.operator_cli("delete", "cnp", POLICY, "-n", NS)
+        current_stack().operator_cli("delete", "cnp", POLICY, "-n", NS)
         for pod in pods.added:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 pod.delete_list(pods.conflist, cni_path=CNI_PATH, timeout=30)
@@ -151,7 +152,7 @@ def chained(
 
 
 def _eventually(predicate: Callable[[], bool], what: str) -> None:
-    assert cnirun.wait_for(predicate, POLICY_WAIT_SECONDS, interval=0.3), (
+    assert host.wait_for(predicate, POLICY_WAIT_SECONDS, interval=0.3), (
         f"{what} not within {POLICY_WAIT_SECONDS:g}s\n{dump_logs()}"
     )
 
@@ -190,9 +191,8 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
         # cilia-cni passes ptp's address through; the pod has exactly that address.
         assert ipaddress.ip_interface(result["ips"][0]["address"]).ip in subnet, result
         assert result["ips"] == ptp_result["ips"], (result, ptp_result)
-        assert f"inet {pod.ip}/" in cnirun.sh("ip", "-n", pod.name, "-4", "addr").stdout
-        host = next(i["name"] for i in ptp_result["interfaces"] if not i.get("sandbox"))
-        host_veths[role] = host
+        assert f"inet {pod.ip}/" in host.sh("ip", "-n", pod.name, "-4", "addr").stdout
+        host_veths[role] = next(i["name"] for i in ptp_result["interfaces"] if not i.get("sandbox"))
 
     eps = endpoint_keys()
     for role in ROLES:
@@ -201,9 +201,12 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
         assert ep is not None, f"no Cilia endpoint for chained {role}: {sorted(eps)}"
         assert ep.get("chained") is True, ep
         assert ep["ipv4"] == pod.ip and ep["host_ifname"] == host_veths[role], ep
-        ifindex = cnirun.link_ifindex(host_veths[role])
-        assert cnirun.bpf_endpoints().get(ifindex, {}).get("ipv4") == pod.ip
-        assert f"{pod.ip}/32" in cnirun.bpf_ipcache()
+        ifindex = host.link_ifindex(host_veths[role])
+        assert (
+            bpfmaps.bpf_endpoints(current_stack().agent.pin_dir).get(ifindex, {}).get("ipv4")
+            == pod.ip
+        )
+        assert f"{pod.ip}/32" in bpfmaps.bpf_ipcache(current_stack().agent.pin_dir)
     assert node_state().used == before.used, "a chained pod took an address from Cilia's pool"
 
     servers = [traffic.start_servers(chained["backend"], (ALLOWED, OTHER_PORT))]
@@ -219,9 +222,9 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
     finally:
         for server in servers:
             traffic.stop(server)
-        cnirun.operator_cli("delete", "cnp", POLICY, "-n", NS)
+        current_stack().operator_cli("delete", "cnp", POLICY, "-n", NS)
 
-    ifindexes = {cnirun.link_ifindex(h) for h in host_veths.values()}
+    ifindexes = {host.link_ifindex(h) for h in host_veths.values()}
     ips = {chained[r].ip for r in ROLES}
     for pod in reversed(list(chained.added)):
         deleted = pod.delete_list(chained.conflist, cni_path=CNI_PATH)
@@ -232,15 +235,17 @@ def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(
     assert after.endpoints == before.endpoints
     assert after.used == before.used
     assert after.state_files == before.state_files
-    assert not set(host_veths.values()) & set(cnirun.sh("ip", "-o", "link").stdout.split())
+    assert not set(host_veths.values()) & set(host.sh("ip", "-o", "link").stdout.split())
     assert not ifindexes & set(after.bpf_endpoints), after.bpf_endpoints
-    assert not {f"{ip}/32" for ip in ips} & set(after.ipcache_pods | cnirun.bpf_ipcache())
+    assert not {f"{ip}/32" for ip in ips} & set(
+        after.ipcache_pods | bpfmaps.bpf_ipcache(current_stack().agent.pin_dir)
+    )
     for ip in ips:
-        assert not cnirun.sh("ip", "route", "show", f"{ip}/32").stdout.strip(), f"route to {ip}"
+        assert not host.sh("ip", "route", "show", f"{ip}/32").stdout.strip(), f"route to {ip}"
     leases = tmp_path / "ipam" / NS
     assert not {ip for ip in ips if (leases / ip).exists()}, "host-local still holds addresses"
     for role in ROLES:
-        assert cnirun.netns_links(chained[role].name) == ["lo"]
+        assert netns.netns_links(chained[role].name) == ["lo"]
 
 
 def _host_connect(address: str, port: int, timeout: float = 3.0) -> str | None:
@@ -254,11 +259,11 @@ def _host_connect(address: str, port: int, timeout: float = 3.0) -> str | None:
 
 
 def _nat_rules() -> list[str]:
-    return cnirun.sh("iptables", "-t", "nat", "-S").stdout.splitlines()
+    return host.sh("iptables", "-t", "nat", "-S").stdout.splitlines()
 
 
 def test_cilia_result_feeds_portmap_host_port_reaches_the_pod_and_del_removes_the_rules(
-    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+    conflist: dict[str, Any], make_pod: Callable[..., cni.Pod]
 ) -> None:
     _require("portmap")
     chain = {
@@ -269,7 +274,10 @@ def test_cilia_result_feeds_portmap_host_port_reaches_the_pod_and_del_removes_th
             {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
         ],
     }
-    host_port = traffic.free_port()
+    # The host port stays bound (not listening) by this process for the whole test, so no
+    # other program takes it; portmap's DNAT acts before local delivery.
+    holder = host.reserve_tcp_port()
+    host_port = int(holder.getsockname()[1])
     mappings = [{"hostPort": host_port, "containerPort": ALLOWED, "protocol": "tcp"}]
     pod, client = make_pod(labels={"app": "portmapped"}), make_pod(labels={"app": "client"})
     assert client.add(conflist).returncode == 0, dump_logs()
@@ -300,6 +308,7 @@ def test_cilia_result_feeds_portmap_host_port_reaches_the_pod_and_del_removes_th
         deleted = pod.delete_list(
             chain, cni_path=CNI_PATH, runtime_config={"portMappings": mappings}
         )
+        holder.close()
     assert deleted.ok, [o.stdout for o in deleted.outcomes]
     assert [o.command for o in deleted.outcomes] == ["DEL", "DEL"]
     nat_after = _nat_rules()

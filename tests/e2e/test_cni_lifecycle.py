@@ -9,9 +9,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import cnirun
 import pytest
-from support import assert_pod_ip, dump_logs, endpoint_ips, pool_used
+from support import POD_CIDR, assert_pod_ip, dump_logs, endpoint_ips, pool_used
+
+from cilia_testkit import cni, host, netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -19,7 +20,7 @@ PARALLEL_PODS = 20
 
 
 def test_add_returns_a_valid_1_0_0_result_and_configures_the_pod(
-    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+    conflist: dict[str, Any], make_pod: Callable[..., cni.Pod]
 ) -> None:
     assert conflist["cniVersion"] == "1.0.0"
     assert conflist["plugins"][0]["type"] == "cilia-cni"
@@ -44,22 +45,22 @@ def test_add_returns_a_valid_1_0_0_result_and_configures_the_pod(
     assert ipconf["address"].endswith("/32")
     ip = assert_pod_ip(pod)
     gateway = ipaddress.ip_address(ipconf["gateway"])
-    assert gateway in ipaddress.ip_network("10.200.0.0/16") and gateway != ip
+    assert gateway in POD_CIDR and gateway != ip
     assert any(r["dst"] == "0.0.0.0/0" for r in result.get("routes", [])), result
 
-    addr = cnirun.sh("ip", "-n", pod.name, "addr").stdout
+    addr = host.sh("ip", "-n", pod.name, "addr").stdout
     assert f"inet {ip}/32" in addr and "eth0" in addr, addr
-    route = cnirun.sh("ip", "-n", pod.name, "route").stdout
+    route = host.sh("ip", "-n", pod.name, "route").stdout
     assert f"default via {gateway} dev eth0" in route and "onlink" in route, route
-    host_route = cnirun.sh("ip", "route", "show", f"{ip}/32").stdout
+    host_route = host.sh("ip", "route", "show", f"{ip}/32").stdout
     assert f"dev {expected_host}" in host_route, host_route
-    assert cnirun.ping(pod.name, str(gateway)), "pod cannot reach the node's router IP"
-    assert cnirun.ping("", str(ip)), "node cannot reach the pod"
+    assert netns.ping(pod.name, str(gateway)), "pod cannot reach the node's router IP"
+    assert netns.ping("", str(ip)), "node cannot reach the pod"
     assert str(ip) in endpoint_ips()
 
 
 def test_del_is_idempotent_and_releases_the_address(
-    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+    conflist: dict[str, Any], make_pod: Callable[..., cni.Pod]
 ) -> None:
     used_before = pool_used()
     pod = make_pod()
@@ -74,10 +75,10 @@ def test_del_is_idempotent_and_releases_the_address(
 
     assert first.returncode == 0, first.stdout + first.stderr
     assert second.returncode == 0, second.stdout + second.stderr
-    assert host_if not in cnirun.host_lxc_links()
-    assert "eth0" not in cnirun.sh("ip", "-n", pod.name, "link").stdout
+    assert host_if not in host.host_lxc_links()
+    assert "eth0" not in host.sh("ip", "-n", pod.name, "link").stdout
     assert ip not in endpoint_ips()
-    assert not cnirun.sh("ip", "route", "show", f"{ip}/32").stdout.strip()
+    assert not host.sh("ip", "route", "show", f"{ip}/32").stdout.strip()
     # Allocatable again: the pool's usage is back to where it was.
     assert pool_used() == used_before
     # DEL after the netns is gone (runtime already tore the sandbox down) is fine too.
@@ -87,7 +88,7 @@ def test_del_is_idempotent_and_releases_the_address(
 
 
 def test_twenty_parallel_adds_get_distinct_pingable_addresses(
-    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+    conflist: dict[str, Any], make_pod: Callable[..., cni.Pod]
 ) -> None:
     pods = [make_pod(labels={"app": f"par{i}"}) for i in range(PARALLEL_PODS)]
 
@@ -102,7 +103,7 @@ def test_twenty_parallel_adds_get_distinct_pingable_addresses(
     assert set(ips) <= listed
 
     def reachable(pair: tuple[str, str]) -> bool:
-        return cnirun.ping(pair[0], pair[1], count=1, wait_seconds=2)
+        return netns.ping(pair[0], pair[1], count=1, wait_seconds=2)
 
     checks = [(pods[0].name, ip) for ip in ips[1:]]  # pod -> pod
     checks += [(p.name, ips[0]) for p in pods[1:]]  # every pod -> the first one
@@ -116,5 +117,5 @@ def test_twenty_parallel_adds_get_distinct_pingable_addresses(
         deleted = list(pool.map(lambda p: p.delete(conflist), pods))
     assert all(d.returncode == 0 for d in deleted), [d.stdout for d in deleted if d.returncode]
     # By name: other runs on this host (private agents, other tests) make lxc* links too.
-    assert not {p.host_veth for p in pods} & set(cnirun.host_lxc_links())
+    assert not {p.host_veth for p in pods} & set(host.host_lxc_links())
     assert not set(ips) & endpoint_ips()

@@ -39,9 +39,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import cnirun
 import pytest
-from support import POD_CIDR, NodeState, dump_logs, node_state, router_ip
+from support import POD_CIDR, NodeState, current_stack, dump_logs, node_state, router_ip
+
+from cilia_testkit import cni, host, netns
+from cilia_testkit.netns import NetnsRegistry
+from cilia_testkit.stack import Stack, StackError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -78,26 +81,26 @@ KILL_GRACE_SECONDS = 90.0
 _names = itertools.count(1)
 
 
-def _netns_name(tag: str) -> str:
-    return f"cilia-e2e-{os.getpid()}-{tag}{next(_names)}"
+def _netns_name(registry: NetnsRegistry, tag: str) -> str:
+    return registry.name(f"{tag}{next(_names)}")
 
 
 @pytest.fixture
-def netns_pool(stack: None) -> Iterator[Callable[[str], str]]:
+def netns_pool(stack: Stack, pods_registry: NetnsRegistry) -> Iterator[Callable[[str], str]]:
     """Factory of fresh netns names (created); every one is deleted at teardown."""
     made: list[str] = []
     lock = threading.Lock()
 
     def make(tag: str) -> str:
-        name = _netns_name(tag)
-        cnirun.create_netns(name)
+        name = _netns_name(pods_registry, tag)
+        netns.create_netns(name)
         with lock:
             made.append(name)
         return name
 
     yield make
     for name in made:
-        cnirun.delete_netns(name)
+        netns.delete_netns(name)
 
 
 def _leaks(
@@ -129,7 +132,7 @@ def test_fifty_parallel_adds_and_dels_hand_out_no_address_twice_and_leak_nothing
     before = node_state()
     with ThreadPoolExecutor(max_workers=16) as pool:
         names = list(pool.map(lambda _: netns_pool("par"), range(PARALLEL)))
-    pods = [cnirun.Pod(name=n, labels={"app": "stress"}) for n in names]
+    pods = [cni.Pod(name=n, labels={"app": "stress"}) for n in names]
     assert len({p.container_id for p in pods}) == PARALLEL
 
     try:
@@ -149,7 +152,7 @@ def test_fifty_parallel_adds_and_dels_hand_out_no_address_twice_and_leak_nothing
             (p.container_id, p.ifname): p.ip for p in pods
         }, "agent's endpoints differ from the runtime's results"
         assert during.used == before.used + PARALLEL
-        ifindexes = {cnirun.link_ifindex(p.host_veth): p for p in pods}
+        ifindexes = {host.link_ifindex(p.host_veth): p for p in pods}
         assert 0 not in ifindexes, "a host veth is missing"
         # The BPF check below is only meaningful if the maps hold the pods while they live.
         assert {i: during.bpf_endpoints[i]["ipv4"] for i in ifindexes} == {
@@ -166,9 +169,9 @@ def test_fifty_parallel_adds_and_dels_hand_out_no_address_twice_and_leak_nothing
     veths = {p.host_veth for p in pods}
     leaks = _leaks(before, after, set(ifindexes), veths)
     assert not leaks, leaks
-    assert not cnirun.del_queue_files(), "a DEL was queued although the agent was up"
+    assert not current_stack().agent.del_queue_files(), "a DEL was queued although the agent was up"
     for pod in pods:
-        assert pod.ifname not in cnirun.netns_links(pod.name), f"{pod.name} keeps its eth0"
+        assert pod.ifname not in netns.netns_links(pod.name), f"{pod.name} keeps its eth0"
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,7 +194,7 @@ class Chaos:
     plugin_kills: int = 0
     del_retries: int = 0
     agent_kills: list[int] = dataclasses.field(default_factory=list)
-    survivors: list[cnirun.Pod] = dataclasses.field(default_factory=list)
+    survivors: list[cni.Pod] = dataclasses.field(default_factory=list)
     container_ids: list[str] = dataclasses.field(default_factory=list)
     parked: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
@@ -214,7 +217,7 @@ class Chaos:
         return KILL_WINDOW * median
 
 
-def _exec(chaos: Chaos, rng: random.Random, pod: cnirun.Pod, command: str) -> cnirun.CniOutcome:
+def _exec(chaos: Chaos, rng: random.Random, pod: cni.Pod, command: str) -> cni.CniOutcome:
     rate = PLUGIN_KILL_ADD if command == "ADD" else PLUGIN_KILL_DEL
     kill_after = rng.uniform(0, chaos.kill_window()) if rng.random() < rate else None
     call = pod.add if command == "ADD" else pod.delete
@@ -230,7 +233,7 @@ def _exec(chaos: Chaos, rng: random.Random, pod: cnirun.Pod, command: str) -> cn
 def _cycle(chaos: Chaos, index: int, slot: str) -> str:
     """One sandbox's life in netns ``slot``; returns the slot to use next."""
     rng = random.Random(f"{CHAOS_SEED}/{index}")
-    pod = cnirun.Pod(
+    pod = cni.Pod(
         name=slot, labels={"app": "chaos"}, container_id=f"chaos-{os.getpid()}-{index:05d}"
     )
     with chaos.lock:
@@ -267,7 +270,7 @@ def _cycle(chaos: Chaos, index: int, slot: str) -> str:
         with chaos.lock:
             chaos.del_retries += 1
         time.sleep(DEL_RETRY_INTERVAL)
-    if pod.ifname in cnirun.netns_links(slot):
+    if pod.ifname in netns.netns_links(slot):
         # DEL succeeded but the interface is still there: fine only while a queued DEL
         # waits for the agent; the netns is checked again once the run is over.
         with chaos.lock:
@@ -316,17 +319,18 @@ def _kill_agent_repeatedly(chaos: Chaos, stop: threading.Event, started: float) 
                 return
         time.sleep(rng.uniform(0, 0.5))  # a random point of the ADDs/DELs in flight
         try:
-            pid = cnirun.kill_component("agent")
+            pid = current_stack().kill("agent")
         except RuntimeError as exc:
             with chaos.lock:
                 chaos.problems.append(f"agent kill {k}: {exc}")
             continue
         with chaos.lock:
             chaos.agent_kills.append(pid)
-        up = cnirun.start_component("agent", timeout=AGENT_START_SECONDS)
-        if up.returncode != 0:
+        try:
+            current_stack().agent.start(timeout=AGENT_START_SECONDS)
+        except StackError as exc:
             with chaos.lock:
-                chaos.problems.append(f"agent restart {k} failed:\n{up.stderr[-2000:]}")
+                chaos.problems.append(f"agent restart {k} failed:\n{str(exc)[-2000:]}")
             return
         with chaos.lock:
             adds_at_restart = chaos.add_ok
@@ -351,9 +355,8 @@ def test_add_del_cycles_with_plugin_and_agent_sigkills_keep_survivors_working_an
         stop.set()
         killer.join(AGENT_START_SECONDS + 30)
         cycles_seconds = time.monotonic() - started
-        if cnirun.component_pid("agent") is None:
-            up = cnirun.start_component("agent", timeout=AGENT_START_SECONDS)
-            assert up.returncode == 0, up.stderr
+        if current_stack().pid("agent") is None:
+            current_stack().agent.start(timeout=AGENT_START_SECONDS)
         summary = (
             f"chaos seed={CHAOS_SEED} cycles={chaos.done}/{CHAOS_CYCLES} "
             f"in {cycles_seconds:.1f}s workers={CHAOS_WORKERS} add_ok={chaos.add_ok} "
@@ -378,9 +381,14 @@ def test_add_del_cycles_with_plugin_and_agent_sigkills_keep_survivors_working_an
     finally:
         stop.set()
         killer.join(AGENT_START_SECONDS + 30)
-        if cnirun.component_pid("agent") is None:
-            cnirun.start_component("agent", timeout=AGENT_START_SECONDS)
-        current = cnirun.load_conflist() if cnirun.CONFLIST.exists() else conflist
+        if current_stack().pid("agent") is None:
+            with contextlib.suppress(StackError):
+                current_stack().agent.start(timeout=AGENT_START_SECONDS)
+        current = (
+            current_stack().agent.conflist()
+            if current_stack().agent.conflist_path.exists()
+            else conflist
+        )
         for pod in chaos.survivors:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 pod.delete(current, timeout=30)
@@ -390,7 +398,7 @@ def _assert_exactly_the_survivors(before: NodeState, chaos: Chaos, summary: str)
     survivors = {(p.container_id, p.ifname): p for p in chaos.survivors}
     expected_eps = dict(before.endpoints) | {k: p.ip for k, p in survivors.items()}
     # Host veths by name: other test runs on this host make lxc* links of their own.
-    ours = {cnirun.host_veth_name(cid) for cid in chaos.container_ids}
+    ours = {host.host_veth_name(cid) for cid in chaos.container_ids}
     expected_lxc = {p.host_veth for p in survivors.values()}
     expected_used = before.used + len(survivors)
 
@@ -403,7 +411,7 @@ def _assert_exactly_the_survivors(before: NodeState, chaos: Chaos, summary: str)
             and len(now.state_files) == len(before.state_files) + len(survivors)
         )
 
-    settled = cnirun.wait_for(converged, SETTLE_SECONDS, interval=1.0)
+    settled = host.wait_for(converged, SETTLE_SECONDS, interval=1.0)
     after = node_state()
     detail = f"{summary}\n{dump_logs()}"
     extra = set(after.endpoints) - set(expected_eps)
@@ -418,19 +426,21 @@ def _assert_exactly_the_survivors(before: NodeState, chaos: Chaos, summary: str)
     )
     assert len(after.state_files) == len(before.state_files) + len(survivors), after.state_files
     assert settled
-    survivor_ifindexes = {cnirun.link_ifindex(p.host_veth): p.ip for p in survivors.values()}
+    survivor_ifindexes = {host.link_ifindex(p.host_veth): p.ip for p in survivors.values()}
     new_bpf = {
         i: e["ipv4"] for i, e in after.bpf_endpoints.items() if i not in before.bpf_endpoints
     }
     assert new_bpf == survivor_ifindexes, f"BPF endpoint map {new_bpf} != {survivor_ifindexes}"
     new_ipcache = set(after.ipcache_pods) - set(before.ipcache_pods)
     assert new_ipcache == {f"{p.ip}/32" for p in survivors.values()}, sorted(new_ipcache)
-    assert not cnirun.del_queue_files(), f"DELs never replayed: {cnirun.del_queue_files()}"
-    leftover = {n: cnirun.netns_links(n) for n in chaos.parked}
+    assert not current_stack().agent.del_queue_files(), (
+        f"DELs never replayed: {current_stack().agent.del_queue_files()}"
+    )
+    leftover = {n: netns.netns_links(n) for n in chaos.parked}
     assert all(links == ["lo"] for links in leftover.values()), f"pod interfaces left {leftover}"
 
 
-def _assert_survivors_work(survivors: list[cnirun.Pod]) -> None:
+def _assert_survivors_work(survivors: list[cni.Pod]) -> None:
     assert survivors, "no pod survived: raise KEEP_RATE or the cycle count"
     gateway = router_ip()
     checks = [(p.name, gateway) for p in survivors]
@@ -438,6 +448,6 @@ def _assert_survivors_work(survivors: list[cnirun.Pod]) -> None:
         (a.name, b.ip) for a, b in zip(survivors, survivors[1:] + survivors[:1], strict=True)
     ]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda c: cnirun.ping(c[0], c[1], count=2), checks))
+        results = list(pool.map(lambda c: netns.ping(c[0], c[1], count=2), checks))
     unreachable = [c for c, ok in zip(checks, results, strict=True) if not ok]
     assert not unreachable, f"surviving pods cannot reach {unreachable}"

@@ -3,9 +3,9 @@
 The agent runs as a container (privileged — see :func:`_privilege_flags` — host network, the
 host's /sys/fs/bpf, /run/netns, /lib/modules, /usr/src bind-mounted, and its run directory —
 what /var/run/cilia is in production — bound at the same path so the conflist's socket path is
-valid on the host). The test starts its own redis-server and cilia-operator on free ports
-(the fixed-port stack of the team brief is shared by other e2e runs on a developer machine)
-and gives the agent private names: node ``upg-<tag>``, host device ``cilia_u<tag>``, bpffs pin
+valid on the host). The test starts its own redis-server and cilia-operator through
+:class:`cilia_testkit.stack.Stack` (redis on a unix socket, the operator on a port it binds
+itself; nothing shared with the e2e session's stack or a ``make up`` one) and gives the agent private names: node ``upg-<tag>``, host device ``cilia_u<tag>``, bpffs pin
 dir ``/sys/fs/bpf/cilia-upg-<tag>``, pool ``10.231.<n>.0/24``, no metrics/Hubble TCP ports.
 Two pods are plumbed by the real ``cilia-cni`` on the host talking to the containerised
 agent's socket, and exchange a continuous UDP request/echo stream (one datagram every 10 ms,
@@ -30,7 +30,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,10 +38,9 @@ from collections.abc import Iterator
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cnirun  # noqa: E402
+from cilia_testkit import ROOT, VENV_BIN, cni, netns
+from cilia_testkit.host import wait_for
+from cilia_testkit.stack import Stack
 
 pytestmark = [pytest.mark.privileged, pytest.mark.e2e]
 
@@ -54,7 +52,7 @@ IMAGES = {
     "C": ("cilia-agent:e2e-upgrade-c", ['ENTRYPOINT ["false"]']),
 }
 AGENT_START_SECONDS = 120.0
-UPDATER = cnirun.VENV_BIN / "cilia-safe-agent-updater"
+UPDATER = VENV_BIN / "cilia-safe-agent-updater"
 STREAM_PORT = 7811
 
 ECHO = """
@@ -122,12 +120,6 @@ def _docker(
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _require() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: network namespaces, veth, BPF, a Docker engine")
@@ -143,7 +135,7 @@ def _build_images() -> dict[str, str]:
     """Build the agent image with helper G's builder, then derive A, B and C; return ids."""
     build = subprocess.run(
         [
-            str(cnirun.VENV_BIN / "python"),
+            str(VENV_BIN / "python"),
             str(ROOT / "scripts" / "images.py"),
             "--quiet",
             "--tag",
@@ -204,10 +196,10 @@ class Host:
 
     tag: str
     dir: pathlib.Path
-    redis_port: int
-    operator_port: int
     images: dict[str, str]
-    procs: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    #: the test kit stack's operator (``127.0.0.1:PORT`` it bound) and redis (unix socket)
+    operator_address: str = ""
+    redis_url: str = ""
 
     @property
     def container(self) -> str:
@@ -232,7 +224,7 @@ class Host:
     def agent_args(self) -> list[str]:
         return [
             "serve", "--node-name", f"upg-{self.tag}",
-            "--operator", f"127.0.0.1:{self.operator_port}",
+            "--operator", self.operator_address,
             "--state-dir", str(self.dir / "state"), "--socket", str(self.socket),
             "--cni-conf-dir", str(self.conflist.parent), "--cni-conf-name", self.conflist.name,
             "--host-device-name", self.host_device, "--bpf-pin-dir", self.pin_dir,
@@ -263,7 +255,7 @@ class Host:
     def healthy(self) -> bool:
         return (
             subprocess.run(
-                [str(cnirun.VENV_BIN / "cilia-agent"), "status", "--timeout", "2",
+                [str(VENV_BIN / "cilia-agent"), "status", "--timeout", "2",
                  "--socket", str(self.socket)],
                 capture_output=True, timeout=15, check=False,
             ).returncode
@@ -275,20 +267,10 @@ class Host:
             [str(UPDATER), "--mode", "docker", "--container", self.container, "--image", image,
              "--agent-health-address", f"unix:{self.socket}",
              "--health-timeout", str(health_timeout), "--health-interval", "0.5",
-             "--stop-timeout", "10", "--redis", f"redis://127.0.0.1:{self.redis_port}/0",
+             "--stop-timeout", "10", "--redis", self.redis_url,
              "--lock-name", f"cilia:e2e:safe-agent-updater:{self.tag}"],
             capture_output=True, text=True, timeout=health_timeout * 3 + 120, check=False,
         )  # fmt: skip
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", port)) == 0
-
-    return cnirun.wait_for(ready, timeout, interval=0.1)
 
 
 @pytest.fixture
@@ -299,49 +281,29 @@ def containerised_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hos
     host = Host(
         tag=tag,
         dir=pathlib.Path(tempfile.mkdtemp(prefix=f"cilia-upg-{tag}-", dir="/tmp")),
-        redis_port=_free_port(),
-        operator_port=_free_port(),
         images=_build_images(),
     )
     pool = f"10.231.{secrets.randbelow(250) + 1}.0/24"
-    log = open(host.dir / "control-plane.log", "wb")  # noqa: SIM115
+    # redis (unix socket) + operator (port 0, read back) of the test kit; no agent process:
+    # the agent runs as a container.
+    control_plane = Stack("upg", pool_cidr=pool, mask_size=26, agents=0, relay=False)
     try:
-        host.procs.append(subprocess.Popen(
-            ["redis-server", "--port", str(host.redis_port), "--bind", "127.0.0.1",
-             "--save", "", "--dir", str(host.dir)],
-            stdout=log, stderr=log,
-        ))  # fmt: skip
-        assert _wait_port(host.redis_port, host.procs[-1], 20), "redis-server did not start"
-        host.procs.append(subprocess.Popen(
-            [str(cnirun.VENV_BIN / "cilia-operator"), "serve",
-             "--store", f"redis://127.0.0.1:{host.redis_port}/0",
-             "--listen", f"127.0.0.1:{host.operator_port}",
-             "--prometheus-serve-addr", f"127.0.0.1:{_free_port()}",
-             "--auto-create-cilium-pod-ip-pools", f"default=ipv4-cidrs:{pool};ipv4-mask-size:26",
-             "--ipam-default-ip-pool", "default", "--log-level", "info"],
-            stdout=log, stderr=log,
-        ))  # fmt: skip
-        assert _wait_port(host.operator_port, host.procs[-1], 60), "cilia-operator did not start"
+        control_plane.start()
+        host.operator_address = control_plane.operator_address
+        host.redis_url = control_plane.redis_url
         _ensure_bpffs()
-        cnirun.create_netns(f"{NETNS_PREFIX}{tag}-keep")  # /run/netns shared before binding
+        netns.create_netns(f"{NETNS_PREFIX}{tag}-keep")  # /run/netns shared before binding
         host.run_agent(IMAGES["A"][0])
-        if not cnirun.wait_for(
+        if not wait_for(
             lambda: host.conflist.exists() and host.healthy(), AGENT_START_SECONDS, interval=0.5
         ):
             pytest.fail(f"containerised agent not ready:\n{host.logs()}")
         yield host
     finally:
         _docker("rm", "-f", host.container, f"{host.container}-previous", check=False)
-        for name in cnirun.list_netns(f"{NETNS_PREFIX}{tag}"):
-            cnirun.delete_netns(name)
-        for proc in reversed(host.procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        for name in netns.list_netns(f"{NETNS_PREFIX}{tag}"):
+            netns.delete_netns(name)
+        control_plane.stop()
         subprocess.run(["ip", "link", "del", host.host_device], capture_output=True, check=False)
         shutil.rmtree(host.pin_dir, ignore_errors=True)
         shutil.rmtree(host.dir, ignore_errors=True)
@@ -363,8 +325,8 @@ def test_upgrade_a_to_b_then_broken_c_rolls_back_without_losing_a_packet(
     host = containerised_host
     images = host.images
     assert host.image() == images["A"]
-    conflist = cnirun.load_conflist(host.conflist)
-    pods = [cnirun.Pod(name=f"{NETNS_PREFIX}{host.tag}-{i}") for i in (1, 2)]
+    conflist = cni.load_conflist(host.conflist)
+    pods = [cni.Pod(name=f"{NETNS_PREFIX}{host.tag}-{i}") for i in (1, 2)]
     server = client = None
     try:
         for pod in pods:
@@ -395,17 +357,17 @@ def test_upgrade_a_to_b_then_broken_c_rolls_back_without_losing_a_packet(
         assert stats["sent"] > 500, stats
         assert stats["missing"] == [] and stats["received"] == stats["sent"], stats
 
-        late = cnirun.Pod(name=f"{NETNS_PREFIX}{host.tag}-3")
+        late = cni.Pod(name=f"{NETNS_PREFIX}{host.tag}-3")
         late.create_netns()
         pods.append(late)
-        late.add(cnirun.load_conflist(host.conflist), timeout=60).check()
-        assert cnirun.ping(late.name, pods[1].ip, count=2)
+        late.add(cni.load_conflist(host.conflist), timeout=60).check()
+        assert netns.ping(late.name, pods[1].ip, count=2)
     finally:
         for proc in (client, server):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
         with contextlib.suppress(Exception):
-            conf = cnirun.load_conflist(host.conflist)
+            conf = cni.load_conflist(host.conflist)
             for pod in pods:
                 pod.delete(conf, timeout=30)

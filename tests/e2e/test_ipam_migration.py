@@ -1,11 +1,10 @@
 """Live migration cluster-pool → multi-pool with two agents whose pods ping throughout.
 
-A private stack of this checkout, on free ports (not ``scripts/stack.sh``: the operator has
-to run in cluster-pool mode first, and the fixed ports stay free for other tests): its own
-``redis-server``, ``cilia-operator serve --ipam cluster-pool`` and two ``cilia-agent serve
---ipam cluster-pool`` as two nodes on this host. Each agent has its own node name, state
-dir, sockets, CNI conf dir, bpffs pin dir and host device (``cilia_mig1``/``cilia_mig2``);
-Hubble TCP and metrics are off. Both datapaths share the host's kernel routing table: each
+A private :class:`cilia_testkit.stack.Stack` (not the session's: the operator has to run in
+cluster-pool mode first): its own ``redis-server``, ``cilia-operator serve --ipam
+cluster-pool`` and two ``cilia-agent serve --ipam cluster-pool`` as two nodes on this host.
+Each agent has its own node name, state dir, sockets, CNI conf dir, bpffs pin dir and host
+device (the kit's ``cilia_t<slot>a<i>``); Hubble TCP is off. Both datapaths share the host's kernel routing table: each
 pod's /32 host route is installed by its own agent, so pods of the two nodes reach each
 other through the host without routes between the nodes' pod CIDRs (what native routing
 between hosts would add), and each agent's BPF programs sit only on its own pods' veths.
@@ -28,19 +27,18 @@ import json
 import os
 import pathlib
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-import cnirun
 import pytest
-import traffic
+
+from cilia_testkit import cni, host, netns
+from cilia_testkit.stack import Agent, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -70,146 +68,30 @@ def _require_root() -> None:
             pytest.skip(f"needs {tool!r} on PATH (scripts/setup.sh installs it)")
 
 
-@dataclass
-class Proc:
-    """One background process of the private stack, logging to ``log``."""
-
-    name: str
-    log: pathlib.Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, argv: list[str]) -> None:
-        with self.log.open("ab") as out:
-            out.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
-            out.flush()
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
-            )
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        """SIGTERM, SIGKILL after STOP_SECONDS; idempotent."""
-        if not self.running():
-            return
-        assert self.proc is not None
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def tail(self) -> str:
-        return f"--- {self.name} ---\n{cnirun.tail(self.log, 25)}"
+def _endpoints(agent: Agent) -> dict[str, str]:
+    """``pod name → IPv4`` of ``agent``'s endpoints (``cilia-agent endpoint list``)."""
+    out = agent.endpoint_list("-o", "json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout or "[]")
+    if isinstance(data, dict):
+        data = data.get("endpoints", [])
+    return {e["pod_name"]: str(e["ipv4"]).split("/")[0] for e in data}
 
 
-@dataclass
-class Agent:
-    """A ``cilia-agent serve`` as node ``name`` with every path and device of its own."""
-
-    index: int
-    base: pathlib.Path
-    operator: str
-    tag: str
-    proc: Proc = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.name = f"cilia-e2e-mig{self.index}-{self.tag}"
-        self.device = f"cilia_mig{self.index}"
-        self.pin_dir = pathlib.Path(f"/sys/fs/bpf/cilia-e2e-mig{self.index}-{self.tag}")
-        self.dir = self.base / f"agent{self.index}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.socket = self.dir / "cilia.sock"
-        self.conflist_path = self.dir / "net.d" / "05-cilia.conflist"
-        self.proc = Proc(self.name, self.dir / "agent.log")
-
-    def start(self, ipam: str) -> None:
-        """Start with ``--ipam ipam``; return once ready (conflist written)."""
-        self.launch(ipam)
-        self.wait_ready()
-
-    def launch(self, ipam: str) -> None:
-        """Start with ``--ipam ipam`` without waiting."""
-        self.conflist_path.unlink(missing_ok=True)
-        self.proc.start(
-            [
-                str(cnirun.VENV_BIN / "cilia-agent"),
-                "serve",
-                "--ipam",
-                ipam,
-                "--node-name",
-                self.name,
-                "--operator",
-                self.operator,
-                "--state-dir",
-                str(self.dir / "state"),
-                "--socket",
-                str(self.socket),
-                "--hubble-socket",
-                str(self.dir / "hubble.sock"),
-                "--hubble-listen-address",
-                "",
-                "--cni-conf-dir",
-                str(self.conflist_path.parent),
-                "--prometheus-serve-addr",
-                "",
-                "--bpf-pin-dir",
-                str(self.pin_dir),
-                "--host-device-name",
-                self.device,
-                "--operator-reconnect-max-backoff",
-                "2",
-            ]
-        )
-
-    def wait_ready(self) -> None:
-        """Wait until the conflist is written; fail with the log tail if not in time."""
-        ok = cnirun.wait_for(
-            lambda: self.conflist_path.exists() or not self.proc.running(), READY_SECONDS
-        )
-        if not ok or not self.proc.running():
-            pytest.fail(f"agent {self.name} not ready:\n{self.proc.tail()}")
-
-    def conflist(self) -> dict[str, Any]:
-        return cnirun.load_conflist(self.conflist_path)
-
-    def endpoints(self) -> dict[str, str]:
-        """``pod name → IPv4`` of the agent's endpoints (``cilia-agent endpoint list``)."""
-        out = subprocess.run(
-            [
-                str(cnirun.VENV_BIN / "cilia-agent"),
-                "endpoint",
-                "list",
-                "-o",
-                "json",
-                "--socket",
-                str(self.socket),
-                "--bpf-pin-dir",
-                str(self.pin_dir),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        assert out.returncode == 0, out.stderr
-        data = json.loads(out.stdout or "[]")
-        if isinstance(data, dict):
-            data = data.get("endpoints", [])
-        return {e["pod_name"]: str(e["ipv4"]).split("/")[0] for e in data}
-
-    def remove_leftovers(self) -> None:
-        shutil.rmtree(self.pin_dir, ignore_errors=True)
-        if pathlib.Path(f"/sys/class/net/{self.device}").exists():
-            cnirun.sh("ip", "link", "del", self.device, check=False)
+def _ipam_status(stack: Stack) -> dict[str, Any] | None:
+    """``cilia-operator ipam status -o json`` (GetStatus as JSON), None on failure."""
+    out = stack.operator_cli("ipam", "status", "-o", "json")
+    if out.returncode != 0:
+        return None
+    data = json.loads(out.stdout)
+    assert isinstance(data, dict)
+    return data
 
 
 class PingStream:
     """``ping -i 0.2`` from pod ``src`` to ``address`` until :meth:`finish`."""
 
-    def __init__(self, src: cnirun.Pod, address: str) -> None:
+    def __init__(self, src: cni.Pod, address: str) -> None:
         self.label = f"{src.name} -> {address}"
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", src.name, "ping", "-n", "-i", PING_INTERVAL, address],
@@ -227,133 +109,66 @@ class PingStream:
         return int(match.group(1)), int(match.group(2)), out
 
 
-@dataclass
-class Stack:
-    base: pathlib.Path
-    operator_addr: str
-    redis_url: str
-    redis: Proc
-    operator: Proc
-    agents: list[Agent]
-
-    def start_operator(self, *extra: str) -> None:
-        self.operator.start(
-            [
-                str(cnirun.VENV_BIN / "cilia-operator"),
-                "serve",
-                "--store",
-                self.redis_url,
-                "--listen",
-                self.operator_addr,
-                "--prometheus-serve-addr",
-                "",
-                "--shutdown-grace-period",
-                "1",
-                *extra,
-            ]
-        )
-        ok = cnirun.wait_for(
-            lambda: self.ipam_status() is not None or not self.operator.running(), READY_SECONDS
-        )
-        if not ok or not self.operator.running():
-            pytest.fail(f"operator not ready:\n{self.operator.tail()}")
-
-    def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(cnirun.VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_addr],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-
-    def ipam_status(self) -> dict[str, Any] | None:
-        """``cilia-operator ipam status -o json`` (GetStatus as JSON), None on failure."""
-        out = self.cli("ipam", "status", "-o", "json")
-        if out.returncode != 0:
-            return None
-        data = json.loads(out.stdout)
-        assert isinstance(data, dict)
-        return data
-
-    def logs(self) -> str:
-        return "\n".join([self.operator.tail(), *(a.proc.tail() for a in self.agents)])
-
-
 @pytest.fixture
-def private_stack(tmp_path: pathlib.Path) -> Iterator[Stack]:
-    """Redis, then (by the test) the operator and two agents; all stopped at the end."""
+def private_stack() -> Iterator[Stack]:
+    """Redis of a test kit stack with two agents (no relay, no Hubble TCP, no pool of the
+    kit's: the operator's IPAM flags come from the test); the test starts the operator and
+    the agents. Everything is stopped at the end and the logs copied to :data:`LOG_COPY`."""
     _require_root()
-    tag = secrets.token_hex(3)
-    redis_port = traffic.free_port()
-    operator_addr = f"127.0.0.1:{traffic.free_port()}"
-    redis = Proc("redis", tmp_path / "redis.log")
-    operator = Proc("operator", tmp_path / "operator.log")
-    agents = [Agent(i, tmp_path, operator_addr, tag) for i in (1, 2)]
-    s = Stack(tmp_path, operator_addr, f"redis://127.0.0.1:{redis_port}/0", redis, operator, agents)
+    stack = Stack(
+        "ipmig", agents=2, relay=False, hubble_tcp=False, auto_pool=False,
+        agent_args=("--operator-reconnect-max-backoff", "2"),
+    )  # fmt: skip
     try:
-        for name in cnirun.list_netns(NETNS_PREFIX):  # pods of an earlier, killed run
-            cnirun.delete_netns(name)
-        for a in agents:
-            a.remove_leftovers()
-        redis.start(
-            ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp_path)]
-        )  # fmt: skip
-        assert cnirun.wait_for(
-            lambda: cnirun.sh("redis-cli", "-p", str(redis_port), "ping", check=False).stdout
-            .strip() == "PONG",
-            20,
-        ), redis.tail()  # fmt: skip
-        yield s
+        for name in netns.list_netns(NETNS_PREFIX):  # pods of an earlier, killed run
+            netns.delete_netns(name)
+        stack.prepare()
+        stack.start_redis()
+        yield stack
     finally:
-        for a in agents:
-            a.proc.stop()
-            a.remove_leftovers()
-        operator.stop()
-        redis.stop()
         shutil.rmtree(LOG_COPY, ignore_errors=True)
         LOG_COPY.mkdir(parents=True)
-        for proc in (operator, *(a.proc for a in agents)):
+        for proc in stack.components().values():
             if proc.log.exists():
-                shutil.copy(proc.log, LOG_COPY / f"{proc.name}.log")
+                shutil.copy(proc.log, LOG_COPY / proc.log.name)
+        stack.stop()
 
 
-def _pod(name: str) -> cnirun.Pod:
-    pod = cnirun.Pod(name=f"{NETNS_PREFIX}{os.getpid()}-{name}", namespace="mig")
+def _pod(name: str) -> cni.Pod:
+    pod = cni.Pod(name=f"{NETNS_PREFIX}{os.getpid()}-{name}", namespace="mig")
     pod.create_netns()
     return pod
 
 
 def _add_until_ready(
-    pod: cnirun.Pod, agent: Agent, annotations: dict[str, str]
-) -> list[cnirun.CniOutcome]:
+    pod: cni.Pod, agent: Agent, annotations: dict[str, str]
+) -> list[cni.CniOutcome]:
     """ADD with ``args.cni.annotations``, retried while the pool has no block here yet."""
-    conf = cnirun.plugin_netconf(agent.conflist())
+    conf = cni.plugin_netconf(agent.conflist())
     conf["args"] = {"cni": {"annotations": annotations}}
-    outcomes: list[cnirun.CniOutcome] = []
+    outcomes: list[cni.CniOutcome] = []
 
     def attempt() -> bool:
-        out = cnirun.invoke(
+        out = cni.invoke(
             "ADD",
             stdin=json.dumps(conf),
             container_id=pod.container_id,
             netns=pod.netns,
             ifname=pod.ifname,
-            args=cnirun.cni_args(pod.namespace, pod.name, pod.container_id),
+            args=cni.cni_args(pod.namespace, pod.name, pod.container_id),
         )
         outcomes.append(out)
         if out.returncode == 0:
             pod.result = out.json
         return out.returncode == 0
 
-    cnirun.wait_for(attempt, POOL_DELIVERY_SECONDS, interval=0.5)
+    host.wait_for(attempt, POOL_DELIVERY_SECONDS, interval=0.5)
     return outcomes
 
 
 def _pod_cidrs(stack: Stack) -> dict[str, str]:
     """``node → its one podCIDR`` (CiliumNode spec.ipam.podCIDRs) from GetStatus."""
-    status = stack.ipam_status()
+    status = _ipam_status(stack)
     assert status is not None and status.get("mode") == "cluster-pool", status
     out = {}
     for node in status.get("nodes", []):
@@ -364,7 +179,7 @@ def _pod_cidrs(stack: Stack) -> dict[str, str]:
 
 
 def _migrated(stack: Stack, expected: dict[str, str]) -> bool:
-    status = stack.ipam_status() or {}
+    status = _ipam_status(stack) or {}
     if status.get("migration") != "done":
         return False
     for node in status.get("nodes", []):
@@ -390,7 +205,7 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         str(MASK),
     )
     for agent in stack.agents:  # both load their datapath at once
-        agent.launch("cluster-pool")
+        agent.launch("--ipam", "cluster-pool")
     for agent in stack.agents:
         agent.wait_ready()
     pods = {"a1": _pod("a1"), "a2": _pod("a2"), "b1": _pod("b1"), "b2": _pod("b2")}
@@ -404,10 +219,11 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         for key, out in outs.items():
             assert out.returncode == 0, f"ADD {key}: {out.stdout}\n{stack.logs()}"
         cidr = _pod_cidrs(stack)
-        assert set(cidr) == {a1.name, a2.name} and cidr[a1.name] != cidr[a2.name], cidr
+        assert set(cidr) == {a1.node_name, a2.node_name}, cidr
+        assert cidr[a1.node_name] != cidr[a2.node_name], cidr
         before = {k: p.ip for k, p in pods.items()}
         for key, ip in before.items():
-            assert ipaddress.ip_address(ip) in ipaddress.ip_network(cidr[owner[key].name]), (
+            assert ipaddress.ip_address(ip) in ipaddress.ip_network(cidr[owner[key].node_name]), (
                 key,
                 ip,
                 cidr,
@@ -416,8 +232,8 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         # through the operator's ipcache stream).
         t0 = time.monotonic()
         for src, dst in (("a1", "b1"), ("b2", "a2")):
-            assert cnirun.wait_for(
-                lambda s=src, d=dst: cnirun.ping(pods[s].name, before[d], count=1), 20
+            assert host.wait_for(
+                lambda s=src, d=dst: netns.ping(pods[s].name, before[d], count=1), 20
             ), stack.logs()
         print(f"\ncross-node pings answered {time.monotonic() - t0:.1f} s after the ADDs")
         streams = [
@@ -426,7 +242,7 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
         ]
 
         # 1. Operator: multi-pool with the migration; default pool = the old cluster CIDR.
-        stack.operator.stop()
+        stack.stop_component("operator")
         stack.start_operator(
             "--ipam",
             "multi-pool",
@@ -436,25 +252,25 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
             "--auto-create-cilium-pod-ip-pools",
             f"blue=ipv4-cidrs:{BLUE_CIDR};ipv4-mask-size:28",  # used only after the switch
         )
-        assert cnirun.wait_for(lambda: _migrated(stack, cidr), MIGRATION_SECONDS), (
-            json.dumps(stack.ipam_status(), indent=1) + stack.logs()
+        assert host.wait_for(lambda: _migrated(stack, cidr), MIGRATION_SECONDS), (
+            json.dumps(_ipam_status(stack), indent=1) + stack.logs()
         )
         # 2. Agents switched one at a time; each restores its pods with their addresses.
         for agent in stack.agents:
-            agent.proc.stop()
-            agent.start("multi-pool")
+            agent.stop()
+            agent.start("--ipam", "multi-pool")
             mine = {k: before[k] for k in pods if owner[k] is agent}
-            restored = agent.endpoints()
+            restored = _endpoints(agent)
             assert {k: restored.get(pods[k].name) for k in mine} == mine, (
-                f"{agent.name} restored {restored}; logs in {LOG_COPY}\n"
+                f"{agent.node_name} restored {restored}; logs in {LOG_COPY}\n"
                 + "\n".join(
                     line[-300:]
-                    for line in agent.proc.log.read_text().splitlines()
+                    for line in agent.process.log.read_text().splitlines()
                     if "restore" in line or "endpoint" in line
                 )
             )
             # A new flow (new ICMP id) crosses the restarted node too.
-            assert cnirun.ping(pods["a1"].name, before["b1"], count=3), stack.logs()
+            assert netns.ping(pods["a1"].name, before["b1"], count=3), stack.logs()
         # After the switch, concurrently: a pod on a1 gets a fresh address of the same node
         # CIDR; and, non-default pools being usable once every agent runs multi-pool, a pod
         # on a2 annotated for a new pool gets its address from it (ResolvePool, demand, a
@@ -467,19 +283,19 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
             blue_adds = pool.submit(_add_until_ready, blue, a2, {"ipam.cilium.io/ip-pool": "blue"})
             out, outcomes = late_add.result(), blue_adds.result()
         assert out.returncode == 0, out.stdout + stack.logs()
-        assert ipaddress.ip_address(late.ip) in ipaddress.ip_network(cidr[a1.name])
+        assert ipaddress.ip_address(late.ip) in ipaddress.ip_network(cidr[a1.node_name])
         assert late.ip not in before.values()
         assert outcomes[-1].returncode == 0, [o.stdout for o in outcomes] + [stack.logs()]
         assert all(o.json.get("code") in (11, 101) for o in outcomes[:-1]), outcomes
         assert ipaddress.ip_address(blue.ip) in ipaddress.ip_network(BLUE_CIDR), blue.ip
-        assert cnirun.ping(blue.name, before["a1"], count=1), stack.logs()
+        assert netns.ping(blue.name, before["a1"], count=1), stack.logs()
         time.sleep(1.0)  # a few more pings of the streams after the last switch
     finally:
         results = [(s.label, *s.finish()[:2]) for s in streams]
 
         def remove(key: str) -> None:
             pod = pods[key]
-            if pod.result is not None and owner[key].proc.running():
+            if pod.result is not None and owner[key].process.running():
                 with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
                     pod.delete(owner[key].conflist(), timeout=30)
             pod.destroy_netns()
@@ -490,7 +306,7 @@ def test_cluster_pool_to_multi_pool_migration_keeps_addresses_and_pings(
     print(f"\nping streams (sent, received): {results}; lost: {lost}")
     assert all(sent >= 20 for _, sent, _ in results), results
     assert not any(lost.values()), f"pings lost during the migration: {results}\n{stack.logs()}"
-    status = stack.ipam_status()
+    status = _ipam_status(stack)
     assert status is not None and status["mode"] == "multi-pool", status
     assert status["migration"] == "done", status
     assert status.get("nodesMigrated") == status.get("nodesTotal") == 2, status

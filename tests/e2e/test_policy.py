@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cnirun
 import pytest
 import traffic
-from support import dump_logs, endpoints
+from support import current_stack, dump_logs, endpoints
+
+from cilia_testkit import cni, host
+from cilia_testkit.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -38,10 +40,10 @@ POLICIES = ("backend-allow-frontend", "frontend-lockdown", "backend-deny-other",
 class Pods:
     """The module's three running pods, by role."""
 
-    def __init__(self, pods: dict[str, cnirun.Pod]) -> None:
+    def __init__(self, pods: dict[str, cni.Pod]) -> None:
         self.by_role = pods
 
-    def __getitem__(self, role: str) -> cnirun.Pod:
+    def __getitem__(self, role: str) -> cni.Pod:
         return self.by_role[role]
 
     def connect(self, src: str, dst: str, port: int) -> str | None:
@@ -54,13 +56,13 @@ class Pods:
 
 
 @pytest.fixture(scope="module")
-def pods(stack: None) -> Iterator[Pods]:
-    conflist = cnirun.load_conflist()
-    made: dict[str, cnirun.Pod] = {}
+def pods(stack: Stack) -> Iterator[Pods]:
+    conflist = stack.agent.conflist()
+    made: dict[str, cni.Pod] = {}
     servers: list[subprocess.Popen[str]] = []
     try:
         for role in ROLES:
-            pod = cnirun.Pod(
+            pod = cni.Pod(
                 name=f"cilia-e2e-{os.getpid()}-pol-{role}", namespace=NS, labels={"app": role}
             )
             pod.create_netns()
@@ -72,12 +74,12 @@ def pods(stack: None) -> Iterator[Pods]:
         yield Pods(made)
     finally:
         for name in POLICIES:
-            cnirun.operator_cli("delete", "cnp", name, "-n", NS)
+            current_stack().operator_cli("delete", "cnp", name, "-n", NS)
         for server in servers:
             traffic.stop(server)
         for pod in made.values():
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                pod.delete(cnirun.load_conflist(), timeout=30)
+                pod.delete(current_stack().agent.conflist(), timeout=30)
             pod.destroy_netns()
 
 
@@ -116,12 +118,12 @@ def _apply(*docs: dict[str, Any]) -> None:
 
 
 def _delete(name: str) -> None:
-    out = cnirun.operator_cli("delete", "cnp", name, "-n", NS)
+    out = current_stack().operator_cli("delete", "cnp", name, "-n", NS)
     assert out.returncode == 0, f"delete cnp {name} exited {out.returncode}: {out.stderr}"
 
 
 def _eventually(predicate: Callable[[], bool], what: str) -> None:
-    assert cnirun.wait_for(predicate, POLICY_WAIT_SECONDS, interval=0.3), (
+    assert host.wait_for(predicate, POLICY_WAIT_SECONDS, interval=0.3), (
         f"{what} not within {POLICY_WAIT_SECONDS:g}s\n{dump_logs()}"
     )
 
@@ -214,7 +216,7 @@ def test_relay_shows_frontend_forwarded_and_other_dropped_policy_denied_with_pod
 
 
 def _cnp_spec(name: str) -> dict[str, Any]:
-    out = cnirun.operator_cli("get", "cnp", name, "-n", NS, "-o", "json")
+    out = current_stack().operator_cli("get", "cnp", name, "-n", NS, "-o", "json")
     assert out.returncode == 0, out.stderr
     spec = json.loads(out.stdout)["spec"]
     assert isinstance(spec, dict)
@@ -248,7 +250,7 @@ def test_invalid_policy_is_rejected_with_the_field_path_and_nothing_changes(pods
     assert "spec.ingres" in out.stderr, out.stderr
 
     assert _cnp_spec("backend-allow-frontend") == before
-    missing = cnirun.operator_cli("get", "cnp", "not-applied", "-n", NS)
+    missing = current_stack().operator_cli("get", "cnp", "not-applied", "-n", NS)
     assert missing.returncode != 0, missing.stdout
     time.sleep(1.0)  # a wrongly applied change would reach the datapath within this time
     assert pods.connect("other", "backend", ALLOWED) is None

@@ -3,7 +3,7 @@
 A second ``cilia-agent serve`` (the real binary) runs next to the stack's agent as another
 node: its own node name, state dir, sockets, Hubble TCP port, CNI conf dir, bpffs pin dir
 and host device. It registers with the stack's operator and so gets its own /24 of
-10.200.0.0/16; the stack's relay learns it through the first agent's Peer service (fed by
+the stack's pool; the stack's relay learns it through the first agent's Peer service (fed by
 the operator's WatchNodes). One pod runs on each node and they ping each other.
 """
 
@@ -14,27 +14,22 @@ import ipaddress
 import itertools
 import json
 import os
-import pathlib
-import secrets
-import shutil
-import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import cnirun
 import pytest
 import traffic
-from support import assert_pod_ip, dump_logs
+from support import assert_pod_ip, current_stack, dump_logs
+
+from cilia_testkit import VENV_BIN, cni, host, netns
+from cilia_testkit.stack import Agent, Stack, StackError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
 NS = "cilia-e2e-relay"
-HOST_DEVICE = "cilia_e2e2"
-AGENT_READY_SECONDS = 60.0
-AGENT_STOP_SECONDS = 15.0
 RELAY_NOTICE_SECONDS = 20.0
 ERROR_AGGREGATION_SECONDS = 10.0  # cilia-relay serve --error-aggregation-window default
 DOWN_STATES = {"NODE_UNAVAILABLE", "NODE_ERROR"}
@@ -59,7 +54,7 @@ print(json.dumps({
 def relay_status() -> dict[str, Any]:
     """``{"status": ServerStatusResponse, "nodes": [Node]}`` of the stack's relay."""
     out = subprocess.run(
-        [str(cnirun.VENV_BIN / "python"), "-c", RELAY_STATUS, traffic.RELAY],
+        [str(VENV_BIN / "python"), "-c", RELAY_STATUS, current_stack().relay_address],
         capture_output=True,
         text=True,
         timeout=60,
@@ -76,157 +71,55 @@ def node_states() -> dict[str, str]:
     return {n["name"]: n.get("state", "") for n in relay_status()["nodes"]}
 
 
-class SecondAgent:
-    """A second ``cilia-agent serve`` on this host, as node ``name``; files under ``base``."""
-
-    def __init__(self, base: pathlib.Path) -> None:
-        tag = secrets.token_hex(3)
-        self.name = f"cilia-e2e-node2-{tag}"
-        self.base = base
-        self.state_dir = base / "state"
-        self.socket = base / "cilia.sock"
-        self.hubble_socket = base / "hubble.sock"
-        self.conf_dir = base / "net.d"
-        self.conflist_path = self.conf_dir / "05-cilia.conflist"
-        self.log = base / "agent.log"
-        self.pin_dir = pathlib.Path(f"/sys/fs/bpf/cilia-e2e-{tag}")
-        self.hubble_port = traffic.free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def argv(self) -> list[str]:
-        return [
-            str(cnirun.VENV_BIN / "cilia-agent"),
-            "serve",
-            "--node-name",
-            self.name,
-            "--operator",
-            "127.0.0.1:4250",
-            "--state-dir",
-            str(self.state_dir),
-            "--socket",
-            str(self.socket),
-            "--hubble-socket",
-            str(self.hubble_socket),
-            "--hubble-listen-address",
-            f"127.0.0.1:{self.hubble_port}",
-            "--cni-conf-dir",
-            str(self.conf_dir),
-            "--prometheus-serve-addr",
-            "",
-            "--bpf-pin-dir",
-            str(self.pin_dir),
-            "--host-device-name",
-            HOST_DEVICE,
-            "--log-level",
-            "info",
-        ]
-
-    def start(self) -> None:
-        """Start the agent; return once it wrote its conflist (ready).
-
-        Fails the test (with the log tail) when it exits or is not ready in time.
-        """
-        self.conflist_path.unlink(missing_ok=True)
-        with self.log.open("ab") as log:
-            log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} start\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
-        proc = self.proc
-        ready = cnirun.wait_for(
-            lambda: self.conflist_path.exists() or proc.poll() is not None, AGENT_READY_SECONDS
-        )
-        if not ready or proc.poll() is not None:
-            self.stop()
-            pytest.fail(
-                f"second agent not ready (exit {proc.poll()}):\n{cnirun.tail(self.log, 30)}"
-            )
-
-    def conflist(self) -> dict[str, Any]:
-        return cnirun.load_conflist(self.conflist_path)
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after AGENT_STOP_SECONDS; idempotent."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=AGENT_STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def remove_leftovers(self) -> None:
-        """Pin dir, host device (a veth pair when the kernel has no dummy driver)."""
-        if self.pin_dir.exists():
-            shutil.rmtree(self.pin_dir, ignore_errors=True)
-        if pathlib.Path(f"/sys/class/net/{HOST_DEVICE}").exists():
-            cnirun.sh("ip", "link", "del", HOST_DEVICE, check=False)
-
-
 class Nodes:
     """The two nodes and their pods: ``a`` on the stack's agent, ``b`` on the second one."""
 
-    def __init__(self, agent2: SecondAgent, a: cnirun.Pod, b: cnirun.Pod) -> None:
+    def __init__(self, agent2: Agent, a: cni.Pod, b: cni.Pod) -> None:
         self.agent2 = agent2
         self.a = a
         self.b = b
         self.node1 = socket.gethostname()
-        self.node2 = agent2.name
+        self.node2 = agent2.node_name
 
     def ping_both_ways(self, count: int = 3) -> None:
-        assert cnirun.ping(self.a.name, self.b.ip, count=count), "a -> b " + dump_logs()
-        assert cnirun.ping(self.b.name, self.a.ip, count=count), "b -> a " + dump_logs()
+        assert netns.ping(self.a.name, self.b.ip, count=count), "a -> b " + dump_logs()
+        assert netns.ping(self.b.name, self.a.ip, count=count), "b -> a " + dump_logs()
 
 
 @pytest.fixture(scope="module")
-def nodes(stack: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
-    agent2 = SecondAgent(tmp_path_factory.mktemp("agent2"))
-    agent2.remove_leftovers()
-    a = cnirun.Pod(name=f"cilia-e2e-{os.getpid()}-relay-a", namespace=NS, labels={"app": "a"})
-    b = cnirun.Pod(name=f"cilia-e2e-{os.getpid()}-relay-b", namespace=NS, labels={"app": "b"})
+def nodes(stack: Stack) -> Iterator[Nodes]:
+    agent2 = stack.add_agent()
+    a = cni.Pod(name=f"cilia-e2e-{os.getpid()}-relay-a", namespace=NS, labels={"app": "a"})
+    b = cni.Pod(name=f"cilia-e2e-{os.getpid()}-relay-b", namespace=NS, labels={"app": "b"})
     try:
         agent2.start()
-        for pod, conf in ((a, cnirun.load_conflist()), (b, agent2.conflist())):
+        for pod, conf in ((a, current_stack().agent.conflist()), (b, agent2.conflist())):
             pod.create_netns()
             outcome = pod.add(conf)
             assert outcome.returncode == 0, f"ADD {pod.name}: {outcome.stdout}\n" + (
-                cnirun.tail(agent2.log, 20) if pod is b else dump_logs()
+                agent2.process.tail(20) if pod is b else dump_logs()
             )
         yield Nodes(agent2, a, b)
     finally:
         with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-            a.delete(cnirun.load_conflist(), timeout=30)
+            a.delete(current_stack().agent.conflist(), timeout=30)
         a.destroy_netns()
         if b.result is not None:
-            if not agent2.running():
+            if not agent2.process.running():
                 # The test killed it: restart it so b's DEL releases its IP and endpoint.
-                with contextlib.suppress(pytest.fail.Exception, OSError):
+                with contextlib.suppress(StackError, OSError):
                     agent2.start()
             with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
                 b.delete(agent2.conflist(), timeout=30)
         b.destroy_netns()
         agent2.stop()
-        cnirun.operator_cli("delete", "cn", agent2.name)
+        stack.operator_cli("delete", "cn", agent2.node_name)
         agent2.remove_leftovers()
 
 
 def _default_cidrs(node: str) -> list[str]:
     """CIDRs of pool ``default`` the operator allocated to CiliumNode ``node``."""
-    out = cnirun.operator_cli("get", "ciliumnodes", node, "-o", "json")
+    out = current_stack().operator_cli("get", "ciliumnodes", node, "-o", "json")
     assert out.returncode == 0, out.stderr
     allocated = json.loads(out.stdout)["spec"]["ipam"]["pools"]["allocated"]
     return [c for entry in allocated if entry["pool"] == "default" for c in entry["cidrs"]]
@@ -239,7 +132,7 @@ def test_second_agent_gets_its_own_cidr_and_pods_reach_across_nodes(nodes: Nodes
     assert any(ip_a in ipaddress.ip_network(c) for c in cidr1), (ip_a, cidr1)
     assert any(ip_b in ipaddress.ip_network(c) for c in cidr2), (ip_b, cidr2)
     nodes.ping_both_ways(count=1)
-    assert cnirun.wait_for(
+    assert host.wait_for(
         lambda: node_states().get(nodes.node2) == "NODE_CONNECTED", RELAY_NOTICE_SECONDS
     ), relay_status()
     assert node_states()[nodes.node1] == "NODE_CONNECTED"
@@ -288,7 +181,7 @@ def _node1_flow_after(responses: list[dict[str, Any]], node1: str, t_ns: int) ->
 
 def test_relay_keeps_serving_and_reports_the_agent_killed_with_sigkill(nodes: Nodes) -> None:
     def ping_a_b() -> None:
-        cnirun.ping(nodes.a.name, nodes.b.ip, count=1, wait_seconds=1)
+        netns.ping(nodes.a.name, nodes.b.ip, count=1, wait_seconds=1)
 
     with traffic.following("--pod", f"{NS}/{nodes.a.name}") as follow:
         assert follow.wait_for(
@@ -297,7 +190,7 @@ def test_relay_keeps_serving_and_reports_the_agent_killed_with_sigkill(nodes: No
             poke=ping_a_b,
         ), f"follow stream lacks a node: {traffic.summary(r['flow'] for r in follow.responses)}"
 
-        nodes.agent2.kill9()
+        nodes.agent2.kill()
         killed = time.time_ns()
         # The second node's datapath stays attached without its agent: pods still talk.
         nodes.ping_both_ways(count=1)
@@ -330,7 +223,7 @@ def test_relay_keeps_serving_and_reports_the_agent_killed_with_sigkill(nodes: No
         last[0] = reported_down()
         return last[0] is not None
 
-    assert cnirun.wait_for(check, RELAY_NOTICE_SECONDS, interval=1.0), (
+    assert host.wait_for(check, RELAY_NOTICE_SECONDS, interval=1.0), (
         "relay never reported the killed agent as unavailable/error on stderr"
     )
     seen = last[0]

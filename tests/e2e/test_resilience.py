@@ -11,9 +11,10 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cnirun
 import pytest
-from support import assert_pod_ip, dump_logs, endpoint_ips
+from support import assert_pod_ip, current_stack, dump_logs, endpoint_ips
+
+from cilia_testkit import cni, host, netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -23,47 +24,46 @@ SENTINEL = "cilia-e2e-sentinel"
 ADD_RETRY_SECONDS = 30.0
 
 
-def _add_all(conflist: dict[str, Any], pods: list[cnirun.Pod]) -> list[str]:
+def _add_all(conflist: dict[str, Any], pods: list[cni.Pod]) -> list[str]:
     for pod in pods:
         out = pod.add(conflist)
         assert out.returncode == 0, out.stdout + dump_logs()
     return [str(assert_pod_ip(p)) for p in pods]
 
 
-def _assert_mesh(pods: list[cnirun.Pod]) -> None:
+def _assert_mesh(pods: list[cni.Pod]) -> None:
     unreachable = [
-        (a.name, b.ip) for a, b in itertools.permutations(pods, 2) if not cnirun.ping(a.name, b.ip)
+        (a.name, b.ip) for a, b in itertools.permutations(pods, 2) if not netns.ping(a.name, b.ip)
     ]
     assert not unreachable, unreachable
 
 
 def _agent_pid() -> int:
-    return int((cnirun.RUN / "agent.pid").read_text())
+    pid = current_stack().pid("agent")
+    assert pid is not None, "the agent is not running"
+    return pid
 
 
 def _restart(component: str) -> None:
-    cnirun.stack("down", component)
-    up = cnirun.stack("up", component, check=False)
-    assert up.returncode == 0, up.stderr
+    current_stack().restart(component)
 
 
 def test_pods_survive_agent_kill_9_and_restart_never_reuses_live_ips(
-    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+    conflist: dict[str, Any], make_pod: Callable[..., cni.Pod]
 ) -> None:
     pods = [make_pod(labels={"app": "survivor"}) for _ in range(3)]
     live = _add_all(conflist, pods)
 
     pid = _agent_pid()
     os.kill(pid, signal.SIGKILL)
-    assert cnirun.wait_for(lambda: not os.path.exists(f"/proc/{pid}/stat") or _zombie(pid), 10)
+    assert host.wait_for(lambda: not os.path.exists(f"/proc/{pid}/stat") or _zombie(pid), 10)
     _assert_mesh(pods)  # the datapath does not need the agent process
-    up = cnirun.stack("up", "agent", check=False)
-    assert up.returncode == 0, up.stderr
+    current_stack().start_component("agent")
 
     _assert_mesh(pods)
     assert set(live) <= endpoint_ips(), "restarted agent lost restored endpoints"
     newcomers = [make_pod(labels={"app": "newcomer"}) for _ in range(4)]
-    fresh = _add_all(cnirun.load_conflist(), newcomers)
+    fresh = _add_all(current_stack().agent.conflist(), newcomers)
     assert not set(fresh) & set(live), f"live pod IPs handed out again: {set(fresh) & set(live)}"
     assert len(set(fresh)) == len(fresh)
     _assert_mesh([pods[0], *newcomers])
@@ -79,7 +79,7 @@ def _zombie(pid: int) -> bool:
 
 def _allocated_cidrs(node: str) -> dict[str, list[str]]:
     """``spec.ipam.pools.allocated`` of CiliumNode ``node`` via ``cilia-operator get``."""
-    out = cnirun.operator_cli("get", "ciliumnodes", node, "-o", "json")
+    out = current_stack().operator_cli("get", "ciliumnodes", node, "-o", "json")
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(out.stdout)
     assert data["kind"] == "CiliumNode" and data["metadata"]["name"] == node, data
@@ -88,7 +88,7 @@ def _allocated_cidrs(node: str) -> dict[str, list[str]]:
 
 
 def test_node_keeps_its_cidr_across_operator_restart(
-    conflist: dict[str, Any], make_pod: Callable[..., cnirun.Pod]
+    conflist: dict[str, Any], make_pod: Callable[..., cni.Pod]
 ) -> None:
     node = socket.gethostname()
     before = _allocated_cidrs(node)
@@ -99,13 +99,13 @@ def test_node_keeps_its_cidr_across_operator_restart(
     assert _allocated_cidrs(node) == before
     pod = make_pod()
     # Like kubelet, retry while the agent reconnects (CNI code 11 = try again later).
-    outcomes: list[cnirun.CniOutcome] = []
+    outcomes: list[cni.CniOutcome] = []
 
     def try_add() -> bool:
         outcomes.append(pod.add(conflist))
         return outcomes[-1].returncode == 0
 
-    assert cnirun.wait_for(try_add, ADD_RETRY_SECONDS, interval=1.0), (
+    assert host.wait_for(try_add, ADD_RETRY_SECONDS, interval=1.0), (
         outcomes[-1].stdout + dump_logs()
     )
     assert all(o.json.get("code") == 11 for o in outcomes[:-1]), [o.stdout for o in outcomes]
@@ -115,8 +115,8 @@ def test_node_keeps_its_cidr_across_operator_restart(
 
 def _rules() -> tuple[list[str], list[str]]:
     return (
-        cnirun.sh("iptables", "-S").stdout.splitlines(),
-        cnirun.sh("iptables", "-t", "nat", "-S").stdout.splitlines(),
+        host.sh("iptables", "-S").stdout.splitlines(),
+        host.sh("iptables", "-t", "nat", "-S").stdout.splitlines(),
     )
 
 
@@ -145,19 +145,19 @@ def sentinel_rules() -> Iterator[None]:
         "-j",
         "RETURN",
     ]
-    cnirun.sh("iptables", "-A", *forward)
-    cnirun.sh("iptables", "-t", "nat", "-A", *nat)
+    host.sh("iptables", "-A", *forward)
+    host.sh("iptables", "-t", "nat", "-A", *nat)
     try:
         yield
     finally:
-        cnirun.sh("iptables", "-D", *forward, check=False)
-        cnirun.sh("iptables", "-t", "nat", "-D", *nat, check=False)
+        host.sh("iptables", "-D", *forward, check=False)
+        host.sh("iptables", "-t", "nat", "-D", *nat, check=False)
 
 
 def test_pods_reach_each_other_when_forward_policy_is_drop_and_foreign_rules_stay(
-    make_pod: Callable[..., cnirun.Pod], sentinel_rules: None
+    make_pod: Callable[..., cni.Pod], sentinel_rules: None
 ) -> None:
-    with cnirun.iptables_forward_policy("DROP") as previous:
+    with host.iptables_forward_policy("DROP") as previous:
         before = _rules()
         _restart("agent")  # the agent (re)installs its rules under a DROP policy
 
@@ -175,6 +175,6 @@ def test_pods_reach_each_other_when_forward_policy_is_drop_and_foreign_rules_sta
         assert forward.count("-A FORWARD -j CILIA_FORWARD") == 1
 
         pods = [make_pod() for _ in range(2)]
-        _add_all(cnirun.load_conflist(), pods)
+        _add_all(current_stack().agent.conflist(), pods)
         _assert_mesh(pods)
-    assert cnirun.sh("iptables", "-S", "FORWARD").stdout.splitlines()[0] == f"-P FORWARD {previous}"
+    assert host.sh("iptables", "-S", "FORWARD").stdout.splitlines()[0] == f"-P FORWARD {previous}"

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import json
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -24,9 +23,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import cnirun
+from support import current_stack
 
-RELAY = "127.0.0.1:4245"
+from cilia_testkit import VENV_BIN, cni, host
+
 # A connect that gets no SYN-ACK within this many seconds counts as blocked (a dropped SYN
 # is retransmitted after 1 s, so an allowed connect never needs this long on one host).
 CONNECT_TIMEOUT_SECONDS = 1.5
@@ -64,7 +64,7 @@ def greeting(name: str, port: int) -> str:
     return f"hello from {name} port {port}"
 
 
-def start_servers(pod: cnirun.Pod, ports: Iterable[int]) -> subprocess.Popen[str]:
+def start_servers(pod: cni.Pod, ports: Iterable[int]) -> subprocess.Popen[str]:
     """Start the greeter in ``pod``'s netns on ``ports``; returns once it listens.
 
     Raises:
@@ -98,7 +98,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 
 def connect(
-    pod: cnirun.Pod, address: str, port: int, *, timeout: float = CONNECT_TIMEOUT_SECONDS
+    pod: cni.Pod, address: str, port: int, *, timeout: float = CONNECT_TIMEOUT_SECONDS
 ) -> str | None:
     """TCP connect from inside ``pod`` to ``address:port``; the greeting read, or None."""
     out = subprocess.run(
@@ -123,10 +123,18 @@ def connect(
 
 
 def apply(*documents: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
-    """``cilia-operator apply -f -`` with ``documents`` as one multi-document stream."""
+    """``cilia-operator apply -f - --server <the session stack's operator>`` with
+    ``documents`` as one multi-document stream."""
     text = "\n---\n".join(json.dumps(doc) for doc in documents) + "\n"
     return subprocess.run(
-        [str(cnirun.VENV_BIN / "cilia-operator"), "apply", "-f", "-"],
+        [
+            str(VENV_BIN / "cilia-operator"),
+            "apply",
+            "-f",
+            "-",
+            "--server",
+            current_stack().operator_address,
+        ],
         input=text,
         capture_output=True,
         text=True,
@@ -174,10 +182,15 @@ def _parse_lines(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def observe(*argv: str, server: str = RELAY) -> Observed:
+def _relay(server: str | None) -> str:
+    """``server``, or the session stack's relay address when None."""
+    return server if server is not None else current_stack().relay_address
+
+
+def observe(*argv: str, server: str | None = None) -> Observed:
     """Run ``cilia-relay observe --server SERVER -o json ARGV`` (not ``--follow``)."""
     proc = subprocess.run(
-        [str(cnirun.VENV_BIN / "cilia-relay"), "observe", "--server", server, "-o", "json", *argv],
+        [str(VENV_BIN / "cilia-relay"), "observe", "--server", _relay(server), "-o", "json", *argv],
         capture_output=True,
         text=True,
         timeout=OBSERVE_TIMEOUT_SECONDS,
@@ -247,13 +260,13 @@ class Follower:
     :meth:`wait_for` polls them.
     """
 
-    def __init__(self, *argv: str, server: str = RELAY) -> None:
+    def __init__(self, *argv: str, server: str | None = None) -> None:
         self.proc = subprocess.Popen(
             [
-                str(cnirun.VENV_BIN / "cilia-relay"),
+                str(VENV_BIN / "cilia-relay"),
                 "observe",
                 "--server",
-                server,
+                _relay(server),
                 "-o",
                 "json",
                 "--follow",
@@ -309,7 +322,7 @@ class Follower:
             self._drain()
             return bool(predicate(self))
 
-        return cnirun.wait_for(check, timeout, interval=0.2)
+        return host.wait_for(check, timeout, interval=0.2)
 
     def close(self) -> None:
         """Stop the observe process."""
@@ -317,17 +330,10 @@ class Follower:
 
 
 @contextlib.contextmanager
-def following(*argv: str, server: str = RELAY) -> Iterator[Follower]:
+def following(*argv: str, server: str | None = None) -> Iterator[Follower]:
     """:class:`Follower` as a context manager (stopped on exit)."""
     follower = Follower(*argv, server=server)
     try:
         yield follower
     finally:
         follower.close()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

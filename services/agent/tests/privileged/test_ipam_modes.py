@@ -26,7 +26,7 @@ import pytest
 from cilia.agent.v1 import agent_pb2
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
-from cilia_testkit import cni as cnirun  # the libcni emulation (exec as a runtime does)
+from cilia_testkit import cni
 
 from .conftest import AgentThread, Env
 
@@ -139,16 +139,16 @@ def alloc(node: str, pools: dict[str, list[str]], **kw: Any) -> cp.NodeAllocatio
     )
 
 
-def cni_add(env: Env, name: str) -> cnirun.CniOutcome:
+def cni_add(env: Env, name: str) -> cni.CniOutcome:
     conf = json.loads((env.tmp / "net.d" / "05-cilia.conflist").read_text())
     netns = env.add_netns()
     container = secrets.token_hex(8)
-    return cnirun.invoke(
+    return cni.invoke(
         "ADD",
-        stdin=json.dumps(cnirun.plugin_netconf(conf)),
+        stdin=json.dumps(cni.plugin_netconf(conf)),
         container_id=container,
         netns=netns,
-        args=cnirun.cni_args("ns1", name, container),
+        args=cni.cni_args("ns1", name, container),
     )
 
 

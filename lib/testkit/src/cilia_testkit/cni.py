@@ -1,7 +1,7 @@
-"""Run a CNI plugin binary exactly as a container runtime (libcni) does, and make pods as netns.
+"""libcni emulation: exec a CNI plugin exactly as a container runtime does; pods; conflists.
 
-Shared by ``scripts/demo.py``, ``tests/e2e`` and ``bench/`` so the exec contract is written
-once. Standard library only: it is imported by the demo before anything else is checked.
+The ONE emulation shared by ``tests/e2e``, ``tests/contract``, ``bench/`` and the demo, so the
+exec contract is written once.
 
 What libcni does for each plugin of a conflist, and what :func:`plugin_netconf` and
 :func:`invoke` reproduce (CNI spec 1.0.0, anchors.md §2; libcni ``pkg/invoke``):
@@ -13,40 +13,32 @@ What libcni does for each plugin of a conflist, and what :func:`plugin_netconf` 
   ``CNI_IFNAME``, ``CNI_ARGS`` (``IgnoreUnknown=1;K8S_POD_NAMESPACE=…;K8S_POD_NAME=…;
   K8S_POD_INFRA_CONTAINER_ID=…`` as containerd/CRI-O send it) and ``CNI_PATH``;
 - the result (or the error JSON) is read from stdout; the exit status says which.
+
+Chained conflists (several plugins) run as libcni's ``AddNetworkList``/``DelNetworkList``:
+:func:`exec_list`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
-import re
 import secrets
-import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RUN = ROOT / ".run"
-VENV_BIN = ROOT / ".venv" / "bin"
+from cilia_testkit import VENV_BIN
+from cilia_testkit.host import host_veth_name
+from cilia_testkit.netns import create_netns, delete_netns, netns_path
+
+#: The project's plugin binary (``scripts/setup.sh`` installs it in ``.venv``).
 CILIA_CNI = VENV_BIN / "cilia-cni"
-STACK = ROOT / "scripts" / "stack.sh"
-CONFLIST = RUN / "cni" / "net.d" / "05-cilia.conflist"
-AGENT_SOCKET = RUN / "cilia.sock"
-# The stack agent's ``--state-dir`` and ``--bpf-pin-dir`` (its default: scripts/stack.sh sets none).
-AGENT_STATE_DIR = RUN / "agent" / "state"
-# The stack agent's ``--cni-del-queue-dir`` (DELs the plugin queued while the agent was down).
-DEL_QUEUE_DIR = RUN / "del-queue"
-BPF_PIN_DIR = pathlib.Path("/sys/fs/bpf/cilia")
-# Debian's reference plugins (containernetworking-plugins), for chaining tests.
+#: Debian's reference plugins (containernetworking-plugins), for chaining tests and benches.
 DEBIAN_CNI_DIR = pathlib.Path("/usr/lib/cni")
-NETNS_DIR = pathlib.Path("/var/run/netns")
 # Seconds one plugin exec may take before the caller gives up (the plugin has its own
 # agent timeouts; this only guards the caller against a hung binary).
 DEFAULT_EXEC_TIMEOUT_SECONDS = 60.0
@@ -96,7 +88,7 @@ class CniOutcome:
         return self
 
 
-def load_conflist(path: pathlib.Path = CONFLIST) -> dict[str, Any]:
+def load_conflist(path: pathlib.Path) -> dict[str, Any]:
     """Read a ``.conflist`` written by the agent.
 
     Raises:
@@ -207,60 +199,6 @@ def invoke(
         seconds=time.perf_counter() - start,
         killed=killed,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Pods as network namespaces.
-
-
-def sh(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run a host command, capturing text output.
-
-    Raises:
-        subprocess.CalledProcessError: non-zero exit and ``check``.
-    """
-    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=timeout)
-
-
-def netns_path(name: str) -> str:
-    """Path the runtime passes as ``CNI_NETNS`` for a named netns."""
-    return str(NETNS_DIR / name)
-
-
-def create_netns(name: str) -> str:
-    """Create netns ``name`` (deleting a stale one first), bring ``lo`` up; return its path."""
-    delete_netns(name)
-    sh("ip", "netns", "add", name)
-    sh("ip", "-n", name, "link", "set", "lo", "up")
-    return netns_path(name)
-
-
-def delete_netns(name: str) -> None:
-    """Delete netns ``name`` if it exists (its veth ends go with it)."""
-    if (NETNS_DIR / name).exists():
-        sh("ip", "netns", "delete", name, check=False)
-
-
-def list_netns(prefix: str) -> list[str]:
-    """Names of existing netns starting with ``prefix``."""
-    if not NETNS_DIR.is_dir():
-        return []
-    return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
-
-
-def ping(netns: str, address: str, *, count: int = 1, wait_seconds: int = 2) -> bool:
-    """True when ``address`` answers ``count`` pings from inside ``netns`` (host if empty)."""
-    argv = ["ping", "-n", "-q", "-i", "0.2", "-c", str(count), "-W", str(wait_seconds), address]
-    if netns:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    return sh(*argv, check=False, timeout=count * wait_seconds + 10).returncode == 0
-
-
-def host_lxc_links() -> list[str]:
-    """Names of host interfaces starting with ``lxc`` (pod veth host ends)."""
-    out = sh("ip", "-o", "link", "show").stdout
-    names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ": " in line]
-    return sorted(n for n in names if n.startswith("lxc"))
 
 
 @dataclasses.dataclass
@@ -387,24 +325,6 @@ class Pod:
         )
 
 
-def host_veth_name(container_id: str, ifname: str = "eth0") -> str:
-    """Host-side veth name the agent gives an attachment: ``lxc`` + sha256(id/ifname)[:11]."""
-    return "lxc" + hashlib.sha256(f"{container_id}/{ifname}".encode()).hexdigest()[:11]
-
-
-def netns_links(name: str) -> list[str]:
-    """Interface names inside netns ``name`` (``[]`` when the netns does not exist)."""
-    out = sh("ip", "-n", name, "-o", "link", "show", check=False)
-    if out.returncode != 0:
-        return []
-    names = [line.split(":")[1].strip().split("@")[0] for line in out.stdout.splitlines()]
-    return sorted(names)
-
-
-# ---------------------------------------------------------------------------------------
-# Conflists of several plugins (chaining), as libcni's AddNetworkList / DelNetworkList.
-
-
 @dataclasses.dataclass(frozen=True)
 class ListOutcome:
     """What one conflist operation did.
@@ -529,247 +449,18 @@ def exec_list(
     return ListOutcome(command, tuple(outcomes), result)
 
 
-# ---------------------------------------------------------------------------------------
-# The stack's components, its state files and its datapath maps.
-
-
-def component_pid(name: str) -> int | None:
-    """Pid of a running stack component (``redis``, ``operator``, ``agent``, ``relay``).
-
-    Read from ``.run/<name>.pid`` and checked against ``/proc/PID/cmdline`` (pid reuse, a
-    zombie) the way ``scripts/stack.sh`` does; None when it does not run.
-    """
-    binary = {"redis": "redis-server"}.get(name, f"cilia-{name}")
-    try:
-        pid = int((RUN / f"{name}.pid").read_text().strip())
-        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return None
-    return pid if binary.encode() in cmdline else None
-
-
-def kill_component(name: str, *, timeout: float = 10.0) -> int:
-    """SIGKILL a running stack component and wait until it is gone; returns its pid.
-
-    Raises:
-        RuntimeError: it is not running, or still alive after ``timeout`` seconds.
-    """
-    pid = component_pid(name)
-    if pid is None:
-        raise RuntimeError(f"stack component {name} is not running")
-    os.kill(pid, signal.SIGKILL)
-    if not wait_for(lambda: _exited(pid), timeout, interval=0.05):
-        raise RuntimeError(f"{name} (pid {pid}) still alive {timeout:g}s after SIGKILL")
-    return pid
-
-
-def _exited(pid: int) -> bool:
-    """True once every thread of ``pid`` has finished exiting (gone, or a lone zombie leader).
-
-    ``/proc/PID/cmdline`` turns empty as soon as the address space is dropped, but the listening
-    sockets close only when the last thread has released the file table; a thread leaves
-    ``/proc/PID/task`` after that. Restarting earlier finds the TCP ports still held.
-    """
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    return state in ("Z", "X") and len(tasks) <= 1
-
-
-def start_component(name: str, *, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
-    """``scripts/stack.sh up --timeout S NAME``: (re)start one component, wait until ready.
-
-    Never raises on its exit status (stderr carries the log tail on failure).
-    """
-    return stack("up", "--timeout", str(int(timeout)), name, check=False, timeout=timeout + 30)
-
-
-def agent_state_files(kind: str = "endpoints") -> list[pathlib.Path]:
-    """Files under the stack agent's ``--state-dir``/``kind`` (``[]`` when absent)."""
-    directory = AGENT_STATE_DIR / kind
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if p.is_file())
-
-
-def del_queue_files(directory: pathlib.Path = DEL_QUEUE_DIR) -> list[pathlib.Path]:
-    """Queued DEL files waiting for the agent's replay (``[]`` when none or no directory)."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
-
-
-def bpf_map_dump(name: str, pin_dir: pathlib.Path = BPF_PIN_DIR) -> list[tuple[bytes, bytes]]:
-    """Raw ``(key, value)`` bytes of the map pinned at ``pin_dir/name``, read with bpftool.
-
-    Independent of the agent's own map code (Debian's ``bpftool``, root needed).
-
-    Raises:
-        FileNotFoundError: bpftool is not installed (``apt-get install bpftool``;
-            scripts/setup.sh installs it) or the pin does not exist.
-        subprocess.CalledProcessError: bpftool failed.
-    """
-    if shutil.which("bpftool") is None:
-        raise FileNotFoundError("bpftool not on PATH: apt-get install bpftool (scripts/setup.sh)")
-    pin = pin_dir / name
-    if not pin.exists():
-        raise FileNotFoundError(f"no pinned map {pin}")
-    out = sh("bpftool", "-j", "map", "dump", "pinned", str(pin))
-    entries = json.loads(out.stdout or "[]")
-
-    def raw(hexes: Sequence[str]) -> bytes:
-        return bytes(int(h, 16) for h in hexes)
-
-    return [(raw(e["key"]), raw(e["value"])) for e in entries if "key" in e and "value" in e]
-
-
-def bpf_endpoints(pin_dir: pathlib.Path = BPF_PIN_DIR) -> dict[int, dict[str, Any]]:
-    """The datapath's endpoint map: host veth ifindex → ``{ep_id, identity, ipv4}``.
-
-    Layout ``struct endpoint_info`` (bpf/lib/common.h): u32 ep_id, u32 sec_identity,
-    be32 ipv4, u8 enforce_ingress, u8 enforce_egress; key u32 ifindex (host order).
-    """
-    out: dict[int, dict[str, Any]] = {}
-    for key, value in bpf_map_dump("cilia_endpoints", pin_dir):
-        out[int.from_bytes(key[:4], "little")] = {
-            "ep_id": int.from_bytes(value[0:4], "little"),
-            "identity": int.from_bytes(value[4:8], "little"),
-            "ipv4": ".".join(str(b) for b in value[8:12]),
-        }
-    return out
-
-
-def bpf_ipcache(pin_dir: pathlib.Path = BPF_PIN_DIR) -> dict[str, int]:
-    """The datapath's ipcache: ``"a.b.c.d/len"`` → security identity.
-
-    Layout ``struct ipcache_key`` u32 prefixlen (host order), be32 ip;
-    ``struct ipcache_value`` u32 sec_identity, be32 node_ip.
-    """
-    out: dict[str, int] = {}
-    for key, value in bpf_map_dump("cilia_ipcache", pin_dir):
-        prefixlen = int.from_bytes(key[:4], "little")
-        out[f"{'.'.join(str(b) for b in key[4:8])}/{prefixlen}"] = int.from_bytes(
-            value[:4], "little"
-        )
-    return out
-
-
-def link_ifindex(name: str) -> int:
-    """ifindex of host interface ``name``, 0 when it does not exist."""
-    try:
-        return int((pathlib.Path("/sys/class/net") / name / "ifindex").read_text())
-    except (OSError, ValueError):
-        return 0
-
-
-def stack(
-    *argv: str, check: bool = True, timeout: float = 180.0
-) -> subprocess.CompletedProcess[str]:
-    """Run ``scripts/stack.sh`` with ``argv``; stdout/stderr captured as text.
-
-    Raises:
-        subprocess.CalledProcessError: it failed and ``check`` (stderr has the log tail).
-    """
-    return subprocess.run(
-        [str(STACK), *argv], capture_output=True, text=True, check=check, timeout=timeout
-    )
-
-
-def agent_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run ``cilia-agent ARGV --socket .run/cilia.sock``; never raises on exit status."""
-    return subprocess.run(
-        [str(VENV_BIN / "cilia-agent"), *argv, "--socket", str(AGENT_SOCKET)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def operator_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run ``cilia-operator ARGV`` against the local stack; never raises on exit status."""
-    return subprocess.run(
-        [str(VENV_BIN / "cilia-operator"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.2) -> bool:
-    """Poll ``predicate()`` every ``interval`` s until truthy or ``timeout`` s passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
-
-
-@contextlib.contextmanager
-def iptables_forward_policy(policy: str) -> Iterator[str]:
-    """Set the iptables FORWARD policy to ``policy`` and restore the previous one on exit.
-
-    Yields the previous policy (``ACCEPT`` or ``DROP``).
-    """
-    first = sh("iptables", "-S", "FORWARD").stdout.splitlines()[0]  # "-P FORWARD ACCEPT"
-    previous = first.split()[-1]
-    sh("iptables", "-P", "FORWARD", policy)
-    try:
-        yield previous
-    finally:
-        sh("iptables", "-P", "FORWARD", previous)
-
-
-def tail(path: pathlib.Path, lines: int = 30) -> str:
-    """Last ``lines`` lines of a stack log written since its latest start, or a note.
-
-    ``scripts/stack.sh`` appends to ``.run/<component>.log`` and writes a
-    ``# <UTC time> <command>`` header at each start; older starts are left out.
-    """
-    if not path.exists():
-        return f"({path} missing)"
-    text = path.read_text(errors="replace").splitlines()
-    starts = [i for i, line in enumerate(text) if re.match(r"# \d{4}-", line)]
-    current = text[starts[-1] :] if starts else text
-    return "\n".join(current[-lines:])
-
-
-__all__: Sequence[str] = [
-    "CONFLIST",
+__all__ = [
+    "CILIA_CNI",
+    "DEBIAN_CNI_DIR",
     "CniOutcome",
     "CniRunError",
     "ListOutcome",
     "Pod",
-    "agent_cli",
-    "agent_state_files",
-    "bpf_endpoints",
-    "bpf_ipcache",
-    "bpf_map_dump",
     "cni_args",
-    "component_pid",
-    "create_netns",
-    "del_queue_files",
-    "delete_netns",
     "exec_list",
     "find_plugin",
-    "host_lxc_links",
-    "host_veth_name",
     "invoke",
-    "iptables_forward_policy",
-    "kill_component",
-    "link_ifindex",
     "list_netconf",
     "load_conflist",
-    "netns_links",
-    "operator_cli",
-    "ping",
     "plugin_netconf",
-    "stack",
-    "start_component",
-    "wait_for",
 ]

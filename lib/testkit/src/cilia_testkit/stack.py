@@ -1,0 +1,838 @@
+"""The local stack — redis, cilia-operator, cilia-agent(s), cilia-relay — for tests, benches
+and the demo. The ONE place that starts an agent process for them.
+
+A :class:`Stack` owns everything it starts, so two stacks run side by side on one host:
+
+- a run dir (``tempfile.mkdtemp`` unless given) with each component's log
+  (``<component>.log``, a ``# <UTC time> <argv>`` header per start), redis' unix socket and
+  data, and per agent ``agent<i>/``: API and Hubble unix sockets, ``state/``, ``net.d/``
+  (the CNI conf dir), ``del-queue/``;
+- per agent a BPF pin dir ``/sys/fs/bpf/cilia-tk<slot>-a<i>`` (``--bpf-pin-dir``), a host
+  device ``cilia_t<slot>a<i>`` (``--host-device-name``) and, per stack, a pod pool
+  ``10.<210+slot>.0.0/16`` (unless given);
+- TCP listeners bound by the servers themselves on port 0 (``127.0.0.1:0``), read back from
+  the ``"listening"`` JSON log line each service writes per listener
+  (``cilia_common.runtime.announce_listening``: ``{"msg": "listening", "listener": …,
+  "address": …}``). :func:`read_listeners` also understands the operator's older
+  ``"operator serving"`` line. Listeners whose service does not announce its bound port yet
+  are switched in ONE place, :func:`_listen_spec`: the relay then listens on unix sockets in
+  the run dir, and the agent's Hubble TCP server (which the agent advertises to the relay
+  as ``<node IP>:<configured port>``, so port 0 cannot work before it advertises the bound
+  one) on a port of the stack's slot.
+
+The slot (0..:data:`SLOTS`-1) is an ``flock``-held file under :data:`SLOT_DIR` (released by
+the kernel when the holder dies); it numbers what must be unique per host (device names, pin
+dirs, pool CIDR, the interim ports). Each started process is recorded per slot, so the next
+holder of a slot kills what a killed test run left behind (:func:`_kill_orphans`) before it
+removes that slot's pins and devices.
+
+``Stack(shared=True)`` is the ``make up`` stack instead (``scripts/stack.sh`` through
+:mod:`cilia_testkit.stackctl`): run dir ``.run/``, the README's fixed addresses
+(:data:`SHARED_OPERATOR` …), the agent's default pin dir and ``cilia_host``, pid files so that
+a later command finds the processes an earlier one started; its pins, device and run dir stay.
+
+What two stacks still share on one host: the iptables chain ``CILIA_FORWARD`` and its jump
+from FORWARD (each agent installs the same two ``lxc+`` rules and repairs them; neither
+removes them on exit, so they coexist) and the host's routing table (disjoint pool CIDRs).
+Processes start in their own session (``start_new_session``; no ``preexec_fn``) and are
+stopped with SIGTERM, then SIGKILL, and reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from cilia_testkit import ROOT, VENV_BIN
+from cilia_testkit._process import Process, StackError, _exited
+from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
+from cilia_testkit.cni import load_conflist
+from cilia_testkit.host import sh, wait_for
+
+#: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
+#: and its documented fixed addresses (README "The local stack").
+SHARED_RUN = ROOT / ".run"
+SHARED_CONFLIST = SHARED_RUN / "cni" / "net.d" / "05-cilia.conflist"
+SHARED_AGENT_SOCKET = SHARED_RUN / "cilia.sock"
+SHARED_REDIS_PORT = 6390
+SHARED_OPERATOR = "127.0.0.1:4250"
+SHARED_RELAY = "127.0.0.1:4245"
+SHARED_RELAY_HEALTH = "127.0.0.1:4222"
+SHARED_POOL = "10.200.0.0/16"
+
+#: Where stack slots are locked (one file per slot, held with ``flock`` while a Stack runs).
+SLOT_DIR = pathlib.Path(tempfile.gettempdir()) / "cilia-testkit-slots"
+SLOTS = 20
+#: Interim fixed ports of slot N: ``SLOT_PORT_BASE + N * 8 + agent index`` (the agents' Hubble
+#: TCP servers; see :func:`_listen_spec`).
+SLOT_PORT_BASE = 42400
+MAX_AGENTS = 8
+#: Seconds a component may take to get ready.
+READY_SECONDS = 90.0
+
+#: Listeners whose bound address the service logs today (``(component, listener)``). The
+#: contract (``cilia_common.runtime.announce_listening``) adds the agent's ``hubble-tcp`` and
+#: ``metrics`` and the relay's ``observer`` and ``health``: add them here once they are logged,
+#: and :func:`_listen_spec` binds them on port 0 too.
+ANNOUNCED: frozenset[tuple[str, str]] = frozenset({("operator", "grpc"), ("operator", "metrics")})
+
+
+def read_listeners(log: pathlib.Path, offset: int = 0) -> dict[str, str]:
+    """Listener name → bound address, from the JSON log lines at or after byte ``offset``.
+
+    Reads ``{"msg": "listening", "listener": L, "address": A}`` lines (the later wins), and
+    the operator's ``{"msg": "operator serving", "listen": A, "metrics": PORT}`` line
+    (``grpc``, and ``metrics`` as ``127.0.0.1:PORT``). Non-JSON lines are skipped.
+    """
+    out: dict[str, str] = {}
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            data = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return out
+    for line in data.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        msg = rec.get("msg", rec.get("message"))
+        if msg == "listening" and isinstance(rec.get("listener"), str):
+            out[rec["listener"]] = str(rec.get("address", ""))
+        elif msg == "operator serving":
+            out.setdefault("grpc", str(rec.get("listen", "")))
+            if rec.get("metrics"):
+                out.setdefault("metrics", f"127.0.0.1:{rec['metrics']}")
+    return out
+
+
+def _logged(log: pathlib.Path, offset: int, message: str) -> bool:
+    """True when a JSON log line with ``msg == message`` was written at/after ``offset``."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            data = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return False
+    return f'"msg": "{message}"' in data
+
+
+@contextlib.contextmanager
+def _slot() -> Iterator[int]:
+    """Hold the first free slot (``flock`` on ``SLOT_DIR/<n>.lock``) for the block.
+
+    Raises:
+        StackError: all :data:`SLOTS` slots are held.
+    """
+    SLOT_DIR.mkdir(parents=True, exist_ok=True)
+    for n in range(SLOTS):
+        fd = os.open(SLOT_DIR / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield n
+        finally:
+            os.close(fd)
+        return
+    raise StackError(f"all {SLOTS} stack slots under {SLOT_DIR} are in use")
+
+
+def _kill_orphans(slot: int) -> list[int]:
+    """SIGKILL what an earlier holder of ``slot`` started and left running (its test process
+    was killed before :meth:`Stack.stop`); returns their pids.
+
+    The slot's record holds ``<pid> <run dir>`` lines; a pid counts only while its
+    ``/proc/PID/cmdline`` still names that run dir (pid reuse). The record is then emptied
+    and the earlier run dir removed when it is a temporary one of the kit.
+    """
+    record = SLOT_DIR / f"{slot}.pids"
+    killed: list[int] = []
+    try:
+        lines = record.read_text().splitlines()
+    except FileNotFoundError:
+        return killed
+    stale_dirs = set()
+    for line in lines:
+        pid_text, _, run_dir = line.partition(" ")
+        if not pid_text.isdigit() or not run_dir:
+            continue
+        stale_dirs.add(run_dir)
+        try:
+            cmdline = pathlib.Path(f"/proc/{pid_text}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if run_dir.encode() in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_text), signal.SIGKILL)
+            wait_for(lambda p=int(pid_text): _exited(p), 10, interval=0.05)
+            killed.append(int(pid_text))
+    record.write_text("")
+    for run_dir in stale_dirs:
+        path = pathlib.Path(run_dir)
+        if path.parent == pathlib.Path(tempfile.gettempdir()) and path.name.startswith("cilia-"):
+            shutil.rmtree(path, ignore_errors=True)
+    return killed
+
+
+def _listen_spec(
+    component: str, listener: str, slot: int, unix_path: pathlib.Path, index: int = 0
+) -> str:
+    """The listen flag value for ``listener`` of ``component``: ``127.0.0.1:0`` when the
+    service logs the bound address (:data:`ANNOUNCED`), else the interim choice: a unix
+    socket (relay ``observer``/``health``) or the slot's port for agent ``index``
+    (agent ``hubble-tcp``).
+
+    This is the one switch to flip once the services announce every listener.
+    """
+    if (component, listener) in ANNOUNCED:
+        return "127.0.0.1:0"
+    if component == "relay":
+        return f"unix:{unix_path}"
+    return f"127.0.0.1:{SLOT_PORT_BASE + slot * MAX_AGENTS + index}"
+
+
+class Agent:
+    """One ``cilia-agent serve`` of a :class:`Stack` with every path and name of its own.
+
+    Attributes:
+        index: 0, 1 … within the stack.
+        node_name: ``--node-name`` (the host name for agent 0, ``<host>-<index>`` after).
+        dir: its directory in the run dir (sockets, ``state/``, ``net.d/``, ``del-queue/``).
+        socket, hubble_socket, state_dir, conf_dir, conflist_path, del_queue_dir: its paths.
+        pin_dir: ``--bpf-pin-dir``; host_device: ``--host-device-name``.
+        process: the :class:`Process`.
+    """
+
+    def __init__(self, stack: Stack, index: int) -> None:
+        self.stack = stack
+        self.index = index
+        host = socket.gethostname()
+        self.node_name = host if index == 0 else f"{host}-{index}"
+        self.dir = stack.run_dir / f"agent{index}"
+        self.socket = self.dir / "cilia.sock"
+        self.hubble_socket = self.dir / "hubble.sock"
+        self.state_dir = self.dir / "state"
+        self.conf_dir = self.dir / "net.d"
+        self.conflist_path = self.conf_dir / "05-cilia.conflist"
+        self.del_queue_dir = self.dir / "del-queue"
+        self.pin_dir = pathlib.Path(f"/sys/fs/bpf/cilia-tk{stack.slot}-a{index}")
+        self.host_device = f"cilia_t{stack.slot}a{index}"
+        self.hubble_address = ""
+        self.metrics_address = "127.0.0.1:0"
+        if stack.shared:  # the make-up stack's documented paths and ports (README)
+            run = stack.run_dir
+            self.dir = run
+            self.socket, self.hubble_socket = run / "cilia.sock", run / "hubble.sock"
+            self.state_dir = run / "agent" / "state"
+            self.conf_dir = run / "cni" / "net.d"
+            self.conflist_path = self.conf_dir / "05-cilia.conflist"
+            self.del_queue_dir = run / "del-queue"
+            self.pin_dir = DEFAULT_PIN_DIR
+            self.host_device = "cilia_host"
+            self.hubble_address, self.metrics_address = ":4244", ":9962"
+        name = "agent" if index == 0 else f"agent{index}"
+        self.process = stack.process(name, "cilia-agent")
+        self.extra_args: tuple[str, ...] = ()
+
+    def argv(self, *extra: str) -> list[str]:
+        """The ``cilia-agent serve`` command line (``extra`` flags appended)."""
+        s = self.stack
+        if not self.hubble_address:
+            self.hubble_address = _listen_spec(
+                "agent", "hubble-tcp", s.slot, self.hubble_socket, self.index
+            )
+        return [
+            str(VENV_BIN / "cilia-agent"),
+            "serve",
+            "--node-name",
+            self.node_name,
+            "--operator",
+            s.operator_address,
+            "--state-dir",
+            str(self.state_dir),
+            "--socket",
+            str(self.socket),
+            "--hubble-socket",
+            str(self.hubble_socket),
+            "--hubble-listen-address",
+            self.hubble_address if s.hubble_tcp else "",
+            "--cni-conf-dir",
+            str(self.conf_dir),
+            "--cni-conf-name",
+            self.conflist_path.name,
+            "--cni-del-queue-dir",
+            str(self.del_queue_dir),
+            "--prometheus-serve-addr",
+            self.metrics_address,
+            "--bpf-pin-dir",
+            str(self.pin_dir),
+            "--host-device-name",
+            self.host_device,
+            "--log-level",
+            "info",
+            *s.agent_args,
+            *extra,
+        ]
+
+    def start(self, *extra: str, timeout: float | None = None) -> None:
+        """Start (``extra`` flags appended; kept for restarts) and wait until ready: the
+        conflist is written (a conflist of an earlier run is removed first).
+
+        Raises:
+            StackError: it exited or was not ready in time (log tail in the message).
+        """
+        self.launch(*extra)
+        self.wait_ready(timeout)
+
+    def launch(self, *extra: str) -> None:
+        """Start without waiting (see :meth:`wait_ready`); ``extra`` as for :meth:`start`."""
+        if extra:
+            self.extra_args = extra
+        for d in (self.state_dir, self.conf_dir, self.del_queue_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.conflist_path.unlink(missing_ok=True)
+        self.process.start(self.argv(*self.extra_args))
+        self.stack.record(self.process)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the conflist is written.
+
+        Raises:
+            StackError: it exited or ``timeout`` (default the stack's) s passed.
+        """
+        self.process.wait_ready(
+            self.conflist_path.exists, self.stack.ready_seconds if timeout is None else timeout
+        )
+
+    def stop(self) -> None:
+        """SIGTERM (then SIGKILL); idempotent."""
+        self.process.stop()
+
+    def kill(self) -> int:
+        """SIGKILL and wait until gone; returns the pid (see :meth:`Process.kill`)."""
+        return self.process.kill()
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Stop and start again with the same flags; wait until ready."""
+        self.stop()
+        self.start(timeout=timeout)
+
+    @property
+    def pid(self) -> int | None:
+        """The running agent's pid, else None."""
+        return self.process.pid
+
+    def conflist(self) -> dict[str, Any]:
+        """The conflist the agent wrote (:func:`cilia_testkit.cni.load_conflist`)."""
+        return load_conflist(self.conflist_path)
+
+    def cli(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """``cilia-agent ARGV --socket <its socket>``; never raises on the exit status."""
+        return subprocess.run(
+            [str(VENV_BIN / "cilia-agent"), *argv, "--socket", str(self.socket)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def endpoint_list(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """``cilia-agent endpoint list ARGV`` with this agent's socket and ``--bpf-pin-dir``
+        (the enforcement columns come from its pinned maps); never raises on exit status."""
+        return self.cli(
+            "endpoint", "list", *argv, "--bpf-pin-dir", str(self.pin_dir), timeout=timeout
+        )
+
+    def state_files(self, kind: str = "endpoints") -> list[pathlib.Path]:
+        """Files under ``state_dir/kind`` (``[]`` when absent), sorted."""
+        directory = self.state_dir / kind
+        if not directory.is_dir():
+            return []
+        return sorted(p for p in directory.iterdir() if p.is_file())
+
+    def del_queue_files(self) -> list[pathlib.Path]:
+        """Queued DEL files waiting for the agent's replay (``[]`` when none)."""
+        if not self.del_queue_dir.is_dir():
+            return []
+        return sorted(
+            p for p in self.del_queue_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+        )
+
+    def remove_leftovers(self) -> None:
+        """Remove its BPF pins and host device (the kernel keeps both after the agent exits)."""
+        shutil.rmtree(self.pin_dir, ignore_errors=True)
+        if pathlib.Path(f"/sys/class/net/{self.host_device}").exists():
+            sh("ip", "link", "del", self.host_device, check=False)
+
+
+class Stack:
+    """Redis, operator, ``agents`` agents and (optionally) the relay, started in that order
+    by :meth:`start` / ``with Stack(...) as stack`` and stopped in reverse by :meth:`stop`.
+
+    Args:
+        name: names the run dir (``cilia-<name>-…``) in messages and logs.
+        run_dir: where logs, sockets and state go (default: a new temporary directory,
+            removed by :meth:`stop` unless ``keep_run_dir``).
+        pool_cidr: the operator's ``default`` pool (default ``10.<210+slot>.0.0/16``).
+        mask_size: per-node block size of that pool.
+        auto_pool: pass that pool as ``--auto-create-cilium-pod-ip-pools`` (False: the
+            operator flags, e.g. ``--ipam cluster-pool``, come from the caller only).
+        agents: how many agents (0 = operator only).
+        relay: start cilia-relay, peering with agent 0's Hubble socket.
+        hubble_tcp: give each agent a Hubble TCP server (the relay needs it to reach peers).
+        operator_args, agent_args: extra flags for every start of those components.
+        ready_seconds: per component start timeout.
+
+    Raises (from :meth:`start`):
+        StackError: a component failed to start or get ready; what started is stopped.
+    """
+
+    def __init__(
+        self,
+        name: str = "stack",
+        *,
+        run_dir: pathlib.Path | None = None,
+        pool_cidr: str | None = None,
+        mask_size: int = 24,
+        auto_pool: bool = True,
+        agents: int = 1,
+        relay: bool = True,
+        hubble_tcp: bool = True,
+        operator_args: Sequence[str] = (),
+        agent_args: Sequence[str] = (),
+        ready_seconds: float = READY_SECONDS,
+        keep_run_dir: bool = False,
+        shared: bool = False,
+    ) -> None:
+        self.name = name
+        self.shared = shared
+        self._given_run_dir = run_dir
+        self._pool_cidr = pool_cidr
+        self.mask_size = mask_size
+        self.auto_pool = auto_pool
+        self.agent_count = agents
+        self.with_relay = relay
+        self.hubble_tcp = hubble_tcp
+        self.operator_args = tuple(operator_args)
+        self.agent_args = tuple(agent_args)
+        self.ready_seconds = ready_seconds
+        self.keep_run_dir = keep_run_dir
+        self._exit = contextlib.ExitStack()
+        self._prepared = False
+        self.slot = -1
+        self.run_dir = pathlib.Path()
+        self.agents: list[Agent] = []
+        self.redis = self.process("redis", "redis-server")
+        self.operator = self.process("operator", "cilia-operator")
+        self.relay = self.process("relay", "cilia-relay")
+        self.operator_address = ""
+        self.operator_metrics = ""
+        self.relay_address = ""
+        self.relay_health_address = ""
+        self.started = False
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def pool_cidr(self) -> str:
+        """The ``default`` pool's CIDR (known once the slot is held)."""
+        return self._pool_cidr or f"10.{210 + self.slot}.0.0/16"
+
+    @property
+    def agent(self) -> Agent:
+        """Agent 0."""
+        return self.agents[0]
+
+    @property
+    def redis_socket(self) -> pathlib.Path:
+        """redis' unix socket in the run dir."""
+        return self.run_dir / "redis.sock"
+
+    @property
+    def redis_url(self) -> str:
+        """The operator's ``--store`` URL (unix socket, db 0; the shared stack's TCP port)."""
+        if self.shared:
+            return f"redis://127.0.0.1:{SHARED_REDIS_PORT}/0"
+        return f"unix://{self.redis_socket}?db=0"
+
+    def process(self, name: str, binary: str) -> Process:
+        """A :class:`Process` for component ``name`` logging to ``<run dir>/<name>.log``
+        (the shared stack's also with ``<run dir>/<name>.pid``)."""
+        return Process(
+            name,
+            self.run_dir / f"{name}.log",
+            pidfile=self.run_dir / f"{name}.pid" if self.shared else None,
+            binary=binary,
+        )
+
+    def components(self) -> dict[str, Process]:
+        """Component name → :class:`Process` (``redis``, ``operator``, ``agent``…, ``relay``)."""
+        out = {"redis": self.redis, "operator": self.operator}
+        out.update({a.process.name: a.process for a in self.agents})
+        if self.with_relay:
+            out["relay"] = self.relay
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def prepare(self) -> Self:
+        """Take a slot, make the run dir, name the agents and remove their leftovers (pins,
+        devices of a killed earlier stack of this slot); starts nothing. :meth:`start` calls
+        it; call it yourself to start components one by one (``start_redis`` …).
+
+        Raises:
+            StackError: no free slot.
+        """
+        if self._prepared:
+            return self
+        if self.shared:
+            self.run_dir = SHARED_RUN  # created by the first start (`status` leaves no trace)
+            # fixed, so known before (and without) starting them in this process
+            self.operator_address, self.operator_metrics = SHARED_OPERATOR, "127.0.0.1:9963"
+            self.relay_address, self.relay_health_address = SHARED_RELAY, SHARED_RELAY_HEALTH
+        else:
+            self.slot = self._exit.enter_context(_slot())
+            if self._given_run_dir is None:
+                self.run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"cilia-{self.name}-"))
+            else:
+                self.run_dir = self._given_run_dir
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = self.process("redis", "redis-server")
+        self.operator = self.process("operator", "cilia-operator")
+        self.relay = self.process("relay", "cilia-relay")
+        self.agents = [Agent(self, i) for i in range(self.agent_count)]
+        if not self.shared:
+            _kill_orphans(self.slot)
+            for agent in self.agents:
+                agent.remove_leftovers()
+        self._prepared = True
+        return self
+
+    def record(self, process: Process) -> None:
+        """Note a started process in the slot's record (:func:`_kill_orphans` reads it)."""
+        if process.pid is not None and self.slot >= 0:
+            with (SLOT_DIR / f"{self.slot}.pids").open("a") as f:
+                f.write(f"{process.pid} {self.run_dir}\n")
+
+    def start(self) -> Self:
+        """:meth:`prepare`, then start every component in order and wait for each.
+
+        Raises:
+            StackError: a component failed (everything started so far is stopped).
+        """
+        self.prepare()
+        try:
+            self.start_redis()
+            self.start_operator()
+            for agent in self.agents:
+                agent.start()
+            if self.with_relay and self.agents:
+                self.start_relay()
+        except BaseException:
+            self.stop()
+            raise
+        self.started = True
+        return self
+
+    def start_redis(self) -> None:
+        """Start redis-server on the run dir's unix socket (no TCP), appendonly data in
+        ``redis/``; ready when ``redis-cli -s SOCKET ping`` answers PONG."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise StackError("redis-server not found: run scripts/setup.sh")
+        data = self.run_dir / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        if self.shared:
+            listen = ["--port", str(SHARED_REDIS_PORT), "--bind", "127.0.0.1"]
+            ping = ["redis-cli", "-h", "127.0.0.1", "-p", str(SHARED_REDIS_PORT), "ping"]
+        else:
+            listen = ["--port", "0", "--unixsocket", str(self.redis_socket)]
+            listen += ["--unixsocketperm", "700"]
+            ping = ["redis-cli", "-s", str(self.redis_socket), "ping"]
+        self.redis.start(
+            [
+                binary,
+                *listen,
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--dir",
+                str(data),
+                "--daemonize",
+                "no",
+            ]
+        )
+        self.record(self.redis)
+        self.redis.wait_ready(
+            lambda: sh(*ping, check=False).stdout.strip() == "PONG", self.ready_seconds
+        )
+
+    def start_operator(self, *extra: str) -> None:
+        """Start cilia-operator (gRPC and metrics on 127.0.0.1:0 the first time; the same
+        bound addresses on a restart, as agents hold them) and wait for its listeners.
+
+        Raises:
+            StackError: it exited, or its listeners were not logged in time.
+        """
+        if self.shared:
+            listen, metrics = SHARED_OPERATOR, ":9963"
+        else:
+            listen = self.operator_address or _listen_spec(
+                "operator", "grpc", self.slot, self.run_dir
+            )
+            metrics = self.operator_metrics or _listen_spec(
+                "operator", "metrics", self.slot, self.run_dir
+            )
+        self.operator.start(
+            [
+                str(VENV_BIN / "cilia-operator"),
+                "serve",
+                "--store",
+                self.redis_url,
+                "--listen",
+                listen,
+                "--prometheus-serve-addr",
+                metrics,
+                *self._pool_flags(),
+                "--log-level",
+                "info",
+                *self.operator_args,
+                *extra,
+            ]
+        )
+        self.record(self.operator)
+        self.operator.wait_ready(
+            lambda: (
+                {"grpc", "metrics"}
+                <= read_listeners(self.operator.log, self.operator.offset).keys()
+            ),
+            self.ready_seconds,
+        )
+        found = read_listeners(self.operator.log, self.operator.offset)
+        self.operator_address, self.operator_metrics = found["grpc"], found["metrics"]
+
+    def _pool_flags(self) -> list[str]:
+        if not self.auto_pool:
+            return []
+        return [
+            "--auto-create-cilium-pod-ip-pools",
+            f"default=ipv4-cidrs:{self.pool_cidr};ipv4-mask-size:{self.mask_size}",
+            "--ipam-default-ip-pool",
+            "default",
+        ]
+
+    def start_relay(self) -> None:
+        """Start cilia-relay peering with agent 0's Hubble socket; ready once it logged its
+        listeners (``"listening"``)."""
+        if self.shared:
+            observer, health = SHARED_RELAY, SHARED_RELAY_HEALTH
+        else:
+            observer = self.relay_address or _listen_spec(
+                "relay", "observer", self.slot, self.run_dir / "relay.sock"
+            )
+            health = self.relay_health_address or _listen_spec(
+                "relay", "health", self.slot, self.run_dir / "relay-health.sock"
+            )
+        self.relay.start(
+            [
+                str(VENV_BIN / "cilia-relay"),
+                "serve",
+                "--peer-service",
+                f"unix:{self.agent.hubble_socket}",
+                "--listen-address",
+                observer,
+                "--health-listen-address",
+                health,
+                "--log-level",
+                "info",
+            ]
+        )
+        self.record(self.relay)
+        wanted = {"observer", "health"} - {listener for (c, listener) in ANNOUNCED if c == "relay"}
+
+        def ready() -> bool:
+            found = read_listeners(self.relay.log, self.relay.offset)
+            if wanted == {"observer", "health"}:
+                return _logged(self.relay.log, self.relay.offset, "listening")
+            return {"observer", "health"} - wanted <= found.keys()
+
+        self.relay.wait_ready(ready, self.ready_seconds)
+        found = read_listeners(self.relay.log, self.relay.offset)
+        self.relay_address = found.get("observer", observer)
+        self.relay_health_address = found.get("health", health)
+
+    def add_agent(self) -> Agent:
+        """Add one more agent (another node of this stack's operator), not started yet:
+        call :meth:`Agent.start`. :meth:`stop` stops it with the others.
+
+        Raises:
+            StackError: the stack already has :data:`MAX_AGENTS` agents.
+        """
+        if len(self.agents) >= MAX_AGENTS:
+            raise StackError(f"a stack runs at most {MAX_AGENTS} agents")
+        agent = Agent(self, len(self.agents))
+        agent.remove_leftovers()
+        self.agents.append(agent)
+        return agent
+
+    def restart(self, component: str) -> None:
+        """Stop and start ``component`` (``redis``, ``operator``, ``agent``/``agent<i>``,
+        ``relay``) with the same flags and addresses; wait until ready."""
+        self.stop_component(component)
+        self.start_component(component)
+
+    def start_component(self, component: str) -> None:
+        """Start one stopped component again and wait until it is ready.
+
+        Raises:
+            StackError: unknown component, or it failed to start.
+        """
+        if component == "redis":
+            self.start_redis()
+        elif component == "operator":
+            self.start_operator()
+        elif component == "relay":
+            self.start_relay()
+        else:
+            self._agent(component).start()
+
+    def stop_component(self, component: str) -> None:
+        """SIGTERM (then SIGKILL) one component; idempotent."""
+        self._process(component).stop()
+
+    def kill(self, component: str) -> int:
+        """SIGKILL one component and wait until it is gone; returns its pid."""
+        return self._process(component).kill()
+
+    def pid(self, component: str) -> int | None:
+        """The pid of a running component, else None."""
+        return self._process(component).pid
+
+    def _process(self, component: str) -> Process:
+        try:
+            return self.components()[component]
+        except KeyError:
+            raise StackError(f"no component {component!r} in this stack") from None
+
+    def _agent(self, component: str) -> Agent:
+        for agent in self.agents:
+            if agent.process.name == component:
+                return agent
+        raise StackError(f"no agent {component!r} in this stack")
+
+    def stop(self) -> None:
+        """Stop everything in reverse order, remove agents' pins and devices, the run dir
+        (unless given or ``keep_run_dir``), and release the slot. Idempotent. The shared
+        stack keeps its run dir, pins and device (a restart restores from them)."""
+        self.relay.stop()
+        for agent in reversed(self.agents):
+            agent.stop()
+        self.operator.stop()
+        self.redis.stop()
+        if self.shared:
+            return
+        for agent in self.agents:
+            agent.remove_leftovers()
+        if self._given_run_dir is None and not self.keep_run_dir and self.run_dir.parts:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.slot >= 0:
+            (SLOT_DIR / f"{self.slot}.pids").write_text("")  # all stopped: nothing to reap
+        self._exit.close()
+        self.slot = -1
+        self._prepared = False
+        self.started = False
+
+    # -- clients --------------------------------------------------------------------------
+
+    def operator_cli(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """``cilia-operator ARGV --server <this operator>``; never raises on the exit status."""
+        return subprocess.run(
+            [str(VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_address],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def agent_cli(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """``cilia-agent ARGV`` against agent 0 (:meth:`Agent.cli`)."""
+        return self.agent.cli(*argv, timeout=timeout)
+
+    def logs(self, lines: int = 20) -> str:
+        """The tail of every component's log of its latest start, for assertion messages."""
+        return "\n".join(p.tail(lines) for p in self.components().values())
+
+    def describe(self) -> str:
+        """One line: run dir, pool, operator and relay addresses, agents' sockets and pins."""
+        agents = ", ".join(f"{a.node_name}: {a.socket} pins {a.pin_dir}" for a in self.agents)
+        return (
+            f"run dir {self.run_dir}, pool {self.pool_cidr}, operator {self.operator_address}, "
+            f"relay {self.relay_address or '-'}, agents [{agents}]"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The user's stack of ``scripts/stack.sh`` / ``make up``: fixed ports, ``.run/``.
+
+
+def stack_sh(
+    *argv: str, check: bool = True, timeout: float = 180.0
+) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/stack.sh ARGV`` (the ``make up`` stack); stdout/stderr captured as text.
+
+    Raises:
+        subprocess.CalledProcessError: it failed and ``check`` (stderr has the log tail).
+    """
+    return subprocess.run(
+        [str(ROOT / "scripts" / "stack.sh"), *argv],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=timeout,
+    )
+
+
+__all__ = [
+    "ANNOUNCED",
+    "SHARED_AGENT_SOCKET",
+    "SHARED_CONFLIST",
+    "SHARED_OPERATOR",
+    "SHARED_RELAY",
+    "SHARED_RUN",
+    "Agent",
+    "Process",
+    "Stack",
+    "StackError",
+    "read_listeners",
+    "stack_sh",
+]
