@@ -81,11 +81,18 @@ MAX_AGENTS = 8
 #: Seconds a component may take to get ready.
 READY_SECONDS = 90.0
 
-#: Listeners whose bound address the service logs today (``(component, listener)``). The
-#: contract (``cilia_common.runtime.announce_listening``) adds the agent's ``hubble-tcp`` and
-#: ``metrics`` and the relay's ``observer`` and ``health``: add them here once they are logged,
-#: and :func:`_listen_spec` binds them on port 0 too.
-ANNOUNCED: frozenset[tuple[str, str]] = frozenset({("operator", "grpc"), ("operator", "metrics")})
+#: Listeners bound on port 0 and read back from the service's ``"listening"`` lines
+#: (``cilia_common.runtime.announce_listening``), as ``(component, listener)``. The agent's
+#: ``hubble-tcp`` keeps a slot port: the agent advertises ``<node IP>:<configured port>`` to
+#: the relay, so a port 0 would be advertised as 0.
+ANNOUNCED: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("operator", "grpc"),
+        ("operator", "metrics"),
+        ("relay", "observer"),
+        ("relay", "health"),
+    }
+)
 
 
 def read_listeners(log: pathlib.Path, offset: int = 0) -> dict[str, str]:
