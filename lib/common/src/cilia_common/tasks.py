@@ -13,13 +13,14 @@ for them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Supervisor", "TaskState"]
+__all__ = ["Supervisor", "TaskState", "cancel_all"]
 
 Factory = Callable[[], Coroutine[Any, Any, object]]
 
@@ -146,24 +147,43 @@ class Supervisor:
         return list(self._tasks)
 
     async def stop(self, *, rounds: int = 50, round_seconds: float = 0.1) -> None:
-        """Cancel every task and wait until each has ended; no spawn is accepted after.
-
-        A task still running ``round_seconds`` after a cancel is cancelled again (Python
-        3.11's ``asyncio.wait_for`` can lose a cancellation that races with its inner future,
-        as redis-py's send path shows), up to ``rounds`` times; one still running then is
-        logged (WARNING, ``tasks``) and left. Safe to call twice.
-        """
+        """Cancel every task and wait until each has ended (:func:`cancel_all`); no spawn
+        is accepted after. Safe to call twice."""
         self._stopping = True
         tasks = [s.task for s in self._tasks.values() if s.task is not None]
-        pending = [t for t in tasks if not t.done()]
-        for _ in range(rounds):
-            if not pending:
-                break
-            for task in pending:
-                task.cancel()
-            _, still = await asyncio.wait(pending, timeout=round_seconds)
-            pending = list(still)
-        if pending:
-            self._log.warning(
-                "tasks did not stop", extra={"tasks": [t.get_name() for t in pending]}
-            )
+        await cancel_all(tasks, rounds=rounds, round_seconds=round_seconds, logger=self._log)
+
+
+async def cancel_all(
+    tasks: Sequence[asyncio.Task[Any]],
+    *,
+    rounds: int = 100,
+    round_seconds: float = 0.05,
+    logger: logging.Logger | None = None,
+) -> None:
+    """Cancel ``tasks`` and wait for them, cancelling again while they run on.
+
+    On Python 3.11 ``asyncio.wait_for`` (used inside redis-py's send path) can lose a
+    cancellation that races with its inner future completing; the task then carries on
+    into its next await. A repeated ``cancel()`` every ``round_seconds`` lands on that next
+    await, up to ``rounds`` times.
+
+    A task still running after that is logged (WARNING ``"tasks did not stop"`` with their
+    names) and left. The exceptions of tasks that failed are retrieved (so asyncio does not
+    log them); callers that care read them with ``task.exception()``.
+    """
+    log = logger or logging.getLogger(__name__)
+    pending = [t for t in tasks if not t.done()]
+    for _ in range(rounds):
+        if not pending:
+            break
+        for task in pending:
+            task.cancel()
+        _, still = await asyncio.wait(pending, timeout=round_seconds)
+        pending = list(still)
+    if pending:
+        log.warning("tasks did not stop", extra={"tasks": [t.get_name() for t in pending]})
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.exception()
