@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from cilia_common.addresses import split_host_port
 from cilia_common.flags import Duration, Flag
-from cilia_common.metrics import split_host_port
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
 from .ipam.pool import PoolSpec, no_pod_address

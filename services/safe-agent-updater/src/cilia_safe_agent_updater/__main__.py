@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from cilia_common import grpcserver
+from cilia_common.addresses import grpc_listen_target
 from cilia_common.logs import setup_logging
 from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_safe_agent_updater import __version__
@@ -419,14 +420,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def grpc_address(address: str) -> str:
-    """Translate a Go-style ``:PORT`` (all interfaces) into gRPC's ``[::]:PORT``.
-
-    Other forms (``host:port``, ``unix:/path``) are returned unchanged.
-    """
-    return f"[::]{address}" if address.startswith(":") else address
-
-
 async def serve(health_address: str, grace_seconds: float) -> None:
     """Serve gRPC health (SERVING) on ``health_address`` until SIGTERM or SIGINT.
 
@@ -438,7 +431,7 @@ async def serve(health_address: str, grace_seconds: float) -> None:
     servers: list[grpc.aio.Server] = []
 
     async def start() -> None:
-        target = grpc_address(health_address)
+        target = grpc_listen_target(health_address)
         server, health, ports = await grpcserver.start_server_with_ports([], [target])
         servers.append(server)
         await grpcserver.set_serving(health, [])
