@@ -8,8 +8,9 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from cilia_common.addresses import split_host_port
 from cilia_common.grpcserver import BindError
-from cilia_common.metrics import split_host_port, start_metrics_server
+from cilia_common.metrics import start_metrics_server
 
 
 def test_port_zero_is_bound_and_scraped_over_http() -> None:

@@ -87,3 +87,27 @@ def test_duplicate_names_bad_backoff_and_spawn_after_stop_are_refused() -> None:
             supervisor.spawn("c", forever)
 
     asyncio.run(scenario())
+
+
+def test_stop_cancels_again_a_task_that_swallowed_a_cancellation() -> None:
+    async def scenario() -> tuple[int, bool]:
+        swallowed = 0
+
+        async def stubborn() -> None:
+            nonlocal swallowed
+            while True:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    swallowed += 1
+                    if swallowed > 1:
+                        raise  # the second cancel lands
+
+        supervisor = Supervisor()
+        state = supervisor.spawn("stubborn", stubborn)
+        await asyncio.sleep(0)
+        await asyncio.wait_for(supervisor.stop(round_seconds=0.02), 5)
+        assert state.task is not None
+        return swallowed, state.task.cancelled()
+
+    assert asyncio.run(scenario()) == (2, True)

@@ -12,25 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from .addresses import split_host_port
 from .grpcserver import BindError
 
 __all__ = ["MetricsServer", "split_host_port", "start_metrics_server"]
-
-
-def split_host_port(address: str, *, flag: str = "") -> tuple[str, int]:
-    """``"127.0.0.1:9963"`` / ``":9963"`` / ``"[::1]:9963"`` -> ``(host, port)``.
-
-    An empty host (``":9963"``, Go's "all interfaces") is returned as ``""``.
-
-    Raises:
-        ValueError: ``"--flag: 'x' is not [HOST]:PORT"`` -- no colon, or the port is not
-            0..65535.
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        prefix = f"{flag}: " if flag else ""
-        raise ValueError(f"{prefix}{address!r} is not [HOST]:PORT")
-    return host.strip("[]"), int(port)
 
 
 class MetricsServer:

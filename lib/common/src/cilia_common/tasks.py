@@ -6,19 +6,21 @@ loop is started again after a delay that doubles from ``min_backoff`` up to ``ma
 (capped exponential backoff, as upstream's controller manager ``pkg/controller`` retries a
 failing controller). An attempt that ran for at least ``max_backoff`` seconds counts as
 healthy: the next failure starts from ``min_backoff`` again. A loop that returns normally is
-finished and not restarted. :meth:`Supervisor.stop` cancels every loop and waits for them.
+finished and not restarted. :meth:`Supervisor.stop` cancels every loop (again, while one runs on) and waits
+for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Supervisor", "TaskState"]
+__all__ = ["Supervisor", "TaskState", "cancel_all"]
 
 Factory = Callable[[], Coroutine[Any, Any, object]]
 
@@ -144,11 +146,44 @@ class Supervisor:
         """Names of every spawned task, in spawn order."""
         return list(self._tasks)
 
-    async def stop(self) -> None:
-        """Cancel every task and wait until each has ended; no spawn is accepted after.
-        Safe to call twice."""
+    async def stop(self, *, rounds: int = 50, round_seconds: float = 0.1) -> None:
+        """Cancel every task and wait until each has ended (:func:`cancel_all`); no spawn
+        is accepted after. Safe to call twice."""
         self._stopping = True
         tasks = [s.task for s in self._tasks.values() if s.task is not None]
-        for task in tasks:
+        await cancel_all(tasks, rounds=rounds, round_seconds=round_seconds, logger=self._log)
+
+
+async def cancel_all(
+    tasks: Sequence[asyncio.Task[Any]],
+    *,
+    rounds: int = 100,
+    round_seconds: float = 0.05,
+    logger: logging.Logger | None = None,
+) -> None:
+    """Cancel ``tasks`` and wait for them, cancelling again while they run on.
+
+    On Python 3.11 ``asyncio.wait_for`` (used inside redis-py's send path) can lose a
+    cancellation that races with its inner future completing; the task then carries on
+    into its next await. A repeated ``cancel()`` every ``round_seconds`` lands on that next
+    await, up to ``rounds`` times.
+
+    A task still running after that is logged (WARNING ``"tasks did not stop"`` with their
+    names) and left. The exceptions of tasks that failed are retrieved (so asyncio does not
+    log them); callers that care read them with ``task.exception()``.
+    """
+    log = logger or logging.getLogger(__name__)
+    pending = [t for t in tasks if not t.done()]
+    for _ in range(rounds):
+        if not pending:
+            break
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, still = await asyncio.wait(pending, timeout=round_seconds)
+        pending = list(still)
+    if pending:
+        log.warning("tasks did not stop", extra={"tasks": [t.get_name() for t in pending]})
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.exception()

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cilia_common.addresses import TCPAddress
 from cilia_common.flags import Flag, parse_bool
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
@@ -168,7 +169,7 @@ class Config(BaseModel):
     host_device_name: str = Field(
         default="cilia_host", description="dummy device holding the router IP"
     )
-    prometheus_serve_addr: str = Field(
+    prometheus_serve_addr: TCPAddress = Field(
         default=":9962", description="[host]:port of the metrics endpoint; empty disables"
     )
     install_iptables_rules: bool = Field(
@@ -244,7 +245,7 @@ class Config(BaseModel):
     hubble_socket: Annotated[
         pathlib.Path | None, Flag(default_text="<directory of --socket>/hubble.sock")
     ] = Field(default=None, description="unix socket of Hubble's Observer and Peer, mode 0600")
-    hubble_listen_address: str = Field(
+    hubble_listen_address: TCPAddress = Field(
         default=":4244",
         description="[host]:port of Hubble's TCP server, announced to the operator as <first node IP>:<port>; empty disables TCP",
     )
@@ -334,15 +335,6 @@ class Config(BaseModel):
     def _host_port(cls, value: str) -> str:
         if value and (":" not in value or not value.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"{value!r} is not host:port")
-        return value
-
-    @field_validator("prometheus_serve_addr", "hubble_listen_address")
-    @classmethod
-    def _listen(cls, value: str) -> str:
-        if value:
-            port = value.rsplit(":", 1)[-1]
-            if ":" not in value or not port.isdigit() or int(port) > 65535:
-                raise ValueError(f"{value!r} is not [host]:port")
         return value
 
     @model_validator(mode="after")

@@ -13,26 +13,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from cilia_common.addresses import split_host_port
 from cilia_common.flags import Duration, Flag
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
 from .ipam.pool import PoolSpec, no_pod_address
-
-
-class ConfigError(ValueError):
-    """A flag value is invalid; the message names the flag."""
-
-
-def split_host_port(value: str, flag: str) -> tuple[str, int]:
-    """``"127.0.0.1:4250"`` / ``":9963"`` -> ``(host, port)``; host "" means all addresses.
-
-    Raises:
-        ConfigError: not ``[HOST]:PORT`` with PORT in 0..65535.
-    """
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{flag}: {value!r} is not [HOST]:PORT")
-    return host.strip("[]"), int(port)
 
 
 class Config(BaseModel):
@@ -274,14 +259,14 @@ class Config(BaseModel):
     @classmethod
     def _listen(cls, value: str) -> str:
         if not value.startswith("unix:"):
-            split_host_port(value, "--listen")
+            split_host_port(value, flag="--listen")
         return value
 
     @field_validator("prometheus_serve_addr")
     @classmethod
     def _metrics(cls, value: str) -> str:
         if value:
-            split_host_port(value, "--prometheus-serve-addr")
+            split_host_port(value, flag="--prometheus-serve-addr")
         return value
 
     @field_validator("auto_create_cilium_pod_ip_pools")

@@ -72,6 +72,10 @@ class Context:
     async def abort(self, code: Any, details: str) -> None:
         raise Refused(code, details)
 
+    async def abort_with_status(self, status: Any) -> None:
+        """As grpc.aio's: a ``grpc.Status`` (code, details, the ErrorInfo trailer)."""
+        raise Refused(status.code, status.details)
+
 
 def pool_doc(name: str, cidrs: list[Net]) -> str:
     listed = ", ".join(str(c) for c in cidrs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import subprocess
 import sys
 import urllib.request
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_common import grpcerrors
 from cilia_operator.app import Operator
 from cilia_operator.config import Config
 from cilia_testkit import procs
@@ -231,6 +233,37 @@ async def test_deleting_a_pool_in_use_is_refused_naming_the_nodes(redis_url: str
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await stub.Delete(pb.DeleteRequest(kind="cpip", name="nope"))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_domain_errors_carry_an_error_info_reason(redis_url: str) -> None:
+    """The error decorator sends google.rpc.ErrorInfo (domain operator.cilia.io) with the
+    status: a client reads NOT_FOUND / UNKNOWN_KIND without parsing the message."""
+    async with operator(redis_url) as (_, channel):
+        stub = pb_grpc.ResourceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.Delete(pb.DeleteRequest(kind="cpip", name="nope"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        info = grpcerrors.error_info(missing.value)
+        assert info is not None and (info.domain, info.reason) == ("operator.cilia.io", "NOT_FOUND")
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.Delete(pb.DeleteRequest(kind="gadgets", name="x"))
+        assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert grpcerrors.error_reason(unknown.value) == "UNKNOWN_KIND"
+
+
+async def test_each_listener_is_announced_once_with_its_bound_address(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="cilia_operator.app"):
+        async with operator(redis_url) as (op, _):
+            pass
+    listening = {
+        r.listener: r.address  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == "listening"
+    }
+    assert listening == {"grpc": op.address, "metrics": f"127.0.0.1:{op.metrics_port}"}
+    assert not op.address.endswith(":0") and op.metrics_port
 
 
 async def test_existing_pool_is_not_updated_by_auto_create(redis_url: str) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from cilia_common import durations
+from cilia_common.addresses import Address, TCPAddress, dial_target
+from cilia_common.addresses import grpc_listen_target as grpc_address
 from cilia_common.flags import GoDuration
 
 
@@ -28,14 +30,6 @@ def parse_duration(text: str) -> float:
         ValueError: not a non-negative Go duration.
     """
     return durations.parse_duration(text, bare_seconds=False)
-
-
-def _is_address(value: str) -> bool:
-    if value.startswith("unix:"):
-        return len(value) > len("unix:")
-    host, sep, port = value.rpartition(":")
-    del host
-    return bool(sep) and port.isdigit() and int(port) <= 65535
 
 
 class Config(BaseModel):
@@ -51,16 +45,16 @@ class Config(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    peer_service: str = Field(
+    peer_service: Address = Field(
         default="unix:/var/run/cilia/hubble.sock",
         description="address of the agent's peer.Peer service, host:port or unix:/path",
     )
-    listen_address: str = Field(
+    listen_address: Address = Field(
         default=":4245",
         description="address the observer.Observer API listens on, host:port, :port "
         "(all interfaces) or unix:/path",
     )
-    health_listen_address: str = Field(
+    health_listen_address: Address = Field(
         default=":4222", description="address of the gRPC health server"
     )
     sort_buffer_len_max: int = Field(
@@ -98,7 +92,7 @@ class Config(BaseModel):
         description="NODE_ERROR events with identical messages within this window are merged "
         "into one",
     )
-    prometheus_serve_addr: str = Field(
+    prometheus_serve_addr: TCPAddress = Field(
         default="", description="[host]:port of the metrics endpoint; empty disables"
     )
     shutdown_grace_period: GoDuration = Field(
@@ -108,32 +102,5 @@ class Config(BaseModel):
         default="info", description="log level"
     )
 
-    @field_validator("peer_service", "listen_address", "health_listen_address")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        if not _is_address(value):
-            raise ValueError(f"{value!r} is not host:port, :port or unix:/path")
-        return value
 
-    @field_validator("prometheus_serve_addr")
-    @classmethod
-    def _metrics(cls, value: str) -> str:
-        if value and (value.startswith("unix:") or not _is_address(value)):
-            raise ValueError(f"{value!r} is not [host]:port")
-        return value
-
-
-def grpc_address(address: str) -> str:
-    """Translate a Go-style ``:PORT`` (all interfaces) into gRPC's ``[::]:PORT``.
-
-    Other forms (``host:port``, ``unix:/path``) are returned unchanged.
-    """
-    return f"[::]{address}" if address.startswith(":") else address
-
-
-def dial_target(address: str) -> str:
-    """Turn a peer or server address into a gRPC dial target.
-
-    ``:PORT`` becomes ``localhost:PORT``; ``host:port`` and ``unix:/path`` are unchanged.
-    """
-    return f"localhost{address}" if address.startswith(":") else address
+__all__ = ["Config", "dial_target", "grpc_address", "parse_duration"]

@@ -26,9 +26,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from cilia_common import grpcserver
+from cilia_common.addresses import grpc_listen_target
+from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args
 from cilia_common.logs import setup_logging
 from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_safe_agent_updater import __version__
+from cilia_safe_agent_updater.config import ServeConfig
 from cilia_safe_agent_updater.exitcodes import Exit, UpdaterError
 from cilia_safe_agent_updater.redact import redact_url, scrub
 from cilia_safe_agent_updater.steps import Reporter
@@ -39,8 +42,6 @@ if TYPE_CHECKING:
     _Settings = TypeVar("_Settings", bound=DataclassInstance)
 
 COMPONENT = "cilia-safe-agent-updater"
-DEFAULT_HEALTH_LISTEN_ADDRESS = "127.0.0.1:9878"
-DEFAULT_SHUTDOWN_GRACE_SECONDS = 5.0
 DEFAULT_AGENT_HEALTH = "unix:/var/run/cilia/cilia.sock"
 
 log = logging.getLogger("cilia_safe_agent_updater")
@@ -380,25 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the updater's gRPC health server")
-    serve.add_argument(
-        "--health-listen-address",
-        default=DEFAULT_HEALTH_LISTEN_ADDRESS,
-        help="gRPC health address host:port, :port (all interfaces) or unix:/path "
-        f"(default {DEFAULT_HEALTH_LISTEN_ADDRESS!r})",
-    )
-    serve.add_argument(
-        "--shutdown-grace-period",
-        type=float,
-        default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
-        help="seconds in-flight RPCs get to finish on SIGTERM "
-        f"(default {DEFAULT_SHUTDOWN_GRACE_SECONDS})",
-    )
-    serve.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level (default info)",
-    )
+    add_model_flags(serve, ServeConfig)  # flags, help, defaults from config.ServeConfig
     hsh = sub.add_parser("hash", help="print (and with --write stamp) the agent generation hash")
     hsh.add_argument(
         "-f", "--file", required=True, help="rendered manifest (multi-document YAML); - = stdin"
@@ -419,14 +402,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def grpc_address(address: str) -> str:
-    """Translate a Go-style ``:PORT`` (all interfaces) into gRPC's ``[::]:PORT``.
-
-    Other forms (``host:port``, ``unix:/path``) are returned unchanged.
-    """
-    return f"[::]{address}" if address.startswith(":") else address
-
-
 async def serve(health_address: str, grace_seconds: float) -> None:
     """Serve gRPC health (SERVING) on ``health_address`` until SIGTERM or SIGINT.
 
@@ -438,7 +413,7 @@ async def serve(health_address: str, grace_seconds: float) -> None:
     servers: list[grpc.aio.Server] = []
 
     async def start() -> None:
-        target = grpc_address(health_address)
+        target = grpc_listen_target(health_address)
         server, health, ports = await grpcserver.start_server_with_ports([], [target])
         servers.append(server)
         await grpcserver.set_serving(health, [])
@@ -543,14 +518,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cilia-safe-agent-updater`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(COMPONENT, args.log_level)
     if args.command == "serve":
         try:
-            asyncio.run(serve(args.health_listen_address, args.shutdown_grace_period))
+            config = config_from_args(ServeConfig, args)
+        except FlagError as exc:
+            print(f"{COMPONENT} serve: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        setup_logging(COMPONENT, config.log_level)
+        try:
+            asyncio.run(serve(config.health_listen_address, config.shutdown_grace_period))
         except grpcserver.BindError as exc:
             print(f"{COMPONENT}: {exc}", file=sys.stderr)
             return 2
         return 0
+    setup_logging(COMPONENT, args.log_level)
     if args.command == "hash":
         return _hash_command(args)
     if args.mode is None:

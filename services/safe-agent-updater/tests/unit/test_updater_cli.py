@@ -227,3 +227,19 @@ def test_well_formed_image_references_are_accepted(image: str) -> None:
 def test_absolute_unix_docker_url_is_accepted() -> None:
     args = build_parser().parse_args(["--docker-url", "unix:///var/run/docker.sock"])
     assert args.docker_url == "unix:///var/run/docker.sock"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--health-listen-address", "nowhere"], "--health-listen-address: 'nowhere' is not"),
+        (["--shutdown-grace-period", "-1"], "--shutdown-grace-period: Input should be greater"),
+        (["--log-level", "loud"], "--log-level: Input should be"),
+    ],
+)
+def test_serve_flags_come_from_the_config_model_and_refuse_with_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *flags]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"cilia-safe-agent-updater serve: {message}")

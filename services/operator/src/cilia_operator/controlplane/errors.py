@@ -1,4 +1,10 @@
-"""Map domain errors to gRPC status codes at the boundary."""
+"""Map domain errors to gRPC statuses at the boundary.
+
+Each domain error becomes a status code, its message, and a machine-readable
+``google.rpc.ErrorInfo`` (reason in UPPER_SNAKE, domain ``operator.cilia.io``) in the
+``grpc-status-details-bin`` trailer (:mod:`cilia_common.grpcerrors`), so a client acts on
+the reason instead of the text.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+
+from cilia_common import grpcerrors
 
 from ..endpoint.records import InvalidEndpoint
 from ..errors import InvalidResource
@@ -19,35 +27,40 @@ from ..store import AlreadyExists, Conflict, NotFound, StoreUnavailable
 R = TypeVar("R")
 Y = TypeVar("Y")
 
-_CODES: tuple[tuple[type[Exception], Any], ...] = (
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-    (Conflict, grpc.StatusCode.ABORTED),
-    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (InvalidManifest, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidResource, grpc.StatusCode.INVALID_ARGUMENT),
-    (UnknownKind, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidEndpoint, grpc.StatusCode.INVALID_ARGUMENT),
-    (IdentitiesExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (AllocationContention, grpc.StatusCode.ABORTED),
+_CODES: tuple[tuple[type[Exception], Any, str], ...] = (
+    (NotFound, grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS, "ALREADY_EXISTS"),
+    (Conflict, grpc.StatusCode.ABORTED, "CONFLICT"),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"),
+    (InvalidManifest, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_MANIFEST"),
+    (InvalidResource, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_RESOURCE"),
+    (UnknownKind, grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_KIND"),
+    (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_LABELS"),
+    (InvalidEndpoint, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ENDPOINT"),
+    (IdentitiesExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, "IDENTITIES_EXHAUSTED"),
+    (AllocationContention, grpc.StatusCode.ABORTED, "ALLOCATION_CONTENTION"),
 )
 
 
-def status_for(exc: Exception) -> Any:
-    """The gRPC status code for a domain error, or None when it is not one."""
-    for cls, code in _CODES:
+def status_for(exc: Exception) -> tuple[Any, str] | None:
+    """``(gRPC status code, ErrorInfo reason)`` for a domain error, or None when it is not
+    one (``NotFound`` -> ``(NOT_FOUND, "NOT_FOUND")``)."""
+    for cls, code, reason in _CODES:
         if isinstance(exc, cls):
-            return code
+            return code, reason
     return None
 
 
 async def _abort_for(exc: Exception, context: Any) -> None:
-    """Abort the RPC with ``exc``'s status; return (the caller re-raises) when ``exc``
-    is not a domain error."""
-    code = status_for(exc)
-    if code is not None:
-        await context.abort(code, str(exc))
+    """Abort the RPC with ``exc``'s status and a ``google.rpc.ErrorInfo`` (reason from
+    :data:`_CODES`, domain ``operator.cilia.io``); return (the caller re-raises) when
+    ``exc`` is not a domain error."""
+    mapped = status_for(exc)
+    if mapped is not None:
+        code, reason = mapped
+        await grpcerrors.abort(
+            context, code, str(exc), reason=reason, domain=grpcerrors.OPERATOR_DOMAIN
+        )
 
 
 def unary(
