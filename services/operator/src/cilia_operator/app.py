@@ -97,6 +97,7 @@ class Operator:
             migrate=config.enable_cluster_pool_to_multi_pool_migration,
             conflict_retries=config.store_conflict_retries,
             retry_interval=config.store_retry_interval,
+            release_grace=config.node_cidr_release_grace_period,
         )
         self.identities = IdentityAllocator(
             self.store,

@@ -81,6 +81,11 @@ class Config(BaseModel):
     shutdown_grace_period: float = Field(
         default=5.0, ge=0, description="seconds in-flight RPCs get on SIGTERM"
     )
+    node_cidr_release_grace_period: Duration = Field(
+        default=30.0,
+        ge=0,
+        description="how long the pod CIDRs of a deleted CiliumNode stay held for it before they are released for other nodes (Go duration or seconds; 0 releases at once); a node registering again within it keeps them",
+    )
     identity_gc_interval: Duration = Field(
         default=900.0,
         ge=0,

@@ -652,3 +652,46 @@ async def test_apply_refuses_a_mask_leaving_no_pod_address_and_dry_run_counts_li
         assert (mask, plan.pods_per_node) == (31, 1)
         names = {p["metadata"]["name"] for p in (await op.store.list("CiliumPodIPPool")).items}
         assert names == {"default", "pair"}
+
+
+async def test_a_deleted_nodes_blocks_are_held_for_the_grace_period_then_released(
+    redis_url: str,
+) -> None:
+    async with running_operator(redis_url, node_cidr_release_grace_period=1.5) as (op, channel):
+        await register(channel, "leaving")
+        await demand(channel, "leaving", 10)
+        held = blocks(await allocation_until(channel, "leaving", lambda a: a.pools))
+        assert held
+        await op.store.delete("CiliumNode", "leaving")
+        await asyncio.sleep(0.5)
+        await op.controller.drain()
+        assert op.controller.allocator.node_blocks("leaving"), "released before the grace ended"
+        async with asyncio.timeout(10):
+            while op.controller.allocator.node_blocks("leaving"):
+                await asyncio.sleep(0.1)
+        # the released blocks are free again: a new node gets the same range
+        await register(channel, "arriving")
+        await demand(channel, "arriving", 10)
+        fresh = blocks(await allocation_until(channel, "arriving", lambda a: a.pools))
+        assert fresh == held
+
+
+async def test_a_node_registering_again_within_the_grace_period_keeps_its_blocks(
+    redis_url: str,
+) -> None:
+    async with running_operator(redis_url, node_cidr_release_grace_period=30) as (op, channel):
+        await register(channel, "flapping")
+        await demand(channel, "flapping", 10)
+        held = blocks(await allocation_until(channel, "flapping", lambda a: a.pools))
+        await op.store.delete("CiliumNode", "flapping")
+        await op.controller.drain()
+        # held: another node asking now does not get them (released at once, it would:
+        # the allocator hands out the first free block, see the test above)
+        await register(channel, "other")
+        await demand(channel, "other", 10)
+        other = blocks(await allocation_until(channel, "other", lambda a: a.pools))
+        assert not set(other) & set(held)
+        await register(channel, "flapping")
+        await demand(channel, "flapping", 10)
+        again = blocks(await allocation_until(channel, "flapping", lambda a: a.pools))
+        assert again == held

@@ -274,6 +274,10 @@ class MultiPoolAllocator:
         self._free(block)
         return True
 
+    def node_blocks(self, node: str) -> list[IPv4Network]:
+        """Every block ``node`` holds, sorted."""
+        return sorted(self._by_node.get(node, ()))
+
     def release_node(self, node: str) -> list[IPv4Network]:
         """Free every block of ``node`` (node deleted); returns them."""
         blocks = sorted(self._by_node.get(node, ()))

@@ -125,8 +125,12 @@ class IPAMController:
         migrate: bool = False,
         conflict_retries: int = 5,
         retry_interval: float = 1.0,
+        release_grace: float = 0.0,
     ) -> None:
         self.store = store
+        self.release_grace = release_grace
+        # node -> event-loop time its record was found deleted (blocks held until + grace)
+        self._deleted_at: dict[str, float] = {}
         self.metrics = metrics
         self.mode = mode
         self.default_pool = default_pool
@@ -485,6 +489,26 @@ class IPAMController:
         self._known = set(current)
         return listed.resource_version
 
+    def _held_after_delete(self, name: str) -> bool:
+        """True while a deleted node's blocks are still held for it
+        (``--node-cidr-release-grace-period``); a reconcile is scheduled for when the grace
+        ends. Its routes are withdrawn at once all the same (the node is gone from the node
+        stream); only the addresses wait, so pods the node may still run are not duplicated."""
+        if self.release_grace <= 0 or not self.allocator.node_blocks(name):
+            return False
+        loop = asyncio.get_running_loop()
+        deleted = self._deleted_at.setdefault(name, loop.time())
+        left = deleted + self.release_grace - loop.time()
+        if left <= 0:
+            return False
+        if left == self.release_grace:
+            log.info(
+                "node deleted; its CIDRs are held for the grace period",
+                extra={"node": name, "release_in_s": round(left, 1)},
+            )
+        loop.call_later(left, self.enqueue, name)
+        return True
+
     def enqueue(self, name: str) -> None:
         """Schedule a reconcile of node ``name`` (deduplicated while queued)."""
         self._put(("node", name))
@@ -583,6 +607,9 @@ class IPAMController:
         attempt = relearned = 0
         while attempt < self._conflict_retries:
             record = await self._get_node(name)
+            if record is None and self._held_after_delete(name):
+                return
+            self._deleted_at.pop(name, None)  # present again, or released right below
             if record is None:
                 released = self.allocator.release_node(name)
                 for block in released:
