@@ -59,6 +59,7 @@ from cilia_testkit._process import Process, StackError, _exited
 from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.cni import load_conflist
 from cilia_testkit.host import sh, wait_for
+from cilia_testkit.netns import NETNS_DIR
 
 #: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
 #: and its documented fixed addresses (README "The local stack").
@@ -200,9 +201,14 @@ def _kill_orphans(slot: int) -> list[int]:
 
 
 def _listen_spec(
-    component: str, listener: str, slot: int, unix_path: pathlib.Path, index: int = 0
+    component: str,
+    listener: str,
+    slot: int,
+    unix_path: pathlib.Path,
+    index: int = 0,
+    host: str = "127.0.0.1",
 ) -> str:
-    """The listen flag value for ``listener`` of ``component``: ``127.0.0.1:0`` when the
+    """The listen flag value for ``listener`` of ``component``: ``<host>:0`` when the
     service logs the bound address (:data:`ANNOUNCED`), else the interim choice: a unix
     socket (relay ``observer``/``health``) or the slot's port for agent ``index``
     (agent ``hubble-tcp``).
@@ -210,7 +216,7 @@ def _listen_spec(
     This is the one switch to flip once the services announce every listener.
     """
     if (component, listener) in ANNOUNCED:
-        return "127.0.0.1:0"
+        return f"{host}:0"
     if component == "relay":
         return f"unix:{unix_path}"
     return f"127.0.0.1:{SLOT_PORT_BASE + slot * MAX_AGENTS + index}"
@@ -219,20 +225,39 @@ def _listen_spec(
 class Agent:
     """One ``cilia-agent serve`` of a :class:`Stack` with every path and name of its own.
 
+    Args:
+        stack: the stack it belongs to.
+        index: 0, 1 … within the stack.
+        node_name: ``--node-name`` (default: the host name for agent 0, ``<host>-<index>``
+            after).
+        netns: a named network namespace (``ip netns``) to run the agent in, as the node of a
+            :class:`~cilia_testkit.cluster.Cluster`; "" = the caller's (the host's).
+
+    The agent of a netns is started through ``nsenter --net=/var/run/netns/<netns>``, not
+    ``ip netns exec``: the latter also gives the command a mount namespace with a fresh
+    ``/sys`` (hiding the host's bpffs), so the agent would mount a bpffs instance of its own
+    whose pins die with it, and neither a restarted agent nor ``bpftool`` on the host would
+    find its maps. ``nsenter`` execs the agent (same pid) with only the network namespace
+    changed; ``/proc/sys/net`` (``ip_forward``) and netlink then act on the node's netns.
+
     Attributes:
         index: 0, 1 … within the stack.
-        node_name: ``--node-name`` (the host name for agent 0, ``<host>-<index>`` after).
+        node_name: ``--node-name``.
+        netns: the network namespace it runs in ("" = the host's).
         dir: its directory in the run dir (sockets, ``state/``, ``net.d/``, ``del-queue/``).
         socket, hubble_socket, state_dir, conf_dir, conflist_path, del_queue_dir: its paths.
         pin_dir: ``--bpf-pin-dir``; host_device: ``--host-device-name``.
         process: the :class:`Process`.
     """
 
-    def __init__(self, stack: Stack, index: int) -> None:
+    def __init__(
+        self, stack: Stack, index: int, *, node_name: str | None = None, netns: str = ""
+    ) -> None:
         self.stack = stack
         self.index = index
         host = socket.gethostname()
-        self.node_name = host if index == 0 else f"{host}-{index}"
+        self.node_name = node_name or (host if index == 0 else f"{host}-{index}")
+        self.netns = netns
         self.dir = stack.run_dir / f"agent{index}"
         self.socket = self.dir / "cilia.sock"
         self.hubble_socket = self.dir / "hubble.sock"
@@ -266,7 +291,9 @@ class Agent:
             self.hubble_address = _listen_spec(
                 "agent", "hubble-tcp", s.slot, self.hubble_socket, self.index
             )
+        enter = ["nsenter", f"--net={NETNS_DIR / self.netns}", "--"] if self.netns else []
         return [
+            *enter,
             str(VENV_BIN / "cilia-agent"),
             "serve",
             "--node-name",
@@ -384,9 +411,13 @@ class Agent:
         )
 
     def remove_leftovers(self) -> None:
-        """Remove its BPF pins and host device (the kernel keeps both after the agent exits)."""
+        """Remove its BPF pins and host device (the kernel keeps both after the agent exits;
+        the device of an agent in a netns goes with that netns)."""
         shutil.rmtree(self.pin_dir, ignore_errors=True)
-        if pathlib.Path(f"/sys/class/net/{self.host_device}").exists():
+        if self.netns:
+            if (NETNS_DIR / self.netns).exists():
+                sh("ip", "-n", self.netns, "link", "del", self.host_device, check=False)
+        elif pathlib.Path(f"/sys/class/net/{self.host_device}").exists():
             sh("ip", "link", "del", self.host_device, check=False)
 
 
@@ -406,6 +437,9 @@ class Stack:
         relay: start cilia-relay, peering with agent 0's Hubble socket.
         hubble_tcp: give each agent a Hubble TCP server (the relay needs it to reach peers).
         operator_args, agent_args: extra flags for every start of those components.
+        operator_host: the address the operator's gRPC server binds (port 0, read back);
+            a :class:`~cilia_testkit.cluster.Cluster` gives its LAN bridge address so that
+            agents in node namespaces reach it.
         ready_seconds: per component start timeout.
 
     Raises (from :meth:`start`):
@@ -428,8 +462,10 @@ class Stack:
         ready_seconds: float = READY_SECONDS,
         keep_run_dir: bool = False,
         shared: bool = False,
+        operator_host: str = "127.0.0.1",
     ) -> None:
         self.name = name
+        self.operator_host = operator_host
         self.shared = shared
         self._given_run_dir = run_dir
         self._pool_cidr = pool_cidr
@@ -615,7 +651,7 @@ class Stack:
             listen, metrics = SHARED_OPERATOR, ":9963"
         else:
             listen = self.operator_address or _listen_spec(
-                "operator", "grpc", self.slot, self.run_dir
+                "operator", "grpc", self.slot, self.run_dir, host=self.operator_host
             )
             metrics = self.operator_metrics or _listen_spec(
                 "operator", "metrics", self.slot, self.run_dir
@@ -698,16 +734,17 @@ class Stack:
         self.relay_address = found.get("observer", observer)
         self.relay_health_address = found.get("health", health)
 
-    def add_agent(self) -> Agent:
+    def add_agent(self, *, node_name: str | None = None, netns: str = "") -> Agent:
         """Add one more agent (another node of this stack's operator), not started yet:
-        call :meth:`Agent.start`. :meth:`stop` stops it with the others.
+        call :meth:`Agent.start`. :meth:`stop` stops it with the others. ``node_name`` and
+        ``netns`` as for :class:`Agent`.
 
         Raises:
             StackError: the stack already has :data:`MAX_AGENTS` agents.
         """
         if len(self.agents) >= MAX_AGENTS:
             raise StackError(f"a stack runs at most {MAX_AGENTS} agents")
-        agent = Agent(self, len(self.agents))
+        agent = Agent(self, len(self.agents), node_name=node_name, netns=netns)
         agent.remove_leftovers()
         self.agents.append(agent)
         return agent

@@ -1,0 +1,623 @@
+"""A multi-node Cilia cluster on one host: each node a network namespace with its own agent,
+joined by a LAN bridge; redis, the operator and the relay in the host's namespace.
+
+Layout of the cluster holding stack slot ``S`` (the :class:`~cilia_testkit.stack.Stack` slot,
+so clusters and stacks coexist on one host)::
+
+    host netns:  bridge cilia-lan<S>  198.18.<S>.1/24   redis (unix socket), operator on
+                 198.18.<S>.1:<port 0>, relay (Observer on 127.0.0.1:<port 0>)
+                   │ veth cl<S>n<i> ─── eth0 in netns cilia-cl<S>-<node>   198.18.<S>.<10+i>/24
+                   │                    default via 198.18.<S>.1, lo up
+                   │                    cilia-agent serve (via nsenter --net), Hubble :4244,
+                   │                    metrics :9962, its own socket/state/pins/CNI conf dir
+    pods:        netns cilia-cl<S>-<pod>, plumbed by the real ``cilia-cni`` with their node's
+                 conflist (the plugin talks to that node's agent socket)
+
+Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking networks), one /24 per slot;
+pods from the stack's pool ``10.<210+S>.0.0/16`` (a /24 block per node). Order of
+operations in :meth:`Cluster.start`: slot → LAN (bridge, iptables ACCEPT for frames bridged
+between its ports: the host's FORWARD policy may be DROP and ``br_netfilter`` passes bridged
+IPv4 through it) → redis → operator → every node's netns and agent (all launched, then each
+awaited: the bcc compile runs in parallel) → relay (``--peer-service`` = the first node's
+Hubble socket; it learns the others through Peer ``Notify``). :meth:`Cluster.stop` undoes it in
+reverse and deletes every netns with the cluster's prefix; :meth:`Cluster.prepare` removes what a
+killed earlier holder of the slot left (namespaces, bridge, iptables rule).
+
+Node lifecycle at run time: :meth:`Cluster.add_node`, :meth:`Cluster.remove_node` (agent
+stopped, node record deleted through ``cilia-operator delete ciliumnodes NAME``, netns gone),
+:meth:`Cluster.kill_agent` / :meth:`Cluster.restart_agent`.
+
+Needs root (netns, veth, bridge, iptables, bpffs) and ``nsenter`` (util-linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import pathlib
+import string
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, Self
+
+from cilia_testkit import cni
+from cilia_testkit.host import sh, wait_for
+from cilia_testkit.netns import NETNS_DIR, create_netns, delete_netns, list_netns
+from cilia_testkit.stack import READY_SECONDS, Agent, Stack, StackError
+
+RoutingMode = Literal["native", "tunnel"]
+ROUTING_MODES: tuple[RoutingMode, ...] = ("native", "tunnel")
+
+#: The clusters' LAN range (RFC 2544): slot S uses ``198.18.S.0/24``.
+LAN_RANGE = ipaddress.IPv4Network("198.18.0.0/15")
+#: Host part of the bridge's address, and of node i's address (``NODE_HOST_BASE + i``).
+BRIDGE_HOST = 1
+NODE_HOST_BASE = 10
+#: The agents' Hubble TCP port and metrics port inside each node's netns (the defaults: each
+#: node has a network namespace of its own).
+HUBBLE_PORT = 4244
+METRICS_PORT = 9962
+#: Routing protocol of the routes an agent installs to other nodes' pod CIDRs (``proto 0xc1``).
+RTPROT_CILIA = 0xC1
+#: Seconds a single ``cilia-operator``/``ip`` command of the cluster may take.
+COMMAND_SECONDS = 30.0
+#: Default MTU of the LAN (bridge, veths) and the agents' ``--mtu``.
+DEFAULT_MTU = 1500
+
+
+class ClusterError(StackError):
+    """A cluster operation failed (a node could not be created, joined or removed)."""
+
+
+def lan_network(slot: int) -> ipaddress.IPv4Network:
+    """The LAN of the cluster in stack slot ``slot`` (``198.18.<slot>.0/24``).
+
+    Raises:
+        ValueError: ``slot`` is outside 0..255.
+    """
+    if not 0 <= slot <= 255:
+        raise ValueError(f"slot {slot} has no LAN in {LAN_RANGE}")
+    return ipaddress.IPv4Network(f"198.18.{slot}.0/24")
+
+
+def netns_prefix(slot: int) -> str:
+    """Prefix of every netns (nodes and pods) of the cluster in ``slot``: ``cilia-cl<slot>-``."""
+    return f"cilia-cl{slot}-"
+
+
+def node_letter_name(index: int) -> str:
+    """Default node names: ``node-a``, ``node-b`` … ``node-z``, then ``node-<index>``."""
+    letters = string.ascii_lowercase
+    return f"node-{letters[index]}" if index < len(letters) else f"node-{index}"
+
+
+@dataclasses.dataclass
+class Node:
+    """One node of a :class:`Cluster`: a netns, its LAN veth and its agent.
+
+    Attributes:
+        name: the node name (``--node-name``; the operator's CiliumNode name).
+        index: position in the cluster (the address is ``198.18.<slot>.<10+index>``).
+        netns: the node's network namespace name.
+        interfaces: addresses on its LAN interface ``eth0`` as ``a.b.c.d/len``, first one first
+            (the agent registers the first as the node's address).
+        veth: the host end of its LAN veth (a port of the bridge).
+        agent: its :class:`~cilia_testkit.stack.Agent` (socket, state, pins, process).
+        removed: :meth:`Cluster.remove_node` ran.
+    """
+
+    name: str
+    index: int
+    netns: str
+    interfaces: tuple[str, ...]
+    veth: str
+    agent: Agent
+    removed: bool = False
+
+    @property
+    def address(self) -> str:
+        """The node's first address (no prefix length)."""
+        return self.interfaces[0].split("/")[0]
+
+    def ip(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``ip -n <netns> ARGV``.
+
+        Raises:
+            subprocess.CalledProcessError: it failed and ``check``.
+        """
+        return sh("ip", "-n", self.netns, *argv, check=check, timeout=COMMAND_SECONDS)
+
+    def exec(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in the node's network namespace (``nsenter --net``; the host's mounts).
+
+        Raises:
+            subprocess.CalledProcessError: it failed and ``check``.
+        """
+        return sh(
+            "nsenter",
+            f"--net={NETNS_DIR / self.netns}",
+            "--",
+            *argv,
+            check=check,
+            timeout=COMMAND_SECONDS,
+        )
+
+    def pod_routes(self) -> dict[str, dict[str, str]]:
+        """Routes this node's agent installed to other nodes' pod CIDRs (``proto 0xc1``):
+        ``{"10.212.1.0/24": {"gateway": "198.18.2.11", "dev": "eth0"}}``."""
+        out = self.ip("-j", "route", "show", "proto", str(RTPROT_CILIA), check=False)
+        if out.returncode != 0 or not out.stdout.strip():
+            return {}
+        routes: dict[str, dict[str, str]] = {}
+        for route in json.loads(out.stdout):
+            routes[str(route["dst"])] = {
+                "gateway": str(route.get("gateway", "")),
+                "dev": str(route.get("dev", "")),
+            }
+        return routes
+
+    def link_mtu(self, ifname: str) -> int:
+        """MTU of ``ifname`` in the node's netns (0 when it does not exist)."""
+        out = self.ip("-j", "link", "show", "dev", ifname, check=False)
+        if out.returncode != 0:
+            return 0
+        return int(json.loads(out.stdout)[0]["mtu"])
+
+
+class Cluster:
+    """N nodes, each a netns with its own ``cilia-agent``, on one operator (see the module
+    docstring for the layout).
+
+    Args:
+        nodes: how many nodes :meth:`start` creates (``node-a``, ``node-b`` …).
+        routing: every agent's ``--routing-mode`` (``tunnel`` adds ``--tunnel-protocol vxlan``).
+        name: names the run dir (``cilia-<name>-…``).
+        mtu: the LAN's MTU (bridge, veths) and the agents' ``--mtu``.
+        relay: start cilia-relay.
+        agent_args, operator_args: extra flags of every agent / the operator.
+        ready_seconds: per component start timeout.
+        run_dir, keep_run_dir: as for :class:`~cilia_testkit.stack.Stack`.
+
+    Raises (from :meth:`start`):
+        ClusterError, StackError: something failed to start; what started is stopped.
+    """
+
+    def __init__(
+        self,
+        nodes: int = 3,
+        *,
+        routing: RoutingMode = "native",
+        name: str = "cluster",
+        mtu: int = DEFAULT_MTU,
+        relay: bool = True,
+        agent_args: Sequence[str] = (),
+        operator_args: Sequence[str] = (),
+        ready_seconds: float = READY_SECONDS,
+        run_dir: pathlib.Path | None = None,
+        keep_run_dir: bool = False,
+    ) -> None:
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing {routing!r} is not one of {ROUTING_MODES}")
+        self.node_count = nodes
+        self.routing: RoutingMode = routing
+        self.mtu = mtu
+        self.with_relay = relay
+        self.extra_agent_args = tuple(agent_args)
+        self.stack = Stack(
+            name,
+            agents=0,
+            relay=relay,
+            operator_args=operator_args,
+            ready_seconds=ready_seconds,
+            run_dir=run_dir,
+            keep_run_dir=keep_run_dir,
+        )
+        self.nodes: dict[str, Node] = {}
+        self.pods: list[cni.Pod] = []
+        self.pod_node: dict[str, str] = {}
+        self._lan_ready = False
+        self._next_index = 0
+
+    # -- names and addresses --------------------------------------------------------------
+
+    @property
+    def slot(self) -> int:
+        """The stack slot held (-1 before :meth:`prepare`)."""
+        return self.stack.slot
+
+    @property
+    def lan(self) -> ipaddress.IPv4Network:
+        """The LAN, ``198.18.<slot>.0/24``."""
+        return lan_network(self.slot)
+
+    @property
+    def bridge(self) -> str:
+        """The LAN bridge's name in the host netns."""
+        return f"cilia-lan{self.slot}"
+
+    @property
+    def bridge_address(self) -> str:
+        """The host's address on the LAN (the nodes' default gateway, the operator's)."""
+        return str(self.lan.network_address + BRIDGE_HOST)
+
+    @property
+    def prefix(self) -> str:
+        """Prefix of every netns of this cluster."""
+        return netns_prefix(self.slot)
+
+    @property
+    def pool_cidr(self) -> str:
+        """The pod pool (the operator's ``default`` pool)."""
+        return self.stack.pool_cidr
+
+    @property
+    def operator_address(self) -> str:
+        """The operator's gRPC address on the LAN (``198.18.S.1:PORT``)."""
+        return self.stack.operator_address
+
+    @property
+    def relay_address(self) -> str:
+        """The relay's Observer address (``127.0.0.1:PORT``)."""
+        return self.stack.relay_address
+
+    def node(self, name: str) -> Node:
+        """The node called ``name``.
+
+        Raises:
+            ClusterError: no such node.
+        """
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise ClusterError(f"no node {name!r} in this cluster ({sorted(self.nodes)})") from None
+
+    def agent_args(self) -> list[str]:
+        """The routing flags every agent of this cluster gets, then the extra ones."""
+        args = ["--routing-mode", self.routing, "--mtu", str(self.mtu)]
+        if self.routing == "tunnel":
+            args += ["--tunnel-protocol", "vxlan"]
+        return [*args, *self.extra_agent_args]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def prepare(self) -> Self:
+        """Take a slot (:meth:`Stack.prepare`), remove what a killed holder of the slot left
+        (netns with the prefix, the bridge, its iptables rule) and create the LAN bridge.
+
+        Raises:
+            StackError: no free slot.
+            subprocess.CalledProcessError: the bridge could not be created (not root?).
+        """
+        self.stack.prepare()
+        self.stack.operator_host = self.bridge_address
+        self._remove_lan()
+        self._create_lan()
+        return self
+
+    def start(self) -> Self:
+        """:meth:`prepare`, then redis, operator, the nodes, the relay (module docstring).
+
+        Raises:
+            StackError: a component failed (everything started is stopped).
+        """
+        try:
+            self.prepare()
+            self.stack.start_redis()
+            self.stack.start_operator()
+            made = [self._create_node() for _ in range(self.node_count)]
+            for node in made:
+                node.agent.launch()
+            for node in made:
+                node.agent.wait_ready()
+            if self.with_relay and made:
+                self.stack.start_relay()
+        except BaseException:
+            self.stop()
+            raise
+        self.stack.started = True
+        return self
+
+    def stop(self) -> None:
+        """Delete the pods (DEL while their agent runs), stop every component, delete every
+        namespace of the cluster, the bridge and its iptables rule, release the slot.
+        Idempotent."""
+        self.delete_pods()
+        slot = self.slot
+        self.stack.stop()  # relay, agents, operator, redis; pins; run dir; slot
+        if slot >= 0:
+            for name in list_netns(netns_prefix(slot)):
+                delete_netns(name)
+            self._remove_lan(slot)
+        self.nodes.clear()
+        self._next_index = 0
+
+    # -- the LAN --------------------------------------------------------------------------
+
+    def _iptables_rule(self, bridge: str) -> list[str]:
+        return [
+            "FORWARD",
+            "-i",
+            bridge,
+            "-o",
+            bridge,
+            "-m",
+            "comment",
+            "--comment",
+            f"cilia test cluster LAN {bridge}",
+            "-j",
+            "ACCEPT",
+        ]
+
+    def _create_lan(self) -> None:
+        bridge = self.bridge
+        sh("ip", "link", "add", bridge, "type", "bridge")
+        sh("ip", "link", "set", bridge, "mtu", str(self.mtu))
+        sh("ip", "addr", "add", f"{self.bridge_address}/{self.lan.prefixlen}", "dev", bridge)
+        sh("ip", "link", "set", bridge, "up")
+        sh("iptables", "-I", *self._iptables_rule(bridge))
+        self._lan_ready = True
+
+    def _remove_lan(self, slot: int | None = None) -> None:
+        bridge = f"cilia-lan{self.slot if slot is None else slot}"
+        rule = self._iptables_rule(bridge)
+        while sh("iptables", "-C", *rule, check=False).returncode == 0:
+            sh("iptables", "-D", *rule, check=False)
+        for name in list_netns(netns_prefix(self.slot if slot is None else slot)):
+            delete_netns(name)
+        if pathlib.Path(f"/sys/class/net/{bridge}").exists():
+            sh("ip", "link", "del", bridge, check=False)
+        self._lan_ready = False
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def _create_node(
+        self, name: str | None = None, interfaces: Sequence[str] | None = None
+    ) -> Node:
+        """Create a node's netns, LAN veth, addresses and default route and its (not started)
+        agent."""
+        if not self._lan_ready:
+            raise ClusterError("the cluster's LAN does not exist: call prepare() or start()")
+        index = self._next_index
+        self._next_index += 1
+        name = name or node_letter_name(index)
+        if name in self.nodes and not self.nodes[name].removed:
+            raise ClusterError(f"node {name!r} exists already")
+        netns = f"{self.prefix}{name}"
+        if interfaces is None:
+            interfaces = (
+                f"{self.lan.network_address + NODE_HOST_BASE + index}/{self.lan.prefixlen}",
+            )
+        veth = f"cl{self.slot}n{index}"
+        create_netns(netns)
+        sh("ip", "link", "del", veth, check=False)
+        sh(
+            "ip",
+            "link",
+            "add",
+            veth,
+            "mtu",
+            str(self.mtu),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "mtu",
+            str(self.mtu),
+            "netns",
+            netns,
+        )
+        sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        for iface in interfaces:
+            sh("ip", "-n", netns, "addr", "add", iface, "dev", "eth0")
+        sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        if any(ipaddress.IPv4Interface(i).network == self.lan for i in interfaces):
+            sh("ip", "-n", netns, "route", "add", "default", "via", self.bridge_address)
+        agent = self.stack.add_agent(node_name=name, netns=netns)
+        agent.host_device = "cilia_host"  # the default name: each node has a netns of its own
+        agent.hubble_address = f":{HUBBLE_PORT}"
+        agent.metrics_address = f":{METRICS_PORT}"
+        agent.extra_args = tuple(self.agent_args())
+        node = Node(name, index, netns, tuple(interfaces), veth, agent)
+        self.nodes[name] = node
+        return node
+
+    def add_node(
+        self,
+        name: str | None = None,
+        *,
+        interfaces: Sequence[str] | None = None,
+        start: bool = True,
+        extra_args: Sequence[str] = (),
+    ) -> Node:
+        """Create one more node (netns, LAN veth, agent) and start its agent (wait until ready).
+
+        Args:
+            name: node name (default ``node-<letter of its index>``).
+            interfaces: ``a.b.c.d/len`` addresses of its LAN interface, the first being the
+                node's address (default: the next LAN address). A default route via the
+                bridge is added when one of them is on the LAN.
+            start: start the agent (else call ``node.agent.start()``).
+            extra_args: more agent flags (after the cluster's).
+
+        Raises:
+            ClusterError: the name is taken.
+            StackError: the agent did not get ready.
+        """
+        node = self._create_node(name, interfaces)
+        node.agent.extra_args = (*node.agent.extra_args, *extra_args)
+        if start:
+            node.agent.start()
+        return node
+
+    def remove_node(self, name: str) -> subprocess.CompletedProcess[str]:
+        """Take node ``name`` out: its pods' netns deleted, its agent stopped, its node record
+        deleted through the operator (``cilia-operator delete ciliumnodes NAME``), its netns
+        (and LAN veth) deleted. Returns the delete command's outcome.
+
+        Raises:
+            ClusterError: no such node, or the operator refused the delete.
+        """
+        node = self.node(name)
+        for pod in [p for p in self.pods if self.pod_node.get(p.name) == name]:
+            pod.destroy_netns()
+            self.pods.remove(pod)
+        node.agent.stop()
+        node.agent.remove_leftovers()
+        out = self.stack.operator_cli("delete", "ciliumnodes", name, timeout=COMMAND_SECONDS)
+        delete_netns(node.netns)
+        node.removed = True
+        del self.nodes[name]
+        if out.returncode != 0:
+            raise ClusterError(
+                f"cilia-operator delete ciliumnodes {name} exited {out.returncode}: "
+                f"{out.stderr.strip()}"
+            )
+        return out
+
+    def kill_agent(self, name: str) -> int:
+        """SIGKILL node ``name``'s agent and wait until it is gone; returns its pid."""
+        return self.node(name).agent.kill()
+
+    def restart_agent(self, name: str, timeout: float | None = None) -> None:
+        """Start node ``name``'s agent again (after :meth:`kill_agent` or a stop) with the
+        same flags; wait until ready.
+
+        Raises:
+            StackError: it did not get ready.
+        """
+        agent = self.node(name).agent
+        if agent.pid is not None:
+            agent.stop()
+        agent.start(timeout=timeout)
+
+    # -- pods -----------------------------------------------------------------------------
+
+    def add_pod(self, node: str, name: str, labels: Mapping[str, str] | None = None) -> cni.Pod:
+        """A pod on ``node``: netns ``<prefix><name>`` created on the host and plumbed by the
+        real ``cilia-cni`` with the node's conflist (CNI ADD, checked).
+
+        Raises:
+            ClusterError: no such node.
+            cilia_testkit.cni.CniRunError: ADD failed (the netns is deleted).
+        """
+        owner = self.node(node)
+        pod = cni.Pod(name=f"{self.prefix}{name}", labels=dict(labels or {}))
+        pod.create_netns()
+        try:
+            pod.add(owner.agent.conflist()).check()
+        except BaseException:
+            pod.destroy_netns()
+            raise
+        self.pods.append(pod)
+        self.pod_node[pod.name] = node
+        return pod
+
+    def delete_pod(self, pod: cni.Pod) -> None:
+        """CNI DEL (when its node's agent runs; errors ignored) and the netns deleted."""
+        node = self.nodes.get(self.pod_node.get(pod.name, ""))
+        if node is not None and node.agent.pid is not None and node.agent.conflist_path.exists():
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                pod.delete(node.agent.conflist(), timeout=COMMAND_SECONDS)
+        pod.destroy_netns()
+        if pod in self.pods:
+            self.pods.remove(pod)
+        self.pod_node.pop(pod.name, None)
+
+    def delete_pods(self, pods: Iterable[cni.Pod] | None = None) -> None:
+        """:meth:`delete_pod` for ``pods`` (default: every pod of the cluster)."""
+        for pod in list(self.pods if pods is None else pods):
+            self.delete_pod(pod)
+
+    def node_of(self, pod: cni.Pod) -> Node:
+        """The node ``pod`` was created on.
+
+        Raises:
+            ClusterError: the pod is not one of this cluster's (or its node is gone).
+        """
+        return self.node(self.pod_node.get(pod.name, ""))
+
+    # -- observation ----------------------------------------------------------------------
+
+    def pod_cidrs(self) -> dict[str, list[str]]:
+        """Node name → the pod CIDRs the operator gave it (``cilia-operator get ciliumnodes``).
+
+        Raises:
+            ClusterError: the operator did not answer.
+        """
+        out = self.stack.operator_cli("get", "ciliumnodes", "-o", "json", timeout=COMMAND_SECONDS)
+        if out.returncode != 0:
+            raise ClusterError(f"cilia-operator get ciliumnodes: {out.stderr.strip()}")
+        data: Any = json.loads(out.stdout or "[]")
+        items = data.get("items", []) if isinstance(data, dict) else data
+        result: dict[str, list[str]] = {}
+        for item in items:
+            result[str(item["metadata"]["name"])] = _node_cidrs(item)
+        return result
+
+    def wait_for(self, predicate: Any, timeout: float, interval: float = 0.1) -> bool:
+        """:func:`cilia_testkit.host.wait_for` (for symmetry in tests)."""
+        return wait_for(predicate, timeout, interval=interval)
+
+    def logs(self, lines: int = 20) -> str:
+        """Every component's log tail (this start), for assertion messages."""
+        return self.stack.logs(lines)
+
+    def describe(self) -> str:
+        """How to reach everything: one line per component and node."""
+        out = [
+            f"cluster: {len(self.nodes)} nodes, routing {self.routing}, LAN {self.lan} "
+            f"(bridge {self.bridge}), pod pool {self.pool_cidr}, run dir {self.stack.run_dir}",
+            f"operator: {self.operator_address} (cilia-operator get ciliumnodes --server "
+            f"{self.operator_address})",
+        ]
+        if self.with_relay:
+            out.append(
+                f"relay: {self.relay_address} (cilia-relay observe --server {self.relay_address})"
+            )
+        for node in self.nodes.values():
+            a = node.agent
+            out.append(
+                f"{node.name}: {node.address}, netns {node.netns} (ip netns exec {node.netns} …), "
+                f"socket {a.socket} (cilia-agent status --socket {a.socket}), Hubble "
+                f"{node.address}:{HUBBLE_PORT}, metrics {node.address}:{METRICS_PORT}, "
+                f"conflist {a.conflist_path}, log {a.process.log}"
+            )
+        return "\n".join(out)
+
+
+def _node_cidrs(item: Mapping[str, Any]) -> list[str]:
+    """Every pod CIDR of one CiliumNode object (multi-pool ``spec.ipam.pools.allocated`` and
+    ``spec.ipam.podCIDRs``)."""
+    spec = item.get("spec", {})
+    ipam = spec.get("ipam", {})
+    cidrs = [str(c) for c in ipam.get("podCIDRs", []) or []]
+    for allocated in (ipam.get("pools", {}) or {}).get("allocated", []) or []:
+        cidrs.extend(str(c) for c in allocated.get("cidrs", []) or [])
+    return sorted(set(cidrs))
+
+
+__all__ = [
+    "LAN_RANGE",
+    "ROUTING_MODES",
+    "Cluster",
+    "ClusterError",
+    "Node",
+    "RoutingMode",
+    "lan_network",
+    "netns_prefix",
+]
