@@ -385,10 +385,13 @@ class Cluster:
     # -- nodes ----------------------------------------------------------------------------
 
     def _create_node(
-        self, name: str | None = None, interfaces: Sequence[str] | None = None
+        self,
+        name: str | None = None,
+        interfaces: Sequence[str] | None = None,
+        node_name: str | None = None,
     ) -> Node:
         """Create a node's netns, LAN veth, addresses and default route and its (not started)
-        agent."""
+        agent (``--node-name`` = ``node_name`` or ``name``)."""
         if not self._lan_ready:
             raise ClusterError("the cluster's LAN does not exist: call prepare() or start()")
         index = self._next_index
@@ -427,7 +430,7 @@ class Cluster:
         sh("ip", "-n", netns, "link", "set", "eth0", "up")
         if any(ipaddress.IPv4Interface(i).network == self.lan for i in interfaces):
             sh("ip", "-n", netns, "route", "add", "default", "via", self.bridge_address)
-        agent = self.stack.add_agent(node_name=name, netns=netns)
+        agent = self.stack.add_agent(node_name=node_name or name, netns=netns)
         agent.host_device = "cilia_host"  # the default name: each node has a netns of its own
         agent.hubble_address = f":{HUBBLE_PORT}"
         agent.metrics_address = f":{METRICS_PORT}"
@@ -441,6 +444,7 @@ class Cluster:
         name: str | None = None,
         *,
         interfaces: Sequence[str] | None = None,
+        node_name: str | None = None,
         start: bool = True,
         extra_args: Sequence[str] = (),
     ) -> Node:
@@ -451,6 +455,8 @@ class Cluster:
             interfaces: ``a.b.c.d/len`` addresses of its LAN interface, the first being the
                 node's address (default: the next LAN address). A default route via the
                 bridge is added when one of them is on the LAN.
+            node_name: the agent's ``--node-name`` (default ``name``; another node's name makes
+                two nodes claim one name).
             start: start the agent (else call ``node.agent.start()``).
             extra_args: more agent flags (after the cluster's).
 
@@ -458,33 +464,45 @@ class Cluster:
             ClusterError: the name is taken.
             StackError: the agent did not get ready.
         """
-        node = self._create_node(name, interfaces)
+        node = self._create_node(name, interfaces, node_name)
         node.agent.extra_args = (*node.agent.extra_args, *extra_args)
         if start:
             node.agent.start()
         return node
 
-    def remove_node(self, name: str) -> subprocess.CompletedProcess[str]:
-        """Take node ``name`` out: its pods' netns deleted, its agent stopped, its node record
-        deleted through the operator (``cilia-operator delete ciliumnodes NAME``), its netns
-        (and LAN veth) deleted. Returns the delete command's outcome.
+    def drop_node(self, name: str) -> Node:
+        """Take node ``name`` off the LAN without telling the operator (a node that died):
+        its pods' netns deleted, its agent stopped, its pins, netns and LAN veth removed.
 
         Raises:
-            ClusterError: no such node, or the operator refused the delete.
+            ClusterError: no such node.
         """
         node = self.node(name)
         for pod in [p for p in self.pods if self.pod_node.get(p.name) == name]:
             pod.destroy_netns()
             self.pods.remove(pod)
+            self.pod_node.pop(pod.name, None)
         node.agent.stop()
         node.agent.remove_leftovers()
-        out = self.stack.operator_cli("delete", "ciliumnodes", name, timeout=COMMAND_SECONDS)
         delete_netns(node.netns)
         node.removed = True
         del self.nodes[name]
+        return node
+
+    def remove_node(self, name: str) -> subprocess.CompletedProcess[str]:
+        """Take node ``name`` out as an operator would: :meth:`drop_node`, then its node record
+        deleted through the operator (``cilia-operator delete ciliumnodes NAME``). Returns the
+        delete command's outcome.
+
+        Raises:
+            ClusterError: no such node, or the operator refused the delete.
+        """
+        node_name = self.node(name).agent.node_name
+        self.drop_node(name)
+        out = self.stack.operator_cli("delete", "ciliumnodes", node_name, timeout=COMMAND_SECONDS)
         if out.returncode != 0:
             raise ClusterError(
-                f"cilia-operator delete ciliumnodes {name} exited {out.returncode}: "
+                f"cilia-operator delete ciliumnodes {node_name} exited {out.returncode}: "
                 f"{out.stderr.strip()}"
             )
         return out

@@ -3,15 +3,28 @@
 - ``netns_registry`` (session): a :class:`~cilia_testkit.netns.NetnsRegistry` whose prefix
   is the ini option ``testkit_netns_prefix`` (default ``cilia-test-``); stale namespaces of
   an earlier, killed run are removed first, and everything it made at the end.
+- ``cluster`` (module): a factory ``cluster(nodes=3, routing="native", **kw)`` returning a
+  started :class:`~cilia_testkit.cluster.Cluster`; every cluster it made and did not stop
+  yet is stopped at the end of the module (stop one earlier with ``c.stop()``). Skips with
+  the reason when not root or a tool is missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from cilia_testkit import VENV_BIN
+from cilia_testkit.cluster import Cluster, RoutingMode
 from cilia_testkit.netns import NetnsRegistry
+from cilia_testkit.stack import StackError
+
+#: Host tools a :class:`Cluster` needs.
+CLUSTER_TOOLS = ("ip", "iptables", "nsenter", "redis-server")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,3 +45,41 @@ def netns_registry(pytestconfig: pytest.Config) -> Iterator[NetnsRegistry]:
         yield registry
     finally:
         registry.cleanup()
+
+
+def cluster_unsupported() -> str:
+    """Why a :class:`Cluster` cannot run here ("" when it can)."""
+    if os.geteuid() != 0:
+        return "a cluster needs root: network namespaces, veth, bridge, iptables, eBPF"
+    for tool in CLUSTER_TOOLS:
+        if shutil.which(tool) is None:
+            return f"a cluster needs {tool!r} on PATH (scripts/setup.sh installs it)"
+    for binary in ("cilia-operator", "cilia-agent", "cilia-cni", "cilia-relay"):
+        if not (VENV_BIN / binary).exists():
+            return f"{VENV_BIN / binary} missing: run scripts/setup.sh (make setup)"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Callable[..., Cluster]]:
+    """Factory of started clusters (see the module docstring); fails the test with the
+    components' log tails when one does not start."""
+    made: list[Cluster] = []
+
+    def make(nodes: int = 3, routing: RoutingMode = "native", **kw: Any) -> Cluster:
+        reason = cluster_unsupported()
+        if reason:
+            pytest.skip(reason)
+        c = Cluster(nodes, routing=routing, **kw)
+        made.append(c)
+        try:
+            c.start()
+        except StackError as exc:
+            pytest.fail(f"the {nodes}-node {routing} cluster did not start:\n{exc}")
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in reversed(made):
+            c.stop()
