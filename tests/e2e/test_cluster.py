@@ -242,6 +242,12 @@ def _enforced(w: World) -> tuple[bool, bool]:
     return w.tcp_ok("frontend", "backend"), not w.tcp_ok("other", "backend")
 
 
+def _enforce_policy(w: World) -> None:
+    """Apply the policy (idempotent) and wait until it is enforced."""
+    _apply(w, _policy())
+    assert wait_for(lambda: _enforced(w) == (True, True), POLICY_WAIT_SECONDS), w.logs()
+
+
 def _flows(w: World, *argv: str) -> list[dict[str, Any]]:
     seen = traffic.observe(
         "--port", str(PORT), "--last", "500", *argv, server=w.cluster.relay_address
@@ -270,8 +276,7 @@ def test_cross_node_policy_lets_frontend_reach_backend_and_drops_other_with_flow
     w = world
     front, back, other = w.pods["frontend"], w.pods["backend"], w.pods["other"]
     assert _enforced(w) == (True, False), "before the policy every pod reaches the backend"
-    _apply(w, _policy())
-    assert wait_for(lambda: _enforced(w) == (True, True), POLICY_WAIT_SECONDS), w.logs()
+    _enforce_policy(w)
 
     since = time.time_ns()
     assert w.tcp_ok("frontend", "backend")
@@ -318,6 +323,7 @@ def test_cross_node_policy_lets_frontend_reach_backend_and_drops_other_with_flow
 
 def test_kill_9_of_node_b_agent_loses_no_cross_node_ping_and_keeps_enforcing(world: World) -> None:
     w = world
+    _enforce_policy(w)  # applied by the policy test already when the module runs in order
     ping = probe.start_ping(w.pods["a1"].name, w.pods["b1"].ip, PING_INTERVAL_SECONDS)
     try:
         w.cluster.kill_agent("node-b")
@@ -439,35 +445,6 @@ def test_a_node_whose_address_is_not_on_the_lan_gets_no_route_and_is_reported(wo
         c.remove_node(x.name)
 
 
-def test_two_nodes_claiming_the_same_name_leave_the_first_one_routed(world: World) -> None:
-    w = world
-    c = w.cluster
-    b = c.node("node-b")
-    before = {n.name: n.pod_routes() for n in c.nodes.values()}
-    record = json.loads(c.stack.operator_cli("get", "ciliumnodes", "node-b", "-o", "json").stdout)
-    impostor = c.add_node("impostor", node_name="node-b", start=False)
-    try:
-        impostor.agent.launch()
-        ready = wait_for(impostor.agent.conflist_path.exists, 20)
-        now = {n.name: n.pod_routes() for n in c.nodes.values() if n.name != "impostor"}
-        after = json.loads(
-            c.stack.operator_cli("get", "ciliumnodes", "node-b", "-o", "json").stdout
-        )
-        reachable = w.tcp_ok("a1", "b1")
-        log = impostor.agent.process.tail(40)
-    finally:
-        c.drop_node("impostor")
-    print(f"{w.mode}: impostor ready={ready}\n{log}")
-    assert after.get("spec", {}).get("addresses") == record.get("spec", {}).get("addresses"), (
-        "a second agent registering as node-b took over node-b's record",
-        record,
-        after,
-    )
-    assert now == {k: v for k, v in before.items() if k != "impostor"}, (before, now)
-    assert reachable, "node-b's pods became unreachable while the impostor ran"
-    assert b.agent.pid is not None
-
-
 def test_a_peer_node_whose_address_vanishes_is_not_routed_to_a_wrong_place(world: World) -> None:
     w = world
     c = w.cluster
@@ -488,15 +465,56 @@ def test_a_peer_node_whose_address_vanishes_is_not_routed_to_a_wrong_place(world
         assert not wait_for(lambda: bool(wrong()), BAD_NODE_WATCH_SECONDS, interval=0.5), wrong()
         # the rest of the cluster is undisturbed
         assert w.tcp_ok("a1", "b1") and w.tcp_ok("b1", "a1")
-        # and it is visible: node-d's routes are withdrawn and reported as not routed
-        assert wait_for(
-            lambda: not _routes_to(a, cidrs) and not _routes_to(b, cidrs), WITHDRAW_SECONDS
-        ), (
-            "node-d lost its address but its record still carries it: A and B keep routing "
-            "its pod CIDRs to an address nobody answers",
+
+        # and it is visible: node-d's routes are withdrawn (its record lost the address), or
+        # at least node-d's agent reports that the address it registered is gone
+        def visible() -> bool:
+            withdrawn = not _routes_to(a, cidrs) and not _routes_to(b, cidrs)
+            log = d.agent.process.log.read_text(errors="replace")[d.agent.process.offset :]
+            reported = any(
+                d.address in line and '"level": "warning"' in line for line in log.splitlines()
+            )
+            return withdrawn or reported
+
+        assert wait_for(visible, WITHDRAW_SECONDS), (
+            f"node-d lost {d.address} but nothing says so: its agent logs no warning and its "
+            "record still carries the address, so A and B keep routing its pod CIDRs to an "
+            "address nobody answers",
             _routes_to(a, cidrs),
             _routes_to(b, cidrs),
         )
     finally:
         d.ip("addr", "add", d.interfaces[0], "dev", "eth0", check=False)
         d.ip("route", "replace", "default", "via", c.bridge_address, check=False)
+
+
+def test_two_nodes_claiming_the_same_name_leave_the_first_one_routed(world: World) -> None:
+    w = world
+    c = w.cluster
+    b = c.node("node-b")
+    before = {n.name: n.pod_routes() for n in c.nodes.values()}
+    record = json.loads(c.stack.operator_cli("get", "ciliumnodes", "node-b", "-o", "json").stdout)
+    impostor = c.add_node("impostor", node_name="node-b", start=False)
+    try:
+        impostor.agent.launch()
+        ready = wait_for(impostor.agent.conflist_path.exists, 20)
+        now = {n.name: n.pod_routes() for n in c.nodes.values() if n.name != "impostor"}
+        after = json.loads(
+            c.stack.operator_cli("get", "ciliumnodes", "node-b", "-o", "json").stdout
+        )
+        reachable = w.tcp_ok("a1", "b1")
+        log = impostor.agent.process.tail(40)
+    finally:
+        c.drop_node("impostor")
+        # node-b registers again on start: the cluster is as before for whatever runs next
+        c.restart_agent("node-b")
+        wait_for(lambda: c.node("node-a").pod_routes() == before["node-a"], JOIN_SECONDS)
+    print(f"{w.mode}: impostor ready={ready}\n{log}")
+    assert after.get("spec", {}).get("addresses") == record.get("spec", {}).get("addresses"), (
+        "a second agent registering as node-b took over node-b's record",
+        record,
+        after,
+    )
+    assert now == {k: v for k, v in before.items() if k != "impostor"}, (before, now)
+    assert reachable, "node-b's pods became unreachable while the impostor ran"
+    assert b.agent.pid is not None
