@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test up down demo bench images lint types clean
+.PHONY: setup test up down cluster-up cluster-down demo bench images lint types clean
 
 setup:
 	@scripts/setup.sh
@@ -19,6 +19,15 @@ up: setup
 
 down:
 	@scripts/stack.sh down
+
+# A multi-node cluster on this host (each node a netns with its own agent): NODES=3 ROUTING=native|tunnel
+NODES   ?= 3
+ROUTING ?= native
+cluster-up: setup
+	@scripts/cluster.sh up --nodes $(NODES) --routing $(ROUTING)
+
+cluster-down:
+	@scripts/cluster.sh down
 
 demo: setup
 	@scripts/demo.sh
