@@ -34,8 +34,9 @@ from cilia_testkit.netns import delete_netns, list_netns
 from cilia_testkit.stack import SHARED_POOL, SHARED_RUN, Stack, StackError
 
 COMPONENTS = ("redis", "operator", "agent", "relay")
-#: netns prefixes of the demo, the e2e tests, the benches and the test kit's own tests.
-LEFTOVER_NETNS = re.compile(r"^cilia-(demo|e2e|bench|tk|ipmig)-")
+#: netns prefixes of the demo, the e2e tests, the benches, the test kit's own tests and
+#: the clusters (``cilia-cl<slot>-``: nodes and pods of :class:`~cilia_testkit.cluster.Cluster`).
+LEFTOVER_NETNS = re.compile(r"^cilia-(demo|e2e|bench|tk|ipmig|cl[0-9]+)-")
 
 
 def _say(text: str) -> None:
