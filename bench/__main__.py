@@ -1,6 +1,6 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
-NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``
+NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``, ``cluster``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import agent_add, cni_latency, datapath, flows, ipam
+from bench import agent_add, cluster, cni_latency, datapath, flows, ipam
 
 BENCHES = {
     "cni_latency": cni_latency.main,
@@ -18,6 +18,7 @@ BENCHES = {
     "datapath": datapath.main,
     "flows": flows.main,
     "ipam": ipam.main,
+    "cluster": cluster.main,
 }
 
 if __name__ == "__main__":
