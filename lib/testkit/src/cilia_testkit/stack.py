@@ -59,6 +59,7 @@ from cilia_testkit._process import Process, StackError, _exited
 from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.cni import load_conflist
 from cilia_testkit.host import sh, wait_for
+from cilia_testkit.redis import server_argv
 
 #: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
 #: and its documented fixed addresses (README "The local stack").
@@ -585,20 +586,7 @@ class Stack:
             listen = ["--port", "0", "--unixsocket", str(self.redis_socket)]
             listen += ["--unixsocketperm", "700"]
             ping = ["redis-cli", "-s", str(self.redis_socket), "ping"]
-        self.redis.start(
-            [
-                binary,
-                *listen,
-                "--appendonly",
-                "yes",
-                "--save",
-                "",
-                "--dir",
-                str(data),
-                "--daemonize",
-                "no",
-            ]
-        )
+        self.redis.start(server_argv(binary, listen, data, appendonly=True))
         self.record(self.redis)
         self.redis.wait_ready(
             lambda: sh(*ping, check=False).stdout.strip() == "PONG", self.ready_seconds

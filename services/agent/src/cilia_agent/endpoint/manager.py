@@ -313,6 +313,11 @@ class EndpointManager:
         for state, n in counts.items():
             self.metrics.endpoint_state.labels(state=state).set(n)
 
+    @property
+    def adds_in_flight(self) -> int:
+        """Adds started and not finished (their plumbing may still use the old gateway)."""
+        return sum(self._adding.values())
+
     def list(self) -> list[EndpointRecord]:
         """Every endpoint the agent holds, sorted by id."""
         return sorted(self._endpoints.values(), key=lambda r: r.id)
