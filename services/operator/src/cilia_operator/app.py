@@ -35,6 +35,7 @@ from .ipam.controller import IPAMController
 from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
 from .kinds import POOL
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
+from .manifests import ManifestLimits
 from .metrics import Metrics
 from .store import AlreadyExists, StoreError
 from .store.kubernetes import KubernetesStore
@@ -178,7 +179,19 @@ class Operator:
             ),
             Service(
                 pb_grpc.add_ResourceServiceServicer_to_server,
-                ResourceServicer(self.store, self.identities, config.service_cidrs),
+                ResourceServicer(
+                    self.store,
+                    self.identities,
+                    config.service_cidrs,
+                    limits=ManifestLimits(
+                        max_bytes=config.apply_max_manifest_bytes,
+                        max_documents=config.apply_max_documents,
+                        max_depth=config.apply_max_depth,
+                        max_alias_nodes=config.apply_max_alias_nodes,
+                        max_record_bytes=config.apply_max_record_bytes,
+                    ),
+                    attempts=conflict_retries,
+                ),
                 SERVICE_NAMES[2],
             ),
             Service(
@@ -199,7 +212,13 @@ class Operator:
         ]
         listen = self.config.listen
         try:
-            self._server, self._health, ports = await start_server_with_ports(services, [listen])
+            self._server, self._health, ports = await start_server_with_ports(
+                services,
+                [listen],
+                options=[
+                    ("grpc.max_receive_message_length", config.grpc_max_receive_message_bytes)
+                ],
+            )
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.address = bound_port(listen, ports[listen]) if listen in ports else listen

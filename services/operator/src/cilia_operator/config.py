@@ -98,6 +98,15 @@ class Config(BaseModel):
     leader_election_lease_name: str = "cilia-operator-resource-lock"
     leader_election_lease_namespace: str = "kube-system"
     leader_election_id: str = ""
+    # Bounds on an apply manifest (cilia_operator.manifests.ManifestLimits documents each).
+    apply_max_manifest_bytes: int = Field(default=3 * 1024 * 1024, ge=1)
+    apply_max_documents: int = Field(default=1000, ge=1)
+    apply_max_depth: int = Field(default=100, ge=2, le=200)
+    apply_max_alias_nodes: int = Field(default=10_000, ge=0)
+    apply_max_record_bytes: int = Field(default=1536 * 1024, ge=1)
+    # Largest gRPC message the server accepts; above --apply-max-manifest-bytes so that an
+    # oversized manifest is refused by apply naming that flag, not by the transport.
+    grpc_max_receive_message_bytes: int = Field(default=128 * 1024 * 1024, ge=4 * 1024 * 1024)
 
     @field_validator("cluster_pool_ipv4_cidr", "service_cluster_ip_range")
     @classmethod

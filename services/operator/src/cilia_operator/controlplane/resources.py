@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import ipaddress
 import json
@@ -18,9 +19,16 @@ from ..ipam import claims
 from ..ipam import node as nodes
 from ..ipam.changes import NodeNetworks, PoolChange, plan_pool_change
 from ..ipam.pool import DRAINING_FIELD, PoolSpec, pool_specs, to_pool_spec, validate_pool
-from ..kinds import IDENTITY, NODE, POOL, KindInfo, resolve_kind
-from ..manifests import Document, DocumentError, InvalidManifest, validate_manifest
-from ..store import Conflict, NotFound, Resource, Store, resource_version
+from ..kinds import IDENTITY, NODE, POOL, KindInfo, UnknownKind, kind_of, resolve_kind
+from ..manifests import (
+    Document,
+    DocumentError,
+    InvalidManifest,
+    ManifestLimits,
+    parse_manifest,
+    validate_documents,
+)
+from ..store import Conflict, ListResult, Resource, Snapshot, Store, Write, resource_version
 from .errors import unary
 
 log = logging.getLogger(__name__)
@@ -88,6 +96,48 @@ def pool_in_use_message(
     )
 
 
+def _find(listed: ListResult, namespace: str, name: str) -> Resource | None:
+    for obj in listed.items:
+        meta = obj.get("metadata") or {}
+        if meta.get("name") == name and (meta.get("namespace") or "") == namespace:
+            return obj
+    return None
+
+
+def _kinds(raw: Sequence[Any]) -> list[str]:
+    """The store kinds the parsed documents name (unknown ones are left to validation)."""
+    out = []
+    for doc in raw:
+        if isinstance(doc, dict):
+            try:
+                out.append(
+                    kind_of(str(doc.get("apiVersion") or ""), str(doc.get("kind") or "")).kind
+                )
+            except UnknownKind:
+                continue
+    return out
+
+
+def _plan_one(
+    doc: Document, current: Resource | None, change: PoolChange | None
+) -> tuple[str, Write | None]:
+    """The action for one document (``created|configured|unchanged``) and its write
+    (None when unchanged); an update carries ``current``'s resourceVersion."""
+    if current is None:
+        return "created", Write("create", doc.obj)
+    desired = _merged(current, doc)
+    if change is not None:
+        status = desired.setdefault("status", {})
+        status[DRAINING_FIELD] = [str(c) for c in change.draining]
+        if not change.draining:
+            del status[DRAINING_FIELD]
+        if not status:
+            del desired["status"]
+    if desired == current:
+        return "unchanged", None
+    return "configured", Write("update", desired)
+
+
 class ResourceServicer:
     """``cilia.controlplane.v1.ResourceService``.
 
@@ -95,6 +145,10 @@ class ResourceServicer:
         store: the Store.
         identities: deletes CiliumIdentity records and frees the number in its cache
             (None: identities are deleted like any record).
+        service_cidrs: ``--service-cluster-ip-range`` (no pool may overlap them).
+        limits: bounds on an ``apply`` manifest (:class:`ManifestLimits`).
+        attempts: times an apply transaction is tried when pools, nodes or the applied
+            kinds change under it (``--store-conflict-retries``); then ABORTED.
     """
 
     def __init__(
@@ -102,16 +156,17 @@ class ResourceServicer:
         store: Store,
         identities: IdentityAllocator | None = None,
         service_cidrs: Sequence[ipaddress.IPv4Network] = (),
+        limits: ManifestLimits | None = None,
+        attempts: int = 5,
     ) -> None:
         self.store = store
         self.identities = identities
         self.service_cidrs = tuple(service_cidrs)
+        self.limits = limits or ManifestLimits()
+        self.attempts = attempts
 
-    async def _stored_pools(self) -> dict[str, PoolSpec]:
-        return pool_specs((await self.store.list(POOL.kind)).items)
-
-    async def _pool_changes(
-        self, docs: Sequence[Document], stored: Mapping[str, PoolSpec]
+    def _pool_changes(
+        self, docs: Sequence[Document], stored: Mapping[str, PoolSpec], records: list[Resource]
     ) -> tuple[dict[str, PoolChange], list[str]]:
         """Check every pool document against nodes and services; effects per node.
 
@@ -122,7 +177,6 @@ class ResourceServicer:
         pool_docs = [d for d in docs if d.info is POOL]
         if not pool_docs:
             return {}, []
-        records = (await self.store.list(NODE.kind)).items
         holdings = {
             nodes.node_name(r): [
                 *((p, b) for p, bs in nodes.allocated(r).items() for b in bs),
@@ -162,57 +216,60 @@ class ResourceServicer:
     async def Apply(  # noqa: N802 (gRPC method name)
         self, request: pb.ApplyRequest, context: Any
     ) -> pb.ApplyResponse:
-        """Validate every document, then create or update each (or only report: dry_run).
+        """Validate every document, then create or update all of them in one store
+        transaction (or only report: dry_run).
 
-        Errors: INVALID_ARGUMENT naming document index, field path and reason (nothing
-        written), ABORTED (a resource changed during apply), UNAVAILABLE.
+        Order: parse within :attr:`limits` (in a thread, so other calls are served
+        meanwhile); then, in :meth:`Store.transact` on a snapshot of pools, nodes and
+        the applied kinds: validate (schema, immutable fields, overlaps with pools,
+        services and node networks), compute each document's action and write them all.
+        With the Redis store the checks hold when the writes land -- two concurrent
+        applies of overlapping pools cannot both succeed -- and an apply cut off by its
+        deadline has written all of its documents or none.
+
+        Errors: INVALID_ARGUMENT naming document index, field path and reason, or the
+        limit flag exceeded (nothing written); ABORTED (the store kept changing during
+        every attempt; nothing written); UNAVAILABLE.
         """
-        stored = await self._stored_pools()
-        docs = validate_manifest(request.manifest, stored)
-        changes, effects = await self._pool_changes(docs, stored)
-        applied = []
-        for doc in docs:
-            change = changes.get(doc.name) if doc.info is POOL else None
-            action = await self._apply_one(doc, request.dry_run, change)
-            applied.append(
-                pb.AppliedResource(
-                    api_version=doc.info.api_version,
-                    kind=doc.info.kind,
-                    name=doc.name,
-                    namespace=doc.namespace,
-                    action=action,
+        raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
+        outcome: dict[str, Any] = {}
+
+        async def plan(snapshot: Snapshot) -> list[Write]:
+            stored = pool_specs(snapshot[POOL.kind].items)
+            docs = await asyncio.to_thread(validate_documents, raw, stored)
+            changes, effects = self._pool_changes(docs, stored, snapshot[NODE.kind].items)
+            writes: list[Write] = []
+            applied = []
+            for doc in docs:
+                change = changes.get(doc.name) if doc.info is POOL else None
+                current = _find(snapshot[doc.info.kind], doc.namespace, doc.name)
+                action, write = _plan_one(doc, current, change)
+                if write is not None:
+                    writes.append(write)
+                applied.append(
+                    pb.AppliedResource(
+                        api_version=doc.info.api_version,
+                        kind=doc.info.kind,
+                        name=doc.name,
+                        namespace=doc.namespace,
+                        action=action,
+                    )
                 )
-            )
-            if not request.dry_run:
+            outcome.update(applied=applied, effects=effects, docs=docs)
+            return [] if request.dry_run else writes
+
+        await self.store.transact(
+            [POOL.kind, NODE.kind, *_kinds(raw)], plan, attempts=self.attempts
+        )
+        if not request.dry_run:
+            for doc, res in zip(outcome["docs"], outcome["applied"], strict=True):
                 log.info(
                     "resource applied",
-                    extra={"resource": doc.info.display(doc.name), "action": action},
+                    extra={"resource": doc.info.display(doc.name), "action": res.action},
                 )
-        if not request.dry_run:
-            for effect in effects:
+            for effect in outcome["effects"]:
                 log.info("pool change applied", extra={"effect": effect})
-        return pb.ApplyResponse(resources=applied, effects=effects)
-
-    async def _apply_one(self, doc: Document, dry_run: bool, change: PoolChange | None) -> str:
-        try:
-            current = await self.store.get(doc.info.kind, doc.name, doc.namespace)
-        except NotFound:
-            if not dry_run:
-                await self.store.create(doc.obj)
-            return "created"
-        desired = _merged(current, doc)
-        if change is not None:
-            status = desired.setdefault("status", {})
-            status[DRAINING_FIELD] = [str(c) for c in change.draining]
-            if not change.draining:
-                del status[DRAINING_FIELD]
-            if not status:
-                del desired["status"]
-        if desired == current:
-            return "unchanged"
-        if not dry_run:
-            await self.store.update(desired)  # Conflict -> ABORTED: someone else wrote
-        return "configured"
+        return pb.ApplyResponse(resources=outcome["applied"], effects=outcome["effects"])
 
     @unary
     async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:  # noqa: N802
