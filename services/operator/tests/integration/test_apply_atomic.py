@@ -8,6 +8,7 @@ slow store leaves either every document or none of them.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ipaddress
 import json
 import random
@@ -119,10 +120,22 @@ class SlowRedisStore(RedisStore):
     for a client deadline to land between two writes."""
 
     delay = 0.03
+    slow_gets = True
 
     async def _call(self, pending: Any) -> Any:
-        await asyncio.sleep(self.delay)
+        if self.slow_gets or not _getting.get():
+            await asyncio.sleep(self.delay)
         return await super()._call(pending)
+
+    async def get(self, kind: str, name: str, namespace: str = "") -> Any:
+        token = _getting.set(True)
+        try:
+            return await super().get(kind, name, namespace)
+        finally:
+            _getting.reset(token)
+
+
+_getting: contextvars.ContextVar[bool] = contextvars.ContextVar("getting", default=False)
 
 
 @asynccontextmanager
@@ -132,6 +145,7 @@ async def resource_server(store: RedisStore) -> AsyncIterator[Any]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel.address = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
     try:
         yield channel
     finally:
@@ -167,6 +181,60 @@ async def test_apply_cut_by_its_deadline_leaves_all_documents_or_none(redis_url:
         codes = {code for _, code, _ in outcomes}
         assert codes == {"OK", "DEADLINE_EXCEEDED"}, outcomes  # both sides were exercised
         assert any(code != "OK" and n == 0 for _, code, n in outcomes), outcomes
+    finally:
+        await store.close()
+        await plain.close()
+
+
+async def test_cli_says_whether_a_deadline_cut_apply_was_written(redis_url: str) -> None:
+    """`cilia-operator apply` whose --timeout expires: the CLI reads the documents back and
+    says "confirmed after the deadline" exactly when all are stored, else "nothing was
+    written" exactly when none is (exit 2)."""
+    from cilia_operator import cli
+
+    docs = 12
+    manifest = "\n---\n".join(pool_yaml(f"c{i}", f"10.61.{i}.0/24", 26) for i in range(docs))
+    store = SlowRedisStore(redis_url)
+    store.slow_gets = False  # the CLI's read-back after the deadline answers in time
+    plain = RedisStore(redis_url)
+    said: set[str] = set()
+    try:
+        async with resource_server(store) as channel:
+            target = channel.address
+            for step in range(16):
+                timeout = 0.02 + step * 0.04
+
+                def run(timeout: float = timeout) -> str:
+                    import io
+                    import os
+                    import tempfile
+
+                    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+                        f.write(manifest)
+                    buf = io.StringIO()
+                    try:
+                        cli.apply(f.name, target, False, timeout, buf)
+                        return "ok:" + buf.getvalue()
+                    except cli.CommandError as exc:
+                        return "error:" + str(exc)
+                    finally:
+                        os.unlink(f.name)
+
+                result = await asyncio.to_thread(run)
+                held = len((await plain.list("CiliumPodIPPool")).items)
+                if result.startswith("ok:") and "confirmed after the deadline" in result:
+                    said.add("all")
+                    assert held == docs, result
+                elif result.startswith("ok:"):
+                    said.add("ok")
+                    assert held == docs and result.count("created") == docs, result
+                else:
+                    said.add("none")
+                    assert "nothing was written" in result, result
+                    assert held == 0, result
+                for obj in (await plain.list("CiliumPodIPPool")).items:
+                    await plain.delete("CiliumPodIPPool", obj["metadata"]["name"])
+        assert "none" in said and "ok" in said, said
     finally:
         await store.close()
         await plain.close()
