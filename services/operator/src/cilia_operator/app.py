@@ -28,6 +28,7 @@ from .controlplane.ipam import IPAMServicer
 from .controlplane.node import NodeServicer
 from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
+from .controlplane.resources import add_to_server as add_resource_service
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
@@ -178,7 +179,7 @@ class Operator:
                 SERVICE_NAMES[1],
             ),
             Service(
-                pb_grpc.add_ResourceServiceServicer_to_server,
+                add_resource_service,
                 ResourceServicer(
                     self.store,
                     self.identities,

@@ -237,8 +237,9 @@ def parse_manifest(text: str, limits: ManifestLimits | None = None) -> list[Any]
             str(ManifestTooLarge("apply-max-manifest-bytes", limits.max_bytes,
                                  f"manifest is {len(text.encode('utf-8'))} bytes"))
         )  # fmt: skip
-    loader = _BoundedLoader(text, limits)
+    loader: _BoundedLoader | None = None
     try:
+        loader = _BoundedLoader(text, limits)
         docs = []
         while loader.check_data():  # type: ignore[no-untyped-call]
             doc = loader.get_data()
@@ -249,7 +250,7 @@ def parse_manifest(text: str, limits: ManifestLimits | None = None) -> list[Any]
     except RecursionError:
         raise _refused(
             str(ManifestTooLarge("apply-max-depth", limits.max_depth,
-                                 "nests too deep to parse")), loader.documents
+                                 "nests too deep to parse")), loader.documents if loader else 0
         ) from None  # fmt: skip
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -257,7 +258,8 @@ def parse_manifest(text: str, limits: ManifestLimits | None = None) -> list[Any]
         problem = getattr(exc, "problem", None) or str(exc)
         raise _refused(f"not YAML/JSON: {where}{problem}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if not docs:
         raise _refused("manifest is empty")
     errors = []

@@ -21,7 +21,7 @@ import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
-from cilia_operator.controlplane.resources import ResourceServicer
+from cilia_operator.controlplane.resources import ResourceServicer, add_to_server
 from cilia_operator.store import Write
 from cilia_operator.store.redis import RedisStore
 
@@ -141,7 +141,7 @@ _getting: contextvars.ContextVar[bool] = contextvars.ContextVar("getting", defau
 @asynccontextmanager
 async def resource_server(store: RedisStore) -> AsyncIterator[Any]:
     server = grpc.aio.server()
-    pb_grpc.add_ResourceServiceServicer_to_server(ResourceServicer(store), server)  # type: ignore[no-untyped-call]
+    add_to_server(ResourceServicer(store), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

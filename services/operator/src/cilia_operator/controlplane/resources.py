@@ -8,12 +8,14 @@ import ipaddress
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
+from ..errors import FieldError
 from ..identity.allocator import IdentityAllocator
 from ..ipam import claims
 from ..ipam import node as nodes
@@ -25,6 +27,7 @@ from ..manifests import (
     DocumentError,
     InvalidManifest,
     ManifestLimits,
+    ManifestTooLarge,
     parse_manifest,
     validate_documents,
 )
@@ -94,6 +97,54 @@ def pool_in_use_message(
         "that pod is deleted, at the latest its --ipam-pending-allocation-ttl (default 300 s) "
         "after the failure, then hands the blocks back: retry the delete after that"
     )
+
+
+SERVICE = "cilia.controlplane.v1.ResourceService"
+
+_REQUEST_OVERHEAD = 16
+"""Bytes an ApplyRequest adds around its manifest (field tags, a length varint of at most
+5 bytes, ``dry_run``): a request longer than the manifest limit plus this cannot hold an
+acceptable manifest."""
+
+
+@dataclass(frozen=True)
+class OversizedApply:
+    """What :meth:`ResourceServicer.deserialize_apply` gives for a request too large to
+    hold an acceptable manifest: never decoded, only measured."""
+
+    size: int
+
+
+def add_to_server(servicer: ResourceServicer, server: Any) -> None:
+    """Register ``servicer`` as ``cilia.controlplane.v1.ResourceService`` on ``server``,
+    as the generated ``add_ResourceServiceServicer_to_server`` does, except that Apply's
+    request goes through :meth:`ResourceServicer.deserialize_apply` (an oversized request
+    is refused by its length, without decoding 100 MB on the event loop)."""
+    handlers = {
+        "Apply": grpc.unary_unary_rpc_method_handler(
+            servicer.Apply,
+            request_deserializer=servicer.deserialize_apply,
+            response_serializer=pb.ApplyResponse.SerializeToString,
+        ),
+        "Get": grpc.unary_unary_rpc_method_handler(
+            servicer.Get,
+            request_deserializer=pb.GetRequest.FromString,
+            response_serializer=pb.GetResponse.SerializeToString,
+        ),
+        "List": grpc.unary_unary_rpc_method_handler(
+            servicer.List,
+            request_deserializer=pb.ListRequest.FromString,
+            response_serializer=pb.ListResponse.SerializeToString,
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            servicer.Delete,
+            request_deserializer=pb.DeleteRequest.FromString,
+            response_serializer=pb.DeleteResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
 
 
 def _find(listed: ListResult, namespace: str, name: str) -> Resource | None:
@@ -212,9 +263,16 @@ class ResourceServicer:
             raise InvalidManifest(errors)
         return changes, effects
 
+    def deserialize_apply(self, raw: bytes) -> pb.ApplyRequest | OversizedApply:
+        """Decode an ApplyRequest, or only measure it when it is too large to hold a
+        manifest within ``limits.max_bytes`` (runs on the event loop: O(1) then)."""
+        if len(raw) > self.limits.max_bytes + _REQUEST_OVERHEAD:
+            return OversizedApply(len(raw))
+        return pb.ApplyRequest.FromString(raw)
+
     @unary
     async def Apply(  # noqa: N802 (gRPC method name)
-        self, request: pb.ApplyRequest, context: Any
+        self, request: pb.ApplyRequest | OversizedApply, context: Any
     ) -> pb.ApplyResponse:
         """Validate every document, then create or update all of them in one store
         transaction (or only report: dry_run).
@@ -231,6 +289,11 @@ class ResourceServicer:
         limit flag exceeded (nothing written); ABORTED (the store kept changing during
         every attempt; nothing written); UNAVAILABLE.
         """
+        if isinstance(request, OversizedApply):
+            raise InvalidManifest([DocumentError(0, "", FieldError("", str(ManifestTooLarge(
+                "apply-max-manifest-bytes", self.limits.max_bytes,
+                f"manifest is about {request.size} bytes",
+            ))))])  # fmt: skip
         raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
         outcome: dict[str, Any] = {}
 
