@@ -33,7 +33,7 @@ from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
-from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
+from .ipam.pool import pool_manifest, pool_overlaps, pool_specs, special_ranges
 from .kinds import POOL
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits
@@ -135,6 +135,13 @@ class Operator:
         Raises:
             StartupError: with a one-line reason.
         """
+        for net in self.config.cluster_pool_cidrs:
+            for name, special in special_ranges(net):
+                # as apply refuses for pools (ipam/pool.py validate_pool), in every mode
+                raise StartupError(
+                    f"--cluster-pool-ipv4-cidr: {net} overlaps the {name} range {special}: "
+                    "not usable for pods"
+                )
         try:
             await self.store.ping()
         except StoreError as exc:

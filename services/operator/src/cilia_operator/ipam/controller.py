@@ -132,6 +132,7 @@ class IPAMController:
         self.default_pool = default_pool
         self.cluster_cidrs = tuple(cluster_cidrs)
         self.cluster_mask_size = cluster_mask_size
+        self._draining_warned: set[tuple[str, ipaddress.IPv4Network]] = set()
         self.migrate = migrate
         self.migration = MigrationProgress()
         self.allocator = MultiPoolAllocator()
@@ -600,7 +601,12 @@ class IPAMController:
                 continue
             recorded = self._recorded(record)
             if self.mode == "cluster-pool":
-                requested = {CLUSTER_POOL: 1}
+                # one podCIDR per node, ever: a node holding one -- even outside the
+                # current --cluster-pool-ipv4-cidr (a replaced range: draining) -- gets no
+                # second (upstream: cluster-pool CIDRs are appended, never edited)
+                held = nodes.pod_cidrs(record)
+                requested = {CLUSTER_POOL: 0 if held else 1}
+                self._warn_cluster_draining(name, held)
             else:
                 requested = {p: n for p, n in nodes.requested(record).items() if p != CLUSTER_POOL}
             reserved = await self._reserved(name, recorded)
@@ -651,6 +657,24 @@ class IPAMController:
             self._publish_stats()
             return
         raise Contention(NODE.kind, "", name)
+
+    def cluster_draining(
+        self, pod_cidrs: Sequence[ipaddress.IPv4Network]
+    ) -> list[ipaddress.IPv4Network]:
+        """The podCIDRs outside every ``--cluster-pool-ipv4-cidr`` (cluster-pool mode): a
+        range removed from the flag while nodes held blocks in it. They keep serving
+        their nodes and are reported draining (GetStatus, WatchAllocations)."""
+        return [b for b in pod_cidrs if not any(b.subnet_of(c) for c in self.cluster_cidrs)]
+
+    def _warn_cluster_draining(self, name: str, held: Sequence[ipaddress.IPv4Network]) -> None:
+        for block in self.cluster_draining(held):
+            if (name, block) not in self._draining_warned:
+                self._draining_warned.add((name, block))
+                log.warning(
+                    "podCIDR outside --cluster-pool-ipv4-cidr: kept by its node, draining",
+                    extra={"node": name, "cidr": str(block),
+                           "cluster_cidrs": [str(c) for c in self.cluster_cidrs]},
+                )  # fmt: skip
 
     def _count(self, error: str) -> None:
         self.metrics.reconciles.labels("error" if error else "success").inc()
