@@ -199,6 +199,7 @@ class Operator:
                         max_record_bytes=config.apply_max_record_bytes,
                     ),
                     attempts=conflict_retries,
+                    default_pool=config.ipam_default_ip_pool,
                 ),
                 SERVICE_NAMES[2],
             ),

@@ -629,15 +629,16 @@ def test_cli_output_into_a_closed_pipe_exits_quietly() -> None:
 async def test_apply_refuses_a_mask_leaving_no_pod_address_and_dry_run_counts_like_plan(
     redis_url: str,
 ) -> None:
-    """apply -f refuses maskSize 32 (the agent's router IP takes the block's only address)
+    """apply -f refuses maskSize 32 for the default pool (the agent's router IP takes the
+    block's only address)
     naming the pool and field, writes nothing; the dry run's pod IPs per block are plan's."""
     async with running_operator(redis_url) as (op, channel):
         for extra in ("", ", allowFirstIP: true, allowLastIP: true"):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await apply(channel, pool_yaml("tiny", ["10.233.0.0/24"], mask=32, extra=extra))
+                await apply(channel, pool_yaml("default", ["10.233.0.0/24"], mask=32, extra=extra))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             details = err.value.details() or ""
-            assert "CiliumPodIPPool tiny" in details and "spec.ipv4.maskSize" in details
+            assert "CiliumPodIPPool default" in details and "spec.ipv4.maskSize" in details
             assert "no pod address left" in details and "router IP" in details
         assert [p["metadata"]["name"] for p in (await op.store.list("CiliumPodIPPool")).items] == [
             "default"

@@ -15,12 +15,19 @@ import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
-from ..errors import FieldError
+from ..errors import FieldError, InvalidResource
 from ..identity.allocator import IdentityAllocator
 from ..ipam import claims
 from ..ipam import node as nodes
 from ..ipam.changes import NodeNetworks, PoolChange, plan_pool_change
-from ..ipam.pool import DRAINING_FIELD, PoolSpec, pool_specs, to_pool_spec, validate_pool
+from ..ipam.pool import (
+    DEFAULT_POOL,
+    DRAINING_FIELD,
+    PoolSpec,
+    pool_specs,
+    to_pool_spec,
+    validate_pool,
+)
 from ..kinds import IDENTITY, NODE, POOL, KindInfo, UnknownKind, kind_of, resolve_kind
 from ..manifests import (
     Document,
@@ -200,6 +207,8 @@ class ResourceServicer:
         limits: bounds on an ``apply`` manifest (:class:`ManifestLimits`).
         attempts: times an apply transaction is tried when pools, nodes or the applied
             kinds change under it (``--store-conflict-retries``); then ABORTED.
+        default_pool: ``--ipam-default-ip-pool``: the one pool whose blocks must leave a
+            pod address after the agent's router IP (others may use ``maskSize: 32``).
     """
 
     def __init__(
@@ -209,7 +218,9 @@ class ResourceServicer:
         service_cidrs: Sequence[ipaddress.IPv4Network] = (),
         limits: ManifestLimits | None = None,
         attempts: int = 5,
+        default_pool: str = DEFAULT_POOL,
     ) -> None:
+        self.default_pool = default_pool
         self.store = store
         self.identities = identities
         self.service_cidrs = tuple(service_cidrs)
@@ -247,7 +258,12 @@ class ResourceServicer:
         effects: list[str] = []
         errors: list[DocumentError] = []
         for doc in pool_docs:
-            spec = to_pool_spec(validate_pool(doc.obj))
+            label = f"{doc.info.kind} {doc.name}"
+            try:
+                spec = to_pool_spec(validate_pool(doc.obj, default_pool=self.default_pool))
+            except InvalidResource as exc:  # the router-IP rule of a renamed default pool
+                errors += [DocumentError(doc.index, label, e) for e in exc.errors]
+                continue
             change = plan_pool_change(
                 spec,
                 stored.get(doc.name),
@@ -255,7 +271,6 @@ class ResourceServicer:
                 service_cidrs=self.service_cidrs,
                 node_networks=networks,
             )
-            label = f"{doc.info.kind} {doc.name}"
             errors += [DocumentError(doc.index, label, e) for e in change.errors]
             changes[doc.name] = change
             effects += change.effects
