@@ -1,5 +1,5 @@
 """IPAM edges against a real redis-server: single-address (/32) blocks for a non-default
-pool."""
+pool; node networks reported after the pool."""
 
 from __future__ import annotations
 
@@ -34,3 +34,37 @@ async def test_mask_32_pool_gives_four_pods_the_four_addresses_and_takes_them_ba
         await demand(channel, "n2", 4, pool="single")
         again = await allocation_until(channel, "n2", lambda a: len(blocks(a)) == 4)
         assert sorted(blocks(again)) == sorted(blocks(got))
+
+
+async def test_node_network_reported_after_the_pool_is_never_handed_out_and_reported(
+    redis_url: str,
+) -> None:
+    """Pool blue 10.235.0.0/24 in /26 blocks exists; then node n1 reports eth1
+    10.235.0.64/26. n2 asks for every block: it gets the other three, never the one
+    overlapping n1's network; the conflict is on n1's status and on the pool. Once n1
+    stops reporting it, the block is handed out."""
+    async with running_operator(redis_url) as (op, channel):
+        await apply(channel, pool_yaml("blue", ["10.235.0.0/24"], mask=26))
+        await register(channel, "n1", [("eth1", "10.235.0.64/26")])
+        await register(channel, "n2")
+        await demand(channel, "n2", 4 * 62, pool="blue")
+        got = await allocation_until(channel, "n2", lambda a: a.error)
+        assert sorted(blocks(got)) == ["10.235.0.0/26", "10.235.0.128/26", "10.235.0.192/26"]
+        assert "exhausted" in got.error
+        await op.controller.drain()
+        n1 = await op.store.get("CiliumNode", "n1")
+        error = n1["status"]["ipam"]["operator-status"]["error"]
+        assert (
+            "interface eth1 subnet 10.235.0.64/26 overlaps pool 'blue' CIDR 10.235.0.0/24" in error
+        )
+        pool = await op.store.get("CiliumPodIPPool", "blue")
+        assert pool["status"]["nodeNetworkConflicts"] == [
+            "node 'n1' interface eth1 subnet 10.235.0.64/26 overlaps CIDR 10.235.0.0/24: "
+            "no block overlapping it is handed out"
+        ]
+        await register(channel, "n1", [])  # the network is gone: resolved
+        done = await allocation_until(channel, "n2", lambda a: len(blocks(a)) == 4)
+        assert "10.235.0.64/26" in blocks(done) and not done.error
+        await op.controller.drain()
+        pool = await op.store.get("CiliumPodIPPool", "blue")
+        assert "nodeNetworkConflicts" not in (pool.get("status") or {})

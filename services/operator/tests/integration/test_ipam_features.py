@@ -540,7 +540,12 @@ async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path
         assert data["pools"][0]["drainingCidrs"] == []
         assert data["migration"] == "" and data["nodesMigrated"] == 0
         assert data["serviceCidrs"] == ["10.96.0.0/12"]
-        assert {n["nodeName"]: n["error"] for n in data["nodes"]} == {"p1": "", "p2": "", "p3": ""}
+        errors = {n["nodeName"]: n["error"] for n in data["nodes"]}
+        assert (errors["p1"], errors["p2"]) == ("", "")
+        # a network reported after the pool is a conflict on the node (issue 16)
+        assert errors["p3"].startswith(
+            "interface eth9 subnet 10.251.3.0/24 overlaps pool 'default' CIDR 10.251.0.0/22"
+        )
 
 
 async def test_cli_ipam_plan_refuses_what_apply_refuses(redis_url: str) -> None:

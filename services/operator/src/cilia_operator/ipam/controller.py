@@ -71,6 +71,10 @@ class NodeSubscription:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+CONFLICTS_FIELD = "nodeNetworkConflicts"
+"""``status.nodeNetworkConflicts`` of a pool (Cilia's addition): node networks its CIDRs
+overlap; no block overlapping one is handed out while it is listed."""
+
 CLUSTER_POOL = "_cluster-pool"
 """Pool name the allocator files cluster-pool blocks (``spec.ipam.podCIDRs``) under; not
 a valid CiliumPodIPPool name, so it never collides with one."""
@@ -133,6 +137,7 @@ class IPAMController:
         self.cluster_cidrs = tuple(cluster_cidrs)
         self.cluster_mask_size = cluster_mask_size
         self._draining_warned: set[tuple[str, ipaddress.IPv4Network]] = set()
+        self._node_nets: dict[str, dict[ipaddress.IPv4Network, str]] = {}
         self.migrate = migrate
         self.migration = MigrationProgress()
         self.allocator = MultiPoolAllocator()
@@ -172,6 +177,8 @@ class IPAMController:
             )
         pools_rv = await self._load_pools()
         listed = await self.store.list(NODE.kind)
+        for obj in listed.items:
+            self._node_networks(obj["metadata"]["name"], obj)
         warnings = self.allocator.restore(
             (o["metadata"]["name"], self._recorded(o)) for o in listed.items
         )
@@ -410,13 +417,27 @@ class IPAMController:
             b for b in held if not spec.contains(b) and not any(b.subnet_of(c) for c in keep)
         )
         wanted = keep + strays
-        if wanted == list(spec.draining):
+        clashes = sorted(
+            f"{why} overlaps CIDR {cidr}: no block overlapping it is handed out"
+            for net, why in self.allocator.excluded.items()
+            for cidr in spec.cidrs
+            if net.overlaps(cidr)
+        )
+        status = obj.get("status") or {}
+        if wanted == list(spec.draining) and clashes == list(status.get(CONFLICTS_FIELD) or []):
             return
         updated = copy.deepcopy(obj)
         updated.setdefault("status", {})[DRAINING_FIELD] = [str(c) for c in wanted]
-        if not wanted:
-            del updated["status"][DRAINING_FIELD]
+        updated["status"][CONFLICTS_FIELD] = clashes
+        for key in (DRAINING_FIELD, CONFLICTS_FIELD):
+            if not updated["status"][key]:
+                del updated["status"][key]
+        if not updated["status"]:
+            del updated["status"]
         await self.store.update(updated)
+        if clashes != list(status.get(CONFLICTS_FIELD) or []):
+            log.warning("pool CIDRs overlap node networks", extra={"pool": name,
+                        "conflicts": clashes})  # fmt: skip
         for cidr in spec.draining:
             if cidr not in keep:
                 log.info("draining CIDR released: no block in use",
@@ -468,6 +489,7 @@ class IPAMController:
             self._known.discard(name)
         else:
             self._known.add(name)
+        self._node_networks(name, None if event.type == "DELETED" else event.object)
         self.enqueue(name)
         for sub in self._subs.get(name, ()):
             sub.latest = event.object
@@ -478,6 +500,7 @@ class IPAMController:
         listed = await self.store.list(NODE.kind)
         current = {o["metadata"]["name"]: o for o in listed.items}
         for name in self._known | set(current):
+            self._node_networks(name, current.get(name))
             self.enqueue(name)
             for sub in self._subs.get(name, ()):
                 sub.latest = current.get(name)
@@ -600,6 +623,7 @@ class IPAMController:
                 attempt += 1
                 continue
             recorded = self._recorded(record)
+            self._node_networks(name, record)
             if self.mode == "cluster-pool":
                 # one podCIDR per node, ever: a node holding one -- even outside the
                 # current --cluster-pool-ipv4-cidr (a replaced range: draining) -- gets no
@@ -631,11 +655,14 @@ class IPAMController:
             for pool in {p for p, _ in result.freed}:
                 self.enqueue_pool(pool)
             cluster = result.allocated.pop(CLUSTER_POOL, [])
+            conflicts = self.network_conflicts(name)
             if self.mode == "cluster-pool":
                 error = result.error.replace(f"pool {CLUSTER_POOL!r}", "cluster-pool")
+                error = "; ".join(e for e in (error, *conflicts) if e)
                 updated = nodes.with_pod_cidrs(record, cluster, error)
             else:
-                updated = nodes.with_allocation(record, result.allocated, result.error)
+                error = "; ".join(e for e in (result.error, *conflicts) if e)
+                updated = nodes.with_allocation(record, result.allocated, error)
             if updated == record:
                 self._count(result.error)
                 return
@@ -657,6 +684,47 @@ class IPAMController:
             self._publish_stats()
             return
         raise Contention(NODE.kind, "", name)
+
+    def _node_networks(self, name: str, record: Resource | None) -> None:
+        """Track node ``name``'s attached networks (``status.localNetworks``) that lie in
+        no block it holds (those are its own pod network): the allocator hands out no
+        block overlapping them, whenever they were reported (before or after a pool).
+        A change re-checks every pool's conflicts (:meth:`sync_draining`)."""
+        nets: dict[ipaddress.IPv4Network, str] = {}
+        if record is not None:
+            held = [b for blocks in self._recorded(record).values() for b in blocks]
+            for iface, net in nodes.local_networks(record):
+                if not any(net.subnet_of(b) for b in held):
+                    nets[net] = f"node {name!r} interface {iface} subnet {net}"
+        if self._node_nets.get(name, {}) == nets:
+            return
+        if nets:
+            self._node_nets[name] = nets
+        else:
+            self._node_nets.pop(name, None)
+        union: dict[ipaddress.IPv4Network, str] = {}
+        for node in sorted(self._node_nets):
+            for net, why in self._node_nets[node].items():
+                union.setdefault(net, why)
+        self.allocator.set_excluded(union)
+        for pool in sorted(self.allocator.pools):
+            self.enqueue_pool(pool)
+
+    def network_conflicts(self, name: str) -> list[str]:
+        """Why node ``name``'s attached networks clash with pool CIDRs, e.g. ``interface
+        eth1 subnet 10.1.0.64/26 overlaps pool 'blue' CIDR 10.1.0.0/24: no block
+        overlapping it is handed out until the network or the CIDR goes``."""
+        out = []
+        for net, why in sorted(self._node_nets.get(name, {}).items()):
+            for pool, spec in sorted(self.allocator.pools.items()):
+                for cidr in spec.cidrs:
+                    if net.overlaps(cidr):
+                        label = "cluster-pool" if pool == CLUSTER_POOL else f"pool {pool!r}"
+                        out.append(
+                            f"{why.split(' ', 2)[2]} overlaps {label} CIDR {cidr}: no block "
+                            "overlapping it is handed out until the network or the CIDR goes"
+                        )
+        return out
 
     def cluster_draining(
         self, pod_cidrs: Sequence[ipaddress.IPv4Network]
