@@ -38,7 +38,7 @@ from .kinds import POOL
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits
 from .metrics import Metrics
-from .store import AlreadyExists, StoreError
+from .store import AlreadyExists, Snapshot, StoreError, Write
 from .store.kubernetes import KubernetesStore
 from .store.redis import RedisStore
 
@@ -280,26 +280,50 @@ class Operator:
         await self.controller.stop()
 
     async def _auto_create_pools(self) -> None:
+        """Create the ``--auto-create-cilium-pod-ip-pools`` pools that do not exist (an
+        existing one is skipped, never updated: upstream), in one store transaction that
+        re-checks overlaps with the stored pools, so a concurrent apply or another
+        replica starting cannot slip an overlapping pool in between.
+
+        Raises:
+            StartupError: a pool overlaps a stored pool or a service CIDR.
+        """
         wanted = self.config.auto_create_pools
         if not wanted:
             return
-        existing = pool_specs((await self.store.list(POOL.kind)).items)
-        for name, spec in wanted.items():
-            if name in existing:
-                log.info("auto-create pool skipped: it exists", extra={"pool": name})
-                continue
-            overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
-                spec.cidrs, service_cidrs=self.config.service_cidrs
-            )
-            if overlaps:
-                raise StartupError(
-                    f"--auto-create-cilium-pod-ip-pools: pool {name!r}: {overlaps[0].reason}"
+        created: list[str] = []
+
+        async def plan(snapshot: Snapshot) -> list[Write]:
+            existing = pool_specs(snapshot[POOL.kind].items)
+            present = {o["metadata"]["name"] for o in snapshot[POOL.kind].items}
+            writes = []
+            created.clear()
+            for name, spec in wanted.items():
+                if name in present:
+                    log.info("auto-create pool skipped: it exists", extra={"pool": name})
+                    continue
+                overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
+                    spec.cidrs, service_cidrs=self.config.service_cidrs
                 )
+                if overlaps:
+                    raise StartupError(
+                        f"--auto-create-cilium-pod-ip-pools: pool {name!r}: {overlaps[0].reason}"
+                    )
+                existing[name] = spec
+                writes.append(Write("create", pool_manifest(spec)))
+                created.append(name)
+            return writes
+
+        for _ in range(self.config.store_conflict_retries):
             try:
-                await self.store.create(pool_manifest(spec))
-                log.info("pool auto-created", extra={"pool": name})
-            except AlreadyExists:
-                log.info("auto-create pool skipped: it exists", extra={"pool": name})
+                await self.store.transact(
+                    [POOL.kind], plan, attempts=self.config.store_conflict_retries
+                )
+                break
+            except AlreadyExists:  # Kubernetes store: created meanwhile; plan again
+                created.clear()
+        for name in created:
+            log.info("pool auto-created", extra={"pool": name})
 
     async def stop(self) -> None:
         """Stop in reverse order; safe to call once after a (partial) start."""
