@@ -315,7 +315,8 @@ class ResourceServicer:
         async def plan(snapshot: Snapshot) -> list[Write]:
             stored = pool_specs(snapshot[POOL.kind].items)
             docs = await asyncio.to_thread(validate_documents, raw, stored)
-            changes, effects = self._pool_changes(docs, stored, snapshot[NODE.kind].items)
+            records = snapshot[NODE.kind].items if NODE.kind in snapshot else []
+            changes, effects = self._pool_changes(docs, stored, records)
             writes: list[Write] = []
             applied = []
             for doc in docs:
@@ -336,9 +337,12 @@ class ResourceServicer:
             outcome.update(applied=applied, effects=effects, docs=docs)
             return [] if request.dry_run else writes
 
-        await self.store.transact(
-            [POOL.kind, NODE.kind, *_kinds(raw)], plan, attempts=self.attempts
-        )
+        kinds = _kinds(raw)
+        # node records change often (demand, allocations): read them only when pools
+        # are applied (their networks and blocks are checked), so a policy apply is not
+        # retried for every node update
+        nodes_too = [NODE.kind] if POOL.kind in kinds else []
+        await self.store.transact([POOL.kind, *nodes_too, *kinds], plan, attempts=self.attempts)
         if not request.dry_run:
             for doc, res in zip(outcome["docs"], outcome["applied"], strict=True):
                 log.info(
