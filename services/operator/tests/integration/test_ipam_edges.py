@@ -3,6 +3,7 @@ pool; node networks reported after the pool."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -68,3 +69,44 @@ async def test_node_network_reported_after_the_pool_is_never_handed_out_and_repo
         await op.controller.drain()
         pool = await op.store.get("CiliumPodIPPool", "blue")
         assert "nodeNetworkConflicts" not in (pool.get("status") or {})
+
+
+async def test_an_overlapping_pool_that_got_past_apply_is_marked_and_never_allocated_from(
+    redis_url: str,
+) -> None:
+    """Pools written straight to the store (as a Kubernetes API server without a webhook
+    would accept them): the later of two overlapping pools is refused by the controller,
+    its status says why, no node gets a block from it; once the older one is deleted it
+    is used."""
+    async with running_operator(redis_url) as (op, channel):
+        await apply(channel, pool_yaml("older", ["10.236.0.0/24"], mask=26))
+        newer = json.loads(json.dumps(POOL_DOC))
+        await op.store.create(newer)  # 10.236.0.128/25: overlaps "older"
+        await register(channel, "n1")
+        await demand(channel, "n1", 10, pool="newer")
+        got = await allocation_until(channel, "n1", lambda a: a.error)
+        assert not blocks(got)
+        assert (
+            "pool 'newer' not allocated from: spec.ipv4.cidrs[0]: 10.236.0.128/25 overlaps"
+            in got.error
+        )
+        await op.controller.drain()
+        stored = await op.store.get("CiliumPodIPPool", "newer")
+        assert stored["status"]["conflict"] == (
+            "spec.ipv4.cidrs[0]: 10.236.0.128/25 overlaps pool 'older' CIDR 10.236.0.0/24"
+        )
+        await op.store.delete("CiliumPodIPPool", "older")
+        done = await allocation_until(channel, "n1", lambda a: blocks(a))
+        assert blocks(done) == ["10.236.0.128/26"]
+        await op.controller.drain()
+        assert "conflict" not in (
+            (await op.store.get("CiliumPodIPPool", "newer")).get("status") or {}
+        )
+
+
+POOL_DOC = {
+    "apiVersion": "cilium.io/v2alpha1",
+    "kind": "CiliumPodIPPool",
+    "metadata": {"name": "newer"},
+    "spec": {"ipv4": {"cidrs": ["10.236.0.128/25"], "maskSize": 26}},
+}

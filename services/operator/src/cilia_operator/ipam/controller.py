@@ -75,6 +75,17 @@ CONFLICTS_FIELD = "nodeNetworkConflicts"
 """``status.nodeNetworkConflicts`` of a pool (Cilia's addition): node networks its CIDRs
 overlap; no block overlapping one is handed out while it is listed."""
 
+CONFLICT_FIELD = "conflict"
+"""``status.conflict`` of a pool (Cilia's addition): why the controller does not allocate
+from it (its CIDRs overlap an older pool's), "" / absent when it does."""
+
+
+def _created_order(obj: Resource) -> tuple[str, str]:
+    """Sort key: creationTimestamp (RFC 3339, seconds), then name."""
+    meta = obj.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
+
+
 CLUSTER_POOL = "_cluster-pool"
 """Pool name the allocator files cluster-pool blocks (``spec.ipam.podCIDRs``) under; not
 a valid CiliumPodIPPool name, so it never collides with one."""
@@ -138,6 +149,7 @@ class IPAMController:
         self.cluster_mask_size = cluster_mask_size
         self._draining_warned: set[tuple[str, ipaddress.IPv4Network]] = set()
         self._node_nets: dict[str, dict[ipaddress.IPv4Network, str]] = {}
+        self._conflicting: dict[str, str] = {}  # pool -> why it is not allocated from
         self.migrate = migrate
         self.migration = MigrationProgress()
         self.allocator = MultiPoolAllocator()
@@ -351,7 +363,8 @@ class IPAMController:
     async def _load_pools(self) -> str:
         listed = await self.store.list(POOL.kind)
         names = set()
-        for obj in listed.items:
+        # oldest first: of two overlapping pools the later one is refused
+        for obj in sorted(listed.items, key=_created_order):
             self._upsert_pool(obj)
             names.add(obj["metadata"]["name"])
         for name in set(self.allocator.pools) - names - {CLUSTER_POOL}:
@@ -359,8 +372,26 @@ class IPAMController:
         return listed.resource_version
 
     def _upsert_pool(self, obj: Resource) -> None:
+        """Give the allocator a stored pool -- unless its CIDRs overlap another pool's
+        (live or draining): such a pool got past apply's check (a Kubernetes API server
+        without a webhook, a direct store write) and came later, so it is refused: the
+        allocator drops it (nodes keep blocks they hold, none is added) and its
+        ``status.conflict`` names the other pool (written by :meth:`sync_draining`)."""
+        name = str(obj.get("metadata", {}).get("name"))
         try:
-            self.allocator.upsert_pool(pool_spec_from_resource(obj))
+            spec = pool_spec_from_resource(obj)
+            others = [p for n, p in self.allocator.pools.items() if n not in (name, CLUSTER_POOL)]
+            clash = pool_overlaps(name, spec.cidrs, others)
+            if clash:
+                reason = f"{clash[0].path}: {clash[0].reason}"
+                if self._conflicting.get(name) != reason:
+                    log.error("CiliumPodIPPool overlaps another pool: not allocated from",
+                              extra={"pool": name, "error": reason})  # fmt: skip
+                self._conflicting[name] = reason
+                self.allocator.remove_pool(name)
+                return
+            self._conflicting.pop(name, None)
+            self.allocator.upsert_pool(spec)
         except InvalidResource as exc:
             log.error(
                 "ignoring invalid CiliumPodIPPool",
@@ -374,6 +405,9 @@ class IPAMController:
             if holders:
                 log.warning("pool still in use by node", extra={"pool": name, "nodes": holders})
             self.allocator.remove_pool(name)
+            self._conflicting.pop(name, None)
+            for other in sorted(self._conflicting):  # one it clashed with may be gone
+                self.enqueue_pool(other)
         else:
             self._upsert_pool(event.object)
             self.enqueue_pool(name)
@@ -411,6 +445,9 @@ class IPAMController:
             spec = pool_spec_from_resource(obj)
         except InvalidResource:
             return
+        if name in self._conflicting:
+            self._upsert_pool(obj)  # the pool it clashed with may have changed or gone
+        conflict = self._conflicting.get(name, "")
         held = [b for b, h in self.allocator.held().items() if h.pool == name]
         keep = [c for c in spec.draining if any(b.overlaps(c) for b in held)]
         strays = sorted(
@@ -424,12 +461,17 @@ class IPAMController:
             if net.overlaps(cidr)
         )
         status = obj.get("status") or {}
-        if wanted == list(spec.draining) and clashes == list(status.get(CONFLICTS_FIELD) or []):
+        if (
+            wanted == list(spec.draining)
+            and clashes == list(status.get(CONFLICTS_FIELD) or [])
+            and conflict == status.get(CONFLICT_FIELD, "")
+        ):
             return
         updated = copy.deepcopy(obj)
         updated.setdefault("status", {})[DRAINING_FIELD] = [str(c) for c in wanted]
         updated["status"][CONFLICTS_FIELD] = clashes
-        for key in (DRAINING_FIELD, CONFLICTS_FIELD):
+        updated["status"][CONFLICT_FIELD] = conflict
+        for key in (DRAINING_FIELD, CONFLICTS_FIELD, CONFLICT_FIELD):
             if not updated["status"][key]:
                 del updated["status"][key]
         if not updated["status"]:
@@ -661,7 +703,12 @@ class IPAMController:
                 error = "; ".join(e for e in (error, *conflicts) if e)
                 updated = nodes.with_pod_cidrs(record, cluster, error)
             else:
-                error = "; ".join(e for e in (result.error, *conflicts) if e)
+                error = result.error
+                for pool, why in self._conflicting.items():
+                    error = error.replace(
+                        f"pool {pool!r} not found", f"pool {pool!r} not allocated from: {why}"
+                    )
+                error = "; ".join(e for e in (error, *conflicts) if e)
                 updated = nodes.with_allocation(record, result.allocated, error)
             if updated == record:
                 self._count(result.error)
