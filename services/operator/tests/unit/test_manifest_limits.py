@@ -143,3 +143,11 @@ def test_fuzzed_pool_fields_are_either_accepted_or_refused_as_invalid(
     doc[field] = value
     with contextlib.suppress(InvalidManifest):
         validate_documents(parse_manifest(json.dumps(doc)), {})
+
+
+def test_an_unknown_pool_field_is_reported_as_kubernetes_does() -> None:
+    doc = json.loads(json.dumps(POOL))
+    doc["spec"]["ipv4"]["maskSzie"] = 24
+    with pytest.raises(InvalidManifest) as info:
+        validate_documents(parse_manifest(json.dumps(doc)), {})
+    assert "spec.ipv4.maskSzie: unknown field" in str(info.value)
