@@ -200,6 +200,7 @@ class Operator:
                     ),
                     attempts=conflict_retries,
                     default_pool=config.ipam_default_ip_pool,
+                    parse_concurrency=config.apply_max_concurrent_parses,
                 ),
                 SERVICE_NAMES[2],
             ),

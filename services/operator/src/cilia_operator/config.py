@@ -104,6 +104,8 @@ class Config(BaseModel):
     apply_max_depth: int = Field(default=100, ge=2, le=200)
     apply_max_alias_nodes: int = Field(default=10_000, ge=0)
     apply_max_record_bytes: int = Field(default=1536 * 1024, ge=1)
+    # Manifests parsed/validated at once; more wait (each parse takes a thread's CPU).
+    apply_max_concurrent_parses: int = Field(default=1, ge=1)
     # Largest gRPC message the server accepts; above --apply-max-manifest-bytes so that an
     # oversized manifest is refused by apply naming that flag, not by the transport.
     grpc_max_receive_message_bytes: int = Field(default=128 * 1024 * 1024, ge=4 * 1024 * 1024)

@@ -209,6 +209,9 @@ class ResourceServicer:
             kinds change under it (``--store-conflict-retries``); then ABORTED.
         default_pool: ``--ipam-default-ip-pool``: the one pool whose blocks must leave a
             pod address after the agent's router IP (others may use ``maskSize: 32``).
+        parse_concurrency: manifests parsed at once (``--apply-max-concurrent-parses``);
+            the others wait their turn without using CPU, so hostile manifests take at
+            most that many threads from the event loop serving every other call.
     """
 
     def __init__(
@@ -219,7 +222,11 @@ class ResourceServicer:
         limits: ManifestLimits | None = None,
         attempts: int = 5,
         default_pool: str = DEFAULT_POOL,
+        parse_concurrency: int = 1,
     ) -> None:
+        if parse_concurrency < 1:
+            raise ValueError(f"parse_concurrency must be >= 1, got {parse_concurrency}")
+        self._parsing = asyncio.Semaphore(parse_concurrency)
         self.default_pool = default_pool
         self.store = store
         self.identities = identities
@@ -309,12 +316,14 @@ class ResourceServicer:
                 "apply-max-manifest-bytes", self.limits.max_bytes,
                 f"manifest is about {request.size} bytes",
             ))))])  # fmt: skip
-        raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
+        async with self._parsing:
+            raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
         outcome: dict[str, Any] = {}
 
         async def plan(snapshot: Snapshot) -> list[Write]:
             stored = pool_specs(snapshot[POOL.kind].items)
-            docs = await asyncio.to_thread(validate_documents, raw, stored)
+            async with self._parsing:
+                docs = await asyncio.to_thread(validate_documents, raw, stored)
             records = snapshot[NODE.kind].items if NODE.kind in snapshot else []
             changes, effects = self._pool_changes(docs, stored, records)
             writes: list[Write] = []
