@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import ipaddress
 import json
 import random
@@ -124,7 +125,12 @@ class SlowRedisStore(RedisStore):
 
     async def _call(self, pending: Any) -> Any:
         if self.slow_gets or not _getting.get():
-            await asyncio.sleep(self.delay)
+            try:
+                await asyncio.sleep(self.delay)
+            except BaseException:  # cancelled (deadline): the call was never sent
+                if inspect.iscoroutine(pending):
+                    pending.close()
+                raise
         return await super()._call(pending)
 
     async def get(self, kind: str, name: str, namespace: str = "") -> Any:
