@@ -226,7 +226,10 @@ class Agent:
         self.cni = CNIConfigManager(cni_config(cfg), self.endpoints.delete, self.executor)
         self.node.on_ready(self.cni.write)
         self.node.on_router_ip(self._router_ip_chosen)
-        self.node.on_router_moved(self._router_moved)
+        self.node.on_router_moved(
+            functools.partial(self.endpoints.move_gateway, wait=cfg.ipam_allocation_wait)
+        )
+        self.node.on_router_moved(self.ipcache.host_address_moved)
         await self.cni.replay()
         await self.node.persist()
         await self.node.check_ready()
@@ -322,27 +325,6 @@ class Agent:
                 "bpf": self.enforcement is not None,
             },
         )
-
-    async def _router_moved(self, old: ipaddress.IPv4Address, new: ipaddress.IPv4Address) -> bool:
-        """The router IP leaves a draining CIDR: once the Adds in flight (which may have
-        read the old gateway) are done, every pod's default route is repointed and the old
-        address removed (``LinuxDatapath.move_router_ip``). False when a pod could not be
-        repointed (the old router IP is kept)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.ipam_allocation_wait
-        while self.endpoints.adds_in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        pods = [(r.netns, r.ifname) for r in self.endpoints.list() if not r.chained]
-        problems = await loop.run_in_executor(
-            self.executor, self.datapath.move_router_ip, old, new, pods
-        )
-        if problems:
-            log.warning("router IP not moved yet", extra={"problems": problems[:10]})
-            return False
-        self.ipcache.set_host_addresses([str(new)])
-        self.ipcache.remove_host_address(str(old))
-        log.info("router IP moved", extra={"old_router_ip": str(old), "router_ip": str(new)})
-        return True
 
     async def _router_ip_chosen(self, router: ipaddress.IPv4Address) -> None:
         """The first CIDR arrived after start: plumb the router IP, name it in the ipcache."""

@@ -184,6 +184,15 @@ class IPCache:
             if prefix not in self._local:
                 self._publish(prefix, self._effective(prefix))
 
+    async def host_address_moved(
+        self, old: ipaddress.IPv4Address, new: ipaddress.IPv4Address
+    ) -> bool:
+        """The router IP moved (a ``LocalNode`` observer): ``new`` is this node's, ``old`` no
+        longer. Always True."""
+        self.set_host_addresses([str(new)])
+        self.remove_host_address(str(old))
+        return True
+
     # ------------------------------------------------------------------ the stream
 
     def remote_prefixes(self) -> list[str]:
