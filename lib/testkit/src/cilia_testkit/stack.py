@@ -55,10 +55,11 @@ from types import TracebackType
 from typing import Any, Self
 
 from cilia_testkit import ROOT, VENV_BIN
-from cilia_testkit._process import Process, StackError, _exited
+from cilia_testkit._process import Process, StackError
 from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.cni import load_conflist
 from cilia_testkit.host import sh, wait_for
+from cilia_testkit.procs import exited
 from cilia_testkit.redis import server_argv
 
 #: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
@@ -190,7 +191,7 @@ def _kill_orphans(slot: int) -> list[int]:
         if run_dir.encode() in cmdline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_text), signal.SIGKILL)
-            wait_for(lambda p=int(pid_text): _exited(p), 10, interval=0.05)
+            wait_for(lambda p=int(pid_text): exited(p), 10, interval=0.05)
             killed.append(int(pid_text))
     record.write_text("")
     for run_dir in stale_dirs:
