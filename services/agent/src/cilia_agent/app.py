@@ -199,7 +199,9 @@ class Agent:
         if enf is not None:
             await self.hubble.start_reader(enf.bpf.bpf)
             self.metrics.scrape_hook.refresh = self.hubble.refresh_datapath_counters
-        self.nodes = NodeManager(cfg.node_name, [self.routes, self.hubble.peers])
+        self.nodes = NodeManager(
+            cfg.node_name, [self.routes, self.hubble.peers], synced=not cfg.operator
+        )
         resolver = (
             PoolResolver.from_config(cfg, channel) if channel and cfg.ipam == "multi-pool" else None
         )
@@ -241,6 +243,8 @@ class Agent:
             self.endpoints,
             Enforced(enf.engine, self.ipcache, self.retry) if enf else None,
             self.hubble.store,
+            self.nodes,
+            self.routes,
         )
         self._stops.append(await serve_api(cfg, self.endpoints, self.status, self.hubble))
         if cfg.prometheus_serve_addr:

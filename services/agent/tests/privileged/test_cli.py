@@ -69,6 +69,7 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
         assert "cli-node" in st.stdout and "not ready" in st.stdout
         assert f"Datapath: eBPF loaded, pin dir {env.pin_dir}" in st.stdout
         assert "Hubble: 0/4095 flows" in st.stdout
+        assert "Routing: native, 0 other nodes\n" in st.stdout + "\n"  # no operator: alone
         js = subprocess.run(
             [str(BIN), "status", "--socket", str(sock), "-o", "json"],
             capture_output=True,
