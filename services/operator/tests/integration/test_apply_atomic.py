@@ -13,21 +13,18 @@ import inspect
 import ipaddress
 import json
 import random
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import grpc
+from cluster import running_operator
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator.controlplane.resources import ResourceServicer, add_to_server
 from cilia_operator.store import Write
 from cilia_operator.store.redis import RedisStore
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from cluster import running_operator
 
 T = TypeVar("T")
 

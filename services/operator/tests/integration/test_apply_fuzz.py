@@ -10,20 +10,17 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import sys
 from typing import Any
 
 import grpc
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_apply_atomic import pool_yaml, resource_server
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator.store.redis import RedisStore
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_apply_atomic import pool_yaml, resource_server
 
 BASE = ipaddress.IPv4Network("10.70.0.0/22")
 layouts = st.lists(

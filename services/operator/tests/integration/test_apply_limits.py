@@ -8,14 +8,11 @@ import json
 import sys
 import time
 
+from cluster import running_operator
+from hostile import alias_bomb
+
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from cluster import running_operator
-
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/unit")
-from test_manifest_limits import alias_bomb
 
 ATTACKS = {
     "alias bomb": (alias_bomb(), "--apply-max-alias-nodes"),

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import sys
 from typing import Any
 
 import pytest
+from cluster import running_operator
+from test_ipam_features import allocation_until, demand, register, status
 
 from cilia_operator.app import Operator, StartupError
 from cilia_operator.config import Config
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from cluster import running_operator
-from test_ipam_features import allocation_until, demand, register, status
 
 OLD = {
     "ipam": "cluster-pool",

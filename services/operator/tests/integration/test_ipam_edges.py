@@ -4,9 +4,7 @@ pool; node networks reported after the pool."""
 from __future__ import annotations
 
 import json
-import sys
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from cluster import running_operator
 from test_ipam_features import allocation_until, apply, blocks, demand, pool_yaml, register
 

@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+from hostile import alias_bomb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,15 +20,6 @@ from cilia_operator.manifests import (
     validate_documents,
     validate_manifest,
 )
-
-
-def alias_bomb() -> str:
-    """The classic "billion laughs": 10 levels of 9 aliases, 9^9 leaves, < 1 KB."""
-    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
-    for i in range(1, 10):
-        refs = ",".join([f"*a{i - 1}"] * 9)
-        lines.append(f"a{i}: &a{i} [{refs}]")
-    return "\n".join(lines) + "\n"
 
 
 def refused(text: str, limits: ManifestLimits | None = None) -> str:
