@@ -29,15 +29,13 @@ import argparse
 import asyncio
 import ipaddress
 import json
-import os
 import pathlib
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 from typing import Any
+
+from cilia_testkit.redis import RedisServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 Net = ipaddress.IPv4Network
@@ -96,41 +94,6 @@ def run_naive(nodes: int, pools: list[Any]) -> float:
             else:
                 raise RuntimeError("naive allocator exhausted")
     return time.perf_counter() - start
-
-
-class RedisServer:
-    """A private redis-server on a unix socket in a temporary directory (no TCP port,
-    persistence off), stopped on exit."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("bench ipam: redis-server is not installed")
-        self.dir = tempfile.mkdtemp(prefix="cilia-bench-ipam-")
-        self.socket = os.path.join(self.dir, "redis.sock")
-        self.proc = subprocess.Popen(
-            [binary, "--port", "0", "--unixsocket", self.socket, "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.url = f"unix://{self.socket}?db=0"
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(unix_socket_path=self.socket).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise SystemExit("bench ipam: redis-server did not start") from None
-                time.sleep(0.05)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def run_controller(url: str, nodes: int, pools: list[Any]) -> float:
@@ -262,12 +225,9 @@ def main(argv: list[str]) -> int:
     t_small, m_small, _ = run_allocator(small, pools)
     t_full, m_full, blocks = run_allocator(args.nodes, pools)
     t_naive = run_naive(small, pools)
-    server = RedisServer()
-    try:
+    with RedisServer() as server:  # a private redis-server on a unix socket
         per_node = asyncio.run(run_controller(server.url, args.store_nodes, pools))
         deliver, baseline = asyncio.run(run_latency(server.url, args.rounds))
-    finally:
-        server.close()
     out: dict[str, Any] = {
         "nodes": args.nodes,
         "pools": args.pools,

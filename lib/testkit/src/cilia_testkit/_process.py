@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from cilia_testkit.host import tail, wait_for
+from cilia_testkit.procs import exited
 
 #: Seconds a component may take to stop after SIGTERM before SIGKILL.
 STOP_SECONDS = 10.0
@@ -26,20 +27,6 @@ STOP_SECONDS = 10.0
 class StackError(RuntimeError):
     """A component did not start, was not ready in time, or a listener was not reported.
     The message carries the component's log tail."""
-
-
-def _exited(pid: int) -> bool:
-    """True once every thread of ``pid`` has exited (gone, or a lone zombie leader).
-
-    The listening sockets close only when the last thread has released the file table; a
-    restart before that finds the ports still held.
-    """
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    return state in ("Z", "X") and len(tasks) <= 1
 
 
 class Process:
@@ -105,7 +92,7 @@ class Process:
             cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             return None
-        if not cmdline or self.binary.encode() not in cmdline or _exited(pid):
+        if not cmdline or self.binary.encode() not in cmdline or exited(pid):
             return None
         return pid
 
@@ -152,11 +139,11 @@ class Process:
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-                if not wait_for(lambda: _exited(pid), timeout, interval=0.1):
+                if not wait_for(lambda: exited(pid), timeout, interval=0.1):
                     killed = True
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    wait_for(lambda: _exited(pid), 30, interval=0.1)
+                    wait_for(lambda: exited(pid), 30, interval=0.1)
         if self.pidfile is not None:
             self.pidfile.unlink(missing_ok=True)
         return pid, killed
@@ -178,7 +165,7 @@ class Process:
                 raise StackError(
                     f"{self.name} (pid {pid}) alive {timeout:g}s after SIGKILL"
                 ) from None
-        if not wait_for(lambda: _exited(pid), timeout, interval=0.05):
+        if not wait_for(lambda: exited(pid), timeout, interval=0.05):
             raise StackError(f"{self.name} (pid {pid}) threads alive {timeout:g}s after SIGKILL")
         return pid
 

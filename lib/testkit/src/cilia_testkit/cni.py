@@ -25,10 +25,13 @@ import json
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cilia_testkit import VENV_BIN
@@ -464,3 +467,65 @@ __all__ = [
     "load_conflist",
     "plugin_netconf",
 ]
+
+
+# -- exec with exactly a given environment (the CNI plugin's own conformance suites) ---------
+
+#: Upper bound for one plugin exec in tests (the plugin's own timeouts are smaller).
+EXEC_TIMEOUT_SECONDS = 60
+#: Spec error codes plus this plugin's documented ones.
+DOCUMENTED_CODES = {1, 3, 4, 5, 6, 7, 8, 11, 50, 100, 101, 102, 999}
+
+
+def cni_binary() -> str:
+    """The installed ``cilia-cni`` console script next to this interpreter (else on PATH)."""
+    found = shutil.which("cilia-cni", path=os.path.dirname(sys.executable))
+    if found is None:
+        found = shutil.which("cilia-cni")
+    assert found, "cilia-cni is not installed; run scripts/setup.sh"
+    return found
+
+
+@dataclass
+class CniRun:
+    """Outcome of one exec: exit status, stdout, stderr and stdout parsed as JSON."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+def exec_cni(
+    env: dict[str, str],
+    stdin: bytes | str | dict[str, Any] = b"",
+    timeout: float = EXEC_TIMEOUT_SECONDS,
+) -> CniRun:
+    """Exec the real binary with exactly ``env`` (plus PATH) and ``stdin``."""
+    if isinstance(stdin, dict):
+        stdin = json.dumps(stdin)
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+    proc = subprocess.run(
+        [cni_binary()], input=stdin, env=full_env, capture_output=True, timeout=timeout, check=False
+    )
+    run = CniRun(proc.returncode, proc.stdout.decode(), proc.stderr.decode("utf-8", "replace"))
+    assert "Traceback" not in run.stdout + run.stderr, run
+    return run
+
+
+def assert_cni_error(run: CniRun, code: int, *needles: str) -> dict[str, Any]:
+    """Assert ``run`` is a spec error with ``code`` whose msg contains every needle."""
+    assert run.returncode != 0, run
+    err = run.json
+    assert set(err) == {"cniVersion", "code", "msg", "details"}, err
+    assert err["code"] == code, err
+    assert isinstance(err["msg"], str) and err["msg"], err
+    assert isinstance(err["details"], str), err
+    for needle in needles:
+        assert needle in err["msg"], (needle, err)
+    return err  # type: ignore[no-any-return]

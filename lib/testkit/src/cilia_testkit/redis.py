@@ -44,6 +44,25 @@ class RedisStartError(RuntimeError):
     """
 
 
+def server_argv(
+    binary: str,
+    listen: list[str],
+    directory: pathlib.Path,
+    *,
+    appendonly: bool,
+    logfile: pathlib.Path | None = None,
+) -> list[str]:
+    """The one redis-server command line of tests, benches and stacks: ``listen`` flags
+    (``["--port", "0", "--unixsocket", PATH]`` or a TCP port), no RDB snapshots, append-only
+    persistence as asked, data in ``directory``, in the foreground, logging to ``logfile``
+    (stdout when None)."""
+    argv = [binary, *listen, "--save", "", "--appendonly", "yes" if appendonly else "no"]
+    argv += ["--dir", str(directory), "--daemonize", "no"]
+    if logfile is not None:
+        argv += ["--logfile", str(logfile)]
+    return argv
+
+
 class RedisServer:
     """A private ``redis-server``; a context manager (started on enter, stopped on exit).
 
@@ -115,8 +134,10 @@ class RedisServer:
     def _launch(self, binary: str, listen: list[str], *, retry: bool = False) -> bool:
         """Start one server; True once ready, False when its port is taken and ``retry``."""
         self.log.write_bytes(b"")
-        argv = [binary, *listen, "--save", "", "--appendonly", "yes" if self.appendonly else "no"]
-        argv += ["--dir", str(self.directory), "--logfile", str(self.log), *self.args]
+        argv = server_argv(
+            binary, listen, self.directory, appendonly=self.appendonly, logfile=self.log
+        )
+        argv += self.args
         self.proc = procs.spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             procs.wait_for_file_line(

@@ -55,11 +55,13 @@ from types import TracebackType
 from typing import Any, Self
 
 from cilia_testkit import ROOT, VENV_BIN
-from cilia_testkit._process import Process, StackError, _exited
+from cilia_testkit._process import Process, StackError
 from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.cni import load_conflist
 from cilia_testkit.host import sh, wait_for
 from cilia_testkit.netns import NETNS_DIR
+from cilia_testkit.procs import exited
+from cilia_testkit.redis import server_argv
 
 #: The ``make up`` stack (``Stack(shared=True)``, ``scripts/stack.sh``): run dir ``.run/``
 #: and its documented fixed addresses (README "The local stack").
@@ -190,7 +192,7 @@ def _kill_orphans(slot: int) -> list[int]:
         if run_dir.encode() in cmdline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_text), signal.SIGKILL)
-            wait_for(lambda p=int(pid_text): _exited(p), 10, interval=0.05)
+            wait_for(lambda p=int(pid_text): exited(p), 10, interval=0.05)
             killed.append(int(pid_text))
     record.write_text("")
     for run_dir in stale_dirs:
@@ -621,20 +623,7 @@ class Stack:
             listen = ["--port", "0", "--unixsocket", str(self.redis_socket)]
             listen += ["--unixsocketperm", "700"]
             ping = ["redis-cli", "-s", str(self.redis_socket), "ping"]
-        self.redis.start(
-            [
-                binary,
-                *listen,
-                "--appendonly",
-                "yes",
-                "--save",
-                "",
-                "--dir",
-                str(data),
-                "--daemonize",
-                "no",
-            ]
-        )
+        self.redis.start(server_argv(binary, listen, data, appendonly=True))
         self.record(self.redis)
         self.redis.wait_ready(
             lambda: sh(*ping, check=False).stdout.strip() == "PONG", self.ready_seconds

@@ -199,7 +199,9 @@ class Agent:
         if enf is not None:
             await self.hubble.start_reader(enf.bpf.bpf)
             self.metrics.scrape_hook.refresh = self.hubble.refresh_datapath_counters
-        self.nodes = NodeManager(cfg.node_name, [self.routes, self.hubble.peers])
+        self.nodes = NodeManager(
+            cfg.node_name, [self.routes, self.hubble.peers], synced=not cfg.operator
+        )
         resolver = (
             PoolResolver.from_config(cfg, channel) if channel and cfg.ipam == "multi-pool" else None
         )
@@ -226,6 +228,10 @@ class Agent:
         self.cni = CNIConfigManager(cni_config(cfg), self.endpoints.delete, self.executor)
         self.node.on_ready(self.cni.write)
         self.node.on_router_ip(self._router_ip_chosen)
+        self.node.on_router_moved(
+            functools.partial(self.endpoints.move_gateway, wait=cfg.ipam_allocation_wait)
+        )
+        self.node.on_router_moved(self.ipcache.host_address_moved)
         await self.cni.replay()
         await self.node.persist()
         await self.node.check_ready()
@@ -237,6 +243,8 @@ class Agent:
             self.endpoints,
             Enforced(enf.engine, self.ipcache, self.retry) if enf else None,
             self.hubble.store,
+            self.nodes,
+            self.routes,
         )
         self._stops.append(await serve_api(cfg, self.endpoints, self.status, self.hubble))
         if cfg.prometheus_serve_addr:

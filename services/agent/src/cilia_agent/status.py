@@ -20,6 +20,7 @@ from cilia_agent.ipam import IPAM
 from cilia_agent.ipam.node import NodePools
 from cilia_agent.ipcache import IPCache
 from cilia_agent.node import LocalNode
+from cilia_agent.node.manager import NodeManager, RouteSync
 from cilia_agent.policy.engine import PolicyEngine
 
 
@@ -45,6 +46,8 @@ class StatusCollector:
         endpoints: the endpoint manager (count).
         enforced: the datapath's owners (None: eBPF off).
         hubble: Hubble's flow ring (None: Hubble off).
+        nodes: the other nodes (routing status).
+        routes: the routes to them (problems).
     """
 
     def __init__(
@@ -56,7 +59,11 @@ class StatusCollector:
         endpoints: EndpointManager,
         enforced: Enforced | None,
         hubble: FlowStore | None,
+        nodes: NodeManager,
+        routes: RouteSync,
     ) -> None:
+        self.nodes = nodes
+        self.routes = routes
         self.config = config
         self.node = node
         self.ipam = ipam
@@ -101,6 +108,11 @@ class StatusCollector:
         ]
         lines = status_lines(
             self.config, self.node.default_pool, len(self.pools.released), datapath, hubble, pools
+        )
+        lines.append(
+            f"Routing: {self.config.routing_mode}, {len(self.nodes.nodes)} other nodes"
+            + ("" if self.nodes.synced else " (node list not synced yet)")
+            + (f", not routed: {'; '.join(self.routes.problems)}" if self.routes.problems else "")
         )
         router = self.node.router_ip
         return agent_pb2.StatusResponse(

@@ -7,7 +7,6 @@ import json
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from typing import Any
 import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
+from cilia_testkit.host import wait_for
+from cilia_testkit.stack import read_listeners
 
 from .conftest import Env
 from .fake_operator import FakeOperator
@@ -24,15 +25,8 @@ from .fake_operator import FakeOperator
 BIN = pathlib.Path(sys.executable).parent / "cilia-agent"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
     sock = env.tmp / "cli.sock"
-    port = _free_port()
     log = (env.tmp / "agent.log").open("w+")  # a pipe would fill up at debug level
     proc = subprocess.Popen(
         [
@@ -53,7 +47,7 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             "--host-device-name",
             env.host_device,
             "--prometheus-serve-addr",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",  # bound by the agent, read back from its "listening" line
             "--log-level",
             "debug",
             "--bpf-root",
@@ -75,6 +69,7 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
         assert "cli-node" in st.stdout and "not ready" in st.stdout
         assert f"Datapath: eBPF loaded, pin dir {env.pin_dir}" in st.stdout
         assert "Hubble: 0/4095 flows" in st.stdout
+        assert "Routing: native, 0 other nodes\n" in st.stdout + "\n"  # no operator: alone
         js = subprocess.run(
             [str(BIN), "status", "--socket", str(sock), "-o", "json"],
             capture_output=True,
@@ -113,7 +108,9 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             text=True,
         )
         assert ls.returncode == 0 and json.loads(ls.stdout) == []
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert wait_for(lambda: "metrics" in read_listeners(env.tmp / "agent.log"), 30)
+        metrics = read_listeners(env.tmp / "agent.log")["metrics"]
+        body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read()
         text = body.decode()
         for name in (
             "cilium_endpoint ",

@@ -327,6 +327,81 @@ def test_draining_cidr_keeps_its_pods_gives_no_new_address_and_is_handed_back_on
         op.stop()
 
 
+def test_router_ip_leaves_a_draining_cidr_without_a_lost_packet_and_the_cidr_is_handed_back(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
+    try:
+        a = start(env, op)
+        old_router = ipaddress.ip_address(a.debug.Status(agent_pb2.StatusRequest()).router_ip)
+        assert old_router in ipaddress.ip_network(cidrs[0])
+        netns: dict[str, str] = {}
+        for name in ("p1", "p2"):
+            path = env.add_netns()
+            a.attach.Add(
+                agent_pb2.AddRequest(
+                    container_id=name, ifname="eth0", netns=path, pod_namespace="ns1",
+                    pod_name=name, labels={"app": name},
+                ),
+                timeout=10,
+            )  # fmt: skip
+            netns[name] = path.rsplit("/", 1)[1]
+        p2 = next(
+            e.ipv4
+            for e in a.debug.ListEndpoints(agent_pb2.ListEndpointsRequest()).endpoints
+            if e.container_id == "p2"
+        )
+        # 100 packets/s through the router for the whole move
+        flood = subprocess.Popen(
+            ["ip", "netns", "exec", netns["p1"], "ping", "-q", "-i", "0.01", "-c", "500", p2],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1)
+        # cidrs[0] leaves the default pool (e.g. it clashes with the LAN); cidrs[1] joins
+        op.updates.put(
+            alloc(
+                node,
+                {"default": [cidrs[0], cidrs[1]]},
+                draining=[cp.PoolCIDRs(pool="default", cidrs=[cidrs[0]])],
+            )
+        )
+
+        def router() -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+            return ipaddress.ip_address(a.debug.Status(agent_pb2.StatusRequest()).router_ip)
+
+        wait(lambda: router() in ipaddress.ip_network(cidrs[1]))
+
+        def default_route(name: str) -> str:
+            return subprocess.run(
+                ["ip", "-n", netns[name], "route", "show", "default"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+
+        # every pod's gateway is repointed in place, then the old address leaves the node
+        wait(lambda: all(f"via {router()} " in default_route(n) for n in netns))
+
+        def host_addresses() -> str:
+            return subprocess.run(
+                ["ip", "-4", "addr", "show", "dev", env.host_device],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+
+        wait(lambda: f"{old_router}/32" not in host_addresses())
+        assert f"{router()}/32" in host_addresses()
+        out, _ = flood.communicate(timeout=30)
+        assert "500 packets transmitted, 500 received" in out, out
+        assert not any(r.released for r in op.demands), "pods still hold the old CIDR"
+        for name in ("p1", "p2"):
+            a.attach.Del(agent_pb2.DelRequest(container_id=name, ifname="eth0"), timeout=10)
+        wait(lambda: cp.PoolCIDRs(pool="default", cidrs=[cidrs[0]]) in op.demands[-1].released)
+        pools = {p.pool: list(p.cidrs) for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
+        assert pools["default"] == [cidrs[1]]
+    finally:
+        op.stop()
+
+
 def test_pool_allowing_first_and_last_ip_hands_out_every_address_of_its_cidr(
     env: Env, cidrs: list[str]
 ) -> None:

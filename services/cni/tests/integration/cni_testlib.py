@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -19,52 +16,12 @@ import grpc
 
 from cilia.agent.v1 import agent_pb2, agent_pb2_grpc
 from cilia_common import grpcerrors
-
-#: Upper bound for one plugin exec in tests (the plugin's own timeouts are smaller).
-EXEC_TIMEOUT_SECONDS = 60
-#: Spec error codes plus this plugin's documented ones.
-DOCUMENTED_CODES = {1, 3, 4, 5, 6, 7, 8, 11, 50, 100, 101, 102, 999}
-
-
-def cni_binary() -> str:
-    """The installed ``cilia-cni`` console script next to this interpreter."""
-    found = shutil.which("cilia-cni", path=os.path.dirname(sys.executable))
-    if found is None:
-        found = shutil.which("cilia-cni")
-    assert found, "cilia-cni is not installed; run scripts/setup.sh"
-    return found
-
-
-@dataclass
-class CniRun:
-    """Outcome of one exec: exit status, stdout, stderr and stdout parsed as JSON."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def json(self) -> Any:
-        return json.loads(self.stdout)
-
-
-def exec_cni(
-    env: dict[str, str],
-    stdin: bytes | str | dict[str, Any] = b"",
-    timeout: float = EXEC_TIMEOUT_SECONDS,
-) -> CniRun:
-    """Exec the real binary with exactly ``env`` (plus PATH) and ``stdin``."""
-    if isinstance(stdin, dict):
-        stdin = json.dumps(stdin)
-    if isinstance(stdin, str):
-        stdin = stdin.encode()
-    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
-    proc = subprocess.run(
-        [cni_binary()], input=stdin, env=full_env, capture_output=True, timeout=timeout, check=False
-    )
-    run = CniRun(proc.returncode, proc.stdout.decode(), proc.stderr.decode("utf-8", "replace"))
-    assert "Traceback" not in run.stdout + run.stderr, run
-    return run
+from cilia_testkit.cni import DOCUMENTED_CODES as DOCUMENTED_CODES
+from cilia_testkit.cni import EXEC_TIMEOUT_SECONDS as EXEC_TIMEOUT_SECONDS
+from cilia_testkit.cni import CniRun as CniRun
+from cilia_testkit.cni import assert_cni_error as assert_cni_error
+from cilia_testkit.cni import cni_binary as cni_binary
+from cilia_testkit.cni import exec_cni as exec_cni
 
 
 def cni_env(command: str, container_id: str = "c0ffee01", **extra: str) -> dict[str, str]:
@@ -92,19 +49,6 @@ def netconf(agent_socket: str, version: str = "1.0.0", **extra: Any) -> dict[str
     }
     conf.update(extra)
     return conf
-
-
-def assert_cni_error(run: CniRun, code: int, *needles: str) -> dict[str, Any]:
-    """Assert ``run`` is a spec error with ``code`` whose msg contains every needle."""
-    assert run.returncode != 0, run
-    err = run.json
-    assert set(err) == {"cniVersion", "code", "msg", "details"}, err
-    assert err["code"] == code, err
-    assert isinstance(err["msg"], str) and err["msg"], err
-    assert isinstance(err["details"], str), err
-    for needle in needles:
-        assert needle in err["msg"], (needle, err)
-    return err  # type: ignore[no-any-return]
 
 
 @dataclass

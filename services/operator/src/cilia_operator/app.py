@@ -31,15 +31,17 @@ from .controlplane.ipam import IPAMServicer
 from .controlplane.node import NodeServicer
 from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
+from .controlplane.resources import add_to_server as add_resource_service
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
-from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
+from .ipam.pool import pool_manifest, pool_overlaps, pool_specs, special_ranges
 from .kinds import POOL
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
+from .manifests import ManifestLimits
 from .metrics import Metrics
-from .store import AlreadyExists, StoreError
+from .store import AlreadyExists, Snapshot, StoreError, Write
 from .store.kubernetes import KubernetesStore
 from .store.redis import RedisStore
 
@@ -136,6 +138,13 @@ class Operator:
         Raises:
             StartupError: with a one-line reason.
         """
+        for net in self.config.cluster_pool_cidrs:
+            for name, special in special_ranges(net):
+                # as apply refuses for pools (ipam/pool.py validate_pool), in every mode
+                raise StartupError(
+                    f"--cluster-pool-ipv4-cidr: {net} overlaps the {name} range {special}: "
+                    "not usable for pods"
+                )
         try:
             await self.store.ping()
         except StoreError as exc:
@@ -180,8 +189,22 @@ class Operator:
                 SERVICE_NAMES[1],
             ),
             Service(
-                pb_grpc.add_ResourceServiceServicer_to_server,
-                ResourceServicer(self.store, self.identities, config.service_cidrs),
+                add_resource_service,
+                ResourceServicer(
+                    self.store,
+                    self.identities,
+                    config.service_cidrs,
+                    limits=ManifestLimits(
+                        max_bytes=config.apply_max_manifest_bytes,
+                        max_documents=config.apply_max_documents,
+                        max_depth=config.apply_max_depth,
+                        max_alias_nodes=config.apply_max_alias_nodes,
+                        max_record_bytes=config.apply_max_record_bytes,
+                    ),
+                    attempts=conflict_retries,
+                    default_pool=config.ipam_default_ip_pool,
+                    parse_concurrency=config.apply_max_concurrent_parses,
+                ),
                 SERVICE_NAMES[2],
             ),
             Service(
@@ -202,7 +225,13 @@ class Operator:
         ]
         listen = self.config.listen
         try:
-            self._server, self._health, ports = await start_server_with_ports(services, [listen])
+            self._server, self._health, ports = await start_server_with_ports(
+                services,
+                [listen],
+                options=[
+                    ("grpc.max_receive_message_length", config.grpc_max_receive_message_bytes)
+                ],
+            )
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.address = bound_port(listen, ports[listen]) if listen in ports else listen
@@ -256,26 +285,50 @@ class Operator:
         await self.controller.stop()
 
     async def _auto_create_pools(self) -> None:
+        """Create the ``--auto-create-cilium-pod-ip-pools`` pools that do not exist (an
+        existing one is skipped, never updated: upstream), in one store transaction that
+        re-checks overlaps with the stored pools, so a concurrent apply or another
+        replica starting cannot slip an overlapping pool in between.
+
+        Raises:
+            StartupError: a pool overlaps a stored pool or a service CIDR.
+        """
         wanted = self.config.auto_create_pools
         if not wanted:
             return
-        existing = pool_specs((await self.store.list(POOL.kind)).items)
-        for name, spec in wanted.items():
-            if name in existing:
-                log.info("auto-create pool skipped: it exists", extra={"pool": name})
-                continue
-            overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
-                spec.cidrs, service_cidrs=self.config.service_cidrs
-            )
-            if overlaps:
-                raise StartupError(
-                    f"--auto-create-cilium-pod-ip-pools: pool {name!r}: {overlaps[0].reason}"
+        created: list[str] = []
+
+        async def plan(snapshot: Snapshot) -> list[Write]:
+            existing = pool_specs(snapshot[POOL.kind].items)
+            present = {o["metadata"]["name"] for o in snapshot[POOL.kind].items}
+            writes = []
+            created.clear()
+            for name, spec in wanted.items():
+                if name in present:
+                    log.info("auto-create pool skipped: it exists", extra={"pool": name})
+                    continue
+                overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
+                    spec.cidrs, service_cidrs=self.config.service_cidrs
                 )
+                if overlaps:
+                    raise StartupError(
+                        f"--auto-create-cilium-pod-ip-pools: pool {name!r}: {overlaps[0].reason}"
+                    )
+                existing[name] = spec
+                writes.append(Write("create", pool_manifest(spec)))
+                created.append(name)
+            return writes
+
+        for _ in range(self.config.store_conflict_retries):
             try:
-                await self.store.create(pool_manifest(spec))
-                log.info("pool auto-created", extra={"pool": name})
-            except AlreadyExists:
-                log.info("auto-create pool skipped: it exists", extra={"pool": name})
+                await self.store.transact(
+                    [POOL.kind], plan, attempts=self.config.store_conflict_retries
+                )
+                break
+            except AlreadyExists:  # Kubernetes store: created meanwhile; plan again
+                created.clear()
+        for name in created:
+            log.info("pool auto-created", extra={"pool": name})
 
     async def stop(self) -> None:
         """Stop in reverse order; safe to call once after a (partial) start."""

@@ -23,6 +23,7 @@ from cilia_common.protojson import message_to_dict
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
 from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
 from .kinds import UnknownKind, kind_of, resolve_kind
+from .manifests import InvalidManifest, parse_manifest
 
 EXIT_ERROR = 2
 DEFAULT_SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/12")  # the operator's default
@@ -81,14 +82,19 @@ def _stub(server: str) -> Any:
     return pb_grpc.ResourceServiceStub(channel)  # type: ignore[no-untyped-call]
 
 
+def _rpc_error(exc: Any, server: str) -> CommandError:
+    """The one-line CommandError for a failed RPC."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return CommandError(f"cannot reach operator at {server}: {exc.details()}")
+    return CommandError(f"{code.name}: {exc.details()}")
+
+
 def _call(method: Any, request: Any, server: str, timeout: float) -> Any:
     try:
         return method(request, timeout=timeout)
     except grpc.RpcError as exc:
-        code = exc.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise CommandError(f"cannot reach operator at {server}: {exc.details()}") from None
-        raise CommandError(f"{code.name}: {exc.details()}") from None
+        raise _rpc_error(exc, server) from None
 
 
 def _display(api_version: str, kind: str, name: str) -> str:
@@ -100,7 +106,9 @@ def _display(api_version: str, kind: str, name: str) -> str:
 
 def apply(path: str, server: str, dry_run: bool, timeout: float, out: IO[str]) -> None:
     """Send the manifest at ``path`` (``-`` = stdin); print one kubectl-style line per
-    resource (``ciliumpodippool.cilium.io/blue created``).
+    resource (``ciliumpodippool.cilium.io/blue created``). When the operator does not
+    answer within ``timeout``, read the documents back and say whether all were written
+    (``... applied (confirmed after the deadline)``) or none (error).
 
     Raises:
         CommandError: unreadable file, invalid manifest, unreachable operator.
@@ -113,15 +121,75 @@ def apply(path: str, server: str, dry_run: bool, timeout: float, out: IO[str]) -
         raise CommandError(
             f"cannot read {path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON manifest"
         ) from None
-    response = _call(
-        _stub(server).Apply, pb.ApplyRequest(manifest=text, dry_run=dry_run), server, timeout
-    )
+    stub = _stub(server)
+    try:
+        response = stub.Apply(pb.ApplyRequest(manifest=text, dry_run=dry_run), timeout=timeout)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or dry_run:
+            raise _rpc_error(exc, server) from None
+        _after_deadline(stub, text, server, timeout, out)
+        return
     suffix = " (dry run)" if dry_run else ""
     for res in response.resources:
         print(f"{_display(res.api_version, res.kind, res.name)} {res.action}{suffix}", file=out)
     if dry_run:
         for effect in response.effects:
             print(f"  {effect}", file=out)
+
+
+def _stored_as_given(stub: Any, doc: dict[str, Any], timeout: float) -> bool:
+    """Whether the store holds ``doc`` as the manifest gives it: every top-level field but
+    ``metadata``/``status`` equal, and the labels/annotations the document sets."""
+    info = kind_of(str(doc.get("apiVersion") or ""), str(doc.get("kind") or ""))
+    meta = doc.get("metadata") or {}
+    request = pb.GetRequest(
+        kind=info.kind, name=str(meta.get("name") or ""),
+        namespace=str(meta.get("namespace") or ""),
+    )  # fmt: skip
+    try:
+        stored = json.loads(stub.Get(request, timeout=timeout).resource.json)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return False
+        raise
+    for key, value in doc.items():
+        if key not in ("metadata", "status") and stored.get(key) != value:
+            return False
+    for key in ("labels", "annotations"):
+        if key in meta and (stored.get("metadata") or {}).get(key) != meta[key]:
+            return False
+    return True
+
+
+def _after_deadline(stub: Any, text: str, server: str, timeout: float, out: IO[str]) -> None:
+    """Say whether an apply cut off by its deadline was written: the operator writes a
+    manifest's documents all or none (one store transaction) and stops at the deadline,
+    so reading them back tells which.
+
+    Raises:
+        CommandError: none was written, or the read-back failed (then: unknown).
+    """
+    head = f"apply did not answer within --timeout {timeout:g}s"
+    try:
+        docs = [d for d in parse_manifest(text) if isinstance(d, dict)]
+        held = [_stored_as_given(stub, d, timeout) for d in docs]
+    except (InvalidManifest, UnknownKind, grpc.RpcError) as exc:
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        raise CommandError(
+            f"{head}; whether it was written is unknown ({detail}): the operator writes all "
+            "documents of a manifest or none; check with cilia-operator get"
+        ) from None
+    if docs and all(held):
+        for doc in docs:
+            meta = doc.get("metadata") or {}
+            name = _display(str(doc.get("apiVersion")), str(doc.get("kind")), str(meta.get("name")))
+            print(f"{name} applied (confirmed after the deadline)", file=out)
+        return
+    raise CommandError(
+        f"{head} and nothing was written: the store does not hold its {len(docs)} "
+        "document(s) as given, and the operator writes all documents of a manifest or none; "
+        "retry (e.g. with a longer --timeout)"
+    )
 
 
 def _render(obj: Any, output: str) -> str:

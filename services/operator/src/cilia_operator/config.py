@@ -182,6 +182,36 @@ class Config(BaseModel):
     leader_election_id: Annotated[
         str, Flag(default_text="$POD_NAME or hostname, plus a random suffix")
     ] = Field(default="", description="this replica's identity in the lock")
+    apply_max_manifest_bytes: int = Field(
+        default=3 * 1024 * 1024, ge=1,
+        description="UTF-8 bytes of one apply manifest (3 MiB: the Kubernetes API server's "
+        "request body limit)",
+    )  # fmt: skip
+    apply_max_documents: int = Field(
+        default=1000, ge=1, description="documents in one apply manifest"
+    )
+    apply_max_depth: int = Field(
+        default=100, ge=2, le=200,
+        description="nesting of mappings/sequences in a manifest, YAML aliases expanded",
+    )  # fmt: skip
+    apply_max_alias_nodes: int = Field(
+        default=10_000, ge=0,
+        description="YAML nodes aliases may add to a manifest once expanded",
+    )  # fmt: skip
+    apply_max_record_bytes: int = Field(
+        default=1536 * 1024, ge=1,
+        description="one manifest document as stored JSON (1.5 MiB: etcd's request limit)",
+    )  # fmt: skip
+    apply_max_concurrent_parses: int = Field(
+        default=1, ge=1,
+        description="manifests parsed and validated at once; more wait without using CPU",
+    )  # fmt: skip
+    grpc_max_receive_message_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=4 * 1024 * 1024,
+        description="largest gRPC message the server takes in (above "
+        "--apply-max-manifest-bytes, so an oversized manifest gets apply's INVALID_ARGUMENT "
+        "naming that flag, not a transport error)",
+    )  # fmt: skip
 
     @field_validator("cluster_pool_ipv4_cidr", "service_cluster_ip_range")
     @classmethod

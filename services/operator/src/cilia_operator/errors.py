@@ -49,5 +49,8 @@ def from_pydantic(exc: ValidationError) -> InvalidResource:
     for err in exc.errors(include_url=False):
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         reason = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            # as Kubernetes' strict field validation (and policy/validation.py) says it
+            reason = "unknown field"
         errors.append(FieldError(field_path(loc), reason))
     return InvalidResource(errors)

@@ -534,7 +534,12 @@ async def test_cli_ipam_plan_status_and_dry_run_effects(redis_url: str, tmp_path
         assert data["pools"][0]["drainingCidrs"] == []
         assert data["migration"] == "" and data["nodesMigrated"] == 0
         assert data["serviceCidrs"] == ["10.96.0.0/12"]
-        assert {n["nodeName"]: n["error"] for n in data["nodes"]} == {"p1": "", "p2": "", "p3": ""}
+        errors = {n["nodeName"]: n["error"] for n in data["nodes"]}
+        assert (errors["p1"], errors["p2"]) == ("", "")
+        # a network reported after the pool is a conflict on the node (issue 16)
+        assert errors["p3"].startswith(
+            "interface eth9 subnet 10.251.3.0/24 overlaps pool 'default' CIDR 10.251.0.0/22"
+        )
 
 
 async def test_cli_ipam_plan_refuses_what_apply_refuses(redis_url: str) -> None:
@@ -623,15 +628,16 @@ def test_cli_output_into_a_closed_pipe_exits_quietly() -> None:
 async def test_apply_refuses_a_mask_leaving_no_pod_address_and_dry_run_counts_like_plan(
     redis_url: str,
 ) -> None:
-    """apply -f refuses maskSize 32 (the agent's router IP takes the block's only address)
+    """apply -f refuses maskSize 32 for the default pool (the agent's router IP takes the
+    block's only address)
     naming the pool and field, writes nothing; the dry run's pod IPs per block are plan's."""
     async with running_operator(redis_url) as (op, channel):
         for extra in ("", ", allowFirstIP: true, allowLastIP: true"):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await apply(channel, pool_yaml("tiny", ["10.233.0.0/24"], mask=32, extra=extra))
+                await apply(channel, pool_yaml("default", ["10.233.0.0/24"], mask=32, extra=extra))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             details = err.value.details() or ""
-            assert "CiliumPodIPPool tiny" in details and "spec.ipv4.maskSize" in details
+            assert "CiliumPodIPPool default" in details and "spec.ipv4.maskSize" in details
             assert "no pod address left" in details and "router IP" in details
         assert [p["metadata"]["name"] for p in (await op.store.list("CiliumPodIPPool")).items] == [
             "default"

@@ -152,8 +152,8 @@ def test_mask_leaving_no_pod_address_exits_2_naming_the_flag(
     pools = [
         "serve",
         "--auto-create-cilium-pod-ip-pools",
-        "x=ipv4-cidrs:10.0.0.0/24;ipv4-mask-size:32",
+        "default=ipv4-cidrs:10.0.0.0/24;ipv4-mask-size:32",
     ]
     assert main(pools) == 2
     err = capsys.readouterr().err
-    assert "pool 'x'" in err and "spec.ipv4.maskSize: 32" in err and "router IP" in err
+    assert "pool 'default'" in err and "spec.ipv4.maskSize: 32" in err and "router IP" in err

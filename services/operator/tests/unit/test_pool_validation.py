@@ -148,7 +148,7 @@ def test_special_purpose_ipv4_ranges_are_refused(cidr: str, name: str) -> None:
 def test_mask_leaving_no_pod_address_after_the_router_ip_is_refused(
     mask: int, flags: dict[str, bool], refused: bool
 ) -> None:
-    doc = pool(ipv4={"cidrs": ["10.10.0.0/16"], "maskSize": mask}, **flags)
+    doc = pool("default", ipv4={"cidrs": ["10.10.0.0/16"], "maskSize": mask}, **flags)
     if not refused:
         validate_pool(doc)
         return
@@ -164,14 +164,22 @@ def test_mask_leaving_no_pod_address_after_the_router_ip_is_refused(
     assert validate_pool(doc, stored=True).spec.ipv4 is not None
 
 
+def test_mask_32_is_usable_for_a_non_default_pool() -> None:
+    doc = pool("single", ipv4={"cidrs": ["10.10.0.0/30"], "maskSize": 32})
+    assert validate_pool(doc).spec.ipv4 is not None
+    assert validate_pool(doc, default_pool="other").spec.ipv4 is not None
+    with pytest.raises(InvalidResource):
+        validate_pool(doc, default_pool="single")  # the router IP comes from this one
+
+
 def test_apply_manifest_with_mask_32_names_the_pool_and_field() -> None:
     text = (
-        "apiVersion: cilium.io/v2alpha1\nkind: CiliumPodIPPool\nmetadata: {name: tiny}\n"
+        "apiVersion: cilium.io/v2alpha1\nkind: CiliumPodIPPool\nmetadata: {name: default}\n"
         "spec: {ipv4: {cidrs: [10.20.0.0/24], maskSize: 32}}\n"
     )
     with pytest.raises(InvalidManifest) as err:
         validate_manifest(text, {})
-    assert "CiliumPodIPPool tiny" in str(err.value)
+    assert "CiliumPodIPPool default" in str(err.value)
     assert "spec.ipv4.maskSize: 32: a /32 block has 1 usable address" in str(err.value)
 
 

@@ -235,7 +235,8 @@ def test_interrupted_update_is_recovered(
     restored = engine.containers.get(name)
     assert restored.id == container.id
     assert restored.status == "running"
-    assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
+    # the replacement container starts on a loaded 2-core host: give it 30 s, not 10
+    assert health.wait_serving(address, attempts=150, interval=0.2, rpc_timeout=1.0)
 
 
 def test_pull_always_falls_back_to_the_local_image(
@@ -287,7 +288,8 @@ def test_loop_mode_applies_the_image_on_its_own(
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
+    # the replacement container starts on a loaded 2-core host: give it 30 s, not 10
+    assert health.wait_serving(address, attempts=150, interval=0.2, rpc_timeout=1.0)
 
 
 def test_loop_mode_does_not_retry_a_rolled_back_image(
@@ -319,7 +321,8 @@ def test_loop_mode_does_not_retry_a_rolled_back_image(
     assert text.count('"step": "AgentRolledBack"') == 1
     assert text.count('"step": "AgentStarted"') == 1
     assert engine.containers.get(name).attrs["Image"] == images["A"]
-    assert health.wait_serving(address, attempts=50, interval=0.2, rpc_timeout=1.0)
+    # the replacement container starts on a loaded 2-core host: give it 30 s, not 10
+    assert health.wait_serving(address, attempts=150, interval=0.2, rpc_timeout=1.0)
 
 
 SECRET = "s3cr3tPW"

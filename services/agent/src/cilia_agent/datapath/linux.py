@@ -294,6 +294,56 @@ class LinuxDatapath:
             return False
         return True
 
+    def move_router_ip(
+        self, old: ipaddress.IPv4Address, new: ipaddress.IPv4Address, pods: list[tuple[str, str]]
+    ) -> list[str]:
+        """Move the router IP from ``old`` to ``new`` without dropping a packet: ``new``/32 is
+        added to the host device, each pod's default route (``pods``: ``(netns, ifname)``)
+        is replaced in place with one via ``new`` (atomic; the first packet waits for ARP,
+        which the host answers since ``new`` is local), then ``old`` is removed.
+
+        Returns one line per pod whose route could not be changed (its netns is gone, or
+        it has no such interface); ``old`` stays on the host device when any failed, so
+        those pods keep their gateway.
+
+        Raises:
+            DatapathError: the host device cannot be changed.
+        """
+        self.setup_node(new)
+        problems: list[str] = []
+        for netns, ifname in pods:
+            try:
+                with iproute_in(netns) as ns:
+                    link = _get(ns, ifname)
+                    if link is None:
+                        problems.append(f"{netns}: no interface {ifname}")
+                        continue
+                    ns.route(
+                        "replace",
+                        dst="0.0.0.0/0",
+                        gateway=str(new),
+                        oif=link["index"],
+                        flags=RTNH_F_ONLINK,
+                    )
+            except (NetlinkError, OSError, NetnsNotFound) as exc:
+                problems.append(f"{netns}: {exc}")
+        if problems:
+            return problems
+        try:
+            with IPRoute() as ipr:
+                idx = _first(ipr, self.host_device_name)
+                if idx is not None:
+                    try:
+                        ipr.addr("del", index=idx, address=str(old), prefixlen=32)
+                    except NetlinkError as exc:
+                        if exc.code != 99:  # EADDRNOTAVAIL: already gone
+                            raise
+        except NetlinkError as exc:
+            raise DatapathError(
+                f"cannot remove the old router IP {old} from {self.host_device_name}: {exc}"
+            ) from exc
+        return problems
+
     def unplumb(self, host: str) -> bool:
         """Remove the pod's veth pair by its host side ``host`` (route goes with it).
 

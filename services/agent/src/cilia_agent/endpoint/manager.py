@@ -313,6 +313,35 @@ class EndpointManager:
         for state, n in counts.items():
             self.metrics.endpoint_state.labels(state=state).set(n)
 
+    @property
+    def adds_in_flight(self) -> int:
+        """Adds started and not finished (their plumbing may still use the old gateway)."""
+        return sum(self._adding.values())
+
+    async def move_gateway(
+        self, old: ipaddress.IPv4Address, new: ipaddress.IPv4Address, *, wait: float = 10.0
+    ) -> bool:
+        """The node's router IP moves from ``old`` to ``new``: once the Adds in flight (which
+        may have read the old gateway) are done — at most ``wait`` seconds — every pod's
+        default route is repointed and the old address removed
+        (``LinuxDatapath.move_router_ip``). Chained endpoints (another plugin's routes)
+        are left alone. Returns False, keeping ``old``, when a pod could not be repointed.
+
+        Raises:
+            DatapathError: the host device cannot be changed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while self.adds_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        pods = [(r.netns, r.ifname) for r in self._endpoints.values() if not r.chained]
+        problems = await self._run(self.datapath.move_router_ip, old, new, pods)
+        if problems:
+            log.warning("router IP not moved yet", extra={"problems": problems[:10]})
+            return False
+        log.info("router IP moved", extra={"old_router_ip": str(old), "router_ip": str(new)})
+        return True
+
     def list(self) -> list[EndpointRecord]:
         """Every endpoint the agent holds, sorted by id."""
         return sorted(self._endpoints.values(), key=lambda r: r.id)

@@ -310,6 +310,26 @@ class IPAM:
                         out.setdefault(name, []).append(net)
         return out
 
+    def open_cidr(self, preferred: str) -> Net4 | None:
+        """The first CIDR that gives out addresses (not draining): ``preferred`` pool's
+        first, else the first of the other pools by name; None when there is none."""
+        with self._lock:
+            names = [preferred, *sorted(n for n in self._pools if n != preferred)]
+            for name in names:
+                entry = self._pools.get(name)
+                if entry is None:
+                    continue
+                for net in entry.cidrs:
+                    if net not in entry.draining:
+                        return net
+        return None
+
+    def is_draining(self, address: IPv4 | str) -> bool:
+        """True when ``address`` lies in a CIDR that is draining."""
+        addr = ipaddress.IPv4Address(address)
+        with self._lock:
+            return any(addr in net for entry in self._pools.values() for net in entry.draining)
+
     def cidrs(self) -> dict[str, list[str]]:
         """Return ``pool -> [cidr, ...]`` in the order the CIDRs were added."""
         with self._lock:

@@ -171,6 +171,28 @@ class IPCache:
             if prefix not in self._local:
                 self._publish(prefix, Entry(IDENTITY_HOST))
 
+    def remove_host_address(self, address: str) -> None:
+        """``address`` is no longer this node's (a moved router IP): the stream's entry for
+        it, if any, takes over, else the prefix goes.
+
+        Raises:
+            ValueError: not IPv4.
+        """
+        prefix = f"{ipaddress.IPv4Address(address)}/32"
+        if prefix in self._host:
+            self._host.discard(prefix)
+            if prefix not in self._local:
+                self._publish(prefix, self._effective(prefix))
+
+    async def host_address_moved(
+        self, old: ipaddress.IPv4Address, new: ipaddress.IPv4Address
+    ) -> bool:
+        """The router IP moved (a ``LocalNode`` observer): ``new`` is this node's, ``old`` no
+        longer. Always True."""
+        self.set_host_addresses([str(new)])
+        self.remove_host_address(str(old))
+        return True
+
     # ------------------------------------------------------------------ the stream
 
     def remote_prefixes(self) -> list[str]:

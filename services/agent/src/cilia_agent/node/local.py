@@ -2,7 +2,13 @@
 
 Start: the persisted :class:`~cilia_agent.node.state.NodeState` is loaded; its allocation
 goes back into IPAM (:meth:`LocalNode.restore`) and its router IP is occupied again, or a
-router IP is chosen from the first CIDR (the default pool's first, else any pool's).
+router IP is chosen from the first open CIDR (the default pool's first, else any pool's).
+
+When the router IP's CIDR starts draining (removed from its pool) and an open CIDR exists,
+the router IP moves there (:meth:`LocalNode.router_ip_changed`): the observers add the new
+address, repoint every pod's default route and remove the old one, so the old CIDR holds
+nothing of the agent's and is handed back as soon as its pods are gone (issue: drains that
+finish).
 
 Readiness (:meth:`LocalNode.check_ready`): registered with the operator (now, or in an
 earlier run whose allocation was persisted), a router IP, and at least one free address in
@@ -68,6 +74,9 @@ class LocalNode:
         self._reason: str | None = "starting"
         self._on_ready: list[Callable[[], Awaitable[None]]] = []
         self._on_router: list[Callable[[ipaddress.IPv4Address], Awaitable[None]]] = []
+        self._on_move: list[
+            Callable[[ipaddress.IPv4Address, ipaddress.IPv4Address], Awaitable[bool]]
+        ] = []
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ the NodeView
@@ -136,30 +145,54 @@ class LocalNode:
             self.choose_router_ip()
 
     def choose_router_ip(self) -> bool:
-        """Choose the router IP from the first CIDR when none is set; True when chosen now."""
+        """Choose the router IP from the first open CIDR (the default pool's first, else
+        another pool's) when none is set; True when chosen now."""
         if self._router_ip is not None:
             return False
-        cidrs = self.ipam.cidrs()
-        default = cidrs.get(self._default_pool) or []
-        first: str | None = default[0] if default else None
-        if first is None:
-            for pool in sorted(cidrs):
-                if cidrs[pool]:
-                    first = cidrs[pool][0]
-                    break
+        first = self.ipam.open_cidr(self._default_pool)
         if first is None:
             return False
         router = self.ipam.first_usable(first)
         self.ipam.occupy(router, ROUTER_OWNER)
         self._router_ip = router
-        log.info("router IP chosen", extra={"router_ip": str(router), "cidr": first})
+        log.info("router IP chosen", extra={"router_ip": str(router), "cidr": str(first)})
         return True
 
     async def router_ip_changed(self) -> None:
-        """Choose the router IP if none yet and tell the observers (after an allocation)."""
+        """After an allocation: choose the router IP if none yet, or move it out of a CIDR
+        that started draining (so that CIDR can be handed back once its pods are gone), and
+        tell the observers. A move happens only when an open CIDR exists."""
         if self.choose_router_ip() and self._router_ip is not None:
             for callback in self._on_router:
                 await callback(self._router_ip)
+            return
+        old = self._router_ip
+        if old is None or not self.ipam.is_draining(old):
+            return
+        target = self.ipam.open_cidr(self._default_pool)
+        if target is None:
+            return
+        new = self.ipam.first_usable(target)
+        self.ipam.occupy(new, ROUTER_OWNER)
+        log.info(
+            "router IP moving out of a draining CIDR",
+            extra={"old_router_ip": str(old), "router_ip": str(new), "cidr": str(target)},
+        )
+        self._router_ip = new  # Adds from now on use the new gateway
+        for move in self._on_move:
+            if not await move(old, new):
+                # some pod still routes via the old one: keep it, try at the next allocation
+                self._router_ip = old
+                self.ipam.release(new)
+                return
+        self.ipam.release(old)
+
+    def on_router_moved(
+        self, callback: Callable[[ipaddress.IPv4Address, ipaddress.IPv4Address], Awaitable[bool]]
+    ) -> None:
+        """Await ``callback(old, new)`` when the router IP moves; it returns False when the
+        move could not be completed (the old router IP is then kept)."""
+        self._on_move.append(callback)
 
     # ------------------------------------------------------------------ changes
 

@@ -42,13 +42,16 @@ class NodeManager:
     Args:
         local_name: this node (never listed).
         listeners: told the whole set after every change, in order.
+        synced: the set is complete from the start (no operator: this node is alone).
     """
 
-    def __init__(self, local_name: str, listeners: list[NodeListener]) -> None:
+    def __init__(
+        self, local_name: str, listeners: list[NodeListener], *, synced: bool = False
+    ) -> None:
         self.local_name = local_name
         self.listeners = listeners
         self._nodes: dict[str, cp.Node] = {}
-        self.synced = False
+        self.synced = synced
 
     @property
     def nodes(self) -> Mapping[str, cp.Node]:

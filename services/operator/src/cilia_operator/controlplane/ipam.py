@@ -13,7 +13,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 
 from ..ipam import claims
 from ..ipam import node as nodes
-from ..ipam.controller import IPAMController
+from ..ipam.controller import CLUSTER_POOL, IPAMController
 from ..ipam.pool import PoolSpec, pool_specs
 from ..ipam.resolve import NoPoolMatch, resolve_pool
 from ..kinds import NAMESPACE, NODE, POOL
@@ -31,7 +31,9 @@ def allocation_message(
     resourceVersion.
 
     A block is draining when it lies in a draining CIDR of its pool, outside the pool's
-    CIDRs, or its pool is unknown (``pools`` None: nothing is reported draining).
+    CIDRs, or its pool is unknown (``pools`` None: nothing is reported draining); a
+    podCIDR outside ``--cluster-pool-ipv4-cidr`` (``pools`` holds the controller's
+    cluster-pool entry) is draining under pool ``cluster-pool``.
     """
     allocated = sorted(nodes.allocated(record).items())
     draining = []
@@ -45,6 +47,11 @@ def allocation_message(
             ]
             if gone:
                 draining.append(pb.PoolCIDRs(pool=pool, cidrs=gone))
+        cluster = pools.get(CLUSTER_POOL)
+        if cluster is not None:
+            gone = [str(b) for b in nodes.pod_cidrs(record) if not cluster.contains(b)]
+            if gone:
+                draining.append(pb.PoolCIDRs(pool="cluster-pool", cidrs=gone))
 
     def entry(pool: str, blocks: list[ipaddress.IPv4Network]) -> pb.PoolCIDRs:
         spec = pools.get(pool) if pools is not None else None
@@ -231,6 +238,20 @@ class IPAMServicer:
             )
             for name, spec in sorted(pools.items())
         ]
+        if self.controller.mode == "cluster-pool":
+            ctl = self.controller
+            spec = PoolSpec(CLUSTER_POOL, ctl.cluster_cidrs, ctl.cluster_mask_size)
+            held_blocks = [b for r in records for b in nodes.pod_cidrs(r)]
+            out_pools.append(
+                pb.PoolStatus(
+                    name="cluster-pool",
+                    cidrs=[str(c) for c in spec.cidrs],
+                    draining_cidrs=[str(b) for b in sorted(set(ctl.cluster_draining(held_blocks)))],
+                    mask_size=spec.mask_size,
+                    blocks_total=spec.blocks_total(),
+                    blocks_allocated=sum(1 for b in held_blocks if spec.contains(b)),
+                )
+            )
         migration = self.controller.migration
         return pb.IPAMServiceGetStatusResponse(
             mode=self.controller.mode,

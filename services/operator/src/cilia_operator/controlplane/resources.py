@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import ipaddress
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
+from ..errors import FieldError, InvalidResource
 from ..identity.allocator import IdentityAllocator
 from ..ipam import claims
 from ..ipam import node as nodes
 from ..ipam.changes import NodeNetworks, PoolChange, plan_pool_change
-from ..ipam.pool import DRAINING_FIELD, PoolSpec, pool_specs, to_pool_spec, validate_pool
-from ..kinds import IDENTITY, NODE, POOL, KindInfo, resolve_kind
-from ..manifests import Document, DocumentError, InvalidManifest, validate_manifest
-from ..store import Conflict, NotFound, Resource, Store, resource_version
+from ..ipam.pool import (
+    DEFAULT_POOL,
+    DRAINING_FIELD,
+    PoolSpec,
+    pool_specs,
+    to_pool_spec,
+    validate_pool,
+)
+from ..kinds import IDENTITY, NODE, POOL, KindInfo, UnknownKind, kind_of, resolve_kind
+from ..manifests import (
+    Document,
+    DocumentError,
+    InvalidManifest,
+    ManifestLimits,
+    ManifestTooLarge,
+    parse_manifest,
+    validate_documents,
+)
+from ..store import Conflict, ListResult, Resource, Snapshot, Store, Write, resource_version
 from .errors import unary
 
 log = logging.getLogger(__name__)
@@ -88,6 +106,96 @@ def pool_in_use_message(
     )
 
 
+SERVICE = "cilia.controlplane.v1.ResourceService"
+
+_REQUEST_OVERHEAD = 16
+"""Bytes an ApplyRequest adds around its manifest (field tags, a length varint of at most
+5 bytes, ``dry_run``): a request longer than the manifest limit plus this cannot hold an
+acceptable manifest."""
+
+
+@dataclass(frozen=True)
+class OversizedApply:
+    """What :meth:`ResourceServicer.deserialize_apply` gives for a request too large to
+    hold an acceptable manifest: never decoded, only measured."""
+
+    size: int
+
+
+def add_to_server(servicer: ResourceServicer, server: Any) -> None:
+    """Register ``servicer`` as ``cilia.controlplane.v1.ResourceService`` on ``server``,
+    as the generated ``add_ResourceServiceServicer_to_server`` does, except that Apply's
+    request goes through :meth:`ResourceServicer.deserialize_apply` (an oversized request
+    is refused by its length, without decoding 100 MB on the event loop)."""
+    handlers = {
+        "Apply": grpc.unary_unary_rpc_method_handler(
+            servicer.Apply,
+            request_deserializer=servicer.deserialize_apply,
+            response_serializer=pb.ApplyResponse.SerializeToString,
+        ),
+        "Get": grpc.unary_unary_rpc_method_handler(
+            servicer.Get,
+            request_deserializer=pb.GetRequest.FromString,
+            response_serializer=pb.GetResponse.SerializeToString,
+        ),
+        "List": grpc.unary_unary_rpc_method_handler(
+            servicer.List,
+            request_deserializer=pb.ListRequest.FromString,
+            response_serializer=pb.ListResponse.SerializeToString,
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            servicer.Delete,
+            request_deserializer=pb.DeleteRequest.FromString,
+            response_serializer=pb.DeleteResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+
+def _find(listed: ListResult, namespace: str, name: str) -> Resource | None:
+    for obj in listed.items:
+        meta = obj.get("metadata") or {}
+        if meta.get("name") == name and (meta.get("namespace") or "") == namespace:
+            return obj
+    return None
+
+
+def _kinds(raw: Sequence[Any]) -> list[str]:
+    """The store kinds the parsed documents name (unknown ones are left to validation)."""
+    out = []
+    for doc in raw:
+        if isinstance(doc, dict):
+            try:
+                out.append(
+                    kind_of(str(doc.get("apiVersion") or ""), str(doc.get("kind") or "")).kind
+                )
+            except UnknownKind:
+                continue
+    return out
+
+
+def _plan_one(
+    doc: Document, current: Resource | None, change: PoolChange | None
+) -> tuple[str, Write | None]:
+    """The action for one document (``created|configured|unchanged``) and its write
+    (None when unchanged); an update carries ``current``'s resourceVersion."""
+    if current is None:
+        return "created", Write("create", doc.obj)
+    desired = _merged(current, doc)
+    if change is not None:
+        status = desired.setdefault("status", {})
+        status[DRAINING_FIELD] = [str(c) for c in change.draining]
+        if not change.draining:
+            del status[DRAINING_FIELD]
+        if not status:
+            del desired["status"]
+    if desired == current:
+        return "unchanged", None
+    return "configured", Write("update", desired)
+
+
 class ResourceServicer:
     """``cilia.controlplane.v1.ResourceService``.
 
@@ -95,6 +203,15 @@ class ResourceServicer:
         store: the Store.
         identities: deletes CiliumIdentity records and frees the number in its cache
             (None: identities are deleted like any record).
+        service_cidrs: ``--service-cluster-ip-range`` (no pool may overlap them).
+        limits: bounds on an ``apply`` manifest (:class:`ManifestLimits`).
+        attempts: times an apply transaction is tried when pools, nodes or the applied
+            kinds change under it (``--store-conflict-retries``); then ABORTED.
+        default_pool: ``--ipam-default-ip-pool``: the one pool whose blocks must leave a
+            pod address after the agent's router IP (others may use ``maskSize: 32``).
+        parse_concurrency: manifests parsed at once (``--apply-max-concurrent-parses``);
+            the others wait their turn without using CPU, so hostile manifests take at
+            most that many threads from the event loop serving every other call.
     """
 
     def __init__(
@@ -102,16 +219,23 @@ class ResourceServicer:
         store: Store,
         identities: IdentityAllocator | None = None,
         service_cidrs: Sequence[ipaddress.IPv4Network] = (),
+        limits: ManifestLimits | None = None,
+        attempts: int = 5,
+        default_pool: str = DEFAULT_POOL,
+        parse_concurrency: int = 1,
     ) -> None:
+        if parse_concurrency < 1:
+            raise ValueError(f"parse_concurrency must be >= 1, got {parse_concurrency}")
+        self._parsing = asyncio.Semaphore(parse_concurrency)
+        self.default_pool = default_pool
         self.store = store
         self.identities = identities
         self.service_cidrs = tuple(service_cidrs)
+        self.limits = limits or ManifestLimits()
+        self.attempts = attempts
 
-    async def _stored_pools(self) -> dict[str, PoolSpec]:
-        return pool_specs((await self.store.list(POOL.kind)).items)
-
-    async def _pool_changes(
-        self, docs: Sequence[Document], stored: Mapping[str, PoolSpec]
+    def _pool_changes(
+        self, docs: Sequence[Document], stored: Mapping[str, PoolSpec], records: list[Resource]
     ) -> tuple[dict[str, PoolChange], list[str]]:
         """Check every pool document against nodes and services; effects per node.
 
@@ -122,7 +246,6 @@ class ResourceServicer:
         pool_docs = [d for d in docs if d.info is POOL]
         if not pool_docs:
             return {}, []
-        records = (await self.store.list(NODE.kind)).items
         holdings = {
             nodes.node_name(r): [
                 *((p, b) for p, bs in nodes.allocated(r).items() for b in bs),
@@ -142,7 +265,12 @@ class ResourceServicer:
         effects: list[str] = []
         errors: list[DocumentError] = []
         for doc in pool_docs:
-            spec = to_pool_spec(validate_pool(doc.obj))
+            label = f"{doc.info.kind} {doc.name}"
+            try:
+                spec = to_pool_spec(validate_pool(doc.obj, default_pool=self.default_pool))
+            except InvalidResource as exc:  # the router-IP rule of a renamed default pool
+                errors += [DocumentError(doc.index, label, e) for e in exc.errors]
+                continue
             change = plan_pool_change(
                 spec,
                 stored.get(doc.name),
@@ -150,7 +278,6 @@ class ResourceServicer:
                 service_cidrs=self.service_cidrs,
                 node_networks=networks,
             )
-            label = f"{doc.info.kind} {doc.name}"
             errors += [DocumentError(doc.index, label, e) for e in change.errors]
             changes[doc.name] = change
             effects += change.effects
@@ -158,61 +285,82 @@ class ResourceServicer:
             raise InvalidManifest(errors)
         return changes, effects
 
+    def deserialize_apply(self, raw: bytes) -> pb.ApplyRequest | OversizedApply:
+        """Decode an ApplyRequest, or only measure it when it is too large to hold a
+        manifest within ``limits.max_bytes`` (runs on the event loop: O(1) then)."""
+        if len(raw) > self.limits.max_bytes + _REQUEST_OVERHEAD:
+            return OversizedApply(len(raw))
+        return pb.ApplyRequest.FromString(raw)
+
     @unary
     async def Apply(  # noqa: N802 (gRPC method name)
-        self, request: pb.ApplyRequest, context: Any
+        self, request: pb.ApplyRequest | OversizedApply, context: Any
     ) -> pb.ApplyResponse:
-        """Validate every document, then create or update each (or only report: dry_run).
+        """Validate every document, then create or update all of them in one store
+        transaction (or only report: dry_run).
 
-        Errors: INVALID_ARGUMENT naming document index, field path and reason (nothing
-        written), ABORTED (a resource changed during apply), UNAVAILABLE.
+        Order: parse within :attr:`limits` (in a thread, so other calls are served
+        meanwhile); then, in :meth:`Store.transact` on a snapshot of pools, nodes and
+        the applied kinds: validate (schema, immutable fields, overlaps with pools,
+        services and node networks), compute each document's action and write them all.
+        With the Redis store the checks hold when the writes land -- two concurrent
+        applies of overlapping pools cannot both succeed -- and an apply cut off by its
+        deadline has written all of its documents or none.
+
+        Errors: INVALID_ARGUMENT naming document index, field path and reason, or the
+        limit flag exceeded (nothing written); ABORTED (the store kept changing during
+        every attempt; nothing written); UNAVAILABLE.
         """
-        stored = await self._stored_pools()
-        docs = validate_manifest(request.manifest, stored)
-        changes, effects = await self._pool_changes(docs, stored)
-        applied = []
-        for doc in docs:
-            change = changes.get(doc.name) if doc.info is POOL else None
-            action = await self._apply_one(doc, request.dry_run, change)
-            applied.append(
-                pb.AppliedResource(
-                    api_version=doc.info.api_version,
-                    kind=doc.info.kind,
-                    name=doc.name,
-                    namespace=doc.namespace,
-                    action=action,
+        if isinstance(request, OversizedApply):
+            raise InvalidManifest([DocumentError(0, "", FieldError("", str(ManifestTooLarge(
+                "apply-max-manifest-bytes", self.limits.max_bytes,
+                f"manifest is about {request.size} bytes",
+            ))))])  # fmt: skip
+        async with self._parsing:
+            raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
+        outcome: dict[str, Any] = {}
+
+        async def plan(snapshot: Snapshot) -> list[Write]:
+            stored = pool_specs(snapshot[POOL.kind].items)
+            async with self._parsing:
+                docs = await asyncio.to_thread(validate_documents, raw, stored)
+            records = snapshot[NODE.kind].items if NODE.kind in snapshot else []
+            changes, effects = self._pool_changes(docs, stored, records)
+            writes: list[Write] = []
+            applied = []
+            for doc in docs:
+                change = changes.get(doc.name) if doc.info is POOL else None
+                current = _find(snapshot[doc.info.kind], doc.namespace, doc.name)
+                action, write = _plan_one(doc, current, change)
+                if write is not None:
+                    writes.append(write)
+                applied.append(
+                    pb.AppliedResource(
+                        api_version=doc.info.api_version,
+                        kind=doc.info.kind,
+                        name=doc.name,
+                        namespace=doc.namespace,
+                        action=action,
+                    )
                 )
-            )
-            if not request.dry_run:
+            outcome.update(applied=applied, effects=effects, docs=docs)
+            return [] if request.dry_run else writes
+
+        kinds = _kinds(raw)
+        # node records change often (demand, allocations): read them only when pools
+        # are applied (their networks and blocks are checked), so a policy apply is not
+        # retried for every node update
+        nodes_too = [NODE.kind] if POOL.kind in kinds else []
+        await self.store.transact([POOL.kind, *nodes_too, *kinds], plan, attempts=self.attempts)
+        if not request.dry_run:
+            for doc, res in zip(outcome["docs"], outcome["applied"], strict=True):
                 log.info(
                     "resource applied",
-                    extra={"resource": doc.info.display(doc.name), "action": action},
+                    extra={"resource": doc.info.display(doc.name), "action": res.action},
                 )
-        if not request.dry_run:
-            for effect in effects:
+            for effect in outcome["effects"]:
                 log.info("pool change applied", extra={"effect": effect})
-        return pb.ApplyResponse(resources=applied, effects=effects)
-
-    async def _apply_one(self, doc: Document, dry_run: bool, change: PoolChange | None) -> str:
-        try:
-            current = await self.store.get(doc.info.kind, doc.name, doc.namespace)
-        except NotFound:
-            if not dry_run:
-                await self.store.create(doc.obj)
-            return "created"
-        desired = _merged(current, doc)
-        if change is not None:
-            status = desired.setdefault("status", {})
-            status[DRAINING_FIELD] = [str(c) for c in change.draining]
-            if not change.draining:
-                del status[DRAINING_FIELD]
-            if not status:
-                del desired["status"]
-        if desired == current:
-            return "unchanged"
-        if not dry_run:
-            await self.store.update(desired)  # Conflict -> ABORTED: someone else wrote
-        return "configured"
+        return pb.ApplyResponse(resources=outcome["applied"], effects=outcome["effects"])
 
     @unary
     async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:  # noqa: N802

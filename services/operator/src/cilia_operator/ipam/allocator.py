@@ -146,6 +146,7 @@ class MultiPoolAllocator:
         self._held: dict[IPv4Network, Holding] = {}
         self._by_node: dict[str, set[IPv4Network]] = {}
         self._lens: Counter[int] = Counter()  # prefix lengths present in _held
+        self._excluded: dict[IPv4Network, str] = {}
         self.ready = False
 
     # -- pools ---------------------------------------------------------------------
@@ -160,12 +161,36 @@ class MultiPoolAllocator:
         if self._pools.get(spec.name) == spec:
             return
         subnets = [_Subnets(cidr, spec.mask_size) for cidr in spec.cidrs]
-        for block in self._held:
+        for block in [*self._held, *self._excluded]:
             span = _span(block)
             for s in subnets:
                 s.mark(span)
         self._pools[spec.name] = spec
         self._subnets[spec.name] = subnets
+
+    def set_excluded(self, networks: Mapping[IPv4Network, str]) -> None:
+        """Networks no new block may overlap, each with why (e.g. ``node 'n1' interface
+        eth1 subnet 10.1.0.0/24``): a node's attached network -- its addresses would be
+        answered by the pod network. Replaces the previous set; blocks already held are
+        not touched (their nodes keep them), and a network dropped from the set is free
+        again.
+        """
+        for net in set(self._excluded) - set(networks):
+            span = _span(net)
+            for subnets in self._subnets.values():
+                for s in subnets:
+                    s.unmark(span)
+        for net in set(networks) - set(self._excluded):
+            span = _span(net)
+            for subnets in self._subnets.values():
+                for s in subnets:
+                    s.mark(span)
+        self._excluded = dict(networks)
+
+    @property
+    def excluded(self) -> Mapping[IPv4Network, str]:
+        """The networks of :meth:`set_excluded` with their reasons (read-only view)."""
+        return self._excluded
 
     def remove_pool(self, name: str) -> None:
         """Forget a pool. Nodes keep the blocks they hold (orphans), never re-handed."""

@@ -162,7 +162,12 @@ def plan_pool_change(
                 )
     usable = usable_per_block(new.mask_size, new.allow_first_ip, new.allow_last_ip)
     pods = pods_per_node(new.mask_size, new.allow_first_ip, new.allow_last_ip)
-    if stored is None:
+    if stored is None and pods == 0:
+        change.effects.append(
+            f"pool {name}: created with {new.blocks_total()} blocks of /{new.mask_size} "
+            f"({usable} pod IP each: single-address blocks, one per pod)"
+        )
+    elif stored is None:
         change.effects.append(
             f"pool {name}: created with {new.blocks_total()} blocks of /{new.mask_size} "
             f"({pods} pod IPs each: {usable} usable, the agent's router IP takes one)"

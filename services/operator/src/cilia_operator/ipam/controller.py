@@ -71,6 +71,21 @@ class NodeSubscription:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+CONFLICTS_FIELD = "nodeNetworkConflicts"
+"""``status.nodeNetworkConflicts`` of a pool (Cilia's addition): node networks its CIDRs
+overlap; no block overlapping one is handed out while it is listed."""
+
+CONFLICT_FIELD = "conflict"
+"""``status.conflict`` of a pool (Cilia's addition): why the controller does not allocate
+from it (its CIDRs overlap an older pool's), "" / absent when it does."""
+
+
+def _created_order(obj: Resource) -> tuple[str, str]:
+    """Sort key: creationTimestamp (RFC 3339, seconds), then name."""
+    meta = obj.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
+
+
 CLUSTER_POOL = "_cluster-pool"
 """Pool name the allocator files cluster-pool blocks (``spec.ipam.podCIDRs``) under; not
 a valid CiliumPodIPPool name, so it never collides with one."""
@@ -136,6 +151,9 @@ class IPAMController:
         self.default_pool = default_pool
         self.cluster_cidrs = tuple(cluster_cidrs)
         self.cluster_mask_size = cluster_mask_size
+        self._draining_warned: set[tuple[str, ipaddress.IPv4Network]] = set()
+        self._node_nets: dict[str, dict[ipaddress.IPv4Network, str]] = {}
+        self._conflicting: dict[str, str] = {}  # pool -> why it is not allocated from
         self.migrate = migrate
         self.migration = MigrationProgress()
         self.allocator = MultiPoolAllocator()
@@ -175,6 +193,8 @@ class IPAMController:
             )
         pools_rv = await self._load_pools()
         listed = await self.store.list(NODE.kind)
+        for obj in listed.items:
+            self._node_networks(obj["metadata"]["name"], obj)
         warnings = self.allocator.restore(
             (o["metadata"]["name"], self._recorded(o)) for o in listed.items
         )
@@ -347,7 +367,8 @@ class IPAMController:
     async def _load_pools(self) -> str:
         listed = await self.store.list(POOL.kind)
         names = set()
-        for obj in listed.items:
+        # oldest first: of two overlapping pools the later one is refused
+        for obj in sorted(listed.items, key=_created_order):
             self._upsert_pool(obj)
             names.add(obj["metadata"]["name"])
         for name in set(self.allocator.pools) - names - {CLUSTER_POOL}:
@@ -355,8 +376,26 @@ class IPAMController:
         return listed.resource_version
 
     def _upsert_pool(self, obj: Resource) -> None:
+        """Give the allocator a stored pool -- unless its CIDRs overlap another pool's
+        (live or draining): such a pool got past apply's check (a Kubernetes API server
+        without a webhook, a direct store write) and came later, so it is refused: the
+        allocator drops it (nodes keep blocks they hold, none is added) and its
+        ``status.conflict`` names the other pool (written by :meth:`sync_draining`)."""
+        name = str(obj.get("metadata", {}).get("name"))
         try:
-            self.allocator.upsert_pool(pool_spec_from_resource(obj))
+            spec = pool_spec_from_resource(obj)
+            others = [p for n, p in self.allocator.pools.items() if n not in (name, CLUSTER_POOL)]
+            clash = pool_overlaps(name, spec.cidrs, others)
+            if clash:
+                reason = f"{clash[0].path}: {clash[0].reason}"
+                if self._conflicting.get(name) != reason:
+                    log.error("CiliumPodIPPool overlaps another pool: not allocated from",
+                              extra={"pool": name, "error": reason})  # fmt: skip
+                self._conflicting[name] = reason
+                self.allocator.remove_pool(name)
+                return
+            self._conflicting.pop(name, None)
+            self.allocator.upsert_pool(spec)
         except InvalidResource as exc:
             log.error(
                 "ignoring invalid CiliumPodIPPool",
@@ -370,6 +409,9 @@ class IPAMController:
             if holders:
                 log.warning("pool still in use by node", extra={"pool": name, "nodes": holders})
             self.allocator.remove_pool(name)
+            self._conflicting.pop(name, None)
+            for other in sorted(self._conflicting):  # one it clashed with may be gone
+                self.enqueue_pool(other)
         else:
             self._upsert_pool(event.object)
             self.enqueue_pool(name)
@@ -407,19 +449,41 @@ class IPAMController:
             spec = pool_spec_from_resource(obj)
         except InvalidResource:
             return
+        if name in self._conflicting:
+            self._upsert_pool(obj)  # the pool it clashed with may have changed or gone
+        conflict = self._conflicting.get(name, "")
         held = [b for b, h in self.allocator.held().items() if h.pool == name]
         keep = [c for c in spec.draining if any(b.overlaps(c) for b in held)]
         strays = sorted(
             b for b in held if not spec.contains(b) and not any(b.subnet_of(c) for c in keep)
         )
         wanted = keep + strays
-        if wanted == list(spec.draining):
+        clashes = sorted(
+            f"{why} overlaps CIDR {cidr}: no block overlapping it is handed out"
+            for net, why in self.allocator.excluded.items()
+            for cidr in spec.cidrs
+            if net.overlaps(cidr)
+        )
+        status = obj.get("status") or {}
+        if (
+            wanted == list(spec.draining)
+            and clashes == list(status.get(CONFLICTS_FIELD) or [])
+            and conflict == status.get(CONFLICT_FIELD, "")
+        ):
             return
         updated = copy.deepcopy(obj)
         updated.setdefault("status", {})[DRAINING_FIELD] = [str(c) for c in wanted]
-        if not wanted:
-            del updated["status"][DRAINING_FIELD]
+        updated["status"][CONFLICTS_FIELD] = clashes
+        updated["status"][CONFLICT_FIELD] = conflict
+        for key in (DRAINING_FIELD, CONFLICTS_FIELD, CONFLICT_FIELD):
+            if not updated["status"][key]:
+                del updated["status"][key]
+        if not updated["status"]:
+            del updated["status"]
         await self.store.update(updated)
+        if clashes != list(status.get(CONFLICTS_FIELD) or []):
+            log.warning("pool CIDRs overlap node networks", extra={"pool": name,
+                        "conflicts": clashes})  # fmt: skip
         for cidr in spec.draining:
             if cidr not in keep:
                 log.info("draining CIDR released: no block in use",
@@ -471,6 +535,7 @@ class IPAMController:
             self._known.discard(name)
         else:
             self._known.add(name)
+        self._node_networks(name, None if event.type == "DELETED" else event.object)
         self.enqueue(name)
         for sub in self._subs.get(name, ()):
             sub.latest = event.object
@@ -481,6 +546,7 @@ class IPAMController:
         listed = await self.store.list(NODE.kind)
         current = {o["metadata"]["name"]: o for o in listed.items}
         for name in self._known | set(current):
+            self._node_networks(name, current.get(name))
             self.enqueue(name)
             for sub in self._subs.get(name, ()):
                 sub.latest = current.get(name)
@@ -626,8 +692,14 @@ class IPAMController:
                 attempt += 1
                 continue
             recorded = self._recorded(record)
+            self._node_networks(name, record)
             if self.mode == "cluster-pool":
-                requested = {CLUSTER_POOL: 1}
+                # one podCIDR per node, ever: a node holding one -- even outside the
+                # current --cluster-pool-ipv4-cidr (a replaced range: draining) -- gets no
+                # second (upstream: cluster-pool CIDRs are appended, never edited)
+                held = nodes.pod_cidrs(record)
+                requested = {CLUSTER_POOL: 0 if held else 1}
+                self._warn_cluster_draining(name, held)
             else:
                 requested = {p: n for p, n in nodes.requested(record).items() if p != CLUSTER_POOL}
             reserved = await self._reserved(name, recorded)
@@ -652,11 +724,19 @@ class IPAMController:
             for pool in {p for p, _ in result.freed}:
                 self.enqueue_pool(pool)
             cluster = result.allocated.pop(CLUSTER_POOL, [])
+            conflicts = self.network_conflicts(name)
             if self.mode == "cluster-pool":
                 error = result.error.replace(f"pool {CLUSTER_POOL!r}", "cluster-pool")
+                error = "; ".join(e for e in (error, *conflicts) if e)
                 updated = nodes.with_pod_cidrs(record, cluster, error)
             else:
-                updated = nodes.with_allocation(record, result.allocated, result.error)
+                error = result.error
+                for pool, why in self._conflicting.items():
+                    error = error.replace(
+                        f"pool {pool!r} not found", f"pool {pool!r} not allocated from: {why}"
+                    )
+                error = "; ".join(e for e in (error, *conflicts) if e)
+                updated = nodes.with_allocation(record, result.allocated, error)
             if updated == record:
                 self._count(result.error)
                 return
@@ -678,6 +758,65 @@ class IPAMController:
             self._publish_stats()
             return
         raise Contention(NODE.kind, "", name)
+
+    def _node_networks(self, name: str, record: Resource | None) -> None:
+        """Track node ``name``'s attached networks (``status.localNetworks``) that lie in
+        no block it holds (those are its own pod network): the allocator hands out no
+        block overlapping them, whenever they were reported (before or after a pool).
+        A change re-checks every pool's conflicts (:meth:`sync_draining`)."""
+        nets: dict[ipaddress.IPv4Network, str] = {}
+        if record is not None:
+            held = [b for blocks in self._recorded(record).values() for b in blocks]
+            for iface, net in nodes.local_networks(record):
+                if not any(net.subnet_of(b) for b in held):
+                    nets[net] = f"node {name!r} interface {iface} subnet {net}"
+        if self._node_nets.get(name, {}) == nets:
+            return
+        if nets:
+            self._node_nets[name] = nets
+        else:
+            self._node_nets.pop(name, None)
+        union: dict[ipaddress.IPv4Network, str] = {}
+        for node in sorted(self._node_nets):
+            for net, why in self._node_nets[node].items():
+                union.setdefault(net, why)
+        self.allocator.set_excluded(union)
+        for pool in sorted(self.allocator.pools):
+            self.enqueue_pool(pool)
+
+    def network_conflicts(self, name: str) -> list[str]:
+        """Why node ``name``'s attached networks clash with pool CIDRs, e.g. ``interface
+        eth1 subnet 10.1.0.64/26 overlaps pool 'blue' CIDR 10.1.0.0/24: no block
+        overlapping it is handed out until the network or the CIDR goes``."""
+        out = []
+        for net, why in sorted(self._node_nets.get(name, {}).items()):
+            for pool, spec in sorted(self.allocator.pools.items()):
+                for cidr in spec.cidrs:
+                    if net.overlaps(cidr):
+                        label = "cluster-pool" if pool == CLUSTER_POOL else f"pool {pool!r}"
+                        out.append(
+                            f"{why.split(' ', 2)[2]} overlaps {label} CIDR {cidr}: no block "
+                            "overlapping it is handed out until the network or the CIDR goes"
+                        )
+        return out
+
+    def cluster_draining(
+        self, pod_cidrs: Sequence[ipaddress.IPv4Network]
+    ) -> list[ipaddress.IPv4Network]:
+        """The podCIDRs outside every ``--cluster-pool-ipv4-cidr`` (cluster-pool mode): a
+        range removed from the flag while nodes held blocks in it. They keep serving
+        their nodes and are reported draining (GetStatus, WatchAllocations)."""
+        return [b for b in pod_cidrs if not any(b.subnet_of(c) for c in self.cluster_cidrs)]
+
+    def _warn_cluster_draining(self, name: str, held: Sequence[ipaddress.IPv4Network]) -> None:
+        for block in self.cluster_draining(held):
+            if (name, block) not in self._draining_warned:
+                self._draining_warned.add((name, block))
+                log.warning(
+                    "podCIDR outside --cluster-pool-ipv4-cidr: kept by its node, draining",
+                    extra={"node": name, "cidr": str(block),
+                           "cluster_cidrs": [str(c) for c in self.cluster_cidrs]},
+                )  # fmt: skip
 
     def _count(self, error: str) -> None:
         self.metrics.reconciles.labels("error" if error else "success").inc()

@@ -207,17 +207,28 @@ def special_ranges(net: ipaddress.IPv4Network) -> list[tuple[str, ipaddress.IPv4
     return [(name, special) for name, special in _SPECIAL_V4 if net.overlaps(special)]
 
 
-def validate_pool(doc: Mapping[str, Any], *, stored: bool = False) -> CiliumPodIPPool:
+DEFAULT_POOL = "default"
+"""Upstream's ``ipam-default-ip-pool`` default: the pool the agent takes its router IP
+from."""
+
+
+def validate_pool(
+    doc: Mapping[str, Any], *, stored: bool = False, default_pool: str = DEFAULT_POOL
+) -> CiliumPodIPPool:
     """Validate a CiliumPodIPPool manifest (schema and semantics). IPv4 CIDRs in the
     "this network" (0/8), loopback, link-local, multicast or reserved (240/4) ranges
-    are refused, and so is an IPv4 ``maskSize`` whose block leaves no pod address once
-    the agent took its router IP (:func:`no_pod_address`; in practice /32: a /31 keeps
-    both addresses, a /30 has 2 even without allowFirstIP/allowLastIP).
+    are refused. For the default pool only, so is an IPv4 ``maskSize`` whose block
+    leaves no pod address once the agent took its router IP (:func:`no_pod_address`; in
+    practice /32: a /31 keeps both addresses, a /30 has 2 even without
+    allowFirstIP/allowLastIP). Other pools may use ``maskSize: 32``: single-address
+    blocks, no network/broadcast exclusion, one per pod (the router IP comes from the
+    default pool; upstream made /32 and /128 blocks usable for non-default pools).
 
     Args:
         doc: the manifest.
         stored: the pool is already in the store (loaded by the controller): the
             no-pod-address check is skipped so a pool accepted before it keeps working.
+        default_pool: name of the default pool (``--ipam-default-ip-pool``).
 
     Raises:
         InvalidResource: every problem found, each with its field path, e.g.
@@ -258,7 +269,7 @@ def validate_pool(doc: Mapping[str, Any], *, stored: bool = False) -> CiliumPodI
                         )
                     )
     v4 = pool.spec.ipv4
-    if v4 is not None and not stored:
+    if v4 is not None and not stored and pool.metadata.name == default_pool:
         why = no_pod_address(v4.maskSize, pool.spec.allowFirstIP, pool.spec.allowLastIP)
         if why:
             errors.append(FieldError("spec.ipv4.maskSize", f"{v4.maskSize}: {why}"))

@@ -19,8 +19,9 @@ server). Both pass one shared test suite (services/operator/tests/integration/te
 from __future__ import annotations
 
 import abc
+import builtins
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -145,6 +146,18 @@ def object_key(obj: Resource) -> tuple[str, str, str]:
     return kind, str(namespace), name
 
 
+def check_write_kinds(kinds: Sequence[str], writes: Sequence[Write]) -> None:
+    """Refuse a transaction that writes a kind it did not read.
+
+    Raises:
+        ValueError: naming the kind.
+    """
+    for write in writes:
+        kind = object_key(write.obj)[0]
+        if kind not in kinds:
+            raise ValueError(f"transaction writes {kind} but reads only {', '.join(kinds)}")
+
+
 def resource_version(obj: Resource) -> str:
     """``metadata.resourceVersion`` of ``obj``, or ``""`` when absent."""
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
@@ -155,6 +168,30 @@ def with_resource_version(obj: Resource, rv: str) -> Resource:
     out = copy.deepcopy(obj)
     out.setdefault("metadata", {})["resourceVersion"] = rv
     return out
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write of a transaction (:meth:`Store.transact`).
+
+    Attributes:
+        op: ``create`` (the key must not exist) or ``update`` (the key must exist; a
+            non-empty ``metadata.resourceVersion`` of ``obj`` is a precondition).
+        obj: the resource to store.
+    """
+
+    op: Literal["create", "update"]
+    obj: Resource
+
+
+Snapshot = Mapping[str, ListResult]
+"""What a transaction's plan reads: kind -> every resource of that kind, all taken at one
+store version."""
+
+TransactionPlan = Callable[[Snapshot], Awaitable[Sequence[Write]]]
+"""Reads a snapshot, checks it, returns the writes (empty: nothing to write). It may raise
+to abort the transaction (nothing is written) and may run more than once: once per
+attempt, each time on a fresh snapshot."""
 
 
 class Store(abc.ABC):
@@ -210,6 +247,45 @@ class Store(abc.ABC):
             NotFound: no such resource.
             Conflict: the precondition failed.
         """
+
+    async def transact(
+        self, kinds: Sequence[str], plan: TransactionPlan, *, attempts: int = 5
+    ) -> builtins.list[Resource]:
+        """Read every resource of ``kinds``, let ``plan`` check them and choose writes,
+        and write them only if none of ``kinds`` changed in between.
+
+        Backends that have multi-object transactions (Redis: ``WATCH``/``MULTI``/``EXEC``)
+        write all or nothing, so checks made by ``plan`` (e.g. "no two pools overlap") hold
+        when the writes land. This base implementation, used by the Kubernetes store
+        (the API server has no multi-object transactions), lists, plans and writes one
+        object after the other with resourceVersion preconditions: a concurrent change
+        of a written object is caught, of another listed object is not, and a failure
+        part-way leaves the earlier writes in place.
+
+        Args:
+            kinds: every kind ``plan`` reads; every written object's kind must be one.
+            plan: see :data:`TransactionPlan`.
+            attempts: times the whole read-plan-write is tried when a listed kind
+                changed meanwhile (>= 1).
+
+        Returns:
+            the stored objects, in the order of the writes.
+
+        Raises:
+            Contention: a listed kind changed during every attempt.
+            ValueError: a write's kind is not in ``kinds``.
+            whatever ``plan`` raises (nothing written).
+        """
+        snapshot = {kind: await self.list(kind) for kind in dict.fromkeys(kinds)}
+        writes = list(await plan(snapshot))
+        check_write_kinds(kinds, writes)
+        out = []
+        for write in writes:
+            if write.op == "create":
+                out.append(await self.create(write.obj))
+            else:
+                out.append(await self.update(write.obj))
+        return out
 
     @abc.abstractmethod
     def watch(self, kind: str, since: str) -> AsyncIterator[WatchEvent]:

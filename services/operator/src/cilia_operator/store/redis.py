@@ -11,6 +11,11 @@ Layout under a key prefix (default ``cilia/``), per kind ``K``:
   watch knows exactly whether its history is complete (XINFO's ``max-deleted-entry-id``
   does not count trimming).
 
+A transaction (:meth:`RedisStore.transact`) ``WATCH``es the version hashes of the kinds
+it reads, reads them, lets the caller check and choose writes, and queues those writes
+(the same Lua script each) between ``MULTI`` and ``EXEC``: Redis runs all of them or,
+when a watched hash changed meanwhile, none; the transaction then starts over.
+
 Every write is one Lua script: check the current version, write the JSON, INCR the
 counter, trim and XADD the event -- atomic, so the object, its version and the event
 stream never disagree. A watch reads the stream with an atomic "history complete? then
@@ -22,10 +27,11 @@ Source: the design mirrors Cilium's etcd kvstore mode and Kubernetes' resourceVe
 
 from __future__ import annotations
 
+import builtins
 import datetime as _dt
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -34,13 +40,18 @@ import redis.exceptions
 from .base import (
     AlreadyExists,
     Conflict,
+    Contention,
     Expired,
     ListResult,
     NotFound,
     Resource,
     Store,
+    StoreError,
     StoreUnavailable,
+    TransactionPlan,
     WatchEvent,
+    Write,
+    check_write_kinds,
     object_key,
     resource_version,
     with_resource_version,
@@ -257,6 +268,79 @@ class RedisStore(Store):
     ) -> Resource:
         rv, body = await self._run_write("delete", kind, namespace, name, "", resource_version)
         return with_resource_version(json.loads(body), rv)
+
+    def _prepare(self, write: Write) -> tuple[builtins.list[str], builtins.list[Any], Resource]:
+        """Keys, script args and the object as it will be stored, for one write."""
+        kind, namespace, name = object_key(write.obj)
+        k = self._keys(kind)
+        keys = [k["rv"], k["objects"], k["versions"], k["events"], k["trimmed"]]
+        if write.op == "create":
+            stored = json.loads(_dump(write.obj))
+            stored["metadata"].setdefault("uid", str(uuid.uuid4()))
+            stored["metadata"].setdefault("creationTimestamp", _now())
+            if not (write.obj.get("metadata") or {}).get("namespace"):
+                stored["metadata"].pop("namespace", None)
+            args = ["create", _field(namespace, name), _dump(stored), "", self._history]
+        else:
+            stored = json.loads(_dump(write.obj))
+            args = [
+                "update", _field(namespace, name), _dump(write.obj),
+                resource_version(write.obj), self._history,
+            ]  # fmt: skip
+        return keys, args, stored
+
+    async def transact(
+        self, kinds: Sequence[str], plan: TransactionPlan, *, attempts: int = 5
+    ) -> builtins.list[Resource]:
+        """All-or-nothing: ``WATCH`` the kinds' version hashes, read, plan, then
+        ``MULTI``/``EXEC`` every write (see :meth:`Store.transact`). A client that gives
+        up part-way (deadline, cancellation) leaves nothing written unless ``EXEC``
+        reached Redis, and then everything.
+
+        Raises:
+            Contention: a watched kind changed during every attempt (concurrent writers).
+            StoreError: Redis refused a queued write (cannot happen while the watch holds).
+        """
+        if attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {attempts}")
+        kinds = list(dict.fromkeys(kinds))
+        watched = [self._keys(kind)["versions"] for kind in kinds]
+        for _ in range(attempts):
+            async with self._r.pipeline(transaction=True) as pipe:
+                await self._call(pipe.watch(*watched))
+                snapshot = {}
+                for kind in kinds:
+                    k = self._keys(kind)
+                    rv = await self._call(pipe.get(k["rv"]))
+                    flat_objects = await self._call(pipe.hgetall(k["objects"]))
+                    versions = await self._call(pipe.hgetall(k["versions"]))
+                    items = [
+                        with_resource_version(json.loads(flat_objects[f]), str(versions.get(f, "")))
+                        for f in sorted(flat_objects, key=_split)
+                    ]
+                    snapshot[kind] = ListResult(items=items, resource_version=str(rv or "0"))
+                writes = list(await plan(snapshot))
+                check_write_kinds(kinds, writes)
+                if not writes:
+                    return []
+                prepared = [self._prepare(w) for w in writes]
+                pipe.multi()
+                for keys, args, _ in prepared:
+                    await self._write(keys=keys, args=args, client=pipe)  # queued
+                try:
+                    replies = await self._call(pipe.execute())
+                except redis.exceptions.WatchError:
+                    continue
+            out = []
+            for (status, value, _), (_, _, stored), write in zip(
+                replies, prepared, writes, strict=True
+            ):
+                if status != "ok":
+                    kind, namespace, name = object_key(write.obj)
+                    raise StoreError(f"transaction write of {kind} {namespace}/{name}: {status}")
+                out.append(with_resource_version(stored, str(value)))
+            return out
+        raise Contention(", ".join(kinds), "", "(transaction)")
 
     async def watch(self, kind: str, since: str) -> AsyncIterator[WatchEvent]:
         k = self._keys(kind)
