@@ -376,6 +376,8 @@ def test_removed_node_is_withdrawn_within_10s_and_a_joining_node_is_reachable_wi
     d = c.add_node("node-d")
     joined = time.monotonic()
     new = c.pod_cidrs()["node-d"]
+    # node-c's blocks stay held for the operator's --node-cidr-release-grace-period (30 s)
+    assert new and set(new).isdisjoint(gone), (new, gone)
     assert wait_for(
         lambda: len(_routes_to(a, new)) == len(new) == len(_routes_to(b, new)), JOIN_SECONDS
     ), (
