@@ -25,7 +25,8 @@ killed earlier holder of the slot left (namespaces, bridge, iptables rule).
 
 Node lifecycle at run time: :meth:`Cluster.add_node`, :meth:`Cluster.remove_node` (agent
 stopped, node record deleted through ``cilia-operator delete ciliumnodes NAME``, netns gone),
-:meth:`Cluster.kill_agent` / :meth:`Cluster.restart_agent`.
+:meth:`Cluster.kill_agent` / :meth:`Cluster.restart_agent`. The relay's ``--peer-service`` is the
+first node's Hubble socket: removing that node leaves the relay without its peer service.
 
 Needs root (netns, veth, bridge, iptables, bpffs) and ``nsenter`` (util-linux).
 """
