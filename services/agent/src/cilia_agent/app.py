@@ -45,6 +45,7 @@ from cilia_agent.controlplane import (
     ControlPlane,
     OperatorAPI,
     OperatorClient,
+    OperatorUnavailable,
     PoolResolver,
     RetryQueue,
     operator_channel,
@@ -289,6 +290,9 @@ class Agent:
         )
         self.ipam_manager.on_demand_changed(operator.demand_changed)
         self._spawn("operator-session", operator.run)
+        if cfg.node_address_check_interval > 0:
+            watch = functools.partial(self._watch_addresses, operator)
+            self._spawn("node-addresses", watch)
         watches: list[enforcement_owners.Watch] = [("nodes", api.watch_nodes, self.nodes.consume)]
         if self.enforcement is not None:
             watches += enforcement_owners.watches(self.enforcement, api)
@@ -329,6 +333,29 @@ class Agent:
                 "bpf": self.enforcement is not None,
             },
         )
+
+    async def _watch_addresses(self, operator: OperatorClient) -> None:
+        """Every ``--node-address-check-interval`` s: when this node's addresses changed (an
+        address removed, the interface renumbered), log it and register again, so the
+        operator's record and every other node's routes follow."""
+        cfg, loop = self.config, asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(cfg.node_address_check_interval)
+            nets = await loop.run_in_executor(
+                self.executor, read_node_networks, (cfg.host_device_name,)
+            )
+            if nets.addresses == self.node.addresses:
+                continue
+            log.warning(
+                "node addresses changed; registering again",
+                extra={"old": self.node.addresses, "new": nets.addresses},
+            )
+            try:
+                await operator.register_again(nets)
+            except OperatorUnavailable as exc:  # tried again at the next check
+                log.warning("cannot register the new addresses", extra={"reason": str(exc)})
+                continue
+            self.node.addresses = nets.addresses
 
     async def _router_ip_chosen(self, router: ipaddress.IPv4Address) -> None:
         """The first CIDR arrived after start: plumb the router IP, name it in the ipcache."""

@@ -127,6 +127,11 @@ class Config(BaseModel):
         le=65535,
         description="MTU of the node's network in bytes; pods get it as is in native routing and minus the 50-byte VXLAN overhead in tunnel mode (upstream mtu)",
     )
+    node_address_check_interval: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds between checks of this node's own addresses; a change is logged and registered with the operator again, so other nodes re-route (0 disables)",
+    )
     routing_mode: Literal["native", "tunnel"] = Field(
         default="native",
         description="how pods reach other nodes' pods: native (a route to each node's pod CIDRs via its address on the node network) or tunnel (VXLAN to each node) (upstream routing-mode)",

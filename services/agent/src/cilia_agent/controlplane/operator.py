@@ -233,6 +233,31 @@ class OperatorClient:
             )
             await asyncio.sleep(delay)
 
+    def _register_request(self, nets: NodeNetworks) -> cp.RegisterRequest:
+        return cp.RegisterRequest(
+            node_name=self.node_name,
+            addresses=nets.addresses,
+            local_networks=[cp.LocalNetwork(interface=i, cidr=c) for i, c in nets.local_networks],
+            version=self.version,
+            hubble_address=self._hubble_address(nets.addresses),
+        )
+
+    async def register_again(self, nets: NodeNetworks) -> None:
+        """Register once more with ``nets`` (the node's addresses changed), over the shared
+        channel; the session's own Register covers it when that channel is absent.
+
+        Raises:
+            OperatorUnavailable: the operator did not take it (the next session retries).
+        """
+        if self._channel is None:
+            return
+        try:
+            await cp_grpc.NodeServiceStub(self._channel).Register(  # type: ignore[no-untyped-call]
+                self._register_request(nets), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _operator_error(exc, f"Register at operator {self.address}") from exc
+
     async def _session(self) -> bool:
         nets = await asyncio.to_thread(read_node_networks, self.exclude_devices)
         delivered = False
@@ -243,18 +268,7 @@ class OperatorClient:
         try:
             node = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
             ipam = cp_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
-            resp = await node.Register(
-                cp.RegisterRequest(
-                    node_name=self.node_name,
-                    addresses=nets.addresses,
-                    local_networks=[
-                        cp.LocalNetwork(interface=i, cidr=c) for i, c in nets.local_networks
-                    ],
-                    version=self.version,
-                    hubble_address=self._hubble_address(nets.addresses),
-                ),
-                timeout=self.timeout,
-            )
+            resp = await node.Register(self._register_request(nets), timeout=self.timeout)
             log.info(
                 "registered with operator",
                 extra={

@@ -150,6 +150,7 @@ class NativeRouting:
             with IPRoute() as ipr:
                 have = _routes(ipr)
                 want: dict[str, str] = {}
+                names: dict[str, str] = {}
                 for node in nodes:
                     cidrs, reason = _valid(node)
                     if reason:
@@ -158,6 +159,7 @@ class NativeRouting:
                     for cidr in cidrs:
                         if cidr not in local:
                             want[cidr] = node.address
+                            names[cidr] = node.name
                 for cidr, gateway in want.items():
                     if have.get(cidr, ("", 0))[0] == gateway:
                         continue
@@ -171,7 +173,9 @@ class NativeRouting:
                         )
                         log.info("route installed", extra={"cidr": cidr, "via": gateway})
                     except NetlinkError as exc:
-                        problems.append(f"route {cidr} via {gateway}: {exc.args[-1]}")
+                        problems.append(
+                            f"node {names[cidr]}: route {cidr} via {gateway}: {exc.args[-1]}"
+                        )
                 for cidr in set(have) - set(want):
                     _delete_route(ipr, cidr)
         except NetlinkError as exc:
@@ -184,11 +188,20 @@ class _LocalCidrs(Protocol):
 
 
 def _unreachable(ipr: IPRoute, address: str) -> str:
-    """Why ``address`` cannot be reached through the underlay ("" when it can)."""
+    """Why ``address`` is no tunnel endpoint for this node ("" when it is): it must be on
+    a network this node is attached to, as in native routing. An address reached only
+    through a gateway (the node's default route) is on no network the nodes share: tunnel
+    packets would leave towards that gateway, so the node is reported, not routed."""
     try:
-        ipr.route("get", dst=address)
+        found = ipr.route("get", dst=address)
     except NetlinkError as exc:
         return f"address {address} is not reachable from this node ({exc.args[-1]})"
+    gateway = found[0].get_attr("RTA_GATEWAY") if found else None
+    if gateway:
+        return (
+            f"address {address} is on no network this node is attached to "
+            f"(reached only via gateway {gateway})"
+        )
     return ""
 
 

@@ -19,6 +19,7 @@ from ..ipam.resolve import NoPoolMatch, resolve_pool
 from ..kinds import NAMESPACE, NODE, POOL
 from ..store import Conflict, Contention, NotFound, Resource, Store, resource_version
 from .errors import streaming, unary
+from .peers import peer_ip
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class IPAMServicer:
         Errors: NOT_FOUND (node not registered, or deleted while watching), UNAVAILABLE.
         """
         name = request.node_name
-        sub = self.controller.subscribe(name)
+        sub = self.controller.subscribe(name, peer_ip(context))
         try:
             current = await self.store.get(NODE.kind, name)
             sent: pb.NodeAllocation | None = None

@@ -18,6 +18,7 @@ from ..ipam.pool import ObjectMeta
 from ..kinds import NODE
 from ..store import AlreadyExists, Conflict, Contention, Expired, NotFound, Resource, Store
 from .errors import streaming, unary
+from .peers import peer_ip
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,23 @@ class NodeServicer:
     ) -> pb.RegisterResponse:
         """Create or update the CiliumNode with the node's addresses and local networks.
 
-        Errors: INVALID_ARGUMENT (bad name/address/CIDR), UNAVAILABLE (store down),
-        ABORTED (record changing too fast).
+        Errors: INVALID_ARGUMENT (bad name/address/CIDR), ALREADY_EXISTS (an agent at
+        another address holds the name: its allocation stream is open), UNAVAILABLE (store
+        down), ABORTED (record changing too fast).
         """
         problem = _invalid(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         name = request.node_name
+        peer, live = peer_ip(context), self.controller.live_peers(request.node_name)
+        if peer and live and peer not in live:
+            # another agent holds the name: taking over its record would re-route its pods
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"node name {name!r} is in use by a connected agent at "
+                f"{', '.join(sorted(live))}; an agent at {peer} cannot register as it "
+                "(give every node its own --node-name)",
+            )
         addresses = [{"type": "InternalIP", "ip": str(ipaddress.ip_address(a))}
                      for a in request.addresses]  # fmt: skip
         networks = [{"interface": n.interface,

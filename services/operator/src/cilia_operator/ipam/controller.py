@@ -62,9 +62,12 @@ class NodeSubscription:
         deleted: the node record was deleted.
         pools_generation: bumped on every pool change (draining CIDRs change what the
             stream reports without touching the node record).
+        peer: IP address the agent's stream comes from ("" for unix sockets); a second
+            agent registering the same node name from another address is refused.
     """
 
     node: str
+    peer: str = ""
     latest: Resource | None = None
     deleted: bool = False
     pools_generation: int = 0
@@ -826,9 +829,14 @@ class IPAMController:
 
     # -- subscriptions -------------------------------------------------------------
 
-    def subscribe(self, name: str) -> NodeSubscription:
-        """Follow node ``name``'s record; call :meth:`unsubscribe` when done."""
-        sub = NodeSubscription(name)
+    def live_peers(self, name: str) -> set[str]:
+        """IP addresses of the agents whose allocation stream for node ``name`` is open."""
+        return {sub.peer for sub in self._subs.get(name, ()) if sub.peer}
+
+    def subscribe(self, name: str, peer: str = "") -> NodeSubscription:
+        """Follow node ``name``'s record (``peer``: the agent's IP); call :meth:`unsubscribe`
+        when done."""
+        sub = NodeSubscription(name, peer)
         self._subs.setdefault(name, set()).add(sub)
         return sub
 
