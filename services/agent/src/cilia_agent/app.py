@@ -335,12 +335,16 @@ class Agent:
         )
 
     async def _watch_addresses(self, operator: OperatorClient) -> None:
-        """Every ``--node-address-check-interval`` s: when this node's addresses changed (an
-        address removed, the interface renumbered), log it and register again, so the
-        operator's record and every other node's routes follow."""
+        """Every ``--node-address-check-interval`` s: the routes to other nodes are synced
+        again (the kernel drops routes via an address that went away; an admin may delete
+        one), and when this node's addresses changed (an address removed, the interface
+        renumbered) that is logged and registered again, so the operator's record and every
+        other node's routes follow."""
         cfg, loop = self.config, asyncio.get_running_loop()
         while True:
             await asyncio.sleep(cfg.node_address_check_interval)
+            if self.nodes.synced:  # repairs routes the kernel or an admin removed
+                await self.routes.nodes_changed(self.nodes.nodes)
             nets = await loop.run_in_executor(
                 self.executor, read_node_networks, (cfg.host_device_name,)
             )

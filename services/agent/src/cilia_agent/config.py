@@ -130,7 +130,7 @@ class Config(BaseModel):
     node_address_check_interval: float = Field(
         default=5.0,
         ge=0,
-        description="seconds between checks of this node's own addresses; a change is logged and registered with the operator again, so other nodes re-route (0 disables)",
+        description="seconds between checks of this node's own addresses (a change is logged and registered with the operator again, so other nodes re-route) and of the routes to other nodes (missing ones are put back); 0 disables",
     )
     routing_mode: Literal["native", "tunnel"] = Field(
         default="native",
