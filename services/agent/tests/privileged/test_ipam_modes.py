@@ -436,6 +436,42 @@ def test_pool_allowing_first_and_last_ip_hands_out_every_address_of_its_cidr(
         op.stop()
 
 
+def test_a_pool_of_single_address_blocks_gives_each_pod_one_and_takes_them_back(
+    env: Env, cidrs: list[str]
+) -> None:
+    node = f"test-{env.tag}"
+    # maskSize 32 (a non-default pool): the operator hands the node one /32 block per
+    # address it asks for; the pods' Adds wait for them (--ipam-allocation-wait)
+    singles = [str(a) + "/32" for a in list(ipaddress.ip_network(cidrs[1]).hosts())[:4]]
+    op = Operator("multi-pool", alloc(node, {"default": [cidrs[0]]}))
+    try:
+        a = start(
+            env,
+            op,
+            ipam_multi_pool_pre_allocation={"default": 8, "single": 0},
+            ipam_allocation_wait=20,
+        )
+        with futures.ThreadPoolExecutor(4) as pool:
+            adds = [pool.submit(add, a, env, f"s{i}", "single") for i in range(4)]
+            wait(lambda: any(
+                d.needed_ipv4 >= 4 for r in op.demands for d in r.demands if d.pool == "single"
+            ))  # fmt: skip
+            op.updates.put(alloc(node, {"default": [cidrs[0]], "single": singles}))
+            got = {f.result(timeout=30) for f in adds}
+        assert got == {ipaddress.ip_interface(c).ip for c in singles}
+        status = {p.pool: p for p in a.debug.Status(agent_pb2.StatusRequest()).pools}
+        assert (status["single"].capacity, status["single"].used) == (4, 4)
+        router = ipaddress.ip_address(a.debug.Status(agent_pb2.StatusRequest()).router_ip)
+        assert router in ipaddress.ip_network(cidrs[0]), "the router comes from the default pool"
+        for i in range(4):
+            a.attach.Del(agent_pb2.DelRequest(container_id=f"s{i}", ifname="eth0"), timeout=10)
+        # nothing needed in the pool any more: every /32 goes back to the operator
+        wait(lambda: sorted(c for p in op.demands[-1].released if p.pool == "single"
+                            for c in p.cidrs) == sorted(singles))  # fmt: skip
+    finally:
+        op.stop()
+
+
 def test_cluster_pool_then_switch_to_multi_pool_after_migration_keeps_every_address(
     env: Env, cidrs: list[str]
 ) -> None:
