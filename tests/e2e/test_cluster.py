@@ -20,7 +20,9 @@ the pods (``python -m cilia_testkit.probe``); flows through the cluster's relay
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import pathlib
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -530,3 +532,80 @@ def test_two_nodes_claiming_the_same_name_leave_the_first_one_routed(world: Worl
     assert now == {k: v for k, v in before.items() if k != "impostor"}, (before, now)
     assert reachable, "node-b's pods became unreachable while the impostor ran"
     assert b.agent.pid is not None
+
+
+# -- 6. a pool CIDR replaced: drains that finish (runs last: it renumbers the pool) -------
+
+#: Issue 11: after the old pods are deleted every node gives the old blocks back within 30 s.
+DRAIN_SECONDS = 30.0
+
+
+def _ipam_status(c: Cluster) -> dict[str, Any]:
+    out = c.stack.operator_cli("ipam", "status", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    status: dict[str, Any] = json.loads(out.stdout)
+    return status
+
+
+def _draining(c: Cluster) -> list[str]:
+    return [d for p in _ipam_status(c).get("pools", []) for d in p.get("drainingCidrs", [])]
+
+
+def test_a_replaced_pool_cidr_drains_without_a_lost_packet_and_every_node_gives_it_back(
+    world: World, tmp_path: pathlib.Path
+) -> None:
+    w = world
+    c = w.cluster
+    old = ipaddress.ip_network(c.pool_cidr)
+    # a range no other test cluster uses (their pools are 10.210-229/16, one per slot)
+    new = ipaddress.ip_network(f"172.{16 + old.network_address.packed[1] - 210}.0.0/16")
+    nodes = sorted({c.pod_node[p.name] for p in w.pods.values()})
+    by_node = {n: [s for s, p in w.pods.items() if c.pod_node[p.name] == n] for n in nodes}
+    # continuous pings between pods on different nodes, through the whole change
+    pairs = [
+        (by_node[a][0], by_node[b][0]) for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True)
+    ]
+    pings = [
+        probe.start_ping(w.pods[s].name, w.pods[d].ip, PING_INTERVAL_SECONDS) for s, d in pairs
+    ]
+    try:
+        manifest = (
+            "apiVersion: cilium.io/v2alpha1\nkind: CiliumPodIPPool\nmetadata: {name: default}\n"
+            f"spec: {{ipv4: {{cidrs: [{new}], maskSize: 24}}}}\n"
+        )
+        pool_file = tmp_path / "pool.yaml"
+        pool_file.write_text(manifest)
+        applied = c.stack.operator_cli("apply", "-f", str(pool_file))
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        assert wait_for(lambda: str(old) in _draining(c), DRAIN_SECONDS), _ipam_status(c)
+        # new pods get the new range, on every node
+        fresh = {n: w.add_pod(n, f"new-{n}", "pod") for n in nodes}
+        for pod in fresh.values():
+            assert ipaddress.ip_address(pod.ip) in new, (pod.name, pod.ip)
+        time.sleep(1)  # the pings run on while every node holds blocks of both ranges
+    finally:
+        outcomes = [probe.finish_ping(p) for p in pings]
+    for (src, dst), outcome in zip(pairs, outcomes, strict=True):
+        assert outcome["sent"] > 100, outcome
+        assert outcome["lost"] == [], f"{src}->{dst}: {len(outcome['lost'])} lost\n{w.logs()}"
+    # the old pods go; every node hands its old blocks back and the drain completes
+    olds = [s for s, p in w.pods.items() if ipaddress.ip_address(p.ip) in old]
+    for short in olds:
+        probe.stop(w.servers.pop(short))
+        c.delete_pod(w.pods.pop(short))
+    started = time.monotonic()
+
+    def old_blocks() -> dict[str, list[str]]:
+        return {
+            n: [b for b in cidrs if ipaddress.ip_network(b).subnet_of(old)]  # type: ignore[arg-type]
+            for n, cidrs in c.pod_cidrs().items()
+            if any(ipaddress.ip_network(b).subnet_of(old) for b in cidrs)  # type: ignore[arg-type]
+        }
+
+    assert wait_for(lambda: not old_blocks(), DRAIN_SECONDS), old_blocks()
+    assert wait_for(lambda: str(old) not in _draining(c), DRAIN_SECONDS), _ipam_status(c)
+    print(f"{w.mode}: old blocks given back {time.monotonic() - started:.1f} s after the pods")
+    # the renumbered cluster still works
+    shorts = [f"new-{n}" for n in nodes]
+    for src, dst in zip(shorts, shorts[1:] + shorts[:1], strict=True):
+        assert w.tcp_ok(src, dst), (src, dst)
