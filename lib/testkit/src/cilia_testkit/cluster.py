@@ -526,16 +526,23 @@ class Cluster:
 
     # -- pods -----------------------------------------------------------------------------
 
-    def add_pod(self, node: str, name: str, labels: Mapping[str, str] | None = None) -> cni.Pod:
-        """A pod on ``node``: netns ``<prefix><name>`` created on the host and plumbed by the
-        real ``cilia-cni`` with the node's conflist (CNI ADD, checked).
+    def add_pod(
+        self,
+        node: str,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        namespace: str = "default",
+    ) -> cni.Pod:
+        """A pod on ``node`` in Kubernetes namespace ``namespace``: netns ``<prefix><name>``
+        created on the host and plumbed by the real ``cilia-cni`` with the node's conflist
+        (CNI ADD, checked).
 
         Raises:
             ClusterError: no such node.
             cilia_testkit.cni.CniRunError: ADD failed (the netns is deleted).
         """
         owner = self.node(node)
-        pod = cni.Pod(name=f"{self.prefix}{name}", labels=dict(labels or {}))
+        pod = cni.Pod(name=f"{self.prefix}{name}", namespace=namespace, labels=dict(labels or {}))
         pod.create_netns()
         try:
             pod.add(owner.agent.conflist()).check()
