@@ -456,7 +456,10 @@ class IPAMController:
             self._upsert_pool(obj)  # the pool it clashed with may have changed or gone
         conflict = self._conflicting.get(name, "")
         held = [b for b, h in self.allocator.held().items() if h.pool == name]
-        keep = [c for c in spec.draining if any(b.overlaps(c) for b in held)]
+        # the store's block claims are the truth a stale replica may not have learnt yet:
+        # a draining CIDR is kept while any claimed block of the pool overlaps it
+        claimed = [c.block for c in await claims.list_claims(self.store) if c.pool == name]
+        keep = [c for c in spec.draining if any(b.overlaps(c) for b in (*held, *claimed))]
         strays = sorted(
             b for b in held if not spec.contains(b) and not any(b.subnet_of(c) for c in keep)
         )
