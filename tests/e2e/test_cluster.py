@@ -588,6 +588,9 @@ def test_a_replaced_pool_cidr_drains_without_a_lost_packet_and_every_node_gives_
     for (src, dst), outcome in zip(pairs, outcomes, strict=True):
         assert outcome["sent"] > 100, outcome
         assert outcome["lost"] == [], f"{src}->{dst}: {len(outcome['lost'])} lost\n{w.logs()}"
+    # what the drain waits for, as the operator's CLI says it
+    text = c.stack.operator_cli("ipam", "status").stdout
+    assert f"draining: pool default {old}: " in text and "still held by node-" in text, text
     # the old pods go; every node hands its old blocks back and the drain completes
     olds = [s for s, p in w.pods.items() if ipaddress.ip_address(p.ip) in old]
     for short in olds:
@@ -604,6 +607,8 @@ def test_a_replaced_pool_cidr_drains_without_a_lost_packet_and_every_node_gives_
 
     assert wait_for(lambda: not old_blocks(), DRAIN_SECONDS), old_blocks()
     assert wait_for(lambda: str(old) not in _draining(c), DRAIN_SECONDS), _ipam_status(c)
+    text = c.stack.operator_cli("ipam", "status").stdout
+    assert "draining: none in progress" in text, text
     print(f"{w.mode}: old blocks given back {time.monotonic() - started:.1f} s after the pods")
     # the renumbered cluster still works
     shorts = [f"new-{n}" for n in nodes]

@@ -449,8 +449,36 @@ def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text")
         alloc = " ".join(filter(None, [alloc, *(f"podCIDR:{c}" for c in n.pod_cidrs)]))
         req = " ".join(f"{r.pool}={r.needed_ipv4}" for r in n.requested)
         print(f"{n.node_name:<11} {alloc or '-'}  {req or '-'}  {n.error or '-'}", file=out)
+    for line in draining_lines(status):
+        print(line, file=out)
     for line in _live_conflicts(status):
         print(f"conflict: {line}", file=out)
+
+
+def draining_lines(status: Any) -> list[str]:
+    """One line per draining CIDR with the blocks still held inside it and by which nodes
+    (what the drain waits for), or one line saying no drain is in progress (every CIDR removed
+    from a pool has been handed back: the drain is complete)."""
+    held = {
+        n.node_name: [ipaddress.IPv4Network(c) for a in n.allocated for c in a.cidrs]
+        + [ipaddress.IPv4Network(c) for c in n.pod_cidrs]
+        for n in status.nodes
+    }
+    lines = []
+    for p in status.pools:
+        for cidr in p.draining_cidrs:
+            net = ipaddress.IPv4Network(cidr)
+            inside = {
+                node: sum(1 for b in blocks if b.subnet_of(net))
+                for node, blocks in sorted(held.items())
+            }
+            users = {node: count for node, count in inside.items() if count}
+            who = ", ".join(f"{node} ({n})" for node, n in users.items()) or "no node"
+            lines.append(
+                f"draining: pool {p.name} {cidr}: {sum(users.values())} blocks still held by "
+                f"{who}; handed back as their pods leave"
+            )
+    return lines or ["draining: none in progress (every CIDR removed from a pool is handed back)"]
 
 
 def _live_conflicts(status: Any) -> list[str]:
