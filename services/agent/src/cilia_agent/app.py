@@ -169,6 +169,8 @@ class Agent:
             if cfg.operator
             else None
         )
+        if channel is not None:
+            self._stops.append(channel.close)  # closed last, also after a failed start
         control: ControlPlane = (
             OperatorAPI.from_config(cfg, channel) if channel is not None else LocalControlPlane()
         )
@@ -308,7 +310,6 @@ class Agent:
                     max_backoff=cfg.operator_reconnect_max_backoff,
                 ),
             )
-        self._stops.append(channel.close)
 
     async def _restore_endpoints(self) -> None:
         """Endpoints from their state files; the eBPF side re-enforces them."""
