@@ -5,8 +5,8 @@ One image per service (DESIGN.md §1: "CI builds one image per service"), built 
 ``cilia-<service>:git-<short revision>``; labelled with the OCI keys
 ``org.opencontainers.image.{title,version,revision,created,source}``.
 
-No image registry is reachable on the project's machines
-(/work/shared/reference/environment-notes.md), so the base image every Dockerfile starts
+No image registry is reachable on the project's machines (only PyPI, Debian, npm and the
+Go module proxy are), so the base image every Dockerfile starts
 ``FROM`` (default ``cilia-base:bookworm``) is built locally when it is missing:
 ``debootstrap --variant=minbase`` of Debian bookworm from the host's configured mirror, then
 ``docker import``. pip is never run against an index inside a container: the host builds

@@ -1,8 +1,8 @@
 """The resource types the mock serves (group, version, plural, kind, scope).
 
 Source: Kubernetes API conventions (core/v1, apps/v1, coordination.k8s.io/v1,
-events.k8s.io) and the upstream Cilium CRDs (cilium.io v2 / v2alpha1); reference:
-/work/shared/reference/cilium-upstream.md.
+events.k8s.io) and the upstream Cilium CRDs (cilium.io v2 / v2alpha1: CiliumNetworkPolicy,
+CiliumNode, CiliumIdentity, CiliumEndpoint in v2; CiliumPodIPPool in v2alpha1).
 """
 
 from __future__ import annotations

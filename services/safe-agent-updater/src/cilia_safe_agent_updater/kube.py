@@ -1,7 +1,7 @@
 """Kubernetes mode: replace this node's agent pod when its generation differs, safely.
 
-Algorithm (upstream: Deckhouse ``cni-cilium`` safe-agent-updater, main.go; see
-shared/reference/deckhouse-cni-cilium.md §1), run once as an init container of the updater
+Algorithm (upstream: Deckhouse ``cni-cilium`` safe-agent-updater, main.go, restated below),
+run once as an init container of the updater
 DaemonSet with ``NODE_NAME``:
 
 1. (optional) take one of ``--max-concurrent-updates`` Lease slots.
