@@ -42,6 +42,7 @@ from cilia_agent.endpoint import (
 from cilia_agent.endpoint.chaining import parse_prev_result
 from cilia_agent.endpoint.regeneration import InvalidLabels, PolicyNotReady
 from cilia_agent.ipam import PoolExhausted, PoolPending
+from cilia_agent.k8s import PodUnknown
 from cilia_agent.policy.maps import PolicyMapFull
 from cilia_common import grpcerrors
 from cilia_common.grpcserver import Service, bound_port, set_serving, start_server_with_ports
@@ -61,6 +62,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (OperatorRejected, grpc.StatusCode.INVALID_ARGUMENT, "OPERATOR_REJECTED"),
     (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE, "OPERATOR_UNAVAILABLE"),
     (PolicyNotReady, grpc.StatusCode.UNAVAILABLE, "POLICY_NOT_READY"),
+    (PodUnknown, grpc.StatusCode.UNAVAILABLE, "POD_UNKNOWN"),
     (NetnsNotFound, grpc.StatusCode.NOT_FOUND, "NETNS_NOT_FOUND"),
     (UnknownAttachment, grpc.StatusCode.NOT_FOUND, "UNKNOWN_ATTACHMENT"),
     (CheckFailed, grpc.StatusCode.FAILED_PRECONDITION, "CHECK_FAILED"),

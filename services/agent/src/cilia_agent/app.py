@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent import __version__
 from cilia_agent import enforcement as enforcement_owners
 from cilia_agent.api import serve_api
@@ -66,6 +67,7 @@ from cilia_agent.ipam.manager import IPAMManager
 from cilia_agent.ipam.node import NodePools
 from cilia_agent.ipam.selection import PoolSelector
 from cilia_agent.ipcache import IPCache
+from cilia_agent.k8s import PodCache
 from cilia_agent.metrics import Metrics
 from cilia_agent.node import LocalNode
 from cilia_agent.node.manager import NodeManager, RouteSync
@@ -208,6 +210,7 @@ class Agent:
         resolver = (
             PoolResolver.from_config(cfg, channel) if channel and cfg.ipam == "multi-pool" else None
         )
+        self.pods = PodCache(cfg.node_name, cfg.cluster_name, cfg.k8s_pod_wait_timeout)
         self.endpoints = EndpointManager(
             ipam=self.ipam,
             datapath=self.datapath,
@@ -226,7 +229,9 @@ class Agent:
             ),
             on_change=self.ipam_manager.demand_changed,
             hooks=enf.regeneration if enf else None,
+            pods=self.pods,
         )
+        self.pods.on_change(self._pod_relabelled)
         await self._restore_endpoints()
         self.cni = CNIConfigManager(cni_config(cfg), self.endpoints.delete, self.executor)
         self.node.on_ready(self.cni.write)
@@ -264,6 +269,15 @@ class Agent:
         if self.iptables_reconciler.interval > 0:
             self._spawn("iptables-reconcile", self.iptables_reconciler.run)
 
+    async def _registered(self, resp: cp.RegisterResponse) -> None:
+        """The operator accepted the node: Kubernetes mode or not, then the node's part."""
+        self.pods.set_enabled(resp.pods_from_api)
+        await self.node.registered(resp)
+
+    async def _pod_relabelled(self, namespace: str, name: str, labels: dict[str, str]) -> None:
+        """A running Pod's labels changed: its endpoints get a new identity and policy."""
+        await self.endpoints.relabel(namespace, name, labels)
+
     def _spawn(self, name: str, factory: Callable[[], Coroutine[Any, Any, object]]) -> None:
         cfg = self.config
         self.tasks.spawn(
@@ -284,7 +298,7 @@ class Agent:
             max_backoff=cfg.operator_reconnect_max_backoff,
             exclude_devices=(cfg.host_device_name,),
             demand=self.ipam_manager.demand,
-            on_registered=self.node.registered,
+            on_registered=self._registered,
             on_allocation=self.ipam_manager.apply_allocation,
             hubble_address=functools.partial(hubble_advertise_address, cfg),
             on_demand_sent=self.ipam_manager.demand_sent,
@@ -295,7 +309,10 @@ class Agent:
         if cfg.node_address_check_interval > 0:
             watch = functools.partial(self._watch_addresses, operator)
             self._spawn("node-addresses", watch)
-        watches: list[enforcement_owners.Watch] = [("nodes", api.watch_nodes, self.nodes.consume)]
+        watches: list[enforcement_owners.Watch] = [
+            ("nodes", api.watch_nodes, self.nodes.consume),
+            ("pods", functools.partial(self.pods.stream, api.watch_pods), self.pods.consume),
+        ]
         if self.enforcement is not None:
             watches += enforcement_owners.watches(self.enforcement, api)
         for name, open_stream, consume in watches:

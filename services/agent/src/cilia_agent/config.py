@@ -191,6 +191,18 @@ class Config(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="log level"
     )
+    cluster_name: str = Field(
+        default="default",
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$",
+        description="name of this cluster (upstream cluster-name): the "
+        "io.cilium.k8s.policy.cluster label of Kubernetes-mode endpoints",
+    )
+    k8s_pod_wait_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Kubernetes mode: seconds an ADD waits for its Pod to arrive from the "
+        "operator's Pod stream before failing with 'try again later' (CNI code 11)",
+    )
     operator_timeout: float = Field(
         default=10.0, gt=0, description="deadline in seconds of each unary call to the operator"
     )

@@ -442,3 +442,33 @@ def test_restore_keeps_pinned_flags_until_recomputed_and_prunes_gone_endpoints()
         assert second.resolver.endpoint_by_ip("10.0.0.3") is not None
 
     run(main())
+
+
+def test_relabel_moves_a_running_endpoint_to_a_new_identity_and_its_policy_follows() -> None:
+    async def main() -> None:
+        h = Harness()
+        await h.sync(backend_policy())
+        front = await h.enf.create(rec(1, "frontend", "10.0.0.2"), 11)
+        back = await h.enf.create(rec(2, "backend", "10.0.0.3"), 12)
+        allowed = set(h.dp.policy.data)
+        assert len(allowed) == 1, "backend admits frontend's identity"
+        # kubectl label pod frontend app=other --overwrite
+        moved = rec(1, "other", "10.0.0.2").model_copy(update={"pod_name": "frontend"})
+        new = await h.enf.relabel(moved)
+        await h.settle()
+        assert new not in (front, back)
+        assert h.dp.ipcache["10.0.0.2/32"] == (new, ""), "other endpoints see the new identity"
+        assert h.dp.eps[11].sec_identity == new
+        admitted = {key.sec_label for key, _ in h.dp.policy.items() if key.ep_id == 2}
+        assert admitted == {front}, "backend admits frontend's identity, not the new one"
+        assert h.control.records["frontend"].identity == new
+        assert h.control.releases == [front], "the old identity is released (unused)"
+        assert h.resolver.endpoint_by_ip("10.0.0.2").identity == new  # type: ignore[union-attr]
+        # back again: admitted again; unchanged labels change nothing
+        again = await h.enf.relabel(rec(1, "frontend", "10.0.0.2"))
+        assert h.dp.ipcache["10.0.0.2/32"] == (again, "")
+        assert {key.sec_label for key, _ in h.dp.policy.items() if key.ep_id == 2} == {again}
+        assert await h.enf.relabel(rec(1, "frontend", "10.0.0.2")) == again
+        assert await h.enf.relabel(rec(9, "frontend", "10.0.0.9")) == 0, "unknown endpoint"
+
+    run(main())

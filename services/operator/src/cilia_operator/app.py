@@ -29,6 +29,7 @@ from .controlplane.endpoint import EndpointServicer
 from .controlplane.identity import IdentityServicer
 from .controlplane.ipam import IPAMServicer
 from .controlplane.node import NodeServicer
+from .controlplane.pod import PodServicer
 from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
 from .controlplane.resources import add_to_server as add_resource_service
@@ -54,6 +55,7 @@ SERVICE_NAMES = (
     "cilia.controlplane.v1.IdentityService",
     "cilia.controlplane.v1.EndpointService",
     "cilia.controlplane.v1.PolicyService",
+    "cilia.controlplane.v1.PodService",
 )
 
 
@@ -174,6 +176,7 @@ class Operator:
                     self.controller,
                     self.config.ipam_default_ip_pool,
                     conflict_retries,
+                    pods_from_api=config.store == "kubernetes",
                 ),
                 SERVICE_NAMES[0],
             ),
@@ -221,6 +224,11 @@ class Operator:
                 pb_grpc.add_PolicyServiceServicer_to_server,
                 PolicyServicer(self.store, **streams),
                 SERVICE_NAMES[5],
+            ),
+            Service(
+                pb_grpc.add_PodServiceServicer_to_server,
+                PodServicer(self.store, enabled=config.store == "kubernetes", **streams),
+                SERVICE_NAMES[6],
             ),
         ]
         listen = self.config.listen

@@ -479,8 +479,8 @@ def _operator_error(exc: grpc.aio.AioRpcError, message: str) -> OperatorUnavaila
 
 
 class OperatorAPI(OperatorConnection):
-    """Unary calls and watch streams of IdentityService, EndpointService, PolicyService
-    and NodeService.WatchNodes over one channel.
+    """Unary calls and watch streams of IdentityService, EndpointService, PolicyService,
+    NodeService.WatchNodes and PodService.WatchPods over one channel.
 
     Args (keyword-only, see :class:`OperatorConnection`):
         address: operator ``host:port``.
@@ -497,6 +497,7 @@ class OperatorAPI(OperatorConnection):
         self.endpoints = cp_grpc.EndpointServiceStub(channel)  # type: ignore[no-untyped-call]
         self.policies = cp_grpc.PolicyServiceStub(channel)  # type: ignore[no-untyped-call]
         self.nodes = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.pods = cp_grpc.PodServiceStub(channel)  # type: ignore[no-untyped-call]
 
     async def allocate_identity(self, labels: list[str]) -> cp.Identity:
         """``IdentityService.Allocate`` for the (filtered, sorted) ``labels``.
@@ -585,6 +586,10 @@ class OperatorAPI(OperatorConnection):
     def watch_nodes(self) -> AsyncIterable[cp.WatchNodesResponse]:
         """A new ``WatchNodes`` stream."""
         return self.nodes.WatchNodes(cp.WatchNodesRequest())  # type: ignore[no-any-return]
+
+    def watch_pods(self, node_name: str) -> AsyncIterable[cp.WatchPodsResponse]:
+        """A new ``PodService.WatchPods`` stream of ``node_name``'s Pods (Kubernetes mode)."""
+        return self.pods.WatchPods(cp.WatchPodsRequest(node_name=node_name))  # type: ignore[no-any-return]
 
 
 T = TypeVar("T")

@@ -166,6 +166,18 @@ class NodeView(Protocol):
         """None when Adds may proceed, else why not."""
 
 
+class PodLabels(Protocol):
+    """Where an Add's labels come from in Kubernetes mode (``cilia_agent.k8s.PodCache``)."""
+
+    async def endpoint_labels(self, namespace: str, name: str) -> dict[str, str] | None:
+        """The Pod's endpoint labels (waiting a bounded time for the Pod), or None when
+        the CNI call's labels are used (standalone mode).
+
+        Raises:
+            ValueError: the call does not name the Pod (Kubernetes mode).
+            Exception: the Pod is not known in time (a retryable error)."""
+
+
 class PoolSelection(Protocol):
     """Chooses a new pod's pool (``cilia_agent.ipam.selection.PoolSelector``)."""
 
@@ -211,6 +223,10 @@ class EndpointHooks(Protocol):
     async def health(self, rec: EndpointRecord) -> list[str]:
         """Problems of ``rec``'s enforcement (programs, map entries); [] when healthy."""
 
+    async def relabel(self, rec: EndpointRecord) -> int:
+        """``rec``'s labels changed: re-compute its identity and policy; returns the
+        identity in force."""
+
 
 @dataclass
 class _Caller:
@@ -253,8 +269,10 @@ class EndpointManager:
         pools: PoolSelection | None = None,
         on_change: Callable[[], None] = lambda: None,
         hooks: EndpointHooks | None = None,
+        pods: PodLabels | None = None,
     ) -> None:
         self.ipam = ipam
+        self.pods = pods
         self.datapath = datapath
         self.store = store
         self.metrics = metrics
@@ -342,6 +360,34 @@ class EndpointManager:
         log.info("router IP moved", extra={"old_router_ip": str(old), "router_ip": str(new)})
         return True
 
+    async def relabel(self, namespace: str, name: str, labels: dict[str, str]) -> list[int]:
+        """Pod ``namespace/name`` has new labels (Kubernetes mode: Pod or Namespace labels
+        edited): each of its endpoints gets them, its identity and policy re-computed
+        (:meth:`EndpointHooks.relabel`) and its state file rewritten. Returns the ids of
+        the endpoints relabelled.
+
+        Raises:
+            StateError: a state file could not be written.
+            Exception: from the hooks (identity allocation, policy maps); the endpoint
+                keeps its previous labels then.
+        """
+        done: list[int] = []
+        for key, rec in list(self._endpoints.items()):
+            if rec.pod_namespace != namespace or rec.pod_name != name or rec.labels == labels:
+                continue
+            async with self._lock(key):
+                current = self._endpoints.get(key)
+                if current is None or current.labels == labels:
+                    continue
+                updated = current.model_copy(update={"labels": dict(labels)})
+                if self.hooks is not None and current.identity:
+                    identity = await self.hooks.relabel(updated)
+                    updated = updated.model_copy(update={"identity": identity})
+                await self._write(updated)
+                self._endpoints[key] = updated
+                done.append(updated.id)
+        return done
+
     def list(self) -> list[EndpointRecord]:
         """Every endpoint the agent holds, sorted by id."""
         return sorted(self._endpoints.values(), key=lambda r: r.id)
@@ -391,6 +437,13 @@ class EndpointManager:
             DatapathError, StateError: plumbing or state file failure.
         """
         validate_add(p)
+        if self.pods is not None and self.get(p.container_id, p.ifname) is None:
+            try:
+                labels = await self.pods.endpoint_labels(p.pod_namespace, p.pod_name)
+            except ValueError as exc:  # PodRequired
+                raise InvalidRequest("args", str(exc)) from exc
+            if labels is not None:  # Kubernetes mode: the Pod's labels, not the call's
+                p = dataclasses.replace(p, labels=labels)
         if self.pools is None or p.prev_result or self.get(p.container_id, p.ifname):
             return await self._add_once(p)
         # a new pod: its pool is chosen first (chained Adds and repeats skip this)

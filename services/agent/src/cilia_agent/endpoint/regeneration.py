@@ -396,6 +396,53 @@ class Regeneration:
                     log.exception("undoing enforcement of endpoint %d failed", rec.id)
             raise
 
+    async def relabel(self, rec: EndpointRecord) -> int:
+        """The labels of a running endpoint changed (``rec`` carries the new ones; in
+        Kubernetes mode a Pod's or its Namespace's labels were edited): its identity and
+        policy are computed again without touching the veth or the programs, as upstream
+        regenerates an endpoint on a label change. Returns the identity now in force.
+
+        Order: the new identity is allocated and learned; the ipcache ``/32`` (what other
+        endpoints' policies look the pod up by), the policy entries and the endpoint map
+        entry are rewritten; the operator's record is upserted (other nodes' ipcaches; a
+        failure is retried in the background); the old identity is released when no local
+        endpoint uses it any more. An unknown endpoint or unchanged identity labels change
+        nothing.
+
+        Raises:
+            InvalidLabels: the new labels cannot form an identity (nothing changed).
+            OperatorUnavailable: the identity could not be allocated (nothing changed).
+            PolicyMapFull / PolicyMapError: the policy map cannot take the entries.
+        """
+        ep = self._eps.get(rec.id)
+        if ep is None:
+            return 0
+        labels, namespace = self.identity_labels(rec)
+        if labels == ep.labels and namespace == ep.namespace:
+            ep.rec = rec
+            return ep.identity
+        identity = await self.identities.allocate(labels.strings())
+        self.identities.acquire(identity, rec.id)
+        self.identities.learn(identity, labels.strings())
+        old = ep.identity
+        ep.rec, ep.identity, ep.labels, ep.namespace = rec, identity, labels, namespace
+        self.ipcache.upsert_endpoint(rec.ipv4, identity, rec.id)
+        if self.mode != "never":
+            self.engine.set_endpoint(rec.id, labels, namespace)
+        self._write_endpoint(ep)
+        if old != identity:
+            self.identities.release(old, rec.id)
+        record = self._endpoint_record(ep)
+        self.retry.submit(
+            f"UpsertEndpoint {record.namespace}/{record.name}",
+            functools.partial(self.control.upsert_endpoint, record),
+        )
+        log.info(
+            "endpoint relabelled",
+            extra={"endpoint_id": rec.id, "old_identity": old, "identity": identity},
+        )
+        return identity
+
     def _delete_call_of(self, rec: EndpointRecord) -> tuple[str, Callable[[], Awaitable[None]]]:
         namespace = rec.pod_namespace or DEFAULT_NAMESPACE
         name = rec.pod_name or rec.container_id

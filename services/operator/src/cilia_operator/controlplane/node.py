@@ -69,12 +69,21 @@ class NodeServicer:
 
     Args:
         store: the Store; controller: told to reconcile registered nodes;
-        default_pool: ``--ipam-default-ip-pool``; conflict_retries: write attempts.
+        default_pool: ``--ipam-default-ip-pool``; conflict_retries: write attempts;
+        pods_from_api: Kubernetes mode (``RegisterResponse.pods_from_api``: agents take
+        identity labels from the Pods of ``PodService``).
     """
 
     def __init__(
-        self, store: Store, controller: IPAMController, default_pool: str, conflict_retries: int
+        self,
+        store: Store,
+        controller: IPAMController,
+        default_pool: str,
+        conflict_retries: int,
+        *,
+        pods_from_api: bool = False,
     ) -> None:
+        self.pods_from_api = pods_from_api
         self.store = store
         self.controller = controller
         self.default_pool = default_pool
@@ -134,7 +143,11 @@ class NodeServicer:
         else:
             raise Contention(NODE.kind, "", name)
         self.controller.enqueue(name)
-        return pb.RegisterResponse(default_pool=self.default_pool, ipam_mode=self.controller.mode)
+        return pb.RegisterResponse(
+            default_pool=self.default_pool,
+            ipam_mode=self.controller.mode,
+            pods_from_api=self.pods_from_api,
+        )
 
     @streaming
     async def WatchNodes(  # noqa: N802 (gRPC method name)

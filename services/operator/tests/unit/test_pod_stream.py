@@ -1,0 +1,72 @@
+"""PodService's per-node view: which Pod events one node's stream sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cilia_operator.controlplane.pod import NAMESPACE_KIND, POD_KIND, NodePods, pod_message
+from cilia_operator.controlplane.streams import Changed, Listed
+from cilia_operator.store import WatchEvent
+
+
+def _pod(name: str, node: str, labels: dict[str, str], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": "shop", "name": name, "uid": f"u-{name}", "labels": labels},
+        "spec": {"nodeName": node, **spec},
+        "status": {"podIPs": [{"ip": "10.0.0.7"}]},
+    }
+
+
+def _ns(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+
+
+def _names(events: list[tuple[tuple[str, str], Any]]) -> list[tuple[str, bool]]:
+    return [(key[1], message is not None) for key, message in events]
+
+
+def test_a_nodes_stream_sends_its_own_pods_with_namespace_labels_and_their_changes() -> None:
+    view = NodePods("node-a")
+    assert view.apply(Listed(NAMESPACE_KIND, [_ns("shop", {"team": "web"})], False)) == []
+    listed = view.apply(
+        Listed(
+            POD_KIND,
+            [
+                _pod("mine", "node-a", {"app": "web"}, serviceAccountName="web-sa"),
+                _pod("theirs", "node-b", {"app": "web"}),
+                _pod("unscheduled", "", {"app": "web"}),
+                _pod("host", "node-a", {"app": "web"}, hostNetwork=True),
+            ],
+            True,
+        )
+    )
+    assert _names(listed) == [("mine", True)]
+    message = listed[0][1]
+    assert dict(message.labels) == {"app": "web"}
+    assert dict(message.namespace_labels) == {"team": "web"}
+    assert message.service_account == "web-sa" and list(message.ips) == ["10.0.0.7"]
+
+    # a label edit is sent; an identical update is not
+    edited = _pod("mine", "node-a", {"app": "other"}, serviceAccountName="web-sa")
+    assert _names(view.apply(Changed(POD_KIND, WatchEvent("MODIFIED", edited, "1")))) == [
+        ("mine", True)
+    ]
+    assert view.apply(Changed(POD_KIND, WatchEvent("MODIFIED", edited, "1"))) == []
+    # a Namespace label change re-sends the namespace's pods of this node
+    events = view.apply(
+        Changed(NAMESPACE_KIND, WatchEvent("MODIFIED", _ns("shop", {"team": "x"}), "1"))
+    )
+    assert _names(events) == [("mine", True)]
+    assert dict(events[0][1].namespace_labels) == {"team": "x"}
+    # another node's pod arriving is not this node's business; ours moving away is a delete
+    other = _pod("new", "node-b", {})
+    assert view.apply(Changed(POD_KIND, WatchEvent("ADDED", other, "1"))) == []
+    assert _names(view.apply(Changed(POD_KIND, WatchEvent("DELETED", edited, "1")))) == [
+        ("mine", False)
+    ]
+
+
+def test_service_account_defaults_as_the_api_server_defaults_it() -> None:
+    assert pod_message(_pod("p", "n", {}), {}).service_account == "default"
