@@ -149,9 +149,9 @@ class Config(BaseModel):
     tunnel_vni: int = Field(
         default=2, ge=1, le=16777215, description="VXLAN network identifier of the tunnel"
     )
-    ipam: Literal["cluster-pool", "multi-pool"] = Field(
+    ipam: Literal["cluster-pool", "multi-pool", "kubernetes"] = Field(
         default="multi-pool",
-        description="IPAM mode, as the operator's: cluster-pool (addresses from the node's podCIDRs, no demand sent) or multi-pool (per-pod pools via the operator's ResolvePool, demand with pre-allocation, unneeded CIDRs handed back)",
+        description="IPAM mode, as the operator's: cluster-pool (addresses from the node's podCIDRs, no demand sent), kubernetes (the same, the podCIDRs being the Node object's spec.podCIDRs) or multi-pool (per-pod pools via the operator's ResolvePool, demand with pre-allocation, unneeded CIDRs handed back)",
     )
     ipam_multi_pool_pre_allocation: Annotated[dict[str, int], Flag(metavar="POOL=N,...")] = Field(
         default_factory=lambda: {"default": 8},

@@ -119,9 +119,12 @@ class Config(BaseModel):
         description="changes buffered per watch stream before its store watch waits (it "
         "relists if it falls behind --store-event-history)",
     )
-    ipam: Literal["cluster-pool", "multi-pool"] = Field(
+    ipam: Literal["cluster-pool", "multi-pool", "kubernetes"] = Field(
         default="multi-pool",
-        description="IPAM mode (upstream operator flag `ipam`; upstream's default is cluster-pool)",
+        description="IPAM mode (upstream operator flag `ipam`; upstream's default is "
+        "cluster-pool); kubernetes: each node's pod CIDRs are its Node's spec.podCIDRs (set "
+        "by kube-controller-manager or the cluster's tooling), the operator allocates "
+        "nothing (needs --store kubernetes)",
     )
     cluster_pool_ipv4_cidr: Annotated[list[str], Flag(metavar="CIDR")] = Field(
         default_factory=list,
@@ -233,6 +236,11 @@ class Config(BaseModel):
         nets = [ipaddress.IPv4Network(c) for c in self.cluster_pool_ipv4_cidr]
         if self.ipam == "cluster-pool" and not nets:
             raise ValueError("--cluster-pool-ipv4-cidr: required with --ipam cluster-pool")
+        if self.ipam == "kubernetes" and self.store != "kubernetes":
+            raise ValueError(
+                "--ipam kubernetes: needs --store kubernetes (the pod CIDRs are the Node "
+                "objects' spec.podCIDRs in the API server)"
+            )
         why = no_pod_address(self.cluster_pool_ipv4_mask_size, False, False)
         if why:
             raise ValueError(

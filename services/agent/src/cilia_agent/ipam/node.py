@@ -38,8 +38,10 @@ from cilia_agent.ipam.allocator import IPAM
 log = logging.getLogger(__name__)
 
 Net4 = ipaddress.IPv4Network
-IPAMMode = Literal["cluster-pool", "multi-pool"]
-MODES: tuple[IPAMMode, ...] = ("cluster-pool", "multi-pool")
+IPAMMode = Literal["cluster-pool", "multi-pool", "kubernetes"]
+MODES: tuple[IPAMMode, ...] = ("cluster-pool", "multi-pool", "kubernetes")
+NODE_CIDR_MODES: tuple[IPAMMode, ...] = ("cluster-pool", "kubernetes")
+"""Modes where the node's addresses come from its podCIDRs only (no pools, no demand)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class NodePools:
         change = AllocationChange()
         wanted: dict[str, list[Net4]] = {}
         for pool, cidrs in pools.items():
-            if self.mode == "cluster-pool" and pool != default_pool:
+            if self.mode in NODE_CIDR_MODES and pool != default_pool:
                 continue  # cluster-pool knows no pools; the default pool is the node's CIDRs
             try:
                 wanted.setdefault(pool, []).extend(Net4(c) for c in cidrs)
@@ -209,7 +211,7 @@ class NodePools:
         CIDRs handed back leave IPAM here (no address is allocated from them afterwards)
         and are listed in every demand until an allocation no longer lists them.
         """
-        if self.mode == "cluster-pool":
+        if self.mode in NODE_CIDR_MODES:
             return None
         needed = self.ipam.demand([default_pool])
         static = {(p, n) for p, nets in self.static.items() for n in nets}

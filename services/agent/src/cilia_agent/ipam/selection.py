@@ -100,10 +100,10 @@ class PoolSelector:
             OperatorUnavailable: the operator could not be asked (UNAVAILABLE to the CNI).
         """
         default = self.node.default_pool
-        if self.mode == "cluster-pool":
+        if self.mode in ("cluster-pool", "kubernetes"):
             if requested and requested != default:
                 raise PoolRefused(
-                    f"{requested!r} requested, but this agent runs --ipam cluster-pool: every "
+                    f"{requested!r} requested, but this agent runs --ipam {self.mode}: every "
                     f"pod gets its address from the node's podCIDRs (pool {default!r})"
                 )
             return default

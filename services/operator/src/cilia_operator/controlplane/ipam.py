@@ -163,15 +163,16 @@ class IPAMServicer:
         self, request: pb.ResolvePoolRequest, context: Any
     ) -> pb.ResolvePoolResponse:
         """The pool a pod allocates from, with upstream precedence (see
-        :func:`cilia_operator.ipam.resolve.resolve_pool`). cluster-pool mode: the default
-        pool name (every pod uses the node's podCIDRs).
+        :func:`cilia_operator.ipam.resolve.resolve_pool`). cluster-pool and kubernetes
+        modes: the default pool name (every pod uses the node's podCIDRs).
 
         Errors: FAILED_PRECONDITION (several selectors match; the named pool does not
         exist or nothing matches while require-pool-match is "true"), UNAVAILABLE.
         """
-        if self.controller.mode == "cluster-pool":
+        if self.controller.mode in ("cluster-pool", "kubernetes"):
             return pb.ResolvePoolResponse(
-                pool=self.default_pool, reason="ipam mode cluster-pool: the node's podCIDRs"
+                pool=self.default_pool,
+                reason=f"ipam mode {self.controller.mode}: the node's podCIDRs",
             )
         try:
             ns = await self.store.get(NAMESPACE.kind, request.pod_namespace)

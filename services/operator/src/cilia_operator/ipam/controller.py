@@ -9,6 +9,13 @@ concurrently. Node writes use optimistic concurrency; a Conflict re-reads and re
 The node watch also feeds :meth:`subscribe` (used by ``WatchAllocations`` streams):
 each subscription holds the newest record of its node, so a slow stream coalesces
 changes instead of buffering them.
+
+``--ipam kubernetes`` (upstream's Kubernetes host-scope IPAM): the operator allocates
+nothing. A third watch follows the core ``Node`` objects, and a node's reconcile copies
+its Node's IPv4 ``spec.podCIDRs`` (set by kube-controller-manager ``--allocate-node-cidrs``
+or the cluster's own tooling) into the CiliumNode's ``spec.ipam.podCIDRs``, which the
+node's allocation stream carries to its agent. A Node without podCIDRs (or no Node of that
+name) is reported in the CiliumNode's operator error, never guessed.
 """
 
 from __future__ import annotations
@@ -109,6 +116,44 @@ class MigrationProgress:
     nodes_total: int = 0
 
 
+K8S_NODE_KIND = "Node"
+"""Store kind of core v1 Nodes (Kubernetes store only; ``--ipam kubernetes``)."""
+
+
+def k8s_pod_cidrs(
+    name: str, k8s_node: Mapping[str, Any] | None
+) -> tuple[list[ipaddress.IPv4Network], str]:
+    """The IPv4 pod CIDRs of core Node ``name`` (``spec.podCIDRs``, else ``spec.podCIDR``)
+    and the error to report ("" when there are some): ``([10.244.1.0/24], "")``.
+    IPv6 entries are skipped (IPv4 only); a malformed one is named in the error."""
+    if k8s_node is None:
+        return [], (
+            f"--ipam kubernetes: no Node object {name!r} in the API server: its pod CIDRs "
+            "come from Node.spec.podCIDRs"
+        )
+    spec = k8s_node.get("spec") or {}
+    raw = list(spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else []))
+    out: list[ipaddress.IPv4Network] = []
+    bad: list[str] = []
+    for text in raw:
+        try:
+            net = ipaddress.ip_network(str(text), strict=True)
+        except ValueError:
+            bad.append(str(text))
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            out.append(net)
+    if bad:
+        return out, f"--ipam kubernetes: Node {name!r} has malformed spec.podCIDRs {bad}"
+    if not out:
+        return out, (
+            f"--ipam kubernetes: Node {name!r} has no IPv4 spec.podCIDRs: set them "
+            "(kube-controller-manager --allocate-node-cidrs, or the cluster's tooling); "
+            "its pods get no address until then"
+        )
+    return out, ""
+
+
 class MigrationFailed(Exception):
     """The default pool cannot take the nodes' podCIDRs (mask mismatch, overlap)."""
 
@@ -121,8 +166,9 @@ class IPAMController:
     Args:
         store: the Store.
         metrics: where to publish pool gauges and counters.
-        mode: ``multi-pool`` (``spec.ipam.pools``) or ``cluster-pool``
-            (one ``spec.ipam.podCIDRs`` block per node, never more).
+        mode: ``multi-pool`` (``spec.ipam.pools``), ``cluster-pool``
+            (one ``spec.ipam.podCIDRs`` block per node, never more) or ``kubernetes``
+            (the Node objects' ``spec.podCIDRs``, see the module docstring).
         default_pool: ``--ipam-default-ip-pool`` (migration target).
         cluster_cidrs / cluster_mask_size: ``--cluster-pool-ipv4-cidr`` and
             ``--cluster-pool-ipv4-mask-size``.
@@ -218,7 +264,14 @@ class IPAMController:
             self.enqueue_pool(pool)
         if not run:
             return
-        self._tasks = [
+        if self.mode == "kubernetes":
+            nodes_rv = (await self.store.list(K8S_NODE_KIND)).resource_version
+            self._tasks.append(
+                asyncio.create_task(
+                    self._watch(K8S_NODE_KIND, nodes_rv, self._on_k8s_node, self._relist_k8s)
+                )
+            )
+        self._tasks += [
             asyncio.create_task(
                 self._watch(POOL.kind, pools_rv, self._on_pool, self._relist_pools)
             ),
@@ -548,6 +601,50 @@ class IPAMController:
             sub.deleted = event.type == "DELETED"
             sub.changed.set()
 
+    async def _on_k8s_node(self, event: WatchEvent) -> None:
+        """A core Node changed (``--ipam kubernetes``): its CiliumNode is reconciled."""
+        self.enqueue(event.object["metadata"]["name"])
+
+    async def _relist_k8s(self) -> str:
+        listed = await self.store.list(K8S_NODE_KIND)
+        for name in self._known | {o["metadata"]["name"] for o in listed.items}:
+            self.enqueue(name)
+        return listed.resource_version
+
+    async def _reconcile_from_k8s_node(self, name: str) -> None:
+        """``--ipam kubernetes``: CiliumNode ``name``'s podCIDRs := its Node's IPv4
+        ``spec.podCIDRs`` (or ``spec.podCIDR``); none, or no Node: the operator error says
+        so and the podCIDRs already recorded stay (a running node keeps its pods' range).
+
+        Raises:
+            StoreError: the store failed; Conflict after ``conflict_retries`` attempts.
+        """
+        for _ in range(self._conflict_retries):
+            record = await self._get_node(name)
+            if record is None:
+                return
+            try:
+                k8s_node: Resource | None = await self.store.get(K8S_NODE_KIND, name)
+            except NotFound:
+                k8s_node = None
+            cidrs, error = k8s_pod_cidrs(name, k8s_node)
+            if not cidrs:
+                cidrs = nodes.pod_cidrs(record)
+            updated = nodes.with_pod_cidrs(record, cidrs, error)
+            if updated == record:
+                return
+            try:
+                await self.store.update(updated)
+            except Conflict:
+                continue
+            if error:
+                log.warning("node has no pod CIDRs", extra={"node": name, "error": error})
+            else:
+                log.info("pod CIDRs from the Node object",
+                         extra={"node": name, "cidrs": [str(c) for c in cidrs]})  # fmt: skip
+            return
+        raise Contention(NODE.kind, "", name)
+
     async def _relist_nodes(self) -> str:
         listed = await self.store.list(NODE.kind)
         current = {o["metadata"]["name"]: o for o in listed.items}
@@ -674,6 +771,9 @@ class IPAMController:
         Raises:
             StoreError: the store failed; Conflict after ``conflict_retries`` attempts.
         """
+        if self.mode == "kubernetes":
+            await self._reconcile_from_k8s_node(name)
+            return
         if not self.allocator.ready:
             return
         attempt = relearned = 0

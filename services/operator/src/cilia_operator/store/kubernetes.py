@@ -103,6 +103,7 @@ KINDS: dict[str, KubeKind] = {
     "NetworkPolicy": KubeKind("networking.k8s.io", "v1", "networkpolicies", True),
     "Namespace": KubeKind("", "v1", "namespaces", False),
     "Pod": KubeKind("", "v1", "pods", True),  # read only (PodService)
+    "Node": KubeKind("", "v1", "nodes", False),  # read only (--ipam kubernetes)
     "Lease": KubeKind("coordination.k8s.io", "v1", "leases", True),
     # Cilia's own bookkeeping kinds (CRDs in deploy/kubernetes/crds)
     "CiliaIdentityKey": KubeKind("cilia.io", "v1alpha1", "ciliaidentitykeys", False),
