@@ -9,6 +9,8 @@ CiliumPodIPPool             cilium.io/v2alpha1      ciliumpodippools | cpip     
 CiliumNode                  cilium.io/v2            ciliumnodes | cn            cluster
 CiliumNetworkPolicy         cilium.io/v2            ciliumnetworkpolicies |     namespaced
                                                     cnp, ciliumnp
+CiliumClusterwide-         cilium.io/v2            ciliumclusterwide-          cluster
+NetworkPolicy                                       networkpolicies | ccnp
 NetworkPolicy               networking.k8s.io/v1    networkpolicies | netpol    namespaced
 CiliumIdentity              cilium.io/v2            ciliumidentities | ciliumid cluster
 CiliumEndpoint              cilium.io/v2            ciliumendpoints | cep,      namespaced
@@ -102,6 +104,10 @@ CNP = KindInfo(
     policy.CNP_KIND, policy.CNP_API_VERSION, "ciliumnetworkpolicies", "ciliumnetworkpolicy",
     ("cnp", "ciliumnp"), policy.validate_cnp, namespaced=True,
 )  # fmt: skip
+CCNP = KindInfo(
+    policy.CCNP_KIND, policy.CNP_API_VERSION, "ciliumclusterwidenetworkpolicies",
+    "ciliumclusterwidenetworkpolicy", ("ccnp",), policy.validate_ccnp,
+)  # fmt: skip
 NETWORK_POLICY = KindInfo(
     policy.NP_KIND, policy.NP_API_VERSION, "networkpolicies", "networkpolicy", ("netpol",),
     policy.validate_np, namespaced=True,
@@ -122,7 +128,7 @@ IPAM_BLOCK = KindInfo(
     claims.KIND, claims.API_VERSION, "ciliaipamblocks", "ciliaipamblock", ("cipb",),
     _managed_by("the operator's IPAM allocator"), appliable=False,
 )  # fmt: skip
-KINDS = (POOL, NODE, CNP, NETWORK_POLICY, IDENTITY, ENDPOINT, NAMESPACE, IPAM_BLOCK)
+KINDS = (POOL, NODE, CNP, CCNP, NETWORK_POLICY, IDENTITY, ENDPOINT, NAMESPACE, IPAM_BLOCK)
 
 
 def resolve_kind(name: str) -> KindInfo:

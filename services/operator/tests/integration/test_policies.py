@@ -185,3 +185,46 @@ async def test_cli_gets_and_deletes_policies_identities_and_endpoints(
         assert not (await op.store.list("CiliumIdentity")).items
         assert len((await op.store.list("CiliaIdentityKey")).items) == 1  # keys are kept
         assert not (await op.store.list("CiliumEndpoint")).items
+
+
+CLUSTERWIDE = """
+apiVersion: cilium.io/v2
+kind: CiliumClusterwideNetworkPolicy
+metadata: {name: backends-from-frontends}
+spec:
+  endpointSelector: {matchLabels: {app: backend}}
+  enableDefaultDeny: {egress: false}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: frontend}}]
+"""
+
+
+async def test_a_clusterwide_policy_is_applied_without_namespace_and_streamed_with_none(
+    redis_url: str,
+) -> None:
+    up, down = pb.EVENT_TYPE_UPSERT, pb.EVENT_TYPE_DELETE
+    async with running_operator(redis_url) as (_, channel):
+        resources = pb_grpc.ResourceServiceStub(channel)
+        reply = await resources.Apply(pb.ApplyRequest(manifest=CLUSTERWIDE))
+        assert [(r.kind, r.namespace, r.name, r.action) for r in reply.resources] == [
+            ("CiliumClusterwideNetworkPolicy", "", "backends-from-frontends", "created")
+        ]
+        stream = pb_grpc.PolicyServiceStub(channel).WatchPolicies(pb.WatchPoliciesRequest())
+        initial = await asyncio.wait_for(stream.read(), 10)
+        assert [(e.type, e.kind, e.namespace, e.name) for e in initial.events] == [
+            (up, "CiliumClusterwideNetworkPolicy", "", "backends-from-frontends")
+        ]
+        assert "namespace" not in json.loads(initial.events[0].json)["metadata"]
+        # a namespace on a cluster-scoped policy is refused, nothing written
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await resources.Apply(
+                pb.ApplyRequest(manifest=CLUSTERWIDE.replace("{name: b", "{namespace: x, name: b"))
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "metadata.namespace" in (refused.value.details() or "")
+        await resources.Delete(pb.DeleteRequest(kind="ccnp", name="backends-from-frontends"))
+        message = await asyncio.wait_for(stream.read(), 10)
+        assert [(e.type, e.kind, e.namespace, e.name) for e in message.events] == [
+            (down, "CiliumClusterwideNetworkPolicy", "", "backends-from-frontends")
+        ]
+        stream.cancel()

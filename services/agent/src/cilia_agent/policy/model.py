@@ -5,7 +5,8 @@ path (``spec.ingress[0].toPorts[0].ports[0].endPort: not supported by Cilia``) s
 manifest never silently means less than it says. This module depends on pydantic and
 the standard library only (the operator can validate with the same models).
 
-Entry point: ``parse_policy(manifest) -> CiliumNetworkPolicy | NetworkPolicy``, raising
+Entry point: ``parse_policy(manifest) -> CiliumNetworkPolicy |
+CiliumClusterwideNetworkPolicy | NetworkPolicy``, raising
 ``InvalidPolicy`` with every field error.
 
 Source: upstream ``pkg/k8s/apis/cilium.io/v2`` (CNP), ``pkg/policy/api`` (rule fields),
@@ -33,6 +34,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 CNP_API_VERSION = "cilium.io/v2"
 CNP_KIND = "CiliumNetworkPolicy"
+CCNP_KIND = "CiliumClusterwideNetworkPolicy"
 NP_API_VERSION = "networking.k8s.io/v1"
 NP_KIND = "NetworkPolicy"
 DEFAULT_NAMESPACE = "default"
@@ -285,6 +287,32 @@ class CiliumNetworkPolicy(_Model):
         return ([self.spec] if self.spec is not None else []) + list(self.specs or [])
 
 
+class CiliumClusterwideNetworkPolicy(_Model):
+    """CiliumClusterwideNetworkPolicy ``cilium.io/v2`` (cluster-scoped): a CNP's rules,
+    selecting endpoints (and peers) of every namespace. Upstream's host-policy
+    ``nodeSelector`` is not supported (refused as an unknown field)."""
+
+    api_version: Literal["cilium.io/v2"]
+    kind: Literal["CiliumClusterwideNetworkPolicy"]
+    metadata: ObjectMeta
+    spec: Rule | None = None
+    specs: list[Rule] | None = None
+    status: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_rules(self) -> CiliumClusterwideNetworkPolicy:
+        if self.spec is None and not self.specs:
+            raise ValueError("spec or specs must be set")
+        if self.metadata.namespace:
+            raise ValueError("a CiliumClusterwideNetworkPolicy has no namespace")
+        return self
+
+    @property
+    def rules(self) -> list[Rule]:
+        """``spec`` followed by ``specs[]``."""
+        return ([self.spec] if self.spec is not None else []) + list(self.specs or [])
+
+
 # ----------------------------------------------------------------------------- k8s NP
 
 
@@ -350,22 +378,30 @@ class NetworkPolicy(_Model):
     status: dict[str, Any] | None = None
 
 
-Policy = CiliumNetworkPolicy | NetworkPolicy
-POLICY_KINDS: Mapping[str, type[CiliumNetworkPolicy] | type[NetworkPolicy]] = {
+Policy = CiliumNetworkPolicy | CiliumClusterwideNetworkPolicy | NetworkPolicy
+POLICY_KINDS: Mapping[
+    str,
+    type[CiliumNetworkPolicy] | type[CiliumClusterwideNetworkPolicy] | type[NetworkPolicy],
+] = {
     CNP_KIND: CiliumNetworkPolicy,
+    CCNP_KIND: CiliumClusterwideNetworkPolicy,
     NP_KIND: NetworkPolicy,
 }
 
 
 def policy_namespace(policy: Policy) -> str:
-    """The policy's namespace (``default`` when the manifest names none)."""
+    """The policy's namespace (``default`` when the manifest names none; "" for a
+    cluster-wide policy)."""
+    if isinstance(policy, CiliumClusterwideNetworkPolicy):
+        return ""
     return policy.metadata.namespace or DEFAULT_NAMESPACE
 
 
 def parse_policy(manifest: Mapping[str, Any] | str | bytes) -> Policy:
     """Validate a manifest (a mapping, or its JSON text) into a policy model.
 
-    The kind picks the model: ``CiliumNetworkPolicy`` or ``NetworkPolicy``.
+    The kind picks the model: ``CiliumNetworkPolicy``, ``CiliumClusterwideNetworkPolicy``
+    or ``NetworkPolicy``.
 
     Raises:
         InvalidPolicy: not JSON / not an object, unknown kind, or any field error; every

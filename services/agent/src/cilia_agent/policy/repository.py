@@ -25,6 +25,7 @@ from cilia_agent.identity.cache import IdentityCache, IdentityChange
 from cilia_agent.identity.labels import LabelError, LabelSet, is_cluster_identity
 from cilia_agent.policy.compiler import EndpointPolicy, EndpointSubject, compile_endpoint
 from cilia_agent.policy.model import (
+    CCNP_KIND,
     DEFAULT_NAMESPACE,
     POLICY_KINDS,
     FieldError,
@@ -136,7 +137,7 @@ class PolicyRepository:
                 policy.metadata.name,
                 [FieldError("metadata.namespace", f"{own!r} differs from event's {namespace!r}")],
             )
-        ns = own or namespace or DEFAULT_NAMESPACE
+        ns = "" if policy.kind == CCNP_KIND else own or namespace or DEFAULT_NAMESPACE
         try:
             compiled = compile_policy(policy, ns)
         except LabelError as exc:
@@ -154,7 +155,7 @@ class PolicyRepository:
 
     def delete(self, kind: str, namespace: str, name: str) -> PolicyUpdate | None:
         """Remove a policy; returns the update, None when it was absent."""
-        ref = PolicyRef(kind, namespace or DEFAULT_NAMESPACE, name)
+        ref = PolicyRef(kind, "" if kind == CCNP_KIND else namespace or DEFAULT_NAMESPACE, name)
         old = self._policies.pop(ref, None)
         if old is None:
             return None

@@ -27,6 +27,7 @@ from cilia_agent.identity.labels import (
     LabelSet,
 )
 from cilia_agent.policy.model import (
+    CiliumClusterwideNetworkPolicy,
     CiliumNetworkPolicy,
     EgressRule,
     IngressRule,
@@ -128,6 +129,11 @@ def compile_policy(policy: Policy, namespace: str) -> CompiledPolicy:
     Raises:
         cilia_agent.identity.labels.LabelError: a selector key is empty after its source.
     """
+    if isinstance(policy, CiliumClusterwideNetworkPolicy):
+        # cluster-wide: subjects and peers of every namespace (upstream: no namespace
+        # requirement is added to a CCNP's selectors)
+        ref = PolicyRef(policy.kind, "", policy.metadata.name)
+        return CompiledPolicy(ref, tuple(_cnp_rule(r, None) for r in policy.rules), policy)
     ref = PolicyRef(policy.kind, namespace, policy.metadata.name)
     if isinstance(policy, CiliumNetworkPolicy):
         subjects = tuple(_cnp_rule(rule, namespace) for rule in policy.rules)
@@ -139,8 +145,11 @@ def compile_policy(policy: Policy, namespace: str) -> CompiledPolicy:
 # ------------------------------------------------------------------------------ CNP
 
 
-def _cnp_rule(rule: Rule, namespace: str) -> SubjectRule:
-    subject = Selector.from_model(rule.endpoint_selector).in_namespace(namespace)
+def _cnp_rule(rule: Rule, namespace: str | None) -> SubjectRule:
+    """One CNP rule living in ``namespace`` (None: a cluster-wide policy's rule)."""
+    subject = Selector.from_model(rule.endpoint_selector)
+    if namespace is not None:
+        subject = subject.in_namespace(namespace)
     dd = rule.enable_default_deny
     has_in = bool(rule.ingress) or bool(rule.ingress_deny)
     has_eg = bool(rule.egress) or bool(rule.egress_deny)
@@ -161,19 +170,24 @@ def _peers(
     selectors: Sequence[LabelSelector] | None,
     entities: Sequence[str] | None,
     has_ports: bool,
-    namespace: str,
+    namespace: str | None,
 ) -> Peers:
-    sels = tuple(Selector.from_model(s).restricted_to(namespace) for s in selectors or ())
+    sels = tuple(
+        Selector.from_model(s)
+        if namespace is None
+        else Selector.from_model(s).restricted_to(namespace)
+        for s in selectors or ()
+    )
     ents = frozenset(entities or ())
     return Peers(sels, ents, any_peer=not sels and not ents and has_ports)
 
 
-def _cnp_ingress(rule: IngressRule, deny: bool, namespace: str) -> DirectionalRule:
+def _cnp_ingress(rule: IngressRule, deny: bool, namespace: str | None) -> DirectionalRule:
     peers = _peers(rule.from_endpoints, rule.from_entities, bool(rule.to_ports), namespace)
     return DirectionalRule(Direction.INGRESS, deny, peers, _cnp_ports(rule.to_ports))
 
 
-def _cnp_egress(rule: EgressRule, deny: bool, namespace: str) -> DirectionalRule:
+def _cnp_egress(rule: EgressRule, deny: bool, namespace: str | None) -> DirectionalRule:
     peers = _peers(rule.to_endpoints, rule.to_entities, bool(rule.to_ports), namespace)
     return DirectionalRule(Direction.EGRESS, deny, peers, _cnp_ports(rule.to_ports))
 

@@ -493,3 +493,52 @@ def test_new_identity_appears_in_entries_after_recompile(cache: IdentityCache) -
 def test_deny_precedence_leaves_other_peers_alone() -> None:
     entries = {E(5, IN, TCP, 80): A, E(6, IN, 0, 0): D, E(5, EG, 0, 0): D}
     assert apply_deny_precedence(entries) == entries
+
+
+def ccnp(spec: dict[str, Any], **metadata: Any) -> CompiledPolicy:
+    policy = parse_policy(
+        {
+            "apiVersion": "cilium.io/v2",
+            "kind": "CiliumClusterwideNetworkPolicy",
+            "metadata": {"name": "cw", **metadata},
+            "spec": {"endpointSelector": SEL_BACKEND, **spec},
+        }
+    )
+    return compile_policy(policy, policy_namespace(policy))
+
+
+def test_a_clusterwide_policy_selects_subjects_and_peers_of_every_namespace(
+    cache: IdentityCache,
+) -> None:
+    policy = ccnp({"ingress": [{"fromEndpoints": [SEL_FRONTEND]}]})
+    assert str(policy.ref) == "CiliumClusterwideNetworkPolicy//cw"
+    # the backend in prod and one in dev are both selected; frontends of both namespaces
+    # are admitted (a CNP in prod would admit prod's frontend only)
+    for ep in (BACKEND_EP, EndpointSubject.of(["k8s:app=backend"], "dev")):
+        result = compile_endpoint(ep, [policy], cache)
+        assert dict(result.entries) == {E(FRONTEND, IN, 0, 0): A, E(DEV_FRONTEND, IN, 0, 0): A}
+        assert result.enforce_ingress and not result.enforce_egress
+    namespaced = cnp({"ingress": [{"fromEndpoints": [SEL_FRONTEND]}]})
+    assert set(compile_endpoint(BACKEND_EP, [namespaced], cache).entries) == {
+        E(FRONTEND, IN, 0, 0)
+    }
+
+
+def test_a_clusterwide_policy_with_default_deny_off_enforces_nothing_it_does_not_say(
+    cache: IdentityCache,
+) -> None:
+    policy = ccnp(
+        {
+            "ingress": [{"fromEndpoints": [SEL_FRONTEND]}],
+            "enableDefaultDeny": {"ingress": False, "egress": False},
+        }
+    )
+    result = compile_endpoint(BACKEND_EP, [policy], cache)
+    assert not result.enforce_ingress and not result.enforce_egress
+
+
+def test_a_clusterwide_policy_with_a_namespace_is_refused() -> None:
+    from cilia_agent.policy.model import InvalidPolicy
+
+    with pytest.raises(InvalidPolicy, match="no namespace"):
+        ccnp({"ingress": [{}]}, namespace="prod")

@@ -1,4 +1,5 @@
-"""PolicyService: every CiliumNetworkPolicy and NetworkPolicy, then changes."""
+"""PolicyService: every CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy and
+NetworkPolicy, then changes (a cluster-wide policy's events carry an empty namespace)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
-from ..kinds import CNP, NETWORK_POLICY
+from ..kinds import CCNP, CNP, NETWORK_POLICY
 from ..store import Resource, Store, resource_version
 from .errors import streaming
 from .streams import Changed, Listed, Sent, watch_stream
@@ -21,7 +22,8 @@ PolicyKey = tuple[str, str, str]  # kind, namespace, name
 
 def _key(kind: str, obj: Resource) -> PolicyKey:
     meta = obj.get("metadata") or {}
-    return kind, str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+    namespace = "" if kind == CCNP.kind else str(meta.get("namespace") or "default")
+    return kind, namespace, str(meta.get("name") or "")
 
 
 def policy_event(kind: str, obj: Resource) -> pb.PolicyEvent:
@@ -54,7 +56,7 @@ class PolicyServicer:
     async def WatchPolicies(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchPoliciesRequest, context: Any
     ) -> AsyncIterator[pb.WatchPoliciesResponse]:
-        """Every policy of both kinds (``synced`` on the last message of the listing), then
+        """Every policy of the three kinds (``synced`` on the last message of the listing), then
         each create/update (UPSERT with JSON) and delete (DELETE, empty JSON).
 
         Errors: UNAVAILABLE.
@@ -84,7 +86,7 @@ class PolicyServicer:
 
         async for response in watch_stream(
             self.store,
-            [CNP.kind, NETWORK_POLICY.kind],
+            [CNP.kind, CCNP.kind, NETWORK_POLICY.kind],
             apply,
             respond,
             key=lambda e: (e.kind, e.namespace, e.name),

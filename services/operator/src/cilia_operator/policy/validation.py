@@ -36,6 +36,7 @@ from ..errors import FieldError, InvalidResource, field_path
 
 CNP_API_VERSION = "cilium.io/v2"
 CNP_KIND = "CiliumNetworkPolicy"
+CCNP_KIND = "CiliumClusterwideNetworkPolicy"
 NP_API_VERSION = "networking.k8s.io/v1"
 NP_KIND = "NetworkPolicy"
 DEFAULT_NAMESPACE = "default"
@@ -97,7 +98,8 @@ def crd_schema(crd: Mapping[str, Any], version: str) -> dict[str, Any]:
 
 @functools.cache
 def _validator(kind: str) -> Any:
-    if kind == CNP_KIND:
+    if kind in (CNP_KIND, CCNP_KIND):
+        # a CCNP's rules are a CNP's (upstream: the same Rule type; scope Cluster)
         schema = crd_schema(yaml.safe_load(resource_text(CRD_RESOURCE)), "v2")
     elif kind == NP_KIND:
         schema = yaml.safe_load(resource_text(NP_SCHEMA_RESOURCE))
@@ -205,11 +207,13 @@ def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     """Validate a ``CiliumNetworkPolicy`` or ``NetworkPolicy`` manifest.
 
     Args:
-        kind: ``CiliumNetworkPolicy`` or ``NetworkPolicy`` (apiVersion checked by the caller).
+        kind: ``CiliumNetworkPolicy``, ``CiliumClusterwideNetworkPolicy`` or
+            ``NetworkPolicy`` (apiVersion checked by the caller).
         doc: the manifest.
 
     Returns:
-        the manifest (a copy) with ``metadata.namespace`` defaulted to ``default``.
+        the manifest (a copy) with ``metadata.namespace`` defaulted to ``default`` (a
+        CiliumClusterwideNetworkPolicy has none: one given is an error).
 
     Raises:
         InvalidResource: every problem, each with its field path and reason.
@@ -220,13 +224,19 @@ def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     for error in sorted(validator.iter_errors(dict(doc)), key=lambda e: list(e.absolute_path)):
         errors.extend(_describe(error))
     errors = _metadata(doc) + errors
+    meta = doc.get("metadata")
+    if kind == CCNP_KIND and isinstance(meta, dict) and meta.get("namespace"):
+        errors.append(FieldError("metadata.namespace", f"{kind} is cluster-scoped: no namespace"))
     if not errors:
         errors = _selector_values(doc)
     if errors:
         raise InvalidResource(_dedupe(errors))
     out = copy.deepcopy(dict(doc))
     out.setdefault("metadata", {})
-    out["metadata"]["namespace"] = out["metadata"].get("namespace") or DEFAULT_NAMESPACE
+    if kind == CCNP_KIND:
+        out["metadata"].pop("namespace", None)
+    else:
+        out["metadata"]["namespace"] = out["metadata"].get("namespace") or DEFAULT_NAMESPACE
     return out
 
 
@@ -243,6 +253,11 @@ def _dedupe(errors: Sequence[FieldError]) -> list[FieldError]:
 def validate_cnp(doc: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`validate_policy` for CiliumNetworkPolicy."""
     return validate_policy(CNP_KIND, doc)
+
+
+def validate_ccnp(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`validate_policy` for CiliumClusterwideNetworkPolicy (no namespace)."""
+    return validate_policy(CCNP_KIND, doc)
 
 
 def validate_np(doc: Mapping[str, Any]) -> dict[str, Any]:

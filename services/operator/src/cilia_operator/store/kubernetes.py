@@ -97,6 +97,9 @@ KINDS: dict[str, KubeKind] = {
     "CiliumNetworkPolicy": KubeKind(
         "cilium.io", "v2", "ciliumnetworkpolicies", True, status_subresource=True
     ),
+    "CiliumClusterwideNetworkPolicy": KubeKind(
+        "cilium.io", "v2", "ciliumclusterwidenetworkpolicies", False, status_subresource=True
+    ),
     "CiliumIdentity": KubeKind("cilium.io", "v2", "ciliumidentities", False),
     "CiliumEndpoint": KubeKind("cilium.io", "v2", "ciliumendpoints", True),
     # builtin kinds
