@@ -33,6 +33,7 @@ from .controlplane.pod import PodServicer
 from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
 from .controlplane.resources import add_to_server as add_resource_service
+from .endpoint.slices import SliceController
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
@@ -118,6 +119,17 @@ class Operator:
             metrics=self.metrics,
         )
         self.elector: LeaderElector | None = None
+        self.slices = (
+            SliceController(
+                self.store,
+                max_per_slice=config.ces_max_ciliumendpoints_per_ces,
+                qps=config.ces_write_qps_limit,
+                burst=config.ces_write_qps_burst,
+                retry_interval=config.store_retry_interval,
+            )
+            if config.enable_cilium_endpoint_slice
+            else None
+        )
         if config.enable_leader_election:
             self.elector = LeaderElector(
                 self._leader_lock(),
@@ -283,12 +295,16 @@ class Operator:
         probe on gRPC health routes agents to the leader)."""
         await self.controller.start()
         self.identity_gc.start()
+        if self.slices is not None:
+            await self.slices.start()
         if self._health is not None:
             await set_serving(self._health, SERVICE_NAMES)
 
     async def _stop_leading(self) -> None:
         if self._health is not None:
             await set_serving(self._health, SERVICE_NAMES, serving=False)
+        if self.slices is not None:
+            await self.slices.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
 
@@ -346,6 +362,8 @@ class Operator:
             await self._server.stop(self.config.shutdown_grace_period)
         if self.elector is not None:
             await self.elector.stop()
+        if self.slices is not None:
+            await self.slices.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
         await self.store.close()

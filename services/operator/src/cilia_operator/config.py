@@ -102,6 +102,20 @@ class Config(BaseModel):
         ge=1,
         description="max identities deleted per --identity-gc-rate-interval",
     )
+    enable_cilium_endpoint_slice: bool = Field(
+        default=False,
+        description="batch CiliumEndpoints into CiliumEndpointSlices (cilium.io/v2alpha1), "
+        "grouped by namespace and identity (upstream enable-cilium-endpoint-slice)",
+    )
+    ces_max_ciliumendpoints_per_ces: int = Field(
+        default=100, ge=1, le=10000, description="endpoints in one CiliumEndpointSlice at most"
+    )
+    ces_write_qps_limit: float = Field(
+        default=10.0, gt=0, description="CiliumEndpointSlice writes per second (sustained)"
+    )
+    ces_write_qps_burst: int = Field(
+        default=20, ge=1, description="CiliumEndpointSlice writes allowed in a burst"
+    )
     identity_max_id: int = Field(
         default=65535,
         ge=256,

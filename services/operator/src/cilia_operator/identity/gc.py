@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..endpoint import slices
 from ..endpoint.records import KIND as ENDPOINT_KIND
 from ..kinds import NODE
 from ..metrics import Metrics
@@ -105,6 +106,9 @@ class IdentityGC:
             StoreUnavailable: the store cannot be reached.
         """
         used = {endpoint_identity(o) for o in (await self.store.list(ENDPOINT_KIND)).items}
+        # an identity a CiliumEndpointSlice references is alive too (upstream)
+        for ces in (await self.store.list(slices.KIND)).items:
+            used |= slices.slice_identities(ces)
         nodes = {o["metadata"]["name"] for o in (await self.store.list(NODE.kind)).items}
         alive = marked = deleted = deferred = 0
         for record in (await self.store.list(records.KIND)).items:
