@@ -126,6 +126,7 @@ class Operator:
                 qps=config.ces_write_qps_limit,
                 burst=config.ces_write_qps_burst,
                 retry_interval=config.store_retry_interval,
+                sync_counter=self.metrics.ces_sync,
             )
             if config.enable_cilium_endpoint_slice
             else None

@@ -69,6 +69,12 @@ class Metrics:
             "Identities created by IdentityService.Allocate",
             registry=self.registry,
         )
+        self.ces_sync = Counter(
+            "cilium_operator_ces_sync",
+            "CiliumEndpointSlice writes (create, update, delete) by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._pools: set[str] = set()
 
     def set_pool_stats(self, stats: Mapping[str, PoolStats]) -> None:

@@ -90,6 +90,10 @@ async def test_200_endpoints_of_3_nodes_are_sliced_by_namespace_and_identity(
             assert all(ep["networking"]["node"].startswith("192.0.2.") for ep in ces["endpoints"])
         # 150 web in shop -> 2 slices, 30 db -> 1, 20 web in ops -> 1
         assert sorted(len(c["endpoints"]) for c in items) == [20, 30, 50, 100]
+        synced = op.metrics.registry.get_sample_value(
+            "cilium_operator_ces_sync_total", {"outcome": "success"}
+        )
+        assert synced is not None and 4 <= synced < 200, "batched: far fewer writes than pods"
         # the pods go: the slices shrink and go, and never lose a member that stays
         for namespace, name, _ in plan[:140]:
             await endpoints.DeleteEndpoint(pb.DeleteEndpointRequest(namespace=namespace, name=name))

@@ -219,8 +219,10 @@ class SliceController:
     Args:
         store: the Store.
         max_per_slice: ``--ces-max-ciliumendpoints-per-ces``.
-        qps / burst: ``--ces-write-qps-limit`` / ``--ces-write-qps-burst``.
+        qps / burst: ``--ces-write-qps-limit`` / ``--ces-write-qps-burst`` (the names of
+            upstream's operator before ``ces-rate-limits`` replaced them).
         retry_interval: seconds after a store error before trying again.
+        sync_counter: ``cilium_operator_ces_sync_total`` (labels: outcome), optional.
 
     ``await start()`` lists slices and endpoints, then watches endpoints and writes slices in
     the background; ``await stop()``. Run it on the leader only.
@@ -234,8 +236,10 @@ class SliceController:
         qps: float = 10.0,
         burst: int = 20,
         retry_interval: float = 1.0,
+        sync_counter: Any = None,
     ) -> None:
         self.store = store
+        self.sync_counter = sync_counter
         self.slicer = Slicer(max_per_slice)
         self.limiter = AsyncLimiter(burst, burst / qps)
         self.retry_interval = retry_interval
@@ -312,9 +316,13 @@ class SliceController:
                 await self.limiter.acquire()
                 try:
                     await self._write(name, record)
+                    if self.sync_counter is not None:
+                        self.sync_counter.labels("success").inc()
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    if self.sync_counter is not None:
+                        self.sync_counter.labels("fail").inc()
                     log.warning("slice write failed; retrying",
                                 extra={"slice": name, "error": str(exc)})  # fmt: skip
                     self.slicer.dirty.add(name)
