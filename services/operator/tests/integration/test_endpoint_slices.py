@@ -50,9 +50,7 @@ async def test_200_endpoints_of_3_nodes_are_sliced_by_namespace_and_identity(
     async with running_operator(
         redis_url,
         enable_cilium_endpoint_slice=True,
-        ces_max_ciliumendpoints_per_ces=MAX,
-        ces_write_qps_limit=200.0,
-        ces_write_qps_burst=50,
+        ces_max_ciliumendpoints_per_ces=MAX,  # and upstream's rate limit: 10/s, bursts of 20
     ) as (op, channel):
         for i, node in enumerate(NODES):
             await register(channel, node, f"192.0.2.{10 + i}")
@@ -93,7 +91,8 @@ async def test_200_endpoints_of_3_nodes_are_sliced_by_namespace_and_identity(
         synced = op.metrics.registry.get_sample_value(
             "cilium_operator_ces_sync_total", {"outcome": "success"}
         )
-        assert synced is not None and 4 <= synced < 200, "batched: far fewer writes than pods"
+        # a slice changed many times before its turn is written once
+        assert synced is not None and 4 <= synced < 100, f"{synced} writes for 200 endpoints"
         # the pods go: the slices shrink and go, and never lose a member that stays
         for namespace, name, _ in plan[:140]:
             await endpoints.DeleteEndpoint(pb.DeleteEndpointRequest(namespace=namespace, name=name))
