@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -265,18 +265,18 @@ class ObjectMeta(BaseModel):
     namespace: str | None = None
 
 
-class CiliumNetworkPolicy(_Model):
-    """CiliumNetworkPolicy ``cilium.io/v2`` (namespaced): ``spec`` and/or ``specs[]``."""
+class _CiliumPolicy(_Model):
+    """What CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy share (upstream: the
+    same Rule type): ``metadata``, ``spec`` and/or ``specs[]``, ``status``."""
 
     api_version: Literal["cilium.io/v2"]
-    kind: Literal["CiliumNetworkPolicy"]
     metadata: ObjectMeta
     spec: Rule | None = None
     specs: list[Rule] | None = None
     status: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _has_rules(self) -> CiliumNetworkPolicy:
+    def _has_rules(self) -> Self:
         if self.spec is None and not self.specs:
             raise ValueError("spec or specs must be set")
         return self
@@ -287,30 +287,24 @@ class CiliumNetworkPolicy(_Model):
         return ([self.spec] if self.spec is not None else []) + list(self.specs or [])
 
 
-class CiliumClusterwideNetworkPolicy(_Model):
+class CiliumNetworkPolicy(_CiliumPolicy):
+    """CiliumNetworkPolicy ``cilium.io/v2`` (namespaced): ``spec`` and/or ``specs[]``."""
+
+    kind: Literal["CiliumNetworkPolicy"]
+
+
+class CiliumClusterwideNetworkPolicy(_CiliumPolicy):
     """CiliumClusterwideNetworkPolicy ``cilium.io/v2`` (cluster-scoped): a CNP's rules,
     selecting endpoints (and peers) of every namespace. Upstream's host-policy
     ``nodeSelector`` is not supported (refused as an unknown field)."""
 
-    api_version: Literal["cilium.io/v2"]
     kind: Literal["CiliumClusterwideNetworkPolicy"]
-    metadata: ObjectMeta
-    spec: Rule | None = None
-    specs: list[Rule] | None = None
-    status: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _has_rules(self) -> CiliumClusterwideNetworkPolicy:
-        if self.spec is None and not self.specs:
-            raise ValueError("spec or specs must be set")
+    def _no_namespace(self) -> Self:
         if self.metadata.namespace:
             raise ValueError("a CiliumClusterwideNetworkPolicy has no namespace")
         return self
-
-    @property
-    def rules(self) -> list[Rule]:
-        """``spec`` followed by ``specs[]``."""
-        return ([self.spec] if self.spec is not None else []) + list(self.specs or [])
 
 
 # ----------------------------------------------------------------------------- k8s NP

@@ -519,9 +519,7 @@ def test_a_clusterwide_policy_selects_subjects_and_peers_of_every_namespace(
         assert dict(result.entries) == {E(FRONTEND, IN, 0, 0): A, E(DEV_FRONTEND, IN, 0, 0): A}
         assert result.enforce_ingress and not result.enforce_egress
     namespaced = cnp({"ingress": [{"fromEndpoints": [SEL_FRONTEND]}]})
-    assert set(compile_endpoint(BACKEND_EP, [namespaced], cache).entries) == {
-        E(FRONTEND, IN, 0, 0)
-    }
+    assert set(compile_endpoint(BACKEND_EP, [namespaced], cache).entries) == {E(FRONTEND, IN, 0, 0)}
 
 
 def test_a_clusterwide_policy_with_default_deny_off_enforces_nothing_it_does_not_say(
