@@ -1,9 +1,12 @@
 """Wiring of the operator: start/stop order and signal handling.
 
 Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING) ->
-auto-create pools (existing ones skipped) -> [with --enable-leader-election: wait to become
-leader] -> IPAM controller restores every node's CIDRs -> identity GC starts -> health
-SERVING. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
+auto-create pools (existing ones skipped) -> without leader election: IPAM controller
+restores every node's CIDRs -> identity GC (and CiliumEndpointSlices) start -> health
+SERVING. With --enable-leader-election: the replica follows the store (allocation streams
+served, nothing allocated) and is SERVING at once; when it becomes leader the controller
+restores and allocates, the GC and slices start; when it loses the lock they stop and it
+follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
 gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller -> store
 -> metrics endpoint.
 """
@@ -264,7 +267,14 @@ class Operator:
         except StoreError as exc:
             raise StartupError(str(exc)) from None
         if self.elector is not None:
-            # health turns SERVING when this replica becomes leader (_start_leading)
+            # a follower serves agents too (reads, watches, writes the leader reconciles):
+            # every replica is ready, so a Deployment rollout of two replicas can finish
+            try:
+                await self.controller.observe()
+            except StoreError as exc:
+                raise StartupError(str(exc)) from None
+            if self._health is not None:
+                await set_serving(self._health, SERVICE_NAMES)
             self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
 
@@ -291,9 +301,9 @@ class Operator:
         return self.elector is None or self.elector.is_leader
 
     async def _start_leading(self) -> None:
-        """Leader-only work: the IPAM controller (restore, migration, allocation) and the
-        identity GC; then health SERVING (a follower stays NOT_SERVING, so a readiness
-        probe on gRPC health routes agents to the leader)."""
+        """Leader-only work: the IPAM controller (restore, migration, allocation), the
+        identity GC and the CiliumEndpointSlices; then health SERVING (a follower is
+        SERVING too: it serves agents, and the leader allocates what they ask for)."""
         await self.controller.start()
         self.identity_gc.start()
         if self.slices is not None:
@@ -302,12 +312,18 @@ class Operator:
             await set_serving(self._health, SERVICE_NAMES)
 
     async def _stop_leading(self) -> None:
-        if self._health is not None:
-            await set_serving(self._health, SERVICE_NAMES, serving=False)
+        """Leadership lost: the leader-only work stops; the replica goes on serving agents
+        as a follower (its allocation streams follow the store)."""
         if self.slices is not None:
             await self.slices.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
+        try:
+            await self.controller.observe()
+        except StoreError as exc:
+            log.error("follower cannot follow the store", extra={"error": str(exc)})
+            if self._health is not None:
+                await set_serving(self._health, SERVICE_NAMES, serving=False)
 
     async def _auto_create_pools(self) -> None:
         """Create the ``--auto-create-cilium-pod-ip-pools`` pools that do not exist (an

@@ -24,9 +24,10 @@ from cilia_operator.ipam import node as nodes
 from cilia_operator.leader import LeaderElector, RedisLock, validate_durations
 from cilia_operator.store import Store
 
+FAST_LEASE = 3.0
 FAST = {
     "enable_leader_election": True,
-    "leader_election_lease_duration": 3.0,
+    "leader_election_lease_duration": FAST_LEASE,
     "leader_election_renew_deadline": 2.0,
     "leader_election_retry_period": 0.1,
 }
@@ -93,13 +94,30 @@ async def two_replicas_then_failover(store_url: str, **extra: Any) -> None:
         assert [a.is_leader, b.is_leader].count(True) == 1
         leader, follower = (a, b) if a.is_leader else (b, a)
         ch_leader, ch_follower = (ch_a, ch_b) if leader is a else (ch_b, ch_a)
+        # both replicas are ready (a rollout of two replicas can finish) and serve agents
         assert await health(ch_leader) == health_pb2.HealthCheckResponse.SERVING
-        assert await health(ch_follower) == health_pb2.HealthCheckResponse.NOT_SERVING
-        # agents may register through either replica; only the leader allocates
+        assert await health(ch_follower) == health_pb2.HealthCheckResponse.SERVING
+        # agents may register through either replica; only the leader allocates, and the
+        # follower's allocation stream delivers what the leader allocated
         for name in ("n1", "n2"):
             await register(ch_follower, name)
+        watch = pb_grpc.IPAMServiceStub(ch_follower).WatchAllocations(
+            pb.WatchAllocationsRequest(node_name="n1")
+        )
+        for name in ("n1", "n2"):
             await demand(ch_follower, name)
         first = {n: await allocated_blocks(leader.store, n) for n in ("n1", "n2")}
+
+        async def streamed_blocks() -> list[str]:
+            while True:
+                message = await watch.read()
+                cidrs = [c for p in message.allocation.pools for c in p.cidrs]
+                if cidrs:
+                    return cidrs
+
+        got = await asyncio.wait_for(streamed_blocks(), 10)
+        assert got == [str(b) for b in first["n1"]]
+        watch.cancel()
         assert not follower.controller.running
         assert follower.controller.allocator.stats().get("default") is None or (
             follower.controller.allocator.stats()["default"].allocated == 0
@@ -107,8 +125,12 @@ async def two_replicas_then_failover(store_url: str, **extra: Any) -> None:
         # the leader dies without releasing its lock: the follower takes over once the
         # lease expires, restores every block from the store and allocates new ones
         assert leader.elector is not None
+        lost = asyncio.get_running_loop().time()
         await leader.elector.stop(release=False)
         await until(lambda: follower.is_leader)
+        took = asyncio.get_running_loop().time() - lost
+        lease = float(extra.get("leader_election_lease_duration", FAST_LEASE))
+        assert took <= lease + 2.0, f"the follower led {took:.1f} s after (lease {lease} s)"
         for name in ("n3", "n4"):
             await register(ch_follower, name)
             await demand(ch_follower, name)

@@ -214,6 +214,7 @@ class IPAMController:
         self._known: set[str] = set()
         self._subs: dict[str, set[NodeSubscription]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._observers: list[asyncio.Task[None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class IPAMController:
         Raises:
             StoreError: the store failed during the initial lists.
         """
+        await self.stop_observing()
         if self.migrate:
             try:
                 await self._migrate()
@@ -288,6 +290,7 @@ class IPAMController:
     async def stop(self) -> None:
         """Cancel the watches and the worker and wait for them (see :func:`cancel_all`:
         a cancellation the redis client swallowed is repeated)."""
+        await self.stop_observing()
         await cancel_all(self._tasks)
         for task in self._tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
@@ -935,6 +938,64 @@ class IPAMController:
     def live_peers(self, name: str) -> set[str]:
         """IP addresses of the agents whose allocation stream for node ``name`` is open."""
         return {sub.peer for sub in self._subs.get(name, ()) if sub.peer}
+
+    # -- followers -----------------------------------------------------------------
+
+    async def observe(self) -> None:
+        """A replica that does not lead: keep the ``WatchAllocations`` subscriptions current
+        (node and pool watches that only wake the streams; nothing is allocated or written),
+        so every replica serves agents and reports ready (a rollout of two replicas can
+        finish). :meth:`start` (on becoming leader) stops observing first.
+
+        Raises:
+            StoreError: the initial lists failed.
+        """
+        await self.stop_observing()
+        nodes_rv = (await self.store.list(NODE.kind)).resource_version
+        pools_rv = (await self.store.list(POOL.kind)).resource_version
+        self._observers = [
+            asyncio.create_task(
+                self._watch(NODE.kind, nodes_rv, self._observe_node, self._relist_observed)
+            ),
+            asyncio.create_task(
+                self._watch(POOL.kind, pools_rv, self._observe_pool, self._relist_observed_pools)
+            ),
+        ]
+
+    async def stop_observing(self) -> None:
+        """Cancel the follower's watches (no-op when not observing)."""
+        await cancel_all(self._observers)
+        self._observers = []
+
+    async def _observe_node(self, event: WatchEvent) -> None:
+        for sub in self._subs.get(event.object["metadata"]["name"], ()):
+            sub.latest = event.object
+            sub.deleted = event.type == "DELETED"
+            sub.changed.set()
+
+    async def _observe_pool(self, event: WatchEvent) -> None:
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.pools_generation += 1
+                sub.changed.set()
+
+    async def _relist_observed(self) -> str:
+        listed = await self.store.list(NODE.kind)
+        current = {o["metadata"]["name"]: o for o in listed.items}
+        for name, subs in self._subs.items():
+            for sub in subs:
+                sub.latest = current.get(name)
+                sub.deleted = name not in current
+                sub.changed.set()
+        return listed.resource_version
+
+    async def _relist_observed_pools(self) -> str:
+        listed = await self.store.list(POOL.kind)
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.pools_generation += 1
+                sub.changed.set()
+        return listed.resource_version
 
     def subscribe(self, name: str, peer: str = "") -> NodeSubscription:
         """Follow node ``name``'s record (``peer``: the agent's IP); call :meth:`unsubscribe`
