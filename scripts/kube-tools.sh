@@ -5,7 +5,8 @@
 #   kube-controller-manager  from k8s.io/kubernetes              (optional)
 #   kubectl                  from k8s.io/kubernetes              (optional)
 # Versions are pinned once, in tools/kube/versions.env. Sources come from the Go module proxy.
-# Each binary is built once, sequentially, with `nice -n 10 go build -trimpath -ldflags='-s -w'`,
+# Each binary is built once, sequentially, with `nice -n 10 go build -trimpath -ldflags='-s -w'`
+# (plus -X version stamps for the Kubernetes ones),
 # into ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/kube/<k8s-version>/bin/ and reused while its inputs
 # (versions.env, the go.mod/go.sum it was built from, the Go version) are unchanged.
 #
@@ -64,12 +65,22 @@ grep -Eq "^(require )?[[:space:]]*go.etcd.io/etcd/server/v3 $ETCD_VERSION( // in
 mkdir -p "$BIN"
 failed_required=()
 
-# build NAME MODULE_DIR PACKAGE REQUIRED(yes|no)
+# The Kubernetes binaries report their version (/version, kubectl version) from these
+# variables, which `make release` stamps; a plain go build would say v0.0.0-master.
+k8s_minor=${K8S_VERSION#v1.}; k8s_minor=${k8s_minor%%.*}
+K8S_STAMP=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  K8S_STAMP+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
+  K8S_STAMP+=" -X $pkg.gitTreeState=clean"
+done
+
+# build NAME MODULE_DIR PACKAGE REQUIRED(yes|no) [EXTRA_LDFLAGS]
 build() {
-  local name=$1 dir=$2 pkg=$3 required=$4
+  local name=$1 dir=$2 pkg=$3 required=$4 ldflags="-s -w${5:-}"
   local out=$BIN/$name stampf=$BIN/.$name.inputs marker=$BIN/$name.unavailable
   local inputs
-  inputs=$(cat "$TOOLS/versions.env" "$dir/go.mod" "$dir/go.sum" <(go version) | sha256sum | cut -c1-16)
+  inputs=$(cat "$TOOLS/versions.env" "$dir/go.mod" "$dir/go.sum" <(go version) <(echo "$ldflags") \
+           | sha256sum | cut -c1-16)
   if [[ -x $out && -f $stampf && $(cat "$stampf") == "$inputs" ]]; then
     return 0
   fi
@@ -79,7 +90,7 @@ build() {
     [[ $required == yes ]] && failed_required+=("$name")
     return 0
   fi
-  local cmd=(nice -n 10 go build -trimpath "-ldflags=-s -w" -o "$out.tmp" "$pkg")
+  local cmd=(nice -n 10 go build -trimpath "-ldflags=$ldflags" -o "$out.tmp" "$pkg")
   local logf=$CACHE/build-$name.log
   log "building $name ($pkg) in tools/kube/$(basename "$dir"); log $logf — the first build takes minutes"
   local t0=$SECONDS
@@ -106,9 +117,9 @@ build() {
 }
 
 build etcd "$TOOLS/etcd" . yes
-build kube-apiserver "$TOOLS/kubernetes" k8s.io/kubernetes/cmd/kube-apiserver yes
-build kube-controller-manager "$TOOLS/kubernetes" k8s.io/kubernetes/cmd/kube-controller-manager no
-build kubectl "$TOOLS/kubernetes" k8s.io/kubernetes/cmd/kubectl no
+build kube-apiserver "$TOOLS/kubernetes" k8s.io/kubernetes/cmd/kube-apiserver yes "$K8S_STAMP"
+build kube-controller-manager "$TOOLS/kubernetes" k8s.io/kubernetes/cmd/kube-controller-manager no "$K8S_STAMP"
+build kubectl "$TOOLS/kubernetes" k8s.io/kubernetes/cmd/kubectl no "$K8S_STAMP"
 
 if ((${#failed_required[@]})) && [[ ${CILIA_REQUIRE_PRIVILEGED:-} == 1 ]]; then
   log "required binaries missing: ${failed_required[*]} (see $BIN/*.unavailable)"
