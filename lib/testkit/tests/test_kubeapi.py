@@ -3,16 +3,18 @@ official client (create, watch, optimistic concurrency) and kubectl, with TLS bo
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import pathlib
 import ssl
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
 
-from cilia_testkit import kubeapi
+from cilia_testkit import kubeapi, skips
 from cilia_testkit.kubeapi import KubeAPI, unique_name
 
 kubernetes = pytest.importorskip("kubernetes")
@@ -96,3 +98,26 @@ def test_stop_reaps_everything_and_removes_its_directory() -> None:
         assert api._readyz() == "ok"
     assert all(p.returncode is not None for p in procs)
     assert not workdir.exists()
+
+
+def test_controller_manager_allocates_node_pod_cidrs(kube_apiserver: KubeAPI) -> None:
+    """kube-controller-manager with --allocate-node-cidrs gives a new Node a podCIDR of
+    --cluster-cidr (what --ipam kubernetes reads)."""
+    skips.require(kubeapi.binary_missing("kube-controller-manager"))
+    name = unique_name("node")
+    kube_apiserver.controller_manager(cluster_cidr="10.244.0.0/16", node_cidr_mask_size=24)
+    try:
+        with kube_apiserver.client() as api:
+            core: Any = client.CoreV1Api(api)
+            core.create_node({"metadata": {"name": name}})
+            deadline = time.monotonic() + 60
+            cidrs: list[str] = []
+            while not cidrs and time.monotonic() < deadline:
+                cidrs = core.read_node(name).spec.pod_cidrs or []
+                time.sleep(0.2)
+            core.delete_node(name)
+    finally:
+        kube_apiserver.stop_controller_manager()
+    assert len(cidrs) == 1
+    net = ipaddress.IPv4Network(cidrs[0])
+    assert net.prefixlen == 24 and net.subnet_of(ipaddress.IPv4Network("10.244.0.0/16"))

@@ -611,6 +611,10 @@ class KubeAPI:
             input=input, capture_output=True, text=True, check=check, timeout=timeout,
         )  # fmt: skip
 
+    def stop_controller_manager(self) -> None:
+        """Stop kube-controller-manager if it runs (SIGTERM, then SIGKILL; reaped)."""
+        self._stop_one("kube-controller-manager")
+
     def install_crds(self, *paths: pathlib.Path | str, timeout: float = 60.0) -> list[str]:
         """Apply CustomResourceDefinition files or directories for real (server-side apply,
         taking over conflicting fields) and wait until each is Established; the applied
@@ -645,7 +649,9 @@ class KubeAPI:
     ) -> subprocess.Popen[bytes]:
         """Start kube-controller-manager (once; later calls return the running one) with
         ``--allocate-node-cidrs --cluster-cidr=<cluster_cidr>`` and the admin kubeconfig;
-        no leader election, no serving port; ``extra``: more ``--flag=value``. Its log is ``<workdir>/kube-controller-manager.log``.
+        no leader election, no serving port; ``extra``: more ``--flag=value``. On the shared
+        session server it acts on every test's objects (DaemonSets get pods, pods on unknown
+        nodes are collected, ...): stop it with :meth:`stop_controller_manager`. Its log is ``<workdir>/kube-controller-manager.log``.
 
         Raises:
             FileNotFoundError: not built (the message is :func:`binary_missing`'s).
