@@ -106,4 +106,9 @@ if [[ ! -x $ROOT/.venv/buf/node_modules/.bin/buf ]] && command -v npm >/dev/null
   npm install -s --prefix "$ROOT/.venv/buf" @bufbuild/buf@1 >/dev/null 2>&1 \
     || log "buf could not be installed; the proto checks will say so"
 fi
+# The real Kubernetes control plane the tests run against (etcd, kube-apiserver,
+# kube-controller-manager, kubectl): built once from the Go module proxy, cached by version
+# under ${CILIA_CACHE_DIR:-~/.cache/cilia}/kube/<version>/bin (scripts/kube-tools.sh; the
+# first build takes ~10 min on 2 cores, later runs only check the cache).
+scripts/kube-tools.sh >/dev/null
 log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater"

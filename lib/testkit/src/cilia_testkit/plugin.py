@@ -7,6 +7,10 @@
   started :class:`~cilia_testkit.cluster.Cluster`; every cluster it made and did not stop
   yet is stopped at the end of the module (stop one earlier with ``c.stop()``). Skips with
   the reason when not root or a tool is missing.
+- ``kube_apiserver`` (session): ONE real etcd + kube-apiserver
+  (:class:`~cilia_testkit.kubeapi.KubeAPI`) for the whole test session; tests share it and
+  use names of their own (see :mod:`cilia_testkit.kubeapi`). Skips with the build's reason
+  when scripts/kube-tools.sh could not build a binary (fails in CI).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import Any
 
 import pytest
 
-from cilia_testkit import VENV_BIN
+from cilia_testkit import VENV_BIN, skips
 from cilia_testkit.cluster import Cluster, RoutingMode
+from cilia_testkit.kubeapi import KubeAPI, KubeAPIError, binary_missing
 from cilia_testkit.netns import NetnsRegistry
 from cilia_testkit.stack import StackError
 
@@ -83,3 +88,18 @@ def cluster() -> Iterator[Callable[..., Cluster]]:
     finally:
         for c in reversed(made):
             c.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
+    """The session's real kube-apiserver (see the module docstring); stopped at the end."""
+    skips.require(binary_missing("etcd") or binary_missing("kube-apiserver"))
+    api = KubeAPI(tmp_path_factory.mktemp("kubeapi"))
+    try:
+        api.start()
+    except KubeAPIError as exc:
+        pytest.fail(f"the test kube-apiserver did not start: {exc}", pytrace=False)
+    try:
+        yield api
+    finally:
+        api.stop()

@@ -31,10 +31,9 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kubernetes.aio import client as kube_client
+from stores import empty_operator_kinds, kube_cilia
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
-from cilia_kubemock import KubeMock
 from cilia_operator.controlplane.ipam import IPAMServicer
 from cilia_operator.controlplane.resources import ResourceServicer
 from cilia_operator.ipam import claims
@@ -45,6 +44,9 @@ from cilia_operator.metrics import Metrics
 from cilia_operator.store import Store
 from cilia_operator.store.kubernetes import KubernetesStore
 from cilia_operator.store.redis import RedisStore
+from cilia_testkit.kubeapi import KubeAPI
+
+__all__ = ["kube_cilia"]  # the fixture, imported from stores
 
 T = TypeVar("T")
 Net = ipaddress.IPv4Network
@@ -88,20 +90,19 @@ def pool_doc(name: str, cidrs: list[Net]) -> str:
 class IPAMMachine(RuleBasedStateMachine):
     """Two controller replicas on one Redis store, driven step by step."""
 
-    def __init__(self, url: str) -> None:
-        """``url``: a Redis URL, or ``kubernetes`` for a fresh mock API server
-        (``lib/kubemock``, real HTTP) behind the Kubernetes store."""
+    def __init__(self, url: str | KubeAPI) -> None:
+        """``url``: a Redis URL, or a real kube-apiserver serving Cilia's CRDs (the
+        ``kube_cilia`` fixture) behind the Kubernetes store, emptied of the operator's kinds
+        first."""
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.url = url
-        self.mock: KubeMock | None = None
         self.store: Store
-        if url == "kubernetes":
-            self.mock = KubeMock()
-            cfg = kube_client.Configuration()
-            cfg.host = self.run(self.mock.start_async())
-            self.store = KubernetesStore(configuration=cfg, watch_timeout=1)
+        if isinstance(url, KubeAPI):
+            self.url = url.server
+            empty_operator_kinds(url)
+            self.store = KubernetesStore(kubeconfig=str(url.kubeconfig), watch_timeout=1)
         else:
+            self.url = url
             self.store = RedisStore(url, prefix="prop/")
             self.run(self._flush())
         self.replicas: list[IPAMController] = [self._start(), self._start()]
@@ -133,8 +134,6 @@ class IPAMMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.run(self.store.close())
-        if self.mock is not None:
-            self.run(self.mock.stop_async())
         self.loop.close()
 
     def ipam(self, replica: int) -> IPAMServicer:
@@ -425,11 +424,11 @@ def test_ipam_blocks_stay_disjoint_inside_pools_and_are_never_lost(redis_url: st
     )
 
 
-def test_two_allocators_share_no_block_on_the_kubernetes_store() -> None:
-    """The same machine on the Kubernetes store (mock API server, real HTTP): block
-    claims rely on its 409 AlreadyExists the same way."""
+def test_two_allocators_share_no_block_on_the_kubernetes_store(kube_cilia: KubeAPI) -> None:
+    """The same machine on the Kubernetes store (a real kube-apiserver): block claims rely
+    on its 409 AlreadyExists the same way."""
     run_state_machine_as_test(
-        lambda: IPAMMachine("kubernetes"),
+        lambda: IPAMMachine(kube_cilia),
         settings=settings(
             max_examples=20,
             stateful_step_count=20,

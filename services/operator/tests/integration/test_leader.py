@@ -1,5 +1,5 @@
-"""Leader election: two operator replicas on one store (real redis-server, or the mock
-Kubernetes API with a coordination.k8s.io Lease). Only the leader allocates; when it
+"""Leader election: two operator replicas on one store (real redis-server, or a real
+kube-apiserver with a coordination.k8s.io Lease). Only the leader allocates; when it
 dies the other takes over; no block is ever handed to two nodes."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,15 +15,18 @@ import grpc
 import pytest
 from cluster import POOL, register
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stores import kube_cilia
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
-from cilia_kubemock import KubeAPI
 from cilia_operator.app import Operator
 from cilia_operator.config import Config
 from cilia_operator.ipam import node as nodes
 from cilia_operator.leader import LeaderElector, RedisLock, validate_durations
 from cilia_operator.store import Store
+from cilia_testkit.kubeapi import KubeAPI, unique_name
+
+__all__ = ["kube_cilia"]  # the fixture, imported from stores
 
 FAST_LEASE = 3.0
 FAST = {
@@ -149,11 +153,17 @@ async def test_redis_lock_two_replicas_one_allocates_and_failover(redis_url: str
     await two_replicas_then_failover(redis_url)
 
 
-async def test_kubernetes_lease_two_replicas_one_allocates_and_failover(kube_api: KubeAPI) -> None:
+async def test_kubernetes_lease_two_replicas_one_allocates_and_failover(
+    kube_cilia: KubeAPI,
+) -> None:
+    """On a real kube-apiserver: the coordination.k8s.io Lease is the lock."""
+    ns = unique_name("leader")
+    kube_cilia.kubectl("create", "namespace", ns)
     await two_replicas_then_failover(
-        "kubernetes", kubeconfig=str(kube_api.kubeconfig), leader_election_lease_namespace="default"
+        "kubernetes", kubeconfig=str(kube_cilia.kubeconfig), leader_election_lease_namespace=ns
     )
-    [lease] = kube_api.mock.objects("Lease", "default")
+    leases = json.loads(kube_cilia.kubectl("get", "leases", "-n", ns, "-o", "json").stdout)
+    [lease] = leases["items"]
     assert lease["metadata"]["name"] == "cilia-operator-resource-lock"
     assert lease["spec"]["leaseTransitions"] >= 1
 

@@ -1,16 +1,20 @@
 """ONE Store test suite, run against every backend: a real redis-server and the Kubernetes
-backend on the mock API server (lib/kubemock, real HTTP). See conftest.make_store."""
+backend on a real kube-apiserver (``make_store``). The tests that assert exact
+resourceVersions (counted from 1) or a trimmed history run on redis and the mock API server
+(``make_numbered_store``, lib/kubemock): a real server's versions are etcd revisions shared by
+the session and its history cannot be cut on demand. See stores.py."""
 
 import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from stores import make_store
+from stores import make_numbered_store, make_store
 
 from cilia_operator.store import AlreadyExists, Conflict, Expired, NotFound, Store, WatchEvent
 
-__all__ = ["make_store"]  # the parametrized fixture (redis, kubernetes)
+# the parametrized fixtures: (redis, real kubernetes) and (redis, kubemock)
+__all__ = ["make_numbered_store", "make_store"]
 
 StoreFactory = Callable[..., Store]
 
@@ -25,9 +29,9 @@ def obj(name: str, value: int = 0, kind: str = "Thing") -> dict[str, Any]:
 
 
 async def test_create_get_update_delete_roundtrip_bumps_resource_version(
-    make_store: StoreFactory,
+    make_numbered_store: StoreFactory,
 ) -> None:
-    store = make_store()
+    store = make_numbered_store()
     try:
         created = await store.create(obj("a"))
         assert created["metadata"]["resourceVersion"] == "1" and created["metadata"]["uid"]
@@ -59,9 +63,9 @@ async def test_create_of_existing_raises_already_exists(make_store: StoreFactory
 
 
 async def test_update_with_stale_resource_version_raises_conflict_and_changes_nothing(
-    make_store: StoreFactory,
+    make_numbered_store: StoreFactory,
 ) -> None:
-    store = make_store()
+    store = make_numbered_store()
     try:
         first = await store.create(obj("a"))
         await store.update(first)
@@ -79,8 +83,10 @@ async def test_update_with_stale_resource_version_raises_conflict_and_changes_no
         await store.close()
 
 
-async def test_update_without_resource_version_is_unconditional(make_store: StoreFactory) -> None:
-    store = make_store()
+async def test_update_without_resource_version_is_unconditional(
+    make_numbered_store: StoreFactory,
+) -> None:
+    store = make_numbered_store()
     try:
         await store.create(obj("a"))
         await store.update(obj("a", 1))
@@ -97,8 +103,11 @@ async def test_concurrent_updates_from_the_same_version_let_exactly_one_win(
     store = make_store()
     try:
         base = await store.create(obj("a"))
+        # every update changes the object: a real API server answers an update that changes
+        # nothing with success and the same resourceVersion (no write), so it cannot conflict
         results = await asyncio.gather(
-            *(store.update({**base, "spec": {"v": i}}) for i in range(10)), return_exceptions=True
+            *(store.update({**base, "spec": {"v": i}}) for i in range(1, 11)),
+            return_exceptions=True,
         )
         assert sum(not isinstance(r, Exception) for r in results) == 1
         assert all(isinstance(r, Conflict) for r in results if isinstance(r, Exception))
@@ -141,8 +150,10 @@ async def test_namespaced_objects_are_keyed_by_namespace(make_store: StoreFactor
         await store.close()
 
 
-async def test_list_returns_items_and_a_version_to_watch_from(make_store: StoreFactory) -> None:
-    store = make_store()
+async def test_list_returns_items_and_a_version_to_watch_from(
+    make_numbered_store: StoreFactory,
+) -> None:
+    store = make_numbered_store()
     try:
         await store.create(obj("b"))
         await store.create(obj("a"))
@@ -178,8 +189,10 @@ async def test_list_returns_items_and_a_version_to_watch_from(make_store: StoreF
         await store.close()
 
 
-async def test_watch_from_an_old_version_replays_history_in_order(make_store: StoreFactory) -> None:
-    store = make_store()
+async def test_watch_from_an_old_version_replays_history_in_order(
+    make_numbered_store: StoreFactory,
+) -> None:
+    store = make_numbered_store()
     try:
         for i in range(5):
             await store.create(obj(f"n{i}"))
@@ -193,8 +206,10 @@ async def test_watch_from_an_old_version_replays_history_in_order(make_store: St
         await store.close()
 
 
-async def test_watch_from_a_trimmed_version_raises_expired(make_store: StoreFactory) -> None:
-    store = make_store(event_history=3)
+async def test_watch_from_a_trimmed_version_raises_expired(
+    make_numbered_store: StoreFactory,
+) -> None:
+    store = make_numbered_store(event_history=3)
     try:
         for i in range(6):
             await store.create(obj(f"n{i}"))

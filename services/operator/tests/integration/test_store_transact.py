@@ -1,4 +1,4 @@
-"""Store.transact on both backends (real redis-server; mock Kubernetes API over HTTP)."""
+"""Store.transact on both backends (real redis-server; real kube-apiserver)."""
 
 from __future__ import annotations
 

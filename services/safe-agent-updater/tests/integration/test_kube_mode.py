@@ -1,8 +1,17 @@
-"""Kubernetes mode against cilia-kubemock (a mock API server speaking real HTTP).
+"""Kubernetes mode against a REAL kube-apiserver (the testkit's session ``kube_apiserver``:
+etcd + kube-apiserver built by scripts/kube-tools.sh).
 
-A test-side controller thread plays the DaemonSet controller and the kubelet: when the agent
-pod of a node is gone it creates the replacement from the DaemonSet's template, and (unless
-told not to) marks it Ready; a real gRPC health server plays the agent.
+No kubelet or controller manager runs, so a test-side controller thread plays the DaemonSet
+controller and the kubelet through the API: when the agent pod of a node is gone it creates
+the replacement from the DaemonSet's template (a Pod bound to the node) and, unless told not
+to, sets its Ready condition through the pods/status subresource; a pod being deleted
+(``deletionTimestamp``: the server waits for the kubelet) is removed after its termination
+delay, as a kubelet would. A real gRPC health server plays the agent. Each test works in a
+namespace and on nodes of its own (the server is shared by the session); which requests the
+updater made comes from the server's audit log.
+
+One test keeps ``lib/kubemock``: API GETs failing with 503 a given number of times (a proxy in
+front of the mock) — a fault a real server cannot be made to produce on demand.
 """
 
 from __future__ import annotations
@@ -10,11 +19,16 @@ from __future__ import annotations
 import datetime as dt
 import http.client
 import http.server
+import json
 import pathlib
+import ssl
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -23,12 +37,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cilia_kubemock import KubeAPI, KubeMock, write_kubeconfig
+from cilia_kubemock import KubeAPI as MockAPI
+from cilia_kubemock import KubeMock, write_kubeconfig
 from cilia_safe_agent_updater.__main__ import main
 from cilia_safe_agent_updater.exitcodes import Exit
 from cilia_safe_agent_updater.generation import ANNOTATION
+from cilia_testkit.kubeapi import KubeAPI, unique_name
 
-NS = "cilia-system"
 AGENT_IMAGE = "cilia-agent:0.2.0"
 OLD = "a" * 64
 NEW = "b" * 64
@@ -44,6 +59,145 @@ FAST = [
     "--image-check-attempts",
     "20",
 ]
+#: The User-Agent of the test's own requests (the controller/kubelet thread, set-up), so the
+#: audit log tells them from the updater's.
+TEST_AGENT = "cilia-test-controller"
+#: Seconds a Controller leaving its block waits for the pods being deleted to be removed.
+SETTLE_SECONDS = 10.0
+#: Where each kind lives in the REST API: (path prefix, namespaced, plural).
+RESOURCES = {
+    "Pod": ("/api/v1", True, "pods"),
+    "Node": ("/api/v1", False, "nodes"),
+    "Event": ("/api/v1", True, "events"),
+    "ServiceAccount": ("/api/v1", True, "serviceaccounts"),
+    "DaemonSet": ("/apis/apps/v1", True, "daemonsets"),
+    "Lease": ("/apis/coordination.k8s.io/v1", True, "leases"),
+}
+
+
+class ApiError(RuntimeError):
+    """A request the test made was refused: ``code`` and the server's Status message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"HTTP {code}: {message}")
+        self.code = code
+
+
+class Cluster:
+    """One test's view of the real server: its namespace ``ns``, its node names, and the
+    object helpers the tests need (put/get/list/delete as plain dicts, over HTTPS as admin).
+    Thread-safe (one request per call)."""
+
+    def __init__(self, kube: KubeAPI, ns: str) -> None:
+        self.kube = kube
+        self.ns = ns
+        self._ctx: ssl.SSLContext = kube.ssl_context()
+
+    def node(self, n: int = 1) -> str:
+        """The name of this test's node ``n`` (cluster-scoped: named after the namespace)."""
+        return f"{self.ns}-node-{n}"
+
+    def _path(self, kind: str, name: str = "", ns: str | None = None, sub: str = "") -> str:
+        prefix, namespaced, plural = RESOURCES[kind]
+        path = (
+            f"{prefix}/namespaces/{ns or self.ns}/{plural}" if namespaced else f"{prefix}/{plural}"
+        )
+        if name:
+            path += f"/{name}"
+        if sub:
+            path += f"/{sub}"
+        return path
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        """One API request; the decoded answer.
+
+        Raises:
+            ApiError: a non-2xx answer.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.kube.server + path, data=data, method=method,
+            headers={"Content-Type": content_type, "User-Agent": TEST_AGENT},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, context=self._ctx, timeout=10) as resp:
+                result: dict[str, Any] = json.load(resp)
+                return result
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, exc.read().decode(errors="replace")) from None
+
+    def put_object(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create ``obj``, or replace the existing one unconditionally; then set its
+        ``status`` (Pod, Node) through the status subresource, as kubelet does."""
+        obj = json.loads(json.dumps(obj))
+        status = obj.pop("status", None)
+        kind, meta = obj["kind"], obj["metadata"]
+        ns = meta.get("namespace")
+        try:
+            if meta.get("resourceVersion"):  # read from the server: replace it
+                raise ApiError(409, "exists")
+            made = self.request("POST", self._path(kind, ns=ns), obj)
+        except ApiError as exc:
+            if exc.code != 409:
+                raise
+            current = self.get_object(kind, meta["name"], ns)
+            meta["resourceVersion"] = current["metadata"]["resourceVersion"]
+            made = self.request("PUT", self._path(kind, meta["name"], ns), obj)
+        if status is not None and kind in ("Pod", "Node"):
+            made = self.request(
+                "PATCH", self._path(kind, meta["name"], ns, "status"), {"status": status},
+                content_type="application/merge-patch+json",
+            )  # fmt: skip
+        return made
+
+    def get_object(self, kind: str, name: str, ns: str | None = None) -> dict[str, Any]:
+        """The object as the server has it (raises ApiError 404 when there is none)."""
+        return self.request("GET", self._path(kind, name, ns))
+
+    def objects(self, kind: str, ns: str | None = None) -> list[dict[str, Any]]:
+        """Every object of ``kind`` in the namespace (this test's by default)."""
+        items: list[dict[str, Any]] = self.request("GET", self._path(kind, ns=ns))["items"]
+        return items
+
+    def delete_now(self, kind: str, name: str) -> None:
+        """Delete at once (grace period 0: what the kubelet does when a pod has stopped)."""
+        try:
+            self.request("DELETE", self._path(kind, name), {"gracePeriodSeconds": 0})
+        except ApiError as exc:
+            if exc.code != 404:
+                raise
+
+    def deletes(self) -> list[str]:
+        """Paths of the pod DELETEs the updater made (the audit log, the test's own left out)."""
+        return [
+            e["requestURI"].split("?")[0]
+            for e in self.kube.requests("delete", "pods", self.ns)
+            if e.get("userAgent") != TEST_AGENT
+        ]
+
+    def reasons(self) -> list[str]:
+        """The reasons of the Events in the namespace, oldest first."""
+        events = sorted(self.objects("Event"), key=lambda e: int(e["metadata"]["resourceVersion"]))
+        return [e["reason"] for e in events]
+
+
+@pytest.fixture
+def cluster(kube_apiserver: KubeAPI, request: pytest.FixtureRequest) -> Cluster:
+    """A namespace of this test's own (with its ``default`` ServiceAccount, which admission
+    requires before a Pod) on the session's real server."""
+    ns = unique_name(request.node.name.removeprefix("test_")[:30])
+    c = Cluster(kube_apiserver, ns)
+    c.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+    c.put_object(
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "default", "namespace": ns},
+        }
+    )
+    return c
 
 
 def _node(name: str, images: list[str]) -> dict[str, Any]:
@@ -55,12 +209,12 @@ def _node(name: str, images: list[str]) -> dict[str, Any]:
     }
 
 
-def _daemonset(generation: str | None) -> dict[str, Any]:
+def _daemonset(ns: str, generation: str | None) -> dict[str, Any]:
     annotations = {ANNOTATION: generation} if generation is not None else {}
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": {"name": "cilia-agent", "namespace": NS},
+        "metadata": {"name": "cilia-agent", "namespace": ns},
         "spec": {
             "selector": {"matchLabels": {"app": "cilia-agent"}},
             "updateStrategy": {"type": "OnDelete"},
@@ -72,13 +226,13 @@ def _daemonset(generation: str | None) -> dict[str, Any]:
     }
 
 
-def _pod(name: str, node: str, generation: str, ready: bool = True) -> dict[str, Any]:
+def _pod(ns: str, name: str, node: str, generation: str, ready: bool = True) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "namespace": NS,
+            "namespace": ns,
             "labels": {"app": "cilia-agent"},
             "annotations": {ANNOTATION: generation},
         },
@@ -87,22 +241,39 @@ def _pod(name: str, node: str, generation: str, ready: bool = True) -> dict[str,
     }
 
 
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions", [])
+    )
+
+
 class Controller(threading.Thread):
-    """Plays the DaemonSet controller + kubelet for ``nodes`` on the mock.
+    """Plays the DaemonSet controller + kubelet for ``nodes`` on the real server.
 
     When a node has no live agent pod, it creates one from the DaemonSet template
-    (annotation included), then marks it Ready when ``make_ready``. Records the largest
-    number of nodes that were without a Ready agent at the same time.
+    (annotation included), then marks it Ready when ``make_ready``. A pod being deleted is
+    removed ``termination_delay`` seconds after it was first seen terminating. Records the
+    largest number of nodes that were without a Ready agent at the same time.
     """
 
-    def __init__(self, mock: KubeMock, nodes: list[str], make_ready: bool = True) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        nodes: list[str],
+        make_ready: bool = True,
+        termination_delay: float = 0.0,
+    ) -> None:
         super().__init__(daemon=True)
-        self.mock = mock
+        self.cluster = cluster
         self.nodes = nodes
         self.make_ready = make_ready
+        self.termination_delay = termination_delay
         self.stop = threading.Event()
         self.created: list[str] = []
         self.max_not_ready = 0
+        self.error: BaseException | None = None
+        self._terminating: dict[str, float] = {}
 
     def __enter__(self) -> Controller:
         """Start the thread; ``with Controller(...) as c:`` runs it for the block."""
@@ -110,36 +281,56 @@ class Controller(threading.Thread):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Stop the thread and wait for it to end."""
+        """Let the kubelet finish the pods being deleted (up to SETTLE_SECONDS), stop the
+        thread, wait for it to end, re-raise what failed in it."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while self.error is None and time.monotonic() < deadline:
+            if not any(p["metadata"].get("deletionTimestamp") for p in self.cluster.objects("Pod")):
+                break
+            time.sleep(0.05)
         self.stop.set()
         self.join()
+        if self.error is not None:
+            raise self.error
 
     def run(self) -> None:
-        serial = 0
-        while not self.stop.wait(0.02):
-            template = self.mock.get_object("DaemonSet", "cilia-agent", NS)["spec"]["template"]
-            pods = self.mock.objects("Pod", NS)
-            not_ready = 0
-            for node in self.nodes:
-                mine = [p for p in pods if p["spec"]["nodeName"] == node]
-                live = [p for p in mine if not p["metadata"].get("deletionTimestamp")]
-                if not live:
-                    not_ready += 1
-                    serial += 1
-                    name = f"cilia-agent-{node}-{serial}"
-                    pod = _pod(
-                        name, node, template["metadata"]["annotations"][ANNOTATION], ready=False
-                    )
-                    self.mock.put_object(pod)
-                    self.created.append(name)
-                    continue
-                pod = live[0]
-                if not any(c.get("status") == "True" for c in pod["status"]["conditions"]):
-                    not_ready += 1
-                    if self.make_ready:
-                        pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
-                        self.mock.put_object(pod)
-            self.max_not_ready = max(self.max_not_ready, not_ready)
+        try:
+            serial = 0
+            while not self.stop.wait(0.02):
+                serial = self._step(serial)
+        except BaseException as exc:  # reported by __exit__
+            self.error = exc
+
+    def _step(self, serial: int) -> int:
+        c = self.cluster
+        template = c.get_object("DaemonSet", "cilia-agent")["spec"]["template"]
+        pods = c.objects("Pod")
+        now = time.monotonic()
+        for p in pods:  # the kubelet: a stopped pod is removed
+            if p["metadata"].get("deletionTimestamp"):
+                first = self._terminating.setdefault(p["metadata"]["uid"], now)
+                if now - first >= self.termination_delay:
+                    c.delete_now("Pod", p["metadata"]["name"])
+        not_ready = 0
+        for node in self.nodes:
+            mine = [p for p in pods if p["spec"]["nodeName"] == node]
+            live = [p for p in mine if not p["metadata"].get("deletionTimestamp")]
+            if not live:
+                not_ready += 1
+                serial += 1
+                name = f"cilia-agent-{node}-{serial}"
+                generation = template["metadata"]["annotations"][ANNOTATION]
+                c.put_object(_pod(c.ns, name, node, generation, ready=False))
+                self.created.append(name)
+                continue
+            pod = live[0]
+            if not _ready(pod):
+                not_ready += 1
+                if self.make_ready:
+                    pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+                    c.put_object({"apiVersion": "v1", "kind": "Pod", **pod})
+        self.max_not_ready = max(self.max_not_ready, not_ready)
+        return serial
 
 
 @pytest.fixture
@@ -156,22 +347,24 @@ def agent_health(tmp_path: pathlib.Path) -> Iterator[str]:
     server.stop(0)
 
 
-def _setup(mock: KubeMock, *, ds_generation: str | None = NEW, pods: int = 1) -> None:
-    mock.put_object(_daemonset(ds_generation))
-    mock.put_object(_node("node-1", [AGENT_IMAGE]))
+def _setup(c: Cluster, *, ds_generation: str | None = NEW, pods: int = 1) -> None:
+    c.put_object(_daemonset(c.ns, ds_generation))
+    c.put_object(_node(c.node(), [AGENT_IMAGE]))
     for i in range(pods):
-        mock.put_object(_pod(f"cilia-agent-old-{i}", "node-1", OLD))
+        c.put_object(_pod(c.ns, f"cilia-agent-old-{i}", c.node(), OLD))
 
 
-def _run(kube_api: KubeAPI, *extra: str, node: str = "node-1", health_addr: str = "") -> int:
+def _run(c: Cluster, *extra: str, node: str = "", health_addr: str = "") -> int:
     return main(
         [
             "--mode",
             "kubernetes",
             "--kubeconfig",
-            str(kube_api.kubeconfig),
+            str(c.kube.kubeconfig),
+            "--namespace",
+            c.ns,
             "--node-name",
-            node,
+            node or c.node(),
             "--agent-health-address",
             health_addr,
             *FAST,
@@ -180,39 +373,30 @@ def _run(kube_api: KubeAPI, *extra: str, node: str = "node-1", health_addr: str 
     )
 
 
-def _deletes(mock: KubeMock) -> list[str]:
-    return [path for method, path in mock.requests if method == "DELETE"]
-
-
-def _reasons(mock: KubeMock) -> list[str]:
-    events = sorted(mock.objects("Event", NS), key=lambda e: int(e["metadata"]["resourceVersion"]))
-    return [e["reason"] for e in events]
-
-
-def test_equal_hash_is_a_noop(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock)
-    pod = kube_api.mock.get_object("Pod", "cilia-agent-old-0", NS)
+def test_equal_hash_is_a_noop(cluster: Cluster) -> None:
+    _setup(cluster)
+    pod = cluster.get_object("Pod", "cilia-agent-old-0")
     pod["metadata"]["annotations"][ANNOTATION] = NEW
-    kube_api.mock.put_object(pod)
+    cluster.put_object(pod)
 
-    assert _run(kube_api) == Exit.OK
-    assert _deletes(kube_api.mock) == []
-    assert kube_api.mock.get_object("Pod", "cilia-agent-old-0", NS)["metadata"]["uid"]
-    assert _reasons(kube_api.mock) == ["AgentUpToDate"]
+    assert _run(cluster) == Exit.OK
+    assert cluster.deletes() == []
+    assert cluster.get_object("Pod", "cilia-agent-old-0")["metadata"]["uid"]
+    assert cluster.reasons() == ["AgentUpToDate"]
 
 
 def test_differing_hash_deletes_waits_for_ready_and_health(
-    kube_api: KubeAPI, agent_health: str
+    cluster: Cluster, agent_health: str
 ) -> None:
-    _setup(kube_api.mock)
-    with Controller(kube_api.mock, ["node-1"]) as controller:
-        assert _run(kube_api, health_addr=agent_health) == Exit.OK
-    pods = kube_api.mock.objects("Pod", NS)
+    _setup(cluster)
+    with Controller(cluster, [cluster.node()]) as controller:
+        assert _run(cluster, health_addr=agent_health) == Exit.OK
+    pods = cluster.objects("Pod")
     assert [p["metadata"]["name"] for p in pods] == controller.created
     assert len(pods) == 1
     assert pods[0]["metadata"]["annotations"][ANNOTATION] == NEW
-    assert _deletes(kube_api.mock) == [f"/api/v1/namespaces/{NS}/pods/cilia-agent-old-0"]
-    assert _reasons(kube_api.mock) == [
+    assert cluster.deletes() == [f"/api/v1/namespaces/{cluster.ns}/pods/cilia-agent-old-0"]
+    assert cluster.reasons() == [
         "AgentOutdated",
         "ImagesPresent",
         "AgentPodDeleted",
@@ -221,40 +405,35 @@ def test_differing_hash_deletes_waits_for_ready_and_health(
         "AgentHealthy",
         "AgentUpdated",
     ]
-    new_pod_events = [
-        e for e in kube_api.mock.objects("Event", NS) if e["reason"] == "ReplacementReady"
-    ]
+    new_pod_events = [e for e in cluster.objects("Event") if e["reason"] == "ReplacementReady"]
     assert new_pod_events[0]["involvedObject"]["name"] == controller.created[0]
 
 
-@pytest.mark.kubemock(pod_termination_delay=0.3)
 def test_terminating_old_pod_is_not_taken_for_the_replacement(
-    kube_api: KubeAPI, agent_health: str
+    cluster: Cluster, agent_health: str
 ) -> None:
-    _setup(kube_api.mock)
-    with Controller(kube_api.mock, ["node-1"]) as controller:
-        assert _run(kube_api, health_addr=agent_health) == Exit.OK
-    live = [
-        p for p in kube_api.mock.objects("Pod", NS) if not p["metadata"].get("deletionTimestamp")
-    ]
+    _setup(cluster)
+    with Controller(cluster, [cluster.node()], termination_delay=0.3) as controller:
+        assert _run(cluster, health_addr=agent_health) == Exit.OK
+    live = [p for p in cluster.objects("Pod") if not p["metadata"].get("deletionTimestamp")]
     assert [p["metadata"]["name"] for p in live] == controller.created
 
 
-def test_replacement_never_ready_fails_bounded(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock)
-    with Controller(kube_api.mock, ["node-1"], make_ready=False):
-        code = _run(kube_api, "--ready-attempts", "5")
+def test_replacement_never_ready_fails_bounded(cluster: Cluster) -> None:
+    _setup(cluster)
+    with Controller(cluster, [cluster.node()], make_ready=False):
+        code = _run(cluster, "--ready-attempts", "5")
     assert code == Exit.REPLACEMENT_NOT_READY
-    reasons = _reasons(kube_api.mock)
+    reasons = cluster.reasons()
     assert reasons[-1] == "UpdateFailed"
     assert "ReplacementReady" not in reasons
 
 
-def test_agent_health_never_serving_fails(kube_api: KubeAPI, tmp_path: pathlib.Path) -> None:
-    _setup(kube_api.mock)
-    with Controller(kube_api.mock, ["node-1"]):
+def test_agent_health_never_serving_fails(cluster: Cluster, tmp_path: pathlib.Path) -> None:
+    _setup(cluster)
+    with Controller(cluster, [cluster.node()]):
         code = _run(
-            kube_api,
+            cluster,
             "--health-attempts",
             "2",
             "--health-rpc-timeout",
@@ -264,37 +443,79 @@ def test_agent_health_never_serving_fails(kube_api: KubeAPI, tmp_path: pathlib.P
     assert code == Exit.AGENT_UNHEALTHY
 
 
-def test_missing_annotation_exits_11_and_touches_nothing(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock, ds_generation=None)
-    assert _run(kube_api) == Exit.ANNOTATION_MISSING
-    assert _deletes(kube_api.mock) == []
+def test_missing_annotation_exits_11_and_touches_nothing(cluster: Cluster) -> None:
+    _setup(cluster, ds_generation=None)
+    assert _run(cluster) == Exit.ANNOTATION_MISSING
+    assert cluster.deletes() == []
 
 
-def test_two_agent_pods_on_the_node_exit_13(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock, pods=2)
-    assert _run(kube_api) == Exit.MULTIPLE_AGENT_PODS
-    assert _deletes(kube_api.mock) == []
-    assert len(kube_api.mock.objects("Pod", NS)) == 2
+def test_two_agent_pods_on_the_node_exit_13(cluster: Cluster) -> None:
+    _setup(cluster, pods=2)
+    assert _run(cluster) == Exit.MULTIPLE_AGENT_PODS
+    assert cluster.deletes() == []
+    assert len(cluster.objects("Pod")) == 2
 
 
-def test_no_agent_pod_and_no_daemonset(kube_api: KubeAPI) -> None:
-    kube_api.mock.put_object(_node("node-1", [AGENT_IMAGE]))
-    assert _run(kube_api) == Exit.DAEMONSET_NOT_FOUND
-    kube_api.mock.put_object(_daemonset(NEW))
-    assert _run(kube_api) == Exit.NO_AGENT_POD
+def test_no_agent_pod_and_no_daemonset(cluster: Cluster) -> None:
+    cluster.put_object(_node(cluster.node(), [AGENT_IMAGE]))
+    assert _run(cluster) == Exit.DAEMONSET_NOT_FOUND
+    cluster.put_object(_daemonset(cluster.ns, NEW))
+    assert _run(cluster) == Exit.NO_AGENT_POD
 
 
-def test_missing_image_on_node_does_not_delete(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock)
-    kube_api.mock.put_object(_node("node-1", ["something-else:1"]))
-    assert _run(kube_api, "--image-check-attempts", "3") == Exit.IMAGES_MISSING
-    assert _deletes(kube_api.mock) == []
+def test_missing_image_on_node_does_not_delete(cluster: Cluster) -> None:
+    _setup(cluster)
+    cluster.put_object(_node(cluster.node(), ["something-else:1"]))
+    assert _run(cluster, "--image-check-attempts", "3") == Exit.IMAGES_MISSING
+    assert cluster.deletes() == []
 
 
-def test_generation_skew_exits_19(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock)
-    assert _run(kube_api, "--expected-generation", "c" * 64) == Exit.GENERATION_SKEW
-    assert _deletes(kube_api.mock) == []
+def test_generation_skew_exits_19(cluster: Cluster) -> None:
+    _setup(cluster)
+    assert _run(cluster, "--expected-generation", "c" * 64) == Exit.GENERATION_SKEW
+    assert cluster.deletes() == []
+
+
+NS = "cilia-system"
+
+
+class MockController(threading.Thread):
+    """The Controller above, on the mock (for the one test that keeps it): creates the
+    missing agent pod of each node from the DaemonSet template, then marks it Ready."""
+
+    def __init__(self, mock: KubeMock, nodes: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.mock = mock
+        self.nodes = nodes
+        self.stop = threading.Event()
+
+    def __enter__(self) -> MockController:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.join()
+
+    def run(self) -> None:
+        serial = 0
+        while not self.stop.wait(0.02):
+            template = self.mock.get_object("DaemonSet", "cilia-agent", NS)["spec"]["template"]
+            pods = self.mock.objects("Pod", NS)
+            for node in self.nodes:
+                live = [
+                    p
+                    for p in pods
+                    if p["spec"]["nodeName"] == node and not p["metadata"].get("deletionTimestamp")
+                ]
+                if not live:
+                    serial += 1
+                    generation = template["metadata"]["annotations"][ANNOTATION]
+                    pod = _pod(NS, f"cilia-agent-{node}-{serial}", node, generation, ready=False)
+                    self.mock.put_object(pod)
+                elif not _ready(live[0]):
+                    live[0]["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+                    self.mock.put_object(live[0])
 
 
 class FlakyProxy(http.server.ThreadingHTTPServer):
@@ -349,15 +570,19 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
 
 
 def test_transient_get_failures_are_retried_not_fatal(
-    kube_api: KubeAPI, tmp_path: pathlib.Path, agent_health: str
+    kube_api: MockAPI, tmp_path: pathlib.Path, agent_health: str
 ) -> None:
-    _setup(kube_api.mock)
+    """kubemock: the API answers 503 to the first 3 GETs of the DaemonSet (on demand)."""
+    mock = kube_api.mock
+    mock.put_object(_daemonset(NS, NEW))
+    mock.put_object(_node("node-1", [AGENT_IMAGE]))
+    mock.put_object(_pod(NS, "cilia-agent-old-0", "node-1", OLD))
     ds_path = f"/apis/apps/v1/namespaces/{NS}/daemonsets/cilia-agent"
     proxy = FlakyProxy(kube_api.url, ds_path, failures=3)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     kubeconfig = write_kubeconfig(f"http://127.0.0.1:{proxy.server_address[1]}", tmp_path / "kc")
     try:
-        with Controller(kube_api.mock, ["node-1"]):
+        with MockController(mock, ["node-1"]):
             code = main(
                 [
                     "--mode",
@@ -375,7 +600,7 @@ def test_transient_get_failures_are_retried_not_fatal(
         proxy.shutdown()
     assert proxy.failed == 3
     assert code == Exit.OK
-    assert kube_api.mock.objects("Pod", NS)[0]["metadata"]["annotations"][ANNOTATION] == NEW
+    assert mock.objects("Pod", NS)[0]["metadata"]["annotations"][ANNOTATION] == NEW
 
 
 def test_api_down_after_retries_exits_3(tmp_path: pathlib.Path) -> None:
@@ -396,11 +621,11 @@ def test_api_down_after_retries_exits_3(tmp_path: pathlib.Path) -> None:
     assert code == Exit.API_UNAVAILABLE
 
 
-def _lease(holder: str, renewed: dt.datetime) -> dict[str, Any]:
+def _lease(ns: str, holder: str, renewed: dt.datetime) -> dict[str, Any]:
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
-        "metadata": {"name": "cilia-safe-agent-updater-0", "namespace": NS},
+        "metadata": {"name": "cilia-safe-agent-updater-0", "namespace": ns},
         "spec": {
             "holderIdentity": holder,
             "leaseDurationSeconds": 60,
@@ -409,42 +634,42 @@ def _lease(holder: str, renewed: dt.datetime) -> dict[str, Any]:
     }
 
 
-def test_lease_held_by_another_node_blocks_the_update(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock)
-    kube_api.mock.put_object(_lease("node-9", dt.datetime.now(dt.UTC)))
-    code = _run(kube_api, "--max-concurrent-updates", "1", "--lease-wait-timeout", "0.3")
+def test_lease_held_by_another_node_blocks_the_update(cluster: Cluster) -> None:
+    _setup(cluster)
+    cluster.put_object(_lease(cluster.ns, "node-9", dt.datetime.now(dt.UTC)))
+    code = _run(cluster, "--max-concurrent-updates", "1", "--lease-wait-timeout", "0.3")
     assert code == Exit.LOCK_TIMEOUT
-    assert _deletes(kube_api.mock) == []
-    lease = kube_api.mock.get_object("Lease", "cilia-safe-agent-updater-0", NS)
+    assert cluster.deletes() == []
+    lease = cluster.get_object("Lease", "cilia-safe-agent-updater-0")
     assert lease["spec"]["holderIdentity"] == "node-9"
 
 
-def test_expired_lease_is_taken_and_released(kube_api: KubeAPI, agent_health: str) -> None:
-    _setup(kube_api.mock)
+def test_expired_lease_is_taken_and_released(cluster: Cluster, agent_health: str) -> None:
+    _setup(cluster)
     stale = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=120)
-    kube_api.mock.put_object(_lease("node-9", stale))
-    with Controller(kube_api.mock, ["node-1"]):
-        code = _run(kube_api, "--max-concurrent-updates", "1", health_addr=agent_health)
+    cluster.put_object(_lease(cluster.ns, "node-9", stale))
+    with Controller(cluster, [cluster.node()]):
+        code = _run(cluster, "--max-concurrent-updates", "1", health_addr=agent_health)
     assert code == Exit.OK
-    lease = kube_api.mock.get_object("Lease", "cilia-safe-agent-updater-0", NS)
+    lease = cluster.get_object("Lease", "cilia-safe-agent-updater-0")
     assert lease["spec"].get("holderIdentity") is None
     assert lease["spec"]["leaseTransitions"] == 1
 
 
-def test_lease_limit_of_one_serialises_three_nodes(kube_api: KubeAPI, agent_health: str) -> None:
-    nodes = ["node-1", "node-2", "node-3"]
-    kube_api.mock.put_object(_daemonset(NEW))
+def test_lease_limit_of_one_serialises_three_nodes(cluster: Cluster, agent_health: str) -> None:
+    nodes = [cluster.node(1), cluster.node(2), cluster.node(3)]
+    cluster.put_object(_daemonset(cluster.ns, NEW))
     for node in nodes:
-        kube_api.mock.put_object(_node(node, [AGENT_IMAGE]))
-        kube_api.mock.put_object(_pod(f"cilia-agent-{node}-old", node, OLD))
-    controller = Controller(kube_api.mock, nodes)
+        cluster.put_object(_node(node, [AGENT_IMAGE]))
+        cluster.put_object(_pod(cluster.ns, f"cilia-agent-{node}-old", node, OLD))
+    controller = Controller(cluster, nodes)
     controller.start()
     # Three updaters at once (threads: one interpreter start instead of three).
     with futures.ThreadPoolExecutor(max_workers=3) as pool:
         running = [
             pool.submit(
                 _run,
-                kube_api,
+                cluster,
                 "--max-concurrent-updates",
                 "1",
                 "--lease-wait-timeout",
@@ -459,16 +684,15 @@ def test_lease_limit_of_one_serialises_three_nodes(kube_api: KubeAPI, agent_heal
         try:
             codes = [f.result(timeout=120) for f in running]
         finally:
-            controller.stop.set()
-            controller.join()
+            controller.__exit__()
     assert codes == [0, 0, 0]
     assert controller.max_not_ready == 1
-    pods = kube_api.mock.objects("Pod", NS)
+    pods = cluster.objects("Pod")
     assert sorted(p["metadata"]["annotations"][ANNOTATION] for p in pods) == [NEW] * 3
 
 
-def test_exit_code_of_the_process(kube_api: KubeAPI) -> None:
-    _setup(kube_api.mock, pods=2)
+def test_exit_code_of_the_process(cluster: Cluster) -> None:
+    _setup(cluster, pods=2)
     out = subprocess.run(
         [
             sys.executable,
@@ -477,19 +701,21 @@ def test_exit_code_of_the_process(kube_api: KubeAPI) -> None:
             "--mode",
             "kubernetes",
             "--kubeconfig",
-            str(kube_api.kubeconfig),
+            str(cluster.kube.kubeconfig),
+            "--namespace",
+            cluster.ns,
             "--node-name",
-            "node-1",
+            cluster.node(),
         ],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 13
-    assert "2 agent pods on node node-1" in out.stderr
+    assert f"2 agent pods on node {cluster.node()}" in out.stderr
     assert '"step": "UpdateFailed"' in out.stderr or '"exit_code": 13' in out.stderr
 
 
-def test_missing_node_name_is_usage_error(kube_api: KubeAPI) -> None:
-    args = ["--mode", "kubernetes", "--kubeconfig", str(kube_api.kubeconfig), "--node-name", ""]
+def test_missing_node_name_is_usage_error(cluster: Cluster) -> None:
+    args = ["--mode", "kubernetes", "--kubeconfig", str(cluster.kube.kubeconfig), "--node-name", ""]
     assert main(args) == Exit.USAGE

@@ -13,8 +13,9 @@ Kubernetes semantics applied to the schemas before use with ``jsonschema``:
 - ``x-kubernetes-*`` keywords are otherwise ignored (jsonschema ignores unknown keywords).
 
 Checks a structural schema cannot express run afterwards: ``metadata.name`` is a DNS-1123
-subdomain, ``metadata.namespace`` a DNS-1123 label, and selector ``matchExpressions``
-carry ``values`` exactly for ``In``/``NotIn``.
+subdomain, ``metadata.namespace`` a DNS-1123 label, a CiliumNetworkPolicy has ``spec`` or
+``specs`` (a CEL rule in the CRD), and selector ``matchExpressions`` carry ``values`` exactly
+for ``In``/``NotIn``.
 
 Every problem is reported as a ``FieldError`` with a path like
 ``spec.ingress[0].toPorts[0].ports[0].protocol``.
@@ -152,6 +153,15 @@ def _describe(error: Any) -> Iterator[FieldError]:
         reasons = "; or ".join(sorted({e.message for e in error.context}))
         yield FieldError(path, f"{error.instance!r} matches no allowed form: {reasons}")
         return
+    if validator in ("minimum", "maximum", "pattern") and path.endswith("port"):
+        # the port schema is int-or-string: its range and pattern sit beside the type anyOf
+        low, high = error.schema.get("minimum", 0), error.schema.get("maximum", 65535)
+        yield FieldError(
+            path,
+            f"{error.instance!r} is not a port: use a number {low}..{high} or that "
+            "number as a string (named ports are not supported by Cilia)",
+        )
+        return
     if validator == "minProperties" and error.instance == {}:
         yield FieldError(path, "must not be empty")
         return
@@ -189,6 +199,15 @@ def _metadata(doc: Mapping[str, Any]) -> list[FieldError]:
     return errors
 
 
+def _spec_or_specs(kind: str, doc: Mapping[str, Any]) -> list[FieldError]:
+    """A CiliumNetworkPolicy (or clusterwide one) has ``spec`` or ``specs``: the CRD states it as a CEL rule
+    (``x-kubernetes-validations``; an anyOf at its root is refused by the API server because
+    the CRD has a status subresource), which jsonschema does not evaluate."""
+    if kind in (CNP_KIND, CCNP_KIND) and "spec" not in doc and "specs" not in doc:
+        return [FieldError("", "one of spec, specs is required")]
+    return []
+
+
 def _selector_values(doc: Mapping[str, Any]) -> list[FieldError]:
     errors = []
     for root in ("spec", "specs"):
@@ -223,7 +242,7 @@ def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     errors: list[FieldError] = []
     for error in sorted(validator.iter_errors(dict(doc)), key=lambda e: list(e.absolute_path)):
         errors.extend(_describe(error))
-    errors = _metadata(doc) + errors
+    errors = _metadata(doc) + errors + _spec_or_specs(kind, doc)
     meta = doc.get("metadata")
     if kind == CCNP_KIND and isinstance(meta, dict) and meta.get("namespace"):
         errors.append(FieldError("metadata.namespace", f"{kind} is cluster-scoped: no namespace"))

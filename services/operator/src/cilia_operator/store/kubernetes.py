@@ -103,6 +103,7 @@ KINDS: dict[str, KubeKind] = {
     "CiliumIdentity": KubeKind("cilium.io", "v2", "ciliumidentities", False),
     "CiliumEndpoint": KubeKind("cilium.io", "v2", "ciliumendpoints", True),
     "CiliumEndpointSlice": KubeKind("cilium.io", "v2alpha1", "ciliumendpointslices", False),
+    "CiliumNodeConfig": KubeKind("cilium.io", "v2", "ciliumnodeconfigs", True),
     # builtin kinds
     "NetworkPolicy": KubeKind("networking.k8s.io", "v1", "networkpolicies", True),
     "Namespace": KubeKind("", "v1", "namespaces", False),
