@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import tenacity
 
 from .base import (
     AlreadyExists,
@@ -115,6 +116,29 @@ KINDS: dict[str, KubeKind] = {
     "CiliaIPAMBlock": KubeKind("cilia.io", "v1alpha1", "ciliaipamblocks", False),
 }
 """Store kind -> Kubernetes resource. Extend per store with ``KubernetesStore(kinds=...)``."""
+
+
+class _TooManyRequests(Exception):
+    """HTTP 429 from the API server; ``retry_after``: its Retry-After header (seconds)."""
+
+    def __init__(self, message: str, retry_after: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+#: Seconds waited at most between two attempts after a 429, whatever Retry-After says.
+MAX_RETRY_AFTER = 5.0
+
+
+def _retry_after(state: tenacity.RetryCallState) -> float:
+    """Wait of the next attempt: the last 429's Retry-After (1 s when absent or not a
+    number), capped at :data:`MAX_RETRY_AFTER`."""
+    exc = state.outcome.exception() if state.outcome is not None else None
+    try:
+        wait = float(getattr(exc, "retry_after", "") or 1.0)
+    except ValueError:
+        wait = 1.0
+    return max(0.0, min(wait, MAX_RETRY_AFTER))
 
 
 def _status_message(body: bytes) -> tuple[str, str]:
@@ -220,7 +244,44 @@ class KubernetesStore(Store):
         stream: bool = False,
     ) -> tuple[int, Any]:
         """One HTTP request. Returns (status, parsed JSON) or (status, raw response) when
-        ``stream``. Connection errors and 5xx raise StoreUnavailable."""
+        ``stream``. Connection errors and 5xx raise StoreUnavailable.
+
+        429 Too Many Requests (API priority and fairness, or a resource whose storage is
+        still initialising right after its CRD was created) is retried after the server's
+        ``Retry-After`` seconds (1 when absent, at most 5), for at most
+        ``request_timeout`` seconds in all; then StoreUnavailable (tenacity's retry
+        loop, as the official client's ``Retry`` does for its synchronous calls)."""
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(_TooManyRequests),
+            wait=_retry_after,
+            stop=tenacity.stop_after_delay(self.request_timeout),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._request_once(
+                        method, path, query=query, body=body, content_type=content_type,
+                        stream=stream,
+                    )  # fmt: skip
+        except _TooManyRequests as exc:
+            raise StoreUnavailable(
+                f"kubernetes store {self.url}: {method} {path}: 429 for "
+                f"{self.request_timeout:g}s: {exc}"
+            ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _request_once(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict[str, str] | None,
+        body: Any,
+        content_type: str,
+        stream: bool,
+    ) -> tuple[int, Any]:
+        """One attempt of :meth:`_request` (429 raises :class:`_TooManyRequests`)."""
         api = await self._api()
         timeout: Any = self.request_timeout
         if stream:
@@ -246,6 +307,9 @@ class KubernetesStore(Store):
             raise StoreUnavailable(
                 f"kubernetes store {self.url}: {method} {path}: {exc!r}"
             ) from exc
+        if response.status == 429:
+            _, message = _status_message(raw)
+            raise _TooManyRequests(message, response.headers.get("Retry-After", ""))
         if response.status >= 500:
             reason, message = _status_message(raw)
             raise StoreUnavailable(
