@@ -147,3 +147,19 @@ def node_state() -> NodeState:
             if prefix.endswith("/32") and ipaddress.ip_address(prefix[:-3]) in POD_CIDR
         },
     )
+
+
+def pod_object(name: str, node: str, app: str, service_account: str) -> dict[str, Any]:
+    """A Pod object bound to ``node`` (``spec.nodeName``; no kubelet runs, so it stays
+    Pending) labelled ``app=<app>``, running as ``service_account``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {
+            "nodeName": node,
+            "serviceAccountName": service_account,
+            "automountServiceAccountToken": False,
+            "containers": [{"name": "main", "image": "registry.invalid/none:1"}],
+        },
+    }
