@@ -102,7 +102,12 @@ def world(kube_apiserver: KubeAPI, pods_registry: Any) -> Iterator[World]:
             name = f"cilia-e2e-{os.getpid()}-k8s-{role}"
             items.append(pod_object(name, node, role, "web"))
             w.pods[role] = cni.Pod(name=name, namespace=namespace)  # no labels in the call
-        w.kubectl("apply", "-f", "-", input=json.dumps({"kind": "List", "items": items}))
+        w.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
+        )
         conflist = stack.agent.conflist()
         for pod in w.pods.values():
             pod.create_netns()
