@@ -63,6 +63,12 @@ grep -Eq "^(require )?[[:space:]]*go.etcd.io/etcd/server/v3 $ETCD_VERSION( // in
   || { log "tools/kube/etcd/go.mod does not require go.etcd.io/etcd/server/v3 $ETCD_VERSION: run $0 --regen-gomod"; exit 2; }
 
 mkdir -p "$BIN"
+# One build at a time per cache (several checkouts of this machine share it): wait for the lock.
+exec 9>"$CACHE/.lock"
+if ! flock -n 9; then
+  log "another kube-tools.sh is building into $CACHE; waiting for it"
+  flock 9
+fi
 failed_required=()
 
 # The Kubernetes binaries report their version (/version, kubectl version) from these
