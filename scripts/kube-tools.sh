@@ -113,7 +113,8 @@ build() {
   else
     rm -f "$out.tmp"
     {
-      printf 'cannot build %s: `cd tools/kube/%s && %s` failed:\n' "$name" "$(basename "$dir")" "${cmd[*]}"
+      printf 'cannot build %s: `cd tools/kube/%s && %s` failed:\n' "$name" "$(basename "$dir")" \
+        "$(printf '%q ' "${cmd[@]}" | sed 's/ $//')"
       tail -n 20 "$logf"
     } > "$marker"
     log "$(cat "$marker")"
