@@ -225,6 +225,14 @@ def test_service_accounts_get_only_the_rights_they_use(
     assert _can(kube_apiserver, "cilia-safe-agent-updater", "delete", "pods")
     assert not _can(kube_apiserver, "cilia-safe-agent-updater", "delete", "pods", ns="default")
     assert _can(kube_apiserver, "cilia-operator", "update", "leases.coordination.k8s.io")
+    # the kinds its Kubernetes store serves: slices it writes, clusterwide policies it streams
+    for verb, resource in (
+        ("create", "ciliumendpointslices.cilium.io"),
+        ("watch", "ciliumclusterwidenetworkpolicies.cilium.io"),
+        ("watch", "pods"),
+        ("watch", "nodes"),
+    ):
+        assert _can(kube_apiserver, "cilia-operator", verb, resource), (verb, resource)
     assert not _can(kube_apiserver, "cilia-relay", "list", "pods")
 
 
