@@ -44,8 +44,8 @@ regen_gomod() {
     printf 'require k8s.io/kubernetes %s\n\n' "$K8S_VERSION"
     printf 'tool (\n\tk8s.io/kubernetes/cmd/kube-apiserver\n'
     printf '\tk8s.io/kubernetes/cmd/kube-controller-manager\n\tk8s.io/kubernetes/cmd/kubectl\n)\n\n'
-    printf '// k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with\n'
-    printf '// ./staging/... (ignored outside that module): pin each to the matching release.\n'
+    printf '// k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with ./staging/...\n'
+    printf '// (ignored outside that module): pin each to the matching published release.\n'
     printf 'replace (\n'
     grep '=> ./staging' "$upstream" | awk -v v="$K8S_STAGING_VERSION" '{printf "\t%s => %s %s\n", $1, $1, v}'
     printf ')\n'
