@@ -44,8 +44,8 @@ regen_gomod() {
     printf 'require k8s.io/kubernetes %s\n\n' "$K8S_VERSION"
     printf 'tool (\n\tk8s.io/kubernetes/cmd/kube-apiserver\n'
     printf '\tk8s.io/kubernetes/cmd/kube-controller-manager\n\tk8s.io/kubernetes/cmd/kubectl\n)\n\n'
-    printf '// k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with\n'
-    printf '// ./staging/... (ignored outside that module): pin each to the matching release.\n'
+    printf '// k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with ./staging/...\n'
+    printf '// (ignored outside that module): pin each to the matching published release.\n'
     printf 'replace (\n'
     grep '=> ./staging' "$upstream" | awk -v v="$K8S_STAGING_VERSION" '{printf "\t%s => %s %s\n", $1, $1, v}'
     printf ')\n'
@@ -63,6 +63,12 @@ grep -Eq "^(require )?[[:space:]]*go.etcd.io/etcd/server/v3 $ETCD_VERSION( // in
   || { log "tools/kube/etcd/go.mod does not require go.etcd.io/etcd/server/v3 $ETCD_VERSION: run $0 --regen-gomod"; exit 2; }
 
 mkdir -p "$BIN"
+# One build at a time per cache (several checkouts of this machine share it): wait for the lock.
+exec 9>"$CACHE/.lock"
+if ! flock -n 9; then
+  log "another kube-tools.sh is building into $CACHE; waiting for it"
+  flock 9
+fi
 failed_required=()
 
 # The Kubernetes binaries report their version (/version, kubectl version) from these
@@ -107,7 +113,8 @@ build() {
   else
     rm -f "$out.tmp"
     {
-      printf 'cannot build %s: `cd tools/kube/%s && %s` failed:\n' "$name" "$(basename "$dir")" "${cmd[*]}"
+      printf 'cannot build %s: `cd tools/kube/%s && %s` failed:\n' "$name" "$(basename "$dir")" \
+        "$(printf '%q ' "${cmd[@]}" | sed 's/ $//')"
       tail -n 20 "$logf"
     } > "$marker"
     log "$(cat "$marker")"

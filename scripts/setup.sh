@@ -109,6 +109,6 @@ fi
 # The real Kubernetes control plane the tests run against (etcd, kube-apiserver,
 # kube-controller-manager, kubectl): built once from the Go module proxy, cached by version
 # under ${CILIA_CACHE_DIR:-~/.cache/cilia}/kube/<version>/bin (scripts/kube-tools.sh; the
-# first build takes ~10 min on 2 cores, later runs only check the cache).
+# first build takes ~22 min on 2 cores, later runs only check the cache).
 scripts/kube-tools.sh >/dev/null
 log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater"

@@ -193,6 +193,49 @@ def test_the_policy_schemas_hold_on_the_server(
         assert out.returncode != 0 and needle in out.stderr, (bad, out.stderr)
 
 
+def _can(kube: KubeAPI, sa: str, verb: str, resource: str, ns: str = "cilia-system") -> bool:
+    out = kube.kubectl(
+        "auth", "can-i", verb, resource, "-n", ns, f"--as=system:serviceaccount:cilia-system:{sa}",
+        check=False,
+    )  # fmt: skip
+    assert out.stdout.strip() in ("yes", "no"), (out.stdout, out.stderr)
+    return out.stdout.strip() == "yes"
+
+
+def test_service_accounts_get_only_the_rights_they_use(
+    kube_apiserver: KubeAPI, installed: list[dict[str, Any]]
+) -> None:
+    """The RBAC objects applied for real, then asked through the API server's authorizer:
+    the agent (which talks only to the operator) can do nothing but what its kube-rbac-proxy
+    sidecar needs; the updater deletes pods only in cilia-system; the operator holds its
+    Lease."""
+    rbac_kinds = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+    out = _apply(kube_apiserver, [d for d in installed if d["kind"] in rbac_kinds])
+    assert out.returncode == 0, out.stderr
+    for verb, resource in (
+        ("get", "pods"),
+        ("list", "nodes"),
+        ("watch", "ciliumnetworkpolicies.cilium.io"),
+        ("update", "ciliumnodes.cilium.io"),
+        ("create", "ciliumendpoints.cilium.io"),
+        ("get", "secrets"),
+    ):
+        assert not _can(kube_apiserver, "cilia-agent", verb, resource), (verb, resource)
+    assert _can(kube_apiserver, "cilia-agent", "create", "tokenreviews.authentication.k8s.io")
+    assert _can(kube_apiserver, "cilia-safe-agent-updater", "delete", "pods")
+    assert not _can(kube_apiserver, "cilia-safe-agent-updater", "delete", "pods", ns="default")
+    assert _can(kube_apiserver, "cilia-operator", "update", "leases.coordination.k8s.io")
+    # the kinds its Kubernetes store serves: slices it writes, clusterwide policies it streams
+    for verb, resource in (
+        ("create", "ciliumendpointslices.cilium.io"),
+        ("watch", "ciliumclusterwidenetworkpolicies.cilium.io"),
+        ("watch", "pods"),
+        ("watch", "nodes"),
+    ):
+        assert _can(kube_apiserver, "cilia-operator", verb, resource), (verb, resource)
+    assert not _can(kube_apiserver, "cilia-relay", "list", "pods")
+
+
 def _strip_descriptions(node: Any) -> Any:
     if isinstance(node, dict):
         return {k: _strip_descriptions(v) for k, v in node.items() if k != "description"}

@@ -21,7 +21,11 @@ into ``${CILIA_CACHE_DIR:-~/.cache/cilia}/kube/<k8s-version>/bin`` (versions pin
 The server is as a cluster's: authorization RBAC, the default admission plugins (so a Pod
 needs its namespace's ``default`` ServiceAccount: create it, or start the controller manager,
 whose serviceaccount controller does), ``--allow-privileged`` (the agent runs privileged).
-Nothing but loopback is bound; no kubelet runs, so Pods stay Pending unless a test binds them.
+Nothing but loopback is bound. No scheduler or kubelet runs: a Pod's ``spec.nodeName`` and
+``status`` are what the test writes (``pods/status``), and a deleted Pod bound to a node stays
+Terminating until the test removes it with grace period 0, as a kubelet would. Service
+``default/kubernetes`` has no endpoints (``--endpoint-reconciler-type=none``: the reconciler
+refuses loopback addresses). Every request is in the audit log (:meth:`KubeAPI.requests`).
 
 Ports: etcd binds port 0 (client and peer) and its "serving client traffic" log line gives
 the bound address. kube-apiserver refuses ``--secure-port=0``, so it gets a free loopback port
@@ -32,7 +36,7 @@ times in all.
 pytest fixture (the testkit plugin): ``kube_apiserver`` — ONE server per test session
 (session scope), skipped with the build's own reason when a binary is missing (failing in CI,
 ``CILIA_REQUIRE_PRIVILEGED=1``). Tests share it: each uses names of its own (a namespace
-named after the test, e.g. :func:`unique_name`) and never deletes what it did not create.
+named after the test, e.g. :func:`unique_name`) and deletes only objects of kinds it owns.
 The name is not ``kube_api``: that is ``lib/kubemock``'s fixture (a fresh mock per test),
 and both plugins are installed in the same envs.
 """

@@ -227,6 +227,40 @@ async def test_watch_from_a_trimmed_version_raises_expired(
         await store.close()
 
 
+async def test_watch_from_a_seen_version_replays_what_followed(make_store: StoreFactory) -> None:
+    """The replay above with versions as the store returned them (opaque on a real server):
+    from the version of the 2nd create, the 3rd to 5th follow, in order."""
+    store = make_store()
+    try:
+        made = [await store.create(obj(f"n{i}")) for i in range(5)]
+        events = []
+        async for event in store.watch("Thing", made[1]["metadata"]["resourceVersion"]):
+            events.append((event.type, event.object["metadata"]["name"]))
+            if len(events) == 3:
+                break
+        assert events == [("ADDED", "n2"), ("ADDED", "n3"), ("ADDED", "n4")]
+    finally:
+        await store.close()
+
+
+async def test_a_stale_version_conflicts_and_changes_nothing(make_store: StoreFactory) -> None:
+    """The conflict test above without counting versions: an update or delete carrying the
+    version an object had before a change is refused; the change stays."""
+    store = make_store()
+    try:
+        first = await store.create(obj("a"))
+        changed = await store.update({**first, "spec": {"v": 1}})
+        assert changed["metadata"]["resourceVersion"] != first["metadata"]["resourceVersion"]
+        with pytest.raises(Conflict) as err:
+            await store.update({**first, "spec": {"v": 99}})
+        assert err.value.expected == first["metadata"]["resourceVersion"]
+        with pytest.raises(Conflict):
+            await store.delete("Thing", "a", resource_version=first["metadata"]["resourceVersion"])
+        assert (await store.get("Thing", "a"))["spec"] == {"v": 1}
+    finally:
+        await store.close()
+
+
 async def test_returned_objects_are_copies(make_store: StoreFactory) -> None:
     store = make_store()
     try:

@@ -10,8 +10,9 @@ delay, as a kubelet would. A real gRPC health server plays the agent. Each test 
 namespace and on nodes of its own (the server is shared by the session); which requests the
 updater made comes from the server's audit log.
 
-One test keeps ``lib/kubemock``: API GETs failing with 503 a given number of times (a proxy in
-front of the mock) — a fault a real server cannot be made to produce on demand.
+API GETs failing with 503 a given number of times — a fault a real server cannot be made to
+produce on demand — come from a plain-HTTP proxy in front of the real server.
+(``lib/kubemock`` is used only for its kubeconfig writer.)
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cilia_kubemock import KubeAPI as MockAPI
-from cilia_kubemock import KubeMock, write_kubeconfig
+from cilia_kubemock import write_kubeconfig
 from cilia_safe_agent_updater.__main__ import main
 from cilia_safe_agent_updater.exitcodes import Exit
 from cilia_safe_agent_updater.generation import ANNOTATION
@@ -476,53 +476,14 @@ def test_generation_skew_exits_19(cluster: Cluster) -> None:
     assert cluster.deletes() == []
 
 
-NS = "cilia-system"
-
-
-class MockController(threading.Thread):
-    """The Controller above, on the mock (for the one test that keeps it): creates the
-    missing agent pod of each node from the DaemonSet template, then marks it Ready."""
-
-    def __init__(self, mock: KubeMock, nodes: list[str]) -> None:
-        super().__init__(daemon=True)
-        self.mock = mock
-        self.nodes = nodes
-        self.stop = threading.Event()
-
-    def __enter__(self) -> MockController:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.join()
-
-    def run(self) -> None:
-        serial = 0
-        while not self.stop.wait(0.02):
-            template = self.mock.get_object("DaemonSet", "cilia-agent", NS)["spec"]["template"]
-            pods = self.mock.objects("Pod", NS)
-            for node in self.nodes:
-                live = [
-                    p
-                    for p in pods
-                    if p["spec"]["nodeName"] == node and not p["metadata"].get("deletionTimestamp")
-                ]
-                if not live:
-                    serial += 1
-                    generation = template["metadata"]["annotations"][ANNOTATION]
-                    pod = _pod(NS, f"cilia-agent-{node}-{serial}", node, generation, ready=False)
-                    self.mock.put_object(pod)
-                elif not _ready(live[0]):
-                    live[0]["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
-                    self.mock.put_object(live[0])
-
-
 class FlakyProxy(http.server.ThreadingHTTPServer):
-    """Forwards to the mock, answering 503 to the first ``failures`` GETs of ``path``."""
+    """Plain HTTP on loopback in front of the real API server (HTTPS, as the admin: the
+    client's own credentials are dropped), answering 503 to the first ``failures`` GETs of
+    ``path`` — the fault a real server cannot be made to produce on demand."""
 
-    def __init__(self, upstream: str, path: str, failures: int) -> None:
-        self.upstream = urllib.parse.urlsplit(upstream)
+    def __init__(self, kube: KubeAPI, path: str, failures: int) -> None:
+        self.upstream = urllib.parse.urlsplit(kube.server)
+        self.context = kube.ssl_context()
         self.path = path
         self.failures = failures
         self.failed = 0
@@ -552,8 +513,12 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             return
         length = int(self.headers.get("Content-Length") or 0)
         data = self.rfile.read(length) if length else None
-        conn = http.client.HTTPConnection(srv.upstream.hostname, srv.upstream.port, timeout=10)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        conn = http.client.HTTPSConnection(
+            srv.upstream.hostname or "127.0.0.1", srv.upstream.port, timeout=10,
+            context=srv.context,
+        )  # fmt: skip
+        drop = ("host", "connection", "authorization")
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in drop}
         conn.request(self.command, self.path, body=data, headers=headers)
         resp = conn.getresponse()
         payload = resp.read()
@@ -570,27 +535,26 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
 
 
 def test_transient_get_failures_are_retried_not_fatal(
-    kube_api: MockAPI, tmp_path: pathlib.Path, agent_health: str
+    cluster: Cluster, tmp_path: pathlib.Path, agent_health: str
 ) -> None:
-    """kubemock: the API answers 503 to the first 3 GETs of the DaemonSet (on demand)."""
-    mock = kube_api.mock
-    mock.put_object(_daemonset(NS, NEW))
-    mock.put_object(_node("node-1", [AGENT_IMAGE]))
-    mock.put_object(_pod(NS, "cilia-agent-old-0", "node-1", OLD))
-    ds_path = f"/apis/apps/v1/namespaces/{NS}/daemonsets/cilia-agent"
-    proxy = FlakyProxy(kube_api.url, ds_path, failures=3)
+    """The first 3 GETs of the DaemonSet answer 503 (the proxy); the update still succeeds."""
+    _setup(cluster)
+    ds_path = f"/apis/apps/v1/namespaces/{cluster.ns}/daemonsets/cilia-agent"
+    proxy = FlakyProxy(cluster.kube, ds_path, failures=3)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     kubeconfig = write_kubeconfig(f"http://127.0.0.1:{proxy.server_address[1]}", tmp_path / "kc")
     try:
-        with MockController(mock, ["node-1"]):
+        with Controller(cluster, [cluster.node()]):
             code = main(
                 [
                     "--mode",
                     "kubernetes",
                     "--kubeconfig",
                     str(kubeconfig),
+                    "--namespace",
+                    cluster.ns,
                     "--node-name",
-                    "node-1",
+                    cluster.node(),
                     "--agent-health-address",
                     agent_health,
                     *FAST,
@@ -600,7 +564,7 @@ def test_transient_get_failures_are_retried_not_fatal(
         proxy.shutdown()
     assert proxy.failed == 3
     assert code == Exit.OK
-    assert mock.objects("Pod", NS)[0]["metadata"]["annotations"][ANNOTATION] == NEW
+    assert cluster.objects("Pod")[0]["metadata"]["annotations"][ANNOTATION] == NEW
 
 
 def test_api_down_after_retries_exits_3(tmp_path: pathlib.Path) -> None:
