@@ -5,6 +5,10 @@
 lists that kind again and yields a new ``Listed``. ``Listed.ready`` is True once every
 kind has been listed at least once: the point at which a stream sends ``synced``.
 
+Every stream of a kind shares one list + watch of the store (:class:`Informer`): with the
+Kubernetes store, 500 agents' streams were 500+ watches of the API server (and exhausted
+the client's connection pool: requests timed out under ``python -m bench k8s_operator``).
+
 ``Sent`` remembers what a client was sent (key -> message) so a relist or a no-op change
 produces only real differences.
 """
@@ -12,13 +16,14 @@ produces only real differences.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..store import Expired, Resource, Store, WatchEvent
-from ..tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -43,52 +48,161 @@ class Changed:
     event: WatchEvent
 
 
-@dataclass(frozen=True)
-class _Failed:
-    error: BaseException
+def _key(obj: Resource) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+class _Subscriber:
+    """One ``follow`` call's view of the shared informers: a bounded queue of changes and
+    the kinds to hand out as a fresh snapshot next (after a relist or an overflow)."""
+
+    def __init__(self, queue_size: int) -> None:
+        self.queue_size = max(1, queue_size)
+        self.events: collections.deque[Changed] = collections.deque()
+        self.relist: dict[str, None] = {}  # ordered set of kinds
+        self.failure: BaseException | None = None
+        self.wake = asyncio.Event()
+
+    def push(self, item: Changed) -> None:
+        if item.kind in self.relist:
+            return  # the snapshot handed out next holds it
+        if len(self.events) >= self.queue_size:
+            # a slow reader never blocks the shared watch: it gets a snapshot instead
+            self.mark(item.kind)
+            return
+        self.events.append(item)
+        self.wake.set()
+
+    def mark(self, kind: str) -> None:
+        self.relist[kind] = None
+        self.events = collections.deque(e for e in self.events if e.kind != kind)
+        self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        self.wake.set()
+
+
+class Informer:
+    """One list + watch of ``kind`` in ``store``, shared by every ``follow`` of it (as
+    client-go's shared informers): the current objects are kept, each change is handed
+    to every subscriber; a subscriber that falls ``queue_size`` changes behind, a watch
+    that falls behind the store's history (``Expired``) and a new subscriber all get a
+    snapshot of the kept objects. A store failure is handed to the subscribers (their
+    streams end with its status, the agents reconnect) and the informer starts again
+    after ``retry_interval`` seconds. It stops when its last subscriber leaves.
+
+    One per (store, kind): :func:`informer`.
+    """
+
+    def __init__(self, store: Store, kind: str, retry_interval: float = 1.0) -> None:
+        self.store = store
+        self.kind = kind
+        self.retry_interval = retry_interval
+        self.items: dict[tuple[str, str], Resource] = {}
+        self.ready = False
+        self.subscribers: set[_Subscriber] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def subscribe(self, sub: _Subscriber) -> None:
+        """Add ``sub``: it gets a snapshot once the informer has listed."""
+        self.subscribers.add(sub)
+        if self.ready:
+            sub.mark(self.kind)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name=f"informer-{self.kind}"
+            )
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        """Remove ``sub``; the last one leaving stops the informer."""
+        self.subscribers.discard(sub)
+        if not self.subscribers and self._task is not None:
+            self._task.cancel()
+            self._task = None
+            self.ready = False
+            self.items = {}
+
+    def snapshot(self) -> list[Resource]:
+        """The kept objects."""
+        return list(self.items.values())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                listed = await self.store.list(self.kind)
+                self.items = {_key(o): o for o in listed.items}
+                self.ready = True
+                for sub in list(self.subscribers):
+                    sub.mark(self.kind)
+                async for event in self.store.watch(self.kind, listed.resource_version):
+                    key = _key(event.object)
+                    if event.type == "DELETED":
+                        self.items.pop(key, None)
+                    else:
+                        self.items[key] = event.object
+                    item = Changed(self.kind, event)
+                    for sub in list(self.subscribers):
+                        sub.push(item)
+            except Expired as exc:
+                log.info("watch expired; relisting", extra={"kind": self.kind, "error": str(exc)})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.ready = False
+                for sub in list(self.subscribers):
+                    sub.fail(exc)
+                await asyncio.sleep(self.retry_interval)
+
+
+_INFORMERS: weakref.WeakKeyDictionary[Store, dict[str, Informer]] = weakref.WeakKeyDictionary()
+
+
+def informer(store: Store, kind: str) -> Informer:
+    """The shared informer of ``kind`` in ``store`` (made on first use)."""
+    per_store = _INFORMERS.setdefault(store, {})
+    found = per_store.get(kind)
+    if found is None:
+        found = per_store[kind] = Informer(store, kind)
+    return found
 
 
 async def follow(
     store: Store, kinds: Sequence[str], queue_size: int = 1000
 ) -> AsyncIterator[Listed | Changed]:
-    """Yield snapshots and changes of ``kinds`` (see the module docstring), forever.
+    """Yield snapshots and changes of ``kinds`` (see the module docstring), forever, from
+    the shared informers of ``store`` (one list + watch per kind however many streams
+    follow it).
 
-    A slow consumer blocks the watches through a queue of ``queue_size`` items (they then
-    fall behind and relist, never lose events silently).
+    A consumer that falls ``queue_size`` changes behind gets a fresh snapshot of that kind
+    instead (it never blocks the shared watch, and never loses a change silently).
 
     Raises:
         StoreError: the store failed (e.g. ``StoreUnavailable``).
     """
-    queue: asyncio.Queue[Listed | Changed | _Failed] = asyncio.Queue(maxsize=queue_size)
+    sub = _Subscriber(queue_size)
+    informers = {kind: informer(store, kind) for kind in kinds}
+    for inf in informers.values():
+        inf.subscribe(sub)
     listed: set[str] = set()
-
-    async def run(kind: str) -> None:
-        try:
-            while True:
-                snapshot = await store.list(kind)
-                await queue.put(Listed(kind, snapshot.items, False))
-                try:
-                    async for event in store.watch(kind, snapshot.resource_version):
-                        await queue.put(Changed(kind, event))
-                except Expired as exc:
-                    log.info("watch expired; relisting", extra={"kind": kind, "error": str(exc)})
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # handed to the consumer, which raises it
-            await queue.put(_Failed(exc))
-
-    tasks = [asyncio.create_task(run(kind), name=f"follow-{kind}") for kind in kinds]
     try:
         while True:
-            item = await queue.get()
-            if isinstance(item, _Failed):
-                raise item.error
-            if isinstance(item, Listed):
-                listed.add(item.kind)
-                item = Listed(item.kind, item.items, listed >= set(kinds))
-            yield item
+            if sub.failure is not None:
+                raise sub.failure
+            if sub.relist:
+                kind = next(iter(sub.relist))
+                del sub.relist[kind]
+                listed.add(kind)
+                yield Listed(kind, informers[kind].snapshot(), listed >= set(kinds))
+            elif sub.events:
+                yield sub.events.popleft()
+            else:
+                sub.wake.clear()
+                await sub.wake.wait()
     finally:
-        await cancel_all(tasks)
+        for inf in informers.values():
+            inf.unsubscribe(sub)
 
 
 class Sent(Generic[K, M]):
