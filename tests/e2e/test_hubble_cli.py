@@ -389,6 +389,7 @@ def test_port_and_protocol_filters(world: World) -> None:
     )
     assert icmp and all("ICMPv4" in f["l4"] for f in icmp), icmp
     assert {_dst(f) for f in icmp} == {w.pod_name("other")}, icmp
+    assert {f["Summary"] for f in icmp} == {"ICMPv4 EchoRequest"}, icmp
     assert w.observe(w.relay, "--since", since, "--port", "9") == []
 
 
@@ -519,7 +520,7 @@ def test_output_formats_print_the_same_drop(world: World) -> None:
     assert len(lines) == count, compact.stdout
     for line in lines:
         assert " [node-b]: " in line and f"{other}:" in line, line
-        assert f"{backend}:{PORT}" in line and "DROPPED" in line, line
+        assert f"{backend}:{PORT}" in line and line.endswith("DROPPED (TCP Flags: SYN)"), line
 
     table = w.run("observe", "--server", w.relay, *window, "-o", "table", "--print-node-name")
     assert table.returncode == 0, table.stderr
