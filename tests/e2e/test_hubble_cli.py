@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from cilia_testkit import VENV_BIN, cni, probe, skips
-from cilia_testkit.cluster import Cluster
+from cilia_testkit.cluster import HUBBLE_PORT, Cluster
 from cilia_testkit.host import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
@@ -264,12 +264,16 @@ def test_status_is_healthy_against_the_relay_and_counts_both_nodes(world: World)
     assert status["version"].startswith("cilia-relay"), status
 
 
-def test_status_is_healthy_against_an_agent(world: World) -> None:
-    server = world.agent("node-b")
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_status_is_healthy_against_an_agent(world: World, transport: str) -> None:
+    """Through the agent's Hubble socket and its ``<node address>:4244`` listener."""
+    node = world.cluster.node("node-b")
+    server = world.agent("node-b") if transport == "unix" else f"{node.address}:{HUBBLE_PORT}"
     out = world.run("status", "--server", server)
     assert out.returncode == 0, out.stderr
-    assert "Healthcheck (via " in out.stdout and "): Ok" in out.stdout, out.stdout
+    assert f"Healthcheck (via {server}): Ok" in out.stdout, out.stdout
     assert "Current/Max Flows: " in out.stdout and "/4,095" in out.stdout, out.stdout
+    assert "Connected Nodes" not in out.stdout, "an agent reports no node counts (upstream)"
     status = json.loads(world.run("status", "--server", server, "-o", "json").stdout)
     assert int(status["num_flows"]) > 0 and int(status["max_flows"]) == 4095, status
     assert int(status["uptime_ns"]) > 0, status
