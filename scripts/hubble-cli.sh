@@ -47,31 +47,36 @@ command -v go >/dev/null || fail "go is not installed: cannot build hubble $HUBB
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-start=$(date +%s)
-log "building hubble v$HUBBLE_VERSION from github.com/cilium/cilium/hubble (nice -n 10) into $CACHE"
-(
-  cd "$work"
-  # A throw-away main module that requires the Cilium module; the two replace directives are
-  # the ones Cilium's own go.mod carries at this tag (neither is imported by the CLI, they keep
-  # the module graph identical to upstream's).
-  cat > go.mod <<EOF
-module cilia.local/hubblecli
 
-go 1.25.0
-
-require github.com/cilium/cilium v$HUBBLE_VERSION
-EOF
+# Every step checks its own status: `set -e` does not apply inside a function whose caller
+# tests it (`if ! build`).
+build() {
+  cd "$work" || return 1
+  # A throw-away main module that requires the Cilium module, plus the replace directives
+  # Cilium's own go.mod carries at this tag (none is imported by the CLI; they keep the
+  # module graph identical to upstream's).
+  printf 'module cilia.local/hubblecli\n\ngo 1.25.0\n\nrequire github.com/cilium/cilium v%s\n' \
+    "$HUBBLE_VERSION" > go.mod || return 1
   export GOFLAGS=-mod=mod
-  nice -n 10 go mod download github.com/cilium/cilium
-  gomod=$(go mod download -json "github.com/cilium/cilium@v$HUBBLE_VERSION" \
-          | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-  grep '^replace ' "$gomod" >> go.mod || true
-  nice -n 10 go get "github.com/cilium/cilium/hubble@v$HUBBLE_VERSION"
-  mkdir -p "$CACHE"
+  local gomod
+  gomod=$(nice -n 10 go mod download -json "github.com/cilium/cilium@v$HUBBLE_VERSION" \
+          | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p') || return 1
+  [[ -f $gomod ]] || return 1
+  { grep '^replace ' "$gomod" || true; } >> go.mod
+  nice -n 10 go get "github.com/cilium/cilium/hubble@v$HUBBLE_VERSION" || return 1
+  mkdir -p "$CACHE" || return 1
   CGO_ENABLED=0 nice -n 10 go build -trimpath -o "$CACHE/hubble.tmp" \
     -ldflags "-s -w -X github.com/cilium/cilium/hubble/pkg.Version=v$HUBBLE_VERSION" \
-    github.com/cilium/cilium/hubble
+    github.com/cilium/cilium/hubble || return 1
   mv "$CACHE/hubble.tmp" "$BIN"
-) >&2 || fail "building hubble v$HUBBLE_VERSION failed (see the go output above)"
+}
+
+start=$(date +%s)
+log "building hubble v$HUBBLE_VERSION from github.com/cilium/cilium/hubble (nice -n 10) into $CACHE"
+if ! (build) >&2; then
+  rm -f "$CACHE/hubble.tmp"
+  rmdir "$CACHE" 2>/dev/null || true
+  fail "building hubble v$HUBBLE_VERSION failed (see the go output above)"
+fi
 log "built $("$BIN" version) in $(($(date +%s) - start)) s"
 echo "$BIN"
