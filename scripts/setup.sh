@@ -3,7 +3,8 @@
 #   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, bcc + headers,
 #   bpftool for the e2e tests' map checks),
 #   kernel-header links for bcc, the .venv with every service's console script,
-#   bcc's Python bindings made importable in the venv, and buf for the proto checks.
+#   bcc's Python bindings made importable in the venv, buf for the proto checks, and the
+#   upstream hubble CLI for its e2e test (scripts/hubble-cli.sh).
 # Safe to re-run; each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -111,4 +112,19 @@ fi
 # under ${CILIA_CACHE_DIR:-~/.cache/cilia}/kube/<version>/bin (scripts/kube-tools.sh; the
 # first build takes ~22 min on 2 cores, later runs only check the cache).
 scripts/kube-tools.sh >/dev/null
+# The unmodified upstream hubble CLI (tests/e2e/test_hubble_cli.py runs it against the relay
+# and the agents), built once with Go from the Go module proxy and cached by version under
+# ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/hubble/<version>/ (scripts/hubble-cli.sh pins it).
+# In CI (CILIA_REQUIRE_PRIVILEGED=1) a failed build fails setup; elsewhere the test skips.
+install_hubble_cli() {
+  if scripts/hubble-cli.sh >/dev/null; then
+    return 0
+  fi
+  if [[ ${CILIA_REQUIRE_PRIVILEGED:-0} == 1 ]]; then
+    log "the upstream hubble CLI could not be built (required in CI)"; exit 2
+  fi
+  log "the upstream hubble CLI could not be built; tests/e2e/test_hubble_cli.py will skip"
+}
+install_hubble_cli
+
 log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater"

@@ -255,6 +255,9 @@ class HubbleServer(Protocol):
     def services(self) -> list[Service]:
         """Observer + Peer."""
 
+    def health_names(self) -> list[str]:
+        """Names reported SERVING in ``grpc.health.v1`` (incl. ``hubble.server.Observer``)."""
+
 
 async def serve_api(
     cfg: Config, manager: EndpointManager, status: StatusSource, hubble: HubbleServer
@@ -291,7 +294,7 @@ async def serve_api(
     hubble_server, hubble_health, ports = await start_server_with_ports(
         hubble.services(), [unix, *([tcp] if tcp else [])], socket_mode=0o600
     )
-    await set_serving(hubble_health, [s.full_name for s in hubble.services()])
+    await set_serving(hubble_health, hubble.health_names())
     announce_listening(log, "hubble", unix)
     if tcp:
         announce_listening(log, "hubble-tcp", bound_port(tcp, ports[tcp]))

@@ -3,7 +3,9 @@
 Start order: the Observer server on ``--listen-address`` and the health server on
 ``--health-listen-address`` (both report NOT_SERVING), metrics, then the peer manager.
 Health turns SERVING once the ``peer.Peer/Notify`` stream is established and back to
-NOT_SERVING while it is lost. Once bound, each listener is logged once as ``"listening"``
+NOT_SERVING while it is lost. Both listeners serve ``grpc.health.v1`` for the overall
+status (""), ``observer.Observer`` and ``hubble.server.Observer`` (the name upstream's relay
+reports and ``hubble status`` checks). Once bound, each listener is logged once as ``"listening"``
 with its name (``observer``, ``health``, ``metrics``) and bound address
 (:func:`cilia_common.runtime.announce_listening`). Stop order is the reverse.
 """
@@ -32,6 +34,10 @@ from cilia_relay.peers import PeerManager
 log = logging.getLogger("cilia_relay")
 
 OBSERVER_SERVICE = observer_pb2.DESCRIPTOR.services_by_name["Observer"].full_name
+#: The ``grpc.health.v1`` service name upstream's relay reports and ``hubble status`` checks on
+#: the Observer listener (upstream ``pkg/hubble/api/v1.ObserverServiceName``).
+HUBBLE_HEALTH_SERVICE = "hubble.server.Observer"
+HEALTH_NAMES = (OBSERVER_SERVICE, HUBBLE_HEALTH_SERVICE)
 
 
 class PeerConnectionCollector(Collector):
@@ -97,7 +103,7 @@ class Relay:
 
     async def _on_peer_service(self, connected: bool) -> None:
         for _, health in self._servers:
-            await grpcserver.set_serving(health, [OBSERVER_SERVICE], serving=connected)
+            await grpcserver.set_serving(health, HEALTH_NAMES, serving=connected)
         log.info("health", extra={"serving": connected})
 
     async def start(self) -> None:
@@ -143,7 +149,7 @@ class Relay:
         """Report NOT_SERVING, stop the servers (``grace`` seconds for in-flight RPCs),
         then the peer manager (so clients never see their agents vanish) and metrics."""
         for _, health in self._servers:
-            await grpcserver.set_serving(health, [OBSERVER_SERVICE], serving=False)
+            await grpcserver.set_serving(health, HEALTH_NAMES, serving=False)
         await asyncio.gather(*(server.stop(grace) for server, _ in self._servers))
         self._servers = []
         await self.peers.stop()

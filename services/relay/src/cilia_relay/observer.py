@@ -19,7 +19,10 @@ GetFlows (upstream relay behaviour, cilium-upstream.md §6):
    peer change); a new or recovered peer gets its own stream (a recovered one asks for
    flows since the last flow it delivered) and a ``NODE_CONNECTED`` event.
 
-ServerStatus sums the peers' counters; GetNodes reports one Node per peer.
+ServerStatus sums the peers' counters; GetNodes reports one Node per peer; GetNamespaces
+merges the connected peers' namespaces (deduplicated, sorted by cluster then namespace; a
+failing peer is logged and left out, as upstream tolerates partial failure). GetAgentEvents and
+GetDebugEvents answer UNIMPLEMENTED, as upstream's relay does (ask an agent for them).
 """
 
 from __future__ import annotations
@@ -371,6 +374,55 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
                 node.max_flows = status.max_flows
                 node.seen_flows = status.seen_flows
         return response
+
+    async def _peer_namespaces(self, peer: Peer) -> list[observer_pb2.Namespace]:
+        channel = peer.channel
+        if channel is None:
+            return []
+        try:
+            stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
+            answer: observer_pb2.GetNamespacesResponse = await stub.GetNamespaces(
+                observer_pb2.GetNamespacesRequest(), timeout=self.opts.peer_call_timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "peer GetNamespaces failed",
+                extra={"peer": peer.name, "code": exc.code().name, "details": exc.details()},
+            )
+            return []
+        return list(answer.namespaces)
+
+    async def GetNamespaces(  # noqa: N802 (gRPC method name)
+        self, request: observer_pb2.GetNamespacesRequest, context: grpc.aio.ServicerContext
+    ) -> observer_pb2.GetNamespacesResponse:
+        """The union of the connected peers' namespaces, sorted by (cluster, namespace)."""
+        del request, context
+        answers = await asyncio.gather(
+            *(self._peer_namespaces(p) for p in self.peers.list() if p.available)
+        )
+        merged = {(ns.cluster, ns.namespace) for answer in answers for ns in answer}
+        return observer_pb2.GetNamespacesResponse(
+            namespaces=[
+                observer_pb2.Namespace(cluster=cluster, namespace=namespace)
+                for cluster, namespace in sorted(merged)
+            ]
+        )
+
+    async def GetAgentEvents(  # noqa: N802 (gRPC method name)
+        self, request: observer_pb2.GetAgentEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[observer_pb2.GetAgentEventsResponse]:
+        """UNIMPLEMENTED, as upstream's relay (agents serve their own agent events)."""
+        del request
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetAgentEvents not yet implemented")
+        yield observer_pb2.GetAgentEventsResponse()  # pragma: no cover - abort raises
+
+    async def GetDebugEvents(  # noqa: N802 (gRPC method name)
+        self, request: observer_pb2.GetDebugEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[observer_pb2.GetDebugEventsResponse]:
+        """UNIMPLEMENTED, as upstream's relay (agents serve their own debug events)."""
+        del request
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetDebugEvents not yet implemented")
+        yield observer_pb2.GetDebugEventsResponse()  # pragma: no cover - abort raises
 
 
 async def _none() -> None:

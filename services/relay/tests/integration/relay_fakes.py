@@ -1,7 +1,7 @@
 """Contract-level fake agents for the relay tests.
 
 A :class:`FakeAgent` is a real in-process ``grpc.aio`` server on a unix socket serving
-``observer.Observer`` (GetFlows with number/follow, ServerStatus, GetNodes) and,
+``observer.Observer`` (GetFlows with number/follow, ServerStatus, GetNodes, GetNamespaces) and,
 optionally, ``peer.Peer`` (Notify: every known peer as PEER_ADDED, then changes).
 It records the GetFlows requests and metadata it received.
 """
@@ -106,6 +106,17 @@ class _Observer(observer_pb2_grpc.ObserverServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "status broken")
         return self.agent.status
 
+    async def GetNamespaces(  # noqa: N802
+        self, request: observer_pb2.GetNamespacesRequest, context: grpc.aio.ServicerContext
+    ) -> observer_pb2.GetNamespacesResponse:
+        if self.agent.fail_status:
+            await context.abort(grpc.StatusCode.INTERNAL, "namespaces broken")
+        return observer_pb2.GetNamespacesResponse(
+            namespaces=[
+                observer_pb2.Namespace(cluster=c, namespace=n) for c, n in self.agent.namespaces
+            ]
+        )
+
 
 class _Peer(peer_pb2_grpc.PeerServicer):
     def __init__(self, agent: FakeAgent) -> None:
@@ -136,7 +147,8 @@ class FakeAgent:
         flows: responses served to GetFlows (the last ``number`` of them).
         status: ServerStatus answer.
         peers: when given, serve peer.Peer announcing ``{name: address}``.
-        fail_status: ServerStatus fails with INTERNAL.
+        fail_status: ServerStatus and GetNamespaces fail with INTERNAL.
+        namespaces: GetNamespaces answer, ``(cluster, namespace)`` pairs.
     """
 
     def __init__(
@@ -147,6 +159,7 @@ class FakeAgent:
         status: observer_pb2.ServerStatusResponse | None = None,
         peers: dict[str, str] | None = None,
         fail_status: bool = False,
+        namespaces: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.name = name
         self.socket = socket
@@ -155,6 +168,7 @@ class FakeAgent:
         self.status = status or observer_pb2.ServerStatusResponse(version=f"fake {name}")
         self.peers = dict(peers) if peers is not None else None
         self.fail_status = fail_status
+        self.namespaces = list(namespaces)
         self.requests: list[observer_pb2.GetFlowsRequest] = []
         self.metadata: list[dict[str, str]] = []
         self.followers: list[asyncio.Queue[observer_pb2.GetFlowsResponse]] = []

@@ -337,3 +337,59 @@ def test_health_is_serving_only_while_the_peer_stream_is_established(sockdir: pa
             await relay.stop(0)
 
     asyncio.run(main())
+
+
+def test_get_namespaces_merges_connected_agents_sorted_and_skips_a_failing_one(
+    sockdir: pathlib.Path,
+) -> None:
+    async def scenario(relay: Relay, config: Config, a: FakeAgent, b: FakeAgent, base: int) -> None:
+        a.namespaces = [("", "kube-system"), ("", "default")]
+        b.namespaces = [("", "default"), ("", "apps")]
+        e = FakeAgent("node-e", sockdir / "e.sock", fail_status=True, namespaces=[("", "zz")])
+        async with agents(e):
+            await a.announce("node-e", e.address)
+            assert await relay.peers.wait_for_peers({"node-e"}, timeout=10)
+            channel, stub = observer_stub(config)
+            async with channel:
+                answer = await stub.GetNamespaces(observer_pb2.GetNamespacesRequest())
+        assert [(n.cluster, n.namespace) for n in answer.namespaces] == [
+            ("", "apps"),
+            ("", "default"),
+            ("", "kube-system"),
+        ]
+
+    run(sockdir, scenario)
+
+
+def test_agent_and_debug_events_are_unimplemented_on_the_relay_as_upstream(
+    sockdir: pathlib.Path,
+) -> None:
+    async def scenario(relay: Relay, config: Config, a: FakeAgent, b: FakeAgent, base: int) -> None:
+        channel, stub = observer_stub(config)
+        async with channel:
+            for call, request in (
+                (stub.GetAgentEvents, observer_pb2.GetAgentEventsRequest(number=5)),
+                (stub.GetDebugEvents, observer_pb2.GetDebugEventsRequest(number=5)),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(call(request))
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "not yet implemented" in (err.value.details() or "")
+
+    run(sockdir, scenario)
+
+
+def test_hubble_status_health_name_is_serving_on_the_observer_listener(
+    sockdir: pathlib.Path,
+) -> None:
+    """``hubble status`` checks ``hubble.server.Observer`` on the address it talks to."""
+
+    async def scenario(relay: Relay, config: Config, a: FakeAgent, b: FakeAgent, base: int) -> None:
+        for address in (config.listen_address, config.health_listen_address):
+            async with grpc.aio.insecure_channel(address) as channel:
+                response = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="hubble.server.Observer"), timeout=2
+                )
+            assert response.status == health_pb2.HealthCheckResponse.SERVING, address
+
+    run(sockdir, scenario)

@@ -6,7 +6,7 @@ docstring for the wiring). Layers, importing only downward::
     events  (struct flow_event bytes → FlowEvent)
     enrich  (Resolver protocol, MemoryResolver)
     parser  (FlowEvent → flow.Flow)
-    ring, filters
+    ring, filters, eventlog (agent/debug events, namespaces seen)
     observer (FlowStore + observer.Observer), peer (PeerRegistry + peer.Peer), metrics
     reader  (bcc ring buffer → parser → FlowStore)
     service (Hubble: everything wired)

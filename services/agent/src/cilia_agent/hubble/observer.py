@@ -17,6 +17,11 @@ GetFlows semantics follow upstream Hubble's local observer
 - Lost events stored in the ring (reader queue overflow) are always sent; a reader that
   is overtaken by the writer receives a ``LostEvent`` with source HUBBLE_RING_BUFFER and
   the number of flows it missed, then continues with the oldest flow still held.
+
+GetAgentEvents and GetDebugEvents stream the agent's :class:`~.eventlog.EventLog` s (same
+window rules, no filters); GetNamespaces lists the namespaces of the last hour's flows
+(:class:`~.eventlog.NamespaceTracker`). ServerStatus fills what upstream's local observer
+fills: num/max/seen flows, uptime, version and the flows rate (the node counts are the relay's).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
 from cilia_agent.hubble.errors import InvalidFilter, InvalidRequest
+from cilia_agent.hubble.eventlog import EventLog, NamespaceTracker
 from cilia_agent.hubble.filters import FilterSet
 from cilia_agent.hubble.parser import timestamp
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
@@ -80,6 +86,7 @@ class FlowStore:
         self.node_name = node_name
         self.version = version
         self.seen_flows = 0
+        self.namespaces = NamespaceTracker(wall_clock_ns=wall_clock_ns)
         self._wall = wall_clock_ns
         self._started = time.monotonic_ns()
 
@@ -87,6 +94,7 @@ class FlowStore:
         """Append a flow (O(1)); wakes every follower."""
         self.ring.write(RingEntry(_ts_ns(flow.time), flow=flow))
         self.seen_flows += 1
+        self.namespaces.observe(flow)
 
     def add_lost(
         self, source: flow_pb2.LostEventSource, count: int, cpu: int | None = None
@@ -242,16 +250,32 @@ class FlowStore:
 
 
 class ObserverServicer(observer_pb2_grpc.ObserverServicer):
-    """``observer.Observer`` for one agent: GetFlows, ServerStatus, GetNodes.
+    """``observer.Observer`` for one agent: GetFlows, GetAgentEvents, GetDebugEvents,
+    GetNamespaces, ServerStatus, GetNodes.
 
     Args:
         store: the agent's :class:`FlowStore`.
         address: this node's Hubble address reported by GetNodes (e.g. "10.0.0.5:4244").
+        agent_events: the agent's agent-event log (default: a new, empty one).
+        debug_events: the datapath debug-event log (default: a new, empty one).
     """
 
-    def __init__(self, store: FlowStore, address: str = "") -> None:
+    def __init__(
+        self,
+        store: FlowStore,
+        address: str = "",
+        *,
+        agent_events: EventLog[flow_pb2.AgentEvent] | None = None,
+        debug_events: EventLog[flow_pb2.DebugEvent] | None = None,
+    ) -> None:
         self.store = store
         self.address = address
+        self.agent_events: EventLog[flow_pb2.AgentEvent] = (
+            agent_events if agent_events is not None else EventLog()
+        )
+        self.debug_events: EventLog[flow_pb2.DebugEvent] = (
+            debug_events if debug_events is not None else EventLog()
+        )
 
     async def GetFlows(  # noqa: N802 - gRPC method name
         self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -290,3 +314,44 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
             seen_flows=status.seen_flows,
         )
         return observer_pb2.GetNodesResponse(nodes=[node])
+
+    async def GetAgentEvents(  # noqa: N802 - gRPC method name
+        self,
+        request: observer_pb2.GetAgentEventsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[observer_pb2.GetAgentEventsResponse]:
+        """Stream the agent's events (e.g. AGENT_STARTED); INVALID_ARGUMENT for bad windows."""
+        try:
+            stream = self.agent_events.stream(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        async for time_ns, event in stream:
+            yield observer_pb2.GetAgentEventsResponse(
+                agent_event=event, node_name=self.store.node_name, time=timestamp(time_ns)
+            )
+
+    async def GetDebugEvents(  # noqa: N802 - gRPC method name
+        self,
+        request: observer_pb2.GetDebugEventsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[observer_pb2.GetDebugEventsResponse]:
+        """Stream datapath debug events (none are emitted: an empty stream, or a follow that
+        waits); INVALID_ARGUMENT for bad windows."""
+        try:
+            stream = self.debug_events.stream(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        async for time_ns, event in stream:
+            yield observer_pb2.GetDebugEventsResponse(
+                debug_event=event, node_name=self.store.node_name, time=timestamp(time_ns)
+            )
+
+    async def GetNamespaces(  # noqa: N802 - gRPC method name
+        self,
+        request: observer_pb2.GetNamespacesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> observer_pb2.GetNamespacesResponse:
+        """Namespaces with flows in the last hour, sorted by cluster, then namespace."""
+        return observer_pb2.GetNamespacesResponse(namespaces=self.store.namespaces.namespaces())

@@ -20,6 +20,10 @@ Field semantics follow upstream Hubble's L3/L4 parser
 - ``l4``: TCP (ports + flags), UDP (ports), ICMPv4. The event carries no ICMP type/code;
   for echo traffic (non-zero echo id) the type is derived from ``is_reply``
   (8 echo request, 0 echo reply); other ICMP leaves type/code 0.
+- ``Summary`` (deprecated upstream, still filled there and printed by the ``hubble`` CLI):
+  ``TCP Flags: SYN, ACK`` (flags in upstream's order SYN, ACK, RST, FIN, PSH, URG, ECE, CWR),
+  ``UDP``, ``ICMPv4 EchoRequest`` / ``ICMPv4 EchoReply`` (``ICMPv4`` when the type is
+  unknown), else ``IPv4`` (the last decoded layer's name, as upstream).
 """
 
 from __future__ import annotations
@@ -96,6 +100,36 @@ def tcp_flags(bits: int) -> flow_pb2.TCPFlags:
     )
 
 
+_SUMMARY_FLAG_ORDER = (
+    ("SYN", events.TCP_SYN),
+    ("ACK", events.TCP_ACK),
+    ("RST", events.TCP_RST),
+    ("FIN", events.TCP_FIN),
+    ("PSH", events.TCP_PSH),
+    ("URG", events.TCP_URG),
+    ("ECE", events.TCP_ECE),
+    ("CWR", events.TCP_CWR),
+)
+#: ``Summary`` of a TCP flow for each value of byte 13 of the TCP header (built once).
+_TCP_SUMMARY = tuple(
+    "TCP Flags: " + ", ".join(name for name, bit in _SUMMARY_FLAG_ORDER if bits & bit)
+    for bits in range(256)
+)
+
+
+def summary(ev: events.FlowEvent) -> str:
+    """The flow's ``Summary`` as upstream's L3/L4 parser words it (module docstring)."""
+    if ev.proto == events.IPPROTO_TCP:
+        return _TCP_SUMMARY[ev.tcp_flags & 0xFF]
+    if ev.proto == events.IPPROTO_UDP:
+        return "UDP"
+    if ev.proto == events.IPPROTO_ICMP:
+        if ev.sport:
+            return "ICMPv4 EchoReply" if ev.is_reply else "ICMPv4 EchoRequest"
+        return "ICMPv4"
+    return "IPv4"
+
+
 def _layer4(ev: events.FlowEvent) -> flow_pb2.Layer4 | None:
     if ev.proto == events.IPPROTO_TCP:
         return flow_pb2.Layer4(
@@ -160,6 +194,7 @@ class Parser:
             node_name=self.node_name,
             reply=ev.is_reply,
             is_reply=wrappers_pb2.BoolValue(value=ev.is_reply),
+            Summary=summary(ev),
         )
         l4 = _layer4(ev)
         if l4 is not None:

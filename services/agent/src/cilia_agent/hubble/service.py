@@ -20,6 +20,7 @@ getters); Hubble holds no copy of their data. Without a resolver, a :class:`Memo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +29,12 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2_grpc
 from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
+from cilia_agent.hubble.eventlog import EventLog, agent_started_event
 from cilia_agent.hubble.metrics import HubbleMetrics, read_bcc_counters
 from cilia_agent.hubble.observer import FlowStore, ObserverServicer
 from cilia_agent.hubble.parser import BootClock, Parser
@@ -54,6 +57,9 @@ from cilia_common import grpcserver
 
 OBSERVER_SERVICE = "observer.Observer"
 PEER_SERVICE = "peer.Peer"
+#: The ``grpc.health.v1`` service name upstream Hubble servers report and ``hubble status``
+#: checks (upstream ``pkg/hubble/api/v1.ObserverServiceName``) — not the proto service name.
+HUBBLE_HEALTH_SERVICE = "hubble.server.Observer"
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,17 @@ class Hubble:
         self.peers = PeerRegistry(
             PeerInfo(config.node_name, config.advertise_address), max_buffer=config.peer_buffer
         )
-        self.observer_servicer = ObserverServicer(self.store, config.advertise_address)
+        # Upstream's agent announces its start as an AGENT_STARTED agent event.
+        self.agent_events: EventLog[flow_pb2.AgentEvent] = EventLog()
+        started_ns = time.time_ns()
+        self.agent_events.add(agent_started_event(started_ns), started_ns)
+        self.debug_events: EventLog[flow_pb2.DebugEvent] = EventLog()
+        self.observer_servicer = ObserverServicer(
+            self.store,
+            config.advertise_address,
+            agent_events=self.agent_events,
+            debug_events=self.debug_events,
+        )
         self.peer_servicer = PeerServicer(self.peers)
         self.reader: EventReader | None = None
         self._bpf: Any = None
@@ -130,6 +146,11 @@ class Hubble:
             ),
         ]
 
+    def health_names(self) -> list[str]:
+        """Service names to report SERVING in ``grpc.health.v1``: the proto services and
+        :data:`HUBBLE_HEALTH_SERVICE` (what ``hubble status`` checks)."""
+        return [*(s.full_name for s in self.services()), HUBBLE_HEALTH_SERVICE]
+
     async def serve(
         self, addresses: list[str], *, socket_mode: int = 0o600
     ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
@@ -144,7 +165,7 @@ class Hubble:
         server, health_servicer = await grpcserver.start_server(
             self.services(), addresses, socket_mode=socket_mode
         )
-        await grpcserver.set_serving(health_servicer, [OBSERVER_SERVICE, PEER_SERVICE])
+        await grpcserver.set_serving(health_servicer, self.health_names())
         return server, health_servicer
 
     async def start_reader(self, bpf: Any = None, *, source: RecordSource | None = None) -> None:

@@ -1,10 +1,12 @@
-"""observer.Observer served in-process on a unix socket: GetFlows, ServerStatus, GetNodes."""
+"""observer.Observer served in-process on a unix socket: GetFlows, ServerStatus, GetNodes,
+GetAgentEvents, GetDebugEvents, GetNamespaces and the health name ``hubble status`` checks."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,11 +14,13 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import json_format, timestamp_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
+from cilia_agent.hubble.eventlog import NAMESPACE_TTL_NS, NamespaceTracker
 from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 
@@ -283,5 +287,138 @@ def test_lost_events_stored_in_the_ring_bypass_filters(sock_dir: Path) -> None:
         assert len(out) == 1
         assert out[0].lost_events.source == flow_pb2.OBSERVER_EVENTS_QUEUE
         assert out[0].lost_events.num_events_lost == 42
+
+    serve(sock_dir, scenario)
+
+
+# -- GetAgentEvents, GetDebugEvents, GetNamespaces, health (what `hubble` CLI commands call) --
+
+
+async def agent_events(stub: observer_pb2_grpc.ObserverStub, **req: Any) -> list[Any]:
+    request = json_format.ParseDict(req, observer_pb2.GetAgentEventsRequest())
+    return [r async for r in stub.GetAgentEvents(request)]
+
+
+def test_agent_events_start_with_agent_started_stamped_with_node_and_time(sock_dir: Path) -> None:
+    async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
+        out = await agent_events(stub, number=10)
+        assert len(out) == 1
+        event = out[0]
+        assert event.agent_event.type == flow_pb2.AGENT_STARTED
+        assert event.node_name == h.NODE
+        assert event.agent_event.agent_start.time == event.time
+        assert abs(event.time.ToNanoseconds() - time.time_ns()) < 60 * SECOND
+
+    serve(sock_dir, scenario)
+
+
+def test_agent_events_number_first_since_until_and_follow(sock_dir: Path) -> None:
+    async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
+        base = time.time_ns() + 10 * SECOND
+        for k in range(1, 4):  # three later events, one second apart
+            unknown = flow_pb2.AgentEventUnknown(type=f"t{k}")
+            hubble.agent_events.add(
+                flow_pb2.AgentEvent(type=flow_pb2.AGENT_EVENT_UNKNOWN, unknown=unknown),
+                base + k * SECOND,
+            )
+
+        def names(out: list[Any]) -> list[str]:
+            return [r.agent_event.unknown.type or "started" for r in out]
+
+        assert names(await agent_events(stub, number=2)) == ["t2", "t3"]
+        assert names(await agent_events(stub, number=2, first=True)) == ["started", "t1"]
+        since = timestamp_pb2.Timestamp()
+        since.FromNanoseconds(base + 2 * SECOND)
+        until = timestamp_pb2.Timestamp()
+        until.FromNanoseconds(base + 2 * SECOND)
+        assert names(
+            await agent_events(stub, since=since.ToJsonString(), until=until.ToJsonString())
+        ) == ["t2"]
+
+        request = observer_pb2.GetAgentEventsRequest(follow=True)
+        call = stub.GetAgentEvents(request)
+        follower = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.2)
+        assert not follower.done(), "follow without number sends only new events"
+        hubble.agent_events.add(
+            flow_pb2.AgentEvent(unknown=flow_pb2.AgentEventUnknown(type="new")), time.time_ns()
+        )
+        got = await asyncio.wait_for(follower, 5)
+        assert got.agent_event.unknown.type == "new"
+        call.cancel()
+
+    serve(sock_dir, scenario)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        ({"first": True, "follow": True}, "first cannot be specified with follow"),
+        ({"number": 3, "since": "2024-01-01T00:00:00Z"}, "incompatible with since/until"),
+    ],
+)
+def test_bad_agent_and_debug_event_windows_are_invalid_argument(
+    sock_dir: Path, request_fields: dict[str, Any], message: str
+) -> None:
+    async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
+        for call, kind in (
+            (stub.GetAgentEvents, observer_pb2.GetAgentEventsRequest),
+            (stub.GetDebugEvents, observer_pb2.GetDebugEventsRequest),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                _ = [r async for r in call(json_format.ParseDict(request_fields, kind()))]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in (err.value.details() or "")
+
+    serve(sock_dir, scenario)
+
+
+def test_debug_events_are_an_empty_stream_as_an_agent_without_datapath_debug(
+    sock_dir: Path,
+) -> None:
+    async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
+        add(hubble, 5)
+        request = observer_pb2.GetDebugEventsRequest(number=10)
+        assert [r async for r in stub.GetDebugEvents(request)] == []
+        event = flow_pb2.DebugEvent(type=flow_pb2.DBG_GENERIC, message="x")
+        hubble.debug_events.add(event, time.time_ns())
+        out = [r async for r in stub.GetDebugEvents(request)]
+        assert [(r.debug_event.message, r.node_name) for r in out] == [("x", h.NODE)]
+
+    serve(sock_dir, scenario)
+
+
+def test_get_namespaces_lists_namespaces_of_recent_flows_sorted(sock_dir: Path) -> None:
+    async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
+        empty = await stub.GetNamespaces(observer_pb2.GetNamespacesRequest())
+        assert list(empty.namespaces) == []
+        add(hubble, 2)  # frontend -> backend, both in "demo"
+        add(hubble, 1, start_s=5, daddr=h.REMOTE_IP, dst_identity=h.REMOTE_ID)  # -> prod/db-0
+        answer = await stub.GetNamespaces(observer_pb2.GetNamespacesRequest())
+        assert [(n.cluster, n.namespace) for n in answer.namespaces] == [("", "demo"), ("", "prod")]
+
+    serve(sock_dir, scenario)
+
+
+def test_namespaces_expire_an_hour_after_their_last_flow() -> None:
+    now = [1_000 * SECOND]
+    tracker = NamespaceTracker(wall_clock_ns=lambda: now[0])
+    tracker.observe(h.flow())
+    assert [n.namespace for n in tracker.namespaces()] == ["demo"]
+    now[0] += NAMESPACE_TTL_NS - 1
+    assert [n.namespace for n in tracker.namespaces()] == ["demo"]
+    now[0] += 2
+    assert tracker.namespaces() == []
+
+
+def test_health_reports_hubble_server_observer_serving_as_hubble_status_checks(
+    sock_dir: Path,
+) -> None:
+    async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
+        async with grpc.aio.insecure_channel(f"unix:{sock_dir}/hubble.sock") as channel:
+            response = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="hubble.server.Observer"), timeout=2
+            )
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
 
     serve(sock_dir, scenario)

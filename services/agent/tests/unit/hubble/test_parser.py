@@ -54,6 +54,7 @@ def test_forwarded_egress_syn_becomes_a_fully_enriched_flow() -> None:
         "trace_observation_point": "FROM_ENDPOINT",
         "is_reply": False,
         "interface": {"index": 111, "name": "lxc00000000011"},
+        "Summary": "TCP Flags: SYN",
     }
 
 
@@ -147,3 +148,23 @@ def test_boot_clock_measures_realtime_minus_monotonic() -> None:
     clock = BootClock()
     wall = clock.to_wall_ns(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
     assert abs(wall - time.time_ns()) < 50_000_000
+
+
+def test_summary_is_worded_as_upstream_for_the_cli() -> None:
+    syn_ack = events.TCP_SYN | events.TCP_ACK
+    cases = {
+        "TCP Flags: SYN": h.event(),
+        "TCP Flags: SYN, ACK": h.event(tcp_flags=syn_ack),
+        "TCP Flags: ACK, FIN, PSH": h.event(
+            tcp_flags=events.TCP_ACK | events.TCP_FIN | events.TCP_PSH
+        ),
+        "UDP": h.event(proto=events.IPPROTO_UDP, tcp_flags=0),
+        "ICMPv4 EchoRequest": h.event(proto=events.IPPROTO_ICMP, sport=7, dport=7, tcp_flags=0),
+        "ICMPv4 EchoReply": h.event(
+            proto=events.IPPROTO_ICMP, sport=7, dport=7, tcp_flags=0, is_reply=True
+        ),
+        "ICMPv4": h.event(proto=events.IPPROTO_ICMP, sport=0, dport=0, tcp_flags=0),
+        "IPv4": h.event(proto=47, sport=0, dport=0, tcp_flags=0),
+    }
+    for want, ev in cases.items():
+        assert parse_bytes(ev.pack()).Summary == want
