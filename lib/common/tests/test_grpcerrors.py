@@ -119,3 +119,17 @@ def test_a_reason_must_be_upper_snake(reason: str) -> None:
 def test_an_ok_status_is_refused() -> None:
     with pytest.raises(ValueError, match="OK"):
         grpcerrors.rich_status(grpc.StatusCode.OK, "m", reason="NOT_READY", domain="d")
+
+
+def test_a_message_quoting_a_lone_surrogate_stays_a_valid_status() -> None:
+    """JSON ``"\\ud800"`` decodes to a lone surrogate; quoted in an error message it must
+    not turn the status into UNKNOWN (found by the operator's apply fuzz test)."""
+    status = grpcerrors.rich_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "kind: '\ud800' is not served",
+        reason="INVALID_ARGUMENT",
+        domain=grpcerrors.OPERATOR_DOMAIN,
+        metadata={"kind": "\ud800"},
+    )
+    assert status.details == "kind: '\\ud800' is not served"
+    status.details.encode("utf-8")

@@ -31,6 +31,7 @@ __all__ = [
     "error_info",
     "error_info_from_trailers",
     "error_reason",
+    "printable",
     "rich_status",
 ]
 
@@ -42,6 +43,14 @@ OPERATOR_DOMAIN = "operator.cilia.io"
 
 _ERROR_INFO = error_details_pb2.ErrorInfo.DESCRIPTOR.full_name
 _REASON = re.compile(r"^[A-Z][A-Z0-9_]{0,62}[A-Z0-9]$")
+
+
+def printable(text: str) -> str:
+    """``text`` as valid UTF-8: characters that cannot be encoded (lone surrogates, which
+    JSON's ``\\ud800`` escapes produce in Python) become ``\\ud800``-style escapes.
+    Protobuf strings and gRPC status messages must be valid UTF-8; an error message that
+    quotes a client's bad input would otherwise turn the status into UNKNOWN."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def rich_status(
@@ -63,7 +72,9 @@ def rich_status(
         raise ValueError("an error status cannot be OK")
     if not _REASON.match(reason):
         raise ValueError(f"reason {reason!r} is not UPPER_SNAKE_CASE (e.g. POOL_EXHAUSTED)")
-    info = error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=metadata or {})
+    message = printable(message)
+    metadata = {printable(k): printable(v) for k, v in (metadata or {}).items()}
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
