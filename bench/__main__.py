@@ -1,6 +1,7 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
-NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``, ``cluster``
+NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``, ``cluster``,
+``k8s_operator``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import agent_add, cluster, cni_latency, datapath, flows, ipam
+from bench import agent_add, cluster, cni_latency, datapath, flows, ipam, k8s_operator
 
 BENCHES = {
     "cni_latency": cni_latency.main,
@@ -19,6 +20,7 @@ BENCHES = {
     "flows": flows.main,
     "ipam": ipam.main,
     "cluster": cluster.main,
+    "k8s_operator": k8s_operator.main,
 }
 
 if __name__ == "__main__":
