@@ -67,7 +67,7 @@ def _create_pods(kube: Any, nodes: list[str], pods: int, apps: int) -> float:
     from kubernetes import client
 
     api_client = kube.client()
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
 
     def body(i: int) -> dict[str, Any]:
         return {
@@ -93,10 +93,10 @@ def _plain_watch(kube: Any, pods: int, done: threading.Event, out: dict[str, flo
     from kubernetes import client, watch
 
     api_client = kube.client()
-    core = client.CoreV1Api(api_client)
-    listed = core.list_namespaced_pod(NAMESPACE)
+    core: Any = client.CoreV1Api(api_client)
+    listed: Any = core.list_namespaced_pod(NAMESPACE)
     seen = {p.metadata.name for p in listed.items}
-    w = watch.Watch()
+    w: Any = watch.Watch()  # type: ignore[no-untyped-call]
     for event in w.stream(
         core.list_namespaced_pod,
         NAMESPACE,
@@ -121,7 +121,7 @@ async def _agents(address: str, nodes: list[str], per_node: dict[str, int]) -> d
     from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 
     channel = grpc.aio.insecure_channel(address)
-    node_stub = pb_grpc.NodeServiceStub(channel)
+    node_stub: Any = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
     gate = asyncio.Semaphore(32)
 
     async def register(i: int, name: str) -> None:
@@ -131,7 +131,7 @@ async def _agents(address: str, nodes: list[str], per_node: dict[str, int]) -> d
             )
 
     await asyncio.gather(*(register(i, n) for i, n in enumerate(nodes)))
-    pods_stub = pb_grpc.PodServiceStub(channel)
+    pods_stub: Any = pb_grpc.PodServiceStub(channel)  # type: ignore[no-untyped-call]
     held: dict[str, dict[str, str]] = {n: {} for n in nodes}
     complete = asyncio.Event()
     remaining = {n for n in nodes if per_node.get(n)}
@@ -161,8 +161,8 @@ async def _endpoints(
     from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
-        ids = pb_grpc.IdentityServiceStub(channel)
-        eps = pb_grpc.EndpointServiceStub(channel)
+        ids: Any = pb_grpc.IdentityServiceStub(channel)  # type: ignore[no-untyped-call]
+        eps: Any = pb_grpc.EndpointServiceStub(channel)  # type: ignore[no-untyped-call]
         gate = asyncio.Semaphore(concurrency)
         calls = 0
         counter = iter(range(1, 1 << 30))
