@@ -6,10 +6,15 @@ DaemonSet with ``NODE_NAME``:
 
 1. (optional) take one of ``--max-concurrent-updates`` Lease slots.
 2. GET the agent DaemonSet; read annotation ``safe-agent-updater-daemonset-generation`` of its
-   pod template (missing or empty: exit 11). With ``--expected-generation`` (the updater's own
-   annotation, through the downward API) a different value exits 19 (apply in progress).
+   pod template, and its current revision (the ``controller-revision-hash`` of its newest
+   ControllerRevision; :func:`current_revision`) — both missing: exit 11. With
+   ``--expected-generation`` (the updater's own annotation, through the downward API) a
+   different annotation exits 19 (apply in progress).
 3. LIST agent pods (``--agent-selector``) with ``spec.nodeName=<node>``: none → 12, more → 13.
-4. Equal annotation → exit 0 (no-op).
+4. The pod's ``controller-revision-hash`` label equals the DaemonSet's current revision
+   (when both exist; else: equal annotations) → exit 0 (no-op). Better than comparing the
+   annotation alone: an overlay that changes the template without re-stamping the hash
+   still rolls the agents.
 5. Every image of the agent pod template must be in ``Node.status.images`` (the prepull init
    containers ran), polled ``--image-check-attempts`` times → else 14.
 6. DELETE the pod (precondition: its uid).
@@ -187,6 +192,17 @@ class KubeAPI:
                 name, namespace, _preload_content=False, _request_timeout=self.timeout
             )
         )
+
+    def list_controller_revisions(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        body = self._json(
+            self.apps.list_namespaced_controller_revision(
+                namespace,
+                label_selector=selector,
+                _preload_content=False,
+                _request_timeout=self.timeout,
+            )
+        )
+        return list(body.get("items") or [])
 
     def list_pods(self, namespace: str, selector: str, node: str) -> list[dict[str, Any]]:
         body = self._json(
@@ -548,6 +564,37 @@ def run(settings: KubeSettings, api: KubeAPI, reporter: Reporter) -> Exit:
             semaphore.release()
 
 
+REVISION_LABEL = "controller-revision-hash"
+"""Label the DaemonSet controller puts on its ControllerRevisions and on the pods it makes."""
+
+
+def current_revision(api: KubeAPI, namespace: str, daemonset: dict[str, Any]) -> str:
+    """The DaemonSet's current revision hash: ``metadata.labels[controller-revision-hash]``
+    of its ControllerRevision (``ownerReferences`` controller = the DaemonSet) with the
+    highest ``revision``; "" when it has none (no DaemonSet controller ran).
+
+    The DaemonSet controller writes a new revision for every change of the pod template,
+    so an overlay that changes the agent's image or config checksum, applied without
+    re-running ``hash --write``, still counts as a new generation (Kubernetes: the
+    DaemonSet controller's ControllerRevisions and ``controller-revision-hash``)."""
+    uid = (daemonset.get("metadata") or {}).get("uid")
+    match = ((daemonset.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    selector = ",".join(f"{k}={v}" for k, v in sorted(match.items()))
+    best: tuple[int, str] | None = None
+    for rev in api.list_controller_revisions(namespace, selector):
+        meta = rev.get("metadata") or {}
+        owners = meta.get("ownerReferences") or []
+        if not any(o.get("controller") and o.get("uid") == uid for o in owners):
+            continue
+        digest = (meta.get("labels") or {}).get(REVISION_LABEL) or ""
+        if not digest:
+            digest = str(meta.get("name") or "").rsplit("-", 1)[-1]
+        number = int(rev.get("revision") or 0)
+        if best is None or number > best[0]:
+            best = (number, digest)
+    return best[1] if best is not None else ""
+
+
 def _update(
     settings: KubeSettings, api: KubeAPI, reporter: Reporter, semaphore: LeaseSemaphore | None
 ) -> Exit:
@@ -563,14 +610,15 @@ def _update(
         raise
     template_meta = ((daemonset.get("spec") or {}).get("template") or {}).get("metadata") or {}
     desired = (template_meta.get("annotations") or {}).get(ANNOTATION) or ""
-    if not desired:
+    revision = current_revision(api, ns, daemonset)
+    if not desired and not revision:
         raise UpdaterError(
             Exit.ANNOTATION_MISSING,
             f"agent DaemonSet {ns}/{settings.agent_daemonset}: spec.template.metadata."
             f"annotations[{ANNOTATION!r}] is missing or empty (render the manifests with "
             "`cilia-safe-agent-updater hash --write`)",
         )
-    if settings.expected_generation and settings.expected_generation != desired:
+    if desired and settings.expected_generation and settings.expected_generation != desired:
         raise UpdaterError(
             Exit.GENERATION_SKEW,
             f"--expected-generation {settings.expected_generation} differs from the agent "
@@ -579,6 +627,11 @@ def _update(
     pod = _single_agent_pod(settings, api)
     pod_meta = pod.get("metadata") or {}
     current = (pod_meta.get("annotations") or {}).get(ANNOTATION) or ""
+    pod_revision = (pod_meta.get("labels") or {}).get(REVISION_LABEL) or ""
+    if revision and pod_revision:
+        # the DaemonSet controller's own revision is the truth: a template changed without
+        # a new generation annotation (a stale committed hash) still rolls the agent
+        desired, current = revision, pod_revision
     reporter.involved = _pod_ref(pod)
     if current == desired:
         reporter.step(

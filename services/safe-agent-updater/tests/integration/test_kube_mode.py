@@ -71,6 +71,7 @@ RESOURCES = {
     "Event": ("/api/v1", True, "events"),
     "ServiceAccount": ("/api/v1", True, "serviceaccounts"),
     "DaemonSet": ("/apis/apps/v1", True, "daemonsets"),
+    "ControllerRevision": ("/apis/apps/v1", True, "controllerrevisions"),
     "Lease": ("/apis/coordination.k8s.io/v1", True, "leases"),
 }
 
@@ -382,6 +383,62 @@ def test_equal_hash_is_a_noop(cluster: Cluster) -> None:
     assert _run(cluster) == Exit.OK
     assert cluster.deletes() == []
     assert cluster.get_object("Pod", "cilia-agent-old-0")["metadata"]["uid"]
+    assert cluster.reasons() == ["AgentUpToDate"]
+
+
+def _revision(c: Cluster, number: int, digest: str) -> None:
+    """A ControllerRevision of the agent DaemonSet, as its controller writes one."""
+    ds = c.get_object("DaemonSet", "cilia-agent")
+    c.put_object(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ControllerRevision",
+            "metadata": {
+                "name": f"cilia-agent-{digest}",
+                "namespace": c.ns,
+                "labels": {"app": "cilia-agent", "controller-revision-hash": digest},
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "cilia-agent",
+                     "uid": ds["metadata"]["uid"], "controller": True}
+                ],
+            },
+            "revision": number,
+            "data": {"spec": {"template": ds["spec"]["template"]}},
+        }
+    )  # fmt: skip
+
+
+def _label_revision(c: Cluster, digest: str, annotation: str = NEW) -> None:
+    pod = c.get_object("Pod", "cilia-agent-old-0")
+    pod["metadata"]["annotations"][ANNOTATION] = annotation
+    pod["metadata"].setdefault("labels", {})["controller-revision-hash"] = digest
+    c.put_object(pod)
+
+
+def test_a_new_daemonset_revision_rolls_the_agent_though_the_stamped_hash_is_unchanged(
+    cluster: Cluster, agent_health: str
+) -> None:
+    """An overlay changed the agent's image without `hash --write`: the annotation is the
+    same, the DaemonSet controller's revision is new — the agent is replaced (issue 12)."""
+    _setup(cluster)
+    _revision(cluster, 1, "6c9b7f5d4")
+    _revision(cluster, 2, "7d8f9c6b5")
+    _label_revision(cluster, "6c9b7f5d4")  # the committed hash did not change
+    with Controller(cluster, [cluster.node()]):
+        assert _run(cluster, health_addr=agent_health) == Exit.OK
+    assert cluster.deletes() == [f"/api/v1/namespaces/{cluster.ns}/pods/cilia-agent-old-0"]
+    assert cluster.reasons()[0] == "AgentOutdated"
+
+
+def test_the_current_revision_on_the_pod_is_a_noop_whatever_the_annotations(
+    cluster: Cluster,
+) -> None:
+    _setup(cluster)
+    _revision(cluster, 1, "6c9b7f5d4")
+    _revision(cluster, 2, "7d8f9c6b5")
+    _label_revision(cluster, "7d8f9c6b5", annotation=OLD)  # the revision is the truth
+    assert _run(cluster) == Exit.OK
+    assert cluster.deletes() == []
     assert cluster.reasons() == ["AgentUpToDate"]
 
 
