@@ -1,6 +1,8 @@
 """Wiring of the operator: start/stop order and signal handling.
 
-Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING) ->
+Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING; mutual TLS
+and authorisation by client certificate when the TLS files are set, see
+``controlplane/authz.py``) ->
 auto-create pools (existing ones skipped) -> without leader election: IPAM controller
 restores every node's CIDRs -> identity GC (and CiliumEndpointSlices) start -> health
 SERVING. With --enable-leader-election: the replica follows the store (allocation streams
@@ -26,8 +28,10 @@ from cilia_common.grpcserver import (
 )
 from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
+from cilia_common.tls import CertificateReloader, TLSFileError, server_credentials
 
 from .config import Config
+from .controlplane.authz import AuthorizationInterceptor
 from .controlplane.endpoint import EndpointServicer
 from .controlplane.identity import IdentityServicer
 from .controlplane.ipam import IPAMServicer
@@ -149,6 +153,7 @@ class Operator:
         self._server: Any = None
         self._health: Any = None
         self._metrics_server: MetricsServer | None = None
+        self.tls_reloader: CertificateReloader | None = None
 
     async def start(self) -> None:
         """Start everything; returns once health is SERVING.
@@ -248,6 +253,7 @@ class Operator:
             ),
         ]
         listen = self.config.listen
+        credentials, interceptors = self._tls()
         try:
             self._server, self._health, ports = await start_server_with_ports(
                 services,
@@ -255,6 +261,8 @@ class Operator:
                 options=[
                     ("grpc.max_receive_message_length", config.grpc_max_receive_message_bytes)
                 ],
+                credentials=credentials,
+                interceptors=interceptors,
             )
         except Exception as exc:
             raise StartupError(str(exc)) from None
@@ -277,6 +285,33 @@ class Operator:
                 await set_serving(self._health, SERVICE_NAMES)
             self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
+
+    def _tls(self) -> tuple[Any, list[Any]]:
+        """``(server credentials or None, interceptors)`` of the gRPC listener: mutual TLS
+        with authorisation by client certificate when the TLS files are configured, else
+        plaintext without authorisation (a warning says so).
+
+        Raises:
+            StartupError: a TLS file is unusable.
+        """
+        tls = self.config.server_tls
+        if tls is None:
+            log.warning(
+                "gRPC listener is plaintext: no client is authenticated or authorised "
+                "(local development only; production: --tls-cert-file, --tls-key-file, "
+                "--tls-client-ca-files)",
+                extra={"listen": self.config.listen, "disable_tls": self.config.disable_tls},
+            )
+            return None, []
+        try:
+            credentials, self.tls_reloader = server_credentials(tls)
+        except TLSFileError as exc:
+            raise StartupError(f"TLS: {exc}") from None
+        log.info(
+            "gRPC listener uses mutual TLS",
+            extra={"cert_file": tls.cert_file, "serial": f"{self.tls_reloader.serial:x}"},
+        )
+        return credentials, [AuthorizationInterceptor()]
 
     def _leader_lock(self) -> Lock:
         c = self.config
