@@ -18,6 +18,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_common.grpcserver import (
     BindError,
@@ -154,6 +157,8 @@ class Operator:
         self._health: Any = None
         self._metrics_server: MetricsServer | None = None
         self.tls_reloader: CertificateReloader | None = None
+        self._health_server: Any = None
+        self.health_address = ""
 
     async def start(self) -> None:
         """Start everything; returns once health is SERVING.
@@ -268,6 +273,8 @@ class Operator:
             raise StartupError(str(exc)) from None
         self.address = bound_port(listen, ports[listen]) if listen in ports else listen
         announce_listening(log, "grpc", self.address)
+        if config.grpc_health_listen:
+            await self._start_health_listener(config.grpc_health_listen)
         try:
             await self._auto_create_pools()
             if self.elector is None:
@@ -285,6 +292,26 @@ class Operator:
                 await set_serving(self._health, SERVICE_NAMES)
             self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
+
+    async def _start_health_listener(self, address: str) -> None:
+        """Serve the main server's health servicer alone, in plaintext, on ``address``
+        (``--grpc-health-listen``), so probes without client certificates see readiness.
+
+        Raises:
+            StartupError: the address cannot be bound.
+        """
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise StartupError(f"--grpc-health-listen: cannot listen on {address}: {exc}") from None
+        if port == 0:
+            raise StartupError(f"--grpc-health-listen: cannot listen on {address}")
+        await server.start()
+        self._health_server = server
+        self.health_address = bound_port(address, port)
+        announce_listening(log, "health", self.health_address)
 
     def _tls(self) -> tuple[Any, list[Any]]:
         """``(server credentials or None, interceptors)`` of the gRPC listener: mutual TLS
@@ -412,6 +439,8 @@ class Operator:
             await set_serving(self._health, SERVICE_NAMES, serving=False)
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace_period)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         if self.elector is not None:
             await self.elector.stop()
         if self.slices is not None:

@@ -245,6 +245,12 @@ class Config(BaseModel):
         description="PEM CA bundles client certificates must chain to; repeat or "
         "comma-separate (upstream hubble-tls-client-ca-files)",
     )
+    grpc_health_listen: str = Field(
+        default="",
+        description="extra plaintext listener HOST:PORT serving only grpc.health.v1 (the same "
+        "statuses as --listen), for probes that cannot do mutual TLS (kubelet gRPC probes, "
+        "the image HEALTHCHECK); '' = none",
+    )
     disable_tls: bool = Field(
         default=False,
         description="serve gRPC in plaintext without authorisation on a non-loopback --listen "
@@ -372,6 +378,13 @@ class Config(BaseModel):
     def _listen(cls, value: str) -> str:
         if not value.startswith("unix:"):
             split_host_port(value, flag="--listen")
+        return value
+
+    @field_validator("grpc_health_listen")
+    @classmethod
+    def _health_listen(cls, value: str) -> str:
+        if value:
+            split_host_port(value, flag="--grpc-health-listen")
         return value
 
     @field_validator("prometheus_serve_addr")

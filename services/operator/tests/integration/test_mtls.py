@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
@@ -102,8 +103,10 @@ class Clients:
 
 
 @contextlib.asynccontextmanager
-async def tls_operator(redis_url: str, bundle: GeneratedBundle) -> AsyncIterator[Clients]:
-    op = Operator(_config(redis_url, bundle))
+async def tls_operator(
+    redis_url: str, bundle: GeneratedBundle, **overrides: Any
+) -> AsyncIterator[Clients]:
+    op = Operator(_config(redis_url, bundle, **overrides))
     await op.start()
     clients = Clients(op, bundle)
     try:
@@ -242,6 +245,21 @@ async def test_client_without_certificate_is_refused_at_the_handshake(
             await _refused_at_handshake(ch)
         finally:
             await ch.close()
+
+
+async def test_health_listener_answers_probes_in_plaintext_and_serves_nothing_else(
+    redis_url: str, bundle: GeneratedBundle
+) -> None:
+    async with tls_operator(redis_url, bundle, grpc_health_listen="127.0.0.1:0") as clients:
+        assert clients.op.health_address.startswith("127.0.0.1:")
+        async with grpc.aio.insecure_channel(clients.op.health_address) as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await pb_grpc.ResourceServiceStub(ch).List(pb.ListRequest(kind="cn"), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_certificates_of_another_ca_and_expired_ones_are_refused(
