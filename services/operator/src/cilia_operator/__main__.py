@@ -9,6 +9,8 @@ cilia-operator serve [--store URL|kubernetes [--kubeconfig PATH]] [--listen ADDR
                      [--cluster-pool-ipv4-mask-size N]
                      [--enable-cluster-pool-to-multi-pool-migration]
                      [--service-cluster-ip-range CIDR]
+                     [--tls-cert-file F --tls-key-file F --tls-client-ca-files F | --disable-tls]
+                     [--grpc-health-listen ADDR]
 cilia-operator apply -f FILE [--server ADDR] [--dry-run]
 cilia-operator get KIND [NAME] [-n NAMESPACE | -A] [-o json|yaml] [--server ADDR]
 cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]

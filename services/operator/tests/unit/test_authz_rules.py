@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pydantic
 import pytest
 
@@ -76,3 +78,25 @@ def test_tls_files_come_together() -> None:
     with pytest.raises(pydantic.ValidationError, match="conflicts"):
         Config(**BASE, tls_cert_file="a", tls_key_file="b", tls_client_ca_files=["c"],
                disable_tls=True)  # fmt: skip
+
+
+def test_certs_generate_writes_the_bundle_and_refuses_bad_node_names(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cilia_operator.__main__ import main
+
+    out = tmp_path / "tls"
+    assert main(["certs", "generate", "--dir", str(out), "--nodes", "a,b", "--days", "2"]) == 0
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["admin.crt", "admin.key", "ca.crt", "ca.key", "node-a.crt", "node-a.key",
+                       "node-b.crt", "node-b.key", "server.crt", "server.key"]  # fmt: skip
+    assert "--tls-cert-file" in capsys.readouterr().out
+    assert main(["certs", "generate", "--dir", str(out), "--nodes", "Bad_Name"]) == 2
+    assert "--nodes: 'Bad_Name'" in capsys.readouterr().err
+
+
+def test_client_tls_flags_come_together(capsys: pytest.CaptureFixture[str]) -> None:
+    from cilia_operator.__main__ import main
+
+    assert main(["get", "cn", "--tls-operator-client-cert-file", "x.crt"]) == 2
+    assert "give all three or none" in capsys.readouterr().err
