@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pydantic
 import pytest
@@ -58,7 +59,7 @@ def test_no_certificate_is_refused_even_for_reads() -> None:
     assert refusal(RULES["ResourceService/List"], None, pb.ListRequest())[0]
 
 
-BASE = {"store": "redis://127.0.0.1:1/0"}
+BASE: dict[str, Any] = {"store": "redis://127.0.0.1:1/0"}
 
 
 def test_network_listener_needs_tls_or_disable_tls() -> None:

@@ -32,7 +32,7 @@ the ``system:masters`` group; the issue's rule that an agent writes only its own
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,8 +168,15 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
 
             async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 await check(request, context)
-                async for response in inner_us(request, context):
-                    yield response
+                responses = inner_us(request, context)
+                try:
+                    async for response in responses:
+                        yield response
+                finally:
+                    # a cancelled stream ends the handler's generator now (its store watch
+                    # stops), not whenever it is collected
+                    if isinstance(responses, AsyncGenerator):
+                        await responses.aclose()
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,
