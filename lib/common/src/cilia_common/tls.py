@@ -62,6 +62,7 @@ __all__ = [
     "RotatingChannel",
     "ServerTLS",
     "TLSFileError",
+    "certificate_identity",
     "channel_credentials",
     "channel_options",
     "generate_bundle",
@@ -451,6 +452,21 @@ def peer_identity(context: Any) -> PeerIdentity | None:
     if not pems:
         return None
     return _identity_of(bytes(pems[0]))
+
+
+def certificate_identity(cert_file: str) -> PeerIdentity:
+    """The identity a client presents with ``cert_file`` (its leaf certificate), as
+    :func:`peer_identity` would read it on the server.
+
+    Raises:
+        TLSFileError: the file is unreadable or not a PEM certificate.
+    """
+    data = _read(cert_file)
+    try:
+        leaf = x509.load_pem_x509_certificates(data)[0]
+    except ValueError as exc:
+        raise TLSFileError(cert_file, f"not a PEM certificate: {exc}") from None
+    return _identity_of(leaf.public_bytes(serialization.Encoding.PEM))
 
 
 def is_loopback(address: str) -> bool:

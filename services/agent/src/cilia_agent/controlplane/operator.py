@@ -44,7 +44,7 @@ from pyroute2 import IPRoute
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
 from cilia_agent.config import Config
-from cilia_common.tls import ClientTLS, RotatingChannel
+from cilia_common.tls import ClientTLS, RotatingChannel, TLSFileError, certificate_identity
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,26 @@ def operator_channel(
     if tls is not None:
         return RotatingChannel(address, tls, options)
     return grpc.aio.insecure_channel(address, options=options)
+
+
+def warn_foreign_certificate(cfg: Config) -> None:
+    """Log an error when ``--tls-operator-client-cert-file`` is not this node's agent
+    certificate (``CN=system:node:<--node-name>, O=system:nodes``), or unreadable."""
+    tls = cfg.operator_tls
+    if tls is None:
+        return
+    try:
+        who = certificate_identity(tls.cert_file)
+    except TLSFileError as exc:
+        log.error("operator client certificate unusable", extra={"error": str(exc)})
+        return
+    if who.node != cfg.node_name:
+        log.error(
+            "operator client certificate is not this node's: the operator will refuse this "
+            "agent's writes (PERMISSION_DENIED)",
+            extra={"certificate": who.describe(), "node": cfg.node_name,
+                   "expected": f"CN=system:node:{cfg.node_name}, O=system:nodes"},
+        )  # fmt: skip
 
 
 class OperatorClient:
@@ -391,7 +411,10 @@ class OperatorConnection:
     def from_config(cls, cfg: Config, channel: grpc.aio.Channel | None = None) -> Self:
         """Connect to ``cfg.operator`` as ``cfg.node_name`` with ``--operator-timeout`` and
         the ``--operator-reconnect-{min,max}-backoff`` of the agent's config; over
-        ``channel`` when given (the agent's one operator channel, closed by its owner)."""
+        ``channel`` when given (the agent's one operator channel, closed by its owner).
+        With mutual TLS, a client certificate made for another node is logged as an error:
+        the operator refuses every write of this agent then."""
+        warn_foreign_certificate(cfg)
         return cls(
             address=cfg.operator,
             node_name=cfg.node_name,
