@@ -138,6 +138,7 @@ def stack(client: Any, built: dict[str, str]) -> Iterator[dict[str, Any]]:
                 "serve",
                 f"--store=redis://{tag}-redis:6379/0",
                 "--listen=0.0.0.0:4250",
+                "--disable-tls",  # a private test network; mTLS is tested in test_mtls.py
                 "--auto-create-cilium-pod-ip-pools=default=ipv4-cidrs:10.77.0.0/16;ipv4-mask-size:24",
             ],
             name=f"{tag}-operator",

@@ -83,8 +83,14 @@ async def start_server_with_ports(
     *,
     socket_mode: int = 0o600,
     options: Sequence[tuple[str, Any]] = (),
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, dict[str, int]]:
     """Like :func:`start_server`, and also report the TCP ports actually bound.
+
+    ``credentials`` (e.g. :func:`cilia_common.tls.server_credentials`) make every address a
+    TLS port (None: plaintext); ``interceptors`` run before every handler, health and
+    reflection included.
 
     Returns:
         ``(server, health_servicer, ports)`` where ``ports`` maps every TCP listen address
@@ -96,7 +102,9 @@ async def start_server_with_ports(
     """
     # gRPC turns SO_REUSEPORT on by default: a second server on the same port
     # would start silently and split the clients between the two. Refuse instead.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), *options], interceptors=list(interceptors) or None
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.full_name for s in services]
@@ -116,7 +124,10 @@ async def start_server_with_ports(
         if address.startswith(UNIX_PREFIX):
             unix_paths.append(_prepare_unix(address))
         try:
-            port = server.add_insecure_port(address)
+            if credentials is not None:
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as exc:
             raise BindError(f"cannot listen on {address}: {exc}") from exc
         if not address.startswith(UNIX_PREFIX):

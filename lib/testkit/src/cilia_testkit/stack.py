@@ -324,6 +324,7 @@ class Agent:
             self.host_device,
             "--log-level",
             "info",
+            *s.client_tls_args(f"node-{self.node_name}"),
             *s.agent_args,
             *extra,
         ]
@@ -443,6 +444,12 @@ class Stack:
             a :class:`~cilia_testkit.cluster.Cluster` gives its LAN bridge address so that
             agents in node namespaces reach it.
         ready_seconds: per component start timeout.
+        tls: mutual TLS between agents/CLI and operator: :meth:`prepare` runs
+            ``cilia-operator certs generate`` into ``<run dir>/tls`` (a CA, the operator's
+            server pair, ``node-<node>.crt/.key`` per agent, ``admin.crt/.key``), the
+            operator gets ``--tls-*`` and each agent ``--tls-operator-*`` flags, and
+            :meth:`operator_cli` uses the admin pair. False: the operator runs with
+            ``--disable-tls`` (plaintext, as before TLS existed).
 
     Raises (from :meth:`start`):
         StackError: a component failed to start or get ready; what started is stopped.
@@ -465,7 +472,10 @@ class Stack:
         keep_run_dir: bool = False,
         shared: bool = False,
         operator_host: str = "127.0.0.1",
+        tls: bool = False,
     ) -> None:
+        self.tls = tls
+        self.tls_dir = pathlib.Path()
         self.name = name
         self.operator_host = operator_host
         self.shared = shared
@@ -575,12 +585,50 @@ class Stack:
         self.operator = self.process("operator", "cilia-operator")
         self.relay = self.process("relay", "cilia-relay")
         self.agents = [Agent(self, i) for i in range(self.agent_count)]
+        if self.tls:
+            self.tls_dir = self.run_dir / "tls"
+            self.issue_certs()
         if not self.shared:
             _kill_orphans(self.slot)
             for agent in self.agents:
                 agent.remove_leftovers()
         self._prepared = True
         return self
+
+    def issue_certs(self) -> None:
+        """(Re)write the TLS files of every agent (and the CA, server and admin pairs; the
+        CA is kept) with ``cilia-operator certs generate``.
+
+        Raises:
+            StackError: the command failed.
+        """
+        nodes = ",".join(a.node_name for a in self.agents)
+        out = subprocess.run(
+            [str(VENV_BIN / "cilia-operator"), "certs", "generate", "--dir", str(self.tls_dir),
+             "--nodes", nodes, "--hosts", f"{self.operator_host},127.0.0.1,localhost",
+             "--days", "2"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise StackError(f"cilia-operator certs generate: {out.stderr.strip()}")
+
+    def operator_tls_args(self) -> list[str]:
+        """The operator's ``--tls-*`` flags ([] without TLS: ``--disable-tls``)."""
+        if not self.tls:
+            return ["--disable-tls"]
+        d = self.tls_dir
+        return ["--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+                "--tls-client-ca-files", str(d / "ca.crt")]  # fmt: skip
+
+    def client_tls_args(self, client: str = "admin") -> list[str]:
+        """``--tls-operator-*`` flags of a client (``admin``, ``node-<node>``); [] without
+        TLS."""
+        if not self.tls:
+            return []
+        d = self.tls_dir
+        return ["--tls-operator-server-ca-files", str(d / "ca.crt"),
+                "--tls-operator-client-cert-file", str(d / f"{client}.crt"),
+                "--tls-operator-client-key-file", str(d / f"{client}.key")]  # fmt: skip
 
     def record(self, process: Process) -> None:
         """Note a started process in the slot's record (:func:`_kill_orphans` reads it)."""
@@ -658,6 +706,7 @@ class Stack:
                 *self._pool_flags(),
                 "--log-level",
                 "info",
+                *self.operator_tls_args(),
                 *self.operator_args,
                 *extra,
             ]
@@ -736,6 +785,8 @@ class Stack:
         agent = Agent(self, len(self.agents), node_name=node_name, netns=netns)
         agent.remove_leftovers()
         self.agents.append(agent)
+        if self.tls:
+            self.issue_certs()
         return agent
 
     def restart(self, component: str) -> None:
@@ -808,9 +859,16 @@ class Stack:
     # -- clients --------------------------------------------------------------------------
 
     def operator_cli(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        """``cilia-operator ARGV --server <this operator>``; never raises on the exit status."""
+        """``cilia-operator ARGV --server <this operator>`` (with the admin's TLS files when
+        :attr:`tls`); never raises on the exit status."""
         return subprocess.run(
-            [str(VENV_BIN / "cilia-operator"), *argv, "--server", self.operator_address],
+            [
+                str(VENV_BIN / "cilia-operator"),
+                *argv,
+                "--server",
+                self.operator_address,
+                *self.client_tls_args(),
+            ],
             capture_output=True,
             text=True,
             timeout=timeout,

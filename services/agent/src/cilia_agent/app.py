@@ -166,7 +166,10 @@ class Agent:
         self.node.addresses = nets.addresses
         channel = (
             operator_channel(
-                cfg.operator, cfg.operator_reconnect_min_backoff, cfg.operator_reconnect_max_backoff
+                cfg.operator,
+                cfg.operator_reconnect_min_backoff,
+                cfg.operator_reconnect_max_backoff,
+                tls=cfg.operator_tls,
             )
             if cfg.operator
             else None

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cilia_common.addresses import TCPAddress
 from cilia_common.flags import Flag, parse_bool
+from cilia_common.tls import ClientTLS
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
 # directory at start and logged (Config.relative_path_notes).
@@ -206,6 +207,25 @@ class Config(BaseModel):
     operator_timeout: float = Field(
         default=10.0, gt=0, description="deadline in seconds of each unary call to the operator"
     )
+    tls_operator_server_ca_files: Annotated[list[str], Flag(metavar="PATH")] = Field(
+        default_factory=list,
+        description="PEM CA bundles the operator's certificate must chain to; with "
+        "--tls-operator-client-cert-file and --tls-operator-client-key-file the operator "
+        "link is mutual TLS (files re-read for new connections when they change); repeat or "
+        "comma-separate; none = plaintext (upstream relay's tls-hubble-server-ca-files)",
+    )
+    tls_operator_client_cert_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="",
+        description="PEM client certificate of this node (CN=system:node:<--node-name>, "
+        "O=system:nodes) (upstream relay's tls-hubble-client-cert-file)",
+    )
+    tls_operator_client_key_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="", description="PEM private key of --tls-operator-client-cert-file"
+    )
+    tls_operator_server_name: str = Field(
+        default="",
+        description="name the operator's certificate must carry ('' = the host of --operator)",
+    )
     operator_reconnect_min_backoff: float = Field(
         default=1.0,
         gt=0,
@@ -353,6 +373,34 @@ class Config(BaseModel):
         if value and (":" not in value or not value.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"{value!r} is not host:port")
         return value
+
+    @field_validator("tls_operator_server_ca_files")
+    @classmethod
+    def _tls_ca_files(cls, value: list[str]) -> list[str]:
+        return [p.strip() for item in value for p in item.split(",") if p.strip()]
+
+    @model_validator(mode="after")
+    def _operator_tls(self) -> Config:
+        given = [bool(self.tls_operator_server_ca_files), bool(self.tls_operator_client_cert_file),
+                 bool(self.tls_operator_client_key_file)]  # fmt: skip
+        if any(given) and not all(given):
+            raise ValueError(
+                "--tls-operator-server-ca-files, --tls-operator-client-cert-file and "
+                "--tls-operator-client-key-file: give all three (mutual TLS) or none"
+            )
+        return self
+
+    @property
+    def operator_tls(self) -> ClientTLS | None:
+        """The mutual-TLS files of the operator link, or None for plaintext."""
+        if not self.tls_operator_client_cert_file:
+            return None
+        return ClientTLS(
+            tuple(self.tls_operator_server_ca_files),
+            self.tls_operator_client_cert_file,
+            self.tls_operator_client_key_file,
+            self.tls_operator_server_name,
+        )
 
     @model_validator(mode="after")
     def _backoff(self) -> Config:

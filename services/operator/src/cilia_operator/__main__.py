@@ -9,13 +9,20 @@ cilia-operator serve [--store URL|kubernetes [--kubeconfig PATH]] [--listen ADDR
                      [--cluster-pool-ipv4-mask-size N]
                      [--enable-cluster-pool-to-multi-pool-migration]
                      [--service-cluster-ip-range CIDR]
+                     [--tls-cert-file F --tls-key-file F --tls-client-ca-files F | --disable-tls]
+                     [--grpc-health-listen ADDR]
 cilia-operator apply -f FILE [--server ADDR] [--dry-run]
 cilia-operator get KIND [NAME] [-n NAMESPACE | -A] [-o json|yaml] [--server ADDR]
 cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
 cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-last-ip]
                          [--pool NAME] [--service-cluster-ip-range CIDR] [--server ADDR | --offline]
 cilia-operator ipam status [-o text|json] [--server ADDR]
+cilia-operator certs generate --dir DIR [--nodes N1,N2] [--hosts ADDR,...] [--admins NAMES]
+                              [--days N]
 cilia-operator --version
+
+Client commands take --tls-operator-server-ca-files, --tls-operator-client-cert-file,
+--tls-operator-client-key-file [--tls-operator-server-name] for an operator with mutual TLS.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import sys
 from collections.abc import Sequence
 
 from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args
+from cilia_common.tls import ClientTLS
 
 from . import __version__
 from .config import Config
@@ -52,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
         p.add_argument("--timeout", type=_positive_seconds, default=10.0,
                        help=f"seconds per request, > 0 {d}")  # fmt: skip
+        add_client_tls_flags(p)
 
     apply = sub.add_parser("apply", help="create or update resources from a manifest")
     apply.add_argument(
@@ -103,10 +112,65 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not contact the operator (default: check against it when "
                       "reachable)")  # fmt: skip
     client(plan)
+    certs = sub.add_parser("certs", help="certificates of the control plane (mutual TLS)")
+    certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="SUBCOMMAND")
+    gen = certs_sub.add_parser(
+        "generate",
+        help="write a CA, the operator's server certificate, one client certificate per node "
+        "(CN=system:node:<node>, O=system:nodes) and admin ones (O=system:masters)",
+    )
+    gen.add_argument("--dir", required=True, help="output directory (ca.crt/ca.key reused)")
+    gen.add_argument("--nodes", default="", help="comma-separated node names (default: none)")
+    gen.add_argument("--hosts", default="127.0.0.1,localhost",
+                     help=f"comma-separated addresses/names agents dial the operator at: the "
+                     f"server certificate's SANs {d}")  # fmt: skip
+    gen.add_argument("--admins", default="admin",
+                     help=f"comma-separated admin client names {d}")  # fmt: skip
+    gen.add_argument("--days", type=_positive_seconds, default=365.0,
+                     help=f"validity of the server and client certificates in days; the CA "
+                     f"gets ten times as long {d}")  # fmt: skip
     status = ipam_sub.add_parser("status", help="pools, draining CIDRs, nodes, migration")
     status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
     client(status)
     return parser
+
+
+def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
+    """The client-side mutual-TLS flags (upstream relay's ``--tls-hubble-*`` naming)."""
+    p.add_argument("--tls-operator-server-ca-files", default="", metavar="PATHS",
+                   help="comma-separated PEM CA bundles the operator's certificate must chain "
+                   "to; with the client certificate and key: mutual TLS (default: plaintext)")  # fmt: skip
+    p.add_argument("--tls-operator-client-cert-file", default="", metavar="PATH",
+                   help="PEM client certificate (an admin's, O=system:masters, to apply/delete)")  # fmt: skip
+    p.add_argument("--tls-operator-client-key-file", default="", metavar="PATH",
+                   help="PEM private key of the client certificate")  # fmt: skip
+    p.add_argument("--tls-operator-server-name", default="", metavar="NAME",
+                   help="name the operator's certificate must carry (default: the --server host)")  # fmt: skip
+
+
+def _client_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """The ClientTLS of the flags, None without them.
+
+    Raises:
+        FlagError: some but not all of CA, certificate and key given.
+    """
+    cas = tuple(p for p in args.tls_operator_server_ca_files.split(",") if p)
+    given = [bool(cas), bool(args.tls_operator_client_cert_file),
+             bool(args.tls_operator_client_key_file)]  # fmt: skip
+    if not any(given):
+        return None
+    if not all(given):
+        raise FlagError(
+            "", "--tls-operator-server-ca-files, --tls-operator-client-cert-file and "
+            "--tls-operator-client-key-file: give all three or none",
+        )  # fmt: skip
+    return ClientTLS(cas, args.tls_operator_client_cert_file, args.tls_operator_client_key_file,
+                     args.tls_operator_server_name)  # fmt: skip
+
+
+def _split(text: str) -> list[str]:
+    """A comma-separated flag value as its non-empty items."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _positive_seconds(value: str) -> float:
@@ -145,28 +209,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     from . import cli
 
+    tls = None
     try:
-        if args.command == "apply":
-            cli.apply(args.filename, args.server, args.dry_run, args.timeout, sys.stdout)
+        if args.command != "certs":
+            tls = _client_tls(args)
+    except FlagError as exc:
+        print(f"cilia-operator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.command == "certs":
+            cli.certs_generate(args.dir, _split(args.hosts), _split(args.nodes),
+                               _split(args.admins), args.days, sys.stdout)  # fmt: skip
+        elif args.command == "apply":
+            cli.apply(args.filename, args.server, args.dry_run, args.timeout, sys.stdout, tls=tls)
         elif args.command == "ipam" and args.ipam_command == "plan":
             problems = cli.ipam_plan(
                 args.cidr, args.mask_size, args.allow_first_ip, args.allow_last_ip,
                 None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
                 service_cidrs=(
                     tuple(args.service_cluster_ip_range) if args.service_cluster_ip_range else None
-                ),
+                ), tls=tls,
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
         elif args.command == "ipam":
-            cli.ipam_status(args.server, args.timeout, sys.stdout, output=args.output)
+            cli.ipam_status(args.server, args.timeout, sys.stdout, output=args.output, tls=tls)
         elif args.command == "get":
             namespace = None if args.all_namespaces else args.namespace
             cli.get(args.kind, args.name, args.output, args.server, args.timeout, sys.stdout,
-                    namespace=namespace)  # fmt: skip
+                    namespace=namespace, tls=tls)  # fmt: skip
         else:
             cli.delete(args.kind, args.name, args.server, args.timeout, sys.stdout,
-                       namespace=args.namespace)  # fmt: skip
+                       namespace=args.namespace, tls=tls)  # fmt: skip
         sys.stdout.flush()
     except cli.CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,6 +1,8 @@
 """Wiring of the operator: start/stop order and signal handling.
 
-Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING) ->
+Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING; mutual TLS
+and authorisation by client certificate when the TLS files are set, see
+``controlplane/authz.py``) ->
 auto-create pools (existing ones skipped) -> without leader election: IPAM controller
 restores every node's CIDRs -> identity GC (and CiliumEndpointSlices) start -> health
 SERVING. With --enable-leader-election: the replica follows the store (allocation streams
@@ -16,6 +18,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_common.grpcserver import (
     BindError,
@@ -26,8 +31,10 @@ from cilia_common.grpcserver import (
 )
 from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
+from cilia_common.tls import CertificateReloader, TLSFileError, server_credentials
 
 from .config import Config
+from .controlplane.authz import AuthorizationInterceptor
 from .controlplane.endpoint import EndpointServicer
 from .controlplane.identity import IdentityServicer
 from .controlplane.ipam import IPAMServicer
@@ -149,6 +156,9 @@ class Operator:
         self._server: Any = None
         self._health: Any = None
         self._metrics_server: MetricsServer | None = None
+        self.tls_reloader: CertificateReloader | None = None
+        self._health_server: Any = None
+        self.health_address = ""
 
     async def start(self) -> None:
         """Start everything; returns once health is SERVING.
@@ -248,6 +258,7 @@ class Operator:
             ),
         ]
         listen = self.config.listen
+        credentials, interceptors = self._tls()
         try:
             self._server, self._health, ports = await start_server_with_ports(
                 services,
@@ -255,11 +266,15 @@ class Operator:
                 options=[
                     ("grpc.max_receive_message_length", config.grpc_max_receive_message_bytes)
                 ],
+                credentials=credentials,
+                interceptors=interceptors,
             )
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.address = bound_port(listen, ports[listen]) if listen in ports else listen
         announce_listening(log, "grpc", self.address)
+        if config.grpc_health_listen:
+            await self._start_health_listener(config.grpc_health_listen)
         try:
             await self._auto_create_pools()
             if self.elector is None:
@@ -277,6 +292,53 @@ class Operator:
                 await set_serving(self._health, SERVICE_NAMES)
             self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
+
+    async def _start_health_listener(self, address: str) -> None:
+        """Serve the main server's health servicer alone, in plaintext, on ``address``
+        (``--grpc-health-listen``), so probes without client certificates see readiness.
+
+        Raises:
+            StartupError: the address cannot be bound.
+        """
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise StartupError(f"--grpc-health-listen: cannot listen on {address}: {exc}") from None
+        if port == 0:
+            raise StartupError(f"--grpc-health-listen: cannot listen on {address}")
+        await server.start()
+        self._health_server = server
+        self.health_address = bound_port(address, port)
+        announce_listening(log, "health", self.health_address)
+
+    def _tls(self) -> tuple[Any, list[Any]]:
+        """``(server credentials or None, interceptors)`` of the gRPC listener: mutual TLS
+        with authorisation by client certificate when the TLS files are configured, else
+        plaintext without authorisation (a warning says so).
+
+        Raises:
+            StartupError: a TLS file is unusable.
+        """
+        tls = self.config.server_tls
+        if tls is None:
+            log.warning(
+                "gRPC listener is plaintext: no client is authenticated or authorised "
+                "(local development only; production: --tls-cert-file, --tls-key-file, "
+                "--tls-client-ca-files)",
+                extra={"listen": self.config.listen, "disable_tls": self.config.disable_tls},
+            )
+            return None, []
+        try:
+            credentials, self.tls_reloader = server_credentials(tls)
+        except TLSFileError as exc:
+            raise StartupError(f"TLS: {exc}") from None
+        log.info(
+            "gRPC listener uses mutual TLS",
+            extra={"cert_file": tls.cert_file, "serial": f"{self.tls_reloader.serial:x}"},
+        )
+        return credentials, [AuthorizationInterceptor()]
 
     def _leader_lock(self) -> Lock:
         c = self.config
@@ -377,6 +439,8 @@ class Operator:
             await set_serving(self._health, SERVICE_NAMES, serving=False)
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace_period)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         if self.elector is not None:
             await self.elector.stop()
         if self.slices is not None:

@@ -1,5 +1,6 @@
 """Client commands: ``apply``, ``get``, ``delete`` and ``ipam plan|status`` against a
-running operator.
+running operator (plaintext, or mutual TLS with ``--tls-operator-*`` files), and
+``certs generate`` (the standalone control plane's certificates).
 
 Each returns the process exit status: 0 on success; on failure one line on stderr and
 status 2 (bad input, not found, refused) -- never a traceback.
@@ -19,6 +20,13 @@ import yaml
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_common.protojson import message_to_dict
+from cilia_common.tls import (
+    ClientTLS,
+    TLSFileError,
+    channel_credentials,
+    channel_options,
+    generate_bundle,
+)
 
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
 from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
@@ -77,9 +85,25 @@ def check_server(server: str) -> str:
     return server
 
 
-def _stub(server: str) -> Any:
-    channel = grpc.insecure_channel(check_server(server))
-    return pb_grpc.ResourceServiceStub(channel)  # type: ignore[no-untyped-call]
+def channel(server: str, tls: ClientTLS | None = None) -> grpc.Channel:
+    """A channel to the operator at ``server``: mutual TLS with ``tls``'s files, else
+    plaintext (an operator with TLS refuses it at the handshake).
+
+    Raises:
+        CommandError: a malformed address or an unusable TLS file.
+    """
+    target = check_server(server)
+    if tls is None:
+        return grpc.insecure_channel(target)
+    try:
+        credentials = channel_credentials(tls)
+    except TLSFileError as exc:
+        raise CommandError(f"TLS: {exc}") from None
+    return grpc.secure_channel(target, credentials, options=channel_options(tls))
+
+
+def _stub(server: str, tls: ClientTLS | None = None) -> Any:
+    return pb_grpc.ResourceServiceStub(channel(server, tls))  # type: ignore[no-untyped-call]
 
 
 def _rpc_error(exc: Any, server: str) -> CommandError:
@@ -104,7 +128,15 @@ def _display(api_version: str, kind: str, name: str) -> str:
         return f"{kind.lower()}/{name}"
 
 
-def apply(path: str, server: str, dry_run: bool, timeout: float, out: IO[str]) -> None:
+def apply(
+    path: str,
+    server: str,
+    dry_run: bool,
+    timeout: float,
+    out: IO[str],
+    *,
+    tls: ClientTLS | None = None,
+) -> None:
     """Send the manifest at ``path`` (``-`` = stdin); print one kubectl-style line per
     resource (``ciliumpodippool.cilium.io/blue created``). When the operator does not
     answer within ``timeout``, read the documents back and say whether all were written
@@ -121,7 +153,7 @@ def apply(path: str, server: str, dry_run: bool, timeout: float, out: IO[str]) -
         raise CommandError(
             f"cannot read {path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON manifest"
         ) from None
-    stub = _stub(server)
+    stub = _stub(server, tls)
     try:
         response = stub.Apply(pb.ApplyRequest(manifest=text, dry_run=dry_run), timeout=timeout)
     except grpc.RpcError as exc:
@@ -206,6 +238,8 @@ def get(
     timeout: float,
     out: IO[str],
     namespace: str | None = "default",
+    *,
+    tls: ClientTLS | None = None,
 ) -> None:
     """Print one resource, or every resource of ``kind`` as a ``List``, as JSON or YAML.
 
@@ -219,7 +253,7 @@ def get(
         info = resolve_kind(kind)
     except UnknownKind as exc:
         raise CommandError(str(exc)) from None
-    stub = _stub(server)
+    stub = _stub(server, tls)
     scope = (namespace or "default") if info.namespaced else ""
     if name:
         request = pb.GetRequest(kind=info.kind, name=name, namespace=scope)
@@ -234,7 +268,14 @@ def get(
 
 
 def delete(
-    kind: str, name: str, server: str, timeout: float, out: IO[str], namespace: str = "default"
+    kind: str,
+    name: str,
+    server: str,
+    timeout: float,
+    out: IO[str],
+    namespace: str = "default",
+    *,
+    tls: ClientTLS | None = None,
 ) -> None:
     """Delete one resource; prints ``ciliumpodippool.cilium.io/blue deleted``
     (``namespace`` applies to namespaced kinds).
@@ -249,13 +290,12 @@ def delete(
     request = pb.DeleteRequest(
         kind=info.kind, name=name, namespace=namespace if info.namespaced else ""
     )
-    _call(_stub(server).Delete, request, server, timeout)
+    _call(_stub(server, tls).Delete, request, server, timeout)
     print(f"{info.display(name)} deleted", file=out)
 
 
-def _ipam_stub(server: str) -> Any:
-    channel = grpc.insecure_channel(check_server(server))
-    return pb_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
+def _ipam_stub(server: str, tls: ClientTLS | None = None) -> Any:
+    return pb_grpc.IPAMServiceStub(channel(server, tls))  # type: ignore[no-untyped-call]
 
 
 def _service_cidrs(values: tuple[str, ...] | None) -> list[ipaddress.IPv4Network]:
@@ -301,6 +341,8 @@ def ipam_plan(
     out: IO[str],
     pool: str = "",
     service_cidrs: tuple[str, ...] | None = None,
+    *,
+    tls: ClientTLS | None = None,
 ) -> int:
     """Print the node blocks, pod IPs per node and in total for a pool shape; with a
     reachable operator (``server``), also check it against live pools and nodes:
@@ -365,7 +407,9 @@ def ipam_plan(
     if server is None:
         return _offline_checks(nets, given, out, "offline")
     try:
-        status = _ipam_stub(server).GetStatus(pb.IPAMServiceGetStatusRequest(), timeout=timeout)
+        status = _ipam_stub(server, tls).GetStatus(
+            pb.IPAMServiceGetStatusRequest(), timeout=timeout
+        )
     except grpc.RpcError as exc:
         print(f"live check skipped: cannot reach operator at {server}: {exc.details()}; "
               "falling back to the offline checks (service CIDRs only; pools and node "
@@ -417,7 +461,14 @@ def ipam_plan(
     return len(problems)
 
 
-def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text") -> None:
+def ipam_status(
+    server: str,
+    timeout: float,
+    out: IO[str],
+    output: str = "text",
+    *,
+    tls: ClientTLS | None = None,
+) -> None:
     """Print the service CIDRs, pools (CIDRs, draining CIDRs, blocks), per-node allocations
     and errors, the migration progress, and pools overlapping a node network registered after them
     (``-o json``: the GetStatus response in protobuf's JSON mapping with every field
@@ -427,7 +478,7 @@ def ipam_status(server: str, timeout: float, out: IO[str], output: str = "text")
     Raises:
         CommandError: unreachable operator.
     """
-    status = _call(_ipam_stub(server).GetStatus, pb.IPAMServiceGetStatusRequest(), server,
+    status = _call(_ipam_stub(server, tls).GetStatus, pb.IPAMServiceGetStatusRequest(), server,
                    timeout)  # fmt: skip
     if output == "json":
         print(json.dumps(message_to_dict(status), indent=2), file=out)
@@ -499,3 +550,40 @@ def _live_conflicts(status: Any) -> list[str]:
         cidrs = [ipaddress.IPv4Network(c) for c in p.cidrs]
         out += [f"pool {p.name}: {e.reason}" for e in overlap_errors(cidrs, node_networks=networks)]
     return out
+
+
+def certs_generate(
+    directory: str,
+    hosts: list[str],
+    nodes: list[str],
+    admins: list[str],
+    days: float,
+    out: IO[str],
+) -> None:
+    """Write the control plane's CA, the operator's server pair, one client pair per node and
+    per admin into ``directory`` (``ca.crt``/``ca.key`` reused when present, so new nodes
+    can be added later) and print the flags that use them.
+
+    Raises:
+        CommandError: bad node name, no host, or the directory cannot be written.
+    """
+    from .ipam.pool import ObjectMeta
+
+    for node in nodes:
+        try:
+            ObjectMeta(name=node)
+        except ValueError as exc:
+            raise CommandError(f"--nodes: {node!r}: {exc}") from None
+    try:
+        bundle = generate_bundle(
+            directory, server_hosts=hosts, nodes=nodes, admins=admins, days=days
+        )
+    except (ValueError, OSError, TLSFileError) as exc:
+        raise CommandError(str(exc)) from None
+    print(f"CA:       {bundle.ca_cert} (key {bundle.ca_key}: keep it off the nodes)", file=out)
+    print(f"operator: --tls-cert-file {bundle.server_cert} --tls-key-file {bundle.server_key} "
+          f"--tls-client-ca-files {bundle.ca_cert}", file=out)  # fmt: skip
+    for name, (cert, key) in bundle.clients.items():
+        print(f"{name}: --tls-operator-server-ca-files {bundle.ca_cert} "
+              f"--tls-operator-client-cert-file {cert} --tls-operator-client-key-file {key}",
+              file=out)  # fmt: skip

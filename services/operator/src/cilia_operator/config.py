@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from cilia_common.addresses import split_host_port
 from cilia_common.flags import Duration, Flag
+from cilia_common.tls import ServerTLS
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
 from .ipam.pool import PoolSpec, no_pod_address
@@ -230,6 +231,66 @@ class Config(BaseModel):
         "naming that flag, not a transport error)",
     )  # fmt: skip
 
+    tls_cert_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="",
+        description="PEM certificate (chain) the gRPC listener serves; with --tls-key-file and "
+        "--tls-client-ca-files it turns on mutual TLS and authorisation by client "
+        "certificate; re-read when the file changes (upstream hubble-tls-cert-file)",
+    )
+    tls_key_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="", description="PEM private key of --tls-cert-file (upstream hubble-tls-key-file)"
+    )
+    tls_client_ca_files: Annotated[list[str], Flag(metavar="PATH")] = Field(
+        default_factory=list,
+        description="PEM CA bundles client certificates must chain to; repeat or "
+        "comma-separate (upstream hubble-tls-client-ca-files)",
+    )
+    grpc_health_listen: str = Field(
+        default="",
+        description="extra plaintext listener HOST:PORT serving only grpc.health.v1 (the same "
+        "statuses as --listen), for probes that cannot do mutual TLS (kubelet gRPC probes, "
+        "the image HEALTHCHECK); '' = none",
+    )
+    disable_tls: bool = Field(
+        default=False,
+        description="serve gRPC in plaintext without authorisation on a non-loopback --listen "
+        "(local development only; logged as a warning); a loopback or unix: --listen without "
+        "TLS files is plaintext too, also with a warning",
+    )
+
+    @field_validator("tls_client_ca_files")
+    @classmethod
+    def _ca_files(cls, value: list[str]) -> list[str]:
+        return [p.strip() for item in value for p in item.split(",") if p.strip()]
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        from cilia_common.tls import is_loopback
+
+        given = [bool(self.tls_cert_file), bool(self.tls_key_file), bool(self.tls_client_ca_files)]
+        if any(given) and not all(given):
+            raise ValueError(
+                "--tls-cert-file, --tls-key-file and --tls-client-ca-files: give all three "
+                "(mutual TLS) or none"
+            )
+        if all(given) and self.disable_tls:
+            raise ValueError("--disable-tls: conflicts with --tls-cert-file")
+        if not any(given) and not self.disable_tls and not is_loopback(self.listen):
+            raise ValueError(
+                f"--listen {self.listen}: reachable from other hosts, so it needs mutual TLS "
+                "(--tls-cert-file, --tls-key-file, --tls-client-ca-files; "
+                "'cilia-operator certs generate' makes them), or --disable-tls for local "
+                "development"
+            )
+        return self
+
+    @property
+    def server_tls(self) -> ServerTLS | None:
+        """The TLS files of the gRPC listener, or None for plaintext."""
+        if not self.tls_cert_file:
+            return None
+        return ServerTLS(self.tls_cert_file, self.tls_key_file, tuple(self.tls_client_ca_files))
+
     @field_validator("cluster_pool_ipv4_cidr", "service_cluster_ip_range")
     @classmethod
     def _cidrs(cls, value: list[str], info: ValidationInfo) -> list[str]:
@@ -317,6 +378,13 @@ class Config(BaseModel):
     def _listen(cls, value: str) -> str:
         if not value.startswith("unix:"):
             split_host_port(value, flag="--listen")
+        return value
+
+    @field_validator("grpc_health_listen")
+    @classmethod
+    def _health_listen(cls, value: str) -> str:
+        if value:
+            split_host_port(value, flag="--grpc-health-listen")
         return value
 
     @field_validator("prometheus_serve_addr")

@@ -44,6 +44,7 @@ from pyroute2 import IPRoute
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
 from cilia_agent.config import Config
+from cilia_common.tls import ClientTLS, RotatingChannel, TLSFileError, certificate_identity
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +125,46 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def operator_channel(address: str, min_backoff: float, max_backoff: float) -> grpc.aio.Channel:
-    """An insecure channel to the operator with the reconnect backoff ``min``..``max`` (s)."""
+def operator_channel(
+    address: str, min_backoff: float, max_backoff: float, *, tls: ClientTLS | None = None
+) -> grpc.aio.Channel:
+    """A channel to the operator with the reconnect backoff ``min``..``max`` (s): plaintext,
+    or with ``tls`` mutual TLS whose files are re-read for new calls once they change
+    (:class:`cilia_common.tls.RotatingChannel`), so a renewed certificate is used without a
+    restart.
+
+    Raises:
+        TLSFileError: a TLS file is unusable at start.
+    """
     ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
-    return grpc.aio.insecure_channel(
-        address,
-        options=[
-            ("grpc.initial_reconnect_backoff_ms", ms_min),
-            ("grpc.min_reconnect_backoff_ms", ms_min),
-            ("grpc.max_reconnect_backoff_ms", ms_max),
-        ],
-    )
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", ms_min),
+        ("grpc.min_reconnect_backoff_ms", ms_min),
+        ("grpc.max_reconnect_backoff_ms", ms_max),
+    ]
+    if tls is not None:
+        return RotatingChannel(address, tls, options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def warn_foreign_certificate(cfg: Config) -> None:
+    """Log an error when ``--tls-operator-client-cert-file`` is not this node's agent
+    certificate (``CN=system:node:<--node-name>, O=system:nodes``), or unreadable."""
+    tls = cfg.operator_tls
+    if tls is None:
+        return
+    try:
+        who = certificate_identity(tls.cert_file)
+    except TLSFileError as exc:
+        log.error("operator client certificate unusable", extra={"error": str(exc)})
+        return
+    if who.node != cfg.node_name:
+        log.error(
+            "operator client certificate is not this node's: the operator will refuse this "
+            "agent's writes (PERMISSION_DENIED)",
+            extra={"certificate": who.describe(), "node": cfg.node_name,
+                   "expected": f"CN=system:node:{cfg.node_name}, O=system:nodes"},
+        )  # fmt: skip
 
 
 class OperatorClient:
@@ -158,6 +188,8 @@ class OperatorClient:
             node's addresses ("" = none), sent with Register.
         channel: the agent's one operator channel (gRPC reconnects it; its owner closes
             it); None = a channel of its own for each session.
+        tls: mutual-TLS files of the session's own channel (None: plaintext; unused with
+            ``channel``).
     """
 
     def __init__(
@@ -176,7 +208,9 @@ class OperatorClient:
         hubble_address: Callable[[list[str]], str] = lambda _addresses: "",
         on_demand_sent: Callable[[Demand, str], None] = lambda _demand, _rv: None,
         channel: grpc.aio.Channel | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
+        self.tls = tls
         self.address = address
         self.node_name = node_name
         self.version = version
@@ -263,7 +297,7 @@ class OperatorClient:
         delivered = False
         own = self._channel is None
         channel = self._channel or operator_channel(
-            self.address, self.min_backoff, self.max_backoff
+            self.address, self.min_backoff, self.max_backoff, tls=self.tls
         )
         try:
             node = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
@@ -364,19 +398,23 @@ class OperatorConnection:
         min_backoff: float,
         max_backoff: float,
         channel: grpc.aio.Channel | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
         self.node_name = node_name
         self.timeout = timeout
         self._owns_channel = channel is None
-        self.channel = channel or operator_channel(address, min_backoff, max_backoff)
+        self.channel = channel or operator_channel(address, min_backoff, max_backoff, tls=tls)
         self._stubs(self.channel)
 
     @classmethod
     def from_config(cls, cfg: Config, channel: grpc.aio.Channel | None = None) -> Self:
         """Connect to ``cfg.operator`` as ``cfg.node_name`` with ``--operator-timeout`` and
         the ``--operator-reconnect-{min,max}-backoff`` of the agent's config; over
-        ``channel`` when given (the agent's one operator channel, closed by its owner)."""
+        ``channel`` when given (the agent's one operator channel, closed by its owner).
+        With mutual TLS, a client certificate made for another node is logged as an error:
+        the operator refuses every write of this agent then."""
+        warn_foreign_certificate(cfg)
         return cls(
             address=cfg.operator,
             node_name=cfg.node_name,
@@ -384,6 +422,7 @@ class OperatorConnection:
             min_backoff=cfg.operator_reconnect_min_backoff,
             max_backoff=cfg.operator_reconnect_max_backoff,
             channel=channel,
+            tls=cfg.operator_tls,
         )
 
     def _stubs(self, channel: grpc.aio.Channel) -> None:
