@@ -142,6 +142,9 @@ def stack(client: Any, built: dict[str, str]) -> Iterator[dict[str, Any]]:
                 "--auto-create-cilium-pod-ip-pools=default=ipv4-cidrs:10.77.0.0/16;ipv4-mask-size:24",
             ],
             name=f"{tag}-operator",
+            # the image's health check follows the plaintext server here (its default is
+            # the health-only listener of the TLS command line)
+            environment={"CILIA_HEALTH_ADDRESS": "127.0.0.1:4250"},
             **common,
         )
         containers["agent"] = client.containers.run(
