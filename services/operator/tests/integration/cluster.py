@@ -16,9 +16,10 @@ from cilia_operator.config import Config
 POOL = "default=ipv4-cidrs:10.251.0.0/22;ipv4-mask-size:24"
 
 
-@asynccontextmanager
-async def running_operator(redis_url: str, **overrides: Any) -> AsyncIterator[tuple[Operator, Any]]:
-    """An operator against ``redis_url`` and an aio channel to it."""
+def operator_settings(redis_url: str, **overrides: Any) -> dict[str, Any]:
+    """Operator ``Config`` fields for an in-process test operator on ``redis_url``: port 0,
+    no metrics, the test pool, fast watches and shutdown, no identity GC; ``overrides``
+    win."""
     settings: dict[str, Any] = {
         "store": redis_url,
         "listen": "127.0.0.1:0",
@@ -29,6 +30,13 @@ async def running_operator(redis_url: str, **overrides: Any) -> AsyncIterator[tu
         "identity_gc_interval": 0,
     }
     settings.update(overrides)
+    return settings
+
+
+@asynccontextmanager
+async def running_operator(redis_url: str, **overrides: Any) -> AsyncIterator[tuple[Operator, Any]]:
+    """An operator against ``redis_url`` and an aio channel to it."""
+    settings = operator_settings(redis_url, **overrides)
     op = Operator(Config(**settings))
     await op.start()
     channel = grpc.aio.insecure_channel(op.address)

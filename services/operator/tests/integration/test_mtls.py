@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
+from cluster import operator_settings
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -63,20 +64,13 @@ def _client(bundle: GeneratedBundle, name: str, ca: str = "") -> ClientTLS:
 
 
 def _config(redis_url: str, bundle: GeneratedBundle, **overrides: Any) -> Config:
-    settings: dict[str, Any] = {
-        "store": redis_url,
-        "listen": "127.0.0.1:0",
-        "prometheus_serve_addr": "",
+    tls = {
         "auto_create_cilium_pod_ip_pools": [POOL],
-        "store_watch_block_timeout": 0.5,
-        "shutdown_grace_period": 0.1,
-        "identity_gc_interval": 0,
         "tls_cert_file": bundle.server_cert,
         "tls_key_file": bundle.server_key,
         "tls_client_ca_files": [bundle.ca_cert],
     }
-    settings.update(overrides)
-    return Config(**settings)
+    return Config(**operator_settings(redis_url, **{**tls, **overrides}))
 
 
 class Clients:

@@ -321,12 +321,7 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[observer_pb2.GetAgentEventsResponse]:
         """Stream the agent's events (e.g. AGENT_STARTED); INVALID_ARGUMENT for bad windows."""
-        try:
-            stream = self.agent_events.stream(request)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        async for time_ns, event in stream:
+        async for time_ns, event in self._events(self.agent_events, request, context):
             yield observer_pb2.GetAgentEventsResponse(
                 agent_event=event, node_name=self.store.node_name, time=timestamp(time_ns)
             )
@@ -338,15 +333,24 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
     ) -> AsyncIterator[observer_pb2.GetDebugEventsResponse]:
         """Stream datapath debug events (none are emitted: an empty stream, or a follow that
         waits); INVALID_ARGUMENT for bad windows."""
-        try:
-            stream = self.debug_events.stream(request)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        async for time_ns, event in stream:
+        async for time_ns, event in self._events(self.debug_events, request, context):
             yield observer_pb2.GetDebugEventsResponse(
                 debug_event=event, node_name=self.store.node_name, time=timestamp(time_ns)
             )
+
+    @staticmethod
+    async def _events(
+        log: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """``(time_ns, event)`` of an event log's stream for ``request``; a request the log
+        refuses (bad window) aborts the RPC with INVALID_ARGUMENT."""
+        try:
+            stream = log.stream(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        async for item in stream:
+            yield item
 
     async def GetNamespaces(  # noqa: N802 - gRPC method name
         self,
