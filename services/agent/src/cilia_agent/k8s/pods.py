@@ -137,7 +137,8 @@ class PodCache:
         self._decided.set()
 
     def on_change(self, observer: PodObserver) -> None:
-        """Await ``observer`` for each Pod whose endpoint labels changed after it was seen."""
+        """Await ``observer`` for each Pod seen for the first time and each whose endpoint
+        labels changed (it must change nothing when the labels are its endpoint's)."""
         self._observers.append(observer)
 
     # ------------------------------------------------------------------ the stream
@@ -172,9 +173,12 @@ class PodCache:
                 info = PodInfo.of(event.pod)
                 old = self._pods.get(key)
                 self._pods[key] = info
-                if old is not None and old.endpoint_labels(
+                # a Pod seen for the first time goes to the observers too: after an agent
+                # restart its endpoint may still carry labels changed while it was down
+                # (the observers change nothing when the labels are the same)
+                if old is None or old.endpoint_labels(self.cluster_name) != info.endpoint_labels(
                     self.cluster_name
-                ) != info.endpoint_labels(self.cluster_name):
+                ):
                     changed.append((key, info))
             if response.synced and seen is not None:
                 for key in [k for k in self._pods if k not in seen]:
