@@ -70,3 +70,26 @@ def test_a_nodes_stream_sends_its_own_pods_with_namespace_labels_and_their_chang
 
 def test_service_account_defaults_as_the_api_server_defaults_it() -> None:
     assert pod_message(_pod("p", "n", {}), {}).service_account == "default"
+
+
+def test_slicer_adopts_stored_slices_keeps_members_and_repairs_a_mixed_one() -> None:
+    from cilia_operator.endpoint.slices import CoreEndpoint, Slicer
+
+    slicer = Slicer(2, new_name=iter(f"ces-new{i}" for i in range(10)).__next__)
+    member = {"networking": {"addressing": [{"ipv4": "10.0.0.1"}]}}
+    slicer.adopt({"metadata": {"name": "ces-a"}, "namespace": "shop",
+                  "endpoints": [{"name": "p1", "id": 300, **member}]})  # fmt: skip
+    slicer.adopt({"metadata": {"name": "ces-b"}, "namespace": "shop",
+                  "endpoints": [{"name": "p2", "id": 300, **member},
+                                {"name": "p3", "id": 301, **member}]})  # fmt: skip
+    slicer.adopt({"metadata": {}, "endpoints": []})  # nameless: ignored
+    assert slicer.dirty == {"ces-b"}, "a mixed slice is rewritten"
+    # p1 keeps its slice; p4 of the same group joins a slice with room; p3 goes elsewhere
+    slicer.upsert(("shop", "p1"), ("shop", 300), CoreEndpoint("p1", 300, "10.0.0.1", ""))
+    slicer.upsert(("shop", "p4"), ("shop", 300), CoreEndpoint("p4", 300, "10.0.0.4", ""))
+    slicer.upsert(("shop", "p3"), ("shop", 301), CoreEndpoint("p3", 301, "10.0.0.3", ""))
+    written = dict(slicer.take_dirty())
+    names = {n: [e["name"] for e in (r or {}).get("endpoints", [])] for n, r in written.items()}
+    assert names == {"ces-a": ["p1", "p4"], "ces-b": ["p2"], "ces-new0": ["p3"]}
+    slicer.delete(("shop", "p3"))
+    assert slicer.take_dirty() == [("ces-new0", None)], "an empty slice is deleted"

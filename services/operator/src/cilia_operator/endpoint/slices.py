@@ -137,10 +137,12 @@ class Slicer:
     def adopt(self, record: Mapping[str, Any]) -> None:
         """Take an existing slice object (operator start): its members stay in it."""
         name = str((record.get("metadata") or {}).get("name") or "")
+        if not name:
+            return
         namespace = str(record.get("namespace") or records.DEFAULT_NAMESPACE)
         identities = slice_identities(record)
-        if not name or len(identities) != 1:
-            self.dirty.add(name)  # malformed or mixed: rewritten from its members
+        if len(identities) != 1:
+            self.dirty.add(name)  # mixed or empty: rewritten (or deleted) from its members
         kept = Slice(name, (namespace, min(identities) if identities else 0))
         for ep in record.get("endpoints") or []:
             if not isinstance(ep, Mapping) or not ep.get("name"):
