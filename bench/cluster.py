@@ -55,16 +55,7 @@ class BenchError(RuntimeError):
 
 def prog_ids(node: Node, ifname: str) -> dict[str, int]:
     """Program id of the tc filter on each clsact hook of ``ifname`` in ``node``'s netns."""
-    ids: dict[str, int] = {}
-    for hook in HOOKS:
-        out = node.exec("tc", "-j", "filter", "show", "dev", ifname, hook, check=False)
-        if out.returncode != 0 or not out.stdout.strip():
-            continue
-        for entry in json.loads(out.stdout):
-            prog = entry.get("options", {}).get("prog")
-            if prog:
-                ids[hook] = int(prog["id"])
-    return ids
+    return datapath.attached_prog_ids(ifname, run=node.exec)
 
 
 class Attachment:

@@ -625,11 +625,16 @@ def pingpong(client: BenchPod, server_ip: str, port: int, mode: str, seconds: in
 # BPF attach / detach / restore and policy padding.
 
 
-def attached_prog_ids(ifname: str) -> dict[str, int]:
-    """Program id of the tc bpf filter on each clsact hook of ``ifname`` (missing = absent)."""
+def attached_prog_ids(
+    ifname: str, run: Callable[..., subprocess.CompletedProcess[str]] = host.sh
+) -> dict[str, int]:
+    """Program id of the tc bpf filter on each clsact hook of ``ifname`` (missing = absent).
+
+    ``run(*argv, check=False)`` runs ``tc`` where the device is (default: this host's
+    namespace; a cluster node's ``Node.exec`` for a device in its netns)."""
     ids: dict[str, int] = {}
     for hook in ("ingress", "egress"):
-        out = host.sh("tc", "-j", "filter", "show", "dev", ifname, hook, check=False)
+        out = run("tc", "-j", "filter", "show", "dev", ifname, hook, check=False)
         if out.returncode != 0 or not out.stdout.strip():
             continue
         for entry in json.loads(out.stdout):

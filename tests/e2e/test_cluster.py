@@ -224,19 +224,7 @@ def _apply(w: World, doc: dict[str, Any]) -> None:
 
 
 def _policy() -> dict[str, Any]:
-    return traffic.cnp(
-        POLICY,
-        NS,
-        {
-            "endpointSelector": {"matchLabels": {"app": "backend"}},
-            "ingress": [
-                {
-                    "fromEndpoints": [{"matchLabels": {"app": "frontend"}}],
-                    "toPorts": [{"ports": [{"port": str(PORT), "protocol": "TCP"}]}],
-                }
-            ],
-        },
-    )
+    return traffic.backend_from_frontend(POLICY, NS, PORT)
 
 
 def _enforced(w: World) -> tuple[bool, bool]:

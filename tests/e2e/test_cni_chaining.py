@@ -158,19 +158,7 @@ def _eventually(predicate: Callable[[], bool], what: str) -> None:
 
 
 def _backend_allow_frontend() -> dict[str, Any]:
-    return traffic.cnp(
-        POLICY,
-        NS,
-        {
-            "endpointSelector": {"matchLabels": {"app": "backend"}},
-            "ingress": [
-                {
-                    "fromEndpoints": [{"matchLabels": {"app": "frontend"}}],
-                    "toPorts": [{"ports": [{"port": str(ALLOWED), "protocol": "TCP"}]}],
-                }
-            ],
-        },
-    )
+    return traffic.backend_from_frontend(POLICY, NS, ALLOWED)
 
 
 def test_generic_veth_chaining_after_ptp_enforces_policy_and_del_leaves_nothing(

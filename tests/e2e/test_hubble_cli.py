@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+import traffic
 
 from cilia_testkit import VENV_BIN, cni, probe, skips
 from cilia_testkit.cluster import HUBBLE_PORT, Cluster
@@ -178,20 +179,7 @@ class World:
 
 
 def _policy() -> dict[str, Any]:
-    return {
-        "apiVersion": "cilium.io/v2",
-        "kind": "CiliumNetworkPolicy",
-        "metadata": {"name": POLICY, "namespace": NS},
-        "spec": {
-            "endpointSelector": {"matchLabels": {"app": "backend"}},
-            "ingress": [
-                {
-                    "fromEndpoints": [{"matchLabels": {"app": "frontend"}}],
-                    "toPorts": [{"ports": [{"port": str(PORT), "protocol": "TCP"}]}],
-                }
-            ],
-        },
-    }
+    return traffic.backend_from_frontend(POLICY, NS, PORT)
 
 
 @pytest.fixture(scope="module")

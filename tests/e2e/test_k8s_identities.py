@@ -145,20 +145,7 @@ def test_identities_come_from_the_pod_and_namespace_and_a_cnp_selects_them(world
     assert wanted in label_sets, label_sets
     # before any policy every pod reaches every other
     assert w.reaches("other", "backend") and w.reaches("frontend", "backend")
-    policy = {
-        "apiVersion": "cilium.io/v2",
-        "kind": "CiliumNetworkPolicy",
-        "metadata": {"name": "backend-from-frontend"},
-        "spec": {
-            "endpointSelector": {"matchLabels": {"app": "backend"}},
-            "ingress": [
-                {
-                    "fromEndpoints": [{"matchLabels": {"app": "frontend"}}],
-                    "toPorts": [{"ports": [{"port": str(PORT), "protocol": "TCP"}]}],
-                }
-            ],
-        },
-    }
+    policy = traffic.backend_from_frontend("backend-from-frontend", w.namespace, PORT)
     w.kubectl("apply", "-f", "-", input=json.dumps(policy))
     assert host.wait_for(lambda: not w.reaches("other", "backend"), POLICY_WAIT_SECONDS), (
         "app=other still reaches the backend: the policy never selected the API's labels\n"

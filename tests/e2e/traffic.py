@@ -153,6 +153,24 @@ def cnp(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def backend_from_frontend(name: str, namespace: str, port: int) -> dict[str, Any]:
+    """The CiliumNetworkPolicy the e2e suites enforce: ``app=backend`` admits only
+    ``app=frontend``, on TCP ``port``."""
+    return cnp(
+        name,
+        namespace,
+        {
+            "endpointSelector": {"matchLabels": {"app": "backend"}},
+            "ingress": [
+                {
+                    "fromEndpoints": [{"matchLabels": {"app": "frontend"}}],
+                    "toPorts": [{"ports": [{"port": str(port), "protocol": "TCP"}]}],
+                }
+            ],
+        },
+    )
+
+
 @dataclasses.dataclass
 class Observed:
     """One ``cilia-relay observe -o json`` run.

@@ -322,11 +322,21 @@ def start_server(netns: str, name: str, ports: Sequence[int]) -> subprocess.Pope
     argv = _in_netns(
         netns, "serve", "--name", name, *[a for p in ports for a in ("--port", str(p))]
     )
+    return _started(argv, "listening", f"probe server in {netns}")
+
+
+def _started(argv: list[str], ready_line: str, what: str) -> subprocess.Popen[str]:
+    """Start ``argv`` and wait (:data:`SERVER_START_SECONDS`) for its first stdout line to be
+    ``ready_line``.
+
+    Raises:
+        RuntimeError: it printed something else, or nothing in time (its stderr included).
+    """
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = _first_line(proc.stdout, SERVER_START_SECONDS)
-    if line is None or line.strip() != "listening":
-        raise RuntimeError(f"probe server in {netns} did not start: {_stop_stderr(proc)}")
+    if line is None or line.strip() != ready_line:
+        raise RuntimeError(f"{what} did not start: {_stop_stderr(proc)}")
     return proc
 
 
@@ -338,12 +348,7 @@ def start_ping(netns: str, address: str, interval: float = 0.01) -> subprocess.P
         RuntimeError: it did not start within :data:`SERVER_START_SECONDS`.
     """
     argv = _in_netns(netns, "ping", "--interval", str(interval), address)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = _first_line(proc.stdout, SERVER_START_SECONDS)
-    if line is None or line.strip() != "started":
-        raise RuntimeError(f"probe ping in {netns} did not start: {_stop_stderr(proc)}")
-    return proc
+    return _started(argv, "started", f"probe ping in {netns}")
 
 
 def finish_ping(proc: subprocess.Popen[str], timeout: float = 10.0) -> dict[str, Any]:

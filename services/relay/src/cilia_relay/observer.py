@@ -33,6 +33,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf.wrappers_pb2 import UInt32Value
@@ -296,21 +297,26 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
         async for response in call.run():
             yield response
 
-    async def _peer_status(self, peer: Peer) -> observer_pb2.ServerStatusResponse | None:
+    async def _peer_call(self, peer: Peer, method: str, request: Any) -> Any | None:
+        """Unary ``Observer.<method>(request)`` on ``peer`` within ``--peer-call-timeout``;
+        None (and one warning) when the peer has no channel or the call fails."""
         channel = peer.channel
         if channel is None:
             return None
         try:
             stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
-            status: observer_pb2.ServerStatusResponse = await stub.ServerStatus(
-                observer_pb2.ServerStatusRequest(), timeout=self.opts.peer_call_timeout
-            )
+            return await getattr(stub, method)(request, timeout=self.opts.peer_call_timeout)
         except grpc.aio.AioRpcError as exc:
             log.warning(
-                "peer ServerStatus failed",
+                f"peer {method} failed",
                 extra={"peer": peer.name, "code": exc.code().name, "details": exc.details()},
             )
             return None
+
+    async def _peer_status(self, peer: Peer) -> observer_pb2.ServerStatusResponse | None:
+        status: observer_pb2.ServerStatusResponse | None = await self._peer_call(
+            peer, "ServerStatus", observer_pb2.ServerStatusRequest()
+        )
         return status
 
     async def ServerStatus(  # noqa: N802 (gRPC method name)
@@ -376,21 +382,10 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
         return response
 
     async def _peer_namespaces(self, peer: Peer) -> list[observer_pb2.Namespace]:
-        channel = peer.channel
-        if channel is None:
-            return []
-        try:
-            stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
-            answer: observer_pb2.GetNamespacesResponse = await stub.GetNamespaces(
-                observer_pb2.GetNamespacesRequest(), timeout=self.opts.peer_call_timeout
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "peer GetNamespaces failed",
-                extra={"peer": peer.name, "code": exc.code().name, "details": exc.details()},
-            )
-            return []
-        return list(answer.namespaces)
+        answer: observer_pb2.GetNamespacesResponse | None = await self._peer_call(
+            peer, "GetNamespaces", observer_pb2.GetNamespacesRequest()
+        )
+        return list(answer.namespaces) if answer is not None else []
 
     async def GetNamespaces(  # noqa: N802 (gRPC method name)
         self, request: observer_pb2.GetNamespacesRequest, context: grpc.aio.ServicerContext

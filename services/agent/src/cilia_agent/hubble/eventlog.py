@@ -4,7 +4,8 @@ namespaces seen in flows.
 Upstream Hubble's local observer keeps agent events (``AGENT_STARTED``, policy and endpoint
 notifications of the monitor) and debug events (datapath ``DBG_*`` messages, only with the
 datapath's debug mode on) in its event ring and serves them through ``GetAgentEvents`` and
-``GetDebugEvents`` with the same window rules as ``GetFlows`` (re-implemented here):
+``GetDebugEvents`` with the same window rules as ``GetFlows`` (the option checks are one
+function for all three, :func:`request_window`):
 
 - ``first`` with ``follow``, or ``number`` with ``since``/``until``: INVALID_ARGUMENT
   (:class:`~cilia_agent.hubble.errors.InvalidRequest`).
@@ -47,7 +48,8 @@ P = TypeVar("P")
 
 
 class WindowRequest(Protocol):
-    """The window fields GetAgentEventsRequest and GetDebugEventsRequest share."""
+    """The window fields GetFlowsRequest, GetAgentEventsRequest and GetDebugEventsRequest
+    share."""
 
     @property
     def number(self) -> int: ...
@@ -61,13 +63,26 @@ class WindowRequest(Protocol):
     def HasField(self, field_name: str) -> bool: ...  # noqa: N802 - protobuf API
 
 
-def _ts_ns(request: WindowRequest, name: str) -> int | None:
-    if not request.HasField(name):
-        return None
-    ts = getattr(request, name)
-    if not 0 <= ts.nanos < 1_000_000_000:
-        raise InvalidRequest(f"{name}: invalid timestamp")
-    return int(ts.seconds) * 1_000_000_000 + int(ts.nanos)
+def request_window(request: WindowRequest) -> tuple[int | None, int | None]:
+    """``(since_ns, until_ns)`` of a GetFlows / GetAgentEvents / GetDebugEvents request
+    (None where the field is absent), after upstream's checks of the window options.
+
+    Raises:
+        InvalidRequest: ``first`` with ``follow``; ``number`` with ``since``/``until``; a
+            timestamp whose nanos are outside 0..999,999,999.
+    """
+    if request.first and request.follow:
+        raise InvalidRequest("first cannot be specified with follow")
+    has = {name: request.HasField(name) for name in ("since", "until")}
+    if request.number and any(has.values()):
+        raise InvalidRequest("number is incompatible with since/until")
+    out: list[int | None] = []
+    for name in ("since", "until"):
+        ts = getattr(request, name) if has[name] else None
+        if ts is not None and not 0 <= ts.nanos < 1_000_000_000:
+            raise InvalidRequest(f"{name}: invalid timestamp")
+        out.append(None if ts is None else int(ts.seconds) * 1_000_000_000 + int(ts.nanos))
+    return out[0], out[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +120,7 @@ class EventLog(Generic[P]):
             InvalidRequest: first with follow, number with since/until, or a bad timestamp
                 (raised here, before anything is sent).
         """
-        if request.first and request.follow:
-            raise InvalidRequest("first cannot be specified with follow")
-        since_ns, until_ns = _ts_ns(request, "since"), _ts_ns(request, "until")
-        if request.number and (since_ns is not None or until_ns is not None):
-            raise InvalidRequest("number is incompatible with since/until")
+        since_ns, until_ns = request_window(request)
         return self._stream(request, since_ns, until_ns)
 
     def _start(self, request: WindowRequest, since_ns: int | None) -> int:

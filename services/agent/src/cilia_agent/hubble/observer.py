@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import timestamp_pb2, wrappers_pb2
@@ -38,7 +38,7 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
 from cilia_agent.hubble.errors import InvalidFilter, InvalidRequest
-from cilia_agent.hubble.eventlog import EventLog, NamespaceTracker
+from cilia_agent.hubble.eventlog import EventLog, NamespaceTracker, request_window
 from cilia_agent.hubble.filters import FilterSet
 from cilia_agent.hubble.parser import timestamp
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
@@ -57,6 +57,23 @@ class RingEntry:
 
 def _ts_ns(ts: timestamp_pb2.Timestamp) -> int:
     return int(ts.seconds) * 1_000_000_000 + int(ts.nanos)
+
+
+T = TypeVar("T")
+
+
+async def _refusing(
+    open_stream: Callable[[], AsyncIterator[T]], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[T]:
+    """The items of ``open_stream()``; a request it refuses before sending anything
+    (InvalidRequest, InvalidFilter) ends the RPC with INVALID_ARGUMENT and its message."""
+    try:
+        stream = open_stream()
+    except (InvalidRequest, InvalidFilter) as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return
+    async for item in stream:
+        yield item
 
 
 class FlowStore:
@@ -184,16 +201,7 @@ class FlowStore:
                 raised before anything is sent.
             InvalidFilter: a whitelist/blacklist filter is invalid or unsupported.
         """
-        if req.first and req.follow:
-            raise InvalidRequest("first cannot be specified with follow")
-        has_since, has_until = req.HasField("since"), req.HasField("until")
-        if req.number and (has_since or has_until):
-            raise InvalidRequest("number is incompatible with since/until")
-        for name in ("since", "until"):
-            if req.HasField(name) and not 0 <= getattr(req, name).nanos < 1_000_000_000:
-                raise InvalidRequest(f"{name}: invalid timestamp")
-        since_ns = _ts_ns(req.since) if has_since else None
-        until_ns = _ts_ns(req.until) if has_until else None
+        since_ns, until_ns = request_window(req)
         filters = FilterSet(req.whitelist, req.blacklist)
         return self._stream(req, filters, since_ns, until_ns)
 
@@ -281,12 +289,7 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
         self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
         """Stream flows; INVALID_ARGUMENT for bad option combinations or filters."""
-        try:
-            stream = self.store.get_flows(request)
-        except (InvalidRequest, InvalidFilter) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        async for response in stream:
+        async for response in _refusing(lambda: self.store.get_flows(request), context):
             yield response
 
     async def ServerStatus(  # noqa: N802 - gRPC method name
@@ -321,7 +324,7 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[observer_pb2.GetAgentEventsResponse]:
         """Stream the agent's events (e.g. AGENT_STARTED); INVALID_ARGUMENT for bad windows."""
-        async for time_ns, event in self._events(self.agent_events, request, context):
+        async for time_ns, event in _refusing(lambda: self.agent_events.stream(request), context):
             yield observer_pb2.GetAgentEventsResponse(
                 agent_event=event, node_name=self.store.node_name, time=timestamp(time_ns)
             )
@@ -333,24 +336,10 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
     ) -> AsyncIterator[observer_pb2.GetDebugEventsResponse]:
         """Stream datapath debug events (none are emitted: an empty stream, or a follow that
         waits); INVALID_ARGUMENT for bad windows."""
-        async for time_ns, event in self._events(self.debug_events, request, context):
+        async for time_ns, event in _refusing(lambda: self.debug_events.stream(request), context):
             yield observer_pb2.GetDebugEventsResponse(
                 debug_event=event, node_name=self.store.node_name, time=timestamp(time_ns)
             )
-
-    @staticmethod
-    async def _events(
-        log: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[tuple[int, Any]]:
-        """``(time_ns, event)`` of an event log's stream for ``request``; a request the log
-        refuses (bad window) aborts the RPC with INVALID_ARGUMENT."""
-        try:
-            stream = log.stream(request)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        async for item in stream:
-            yield item
 
     async def GetNamespaces(  # noqa: N802 - gRPC method name
         self,

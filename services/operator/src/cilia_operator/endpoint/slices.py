@@ -351,13 +351,6 @@ class SliceController:
             self.slicer.dirty.add(name)
             self._wake.set()
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every change is written (tests, benchmarks)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (self.slicer.dirty or self._wake.is_set()) and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-
 
 def _key_of(record: Resource) -> EndpointKey:
     namespace, _, name = records.owner_of(record).partition("/")

@@ -215,6 +215,8 @@ class IPAMController:
         self._subs: dict[str, set[NodeSubscription]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._observers: list[asyncio.Task[None]] = []
+        # --ipam kubernetes: the core Nodes as the Node watch delivers them (by name)
+        self._k8s_nodes: dict[str, Resource] = {}
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -267,7 +269,7 @@ class IPAMController:
         if not run:
             return
         if self.mode == "kubernetes":
-            nodes_rv = (await self.store.list(K8S_NODE_KIND)).resource_version
+            nodes_rv = await self._relist_k8s()
             self._tasks.append(
                 asyncio.create_task(
                     self._watch(K8S_NODE_KIND, nodes_rv, self._on_k8s_node, self._relist_k8s)
@@ -477,10 +479,7 @@ class IPAMController:
         self._publish_stats()
         for node in sorted(self._known):
             self.enqueue(node)
-        for subs in self._subs.values():
-            for sub in subs:
-                sub.pools_generation += 1
-                sub.changed.set()
+        self._notify_pools()
 
     async def _relist_pools(self) -> str:
         rv = await self._load_pools()
@@ -599,18 +598,36 @@ class IPAMController:
             self._known.add(name)
         self._node_networks(name, None if event.type == "DELETED" else event.object)
         self.enqueue(name)
+        self._notify_node(name, event.object, deleted=event.type == "DELETED")
+
+    def _notify_node(self, name: str, record: Resource | None, *, deleted: bool) -> None:
+        """Wake node ``name``'s WatchAllocations streams with its newest record."""
         for sub in self._subs.get(name, ()):
-            sub.latest = event.object
-            sub.deleted = event.type == "DELETED"
+            sub.latest = record
+            sub.deleted = deleted
             sub.changed.set()
 
+    def _notify_pools(self) -> None:
+        """Wake every WatchAllocations stream: a pool changed (draining CIDRs count)."""
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.pools_generation += 1
+                sub.changed.set()
+
     async def _on_k8s_node(self, event: WatchEvent) -> None:
-        """A core Node changed (``--ipam kubernetes``): its CiliumNode is reconciled."""
-        self.enqueue(event.object["metadata"]["name"])
+        """A core Node changed (``--ipam kubernetes``): kept, and its CiliumNode reconciled."""
+        name = event.object["metadata"]["name"]
+        if event.type == "DELETED":
+            self._k8s_nodes.pop(name, None)
+        else:
+            self._k8s_nodes[name] = event.object
+        self.enqueue(name)
 
     async def _relist_k8s(self) -> str:
+        """List the core Nodes into :attr:`_k8s_nodes` and reconcile every node."""
         listed = await self.store.list(K8S_NODE_KIND)
-        for name in self._known | {o["metadata"]["name"] for o in listed.items}:
+        self._k8s_nodes = {o["metadata"]["name"]: o for o in listed.items}
+        for name in self._known | set(self._k8s_nodes):
             self.enqueue(name)
         return listed.resource_version
 
@@ -626,11 +643,7 @@ class IPAMController:
             record = await self._get_node(name)
             if record is None:
                 return
-            try:
-                k8s_node: Resource | None = await self.store.get(K8S_NODE_KIND, name)
-            except NotFound:
-                k8s_node = None
-            cidrs, error = k8s_pod_cidrs(name, k8s_node)
+            cidrs, error = k8s_pod_cidrs(name, self._k8s_nodes.get(name))
             if not cidrs:
                 cidrs = nodes.pod_cidrs(record)
             updated = nodes.with_pod_cidrs(record, cidrs, error)
@@ -654,10 +667,7 @@ class IPAMController:
         for name in self._known | set(current):
             self._node_networks(name, current.get(name))
             self.enqueue(name)
-            for sub in self._subs.get(name, ()):
-                sub.latest = current.get(name)
-                sub.deleted = name not in current
-                sub.changed.set()
+            self._notify_node(name, current.get(name), deleted=name not in current)
         self._known = set(current)
         return listed.resource_version
 
@@ -968,33 +978,22 @@ class IPAMController:
         self._observers = []
 
     async def _observe_node(self, event: WatchEvent) -> None:
-        for sub in self._subs.get(event.object["metadata"]["name"], ()):
-            sub.latest = event.object
-            sub.deleted = event.type == "DELETED"
-            sub.changed.set()
+        name = event.object["metadata"]["name"]
+        self._notify_node(name, event.object, deleted=event.type == "DELETED")
 
     async def _observe_pool(self, event: WatchEvent) -> None:
-        for subs in self._subs.values():
-            for sub in subs:
-                sub.pools_generation += 1
-                sub.changed.set()
+        self._notify_pools()
 
     async def _relist_observed(self) -> str:
         listed = await self.store.list(NODE.kind)
         current = {o["metadata"]["name"]: o for o in listed.items}
-        for name, subs in self._subs.items():
-            for sub in subs:
-                sub.latest = current.get(name)
-                sub.deleted = name not in current
-                sub.changed.set()
+        for name in list(self._subs):
+            self._notify_node(name, current.get(name), deleted=name not in current)
         return listed.resource_version
 
     async def _relist_observed_pools(self) -> str:
         listed = await self.store.list(POOL.kind)
-        for subs in self._subs.values():
-            for sub in subs:
-                sub.pools_generation += 1
-                sub.changed.set()
+        self._notify_pools()
         return listed.resource_version
 
     def subscribe(self, name: str, peer: str = "") -> NodeSubscription:
