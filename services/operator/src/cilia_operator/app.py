@@ -34,6 +34,7 @@ from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_common.tls import CertificateReloader, TLSFileError, server_credentials
 
 from .config import Config
+from .controlplane.applyfence import ApplyFences
 from .controlplane.authz import AuthorizationInterceptor
 from .controlplane.endpoint import EndpointServicer
 from .controlplane.identity import IdentityServicer
@@ -233,6 +234,7 @@ class Operator:
                     attempts=conflict_retries,
                     default_pool=config.ipam_default_ip_pool,
                     parse_concurrency=config.apply_max_concurrent_parses,
+                    fences=ApplyFences(config.apply_outcomes_max, config.apply_outcome_retention),
                 ),
                 SERVICE_NAMES[2],
             ),

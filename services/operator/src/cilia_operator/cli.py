@@ -12,6 +12,7 @@ import ipaddress
 import json
 import re
 import sys
+import uuid
 from typing import IO, Any
 
 import grpc
@@ -31,7 +32,7 @@ from cilia_common.tls import (
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
 from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
 from .kinds import UnknownKind, kind_of, resolve_kind
-from .manifests import InvalidManifest, parse_manifest
+from .manifests import parse_manifest
 
 EXIT_ERROR = 2
 DEFAULT_SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/12")  # the operator's default
@@ -139,8 +140,8 @@ def apply(
 ) -> None:
     """Send the manifest at ``path`` (``-`` = stdin); print one kubectl-style line per
     resource (``ciliumpodippool.cilium.io/blue created``). When the operator does not
-    answer within ``timeout``, read the documents back and say whether all were written
-    (``... applied (confirmed after the deadline)``) or none (error).
+    answer within ``timeout``, ask it (``ApplyOutcome``, with the request's id) whether all
+    were written (``... applied (confirmed after the deadline)``) or none (error).
 
     Raises:
         CommandError: unreadable file, invalid manifest, unreachable operator.
@@ -154,12 +155,16 @@ def apply(
             f"cannot read {path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON manifest"
         ) from None
     stub = _stub(server, tls)
+    request_id = str(uuid.uuid4())
     try:
-        response = stub.Apply(pb.ApplyRequest(manifest=text, dry_run=dry_run), timeout=timeout)
+        response = stub.Apply(
+            pb.ApplyRequest(manifest=text, dry_run=dry_run, request_id=request_id),
+            timeout=timeout,
+        )
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or dry_run:
             raise _rpc_error(exc, server) from None
-        _after_deadline(stub, text, server, timeout, out)
+        _after_deadline(stub, text, request_id, timeout, out)
         return
     suffix = " (dry run)" if dry_run else ""
     for res in response.resources:
@@ -169,58 +174,40 @@ def apply(
             print(f"  {effect}", file=out)
 
 
-def _stored_as_given(stub: Any, doc: dict[str, Any], timeout: float) -> bool:
-    """Whether the store holds ``doc`` as the manifest gives it: every top-level field but
-    ``metadata``/``status`` equal, and the labels/annotations the document sets."""
-    info = kind_of(str(doc.get("apiVersion") or ""), str(doc.get("kind") or ""))
-    meta = doc.get("metadata") or {}
-    request = pb.GetRequest(
-        kind=info.kind, name=str(meta.get("name") or ""),
-        namespace=str(meta.get("namespace") or ""),
-    )  # fmt: skip
-    try:
-        stored = json.loads(stub.Get(request, timeout=timeout).resource.json)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.NOT_FOUND:
-            return False
-        raise
-    for key, value in doc.items():
-        if key not in ("metadata", "status") and stored.get(key) != value:
-            return False
-    for key in ("labels", "annotations"):
-        if key in meta and (stored.get("metadata") or {}).get(key) != meta[key]:
-            return False
-    return True
-
-
-def _after_deadline(stub: Any, text: str, server: str, timeout: float, out: IO[str]) -> None:
-    """Say whether an apply cut off by its deadline was written: the operator writes a
-    manifest's documents all or none (one store transaction) and stops at the deadline,
-    so reading them back tells which.
+def _after_deadline(stub: Any, text: str, request_id: str, timeout: float, out: IO[str]) -> None:
+    """Say whether an apply cut off by its deadline was written, exactly: ``ApplyOutcome``
+    fences an apply that has not begun writing (it will write nothing) and waits for one
+    that has (the operator writes a manifest's documents all or none).
 
     Raises:
-        CommandError: none was written, or the read-back failed (then: unknown).
+        CommandError: nothing was written, or the outcome cannot be told.
     """
     head = f"apply did not answer within --timeout {timeout:g}s"
     try:
-        docs = [d for d in parse_manifest(text) if isinstance(d, dict)]
-        held = [_stored_as_given(stub, d, timeout) for d in docs]
-    except (InvalidManifest, UnknownKind, grpc.RpcError) as exc:
-        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        answer = stub.ApplyOutcome(pb.ApplyOutcomeRequest(request_id=request_id), timeout=timeout)
+    except grpc.RpcError as exc:
         raise CommandError(
-            f"{head}; whether it was written is unknown ({detail}): the operator writes all "
-            "documents of a manifest or none; check with cilia-operator get"
+            f"{head}; whether it was written is unknown ({exc.code().name}: {exc.details()}): "
+            "the operator writes all documents of a manifest or none; check with "
+            "cilia-operator get"
         ) from None
-    if docs and all(held):
-        for doc in docs:
-            meta = doc.get("metadata") or {}
-            name = _display(str(doc.get("apiVersion")), str(doc.get("kind")), str(meta.get("name")))
-            print(f"{name} applied (confirmed after the deadline)", file=out)
+    if answer.outcome == pb.ApplyOutcomeResponse.OUTCOME_WRITTEN:
+        for doc in parse_manifest(text):
+            if isinstance(doc, dict):
+                meta = doc.get("metadata") or {}
+                name = _display(
+                    str(doc.get("apiVersion")), str(doc.get("kind")), str(meta.get("name"))
+                )
+                print(f"{name} applied (confirmed after the deadline)", file=out)
         return
+    if answer.outcome == pb.ApplyOutcomeResponse.OUTCOME_NOT_WRITTEN:
+        raise CommandError(
+            f"{head} and nothing was written ({answer.detail}); the operator writes all "
+            "documents of a manifest or none; retry (e.g. with a longer --timeout)"
+        )
     raise CommandError(
-        f"{head} and nothing was written: the store does not hold its {len(docs)} "
-        "document(s) as given, and the operator writes all documents of a manifest or none; "
-        "retry (e.g. with a longer --timeout)"
+        f"{head}; whether it was written is unknown ({answer.detail}); check with "
+        "cilia-operator get"
     )
 
 

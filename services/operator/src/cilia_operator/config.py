@@ -224,6 +224,15 @@ class Config(BaseModel):
         default=1, ge=1,
         description="manifests parsed and validated at once; more wait without using CPU",
     )  # fmt: skip
+    apply_outcomes_max: int = Field(
+        default=10_000, ge=1,
+        description="finished applies whose outcome ApplyOutcome can still tell (oldest "
+        "forgotten first)",
+    )  # fmt: skip
+    apply_outcome_retention: Duration = Field(
+        default=600.0, gt=0,
+        description="how long ApplyOutcome can tell what became of a finished apply",
+    )  # fmt: skip
     grpc_max_receive_message_bytes: int = Field(
         default=128 * 1024 * 1024, ge=4 * 1024 * 1024,
         description="largest gRPC message the server takes in (above "

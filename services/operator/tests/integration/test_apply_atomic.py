@@ -190,9 +190,9 @@ async def test_apply_cut_by_its_deadline_leaves_all_documents_or_none(redis_url:
 
 
 async def test_cli_says_whether_a_deadline_cut_apply_was_written(redis_url: str) -> None:
-    """`cilia-operator apply` whose --timeout expires: the CLI reads the documents back and
-    says "confirmed after the deadline" exactly when all are stored, else "nothing was
-    written" exactly when none is (exit 2)."""
+    """`cilia-operator apply` whose --timeout expires: the CLI asks ApplyOutcome and says
+    "confirmed after the deadline" exactly when all are stored, else "nothing was written"
+    exactly when none is and none will be (exit 2)."""
     from cilia_operator import cli
 
     docs = 12
@@ -235,6 +235,8 @@ async def test_cli_says_whether_a_deadline_cut_apply_was_written(redis_url: str)
                     said.add("none")
                     assert "nothing was written" in result, result
                     assert held == 0, result
+                    await asyncio.sleep(0.3)  # the fenced apply must not write later
+                    assert len((await plain.list("CiliumPodIPPool")).items) == 0, result
                 for obj in (await plain.list("CiliumPodIPPool")).items:
                     await plain.delete("CiliumPodIPPool", obj["metadata"]["name"])
         assert "none" in said and "ok" in said, said

@@ -17,7 +17,7 @@ Rules (:data:`RULES`, one per method; the order of checks is: identity present, 
   ``UpsertEndpoint``, ``DeleteEndpoint``, ``Allocate``, ``Release``): an administrator, or
   the agent of the node named in the request (``node_name``; ``endpoint.node_name`` for
   ``UpsertEndpoint``); an empty node name is another node's;
-* resource writes (``ResourceService.Apply``/``Delete``) and any method of
+* resource writes (``ResourceService.Apply``/``Delete``/``ApplyOutcome``) and any method of
   ``cilia.controlplane.v1`` not listed here: administrators only (fail closed, so a new
   method is admin-only until it gets a rule).
 
@@ -73,6 +73,7 @@ RULES: dict[str, Rule] = {
     "IPAMService/GetStatus": _READ,
     "ResourceService/Apply": _ADMIN,
     "ResourceService/Delete": _ADMIN,
+    "ResourceService/ApplyOutcome": _ADMIN,
     "ResourceService/Get": _READ,
     "ResourceService/List": _READ,
     "IdentityService/Allocate": _NODE,

@@ -23,6 +23,7 @@ from ..identity.labels import InvalidLabels
 from ..kinds import UnknownKind
 from ..manifests import InvalidManifest
 from ..store import AlreadyExists, Conflict, NotFound, StoreUnavailable
+from .applyfence import ApplyAbandoned
 
 R = TypeVar("R")
 Y = TypeVar("Y")
@@ -39,6 +40,7 @@ _CODES: tuple[tuple[type[Exception], Any, str], ...] = (
     (InvalidEndpoint, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ENDPOINT"),
     (IdentitiesExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, "IDENTITIES_EXHAUSTED"),
     (AllocationContention, grpc.StatusCode.ABORTED, "ALLOCATION_CONTENTION"),
+    (ApplyAbandoned, grpc.StatusCode.ABORTED, "APPLY_ABANDONED"),
 )
 
 

@@ -38,7 +38,17 @@ from ..manifests import (
     parse_manifest,
     validate_documents,
 )
-from ..store import Conflict, ListResult, Resource, Snapshot, Store, Write, resource_version
+from ..store import (
+    Conflict,
+    Contention,
+    ListResult,
+    Resource,
+    Snapshot,
+    Store,
+    Write,
+    resource_version,
+)
+from .applyfence import ApplyAbandoned, ApplyFences, Fence, Outcome
 from .errors import unary
 
 log = logging.getLogger(__name__)
@@ -143,6 +153,11 @@ def add_to_server(servicer: ResourceServicer, server: Any) -> None:
             request_deserializer=pb.ListRequest.FromString,
             response_serializer=pb.ListResponse.SerializeToString,
         ),
+        "ApplyOutcome": grpc.unary_unary_rpc_method_handler(
+            servicer.ApplyOutcome,
+            request_deserializer=pb.ApplyOutcomeRequest.FromString,
+            response_serializer=pb.ApplyOutcomeResponse.SerializeToString,
+        ),
         "Delete": grpc.unary_unary_rpc_method_handler(
             servicer.Delete,
             request_deserializer=pb.DeleteRequest.FromString,
@@ -152,6 +167,13 @@ def add_to_server(servicer: ResourceServicer, server: Any) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
         server.add_registered_method_handlers(SERVICE, handlers)
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a shielded apply's exception when its RPC was cancelled meanwhile (it is
+    recorded on the fence; this keeps asyncio from logging it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _find(listed: ListResult, namespace: str, name: str) -> Resource | None:
@@ -223,6 +245,7 @@ class ResourceServicer:
         attempts: int = 5,
         default_pool: str = DEFAULT_POOL,
         parse_concurrency: int = 1,
+        fences: ApplyFences | None = None,
     ) -> None:
         if parse_concurrency < 1:
             raise ValueError(f"parse_concurrency must be >= 1, got {parse_concurrency}")
@@ -233,6 +256,7 @@ class ResourceServicer:
         self.service_cidrs = tuple(service_cidrs)
         self.limits = limits or ManifestLimits()
         self.attempts = attempts
+        self.fences = fences or ApplyFences()
 
     def _pool_changes(
         self, docs: Sequence[Document], stored: Mapping[str, PoolSpec], records: list[Resource]
@@ -316,6 +340,31 @@ class ResourceServicer:
                 "apply-max-manifest-bytes", self.limits.max_bytes,
                 f"manifest is about {request.size} bytes",
             ))))])  # fmt: skip
+        fence = self.fences.start(request.request_id, context.time_remaining())
+        # the commit runs to its end even when the RPC is cancelled (deadline, client gone),
+        # so that ApplyOutcome can wait for it and tell exactly what was written
+        task = asyncio.ensure_future(self._apply(request, fence))
+        task.add_done_callback(_consume)
+        return await asyncio.shield(task)
+
+    async def _apply(self, request: pb.ApplyRequest, fence: Fence) -> pb.ApplyResponse:
+        """The body of :meth:`Apply`; records the outcome on ``fence``."""
+        try:
+            response = await self._apply_unfenced(request, fence)
+        except (ApplyAbandoned, Contention, InvalidManifest) as exc:
+            self.fences.finish(fence, Outcome.NOT_WRITTEN, str(exc))
+            raise
+        except BaseException as exc:
+            written = Outcome.UNKNOWN if fence.writing else Outcome.NOT_WRITTEN
+            self.fences.finish(fence, written, f"{type(exc).__name__}: {exc}")
+            raise
+        self.fences.finish(
+            fence, Outcome.NOT_WRITTEN if request.dry_run else Outcome.WRITTEN,
+            "dry run" if request.dry_run else "",
+        )  # fmt: skip
+        return response
+
+    async def _apply_unfenced(self, request: pb.ApplyRequest, fence: Fence) -> pb.ApplyResponse:
         async with self._parsing:
             raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
         outcome: dict[str, Any] = {}
@@ -344,7 +393,10 @@ class ResourceServicer:
                     )
                 )
             outcome.update(applied=applied, effects=effects, docs=docs)
-            return [] if request.dry_run else writes
+            if request.dry_run or not writes:
+                return []
+            self.fences.begin_write(fence)  # no await from here to the commit
+            return writes
 
         kinds = _kinds(raw)
         # node records change often (demand, allocations): read them only when pools
@@ -361,6 +413,21 @@ class ResourceServicer:
             for effect in outcome["effects"]:
                 log.info("pool change applied", extra={"effect": effect})
         return pb.ApplyResponse(resources=outcome["applied"], effects=outcome["effects"])
+
+    @unary
+    async def ApplyOutcome(  # noqa: N802 (gRPC method name)
+        self, request: pb.ApplyOutcomeRequest, context: Any
+    ) -> pb.ApplyOutcomeResponse:
+        """What became of the Apply sent with ``request.request_id``: an apply that has not
+        begun writing (or has not arrived) is fenced and will write nothing; one writing is
+        waited for (see :mod:`.applyfence`).
+
+        Errors: INVALID_ARGUMENT (empty request_id).
+        """
+        outcome, detail = await self.fences.outcome(request.request_id)
+        return pb.ApplyOutcomeResponse(
+            outcome=pb.ApplyOutcomeResponse.Outcome.Name(outcome.value), detail=detail
+        )
 
     @unary
     async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:  # noqa: N802
