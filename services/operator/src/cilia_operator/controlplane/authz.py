@@ -84,6 +84,7 @@ RULES: dict[str, Rule] = {
     "EndpointService/WatchIPCache": _READ,
     "PolicyService/WatchPolicies": _READ,
     "PodService/WatchPods": _READ,
+    "ServiceService/WatchServices": _READ,
 }
 """Method (``Service/Method`` within ``cilia.controlplane.v1``) -> rule."""
 
