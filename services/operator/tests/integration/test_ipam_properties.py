@@ -78,6 +78,10 @@ class Context:
         """As grpc.aio's: a ``grpc.Status`` (code, details, the ErrorInfo trailer)."""
         raise Refused(status.code, status.details)
 
+    def time_remaining(self) -> float | None:
+        """As grpc.aio's: seconds before the call's deadline; None, no deadline."""
+        return None
+
 
 def pool_doc(name: str, cidrs: list[Net]) -> str:
     listed = ", ".join(str(c) for c in cidrs)
