@@ -13,7 +13,10 @@ Every assertion reads flows of that traffic as the CLI prints them: verdicts, po
 names, ports and protocols, in the output formats ``-o json|jsonpb|compact|table``.
 
 Traffic happens in two rounds (:class:`Rounds`); round 1's time window is what ``--since`` /
-``--until`` are checked against. Tests run in file order on one module-scoped cluster.
+``--until`` are checked against. Tests run in file order on one module-scoped cluster, once
+with Hubble over TLS as the Deckhouse module runs it (relay <-> agents mutual TLS, the CLI to
+the relay and to an agent's TCP listener over TLS; the agents' unix sockets stay plaintext)
+and once in plaintext.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ BLOCKED_TIMEOUT_SECONDS = 1.5
 FOLLOW_WAIT_SECONDS = 15.0
 #: Pause between traffic rounds, so round windows never share a timestamp.
 ROUND_GAP_SECONDS = 0.5
+#: The relay re-dials a failed peer after this long (its --retry-timeout).
+RELAY_RETRY_SECONDS = 1.0
+#: Seconds for the relay to report a refused / recovered peer.
+PEER_STATE_WAIT_SECONDS = 20.0
+#: A name on the relay's server certificate (``*.hubble-relay.cilium.io``).
+RELAY_TLS_NAME = "ui.hubble-relay.cilium.io"
 
 
 def hubble_binary() -> pathlib.Path:
@@ -109,6 +118,7 @@ class World:
     pods: dict[str, cni.Pod]
     servers: list[subprocess.Popen[str]]
     rounds: Rounds
+    tls: bool = False
 
     @property
     def relay(self) -> str:
@@ -128,15 +138,33 @@ class World:
     def run(
         self, *argv: str, timeout: float = HUBBLE_TIMEOUT_SECONDS
     ) -> subprocess.CompletedProcess[str]:
-        """``hubble ARGV`` with a config-free environment."""
+        """``hubble ARGV`` with a config-free environment; with :attr:`tls`, a ``--server``
+        that is not a unix socket gets the TLS flags (the relay's CA and name; an agent's
+        name and the relay's client pair, which its Hubble server accepts)."""
         return subprocess.run(
-            [str(self.hubble), *argv],
+            [str(self.hubble), *argv, *self.tls_flags(argv)],
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
             env={**os.environ, "HUBBLE_CONFIG": "/dev/null", "NO_COLOR": "1"},
         )
+
+    def tls_flags(self, argv: tuple[str, ...]) -> list[str]:
+        """The ``--tls*`` flags for the ``--server`` in ``argv`` ([] without TLS)."""
+        if not self.tls or "--server" not in argv:
+            return []
+        server = argv[argv.index("--server") + 1]
+        if server.startswith("unix"):
+            return []
+        d = self.cluster.stack.tls_dir
+        flags = ["--tls", "--tls-ca-cert-files", str(d / "ca.crt")]
+        if server == self.relay:
+            return [*flags, "--tls-server-name", RELAY_TLS_NAME]
+        node = next(n for n in self.cluster.nodes.values() if server.startswith(n.address + ":"))
+        return [*flags, "--tls-server-name", f"{node.name}.default.hubble-grpc.cilium.io",
+                "--tls-client-cert-file", str(d / "hubble-relay-client.crt"),
+                "--tls-client-key-file", str(d / "hubble-relay-client.key")]  # fmt: skip
 
     def observe(self, server: str, *argv: str, output: str = "jsonpb") -> list[dict[str, Any]]:
         """``hubble observe --server SERVER ARGV -o OUTPUT`` (json/jsonpb): the flows printed.
@@ -182,11 +210,15 @@ def _policy() -> dict[str, Any]:
     return traffic.backend_from_frontend(POLICY, NS, PORT)
 
 
-@pytest.fixture(scope="module")
-def world(cluster: Any) -> Iterator[World]:
+@pytest.fixture(scope="module", params=["tls", "plaintext"])
+def world(request: pytest.FixtureRequest, cluster: Any) -> Iterator[World]:
     binary = hubble_binary()
-    c: Cluster = cluster(nodes=2, routing="native", name="e2e-hubble-cli")
-    w = World(c, binary, {}, [], Rounds())
+    tls = request.param == "tls"
+    c: Cluster = cluster(
+        nodes=2, routing="native", name=f"e2e-hubble-cli-{request.param}", hubble_tls=tls,
+        relay_args=("--retry-timeout", f"{RELAY_RETRY_SECONDS}s"),
+    )  # fmt: skip
+    w = World(c, binary, {}, [], Rounds(), tls=tls)
     try:
         for node, short, app in (
             ("node-a", "frontend", "frontend"),
@@ -217,6 +249,7 @@ def world(cluster: Any) -> Iterator[World]:
     finally:
         for server in w.servers:
             probe.stop(server)
+        c.stop()
 
 
 def _src(flow: Mapping[str, Any]) -> str:
@@ -466,9 +499,10 @@ def test_follow_streams_the_drop_of_traffic_made_after_it_started(
 ) -> None:
     w = world
     server = w.relay if target == "relay" else w.agent("node-b")
+    argv = ("observe", "--server", server, "--follow", "--verdict", "DROPPED",
+            "--from-pod", w.ns_pod("other"), "-o", "jsonpb")  # fmt: skip
     proc = subprocess.Popen(
-        [str(w.hubble), "observe", "--server", server, "--follow", "--verdict", "DROPPED",
-         "--from-pod", w.ns_pod("other"), "-o", "jsonpb"],
+        [str(w.hubble), *argv, *w.tls_flags(argv)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -542,3 +576,63 @@ def test_agent_events_from_an_agent_and_unimplemented_on_the_relay(world: World)
     assert debug.returncode == 0 and debug.stdout.strip() == "", debug.stdout + debug.stderr
     relayed = w.run("observe", "agent-events", "--server", w.relay, "--last", "10")
     assert relayed.returncode != 0 and "Unimplemented" in relayed.stderr, relayed.stderr
+
+
+# -- TLS refusals (last: restarts node-b's agent) ---------------------------------------
+
+
+def _node_states(w: World) -> dict[str, str]:
+    out = w.run("list", "nodes", "--server", w.relay, "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return {n["name"]: n["state"] for n in json.loads(out.stdout)}
+
+
+def test_a_peer_with_a_certificate_of_another_ca_is_reported_node_error_then_recovers(
+    world: World, tmp_path: pathlib.Path
+) -> None:
+    """node-b's agent restarts serving a certificate of a CA the relay does not trust: the
+    relay refuses it and reports it as NODE_ERROR naming the handshake failure (list nodes,
+    and a status event of observe), while node-a keeps being served; once node-b serves its
+    own certificate again it is NODE_CONNECTED. (In the plaintext run: no peer is announced
+    with TLS.)"""
+    w = world
+    out = w.run("list", "nodes", "--server", w.relay, "-o", "json")
+    assert out.returncode == 0, out.stderr
+    tls = {n["name"]: n.get("tls", {}) for n in json.loads(out.stdout)}
+    if not w.tls:  # the plaintext run: no peer is announced with TLS
+        assert not any(t.get("enabled") for t in tls.values()), tls
+        return
+    assert tls == {
+        n: {"enabled": True, "server_name": f"{n}.default.hubble-grpc.cilium.io"}
+        for n in ("node-a", "node-b")
+    }, tls
+    from cilia_common.tls import generate_bundle
+
+    stranger = generate_bundle(
+        tmp_path / "stranger", server_hosts=["127.0.0.1"], nodes=["node-b"], admins=(),
+        hubble_cluster="default",
+    )  # fmt: skip
+    cert, key = stranger.hubble["hubble-node-b"]
+    agent = w.cluster.node("node-b").agent
+    original = agent.extra_args
+    agent.extra_args = (*original, "--hubble-tls-cert-file", cert, "--hubble-tls-key-file", key)
+    try:
+        w.cluster.restart_agent("node-b")
+        assert wait_for(lambda: _node_states(w).get("node-b") == "NODE_ERROR",
+                        PEER_STATE_WAIT_SECONDS), _node_states(w)  # fmt: skip
+        assert _node_states(w)["node-a"] == "NODE_CONNECTED"
+        # the CLI prints node status events on stderr; node-a's flows still come
+        out = w.run("observe", "--server", w.relay, "--last", "1", "-o", "jsonpb")
+        assert out.returncode == 0, out.stderr
+        statuses = [json.loads(line)["node_status"] for line in out.stderr.splitlines()
+                    if line.startswith("{") and "node_status" in line]  # fmt: skip
+        errors = [e for e in statuses if e.get("state_change") == "NODE_ERROR"]
+        assert [e["node_names"] for e in errors] == [["node-b"]], out.stderr
+        assert "TLS handshake failed" in errors[0]["message"], errors
+        flows = [json.loads(line)["flow"] for line in out.stdout.splitlines() if line.strip()]
+        assert {f["node_name"] for f in flows} == {"node-a"}, out.stdout
+    finally:
+        agent.extra_args = original
+        w.cluster.restart_agent("node-b")
+    assert wait_for(lambda: _node_states(w).get("node-b") == "NODE_CONNECTED",
+                    PEER_STATE_WAIT_SECONDS), _node_states(w)  # fmt: skip

@@ -53,6 +53,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
     "ADMIN_GROUP",
+    "HUBBLE_RELAY_SERVER_NAME",
     "NODE_GROUP",
     "NODE_PREFIX",
     "CertificateReloader",
@@ -66,6 +67,7 @@ __all__ = [
     "channel_credentials",
     "channel_options",
     "generate_bundle",
+    "hubble_server_name",
     "is_loopback",
     "node_subject",
     "peer_identity",
@@ -103,7 +105,8 @@ class ServerTLS:
     Attributes:
         cert_file: PEM certificate chain served (leaf first).
         key_file: PEM private key of the leaf.
-        client_ca_files: PEM CA bundles a client certificate must chain to (at least one).
+        client_ca_files: PEM CA bundles a client certificate must chain to; empty: clients
+            are not asked for a certificate (server-only TLS, as Hubble allows).
     """
 
     cert_file: str
@@ -117,8 +120,8 @@ class ClientTLS:
 
     Attributes:
         ca_files: PEM CA bundles the server certificate must chain to.
-        cert_file: PEM client certificate chain presented.
-        key_file: PEM private key of the client certificate.
+        cert_file: PEM client certificate chain presented ("" = none: server-only TLS).
+        key_file: PEM private key of the client certificate ("" with no certificate).
         server_name: name checked against the server certificate's SANs ("" = the host of
             the address dialled).
     """
@@ -130,7 +133,7 @@ class ClientTLS:
 
     def paths(self) -> tuple[str, ...]:
         """Every file this client reads."""
-        return (*self.ca_files, self.cert_file, self.key_file)
+        return tuple(p for p in (*self.ca_files, self.cert_file, self.key_file) if p)
 
 
 def _read(path: str) -> bytes:
@@ -217,7 +220,7 @@ class CertificateReloader:
 
     def _configuration(self) -> Any:
         cert_pem, key_pem = read_key_pair(self.tls.cert_file, self.tls.key_file)
-        roots = read_ca_bundle(self.tls.client_ca_files)
+        roots = read_ca_bundle(self.tls.client_ca_files) if self.tls.client_ca_files else None
         self.serial = x509.load_pem_x509_certificates(cert_pem)[0].serial_number
         return grpc.ssl_server_certificate_configuration(
             [(key_pem, cert_pem)], root_certificates=roots
@@ -245,7 +248,9 @@ class CertificateReloader:
 
 
 def server_credentials(tls: ServerTLS) -> tuple[grpc.ServerCredentials, CertificateReloader]:
-    """Mutual-TLS server credentials that pick up renewed files at the next handshake.
+    """TLS server credentials that pick up renewed files at the next handshake; mutual
+    (a client certificate chaining to ``tls.client_ca_files`` required) when CA files are
+    given.
 
     Returns:
         ``(credentials, reloader)``: pass the credentials to ``add_secure_port``; the
@@ -256,7 +261,7 @@ def server_credentials(tls: ServerTLS) -> tuple[grpc.ServerCredentials, Certific
     """
     reloader = CertificateReloader(tls)
     credentials = grpc.dynamic_ssl_server_credentials(
-        reloader.initial, reloader, require_client_authentication=True
+        reloader.initial, reloader, require_client_authentication=bool(tls.client_ca_files)
     )
     return credentials, reloader
 
@@ -267,11 +272,12 @@ def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
     Raises:
         TLSFileError: a file is unusable.
     """
+    roots = read_ca_bundle(tls.ca_files)
+    if not tls.cert_file and not tls.key_file:
+        return grpc.ssl_channel_credentials(root_certificates=roots)
     cert_pem, key_pem = read_key_pair(tls.cert_file, tls.key_file)
     return grpc.ssl_channel_credentials(
-        root_certificates=read_ca_bundle(tls.ca_files),
-        private_key=key_pem,
-        certificate_chain=cert_pem,
+        root_certificates=roots, private_key=key_pem, certificate_chain=cert_pem
     )
 
 
@@ -497,6 +503,10 @@ class GeneratedBundle:
         server_cert, server_key: the operator's server pair (``server.crt``, ``server.key``).
         clients: client name -> (cert, key) paths (``<name>.crt``, ``<name>.key``): one per
             node (``node-<node>``) and ``admin``.
+        hubble: with ``hubble_cluster``: ``hubble-<node>`` (each agent's Hubble server, also
+            a client certificate), ``hubble-server`` (one for every node:
+            ``*.<cluster>.hubble-grpc.cilium.io``, what a DaemonSet mounts),
+            ``hubble-relay-client`` and ``hubble-relay-server`` -> (cert, key) paths.
     """
 
     ca_cert: str
@@ -504,6 +514,17 @@ class GeneratedBundle:
     server_cert: str
     server_key: str
     clients: dict[str, tuple[str, str]]
+    hubble: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def hubble_server_name(node: str, cluster: str = "default") -> str:
+    """The TLS name of a node's Hubble server, ``<node>.<cluster>.hubble-grpc.cilium.io``
+    (upstream's format: the Peer service announces it, the relay checks it)."""
+    return f"{node}.{cluster}.hubble-grpc.cilium.io"
+
+
+HUBBLE_RELAY_SERVER_NAME = "*.hubble-relay.cilium.io"
+"""Name on the relay's server certificate (upstream's)."""
 
 
 def _name(common_name: str, organizations: Sequence[str] = ()) -> x509.Name:
@@ -586,6 +607,7 @@ def generate_bundle(
     server_name: str = "cilia-operator",
     reuse_ca: bool = True,
     not_before: datetime.datetime | None = None,
+    hubble_cluster: str | None = None,
 ) -> GeneratedBundle:
     """Write a CA and the certificates of a Cilia control plane into ``directory``.
 
@@ -595,6 +617,11 @@ def generate_bundle(
     ``node-<node>.crt/.key`` per node (``CN=system:node:<node>, O=system:nodes``) and
     ``<admin>.crt/.key`` per admin (``CN=<admin>, O=system:masters``). Every certificate is
     valid for ``days`` from ``not_before`` (default: five minutes ago, for clock skew).
+    With ``hubble_cluster`` (a cluster name), also Hubble's: ``hubble-<node>.crt/.key`` per
+    node (SAN :func:`hubble_server_name`, server and client use), ``hubble-server.crt/.key``
+    (SAN ``*.<cluster>.hubble-grpc.cilium.io``: one pair for every node),
+    ``hubble-relay-client.crt/.key`` and ``hubble-relay-server.crt/.key`` (SANs
+    :data:`HUBBLE_RELAY_SERVER_NAME` and ``server_hosts``).
 
     Raises:
         ValueError: no server host, or ``days`` <= 0.
@@ -642,4 +669,18 @@ def generate_bundle(
         clients[f"node-{node}"] = leaf(f"node-{node}", _name(cn, orgs), (), client=True)
     for admin in admins:
         clients[admin] = leaf(admin, _name(admin, (ADMIN_GROUP,)), (), client=True)
-    return GeneratedBundle(str(ca_cert_path), str(ca_key_path), *server, clients)
+    hubble: dict[str, tuple[str, str]] = {}
+    if hubble_cluster is not None:
+        wildcard = hubble_server_name("*", hubble_cluster)
+        hubble["hubble-server"] = leaf("hubble-server", _name(wildcard), [wildcard], client=True)
+        for node in nodes:
+            name = hubble_server_name(node, hubble_cluster)
+            hubble[f"hubble-{node}"] = leaf(f"hubble-{node}", _name(name), [name], client=True)
+        hubble["hubble-relay-client"] = leaf(
+            "hubble-relay-client", _name("hubble-relay-client"), (), client=True
+        )
+        relay_hosts = [HUBBLE_RELAY_SERVER_NAME, *hosts]
+        hubble["hubble-relay-server"] = leaf(
+            "hubble-relay-server", _name(HUBBLE_RELAY_SERVER_NAME), relay_hosts, client=False
+        )
+    return GeneratedBundle(str(ca_cert_path), str(ca_key_path), *server, clients, hubble)

@@ -178,7 +178,10 @@ class Cluster:
         name: names the run dir (``cilia-<name>-…``).
         mtu: the LAN's MTU (bridge, veths) and the agents' ``--mtu``.
         relay: start cilia-relay.
-        agent_args, operator_args: extra flags of every agent / the operator.
+        agent_args, operator_args, relay_args: extra flags of every agent / the operator /
+            the relay.
+        hubble_tls: Hubble over mutual TLS between relay and agents, and TLS from clients
+            to the relay (:class:`~cilia_testkit.stack.Stack` ``hubble_tls``).
         ready_seconds: per component start timeout.
         run_dir, keep_run_dir: as for :class:`~cilia_testkit.stack.Stack`.
 
@@ -196,6 +199,8 @@ class Cluster:
         relay: bool = True,
         agent_args: Sequence[str] = (),
         operator_args: Sequence[str] = (),
+        relay_args: Sequence[str] = (),
+        hubble_tls: bool = False,
         ready_seconds: float = READY_SECONDS,
         run_dir: pathlib.Path | None = None,
         keep_run_dir: bool = False,
@@ -212,6 +217,8 @@ class Cluster:
             agents=0,
             relay=relay,
             operator_args=operator_args,
+            relay_args=relay_args,
+            hubble_tls=hubble_tls,
             ready_seconds=ready_seconds,
             run_dir=run_dir,
             keep_run_dir=keep_run_dir,

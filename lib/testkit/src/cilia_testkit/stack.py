@@ -325,6 +325,7 @@ class Agent:
             "--log-level",
             "info",
             *s.client_tls_args(f"node-{self.node_name}"),
+            *s.hubble_tls_args(self.node_name),
             *s.agent_args,
             *extra,
         ]
@@ -450,6 +451,12 @@ class Stack:
             operator gets ``--tls-*`` and each agent ``--tls-operator-*`` flags, and
             :meth:`operator_cli` uses the admin pair. False: the operator runs with
             ``--disable-tls`` (plaintext, as before TLS existed).
+        hubble_tls: Hubble over TLS: the same ``certs generate`` also writes Hubble's pairs
+            (``--hubble-cluster default``): each agent's Hubble TCP server gets
+            ``--hubble-tls-*`` (mutual), the relay dials agents with its client pair and
+            serves its observer API with TLS (``*.hubble-relay.cilium.io``). False: agents
+            get ``--hubble-disable-tls`` and the relay ``--disable-server-tls``.
+        relay_args: extra flags of the relay.
 
     Raises (from :meth:`start`):
         StackError: a component failed to start or get ready; what started is stopped.
@@ -473,8 +480,12 @@ class Stack:
         shared: bool = False,
         operator_host: str = "127.0.0.1",
         tls: bool = False,
+        hubble_tls: bool = False,
+        relay_args: Sequence[str] = (),
     ) -> None:
         self.tls = tls
+        self.hubble_tls = hubble_tls
+        self.relay_args = tuple(relay_args)
         self.tls_dir = pathlib.Path()
         self.name = name
         self.operator_host = operator_host
@@ -585,7 +596,7 @@ class Stack:
         self.operator = self.process("operator", "cilia-operator")
         self.relay = self.process("relay", "cilia-relay")
         self.agents = [Agent(self, i) for i in range(self.agent_count)]
-        if self.tls:
+        if self.tls or self.hubble_tls:
             self.tls_dir = self.run_dir / "tls"
             self.issue_certs()
         if not self.shared:
@@ -606,11 +617,33 @@ class Stack:
         out = subprocess.run(
             [str(VENV_BIN / "cilia-operator"), "certs", "generate", "--dir", str(self.tls_dir),
              "--nodes", nodes, "--hosts", f"{self.operator_host},127.0.0.1,localhost",
-             "--days", "2"],
+             "--days", "2", *(["--hubble-cluster", "default"] if self.hubble_tls else [])],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if out.returncode != 0:
             raise StackError(f"cilia-operator certs generate: {out.stderr.strip()}")
+
+    def hubble_tls_args(self, node: str) -> list[str]:
+        """An agent's ``--hubble-tls-*`` flags (``--hubble-disable-tls`` without
+        :attr:`hubble_tls`)."""
+        if not self.hubble_tls:
+            return ["--hubble-disable-tls"]
+        d = self.tls_dir
+        return ["--hubble-tls-cert-file", str(d / f"hubble-{node}.crt"),
+                "--hubble-tls-key-file", str(d / f"hubble-{node}.key"),
+                "--hubble-tls-client-ca-files", str(d / "ca.crt")]  # fmt: skip
+
+    def relay_tls_args(self) -> list[str]:
+        """The relay's TLS flags: client pair and CA for agents, server pair for clients
+        (``--disable-server-tls`` without :attr:`hubble_tls`)."""
+        if not self.hubble_tls:
+            return ["--disable-server-tls"]
+        d = self.tls_dir
+        return ["--tls-hubble-server-ca-files", str(d / "ca.crt"),
+                "--tls-client-cert-file", str(d / "hubble-relay-client.crt"),
+                "--tls-client-key-file", str(d / "hubble-relay-client.key"),
+                "--tls-relay-server-cert-file", str(d / "hubble-relay-server.crt"),
+                "--tls-relay-server-key-file", str(d / "hubble-relay-server.key")]  # fmt: skip
 
     def operator_tls_args(self) -> list[str]:
         """The operator's ``--tls-*`` flags ([] without TLS: ``--disable-tls``)."""
@@ -756,6 +789,8 @@ class Stack:
                 health,
                 "--log-level",
                 "info",
+                *self.relay_tls_args(),
+                *self.relay_args,
             ]
         )
         self.record(self.relay)
@@ -785,7 +820,7 @@ class Stack:
         agent = Agent(self, len(self.agents), node_name=node_name, netns=netns)
         agent.remove_leftovers()
         self.agents.append(agent)
-        if self.tls:
+        if self.tls or self.hubble_tls:
             self.issue_certs()
         return agent
 

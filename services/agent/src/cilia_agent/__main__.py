@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cilia_agent.datapath.loader import BpfUnavailable
         from cilia_agent.endpoint import StateError
         from cilia_common.grpcserver import BindError
+        from cilia_common.tls import TLSFileError
 
         setup_logging("cilia-agent", config.log_level)
         for note in config.relative_path_notes(given_flags(args)):
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        except (BindError, DatapathError, StateError, OSError) as exc:
+        except (BindError, DatapathError, StateError, OSError, TLSFileError) as exc:
             print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)
             return 1
         return 0

@@ -47,6 +47,7 @@ from cilia_agent.policy.maps import PolicyMapFull
 from cilia_common import grpcerrors
 from cilia_common.grpcserver import Service, bound_port, set_serving, start_server_with_ports
 from cilia_common.runtime import announce_listening
+from cilia_common.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,40 @@ class HubbleServer(Protocol):
         """Names reported SERVING in ``grpc.health.v1`` (incl. ``hubble.server.Observer``)."""
 
 
+async def _serve_hubble_tcp(cfg: Config, hubble: HubbleServer) -> grpc.aio.Server | None:
+    """Hubble's TCP server (``--hubble-listen-address``): TLS with ``--hubble-tls-*`` (mutual
+    when client CAs are given; renewed files are taken at the next handshake), else
+    plaintext with a warning unless ``--hubble-disable-tls``. None when TCP is off.
+
+    Raises:
+        BindError: the address cannot be bound.
+        TLSFileError: a TLS file is unusable.
+    """
+    tcp = cfg.hubble_listen()
+    if not tcp:
+        return None
+    tls = cfg.hubble_tls
+    credentials = None
+    if tls is not None:
+        credentials, reloader = server_credentials(tls)
+        log.info(
+            "Hubble TCP server uses TLS",
+            extra={"mutual": bool(tls.client_ca_files), "serial": f"{reloader.serial:x}"},
+        )
+    elif not cfg.hubble_disable_tls:
+        log.warning(
+            "Hubble TCP server is plaintext: give --hubble-tls-cert-file, --hubble-tls-key-file "
+            "and --hubble-tls-client-ca-files (or --hubble-disable-tls to mean it)",
+            extra={"listen": tcp},
+        )
+    server, health, ports = await start_server_with_ports(
+        hubble.services(), [tcp], credentials=credentials
+    )
+    await set_serving(health, hubble.health_names())
+    announce_listening(log, "hubble-tcp", bound_port(tcp, ports[tcp]))
+    return server
+
+
 async def serve_api(
     cfg: Config, manager: EndpointManager, status: StatusSource, hubble: HubbleServer
 ) -> Callable[[], Awaitable[None]]:
@@ -290,19 +325,19 @@ async def serve_api(
     await set_serving(health, [ATTACHMENT_SERVICE, DEBUG_SERVICE])
     announce_listening(log, "api", f"unix:{cfg.socket}")
     unix = f"unix:{cfg.hubble_socket_path()}"
-    tcp = cfg.hubble_listen()
-    hubble_server, hubble_health, ports = await start_server_with_ports(
-        hubble.services(), [unix, *([tcp] if tcp else [])], socket_mode=0o600
+    hubble_server, hubble_health, _ = await start_server_with_ports(
+        hubble.services(), [unix], socket_mode=0o600
     )
     await set_serving(hubble_health, hubble.health_names())
     announce_listening(log, "hubble", unix)
-    if tcp:
-        announce_listening(log, "hubble-tcp", bound_port(tcp, ports[tcp]))
+    tcp_server = await _serve_hubble_tcp(cfg, hubble)
 
     async def stop() -> None:
         for server, path in ((api, cfg.socket), (hubble_server, cfg.hubble_socket_path())):
             await server.stop(cfg.shutdown_grace_period)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        if tcp_server is not None:
+            await tcp_server.stop(cfg.shutdown_grace_period)
 
     return stop

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cilia_common.addresses import TCPAddress
 from cilia_common.flags import Flag, parse_bool
-from cilia_common.tls import ClientTLS
+from cilia_common.tls import ClientTLS, ServerTLS
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
 # directory at start and logged (Config.relative_path_notes).
@@ -286,6 +286,26 @@ class Config(BaseModel):
         default=":4244",
         description="[host]:port of Hubble's TCP server, announced to the operator as <first node IP>:<port>; empty disables TCP",
     )
+    hubble_tls_cert_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="",
+        description="PEM certificate of Hubble's TCP server (named <node>.<cluster>.hubble-"
+        "grpc.cilium.io); with --hubble-tls-key-file that server uses TLS and peers are "
+        "announced with their TLS names; re-read when the file changes",
+    )
+    hubble_tls_key_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="", description="PEM private key of --hubble-tls-cert-file"
+    )
+    hubble_tls_client_ca_files: Annotated[list[str], Flag(metavar="PATH")] = Field(
+        default_factory=list,
+        description="PEM CA bundles a client certificate must chain to (mutual TLS: the relay "
+        "presents one); repeat or comma-separate; none = clients are not asked for one",
+    )
+    hubble_disable_tls: bool = Field(
+        default=False,
+        description="serve Hubble's TCP server in plaintext on purpose (without TLS files "
+        "it is plaintext anyway, with a warning; the unix socket is always plaintext, mode "
+        "0600)",
+    )
     enable_policy: Literal["default", "always", "never"] = Field(
         default="default",
         description="default (enforce a direction once a policy selects the endpoint for it), always (enforce both directions on every endpoint) or never",
@@ -374,7 +394,7 @@ class Config(BaseModel):
             raise ValueError(f"{value!r} is not host:port")
         return value
 
-    @field_validator("tls_operator_server_ca_files")
+    @field_validator("tls_operator_server_ca_files", "hubble_tls_client_ca_files")
     @classmethod
     def _tls_ca_files(cls, value: list[str]) -> list[str]:
         return [p.strip() for item in value for p in item.split(",") if p.strip()]
@@ -389,6 +409,30 @@ class Config(BaseModel):
                 "--tls-operator-client-key-file: give all three (mutual TLS) or none"
             )
         return self
+
+    @model_validator(mode="after")
+    def _hubble_tls_files(self) -> Config:
+        if bool(self.hubble_tls_cert_file) != bool(self.hubble_tls_key_file):
+            raise ValueError("--hubble-tls-cert-file and --hubble-tls-key-file: give both or none")
+        if self.hubble_tls_client_ca_files and not self.hubble_tls_cert_file:
+            raise ValueError(
+                "--hubble-tls-client-ca-files needs --hubble-tls-cert-file and "
+                "--hubble-tls-key-file (mutual TLS is TLS first)"
+            )
+        if self.hubble_disable_tls and self.hubble_tls_cert_file:
+            raise ValueError("--hubble-disable-tls contradicts --hubble-tls-cert-file")
+        return self
+
+    @property
+    def hubble_tls(self) -> ServerTLS | None:
+        """The TLS files of Hubble's TCP server, or None for plaintext."""
+        if not self.hubble_tls_cert_file:
+            return None
+        return ServerTLS(
+            self.hubble_tls_cert_file,
+            self.hubble_tls_key_file,
+            tuple(self.hubble_tls_client_ca_files),
+        )
 
     @property
     def operator_tls(self) -> ClientTLS | None:

@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                      f"server certificate's SANs {d}")  # fmt: skip
     gen.add_argument("--admins", default="admin",
                      help=f"comma-separated admin client names {d}")  # fmt: skip
+    gen.add_argument("--hubble-cluster", default=None, metavar="CLUSTER",
+                     help="also write Hubble's: a server certificate per node named "
+                     "<node>.<CLUSTER>.hubble-grpc.cilium.io (agents' --hubble-tls-*), the "
+                     "relay's client and server pairs (default: none)")  # fmt: skip
     gen.add_argument("--days", type=_positive_seconds, default=365.0,
                      help=f"validity of the server and client certificates in days; the CA "
                      f"gets ten times as long {d}")  # fmt: skip
@@ -219,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "certs":
             cli.certs_generate(args.dir, _split(args.hosts), _split(args.nodes),
-                               _split(args.admins), args.days, sys.stdout)  # fmt: skip
+                               _split(args.admins), args.days, sys.stdout,
+                               hubble_cluster=args.hubble_cluster)  # fmt: skip
         elif args.command == "apply":
             cli.apply(args.filename, args.server, args.dry_run, args.timeout, sys.stdout, tls=tls)
         elif args.command == "ipam" and args.ipam_command == "plan":

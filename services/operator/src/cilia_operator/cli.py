@@ -546,10 +546,13 @@ def certs_generate(
     admins: list[str],
     days: float,
     out: IO[str],
+    *,
+    hubble_cluster: str | None = None,
 ) -> None:
     """Write the control plane's CA, the operator's server pair, one client pair per node and
     per admin into ``directory`` (``ca.crt``/``ca.key`` reused when present, so new nodes
-    can be added later) and print the flags that use them.
+    can be added later) and print the flags that use them; with ``hubble_cluster`` also
+    Hubble's (each node's server pair, the relay's client and server pairs).
 
     Raises:
         CommandError: bad node name, no host, or the directory cannot be written.
@@ -563,8 +566,9 @@ def certs_generate(
             raise CommandError(f"--nodes: {node!r}: {exc}") from None
     try:
         bundle = generate_bundle(
-            directory, server_hosts=hosts, nodes=nodes, admins=admins, days=days
-        )
+            directory, server_hosts=hosts, nodes=nodes, admins=admins, days=days,
+            hubble_cluster=hubble_cluster,
+        )  # fmt: skip
     except (ValueError, OSError, TLSFileError) as exc:
         raise CommandError(str(exc)) from None
     print(f"CA:       {bundle.ca_cert} (key {bundle.ca_key}: keep it off the nodes)", file=out)
@@ -574,3 +578,14 @@ def certs_generate(
         print(f"{name}: --tls-operator-server-ca-files {bundle.ca_cert} "
               f"--tls-operator-client-cert-file {cert} --tls-operator-client-key-file {key}",
               file=out)  # fmt: skip
+    for name, (cert, key) in bundle.hubble.items():
+        if name == "hubble-relay-client":
+            flags = (f"--tls-hubble-server-ca-files {bundle.ca_cert} --tls-client-cert-file "
+                     f"{cert} --tls-client-key-file {key}")  # fmt: skip
+        elif name == "hubble-relay-server":
+            flags = (f"--tls-relay-server-cert-file {cert} --tls-relay-server-key-file {key} "
+                     f"(clients: hubble --tls --tls-ca-cert-files {bundle.ca_cert})")  # fmt: skip
+        else:
+            flags = (f"--hubble-tls-cert-file {cert} --hubble-tls-key-file {key} "
+                     f"--hubble-tls-client-ca-files {bundle.ca_cert}")  # fmt: skip
+        print(f"{name}: {flags}", file=out)

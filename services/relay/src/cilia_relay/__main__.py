@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from cilia_common import grpcserver
     from cilia_common.logs import setup_logging
+    from cilia_common.tls import TLSFileError
     from cilia_relay import app
 
     try:
@@ -106,6 +107,9 @@ def _serve(args: argparse.Namespace) -> int:
     except grpcserver.BindError as exc:
         print(f"{COMPONENT}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TLSFileError as exc:
+        print(f"{COMPONENT}: cannot start: TLS: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -26,6 +26,7 @@ from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia_common import grpcserver
 from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
+from cilia_common.tls import server_credentials
 from cilia_relay import __version__
 from cilia_relay.config import Config, grpc_address
 from cilia_relay.observer import ObserverOptions, RelayObserver
@@ -85,6 +86,8 @@ class Relay:
             config.peer_service,
             dial_timeout=config.dial_timeout,
             retry_timeout=config.retry_timeout,
+            client_tls=config.client_tls,
+            plaintext_only=config.disable_client_tls,
             on_peer_service=self._on_peer_service,
         )
         self.observer = RelayObserver(
@@ -106,6 +109,28 @@ class Relay:
             await grpcserver.set_serving(health, HEALTH_NAMES, serving=connected)
         log.info("health", extra={"serving": connected})
 
+    def _server_credentials(self) -> grpc.ServerCredentials | None:
+        """The observer API's TLS (``--tls-relay-server-*``; mutual with client CAs), or
+        None (plaintext, with a warning unless ``--disable-server-tls``).
+
+        Raises:
+            TLSFileError: a TLS file is unusable.
+        """
+        tls = self.config.server_tls
+        if tls is None:
+            if not self.config.disable_server_tls:
+                log.warning(
+                    "observer API is plaintext: give --tls-relay-server-cert-file and "
+                    "--tls-relay-server-key-file (or --disable-server-tls to mean it)"
+                )
+            return None
+        credentials, reloader = server_credentials(tls)
+        log.info(
+            "observer API uses TLS",
+            extra={"mutual": bool(tls.client_ca_files), "serial": f"{reloader.serial:x}"},
+        )
+        return credentials
+
     async def start(self) -> None:
         """Bind both gRPC servers, start metrics (if enabled) and the peer manager.
 
@@ -120,10 +145,13 @@ class Relay:
             ("observer", [service], self.config.listen_address),
             ("health", [], self.config.health_listen_address),
         )
+        credentials = self._server_credentials()
         try:
             for name, services, address in listeners:
                 target = grpc_address(address)
-                server, health, ports = await grpcserver.start_server_with_ports(services, [target])
+                server, health, ports = await grpcserver.start_server_with_ports(
+                    services, [target], credentials=credentials if name == "observer" else None
+                )
                 self._servers.append((server, health))
                 bound = grpcserver.bound_port(target, ports[target]) if target in ports else target
                 self.addresses[name] = bound

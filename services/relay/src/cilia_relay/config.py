@@ -11,14 +11,15 @@ written once there).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cilia_common import durations
 from cilia_common.addresses import Address, TCPAddress, dial_target
 from cilia_common.addresses import grpc_listen_target as grpc_address
-from cilia_common.flags import GoDuration
+from cilia_common.flags import Flag, GoDuration
+from cilia_common.tls import ClientTLS, ServerTLS
 
 
 def parse_duration(text: str) -> float:
@@ -101,6 +102,87 @@ class Config(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="log level"
     )
+    tls_hubble_server_ca_files: Annotated[list[str], Flag(metavar="PATH")] = Field(
+        default_factory=list,
+        description="PEM CA bundles the agents' Hubble certificates must chain to; peers "
+        "that announce a TLS name are dialled with TLS and that name checked; repeat or "
+        "comma-separate",
+    )
+    tls_client_cert_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="",
+        description="PEM client certificate the relay presents to agents (mutual TLS)",
+    )
+    tls_client_key_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="", description="PEM private key of --tls-client-cert-file"
+    )
+    disable_client_tls: bool = Field(
+        default=False,
+        description="dial every agent in plaintext, whatever TLS name it announces",
+    )
+    tls_relay_server_cert_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="",
+        description="PEM certificate the relay's observer API serves (named "
+        "*.hubble-relay.cilium.io); with --tls-relay-server-key-file clients use TLS",
+    )
+    tls_relay_server_key_file: Annotated[str, Flag(metavar="PATH")] = Field(
+        default="", description="PEM private key of --tls-relay-server-cert-file"
+    )
+    tls_relay_client_ca_files: Annotated[list[str], Flag(metavar="PATH")] = Field(
+        default_factory=list,
+        description="PEM CA bundles a client certificate must chain to (mutual TLS for "
+        "clients); none = clients are not asked for one",
+    )
+    disable_server_tls: bool = Field(
+        default=False,
+        description="serve the observer API in plaintext on purpose (without server TLS "
+        "files it is plaintext anyway, with a warning)",
+    )
+
+    @field_validator("tls_hubble_server_ca_files", "tls_relay_client_ca_files")
+    @classmethod
+    def _ca_files(cls, value: list[str]) -> list[str]:
+        return [p.strip() for item in value for p in item.split(",") if p.strip()]
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        pairs = (
+            ("--tls-client-cert-file", self.tls_client_cert_file,
+             "--tls-client-key-file", self.tls_client_key_file),
+            ("--tls-relay-server-cert-file", self.tls_relay_server_cert_file,
+             "--tls-relay-server-key-file", self.tls_relay_server_key_file),
+        )  # fmt: skip
+        for cert_flag, cert, key_flag, key in pairs:
+            if bool(cert) != bool(key):
+                raise ValueError(f"{cert_flag} and {key_flag}: give both or none")
+        if self.tls_client_cert_file and not self.tls_hubble_server_ca_files:
+            raise ValueError("--tls-client-cert-file needs --tls-hubble-server-ca-files")
+        if self.tls_relay_client_ca_files and not self.tls_relay_server_cert_file:
+            raise ValueError("--tls-relay-client-ca-files needs --tls-relay-server-cert-file")
+        if self.disable_server_tls and self.tls_relay_server_cert_file:
+            raise ValueError("--disable-server-tls contradicts --tls-relay-server-cert-file")
+        return self
+
+    @property
+    def client_tls(self) -> ClientTLS | None:
+        """How peers announcing TLS are dialled; None: TLS cannot be used (plaintext only)."""
+        if self.disable_client_tls or not self.tls_hubble_server_ca_files:
+            return None
+        return ClientTLS(
+            tuple(self.tls_hubble_server_ca_files),
+            self.tls_client_cert_file,
+            self.tls_client_key_file,
+        )
+
+    @property
+    def server_tls(self) -> ServerTLS | None:
+        """The observer API's TLS files; None: plaintext."""
+        if not self.tls_relay_server_cert_file:
+            return None
+        return ServerTLS(
+            self.tls_relay_server_cert_file,
+            self.tls_relay_server_key_file,
+            tuple(self.tls_relay_client_ca_files),
+        )
 
 
 __all__ = ["Config", "dial_target", "grpc_address", "parse_duration"]

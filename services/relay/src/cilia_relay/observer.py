@@ -153,13 +153,18 @@ class _FlowsCall:
         )
         self.queue = asyncio.Queue(maxsize=capacity)
         connected = [p for p in peers if p.available]
-        unavailable = [p.name for p in peers if not p.available]
+        unavailable = [p.name for p in peers if not p.available and not p.error]
         if connected:
             yield node_status_response(
                 relay_pb2.NODE_CONNECTED, [p.name for p in connected], self.opts.node_name
             )
         if unavailable:
             yield node_status_response(relay_pb2.NODE_UNAVAILABLE, unavailable, self.opts.node_name)
+        for peer in peers:  # e.g. its certificate was refused: say why, do not just skip it
+            if not peer.available and peer.error:
+                yield node_status_response(
+                    relay_pb2.NODE_ERROR, [peer.name], self.opts.node_name, peer.error
+                )
         for peer in connected:
             self._start(peer)
         refresher = asyncio.create_task(self._refresh()) if self.request.follow else None
@@ -353,7 +358,8 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
         self, request: observer_pb2.GetNodesRequest, context: grpc.aio.ServicerContext
     ) -> observer_pb2.GetNodesResponse:
         """One Node per peer: NODE_UNAVAILABLE without a usable channel, NODE_ERROR when
-        its ServerStatus fails, else NODE_CONNECTED with version, uptime and flow counters."""
+        its ServerStatus fails or its dial failed for a lasting reason (a refused
+        certificate), else NODE_CONNECTED with version, uptime and flow counters."""
         del request, context
         peers = self.peers.list()
         statuses = await asyncio.gather(
@@ -369,7 +375,7 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
                 ),
             )
             if not peer.available:
-                node.state = relay_pb2.NODE_UNAVAILABLE
+                node.state = relay_pb2.NODE_ERROR if peer.error else relay_pb2.NODE_UNAVAILABLE
             elif status is None:
                 node.state = relay_pb2.NODE_ERROR
             else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2, peer_pb2_grpc
+from cilia_common.tls import ClientTLS, TLSFileError, channel_credentials, channel_options
 from cilia_relay.config import dial_target
 
 log = logging.getLogger("cilia_relay.peers")
@@ -31,6 +34,10 @@ log = logging.getLogger("cilia_relay.peers")
 UNAVAILABLE_STATES = frozenset(
     {grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN}
 )
+
+
+class _TLSNotConfigured(Exception):
+    """A peer announces TLS and the relay was given no CA to check it."""
 
 
 @dataclass
@@ -43,6 +50,9 @@ class Peer:
         tls_server_name: TLS server name announced, ``""`` when the peer has no TLS.
         channel: the gRPC channel, None while not (or no longer) dialled.
         last_dial: monotonic time (s) of the last dial attempt.
+        error: why the last dial failed in a way that waiting will not mend (a refused
+            certificate, TLS asked for but not configured), "" otherwise: such a peer is
+            reported NODE_ERROR with this text, not NODE_UNAVAILABLE.
     """
 
     name: str
@@ -50,6 +60,7 @@ class Peer:
     tls_server_name: str = ""
     channel: grpc.aio.Channel | None = None
     last_dial: float = 0.0
+    error: str = ""
     dial_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def state(self) -> grpc.ChannelConnectivity | None:
@@ -80,6 +91,10 @@ class PeerManager:
         retry_timeout: seconds before a failed dial or a lost Notify stream is retried.
         on_peer_service: awaited with True once the Notify stream is established and
             with False when it is lost (drives health).
+        client_tls: how a peer that announces a TLS name is dialled (CA files and the
+            relay's client pair; the name announced is checked); None: such a peer is an
+            error (``--tls-hubble-server-ca-files`` not given) unless ``plaintext_only``.
+        plaintext_only: dial every peer in plaintext (``--disable-client-tls``).
     """
 
     def __init__(
@@ -88,7 +103,12 @@ class PeerManager:
         dial_timeout: float,
         retry_timeout: float,
         on_peer_service: Callable[[bool], Awaitable[None]] | None = None,
+        *,
+        client_tls: ClientTLS | None = None,
+        plaintext_only: bool = False,
     ) -> None:
+        self.client_tls = client_tls
+        self.plaintext_only = plaintext_only
         self.peer_service = peer_service
         self.dial_timeout = dial_timeout
         self.retry_timeout = retry_timeout
@@ -222,14 +242,8 @@ class PeerManager:
         if not name or not change.address:
             log.warning("ignoring peer change without name or address", extra={"peer": name})
             return
-        if tls_name:
-            log.warning(
-                "peer announces TLS, which cilia-relay does not support; dialling without TLS",
-                extra={"peer": name, "server_name": tls_name},
-            )
         peer = self._peers.get(name)
-        if peer is not None and peer.address == change.address:
-            peer.tls_server_name = tls_name
+        if peer is not None and peer.address == change.address and peer.tls_server_name == tls_name:
             return
         if peer is not None:
             await self._forget(peer)
@@ -259,20 +273,29 @@ class PeerManager:
         old, peer.channel = peer.channel, None
         if old is not None:
             await old.close()
-        channel = grpc.aio.insecure_channel(dial_target(peer.address))
+        try:
+            channel = self._channel(peer)
+        except (TLSFileError, _TLSNotConfigured) as exc:
+            peer.error = str(exc)
+            peer.dial_task = None
+            log.warning("cannot dial peer", extra={"peer": peer.name, "error": peer.error})
+            self._notify_changed()
+            return
         try:
             await asyncio.wait_for(channel.channel_ready(), self.dial_timeout)
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            peer.error = await self._why(channel) if peer.tls_server_name else ""
             log.warning(
                 "cannot connect to peer",
                 extra={
                     "peer": peer.name,
                     "address": peer.address,
-                    "error": type(exc).__name__,
+                    "error": peer.error or type(exc).__name__,
                     "retry_in_seconds": self.retry_timeout,
                 },
             )
             await channel.close()
+            self._notify_changed()
             return
         finally:
             peer.dial_task = None
@@ -280,8 +303,47 @@ class PeerManager:
             await channel.close()
             return
         peer.channel = channel
-        log.info("peer connected", extra={"peer": peer.name, "address": peer.address})
+        peer.error = ""
+        log.info(
+            "peer connected",
+            extra={"peer": peer.name, "address": peer.address, "tls": peer.tls_server_name},
+        )
         self._notify_changed()
+
+    def _channel(self, peer: Peer) -> grpc.aio.Channel:
+        """A channel to ``peer``: TLS checking its announced name when it announces one.
+
+        Raises:
+            TLSFileError: a TLS file is unusable.
+            _TLSNotConfigured: the peer announces TLS and the relay has no CA for it.
+        """
+        target = dial_target(peer.address)
+        if not peer.tls_server_name or self.plaintext_only:
+            return grpc.aio.insecure_channel(target)
+        if self.client_tls is None:
+            raise _TLSNotConfigured(
+                f"peer {peer.name} serves TLS ({peer.tls_server_name}) and the relay has no CA "
+                "to check it: give --tls-hubble-server-ca-files (and --tls-client-cert-file/"
+                "--tls-client-key-file), or --disable-client-tls"
+            )
+        tls = dataclasses.replace(self.client_tls, server_name=peer.tls_server_name)
+        return grpc.aio.secure_channel(
+            target, channel_credentials(tls), options=channel_options(tls)
+        )
+
+    async def _why(self, channel: grpc.aio.Channel) -> str:
+        """The reason a TLS channel did not get ready, from one short call's status (gRPC's
+        text names the handshake failure, e.g. CERTIFICATE_VERIFY_FAILED)."""
+        stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            await stub.ServerStatus(
+                observer_pb2.ServerStatusRequest(), timeout=min(self.dial_timeout, 1.0)
+            )
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or ""
+            if "ssl" in details.lower() or "handshake" in details.lower():
+                return f"TLS handshake failed: {details}"
+        return ""
 
     async def _check_connections(self) -> None:
         interval = min(self.retry_timeout, 1.0)

@@ -16,6 +16,7 @@ disconnected (RESOURCE_EXHAUSTED); on reconnection it gets the full set again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
@@ -27,6 +28,7 @@ import grpc
 from cilia.controlplane.v1 import controlplane_pb2
 from cilia.hubble.peer import peer_pb2, peer_pb2_grpc
 from cilia_agent.hubble.errors import HubbleError
+from cilia_common.tls import hubble_server_name
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,9 @@ class PeerRegistry:
         local: this node's Hubble server (always present).
         default_port: Hubble port assumed for nodes registered without one.
         max_buffer: changes queued per subscriber before it is disconnected.
+        tls_cluster: the cluster name when every node's Hubble serves TLS: each peer is then
+            announced with the TLS name ``<node>.<cluster>.hubble-grpc.cilium.io`` the
+            relay checks (upstream assumes all nodes alike, as here); None: no TLS.
     """
 
     def __init__(
@@ -110,14 +115,24 @@ class PeerRegistry:
         *,
         default_port: int = DEFAULT_HUBBLE_PORT,
         max_buffer: int = DEFAULT_PEER_BUFFER,
+        tls_cluster: str | None = None,
     ) -> None:
         if max_buffer < 1:
             raise ValueError(f"max_buffer must be >= 1, got {max_buffer}")
+        self.tls_cluster = tls_cluster
+        local = self._tls(local)
         self.local = local
         self.default_port = default_port
         self.max_buffer = max_buffer
         self._peers: dict[str, PeerInfo] = {local.name: local}
         self._subscribers: set[_Subscriber] = set()
+
+    def _tls(self, peer: PeerInfo) -> PeerInfo:
+        if self.tls_cluster is None:
+            return peer
+        return dataclasses.replace(
+            peer, tls_server_name=hubble_server_name(peer.name, self.tls_cluster)
+        )
 
     def peers(self) -> list[PeerInfo]:
         """Every known peer, sorted by name."""
@@ -135,6 +150,7 @@ class PeerRegistry:
 
     def set_local(self, local: PeerInfo) -> None:
         """Change this node's own entry (e.g. its address became known)."""
+        local = self._tls(local)
         old = self._peers.pop(self.local.name)
         if old.name != local.name:
             self._broadcast(old.notification(peer_pb2.PEER_DELETED))
@@ -148,6 +164,7 @@ class PeerRegistry:
         """Add (PEER_ADDED) or change (PEER_UPDATED) a remote peer; no-op if unchanged."""
         if peer.name == self.local.name:
             return
+        peer = self._tls(peer)
         old = self._peers.get(peer.name)
         if old == peer:
             return

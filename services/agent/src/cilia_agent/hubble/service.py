@@ -76,6 +76,8 @@ class HubbleConfig:
             ring-buffer poll thread and the loop (default 1000).
         poll_timeout_ms: ring buffer poll timeout (stop latency), default 100.
         peer_buffer: Notify changes queued per subscriber before disconnecting it.
+        tls_cluster: the cluster name when Hubble's TCP server uses TLS (peers are then
+            announced with their TLS names); None without TLS.
     """
 
     node_name: str
@@ -85,6 +87,7 @@ class HubbleConfig:
     queue_size: int = DEFAULT_QUEUE_SIZE
     poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS
     peer_buffer: int = DEFAULT_PEER_BUFFER
+    tls_cluster: str | None = None
 
 
 class Hubble:
@@ -116,7 +119,9 @@ class Hubble:
         self.parser = Parser(self.resolver, config.node_name, clock)
         self.metrics = HubbleMetrics(registry)
         self.peers = PeerRegistry(
-            PeerInfo(config.node_name, config.advertise_address), max_buffer=config.peer_buffer
+            PeerInfo(config.node_name, config.advertise_address),
+            max_buffer=config.peer_buffer,
+            tls_cluster=config.tls_cluster,
         )
         # Upstream's agent announces its start as an AGENT_STARTED agent event.
         self.agent_events: EventLog[flow_pb2.AgentEvent] = EventLog()
@@ -234,4 +239,5 @@ def hubble_config(cfg: Config, version: str, addresses: Sequence[str]) -> Hubble
         advertise_address=hubble_advertise_address(cfg, addresses),
         version=version,
         queue_size=cfg.hubble_event_queue_size,
+        tls_cluster=cfg.cluster_name if cfg.hubble_tls is not None else None,
     )
