@@ -33,6 +33,7 @@ import os
 import pathlib
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 from cilia_agent.datapath.bpffs import mount_point
 from cilia_agent.datapath.errors import DatapathError
@@ -113,13 +114,8 @@ def link_pin(pin_dir: pathlib.Path, program: str) -> pathlib.Path:
     return pin_dir / f"{LINK_PREFIX}{program}"
 
 
-def attach(config: SockConfig) -> dict[str, str]:
-    """Compile, load and attach (or swap in) the four programs; returns
-    ``{program: "attached" | "replaced"}``.
-
-    Raises:
-        SocketLBUnavailable: a step failed (message names it).
-    """
+def _compile(config: SockConfig) -> Any:
+    """``bpf_sock.c`` compiled by bcc (its maps created or reused, pinned)."""
     try:
         from bcc import BPF
     except ImportError as exc:
@@ -130,13 +126,34 @@ def attach(config: SockConfig) -> dict[str, str]:
     source = config.bpf_dir / "bpf_sock.c"
     if not source.is_file():
         raise SocketLBUnavailable(f"no bpf_sock.c in {config.bpf_dir}: set --bpf-dir")
-    if ensure_cgroup2(config.cgroup_root):
-        log.info("mounted cgroup2", extra={"path": str(config.cgroup_root)})
     config.pin_dir.mkdir(parents=True, exist_ok=True)
     try:
-        bpf = BPF(src_file=str(source).encode(), cflags=config.cflags())
+        return BPF(src_file=str(source).encode(), cflags=config.cflags())
     except Exception as exc:  # bcc raises bare Exception on compile errors
         raise SocketLBUnavailable(f"cannot compile {source}: {exc}") from exc
+
+
+def create_maps(config: SockConfig) -> None:
+    """Create (or keep) the pinned load-balancer maps without attaching anything.
+
+    Raises:
+        SocketLBUnavailable: bcc missing or compilation failed.
+    """
+    _compile(config).cleanup()
+
+
+def attach(config: SockConfig) -> dict[str, str]:
+    """Compile, load and attach (or swap in) the four programs; returns
+    ``{program: "attached" | "replaced"}``.
+
+    Raises:
+        SocketLBUnavailable: a step failed (message names it).
+    """
+    from bcc import BPF
+
+    if ensure_cgroup2(config.cgroup_root):
+        log.info("mounted cgroup2", extra={"path": str(config.cgroup_root)})
+    bpf = _compile(config)
     result: dict[str, str] = {}
     cgroup_fd = os.open(config.cgroup_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -144,7 +161,7 @@ def attach(config: SockConfig) -> dict[str, str]:
             try:
                 fn = bpf.load_func(name.encode(), BPF.CGROUP_SOCK_ADDR, attach_type=attach_type)
             except Exception as exc:  # bcc: bare Exception on verifier errors
-                raise SocketLBUnavailable(f"cannot load {name} from {source}: {exc}") from exc
+                raise SocketLBUnavailable(f"cannot load {name}: {exc}") from exc
             result[name] = _attach_one(config.pin_dir, name, fn.fd, cgroup_fd, attach_type)
     finally:
         os.close(cgroup_fd)
