@@ -244,8 +244,14 @@ class ServiceMapWriter:
         name = service_name(svc.namespace, svc.name)
         parsed = frontends(svc)
         wanted = {spec.frontend for spec in parsed.specs}
-        for spec in parsed.specs:
-            self._write(spec)
+        try:
+            for spec in parsed.specs:
+                self._write(spec)
+        except Exception:
+            if self._stale is None:  # ids taken for backends that never made it into a slot
+                for bid in [b for b, refs in self._refs.items() if not refs]:
+                    self._release_backend(bid)
+            raise
         for front in self._by_service.get(name, set()) - wanted:
             if self.frontends.get(front, Programmed(0)).service == name:
                 self._delete_frontend(front)
