@@ -52,7 +52,7 @@ static __always_inline __u32 affinity_backend(const struct lb4_service *svc,
 
 	if (!val)
 		return 0;
-	if (val->last_used + (__u64)svc->affinity_timeout * NSEC_PER_SEC <= now)
+	if (val->last_used + (__u64)svc->backend_id * NSEC_PER_SEC <= now)
 		goto stale;
 	match.backend_id = val->backend_id;
 	match.rev_nat_id = svc->rev_nat_index;

@@ -51,10 +51,9 @@ struct lb4_key {
 };
 
 struct lb4_service {
-	union {
-		__u32 backend_id;       /* slots 1..count */
-		__u32 affinity_timeout; /* slot 0: ClientIP affinity timeout, seconds */
-	};
+	/* Slots 1..count: the backend. Slot 0: the ClientIP affinity timeout in
+	 * seconds (upstream's union of backend_id and affinity_timeout). */
+	__u32 backend_id;
 	__u16 count; /* active backends in slots 1..count (slot 0 only) */
 	__u16 rev_nat_index;
 	__u8 flags;

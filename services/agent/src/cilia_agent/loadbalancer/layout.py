@@ -21,6 +21,7 @@ map                             key -> value                                kind
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 SERVICES_MAP = "cilium_lb4_services_v2"
 BACKENDS_MAP = "cilium_lb4_backends_v3"
@@ -141,3 +142,20 @@ class AffinityMatch(ctypes.Structure):
         ("rev_nat_id", ctypes.c_uint16),
         ("pad", ctypes.c_uint16),
     ]
+
+
+MAP_LAYOUTS: dict[
+    str,
+    tuple[
+        type[ctypes.Structure] | type[ctypes._SimpleCData[Any]],
+        type[ctypes.Structure] | type[ctypes._SimpleCData[Any]],
+    ],
+] = {
+    SERVICES_MAP: (Lb4Key, Lb4Service),
+    BACKENDS_MAP: (ctypes.c_uint32, Lb4Backend),
+    REVNAT_MAP: (ctypes.c_uint16, Lb4ReverseNat),
+    REVERSE_SK_MAP: (RevNatTuple, RevNatEntry),
+    AFFINITY_MAP: (AffinityKey, AffinityValue),
+    AFFINITY_MATCH_MAP: (AffinityMatch, ctypes.c_uint8),
+}
+"""Map name in ``bpf/bpf_sock.c`` → (key, value) mirrors (checked against the BTF)."""
