@@ -20,8 +20,7 @@ Start (``Agent.start``):
 6. gRPC sockets (agent, Hubble unix + TCP), metrics;
 7. the operator (``controlplane/``): one channel for the session (Register, demand,
    allocations), ResolvePool, identities and endpoint records, and the watch streams
-   (identities, policies, ipcache, nodes, services) — each a named task with reconnect
-   backoff.
+   (identities, policies, ipcache, nodes, services), each a named task with backoff.
 
 Stop (SIGTERM/SIGINT) runs the started steps in reverse; the conflist (unless
 ``--cni-uninstall``), the host device, the pods' veths, programs, pinned maps and state files
@@ -322,8 +321,7 @@ class Agent:
         ]
         if self.enforcement is not None:
             watches += enforcement_owners.watches(self.enforcement, api)
-        if self.lb is not None:
-            watches.append(loadbalancer.watch(self.lb, api))
+        watches += loadbalancer.watches(self.lb, api)
         for name, open_stream, consume in watches:
             self._spawn(
                 f"watch-{name}",

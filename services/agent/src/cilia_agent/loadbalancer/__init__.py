@@ -13,6 +13,6 @@ Between the domain packages and the controlplane in the agent's layers: it reads
 operator's messages and writes the datapath, and nothing below imports it.
 """
 
-from cilia_agent.loadbalancer.manager import LoadBalancer, start, watch
+from cilia_agent.loadbalancer.manager import LoadBalancer, start, watches
 
-__all__ = ["LoadBalancer", "start", "watch"]
+__all__ = ["LoadBalancer", "start", "watches"]

@@ -9,7 +9,7 @@
   its programs swapped in place (``socklb``), the pinned maps opened and read back
   (``maps.ServiceMapWriter.restore``: rev-NAT indexes and backend ids kept), and the
   Service watcher built. Its stream (``ServiceService.WatchServices``) is one of the
-  agent's operator watches (:func:`watch`).
+  agent's operator watches (:func:`watches`).
 
 Without an operator nothing feeds the maps: the restored entries keep being served.
 """
@@ -113,12 +113,12 @@ async def start(
     return LoadBalancer(maps, writer, ServiceWatcher(writer, ServiceMetrics(registry)))
 
 
-def watch(
-    lb: LoadBalancer, api: ServiceStreams
-) -> tuple[
-    str,
-    Callable[[], AsyncIterable[Any]],
-    Callable[[AsyncIterable[Any]], Awaitable[bool]],
-]:
-    """``(name, open_stream, consume)`` of the Service stream, for ``run_watch``."""
-    return ("services", api.watch_services, lb.watcher.consume)
+Watch = tuple[
+    str, Callable[[], AsyncIterable[Any]], Callable[[AsyncIterable[Any]], Awaitable[bool]]
+]
+"""``(name, open_stream, consume)`` of one operator watch stream, for ``run_watch``."""
+
+
+def watches(lb: LoadBalancer | None, api: ServiceStreams) -> list[Watch]:
+    """The Service stream feeding ``lb`` (none when the load balancer is off)."""
+    return [] if lb is None else [("services", api.watch_services, lb.watcher.consume)]

@@ -46,7 +46,8 @@ def test_start_attaches_restores_and_false_detaches(sock_config: socklb.SockConf
     again = start(config(sock_config))  # a restart: same links, same entries
     assert again is not None
     assert [f.address for f in again.writer.frontends] == ["198.18.80.1"]
-    assert loadbalancer.watch(again, _NoOperator())[0] == "services"
+    assert [w[0] for w in loadbalancer.watches(again, _NoOperator())] == ["services"]
+    assert loadbalancer.watches(None, _NoOperator()) == []
     again.close()
 
     assert start(config(sock_config, kube_proxy_replacement="false")) is None
