@@ -166,7 +166,7 @@ class ServiceMapWriter:
         self._backend_state: dict[int, int] = {}
         self._refs: dict[int, set[Frontend]] = {}
         self._by_service: dict[str, set[Frontend]] = {}
-        self._matches: set[tuple[int, int]] = set()
+        self._matches: dict[int, set[int]] = {}  # rev_nat -> backend ids in the match map
         self._rev_nats: set[int] = set()
         self._next_backend = 1
         self._next_rev_nat = 1
@@ -211,7 +211,8 @@ class ServiceMapWriter:
         for index, _ in list(self.maps.revnat.items()):
             if index.value not in self._rev_nats:
                 self.maps.revnat.delete(index)
-        self._matches = {(m.backend_id, m.rev_nat_id) for m, _ in self.maps.affinity_match.items()}
+        for match, _ in self.maps.affinity_match.items():
+            self._matches.setdefault(match.rev_nat_id, set()).add(match.backend_id)
         self._next_backend = max(self.backends, default=0) + 1
         self._next_rev_nat = max(self._rev_nats, default=0) + 1
         return len(self.frontends)
@@ -338,16 +339,17 @@ class ServiceMapWriter:
             self._unref(bid, front)
 
     def _sync_matches(self, prog: Programmed) -> None:
-        want = {(bid, prog.rev_nat) for bid in prog.active} if prog.affinity_timeout else set()
-        have = {m for m in self._matches if m[1] == prog.rev_nat}
-        for bid, rev in want - have:
-            self._update(
-                self.maps.affinity_match, AffinityMatch(backend_id=bid, rev_nat_id=rev), _U8(1)
-            )
-            self._matches.add((bid, rev))
-        for bid, rev in have - want:
-            self.maps.affinity_match.delete(AffinityMatch(backend_id=bid, rev_nat_id=rev))
-            self._matches.discard((bid, rev))
+        want = set(prog.active) if prog.affinity_timeout else set()
+        have = self._matches.setdefault(prog.rev_nat, set())
+        for bid in want - have:
+            match = AffinityMatch(backend_id=bid, rev_nat_id=prog.rev_nat)
+            self._update(self.maps.affinity_match, match, _U8(1))
+        for bid in have - want:
+            self.maps.affinity_match.delete(AffinityMatch(backend_id=bid, rev_nat_id=prog.rev_nat))
+        if want:
+            self._matches[prog.rev_nat] = want
+        else:
+            self._matches.pop(prog.rev_nat, None)
 
     # --- backends ---------------------------------------------------------------------
     def _backend_id(self, backend: Backend) -> int:

@@ -7,7 +7,9 @@ the backends are real TCP and UDP servers in their own netns (see conftest).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
+import shutil
 import socket
 import threading
 
@@ -306,3 +308,31 @@ def test_restart_keeps_ids_attachment_and_connections(
     _, peer = in_netns(topology.client, tcp_backend, vip)
     assert peer == (vip, 80)
     again.maps.close()
+
+
+def test_two_agents_attached_to_one_cgroup_serve_side_by_side(
+    topology: Topology, attached: ServiceMapWriter, sock_config: socklb.SockConfig
+) -> None:
+    """Two agents on one machine (a test cluster): each its own maps and links on the same
+    root cgroup. Each serves its own VIPs; a VIP both have is translated once."""
+    other = dataclasses.replace(sock_config, pin_dir=sock_config.pin_dir.with_name(
+        sock_config.pin_dir.name + "-b"))  # fmt: skip
+    try:
+        assert set(socklb.attach(other).values()) == {"attached"}
+        second = ServiceMapWriter(LBMaps(other.pin_dir), other.lb_map_max)
+        attached.upsert_service(service("one", "198.18.77.20", ready=BACKENDS[:1]))
+        second.upsert_service(service("two", "198.18.77.21", ready=BACKENDS[1:2]))
+        attached.upsert_service(service("both", "198.18.77.22", ready=BACKENDS[2:]))
+        second.upsert_service(service("both", "198.18.77.22", ready=BACKENDS[2:]))
+
+        for vip, backend in zip(
+            ("198.18.77.20", "198.18.77.21", "198.18.77.22"), BACKENDS, strict=True
+        ):
+            who, peer = in_netns(topology.client, tcp_backend, vip)
+            assert (who, peer) == (f"be {backend}", (vip, 80))
+            answer, source = in_netns(topology.client, udp_ask, vip)
+            assert answer.startswith(f"be {backend} ") and source == (vip, 53)
+        second.maps.close()
+    finally:
+        socklb.detach(other.pin_dir)
+        shutil.rmtree(other.pin_dir, ignore_errors=True)
