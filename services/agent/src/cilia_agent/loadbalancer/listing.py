@@ -11,8 +11,11 @@ from cilia_agent.loadbalancer.layout import (
     BACKEND_STATE_TEXT,
     PROTOCOL_TEXT,
     SVC_FLAG_AFFINITY,
+    Lb4Backend,
+    Lb4Service,
 )
 from cilia_agent.loadbalancer.maps import LBMaps, backend_of, frontend_of
+from cilia_agent.loadbalancer.model import Frontend
 
 
 def read_frontends(pin_dir: pathlib.Path) -> list[dict[str, Any]]:
@@ -31,32 +34,22 @@ def read_frontends(pin_dir: pathlib.Path) -> list[dict[str, Any]]:
     """
     maps = LBMaps(pin_dir)
     try:
-        backends = {k.value: v for k, v in maps.backends.items()}
-        masters: dict[Any, Any] = {}
-        slots: dict[Any, dict[int, int]] = {}
-        for key, value in maps.services.items():
+        backends: dict[int, Lb4Backend] = {k.value: v for k, v in maps.backends.items()}
+        masters: dict[Frontend, Lb4Service] = {}
+        slots: dict[Frontend, dict[int, int]] = {}
+        for key, entry in maps.services.items():
             front = frontend_of(key)
             if key.backend_slot == 0:
-                masters[front] = value
+                masters[front] = entry
             else:
-                slots.setdefault(front, {})[key.backend_slot] = value.backend_id
+                slots.setdefault(front, {})[key.backend_slot] = entry.backend_id
     finally:
         maps.close()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    in_slots: set[int] = set()
     for front, master in masters.items():
-        listed = []
-        for _, bid in sorted(slots.get(front, {}).items())[: master.count]:
-            value = backends.get(bid)
-            if value is None:
-                continue
-            be = backend_of(value)
-            listed.append(
-                {
-                    "id": bid,
-                    "address": f"{be.address}:{be.port}/{PROTOCOL_TEXT.get(be.proto, be.proto)}",
-                    "state": BACKEND_STATE_TEXT.get(value.flags, str(value.flags)),
-                }
-            )
+        ids = [bid for _, bid in sorted(slots.get(front, {}).items())[: master.count]]
+        in_slots.update(ids)
         rows.append(
             {
                 "id": int(master.rev_nat_index),
@@ -66,29 +59,21 @@ def read_frontends(pin_dir: pathlib.Path) -> list[dict[str, Any]]:
                 "affinity_timeout": int(master.backend_id)
                 if master.flags & SVC_FLAG_AFFINITY
                 else 0,
-                "backends": listed,
+                "backends": [_backend_row(bid, backends[bid]) for bid in ids if bid in backends],
             }
         )
     rows.sort(key=lambda r: int(r["id"]))
-    in_slots = {b["id"] for r in rows for b in r["backends"]}
     for bid, value in sorted(backends.items()):
-        if bid in in_slots:
-            continue
-        be = backend_of(value)
-        rows.append(
-            {
-                "id": 0,
-                "frontend": "",
-                "type": "",
-                "affinity_timeout": 0,
-                "backends": [
-                    {
-                        "id": bid,
-                        "address": f"{be.address}:{be.port}/"
-                        f"{PROTOCOL_TEXT.get(be.proto, be.proto)}",
-                        "state": BACKEND_STATE_TEXT.get(value.flags, str(value.flags)),
-                    }
-                ],
-            }
-        )
+        if bid not in in_slots:
+            row = {"id": 0, "frontend": "", "type": "", "affinity_timeout": 0}
+            rows.append({**row, "backends": [_backend_row(bid, value)]})
     return rows
+
+
+def _backend_row(bid: int, value: Lb4Backend) -> dict[str, Any]:
+    be = backend_of(value)
+    return {
+        "id": bid,
+        "address": f"{be.address}:{be.port}/{PROTOCOL_TEXT.get(be.proto, be.proto)}",
+        "state": BACKEND_STATE_TEXT.get(value.flags, str(value.flags)),
+    }
