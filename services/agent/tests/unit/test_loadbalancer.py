@@ -10,8 +10,13 @@ from cilia_agent.config import Config
 from cilia_agent.loadbalancer.model import Backend, Frontend, frontends
 
 
-def backend(ip: str, *, ready: bool = True, terminating: bool = False) -> cp.ServiceBackend:
-    return cp.ServiceBackend(ip=ip, port=8080, ready=ready, terminating=terminating)
+def backend(
+    ip: str, *, ready: bool = True, terminating: bool = False, serving: bool | None = None
+) -> cp.ServiceBackend:
+    serving = ready if serving is None else serving
+    return cp.ServiceBackend(
+        ip=ip, port=8080, ready=ready, serving=serving, terminating=terminating
+    )
 
 
 def test_each_vip_and_port_is_a_frontend_with_aliases_served_alike() -> None:
@@ -62,6 +67,30 @@ def test_ready_backends_take_connections_terminating_ones_are_kept_others_left_o
     (spec,) = frontends(svc).specs
 
     assert [b.address for b in spec.active] == ["10.0.0.1", "10.0.0.3"]
+    assert [b.address for b in spec.terminating] == ["10.0.0.2"]
+
+
+def test_with_no_ready_backend_the_serving_terminating_ones_take_connections() -> None:
+    svc = cp.Service(
+        namespace="ns",
+        name="rollout",
+        cluster_ips=["10.96.0.14"],
+        ports=[
+            cp.ServicePort(
+                protocol="TCP",
+                port=80,
+                backends=[
+                    backend("10.0.0.1", ready=False, terminating=True, serving=True),
+                    backend("10.0.0.2", ready=False, terminating=True, serving=False),
+                    backend("10.0.0.3", ready=False),
+                ],
+            )
+        ],
+    )
+
+    (spec,) = frontends(svc).specs
+
+    assert [b.address for b in spec.active] == ["10.0.0.1"]
     assert [b.address for b in spec.terminating] == ["10.0.0.2"]
 
 

@@ -8,7 +8,10 @@ entry of ``ports``. Backends come from the port's EndpointSlice endpoints:
 * ``ready`` → **active**: takes new connections (in a service slot);
 * not ready but ``terminating`` → **terminating**: kept in the backends map for the
   connections it has, never chosen for a new one (EndpointSlice conditions, KEP-1672);
-* not ready and not terminating (starting, failing its probe) → left out.
+* not ready and not terminating (starting, failing its probe) → left out;
+* no backend ready at all: the terminating ones that are still ``serving`` take new
+  connections (kube-proxy's terminating-endpoints fallback, KEP-1669), so a Service whose
+  every pod is being replaced in a rollout does not refuse while they drain.
 
 IPv6 addresses are left out (the datapath is IPv4 only); a protocol other than TCP/UDP
 (SCTP), a port outside 1..65535 or a malformed address makes that one frontend or backend
@@ -108,6 +111,7 @@ def frontends(svc: cp.Service) -> Frontends:
             continue
         active: set[Backend] = set()
         terminating: set[Backend] = set()
+        serving: set[Backend] = set()
         for be in port.backends:
             try:
                 address = _ipv4(be.ip)
@@ -124,7 +128,11 @@ def frontends(svc: cp.Service) -> Frontends:
                 active.add(backend)
             elif be.terminating:
                 terminating.add(backend)
+                if be.serving:
+                    serving.add(backend)
         terminating -= active
+        if not active:
+            active, terminating = serving, terminating - serving
         for vip in vips:
             out.specs.append(
                 FrontendSpec(
