@@ -4,6 +4,8 @@
  *   cil_sock4_sendmsg      sendmsg()/sendto() of a UDP socket     (BPF_CGROUP_UDP4_SENDMSG)
  *   cil_sock4_recvmsg      recvmsg()/recvfrom() of a UDP socket   (BPF_CGROUP_UDP4_RECVMSG)
  *   cil_sock4_getpeername  getpeername()                          (BPF_CGROUP_INET4_GETPEERNAME)
+ *   cil_sock6_*            the same four for AF_INET6 sockets, IPv4-mapped destinations
+ *                          (::ffff:VIP) only: dual-stack sockets reach IPv4 Services too
  *
  * Forward (connect, sendmsg): the destination (VIP, port, protocol) is looked up in
  * cilium_lb4_services_v2 (a hash map: O(1) in the number of Services). Not a Service:
@@ -67,8 +69,12 @@ stale:
 	return 0;
 }
 
-/* 0: translated or not a Service (proceed); <0: -errno to fail the call with. */
-static __always_inline int sock4_xlate_fwd(struct bpf_sock_addr *ctx)
+/* The destination *address:*port (network order) of ctx's socket becomes a backend when it is
+ * a Service. 0: translated or not a Service (proceed); <0: -errno to fail the call with.
+ * The caller reads and writes the context's address fields (user_ip4 or user_ip6[3]: the
+ * verifier lets each attach type touch only its own family's). */
+static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *address,
+					  __be16 *port)
 {
 	struct lb4_key key = {};
 	struct lb4_service *svc, *slot;
@@ -82,8 +88,8 @@ static __always_inline int sock4_xlate_fwd(struct bpf_sock_addr *ctx)
 
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return 0;
-	key.address = ctx->user_ip4;
-	key.dport = (__be16)ctx->user_port;
+	key.address = *address;
+	key.dport = *port;
 	key.proto = proto;
 	key.scope = LB_LOOKUP_SCOPE_EXT;
 	svc = cilium_lb4_services_v2.lookup(&key);
@@ -120,12 +126,15 @@ static __always_inline int sock4_xlate_fwd(struct bpf_sock_addr *ctx)
 	rval.port = key.dport;
 	rval.rev_nat_index = svc->rev_nat_index;
 	cilium_lb4_reverse_sk.update(&rkey, &rval);
-	ctx->user_ip4 = backend->address;
-	ctx->user_port = backend->port;
+	*address = backend->address;
+	*port = backend->port;
 	return 0;
 }
 
-static __always_inline void sock4_xlate_rev(struct bpf_sock_addr *ctx)
+/* A source *address:*port that ctx's socket reached as a Service backend becomes the VIP
+ * and Service port again; returns 1 when it did. */
+static __always_inline int sock_xlate_rev(struct bpf_sock_addr *ctx, __be32 *address,
+					  __be16 *port)
 {
 	struct ipv4_revnat_tuple rkey = {};
 	struct ipv4_revnat_entry *rval;
@@ -133,11 +142,11 @@ static __always_inline void sock4_xlate_rev(struct bpf_sock_addr *ctx)
 	struct lb4_service *svc;
 
 	rkey.cookie = bpf_get_socket_cookie(ctx);
-	rkey.address = ctx->user_ip4;
-	rkey.port = (__be16)ctx->user_port;
+	rkey.address = *address;
+	rkey.port = *port;
 	rval = cilium_lb4_reverse_sk.lookup(&rkey);
 	if (!rval)
-		return;
+		return 0;
 	key.address = rval->address;
 	key.dport = rval->port;
 	key.proto = ctx->protocol;
@@ -145,21 +154,91 @@ static __always_inline void sock4_xlate_rev(struct bpf_sock_addr *ctx)
 	svc = cilium_lb4_services_v2.lookup(&key);
 	if (!svc || svc->rev_nat_index != rval->rev_nat_index) {
 		cilium_lb4_reverse_sk.delete(&rkey);
-		return;
+		return 0;
 	}
-	ctx->user_ip4 = rval->address;
-	ctx->user_port = rval->port;
+	*address = rval->address;
+	*port = rval->port;
+	return 1;
 }
 
-static __always_inline int sock4_fwd(struct bpf_sock_addr *ctx)
+static __always_inline int verdict(int err)
 {
-	int err = sock4_xlate_fwd(ctx);
-
 	if (err < 0) {
 		bpf_set_retval(err);
 		return SYS_REJECT;
 	}
 	return SYS_PROCEED;
+}
+
+static __always_inline int sock4_fwd(struct bpf_sock_addr *ctx)
+{
+	__be32 address = ctx->user_ip4;
+	__be16 port = (__be16)ctx->user_port;
+	int err = sock_xlate_fwd(ctx, &address, &port);
+
+	if (err == 0 && (address != ctx->user_ip4 || port != (__be16)ctx->user_port)) {
+		ctx->user_ip4 = address;
+		ctx->user_port = port;
+	}
+	return verdict(err);
+}
+
+static __always_inline void sock4_rev(struct bpf_sock_addr *ctx)
+{
+	__be32 address = ctx->user_ip4;
+	__be16 port = (__be16)ctx->user_port;
+
+	if (sock_xlate_rev(ctx, &address, &port)) {
+		ctx->user_ip4 = address;
+		ctx->user_port = port;
+	}
+}
+
+/* IPv4-mapped IPv6 (::ffff:a.b.c.d): what a dual-stack AF_INET6 socket (Java's default, for
+ * one) uses for an IPv4 VIP. Only these are translated by the *6 programs. */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define V4_MAPPED_WORD 0xffff0000U
+#else
+#define V4_MAPPED_WORD 0x0000ffffU
+#endif
+
+static __always_inline int v4_mapped(struct bpf_sock_addr *ctx)
+{
+	return ctx->user_ip6[0] == 0 && ctx->user_ip6[1] == 0 &&
+	       ctx->user_ip6[2] == V4_MAPPED_WORD;
+}
+
+static __always_inline int sock6_fwd(struct bpf_sock_addr *ctx)
+{
+	__be32 address;
+	__be16 port;
+	int err;
+
+	if (!v4_mapped(ctx))
+		return SYS_PROCEED;
+	address = ctx->user_ip6[3];
+	port = (__be16)ctx->user_port;
+	err = sock_xlate_fwd(ctx, &address, &port);
+	if (err == 0 && (address != ctx->user_ip6[3] || port != (__be16)ctx->user_port)) {
+		ctx->user_ip6[3] = address;
+		ctx->user_port = port;
+	}
+	return verdict(err);
+}
+
+static __always_inline void sock6_rev(struct bpf_sock_addr *ctx)
+{
+	__be32 address;
+	__be16 port;
+
+	if (!v4_mapped(ctx))
+		return;
+	address = ctx->user_ip6[3];
+	port = (__be16)ctx->user_port;
+	if (sock_xlate_rev(ctx, &address, &port)) {
+		ctx->user_ip6[3] = address;
+		ctx->user_port = port;
+	}
 }
 
 int cil_sock4_connect(struct bpf_sock_addr *ctx)
@@ -174,12 +253,34 @@ int cil_sock4_sendmsg(struct bpf_sock_addr *ctx)
 
 int cil_sock4_recvmsg(struct bpf_sock_addr *ctx)
 {
-	sock4_xlate_rev(ctx);
+	sock4_rev(ctx);
 	return SYS_PROCEED;
 }
 
 int cil_sock4_getpeername(struct bpf_sock_addr *ctx)
 {
-	sock4_xlate_rev(ctx);
+	sock4_rev(ctx);
+	return SYS_PROCEED;
+}
+
+int cil_sock6_connect(struct bpf_sock_addr *ctx)
+{
+	return sock6_fwd(ctx);
+}
+
+int cil_sock6_sendmsg(struct bpf_sock_addr *ctx)
+{
+	return sock6_fwd(ctx);
+}
+
+int cil_sock6_recvmsg(struct bpf_sock_addr *ctx)
+{
+	sock6_rev(ctx);
+	return SYS_PROCEED;
+}
+
+int cil_sock6_getpeername(struct bpf_sock_addr *ctx)
+{
+	sock6_rev(ctx);
 	return SYS_PROCEED;
 }

@@ -7,7 +7,7 @@ Order (:func:`attach`):
    ``/sys/fs/cgroup/unified`` it is the same single hierarchy, so its root cgroup holds every
    process in every network namespace, the host's included);
 2. ``bpf_sock.c`` is compiled once with bcc, creating (or reusing) the load-balancer maps
-   pinned under ``--bpf-pin-dir``, and its four programs are loaded with their expected
+   pinned under ``--bpf-pin-dir``, and its eight programs are loaded with their expected
    attach types;
 3. each program is attached to the root cgroup through a BPF link pinned as
    ``<pin dir>/link_<program>``. A link already pinned there (an agent restart) gets the
@@ -46,11 +46,20 @@ BPF_CGROUP_INET4_CONNECT = 10
 BPF_CGROUP_UDP4_SENDMSG = 14
 BPF_CGROUP_UDP4_RECVMSG = 19
 BPF_CGROUP_INET4_GETPEERNAME = 29
+BPF_CGROUP_INET6_CONNECT = 11
+BPF_CGROUP_UDP6_SENDMSG = 15
+BPF_CGROUP_UDP6_RECVMSG = 20
+BPF_CGROUP_INET6_GETPEERNAME = 30
 PROGRAMS = (
     ("cil_sock4_connect", BPF_CGROUP_INET4_CONNECT),
     ("cil_sock4_sendmsg", BPF_CGROUP_UDP4_SENDMSG),
     ("cil_sock4_recvmsg", BPF_CGROUP_UDP4_RECVMSG),
     ("cil_sock4_getpeername", BPF_CGROUP_INET4_GETPEERNAME),
+    # AF_INET6 sockets to IPv4-mapped VIPs (::ffff:a.b.c.d): dual-stack clients
+    ("cil_sock6_connect", BPF_CGROUP_INET6_CONNECT),
+    ("cil_sock6_sendmsg", BPF_CGROUP_UDP6_SENDMSG),
+    ("cil_sock6_recvmsg", BPF_CGROUP_UDP6_RECVMSG),
+    ("cil_sock6_getpeername", BPF_CGROUP_INET6_GETPEERNAME),
 )
 LINK_PREFIX = "link_"
 
@@ -143,7 +152,7 @@ def create_maps(config: SockConfig) -> None:
 
 
 def attach(config: SockConfig) -> dict[str, str]:
-    """Compile, load and attach (or swap in) the four programs; returns
+    """Compile, load and attach (or swap in) the eight programs; returns
     ``{program: "attached" | "replaced"}``.
 
     Raises:

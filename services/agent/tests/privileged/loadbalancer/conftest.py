@@ -266,13 +266,13 @@ def link_exists(link_id: int) -> bool:
 
 @pytest.fixture
 def attached(sock_config: socklb.SockConfig) -> Iterator[ServiceMapWriter]:
-    """The four programs attached to the test's cgroup2 root (the machine's one hierarchy,
+    """The eight programs attached to the test's cgroup2 root (the machine's one hierarchy,
     so every process) and a writer on their maps; after the test the links are gone from
     the kernel."""
     skips.require(skips.binary_missing("bpftool", "bpftool"))
     socklb.attach(sock_config)
     ids = link_ids(sock_config.pin_dir)
-    assert len(ids) == 4
+    assert len(ids) == len(socklb.PROGRAMS)
     maps = LBMaps(sock_config.pin_dir)
     try:
         yield ServiceMapWriter(maps, sock_config.lb_map_max)

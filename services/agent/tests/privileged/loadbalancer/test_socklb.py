@@ -336,3 +336,33 @@ def test_two_agents_attached_to_one_cgroup_serve_side_by_side(
     finally:
         socklb.detach(other.pin_dir)
         shutil.rmtree(other.pin_dir, ignore_errors=True)
+
+
+def test_dual_stack_sockets_reach_an_ipv4_vip_through_its_mapped_address(
+    topology: Topology, attached: ServiceMapWriter
+) -> None:
+    """AF_INET6 sockets addressing ``::ffff:VIP`` (Java's default sockets, for one)."""
+    vip = "198.18.77.30"
+    attached.upsert_service(service("dual", vip))
+    mapped = f"::ffff:{vip}"
+
+    def tcp6() -> tuple[str, tuple[str, int]]:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as conn:
+            conn.settimeout(TIMEOUT)
+            conn.connect((mapped, 80))
+            return conn.recv(64).decode().strip(), conn.getpeername()[:2]
+
+    def udp6() -> tuple[str, tuple[str, int]]:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as udp:
+            udp.settimeout(TIMEOUT)
+            udp.sendto(b"six", (mapped, 53))
+            data, source = udp.recvfrom(4096)
+            return data.decode(), source[:2]
+
+    who, peer = in_netns(topology.client, tcp6)
+    assert who.startswith("be 10.252.77.") and peer == (mapped, 80)
+    answer, source = in_netns(topology.client, udp6)
+    assert answer.startswith("be 10.252.77.") and answer.endswith(" six")
+    assert source == (mapped, 53)
+    who, peer = tcp6()  # from the host
+    assert who.startswith("be 10.252.77.") and peer == (mapped, 80)
