@@ -139,6 +139,9 @@ class Programmed:
         affinity_timeout: seconds, 0 = no ClientIP affinity.
         service: ``namespace/name`` ("" when restored and not listed again yet).
         service_type: ``ClusterIP`` …
+        slots_high: slots that may exist in the map (more than ``active`` after a failed
+            write, so the next write deletes them).
+        dirty: a write failed half-way: the next one rewrites every slot.
     """
 
     rev_nat: int
@@ -147,6 +150,8 @@ class Programmed:
     affinity_timeout: int = 0
     service: str = ""
     service_type: str = "ClusterIP"
+    slots_high: int = 0
+    dirty: bool = False
 
 
 class ServiceMapWriter:
@@ -204,9 +209,14 @@ class ServiceMapWriter:
                     extra.append(frontend_key(front, slot))
                     continue
                 prog.active.append(bid)
+                prog.slots_high = len(prog.active)
                 self._refs[bid].add(front)
         for key in extra:
             self.maps.services.delete(key)
+        for front, prog in self.frontends.items():
+            master = self.maps.services.lookup(frontend_key(front))
+            if master is not None and len(prog.active) != master.count:
+                prog.dirty = True  # a slot is missing: rewrite them all at the next listing
         self._rev_nats = {p.rev_nat for p in self.frontends.values()}
         for index, _ in list(self.maps.revnat.items()):
             if index.value not in self._rev_nats:
@@ -298,37 +308,52 @@ class ServiceMapWriter:
             self._refs.setdefault(bid, set()).add(front)
         old_active = prog.active
         prog.active, prog.terminating = active, terminating
-        for bid in set(active) | terminating | old_ids:
-            self._sync_backend_state(bid)
-        for slot, bid in enumerate(active, start=1):
-            if slot > len(old_active) or old_active[slot - 1] != bid:
-                self._update(
-                    self.maps.services, frontend_key(front, slot), Lb4Service(backend_id=bid)
-                )
-        flags = SVC_FLAG_ROUTABLE | (SVC_FLAG_AFFINITY if spec.affinity_timeout else 0)
-        self._update(
-            self.maps.services,
-            frontend_key(front),
-            Lb4Service(
-                backend_id=spec.affinity_timeout,
-                count=len(active),
-                rev_nat_index=prog.rev_nat,
-                flags=flags,
-            ),
-        )
-        for slot in range(len(active) + 1, len(old_active) + 1):
+        high = max(len(old_active), prog.slots_high)
+        try:
+            self._write_slots(front, prog, old_active, spec.affinity_timeout)
+        except Exception:
+            # what the maps hold is unknown now: rewrite every slot next time, and keep the
+            # backends this write was dropping referenced until then
+            prog.dirty, prog.slots_high = True, max(high, len(active))
+            prog.terminating |= old_ids - set(active)
+            raise
+        for slot in range(len(active) + 1, high + 1):
             self.maps.services.delete(frontend_key(front, slot))
+        prog.slots_high, prog.dirty = len(active), False
         prog.affinity_timeout = spec.affinity_timeout
         self._sync_matches(prog)
         for bid in old_ids - set(active) - terminating:
             self._unref(bid, front)
+
+    def _write_slots(
+        self, front: Frontend, prog: Programmed, old_active: list[int], affinity_timeout: int
+    ) -> None:
+        """Backend states, slots 1..n (those that changed), then the master entry."""
+        for bid in set(prog.active) | prog.terminating | set(old_active):
+            self._sync_backend_state(bid)
+        for slot, bid in enumerate(prog.active, start=1):
+            if prog.dirty or slot > len(old_active) or old_active[slot - 1] != bid:
+                self._update(
+                    self.maps.services, frontend_key(front, slot), Lb4Service(backend_id=bid)
+                )
+        flags = SVC_FLAG_ROUTABLE | (SVC_FLAG_AFFINITY if affinity_timeout else 0)
+        self._update(
+            self.maps.services,
+            frontend_key(front),
+            Lb4Service(
+                backend_id=affinity_timeout,
+                count=len(prog.active),
+                rev_nat_index=prog.rev_nat,
+                flags=flags,
+            ),
+        )
 
     def _delete_frontend(self, front: Frontend) -> None:
         prog = self.frontends.pop(front, None)
         if prog is None:
             return
         self.maps.services.delete(frontend_key(front))
-        for slot in range(1, len(prog.active) + 1):
+        for slot in range(1, max(len(prog.active), prog.slots_high) + 1):
             self.maps.services.delete(frontend_key(front, slot))
         self.maps.revnat.delete(_U16(prog.rev_nat))
         self._rev_nats.discard(prog.rev_nat)
