@@ -27,7 +27,6 @@ as ``make cluster-down`` and the test kit do) unpins them, which detaches them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pathlib
@@ -217,10 +216,19 @@ def attached(pin_dir: pathlib.Path) -> list[str]:
 
 def detach(pin_dir: pathlib.Path) -> list[str]:
     """Unpin (hence detach) every socket-LB link under ``pin_dir``; returns the programs
-    detached. The maps stay pinned."""
+    detached. The maps stay pinned. A pin that cannot be removed (no permission: not
+    root) is logged and left."""
     gone = []
     for name, _ in PROGRAMS:
-        with contextlib.suppress(FileNotFoundError):
-            link_pin(pin_dir, name).unlink()
-            gone.append(name)
+        pin = link_pin(pin_dir, name)
+        try:
+            pin.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning(
+                "cannot detach a socket-LB link", extra={"link": str(pin), "reason": str(exc)}
+            )
+            continue
+        gone.append(name)
     return gone
