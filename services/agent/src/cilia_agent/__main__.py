@@ -1,4 +1,5 @@
-"""``cilia-agent``: argument parsing only (serve, status, endpoint list, bpf policy|ipcache list)."""
+"""``cilia-agent``: argument parsing only (serve, status, endpoint list, bpf policy|ipcache list,
+service list)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def _build_parser() -> argparse.ArgumentParser:
         mp = bsub.add_parser(name, help=text)
         msub = mp.add_subparsers(dest="bpf_command", required=True)
         msub.add_parser("list", parents=[pins], help=f"list {text}")
+    service = sub.add_parser("service", help="load-balancer commands (root)")
+    ssub = service.add_subparsers(dest="service_command", required=True)
+    ssub.add_parser("list", parents=[pins], help="list Service frontends and their backends")
     return parser
 
 
@@ -100,6 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cli.bpf_policy_list(pin_dir, args.output)
             return cli.bpf_ipcache_list(pin_dir, args.output)
         except PinnedMapError as exc:
+            print(f"cilia-agent: {exc}", file=sys.stderr)
+            return 1
+    if args.command == "service":
+        from cilia_agent.datapath import DatapathError as MapError
+
+        try:
+            return cli.service_list(pathlib.Path(args.bpf_pin_dir), args.output)
+        except MapError as exc:
             print(f"cilia-agent: {exc}", file=sys.stderr)
             return 1
     socket = pathlib.Path(args.socket)

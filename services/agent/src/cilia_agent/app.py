@@ -10,6 +10,7 @@ Start (``Agent.start``):
    (ip_forward, iptables, host device); the node's networks;
 2. the eBPF owners (``enforcement``: programs compiled once, pinned maps, identity
    allocator, policy engine + streams, endpoint regeneration) unless ``--enable-bpf=false``;
+   the socket load balancer (``loadbalancer``) unless ``--kube-proxy-replacement=false``;
 3. Hubble over the owners' getters (``hubble/enrich.OwnerResolver``), its ring-buffer reader;
 4. the endpoint manager (``endpoint/``) with pool selection (``ipam/selection``) and
    regeneration as hooks; endpoints restored (IPs re-occupied; programs re-attached with
@@ -19,7 +20,7 @@ Start (``Agent.start``):
 6. gRPC sockets (agent, Hubble unix + TCP), metrics;
 7. the operator (``controlplane/``): one channel for the session (Register, demand,
    allocations), ResolvePool, identities and endpoint records, and the watch streams
-   (identities, policies, ipcache, nodes) — each a named task with reconnect backoff.
+   (identities, policies, ipcache, nodes, services), each a named task with backoff.
 
 Stop (SIGTERM/SIGINT) runs the started steps in reverse; the conflist (unless
 ``--cni-uninstall``), the host device, the pods' veths, programs, pinned maps and state files
@@ -37,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
-from cilia_agent import __version__
+from cilia_agent import __version__, loadbalancer
 from cilia_agent import enforcement as enforcement_owners
 from cilia_agent.api import serve_api
 from cilia_agent.cni.manager import CNIConfigManager, cni_config
@@ -130,6 +131,7 @@ class Agent:
         self._stopped = asyncio.Event()
         # set by start(), in order
         self.enforcement: Enforcement | None = None
+        self.lb: loadbalancer.LoadBalancer | None = None
         self.hubble: Hubble
         self.endpoints: EndpointManager
         self.cni: CNIConfigManager
@@ -189,6 +191,7 @@ class Agent:
                 "eBPF datapath disabled (--enable-bpf=false): pods are plumbed but get no "
                 "identity, no policy is enforced and Hubble records no flows"
             )
+        self.lb = await loadbalancer.start(cfg, self.executor, self.metrics.registry)
         self.routes = RouteSync(
             node_routes(cfg, nets.addresses, self.node.pod_cidrs), self.executor
         )
@@ -318,6 +321,7 @@ class Agent:
         ]
         if self.enforcement is not None:
             watches += enforcement_owners.watches(self.enforcement, api)
+        watches += loadbalancer.watches(self.lb, api)
         for name, open_stream, consume in watches:
             self._spawn(
                 f"watch-{name}",
@@ -409,6 +413,8 @@ class Agent:
         if self.enforcement is not None:
             self.metrics.scrape_hook.refresh = None
             self.enforcement.bpf.close()
+        if self.lb is not None:
+            self.lb.close()
         self._stopped.set()
         log.info("stopped")
 

@@ -298,3 +298,29 @@ def bpf_ipcache_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdou
     rows += [(str(e["prefix"]), str(e["identity"]), str(e["node_ip"]) or "-") for e in entries]
     _table(rows, out)
     return 0
+
+
+@quiet_on_broken_pipe
+def service_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
+    """Print the load balancer's frontends and backends from the pinned maps (upstream
+    ``cilium service list``): ID (rev-NAT index), frontend, type, backends with state.
+
+    Raises:
+        cilia_agent.loadbalancer.libbpf.LibbpfError: the maps cannot be opened (not root,
+            load balancer never started, wrong ``--bpf-pin-dir``).
+    """
+    from cilia_agent.loadbalancer.listing import read_frontends
+
+    rows = read_frontends(pin_dir)
+    if output == "json":
+        json.dump(rows, out, indent=2)
+        out.write("\n")
+        return 0
+    table = [("ID", "FRONTEND", "SERVICE TYPE", "BACKEND")]
+    for r in rows:
+        lines = [f"{i}) {b['address']} ({b['state']})" for i, b in enumerate(r["backends"], 1)]
+        head = (str(r["id"] or "-"), str(r["frontend"] or "-"), str(r["type"] or "-"))
+        table.append((*head, lines[0] if lines else "(none)"))
+        table += [("", "", "", line) for line in lines[1:]]
+    _table(table, out)
+    return 0

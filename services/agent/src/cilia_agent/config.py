@@ -32,6 +32,7 @@ PATH_FLAGS = (
     "bpf_dir",
     "bpf_pin_dir",
     "hubble_socket",
+    "cgroup_root",
 )
 
 _IFNAME = re.compile(r"^[A-Za-z0-9_.\-]{1,15}$")
@@ -315,6 +316,34 @@ class Config(BaseModel):
         gt=0,
         description="seconds an Add waits for the identity and policy streams to sync before answering UNAVAILABLE",
     )
+    kube_proxy_replacement: Literal["true", "false", "strict"] = Field(
+        default="true",
+        description="serve Services in eBPF instead of kube-proxy (upstream kube-proxy-replacement; the Deckhouse module runs it on; 'strict' is the older spelling of true): ClusterIPs and their ports from the operator's Service stream, load-balanced at connect/sendmsg by the socket-LB programs; false detaches them",
+    )
+    bpf_lb_sock: bool = Field(
+        default=True,
+        description="socket-level load balancing: cgroup v2 connect4/sendmsg4/recvmsg4/getpeername4 programs on --cgroup-root (upstream bpf-lb-sock); the only Service path built, so false leaves Services unserved",
+    )
+    bpf_lb_algorithm: Literal["random", "maglev"] = Field(
+        default="random",
+        description="backend selection (upstream bpf-lb-algorithm; the Deckhouse module fixes random); maglev is refused: not implemented",
+    )
+    bpf_lb_map_max: int = Field(
+        default=65536,
+        ge=16,
+        le=1 << 24,
+        description="entries of each load-balancer map: service slots (one per frontend plus one per active backend), backends, rev-NAT indexes, affinity (upstream bpf-lb-map-max)",
+    )
+    bpf_sock_rev_map_max: int = Field(
+        default=262144,
+        ge=16,
+        le=1 << 24,
+        description="entries of the socket reverse-translation map (LRU; one per socket and backend it reached) (upstream bpf-sock-rev-map-max)",
+    )
+    cgroup_root: pathlib.Path = Field(
+        default=pathlib.Path("/run/cilia/cgroupv2"),
+        description="cgroup v2 mount whose root cgroup the socket-LB programs attach to (upstream cgroup-root, there /run/cilium/cgroupv2); cgroup2 is mounted there when it is not",
+    )
 
     @field_validator("ipam_multi_pool_pre_allocation", mode="before")
     @classmethod
@@ -329,6 +358,7 @@ class Config(BaseModel):
         "enable_bpf",
         "cni_exclusive",
         "cni_uninstall",
+        "bpf_lb_sock",
         mode="before",
     )
     @classmethod
@@ -358,7 +388,9 @@ class Config(BaseModel):
             raise ValueError(f"{value!r} must be a plain file name ending in .conflist")
         return value
 
-    @field_validator("socket", "state_dir", "cni_conf_dir", "bpf_pin_dir", "cni_del_queue_dir")
+    @field_validator(
+        "socket", "state_dir", "cni_conf_dir", "bpf_pin_dir", "cni_del_queue_dir", "cgroup_root"
+    )
     @classmethod
     def _absolute(cls, value: pathlib.Path) -> pathlib.Path:
         return value.absolute()
@@ -433,6 +465,21 @@ class Config(BaseModel):
             self.hubble_tls_key_file,
             tuple(self.hubble_tls_client_ca_files),
         )
+
+    @field_validator("bpf_lb_algorithm")
+    @classmethod
+    def _lb_algorithm(cls, value: str) -> str:
+        if value == "maglev":
+            raise ValueError(
+                "maglev is not implemented: backends are chosen at random (the Deckhouse "
+                "module fixes bpf-lb-algorithm: random); use random"
+            )
+        return value
+
+    @property
+    def kube_proxy_replacement_enabled(self) -> bool:
+        """``--kube-proxy-replacement`` true or strict."""
+        return self.kube_proxy_replacement != "false"
 
     @property
     def operator_tls(self) -> ClientTLS | None:

@@ -519,7 +519,8 @@ def _operator_error(exc: grpc.aio.AioRpcError, message: str) -> OperatorUnavaila
 
 class OperatorAPI(OperatorConnection):
     """Unary calls and watch streams of IdentityService, EndpointService, PolicyService,
-    NodeService.WatchNodes and PodService.WatchPods over one channel.
+    NodeService.WatchNodes, PodService.WatchPods and ServiceService.WatchServices over one
+    channel.
 
     Args (keyword-only, see :class:`OperatorConnection`):
         address: operator ``host:port``.
@@ -537,6 +538,7 @@ class OperatorAPI(OperatorConnection):
         self.policies = cp_grpc.PolicyServiceStub(channel)  # type: ignore[no-untyped-call]
         self.nodes = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
         self.pods = cp_grpc.PodServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.services = cp_grpc.ServiceServiceStub(channel)  # type: ignore[no-untyped-call]
 
     async def allocate_identity(self, labels: list[str]) -> cp.Identity:
         """``IdentityService.Allocate`` for the (filtered, sorted) ``labels``.
@@ -629,6 +631,12 @@ class OperatorAPI(OperatorConnection):
     def watch_pods(self, node_name: str) -> AsyncIterable[cp.WatchPodsResponse]:
         """A new ``PodService.WatchPods`` stream of ``node_name``'s Pods (Kubernetes mode)."""
         return self.pods.WatchPods(cp.WatchPodsRequest(node_name=node_name))  # type: ignore[no-any-return]
+
+    def watch_services(self) -> AsyncIterable[cp.WatchServicesResponse]:
+        """A new ``ServiceService.WatchServices`` stream (every Service, then changes)."""
+        return self.services.WatchServices(  # type: ignore[no-any-return]
+            cp.WatchServicesRequest(node_name=self.node_name)
+        )
 
 
 T = TypeVar("T")

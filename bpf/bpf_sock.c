@@ -1,0 +1,286 @@
+/* Cilia socket load balancer: cgroup v2 sock_addr programs (upstream's socket-LB).
+ *
+ *   cil_sock4_connect      connect() of a TCP or UDP socket       (BPF_CGROUP_INET4_CONNECT)
+ *   cil_sock4_sendmsg      sendmsg()/sendto() of a UDP socket     (BPF_CGROUP_UDP4_SENDMSG)
+ *   cil_sock4_recvmsg      recvmsg()/recvfrom() of a UDP socket   (BPF_CGROUP_UDP4_RECVMSG)
+ *   cil_sock4_getpeername  getpeername()                          (BPF_CGROUP_INET4_GETPEERNAME)
+ *   cil_sock6_*            the same four for AF_INET6 sockets, IPv4-mapped destinations
+ *                          (::ffff:VIP) only: dual-stack sockets reach IPv4 Services too
+ *
+ * Forward (connect, sendmsg): the destination (VIP, port, protocol) is looked up in
+ * cilium_lb4_services_v2 (a hash map: O(1) in the number of Services). Not a Service:
+ * the call proceeds untouched (so with several programs attached to one cgroup, one per
+ * agent, a destination already rewritten by an earlier program passes the next one). A
+ * Service without active backends: the call fails with ECONNREFUSED, as a client sees it
+ * from upstream's per-packet path (ICMP port unreachable). Otherwise a backend is chosen
+ * at random among slots 1..count (upstream bpf-lb-algorithm=random; only active backends
+ * occupy slots, terminating ones stay in cilium_lb4_backends_v3 for the connections they
+ * have), or the one remembered for the client's network namespace with sessionAffinity
+ * ClientIP while it is younger than the timeout, still active and still in the Service
+ * (cilium_lb_affinity_match). The socket's destination becomes the backend before any
+ * packet exists, so no per-packet NAT or conntrack is needed; what the socket was sent
+ * to is remembered per (socket cookie, backend) in cilium_lb4_reverse_sk.
+ *
+ * Reverse (recvmsg, getpeername): a source that cilium_lb4_reverse_sk knows for this
+ * socket is shown as the VIP and Service port again (the application sees the peer it
+ * addressed), as long as the Service still exists with the same rev-NAT index.
+ */
+#include "lib/lb.h"
+
+BPF_TABLE_PINNED("hash", struct lb4_key, struct lb4_service, cilium_lb4_services_v2,
+		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_services_v2", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct lb4_backend, cilium_lb4_backends_v3, CILIA_LB_MAP_MAX,
+		 CILIA_PIN_DIR "/cilium_lb4_backends_v3", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u16, struct lb4_reverse_nat, cilium_lb4_reverse_nat,
+		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_reverse_nat", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("lru_hash", struct ipv4_revnat_tuple, struct ipv4_revnat_entry,
+		 cilium_lb4_reverse_sk, CILIA_LB_SOCK_REV_MAX, CILIA_PIN_DIR "/cilium_lb4_reverse_sk");
+BPF_TABLE_PINNED("lru_hash", struct lb4_affinity_key, struct lb_affinity_val, cilium_lb4_affinity,
+		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_affinity");
+BPF_TABLE_PINNED("hash", struct lb_affinity_match, __u8, cilium_lb_affinity_match,
+		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb_affinity_match", BPF_F_NO_PREALLOC);
+
+#define SYS_REJECT 0
+#define SYS_PROCEED 1
+#define NSEC_PER_SEC 1000000000ULL
+
+/* The backend remembered for this client (netns) and frontend, if still usable. */
+static __always_inline __u32 affinity_backend(const struct lb4_service *svc,
+					      struct lb4_affinity_key *akey, __u64 now)
+{
+	struct lb_affinity_val *val = cilium_lb4_affinity.lookup(akey);
+	struct lb_affinity_match match = {};
+	struct lb4_backend *backend;
+
+	if (!val)
+		return 0;
+	if (val->last_used + (__u64)svc->backend_id * NSEC_PER_SEC <= now)
+		goto stale;
+	match.backend_id = val->backend_id;
+	match.rev_nat_id = svc->rev_nat_index;
+	if (!cilium_lb_affinity_match.lookup(&match))
+		goto stale;
+	backend = cilium_lb4_backends_v3.lookup(&val->backend_id);
+	if (!backend || backend->flags != BE_STATE_ACTIVE)
+		goto stale;
+	return val->backend_id;
+stale:
+	cilium_lb4_affinity.delete(akey);
+	return 0;
+}
+
+/* The destination *address:*port (network order) of ctx's socket becomes a backend when it is
+ * a Service. 0: translated or not a Service (proceed); <0: -errno to fail the call with.
+ * The caller reads and writes the context's address fields (user_ip4 or user_ip6[3]: the
+ * verifier lets each attach type touch only its own family's). */
+static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *address,
+					  __be16 *port)
+{
+	struct lb4_key key = {};
+	struct lb4_service *svc, *slot;
+	struct lb4_backend *backend;
+	struct lb4_affinity_key akey = {};
+	struct ipv4_revnat_tuple rkey = {};
+	struct ipv4_revnat_entry rval = {};
+	__u32 backend_id = 0;
+	__u64 now = 0;
+	__u8 proto = ctx->protocol;
+
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return 0;
+	key.address = *address;
+	key.dport = *port;
+	key.proto = proto;
+	key.scope = LB_LOOKUP_SCOPE_EXT;
+	svc = cilium_lb4_services_v2.lookup(&key);
+	if (!svc)
+		return 0;
+	if (svc->count == 0)
+		return -ECONNREFUSED;
+	if (svc->flags & SVC_FLAG_AFFINITY) {
+		now = bpf_ktime_get_ns();
+		akey.client_cookie = bpf_get_netns_cookie(ctx);
+		akey.rev_nat_id = svc->rev_nat_index;
+		akey.netns = 1;
+		backend_id = affinity_backend(svc, &akey, now);
+	}
+	if (!backend_id) {
+		key.backend_slot = (bpf_get_prandom_u32() % svc->count) + 1;
+		slot = cilium_lb4_services_v2.lookup(&key);
+		if (!slot)
+			return 0; /* the Service is being rewritten: leave the call alone */
+		backend_id = slot->backend_id;
+	}
+	backend = cilium_lb4_backends_v3.lookup(&backend_id);
+	if (!backend)
+		return 0;
+	if (svc->flags & SVC_FLAG_AFFINITY) {
+		struct lb_affinity_val aval = {.last_used = now, .backend_id = backend_id};
+
+		cilium_lb4_affinity.update(&akey, &aval);
+	}
+	rkey.cookie = bpf_get_socket_cookie(ctx);
+	rkey.address = backend->address;
+	rkey.port = backend->port;
+	rval.address = key.address;
+	rval.port = key.dport;
+	rval.rev_nat_index = svc->rev_nat_index;
+	cilium_lb4_reverse_sk.update(&rkey, &rval);
+	*address = backend->address;
+	*port = backend->port;
+	return 0;
+}
+
+/* A source *address:*port that ctx's socket reached as a Service backend becomes the VIP
+ * and Service port again; returns 1 when it did. */
+static __always_inline int sock_xlate_rev(struct bpf_sock_addr *ctx, __be32 *address,
+					  __be16 *port)
+{
+	struct ipv4_revnat_tuple rkey = {};
+	struct ipv4_revnat_entry *rval;
+	struct lb4_key key = {};
+	struct lb4_service *svc;
+
+	rkey.cookie = bpf_get_socket_cookie(ctx);
+	rkey.address = *address;
+	rkey.port = *port;
+	rval = cilium_lb4_reverse_sk.lookup(&rkey);
+	if (!rval)
+		return 0;
+	key.address = rval->address;
+	key.dport = rval->port;
+	key.proto = ctx->protocol;
+	key.scope = LB_LOOKUP_SCOPE_EXT;
+	svc = cilium_lb4_services_v2.lookup(&key);
+	if (!svc || svc->rev_nat_index != rval->rev_nat_index) {
+		cilium_lb4_reverse_sk.delete(&rkey);
+		return 0;
+	}
+	*address = rval->address;
+	*port = rval->port;
+	return 1;
+}
+
+static __always_inline int verdict(int err)
+{
+	if (err < 0) {
+		bpf_set_retval(err);
+		return SYS_REJECT;
+	}
+	return SYS_PROCEED;
+}
+
+static __always_inline int sock4_fwd(struct bpf_sock_addr *ctx)
+{
+	__be32 address = ctx->user_ip4;
+	__be16 port = (__be16)ctx->user_port;
+	int err = sock_xlate_fwd(ctx, &address, &port);
+
+	if (err == 0 && (address != ctx->user_ip4 || port != (__be16)ctx->user_port)) {
+		ctx->user_ip4 = address;
+		ctx->user_port = port;
+	}
+	return verdict(err);
+}
+
+static __always_inline void sock4_rev(struct bpf_sock_addr *ctx)
+{
+	__be32 address = ctx->user_ip4;
+	__be16 port = (__be16)ctx->user_port;
+
+	if (sock_xlate_rev(ctx, &address, &port)) {
+		ctx->user_ip4 = address;
+		ctx->user_port = port;
+	}
+}
+
+/* IPv4-mapped IPv6 (::ffff:a.b.c.d): what a dual-stack AF_INET6 socket (Java's default, for
+ * one) uses for an IPv4 VIP. Only these are translated by the *6 programs. */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define V4_MAPPED_WORD 0xffff0000U
+#else
+#define V4_MAPPED_WORD 0x0000ffffU
+#endif
+
+static __always_inline int v4_mapped(struct bpf_sock_addr *ctx)
+{
+	return ctx->user_ip6[0] == 0 && ctx->user_ip6[1] == 0 &&
+	       ctx->user_ip6[2] == V4_MAPPED_WORD;
+}
+
+static __always_inline int sock6_fwd(struct bpf_sock_addr *ctx)
+{
+	__be32 address;
+	__be16 port;
+	int err;
+
+	if (!v4_mapped(ctx))
+		return SYS_PROCEED;
+	address = ctx->user_ip6[3];
+	port = (__be16)ctx->user_port;
+	err = sock_xlate_fwd(ctx, &address, &port);
+	if (err == 0 && (address != ctx->user_ip6[3] || port != (__be16)ctx->user_port)) {
+		ctx->user_ip6[3] = address;
+		ctx->user_port = port;
+	}
+	return verdict(err);
+}
+
+static __always_inline void sock6_rev(struct bpf_sock_addr *ctx)
+{
+	__be32 address;
+	__be16 port;
+
+	if (!v4_mapped(ctx))
+		return;
+	address = ctx->user_ip6[3];
+	port = (__be16)ctx->user_port;
+	if (sock_xlate_rev(ctx, &address, &port)) {
+		ctx->user_ip6[3] = address;
+		ctx->user_port = port;
+	}
+}
+
+int cil_sock4_connect(struct bpf_sock_addr *ctx)
+{
+	return sock4_fwd(ctx);
+}
+
+int cil_sock4_sendmsg(struct bpf_sock_addr *ctx)
+{
+	return sock4_fwd(ctx);
+}
+
+int cil_sock4_recvmsg(struct bpf_sock_addr *ctx)
+{
+	sock4_rev(ctx);
+	return SYS_PROCEED;
+}
+
+int cil_sock4_getpeername(struct bpf_sock_addr *ctx)
+{
+	sock4_rev(ctx);
+	return SYS_PROCEED;
+}
+
+int cil_sock6_connect(struct bpf_sock_addr *ctx)
+{
+	return sock6_fwd(ctx);
+}
+
+int cil_sock6_sendmsg(struct bpf_sock_addr *ctx)
+{
+	return sock6_fwd(ctx);
+}
+
+int cil_sock6_recvmsg(struct bpf_sock_addr *ctx)
+{
+	sock6_rev(ctx);
+	return SYS_PROCEED;
+}
+
+int cil_sock6_getpeername(struct bpf_sock_addr *ctx)
+{
+	sock6_rev(ctx);
+	return SYS_PROCEED;
+}

@@ -1,0 +1,120 @@
+/* Service load-balancing maps of the Cilia socket-LB (bpf_sock.c).
+ *
+ * Layouts follow upstream's IPv4 load-balancer maps (pkg/loadbalancer/maps,
+ * bpf/lib/lb.h), so a Cilium engineer reads them as the ones they know. They
+ * are mirrored in Python by the agent's loadbalancer/layout.py; change both
+ * together. Addresses and ports are in network byte order.
+ *
+ * Build-time options (the agent passes -D, with these defaults):
+ *   CILIA_PIN_DIR          "/sys/fs/bpf/cilia"  where the maps are pinned
+ *   CILIA_LB_MAP_MAX       65536                services/backends/rev-NAT/affinity
+ *                                               entries (upstream --bpf-lb-map-max)
+ *   CILIA_LB_SOCK_REV_MAX  262144               socket reverse-translation entries,
+ *                                               LRU (upstream --bpf-sock-rev-map-max)
+ */
+#ifndef CILIA_LB_H
+#define CILIA_LB_H
+
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/in.h>
+
+#ifndef CILIA_PIN_DIR
+#define CILIA_PIN_DIR "/sys/fs/bpf/cilia"
+#endif
+#ifndef CILIA_LB_MAP_MAX
+#define CILIA_LB_MAP_MAX 65536
+#endif
+#ifndef CILIA_LB_SOCK_REV_MAX
+#define CILIA_LB_SOCK_REV_MAX 262144
+#endif
+
+/* Lookup scopes of the service key (upstream LB_LOOKUP_SCOPE_*). */
+#define LB_LOOKUP_SCOPE_EXT 0
+#define LB_LOOKUP_SCOPE_INT 1
+
+/* Service flags (upstream enum: SVC_FLAG_*). */
+#define SVC_FLAG_AFFINITY (1 << 4) /* sessionAffinity ClientIP */
+#define SVC_FLAG_ROUTABLE (1 << 6) /* a ClusterIP or other VIP that is not HostPort */
+
+/* Backend states in lb4_backend.flags (upstream BE_STATE_*). */
+#define BE_STATE_ACTIVE 0
+#define BE_STATE_TERMINATING 1
+
+/* Service key: slot 0 is the master entry, 1..count the backends. */
+struct lb4_key {
+	__be32 address;
+	__be16 dport;
+	__u16 backend_slot;
+	__u8 proto; /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 scope;
+	__u8 pad[2];
+};
+
+struct lb4_service {
+	/* Slots 1..count: the backend. Slot 0: the ClientIP affinity timeout in
+	 * seconds (upstream's union of backend_id and affinity_timeout). */
+	__u32 backend_id;
+	__u16 count; /* active backends in slots 1..count (slot 0 only) */
+	__u16 rev_nat_index;
+	__u8 flags;
+	__u8 flags2;
+	__u16 qcount;
+};
+
+struct lb4_backend {
+	__be32 address;
+	__be16 port;
+	__u8 proto;
+	__u8 flags; /* BE_STATE_* */
+	__u16 cluster_id;
+	__u8 zone;
+	__u8 pad;
+};
+
+struct lb4_reverse_nat {
+	__be32 address;
+	__be16 port;
+	__u16 pad;
+};
+
+/* Socket reverse translation: what a socket was sent to, per backend it reached. */
+struct ipv4_revnat_tuple {
+	__u64 cookie; /* socket cookie */
+	__be32 address; /* backend */
+	__be16 port;
+	__u16 pad;
+};
+
+struct ipv4_revnat_entry {
+	__be32 address; /* service VIP */
+	__be16 port;
+	__u16 rev_nat_index;
+};
+
+/* ClientIP affinity. Socket-LB has no client address at connect() time (the socket
+ * is not bound yet), so the client is its network namespace: one pod = one netns =
+ * one pod IP, the host = the node's address (upstream keys socket-LB affinity by
+ * netns cookie the same way). */
+struct lb4_affinity_key {
+	__u64 client_cookie; /* netns cookie */
+	__u16 rev_nat_id;
+	__u8 netns; /* 1: client_cookie is a netns cookie */
+	__u8 pad1;
+	__u32 pad2;
+};
+
+struct lb_affinity_val {
+	__u64 last_used; /* bpf_ktime_get_ns() */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+/* Which backends belong to which frontend, for affinity checks (upstream
+ * cilium_lb_affinity_match): present = backend_id is active in rev_nat_id. */
+struct lb_affinity_match {
+	__u32 backend_id;
+	__u16 rev_nat_id;
+	__u16 pad;
+};
+
+#endif /* CILIA_LB_H */

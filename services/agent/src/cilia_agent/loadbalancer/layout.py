@@ -1,0 +1,161 @@
+"""ctypes mirrors of the load-balancer maps in ``bpf/lib/lb.h`` (upstream's IPv4 layouts).
+
+Addresses and ports are stored in network byte order: fill them with
+:func:`cilia_agent.datapath.layout.ip_to_map` / ``port_to_map``. Every structure has the
+size the C side has (checked by the packet tests in ``bpf/tests``).
+
+Map names and pins (under ``--bpf-pin-dir``) are upstream's:
+
+==============================  ==========================================  ==============
+map                             key -> value                                kind
+==============================  ==========================================  ==============
+``cilium_lb4_services_v2``      :class:`Lb4Key` -> :class:`Lb4Service`     hash
+``cilium_lb4_backends_v3``      ``u32 backend_id`` -> :class:`Lb4Backend`  hash
+``cilium_lb4_reverse_nat``      ``u16 rev_nat_index`` -> :class:`Lb4ReverseNat`  hash
+``cilium_lb4_reverse_sk``       :class:`RevNatTuple` -> :class:`RevNatEntry`  LRU hash
+``cilium_lb4_affinity``         :class:`AffinityKey` -> :class:`AffinityValue`  LRU hash
+``cilium_lb_affinity_match``    :class:`AffinityMatch` -> ``u8``            hash
+==============================  ==========================================  ==============
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+SERVICES_MAP = "cilium_lb4_services_v2"
+BACKENDS_MAP = "cilium_lb4_backends_v3"
+REVNAT_MAP = "cilium_lb4_reverse_nat"
+REVERSE_SK_MAP = "cilium_lb4_reverse_sk"
+AFFINITY_MAP = "cilium_lb4_affinity"
+AFFINITY_MATCH_MAP = "cilium_lb_affinity_match"
+MAPS = (SERVICES_MAP, BACKENDS_MAP, REVNAT_MAP, REVERSE_SK_MAP, AFFINITY_MAP, AFFINITY_MATCH_MAP)
+
+LB_LOOKUP_SCOPE_EXT = 0
+SVC_FLAG_AFFINITY = 1 << 4
+SVC_FLAG_ROUTABLE = 1 << 6
+BE_STATE_ACTIVE = 0
+BE_STATE_TERMINATING = 1
+BACKEND_STATE_TEXT = {BE_STATE_ACTIVE: "active", BE_STATE_TERMINATING: "terminating"}
+
+IPPROTO_TCP = 6
+IPPROTO_UDP = 17
+PROTOCOLS = {"TCP": IPPROTO_TCP, "UDP": IPPROTO_UDP}
+PROTOCOL_TEXT = {v: k for k, v in PROTOCOLS.items()}
+
+
+class Lb4Key(ctypes.Structure):
+    """``struct lb4_key``: VIP, port (network order), slot (0 = master), protocol, scope."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint32),
+        ("dport", ctypes.c_uint16),
+        ("backend_slot", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("scope", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 2),
+    ]
+
+
+class Lb4Service(ctypes.Structure):
+    """``struct lb4_service``: slot 0 holds the affinity timeout (s) in ``backend_id``, the
+    active backend ``count`` and the flags; slots 1..count hold a ``backend_id``."""
+
+    _fields_ = [
+        ("backend_id", ctypes.c_uint32),
+        ("count", ctypes.c_uint16),
+        ("rev_nat_index", ctypes.c_uint16),
+        ("flags", ctypes.c_uint8),
+        ("flags2", ctypes.c_uint8),
+        ("qcount", ctypes.c_uint16),
+    ]
+
+
+class Lb4Backend(ctypes.Structure):
+    """``struct lb4_backend``: address and port (network order), protocol, ``BE_STATE_*``."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint32),
+        ("port", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
+        ("cluster_id", ctypes.c_uint16),
+        ("zone", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+class Lb4ReverseNat(ctypes.Structure):
+    """``struct lb4_reverse_nat``: the VIP and port a rev-NAT index stands for."""
+
+    _fields_ = [("address", ctypes.c_uint32), ("port", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
+
+
+class RevNatTuple(ctypes.Structure):
+    """``struct ipv4_revnat_tuple``: socket cookie and the backend it reached."""
+
+    _fields_ = [
+        ("cookie", ctypes.c_uint64),
+        ("address", ctypes.c_uint32),
+        ("port", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class RevNatEntry(ctypes.Structure):
+    """``struct ipv4_revnat_entry``: the VIP and port the socket addressed."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint32),
+        ("port", ctypes.c_uint16),
+        ("rev_nat_index", ctypes.c_uint16),
+    ]
+
+
+class AffinityKey(ctypes.Structure):
+    """``struct lb4_affinity_key``: client network namespace cookie and frontend."""
+
+    _fields_ = [
+        ("client_cookie", ctypes.c_uint64),
+        ("rev_nat_id", ctypes.c_uint16),
+        ("netns", ctypes.c_uint8),
+        ("pad1", ctypes.c_uint8),
+        ("pad2", ctypes.c_uint32),
+    ]
+
+
+class AffinityValue(ctypes.Structure):
+    """``struct lb_affinity_val``: last use (``bpf_ktime_get_ns``) and the backend."""
+
+    _fields_ = [
+        ("last_used", ctypes.c_uint64),
+        ("backend_id", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class AffinityMatch(ctypes.Structure):
+    """``struct lb_affinity_match``: present = the backend is active in that frontend."""
+
+    _fields_ = [
+        ("backend_id", ctypes.c_uint32),
+        ("rev_nat_id", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+MAP_LAYOUTS: dict[
+    str,
+    tuple[
+        type[ctypes.Structure] | type[ctypes._SimpleCData[Any]],
+        type[ctypes.Structure] | type[ctypes._SimpleCData[Any]],
+    ],
+] = {
+    SERVICES_MAP: (Lb4Key, Lb4Service),
+    BACKENDS_MAP: (ctypes.c_uint32, Lb4Backend),
+    REVNAT_MAP: (ctypes.c_uint16, Lb4ReverseNat),
+    REVERSE_SK_MAP: (RevNatTuple, RevNatEntry),
+    AFFINITY_MAP: (AffinityKey, AffinityValue),
+    AFFINITY_MATCH_MAP: (AffinityMatch, ctypes.c_uint8),
+}
+"""Map name in ``bpf/bpf_sock.c`` → (key, value) mirrors (checked against the BTF)."""

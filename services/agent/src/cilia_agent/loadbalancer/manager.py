@@ -1,0 +1,124 @@
+"""The agent's load balancer (upstream's kube-proxy replacement), built once at start.
+
+:func:`start`:
+
+* ``--kube-proxy-replacement=false`` or ``--bpf-lb-sock=false``: socket-LB links left by an
+  earlier run are detached (so a node moved back to kube-proxy is not served twice);
+  nothing else is built;
+* otherwise: bpffs checked (mounted on /sys/fs/bpf if needed), the socket-LB attached or
+  its programs swapped in place (``socklb``), the pinned maps opened and read back
+  (``maps.ServiceMapWriter.restore``: rev-NAT indexes and backend ids kept), and the
+  Service watcher built. Its stream (``ServiceService.WatchServices``) is one of the
+  agent's operator watches (:func:`watches`).
+
+Without an operator nothing feeds the maps: the restored entries keep being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from cilia.controlplane.v1 import controlplane_pb2 as cp
+from cilia_agent.config import Config
+from cilia_agent.datapath.bpffs import ensure_bpffs
+from cilia_agent.datapath.loader import default_bpf_dir
+from cilia_agent.loadbalancer import socklb
+from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
+from cilia_agent.loadbalancer.watcher import ServiceMetrics, ServiceWatcher
+
+log = logging.getLogger(__name__)
+
+
+class ServiceStreams(Protocol):
+    """Where the Service stream comes from (``controlplane.OperatorAPI``)."""
+
+    def watch_services(self) -> AsyncIterable[cp.WatchServicesResponse]:
+        """A new ``WatchServices`` stream."""
+        ...
+
+
+@dataclass
+class LoadBalancer:
+    """The running load balancer: the pinned maps, their writer and the Service watcher."""
+
+    maps: LBMaps
+    writer: ServiceMapWriter
+    watcher: ServiceWatcher
+
+    def close(self) -> None:
+        """Close the map fds; the programs, links and maps stay (Services keep working)."""
+        self.maps.close()
+
+
+def sock_config(cfg: Config) -> socklb.SockConfig:
+    """The socket-LB options of ``cfg``."""
+    return socklb.SockConfig(
+        bpf_dir=cfg.bpf_dir or default_bpf_dir(),
+        pin_dir=cfg.bpf_pin_dir,
+        cgroup_root=cfg.cgroup_root,
+        lb_map_max=cfg.bpf_lb_map_max,
+        sock_rev_map_max=cfg.bpf_sock_rev_map_max,
+    )
+
+
+def _build(cfg: Config) -> tuple[dict[str, str], LBMaps, ServiceMapWriter, int]:
+    ensure_bpffs(cfg.bpf_pin_dir)
+    outcome = socklb.attach(sock_config(cfg))
+    maps = LBMaps(cfg.bpf_pin_dir)
+    writer = ServiceMapWriter(maps, cfg.bpf_lb_map_max)
+    restored = writer.restore()
+    return outcome, maps, writer, restored
+
+
+async def start(
+    cfg: Config, executor: Executor, registry: CollectorRegistry
+) -> LoadBalancer | None:
+    """Build the load balancer per ``cfg`` (see the module docstring); None when disabled.
+
+    Raises:
+        SocketLBUnavailable: bcc, the cgroup2 mount, compilation or attachment failed.
+        BpffsUnavailable: the pin dir is not on bpffs and cannot be.
+        LibbpfError: the pinned maps cannot be opened.
+    """
+    loop = asyncio.get_running_loop()
+    if not (cfg.enable_bpf and cfg.kube_proxy_replacement_enabled and cfg.bpf_lb_sock):
+        gone = await loop.run_in_executor(executor, socklb.detach, cfg.bpf_pin_dir)
+        log.warning(
+            "Services are not load-balanced by this agent",
+            extra={
+                "kube_proxy_replacement": cfg.kube_proxy_replacement,
+                "bpf_lb_sock": cfg.bpf_lb_sock,
+                "enable_bpf": cfg.enable_bpf,
+                "detached": gone,
+            },
+        )
+        return None
+    outcome, maps, writer, restored = await loop.run_in_executor(executor, _build, cfg)
+    log.info(
+        "socket load balancer ready",
+        extra={
+            "cgroup_root": str(cfg.cgroup_root),
+            "programs": outcome,
+            "restored_frontends": restored,
+            "algorithm": cfg.bpf_lb_algorithm,
+        },
+    )
+    return LoadBalancer(maps, writer, ServiceWatcher(writer, ServiceMetrics(registry)))
+
+
+Watch = tuple[
+    str, Callable[[], AsyncIterable[Any]], Callable[[AsyncIterable[Any]], Awaitable[bool]]
+]
+"""``(name, open_stream, consume)`` of one operator watch stream, for ``run_watch``."""
+
+
+def watches(lb: LoadBalancer | None, api: ServiceStreams) -> list[Watch]:
+    """The Service stream feeding ``lb`` (none when the load balancer is off)."""
+    return [] if lb is None else [("services", api.watch_services, lb.watcher.consume)]
