@@ -1,16 +1,18 @@
 """Traffic from inside a pod: ``python -m cilia_testkit.probe serve|check|ping`` (standard
 library only; run it in the pod's netns with ``ip netns exec POD``).
 
-- ``serve --name N --port P [--port P …]``: a TCP server per port. Each connection gets the
-  line ``hello from N port P``; then everything the client sends is read until it shuts its
-  side down, and answered with ``received <bytes> <sha256 hex>``. Prints ``listening`` once
-  every port is bound.
+- ``serve --name N --port P [--port P …]``: a TCP and a UDP server per port. Each TCP
+  connection gets the line ``hello from N port P``; then everything the client sends is read
+  until it shuts its side down, and answered with ``received <bytes> <sha256 hex>``. Each
+  UDP datagram is answered with the greeting line. Prints ``listening`` once every port is
+  bound.
 - ``check [--timeout S] [--payload BYTES] TARGET…``: one JSON line per target, in order:
   ``{"target": …, "ok": bool, "detail": …, "ms": float}``. ``icmp:IP`` sends up to
   :data:`ICMP_TRIES` echo requests (raw socket, root) and succeeds on the first reply;
   ``tcp:IP:PORT`` connects, reads the greeting, sends ``--payload`` bytes (0 by default) and
   checks the byte count and digest the server reports (so a success proves both directions
-  and, with a full-size payload, that full-size segments pass).
+  and, with a full-size payload, that full-size segments pass); ``udp:IP:PORT`` sends one
+  datagram and reports the greeting and the reply's source (``… (reply from IP:PORT)``).
 - ``ping --interval S IP``: echo requests every ``S`` seconds until SIGTERM/SIGINT; then
   waits :data:`PING_DRAIN_SECONDS` for outstanding replies and prints one JSON line
   ``{"sent": n, "received": n, "lost": [seq, …]}``. Prints ``started`` after the first send.
@@ -133,6 +135,30 @@ def tcp_check(address: str, port: int, timeout: float, payload: int) -> tuple[bo
     return True, hello
 
 
+def udp_check(address: str, port: int, timeout: float) -> tuple[bool, str]:
+    """Send one datagram and wait for the server's answer; (ok, ``"<greeting> (reply from
+    IP:PORT)"``): the source of the reply as the socket saw it (with socket-level load
+    balancing, the Service's VIP, not the backend)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.sendto(b"hello?", (address, port))
+            data, (source, sport) = sock.recvfrom(65535)
+        except OSError as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+    hello = data.decode(errors="replace").strip()
+    if not hello.startswith("hello from"):
+        return False, f"unexpected answer {hello!r}"
+    return True, f"{hello} (reply from {source}:{sport})"
+
+
+def _serve_udp(srv: socket.socket, name: str, port: int) -> None:
+    while True:
+        _, peer = srv.recvfrom(65535)
+        with contextlib.suppress(OSError):
+            srv.sendto(f"{greeting(name, port)}\n".encode(), peer)
+
+
 def _serve_one(conn: socket.socket, name: str, port: int) -> None:
     with conn:
         conn.sendall(f"{greeting(name, port)}\n".encode())
@@ -158,6 +184,9 @@ def serve(name: str, ports: Sequence[int]) -> None:
         srv.bind(("0.0.0.0", port))
         srv.listen(128)
         threading.Thread(target=accept, args=(srv, port), daemon=True).start()
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind(("0.0.0.0", port))
+        threading.Thread(target=_serve_udp, args=(udp, name, port), daemon=True).start()
     print("listening", flush=True)
     threading.Event().wait()
 
@@ -226,8 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif kind == "tcp":
             host, _, port = rest.rpartition(":")
             ok, detail = tcp_check(host, int(port), args.timeout, args.payload)
+        elif kind == "udp":
+            host, _, port = rest.rpartition(":")
+            ok, detail = udp_check(host, int(port), args.timeout)
         else:
-            parser.error(f"target {target!r}: not icmp:IP or tcp:IP:PORT")
+            parser.error(f"target {target!r}: not icmp:IP, tcp:IP:PORT or udp:IP:PORT")
         ms = round((time.monotonic() - start) * 1000, 1)
         print(json.dumps({"target": target, "ok": ok, "detail": detail, "ms": ms}), flush=True)
     return 0
