@@ -7,7 +7,8 @@ modules and the pure-Python modules the plugin imports; it needs the host's glib
 newer for a bundle built on Debian 12). Layout of a bundle::
 
     <bundle>/cilia-cni            the executable (PyInstaller's bootloader + the plugin)
-    <bundle>/.cilia-cni/          libpython3.11.so, extension modules, base_library.zip
+    <bundle>/.cilia-cni/          libpython3.11.so, extension modules, base_library.zip,
+                                  cilia-cni.version (the plugin's version, one line)
 
 ``cilia-cni-install`` (deploy/images/cni-install.sh) copies a bundle onto a host and points
 ``/opt/cni/bin/cilia-cni`` at its executable (services/cni/README.md "Frozen binary").
@@ -71,6 +72,8 @@ FROZEN_DISTRIBUTIONS = (
     "pyinstaller",
     "pyinstaller-hooks-contrib",
 )
+#: The plugin's version, written into the support directory for cilia-cni-install.
+VERSION_FILE = "cilia-cni.version"
 DEFAULT_PRUNE_DAYS = 14
 #: Seconds the PyInstaller run may take (measured 8-20 s on 2 busy cores).
 DEFAULT_BUILD_TIMEOUT_SECONDS = 900.0
@@ -195,6 +198,9 @@ def build(target: Path, timeout: float = DEFAULT_BUILD_TIMEOUT_SECONDS) -> Path:
         if res.returncode != 0:
             raise FreezeError(f"PyInstaller failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
         built = work / "dist" / NAME
+        (built / CONTENTS_DIR / VERSION_FILE).write_text(
+            importlib.metadata.version("cilia-cni") + "\n"
+        )
         smoke_test(built / NAME)
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
