@@ -17,10 +17,17 @@ Why onedir and these options (measured, services/cni/README.md "Frozen binary"):
 
 - onefile unpacks its whole archive into a temporary directory on every exec: VERSION took
   379 ms against 27 ms for onedir on the same host, so a runtime would pay it per pod;
-- ``inspect``, ``multiprocessing`` and ``pkgutil`` are excluded: the plugin never imports
-  them at run time (they are reachable only through modules' unused code paths), but when
-  they are in the bundle PyInstaller's runtime hooks import them at every start-up
-  (VERSION 73 ms with them, 27 ms without).
+- ``inspect``, ``multiprocessing``, ``pkgutil`` and ``ctypes`` are excluded: the plugin
+  never imports them at run time (they are reachable only through modules' unused code
+  paths), but when they are in the bundle PyInstaller's runtime hooks (and its bootstrap,
+  for ctypes) import them at every start-up (VERSION 73 ms with the first three, 27 ms
+  without);
+- the plugin's packages and the libraries on its ADD path (``cilia_cni``, ``cilia``,
+  ``google.protobuf``, ``google.rpc``, ``hpack``, ``hyperframe``) are collected as ``.pyc``
+  files (``hooks/``: ``module_collection_mode = "pyc"``) rather than into the compressed
+  PYZ archive: the interpreter's path finder loads them without PyInstaller's pure-Python
+  importer decompressing each one (an ADD's CPU ~100 -> ~88 ms on a loaded host, the
+  venv launcher's 87).
 
 Cache: ``${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cni-bin/<cilia-cni version>-pyinstaller<version>-
 <16 hex>/cilia-cni/``, the hex a sha256 over every input (this file, entry.py, the plugin's
@@ -57,9 +64,9 @@ CNI_ROOT = HERE.parent
 #: Name of the executable and of its support directory's dot-name (``.cilia-cni``).
 NAME = "cilia-cni"
 CONTENTS_DIR = f".{NAME}"
-#: Modules left out of the bundle (see the module docstring: their runtime hooks cost 46 ms
-#: per exec and the plugin never imports them).
-EXCLUDED_MODULES = ("inspect", "multiprocessing", "pkgutil")
+#: Modules left out of the bundle (see the module docstring: PyInstaller's start-up imports
+#: them when they are bundled, and the plugin itself never imports them).
+EXCLUDED_MODULES = ("inspect", "multiprocessing", "pkgutil", "ctypes")
 #: Distributions whose version decides the bundle's content (cilia-api is hashed by content
 #: too: its generated modules change without a version bump).
 FROZEN_DISTRIBUTIONS = (
@@ -110,8 +117,7 @@ def input_digest() -> str:
     """
     h = hashlib.sha256()
     h.update(f"{sys.version}\0{sys.platform}\0{platform.machine()}\0".encode())
-    for path in sorted(HERE.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    _hash_tree(h, HERE)
     _hash_tree(h, CNI_ROOT / "src")
     for dist in FROZEN_DISTRIBUTIONS:
         try:
@@ -185,6 +191,7 @@ def build(target: Path, timeout: float = DEFAULT_BUILD_TIMEOUT_SECONDS) -> Path:
             "--specpath",
             str(work),
         ]
+        cmd += ["--additional-hooks-dir", str(HERE / "hooks")]
         for module in EXCLUDED_MODULES:
             cmd += ["--exclude-module", module]
         cmd.append(str(HERE / "entry.py"))
