@@ -9,6 +9,10 @@ set. While one ADD runs (held at its stdin read), ``/proc/<pid>/exe`` and ``/pro
 show that the process is the bundle's executable and that it maps no file from a Python
 installation (no ``.venv``, pyenv, ``/usr/lib/python3*`` or ``/usr/bin/python*``): only the
 bundle's own libpython and modules and the system's C libraries.
+
+Last, a root filesystem with nothing but the bundle and the C libraries it links (no
+``python3``, no ``sh``, no libpython but the bundle's) runs it through ``chroot``: VERSION,
+a spec error, and ADD + DEL against the real agent, whose socket is hard-linked into it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import time
 from typing import Any
@@ -209,3 +215,69 @@ def _maps_once_loaded(pid: int) -> str:
             return pathlib.Path(f"/proc/{pid}/maps").read_text()
         time.sleep(0.01)
     raise AssertionError(f"the plugin never blocked reading stdin: syscall {syscall}")
+
+
+def _c_libraries(bundle: pathlib.Path) -> set[str]:
+    """Host libraries (absolute paths) the bundle needs: everything the executable (the
+    bootloader, loaded before the support directory is on any search path) links, and what the
+    bundle's shared objects link that the bundle does not carry: glibc, its loader and zlib."""
+    carried = {p.name for p in bundle.rglob("*.so*")}
+    found: set[str] = set()
+    for obj in [bundle / "cilia-cni", *bundle.rglob("*.so*")]:
+        out = subprocess.run(["ldd", str(obj)], capture_output=True, text=True).stdout
+        for path in re.findall(r"(/\S+) \(0x", out):
+            if obj.name == "cilia-cni" or pathlib.Path(path).name not in carried:
+                found.add(path)
+    return found
+
+
+def test_runs_in_a_root_filesystem_without_python(
+    bundle: pathlib.Path, real_agent: RealAgent, netns: Netns, short_tmp: str
+) -> None:
+    root = pathlib.Path(short_tmp) / "root"
+    shutil.copytree(bundle, root / "cilia-cni", symlinks=True)
+    for lib in _c_libraries(bundle):
+        dest = root / lib.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.realpath(lib), dest)
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert not [p for p in files if re.fullmatch(r"python3?(\.\d+)?|sh|bash|dash", p.name)]
+    assert [p for p in files if p.name.startswith("libpython3")] == [
+        root / "cilia-cni" / ".cilia-cni" / "libpython3.11.so.1.0"
+    ]
+    socket = pathlib.Path(real_agent.socket)
+    (root / socket.parent.relative_to("/")).mkdir(parents=True)
+    os.link(socket, root / socket.relative_to("/"))  # same inode: connect() reaches the agent
+
+    chroot = shutil.which("chroot") or "/usr/sbin/chroot"  # coreutils
+
+    def run(env: dict[str, str], stdin: bytes) -> tuple[int, dict[str, Any]]:
+        proc = subprocess.run(
+            [chroot, str(root), "/cilia-cni/cilia-cni"],
+            env=env,
+            input=stdin,
+            capture_output=True,
+            timeout=EXEC_TIMEOUT_SECONDS,
+            check=False,
+        )
+        assert b"Traceback" not in proc.stdout + proc.stderr, proc
+        return proc.returncode, (json.loads(proc.stdout) if proc.stdout.strip() else {})
+
+    rc, out = run(_env("VERSION"), b'{"cniVersion": "1.1.0"}')
+    assert (rc, out["cniVersion"]) == (0, "1.1.0"), out
+    rc, out = run(_env("ADD", CNI_CONTAINERID="c", CNI_NETNS="/n", CNI_IFNAME="eth0"), b"[]")
+    _spec_error(6, out, rc, "object")
+
+    ns = netns.add()
+    cni = {"CNI_CONTAINERID": "frozen-chroot", "CNI_NETNS": ns, "CNI_IFNAME": "eth0"}
+    # the agent's log-file (if its conflist names one) would be written inside the root
+    conf = json.loads(_netconf(real_agent))
+    conf.pop("log-file", None)
+    rc, result = run(_env("ADD", CNI_PATH="/cilia-cni", **cni), json.dumps(conf).encode())
+    assert rc == 0, result
+    assert result["interfaces"][result["ips"][0]["interface"]]["sandbox"] == ns, result
+    assert [(c, i) for c, i, _ in real_agent.endpoints()] == [("frozen-chroot", "eth0")]
+    conf["prevResult"] = result
+    rc, out = run(_env("DEL", CNI_PATH="/cilia-cni", **cni), json.dumps(conf).encode())
+    assert (rc, out) == (0, {})
+    assert real_agent.endpoints() == []
