@@ -4,7 +4,8 @@ The plugin stays Python; PyInstaller (pinned in constraints.txt) freezes it in *
 mode: one executable plus its support directory, which a host runs without any
 interpreter, library or package of its own (the bundle carries libpython, the extension
 modules and the pure-Python modules the plugin imports; it needs the host's glibc, 2.36 or
-newer for a bundle built on Debian 12). Layout of a bundle::
+newer for a bundle built on Debian 12, and ``libz.so.1``, which the bootloader links).
+Layout of a bundle::
 
     <bundle>/cilia-cni            the executable (PyInstaller's bootloader + the plugin)
     <bundle>/.cilia-cni/          libpython3.11.so, extension modules, the modules' .pyc,
