@@ -460,13 +460,16 @@ def _context_files(service: str, dockerfile: Path) -> Iterator[tuple[Path, str]]
 def frozen_cni_bundle() -> Path:
     """The self-contained ``cilia-cni`` bundle (PyInstaller onedir: ``cilia-cni`` and
     ``.cilia-cni/``) the cni image ships and ``cilia-cni-install`` puts on hosts; built by
-    ``services/cni/freeze/build.py`` (cached by its inputs) with this interpreter.
+    ``services/cni/freeze/build.py`` (cached by its inputs) with the project's ``.venv``
+    interpreter, which has PyInstaller and the plugin (the images tox env has neither).
 
     Raises:
         ImageBuildError: the bundle could not be built (the build's reason).
     """
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    python = str(venv_python) if venv_python.exists() else sys.executable
     res = subprocess.run(
-        [sys.executable, str(ROOT / "services" / "cni" / "freeze" / "build.py")],
+        [python, str(ROOT / "services" / "cni" / "freeze" / "build.py")],
         capture_output=True,
         text=True,
         check=False,
