@@ -13,9 +13,15 @@ Baseline: Debian's reference ``bridge`` + ``host-local`` plugins from ``--refere
 ``--reference-subnet``. Also measured: ``cilia-cni`` VERSION (interpreter start + imports,
 no agent round trip), the floor under any ADD.
 
-``--compare-cni PATH`` adds a third plugin set in the same run: another build of
-cilia-cni (e.g. an older checkout's, through a small launcher) against the same stack, so
-a change is measured before/after under the same load.
+Plugin sets, all against the same stack in the same run:
+
+- ``cilia-cni``: the venv launcher (``.venv/bin/cilia-cni``: sh + the venv's python3);
+- ``frozen``: the self-contained build (services/cni/freeze: PyInstaller onedir bundle, no
+  Python needed on the host), installed by ``deploy/images/cni-install.sh`` into a temporary
+  ``/opt/cni``-like tree and exec'd through the wrapper it writes, as a host runs it
+  (``--frozen-cni PATH`` to measure another executable, ``--no-frozen`` to skip it);
+- ``--compare-cni PATH``: another build of cilia-cni (e.g. an older checkout's, through a
+  small launcher), so a change is measured before/after under the same load.
 
 The cilia stack is private by default (redis, operator, agent, relay of this checkout on
 free ports, pods from ``--pool-cidr``; see ``bench.datapath.private_stack``).
@@ -36,6 +42,7 @@ import pathlib
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +62,8 @@ DEFAULT_CONCURRENCY = "1,10"
 #: Pod CIDR of the private stack (the datapath/flows benches use 10.253.0.0/16).
 DEFAULT_POOL_CIDR = "10.237.0.0/16"
 REFERENCE_BRIDGE = "cbench0"
+FREEZE_BUILDER = ROOT / "services" / "cni" / "freeze" / "build.py"
+CNI_INSTALLER = ROOT / "deploy" / "images" / "cni-install.sh"
 NETNS_PREFIX = "cilia-bench-cni-"
 
 
@@ -229,8 +238,34 @@ def breakdown(data: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def bench_version(args: argparse.Namespace) -> list[float]:
-    """Timed ``cilia-cni`` VERSION execs (no agent involved)."""
+def install_frozen(dest: pathlib.Path) -> pathlib.Path:
+    """Build (or take from the cache) the frozen bundle and install it under ``dest`` with
+    ``cilia-cni-install`` as a host gets it; return the installed ``<dest>/bin/cilia-cni``.
+
+    Raises:
+        BenchError: the bundle could not be built or installed.
+    """
+    res = subprocess.run(
+        [str(VENV_BIN / "python"), str(FREEZE_BUILDER)], capture_output=True, text=True
+    )
+    if res.returncode != 0:
+        raise BenchError(f"the frozen cilia-cni could not be built: {res.stderr.strip()}")
+    bundle = pathlib.Path(res.stdout.strip()).parent
+    env = dict(
+        os.environ,
+        CILIA_CNI_BUNDLE=str(bundle),
+        CILIA_CNI_BIN_DIR=str(dest / "bin"),
+        CILIA_CNI_LIB_DIR=str(dest / "cilia"),
+        CILIA_CNI_HOST_LIB_DIR=str(dest / "cilia"),
+    )
+    res = subprocess.run(["sh", str(CNI_INSTALLER)], env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise BenchError(f"cilia-cni-install failed: {res.stderr.strip()}")
+    return dest / "bin" / "cilia-cni"
+
+
+def bench_version(args: argparse.Namespace, plugin: pathlib.Path = cni.CILIA_CNI) -> list[float]:
+    """Timed ``plugin`` VERSION execs (no agent involved)."""
     version: list[float] = []
     for _ in range(args.version_runs):
         out = cni.invoke(
@@ -239,6 +274,7 @@ def bench_version(args: argparse.Namespace) -> list[float]:
             container_id=None,
             netns=None,
             ifname=None,
+            plugin=plugin,
         )
         if out.returncode != 0:
             raise BenchError(f"cilia-cni VERSION exited {out.returncode}: {out.stdout}")
@@ -310,6 +346,17 @@ def main(argv: list[str] | None = None) -> int:
         help="where the JSON goes (default bench/results)",
     )
     parser.add_argument(
+        "--frozen-cni",
+        type=pathlib.Path,
+        help="the frozen cilia-cni to measure (default: services/cni/freeze's bundle, "
+        "installed by cilia-cni-install into a temporary tree)",
+    )
+    parser.add_argument(
+        "--no-frozen",
+        action="store_true",
+        help="do not measure the frozen cilia-cni",
+    )
+    parser.add_argument(
         "--compare-cni",
         type=pathlib.Path,
         help="another cilia-cni executable to measure in the same run (default: none)",
@@ -331,18 +378,31 @@ def main(argv: list[str] | None = None) -> int:
     ref: dict[int, dict[str, Any]] = {}
     cil: dict[int, dict[str, Any]] = {}
     cmp: dict[int, dict[str, Any]] = {}
+    frz: dict[int, dict[str, Any]] = {}
+    frozen_version: list[float] = []
     try:
-        with datapath.stack_running(args) as stack:
+        with (
+            tempfile.TemporaryDirectory(prefix="cilia-bench-optcni-") as optcni,
+            datapath.stack_running(args) as stack,
+        ):
+            frozen: pathlib.Path | None = None
+            if not args.no_frozen:
+                frozen = args.frozen_cni or install_frozen(pathlib.Path(optcni))
             print(f"stack: {datapath.describe(stack)}", flush=True)
             for conc in levels:
                 print(f"reference bridge + host-local: {args.pods} pods, concurrency {conc} ...")
                 ref[conc] = bench_reference(args, conc)
                 print(f"cilia-cni: {args.pods} pods, concurrency {conc} ...", flush=True)
                 cil[conc] = bench_cilia(args, stack, conc)
+                if frozen is not None:
+                    print(f"frozen {frozen}: {args.pods} pods, concurrency {conc} ...", flush=True)
+                    frz[conc] = bench_cilia(args, stack, conc, frozen)
                 if args.compare_cni:
                     print(f"{args.compare_cni}: {args.pods} pods, concurrency {conc} ...")
                     cmp[conc] = bench_cilia(args, stack, conc, args.compare_cni)
             version = bench_version(args)
+            if frozen is not None:
+                frozen_version = bench_version(args, frozen)
     except (BenchError, datapath.BenchError, cni.CniRunError, OSError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -361,39 +421,61 @@ def main(argv: list[str] | None = None) -> int:
         "cilia_version": summarize(version),
         "cilia_add_breakdown_median": {str(c): breakdown(cil[c]) for c in levels},
     }
+    if frz:
+        summary["frozen"] = {str(c): summary_of(frz[c]) for c in levels}
+        summary["frozen_version"] = summarize(frozen_version)
+        summary["frozen_add_breakdown_median"] = {str(c): breakdown(frz[c]) for c in levels}
     if cmp:
         summary["compare"] = {str(c): summary_of(cmp[c]) for c in levels}
         summary["compare_add_breakdown_median"] = {str(c): breakdown(cmp[c]) for c in levels}
         summary["compare_plugin"] = str(args.compare_cni)
-    ratio: dict[str, float] = {}
-    for conc in levels:
-        r, c = summary["reference"][str(conc)], summary["cilia"][str(conc)]
-        for op in ("add", "del"):
-            for q in ("p50", "p99"):
-                ratio[f"{op}_{q}_c{conc}"] = round(c[op][f"{q}_ms"] / r[op][f"{q}_ms"], 2)
-            ratio[f"{op}_pods_per_s_c{conc}"] = round(c[op]["pods_per_s"] / r[op]["pods_per_s"], 3)
+
+    def ratios(key: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for conc in levels:
+            r, c = summary["reference"][str(conc)], summary[key][str(conc)]
+            for op in ("add", "del"):
+                for q in ("p50", "p99"):
+                    out[f"{op}_{q}_c{conc}"] = round(c[op][f"{q}_ms"] / r[op][f"{q}_ms"], 2)
+                out[f"{op}_pods_per_s_c{conc}"] = round(
+                    c[op]["pods_per_s"] / r[op]["pods_per_s"], 3
+                )
+        return out
+
+    ratio = ratios("cilia")
+    ratio_sets = [("cilia-cni (venv launcher)", ratio)]
+    frozen_ratio = ratios("frozen") if frz else {}
+    if frz:
+        ratio_sets.append(("cilia-cni frozen", frozen_ratio))
     rows: list[tuple[str, str, int, dict[str, float]]] = []
     for conc in levels:
         sets = [("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")]
+        if frz:
+            sets.append(("cilia-cni frozen", "frozen"))
         if cmp:
             sets.append(("compare " + args.compare_cni.name, "compare"))
         for name, key in sets:
             for op in ("add", "del"):
                 rows.append((name, op.upper(), conc, summary[key][str(conc)][op]))
     rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
+    if frz:
+        rows.append(("cilia-cni frozen", "VERSION", 0, summary["frozen_version"]))
     print()
     print(table(rows))
-    print()
-    print("ratio cilia / reference (latency: lower is better; pods/s: higher is better):")
-    for conc in levels:
-        for op in ("add", "del"):
-            print(
-                f"  {op.upper():<4} c={conc:<3} p50 {ratio[f'{op}_p50_c{conc}']:>6.2f}x   "
-                f"p99 {ratio[f'{op}_p99_c{conc}']:>6.2f}x   "
-                f"pods/s {ratio[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
-            )
+    for label, rset in ratio_sets:
+        print()
+        print(f"ratio {label} / reference (latency: lower is better; pods/s: higher is better):")
+        for conc in levels:
+            for op in ("add", "del"):
+                print(
+                    f"  {op.upper():<4} c={conc:<3} p50 {rset[f'{op}_p50_c{conc}']:>6.2f}x   "
+                    f"p99 {rset[f'{op}_p99_c{conc}']:>6.2f}x   "
+                    f"pods/s {rset[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
+                )
 
     breakdowns = [("cilia-cni", "cilia_add_breakdown_median")]
+    if frz:
+        breakdowns.append(("cilia-cni frozen", "frozen_add_breakdown_median"))
     if cmp:
         breakdowns.append((str(args.compare_cni), "compare_add_breakdown_median"))
         print("ratio compare / cilia-cni (> 1: cilia-cni is faster):")
@@ -435,12 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         },
         "summary": summary,
         "ratio_cilia_over_reference": ratio,
+        "ratio_frozen_over_reference": frozen_ratio,
         "samples_ms": {
             name: {
                 str(c): {op: [round(s * 1000, 3) for s in data[c][op]] for op in ("add", "del")}
                 for c in levels
             }
-            for name, data in (("reference", ref), ("cilia", cil))
+            for name, data in (("reference", ref), ("cilia", cil), ("frozen", frz))
+            if data
         },
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)

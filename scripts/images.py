@@ -442,6 +442,11 @@ def _context_files(service: str, dockerfile: Path) -> Iterator[tuple[Path, str]]
             yield p, p.relative_to(ROOT).as_posix()
         for name in (f"{service}.requirements.txt", "constraints.txt"):
             yield wheels / name, (wheels / name).relative_to(ROOT).as_posix()
+    if service == "cni":
+        bundle = frozen_cni_bundle()
+        for p in sorted(bundle.rglob("*")):
+            if p.is_file():
+                yield p, f"build/images/cni-bin/{p.relative_to(bundle).as_posix()}"
     if service == "agent":
         for p in sorted((ROOT / "bpf").rglob("*")):
             if (
@@ -450,6 +455,28 @@ def _context_files(service: str, dockerfile: Path) -> Iterator[tuple[Path, str]]
                 and (p.suffix in (".c", ".h"))
             ):
                 yield p, p.relative_to(ROOT).as_posix()
+
+
+def frozen_cni_bundle() -> Path:
+    """The self-contained ``cilia-cni`` bundle (PyInstaller onedir: ``cilia-cni`` and
+    ``.cilia-cni/``) the cni image ships and ``cilia-cni-install`` puts on hosts; built by
+    ``services/cni/freeze/build.py`` (cached by its inputs) with the project's ``.venv``
+    interpreter, which has PyInstaller and the plugin (the images tox env has neither).
+
+    Raises:
+        ImageBuildError: the bundle could not be built (the build's reason).
+    """
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    python = str(venv_python) if venv_python.exists() else sys.executable
+    res = subprocess.run(
+        [python, str(ROOT / "services" / "cni" / "freeze" / "build.py")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise ImageBuildError(f"the frozen cilia-cni could not be built: {res.stderr.strip()}")
+    return Path(res.stdout.strip()).parent
 
 
 def _context_tar(files: Iterable[tuple[Path, str]]) -> io.BytesIO:

@@ -85,7 +85,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
         -c constraints.txt --build-constraint constraints.txt "$@"
   }
   uvpip grpcio-tools pytest pytest-timeout hypothesis ruff mypy tox tox-uv types-protobuf \
-      types-PyYAML
+      types-PyYAML pyinstaller
   # --reinstall-package: ./proto is a plain install; rebuild it so changed .proto files count.
   uvpip --reinstall-package cilia-api ./proto -e lib/common -e lib/kubemock -e lib/testkit \
       $(for s in services/*/; do printf -- '-e %s ' "$s"; done)
@@ -126,5 +126,20 @@ install_hubble_cli() {
   log "the upstream hubble CLI could not be built; tests/e2e/test_hubble_cli.py will skip"
 }
 install_hubble_cli
+
+# The self-contained cilia-cni (PyInstaller onedir bundle: runs on a host without Python; the
+# cni image ships it and cilia-cni-install puts it on hosts), built once per change of the
+# plugin and cached under ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cni-bin/<version>-<inputs>/
+# (services/cni/freeze/build.py; ~20 s with nice -n 10, later runs only hash the inputs).
+install_cni_bin() {
+  if nice -n 10 "$VENV/bin/python" services/cni/freeze/build.py >/dev/null; then
+    return 0
+  fi
+  if [[ ${CILIA_REQUIRE_PRIVILEGED:-0} == 1 ]]; then
+    log "the frozen cilia-cni could not be built (required in CI)"; exit 2
+  fi
+  log "the frozen cilia-cni could not be built; its tests and the cni image will say so"
+}
+install_cni_bin
 
 log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater"

@@ -100,7 +100,8 @@ def test_cni_image_answers_version_command(client: Any, built: dict[str, str]) -
 def test_cni_installer_puts_a_working_plugin_on_the_host(
     client: Any, built: dict[str, str], tmp_path: Path
 ) -> None:
-    """cilia-cni-install copies the venv + a wrapper; the HOST then execs the plugin."""
+    """cilia-cni-install copies the frozen bundle + a wrapper; the HOST then execs the plugin
+    with an empty environment (no PATH: no host python3 involved)."""
     host = tmp_path / "opt-cni"
     kw = {
         "entrypoint": "cilia-cni-install",

@@ -478,7 +478,13 @@ DOCUMENTED_CODES = {1, 3, 4, 5, 6, 7, 8, 11, 50, 100, 101, 102, 999}
 
 
 def cni_binary() -> str:
-    """The installed ``cilia-cni`` console script next to this interpreter (else on PATH)."""
+    """The installed ``cilia-cni`` console script next to this interpreter (else on PATH);
+    ``CILIA_CNI_BINARY`` names another executable instead (e.g. the frozen build as
+    ``cilia-cni-install`` installs it, to run the contract suites against it)."""
+    override = os.environ.get("CILIA_CNI_BINARY")
+    if override:
+        assert os.access(override, os.X_OK), f"CILIA_CNI_BINARY={override} is not executable"
+        return override
     found = shutil.which("cilia-cni", path=os.path.dirname(sys.executable))
     if found is None:
         found = shutil.which("cilia-cni")
