@@ -40,17 +40,20 @@ Two ways to reach the same Services, from two client netns:
   translation (:func:`spread`: the VIP reaches the Service's backends, which nothing else
   could do there).
 
-Traffic (``bench.datapath``'s client, Python on both ends, ``TCP_NODELAY``,
-``--duration`` seconds each): **RR** — one persistent connection, 1-byte request / 1-byte
-response (transactions/s); **CRR** — connect, 1 byte each way, close with RST (as
-netperf's TCP_CRR; connections/s). Paths: ``direct`` (the eBPF client to one backend
-address, no Service: the baseline, through the socket hook's map miss), ``ebpf`` and
-``iptables`` (to the VIP). For each round (``--rounds``, ≥ 3 for a spread), every count in
-``--services`` is programmed in turn (eBPF: the writer upserts or deletes the difference;
-iptables: one full ``iptables-restore``, timed) and all three paths measured (in an order
-rotated from one measurement to the next), so drift on the shared host hits them alike. Reported: median and spread (min-max) per path and
-count, and the ratios eBPF@N / eBPF@base (goal ≥ 0.95: flat), eBPF / iptables at each N
-(goal ≥ 1.5 at 10,000), and each path / direct.
+Traffic (``bench.datapath``'s client made long-lived, one per client netns, Python on both
+ends, ``TCP_NODELAY``): **RR** — one persistent connection, 1-byte request / 1-byte response
+(transactions/s); **CRR** — connect, 1 byte each way, close with RST (as netperf's
+TCP_CRR; connections/s). Paths: ``direct`` (the eBPF client to one backend address, no
+Service: the baseline, through the socket hook's map miss), ``ebpf`` and ``iptables`` (to
+the VIP). For each round (``--rounds``, ≥ 3 for a spread), every count in ``--services`` is
+programmed in turn (eBPF: the writer upserts or deletes the difference; iptables: one full
+``iptables-restore``, timed), then each metric gets ``--duration`` seconds per path, cut
+in ``--slice`` second slices that the three paths take in turn (the first rotated from one
+count to the next), so load on the shared host hits them alike. Reported: median and
+spread (min-max over rounds) per path and count, and the ratios eBPF@N / eBPF@base (goal
+≥ 0.95: flat; also with each side divided by its direct baseline, which cancels drift of
+the host between counts), eBPF / iptables at each N (goal ≥ 1.5 at 10,000), and each path
+/ direct.
 
 Service change → map (``--change-rounds``, at the largest count): the agent's own
 ``OperatorAPI.watch_services`` stream and ``run_watch`` feeding its ``ServiceWatcher``,
@@ -91,13 +94,14 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.datapath import PINGPONG_CLIENT, host_info, rel, write_results
+from bench.datapath import host_info, rel, write_results
 from cilia_testkit import ROOT, host
 from cilia_testkit.netns import create_netns, delete_netns, list_netns
 
 DEFAULT_SERVICES = "10,1000,10000"
 DEFAULT_DURATION_SECONDS = 2.0
 DEFAULT_ROUNDS = 5
+DEFAULT_SLICE_SECONDS = 0.25
 DEFAULT_MIN_BACKENDS = 2
 DEFAULT_MAX_BACKENDS = 3
 DEFAULT_SERVICE_PORT = 80
@@ -165,6 +169,56 @@ for _ in range(n):
     except OSError as exc:
         seen.append(f"error: {exc}")
 print(json.dumps(seen))
+"""
+
+
+# Runs in a client netns, one measurement per stdin line "rr|crr IP PORT SECONDS", one JSON
+# line out: {"count", "seconds"} or {"error"}. RR: one connection (opened before the clock
+# starts), 1-byte request / 1-byte response; CRR: connect, 1 byte each way, close with RST
+# (SO_LINGER 0: no TIME_WAIT piles up), repeated. bench.datapath's client, long-lived.
+TRAFFIC_CLIENT = r"""
+import json, socket, struct, sys, time
+clock = time.perf_counter
+linger = struct.pack("ii", 1, 0)
+for line in sys.stdin:
+    mode, ip, port, seconds = line.split()
+    addr, seconds, count = (ip, int(port)), float(seconds), 0
+    try:
+        if mode == "rr":
+            s = socket.create_connection(addr, timeout=10)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send, recv = s.send, s.recv
+            start = clock()
+            deadline = start + seconds
+            while True:
+                send(b"x")
+                if recv(1) != b"x":
+                    raise OSError("short read")
+                count += 1
+                if not count & 63 and clock() >= deadline:
+                    break
+            elapsed = clock() - start
+            s.close()
+        else:
+            start = clock()
+            deadline = start + seconds
+            while True:
+                s = socket.socket()
+                s.settimeout(10)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.connect(addr)
+                s.send(b"x")
+                if s.recv(1) != b"x":
+                    raise OSError("short read")
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                s.close()
+                count += 1
+                if not count & 7 and clock() >= deadline:
+                    break
+            elapsed = clock() - start
+        print(json.dumps({"count": count, "seconds": elapsed}), flush=True)
+    except OSError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
 """
 
 
@@ -424,21 +478,52 @@ def check_spread(netns: str, svc: Svc, args: argparse.Namespace, what: str) -> l
     return sorted(set(seen))
 
 
-def pingpong(netns: str, ip: str, port: int, mode: str, seconds: float) -> float:
-    """``bench.datapath``'s RR or CRR client from ``netns`` for ``seconds``; per second.
+class Client:
+    """A long-lived traffic client in ``netns`` (:data:`TRAFFIC_CLIENT`): one short
+    measurement per call, no process start between slices."""
 
-    Raises:
-        BenchError: the client failed.
-    """
-    argv = netns_argv(
-        netns, sys.executable, "-c", PINGPONG_CLIENT, mode, ip, str(port), str(seconds)
-    )
-    out = host.sh(*argv, check=False, timeout=seconds + 30)
-    try:
-        result = json.loads(out.stdout)
-    except ValueError as exc:
-        raise BenchError(f"{mode} client to {ip} failed: {out.stderr.strip()[-500:]}") from exc
-    return round(float(result["count"]) / float(result["seconds"]), 1)
+    def __init__(self, netns: str) -> None:
+        self.netns = netns
+        self.proc = subprocess.Popen(
+            netns_argv(netns, sys.executable, "-c", TRAFFIC_CLIENT),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+
+    def run(self, mode: str, ip: str, port: int, seconds: float) -> tuple[int, float]:
+        """RR (``rr``) or CRR (``crr``) to ``ip:port`` for ``seconds``; (count, seconds).
+
+        Raises:
+            BenchError: the client failed or exited.
+        """
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(f"{mode} {ip} {port} {seconds}\n")
+            line = self.proc.stdout.readline()
+        except OSError as exc:
+            raise BenchError(f"traffic client in {self.netns}: {exc}") from exc
+        try:
+            result = json.loads(line)
+        except ValueError:
+            err = self.proc.stderr.read()[-500:] if self.proc.stderr else ""
+            result = {"error": f"client exited: {err}"}
+        if "error" in result:
+            raise BenchError(f"{mode} from {self.netns} to {ip}:{port}: {result['error']}")
+        return int(result["count"]), float(result["seconds"])
+
+    def close(self) -> None:
+        """End the client (EOF on its stdin; killed when it does not exit)."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------
@@ -564,7 +649,8 @@ def iptables_rule_count(topo: Topology) -> int:
 
 class ServiceServer:
     """An in-process ``ServiceService``: each ``WatchServices`` stream gets every Service
-    (UPSERT events), ``synced``, then every change published with :meth:`upsert`."""
+    (UPSERT events), ``synced``, then every change published with :meth:`upsert` until
+    :meth:`close`."""
 
     def __init__(self, services: dict[str, Any]) -> None:
         self.services = services
@@ -585,10 +671,15 @@ class ServiceServer:
             ]
             yield cp.WatchServicesResponse(events=listing)
             yield cp.WatchServicesResponse(synced=True)
-            while True:
-                yield cp.WatchServicesResponse(events=[await queue.get()])
+            while (event := await queue.get()) is not None:
+                yield cp.WatchServicesResponse(events=[event])
         finally:
             self.streams.remove(queue)
+
+    def close(self) -> None:
+        """End every open stream (so none is cancelled mid-flight by the server's stop)."""
+        for q in self.streams:
+            q.put_nowait(None)
 
     def upsert(self, service: Any) -> None:
         """Publish ``service`` (whole) to every open stream."""
@@ -685,7 +776,12 @@ async def change_latency(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await api.close()
-        await server.stop(None)
+        op.close()
+        for _ in range(100):  # the streams end (at most 1 s) before the server stops
+            if not op.streams:
+                break
+            await asyncio.sleep(0.01)
+        await server.stop(1.0)
         poller.close()
     lb.programmed = list(services)
     return {"sync_seconds": sync_seconds, "samples": samples}
@@ -707,36 +803,42 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def measure(
-    args: argparse.Namespace, topo: Topology, lb: SocketLB, measured: Svc, start: int
+    args: argparse.Namespace,
+    clients: dict[str, Client],
+    lb: SocketLB,
+    measured: Svc,
+    start: int,
 ) -> dict[str, dict[str, float]]:
-    """One round at the programmed count: each metric over the three paths, in an order
-    rotated by ``start`` (so no path is always the first after a reprogramming)."""
-    out: dict[str, dict[str, float]] = {}
+    """One round at the programmed count: per metric, ``--duration`` s of each path cut in
+    ``--slice`` s slices taken in turn (direct, eBPF, iptables, direct, …; the first path
+    rotated by ``start``), so that load on the shared host hits the three alike; returns
+    metric -> path -> rate (per second, over all its slices)."""
     order = PATHS[start % 3 :] + PATHS[: start % 3]
+    slices = max(1, round(args.duration / args.slice))
+    out: dict[str, dict[str, float]] = {}
     for metric, _, _ in METRICS:
-        out[metric] = {}
-        for path in order:
-            if path == "direct":
-                value = pingpong(
-                    topo.client_ebpf, measured.backends[0], args.target_port, metric,
-                    args.duration,
-                )  # fmt: skip
-            elif path == "ebpf":
-                value = pingpong(
-                    topo.client_ebpf, measured.vip, args.service_port, metric, args.duration
-                )
-            else:
-                lb.writer.delete_service(NAMESPACE, measured.name)  # the iptables path alone
-                try:
-                    value = pingpong(
-                        topo.client_iptables, measured.vip, args.service_port, metric,
-                        args.duration,
-                    )  # fmt: skip
-                finally:
-                    lb.writer.upsert_service(
-                        service_message(measured, args.service_port, args.target_port)
+        totals = {p: [0, 0.0] for p in PATHS}
+        for _ in range(slices):
+            for path in order:
+                if path == "direct":
+                    got = clients["ebpf"].run(
+                        metric, measured.backends[0], args.target_port, args.slice
                     )
-            out[metric][path] = value
+                elif path == "ebpf":
+                    got = clients["ebpf"].run(metric, measured.vip, args.service_port, args.slice)
+                else:
+                    lb.writer.delete_service(NAMESPACE, measured.name)  # the iptables path alone
+                    try:
+                        got = clients["iptables"].run(
+                            metric, measured.vip, args.service_port, args.slice
+                        )
+                    finally:
+                        lb.writer.upsert_service(
+                            service_message(measured, args.service_port, args.target_port)
+                        )
+                totals[path][0] += got[0]
+                totals[path][1] += got[1]
+        out[metric] = {p: round(c / t, 1) if t else 0.0 for p, (c, t) in totals.items()}
     return out
 
 
@@ -760,7 +862,12 @@ def bench(args: argparse.Namespace, report: dict[str, Any]) -> None:
         n: {"ebpf_seconds": [], "iptables_seconds": []} for n in counts
     }
     rules: dict[int, int] = {}
-    with topology(args, tag) as topo, socket_lb(args, tag, report) as lb:
+    with contextlib.ExitStack() as stack:
+        topo = stack.enter_context(topology(args, tag))
+        lb = stack.enter_context(socket_lb(args, tag, report))
+        clients = {"ebpf": Client(topo.client_ebpf), "iptables": Client(topo.client_iptables)}
+        for client in clients.values():
+            stack.callback(client.close)
         for r in range(args.rounds):
             for i, n in enumerate(counts):
                 subset = services[:n]
@@ -780,7 +887,7 @@ def bench(args: argparse.Namespace, report: dict[str, Any]) -> None:
                         lb.writer.upsert_service(
                             service_message(measured, args.service_port, args.target_port)
                         )
-                got = measure(args, topo, lb, measured, r + i)
+                got = measure(args, clients, lb, measured, r + i)
                 for m, by_path in got.items():
                     for p, v in by_path.items():
                         samples[n][m][p].append(v)
@@ -830,6 +937,10 @@ def summarize(report: dict[str, Any], counts: list[int]) -> None:
         ratios[k] = {
             m: {
                 "ebpf_over_ebpf_base": ratio(med[k][m]["ebpf"], med[base][m]["ebpf"]),
+                "ebpf_over_ebpf_base_per_direct": ratio(
+                    med[k][m]["ebpf"] * med[base][m]["direct"],
+                    med[base][m]["ebpf"] * med[k][m]["direct"],
+                ),
                 "ebpf_over_iptables": ratio(med[k][m]["ebpf"], med[k][m]["iptables"]),
                 "ebpf_over_direct": ratio(med[k][m]["ebpf"], med[k][m]["direct"]),
                 "iptables_over_direct": ratio(med[k][m]["iptables"], med[k][m]["direct"]),
@@ -856,7 +967,7 @@ def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
     )
     head = (
         f"{'metric':<8} {'Services':>8} {'direct':>18} {'eBPF':>18} {'iptables':>18} "
-        f"{f'eBPF/@{base}':>10} {'eBPF/ipt':>9} {'eBPF/dir':>9} {'ipt/dir':>8}"
+        f"{f'eBPF/@{base}':>10} {'(÷dir)':>8} {'eBPF/ipt':>9} {'eBPF/dir':>9} {'ipt/dir':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -870,9 +981,12 @@ def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
             r = report["ratios"][k][m]
             print(
                 f"{title:<8} {n:>8} {' '.join(cells)} {r['ebpf_over_ebpf_base'] or 0:>9.3f}x "
+                f"{r['ebpf_over_ebpf_base_per_direct'] or 0:>7.3f}x "
                 f"{r['ebpf_over_iptables'] or 0:>8.3f}x {r['ebpf_over_direct'] or 0:>8.3f}x "
                 f"{r['iptables_over_direct'] or 0:>7.3f}x"
             )
+    print("(÷dir: eBPF/@base with each side divided by its direct baseline, taken in the same "
+          "slices: drift of the host between counts cancels)")  # fmt: skip
     print("(RR in transactions/s, CRR in connections/s; goals: eBPF/@base ≥ 0.95, "
           f"eBPF/iptables ≥ 1.5 at {max(counts)})")  # fmt: skip
     print()
@@ -894,6 +1008,7 @@ def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
             f"p50 {lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms, max {lat['max_ms']:.2f} ms"
             f" (goal p99 ≤ 1000 ms); initial listing synced in {lat['initial_sync_seconds']} s"
         )
+    print(f"iptables: {report['iptables']}")
     print(f"socket-LB links left attached after the run: {len(report.get('links_left', []))}")
 
 
@@ -927,6 +1042,12 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_DURATION_SECONDS,
         help=f"seconds per measurement (default {DEFAULT_DURATION_SECONDS:g})",
+    )
+    add(
+        "--slice",
+        type=float,
+        default=DEFAULT_SLICE_SECONDS,
+        help=f"seconds of one slice; the paths take turns slice by slice (default {DEFAULT_SLICE_SECONDS:g})",
     )
     add(
         "--rounds",
@@ -1064,8 +1185,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 when it could not run."""
     p = parser()
     args = p.parse_args(argv)
-    if args.duration <= 0 or args.rounds < 1 or args.change_rounds < 0:
-        p.error("--duration must be > 0, --rounds >= 1, --change-rounds >= 0")
+    if args.duration <= 0 or args.slice <= 0 or args.rounds < 1 or args.change_rounds < 0:
+        p.error("--duration and --slice must be > 0, --rounds >= 1, --change-rounds >= 0")
     if not 1 <= args.min_backends <= args.max_backends:
         p.error("need 1 <= --min-backends <= --max-backends")
     if os.geteuid() != 0:
@@ -1093,10 +1214,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
+        report["iptables"] = run(args.iptables_restore, "--version").strip()
         bench(args, report)
     except (BenchError, OSError, subprocess.SubprocessError) as exc:
         print(f"\nbenchmark failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted (netns, socket-LB links and pins removed)", file=sys.stderr)
+        return 130
     summarize(report, args.services)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     print_table(report, args)
