@@ -119,15 +119,23 @@ DEFAULT_POLL_INTERVAL_SECONDS = 0.0002
 DEFAULT_SPREAD_CONNECTIONS = 30
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 2.0
 DEFAULT_READY_TIMEOUT_SECONDS = 10.0
+DEFAULT_IO_TIMEOUT_SECONDS = 10.0
+DEFAULT_COMMAND_TIMEOUT_SECONDS = 60.0
+DEFAULT_RESTORE_TIMEOUT_SECONDS = 600.0
+DEFAULT_STOP_TIMEOUT_SECONDS = 5.0
 DEFAULT_IPTABLES_RESTORE = "iptables-restore"
 DEFAULT_SEED = 1
 DEFAULT_RESULTS_DIR = ROOT / "bench" / "results"
+# The agent's reconnect backoff of the Service stream (its --operator-* defaults are for a
+# remote operator; here the in-process server never goes away while measured).
+WATCH_MIN_BACKOFF_SECONDS = 0.05
+WATCH_MAX_BACKOFF_SECONDS = 1.0
 NETNS_PREFIX = "cilia-bench-svc-"
 NAMESPACE = "bench-svc"
 PATHS = ("direct", "ebpf", "iptables")
 METRICS = (("rr", "TCP RR", "trans/s"), ("crr", "TCP CRR", "conn/s"))
 
-# Runs in the backends netns: argv port. One connection at a time; each byte is echoed
+# Runs in the backends netns: argv port, I/O timeout (s). One connection at a time; each byte is echoed
 # back until EOF, except "?", answered with the address the connection reached (the
 # backend the load balancer chose) and the connection closed.
 ECHO_SERVER = r"""
@@ -139,7 +147,7 @@ srv.listen(1024)
 while True:
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn.settimeout(10.0)
+    conn.settimeout(float(sys.argv[2]))
     try:
         while True:
             data = conn.recv(1)
@@ -172,7 +180,7 @@ print(json.dumps(seen))
 """
 
 
-# Runs in a client netns, one measurement per stdin line "rr|crr IP PORT SECONDS", one JSON
+# Runs in a client netns (argv: I/O timeout, s), one measurement per stdin line "rr|crr IP PORT SECONDS", one JSON
 # line out: {"count", "seconds"} or {"error"}. RR: one connection (opened before the clock
 # starts), 1-byte request / 1-byte response; CRR: connect, 1 byte each way, close with RST
 # (SO_LINGER 0: no TIME_WAIT piles up), repeated. bench.datapath's client, long-lived.
@@ -180,12 +188,13 @@ TRAFFIC_CLIENT = r"""
 import json, socket, struct, sys, time
 clock = time.perf_counter
 linger = struct.pack("ii", 1, 0)
+io_timeout = float(sys.argv[1])
 for line in sys.stdin:
     mode, ip, port, seconds = line.split()
     addr, seconds, count = (ip, int(port)), float(seconds), 0
     try:
         if mode == "rr":
-            s = socket.create_connection(addr, timeout=10)
+            s = socket.create_connection(addr, timeout=io_timeout)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send, recv = s.send, s.recv
             start = clock()
@@ -204,7 +213,7 @@ for line in sys.stdin:
             deadline = start + seconds
             while True:
                 s = socket.socket()
-                s.settimeout(10)
+                s.settimeout(io_timeout)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.connect(addr)
                 s.send(b"x")
@@ -364,7 +373,9 @@ def netns_argv(netns: str, *argv: str) -> list[str]:
     return ["ip", "netns", "exec", netns, *argv]
 
 
-def run(*argv: str, timeout: float = 60.0, stdin: str | None = None) -> str:
+def run(
+    *argv: str, timeout: float = DEFAULT_COMMAND_TIMEOUT_SECONDS, stdin: str | None = None
+) -> str:
     """Run a command; its stdout.
 
     Raises:
@@ -404,6 +415,10 @@ def topology(args: argparse.Namespace, tag: str) -> Iterator[Topology]:
         client_iptables=f"{NETNS_PREFIX}{tag}-ipt",
     )
     link = list(ipaddress.ip_network(args.link_cidr))
+
+    def cmd(*argv: str) -> str:
+        return run(*argv, timeout=args.command_timeout)
+
     try:
         for ns in (topo.backends, topo.client_ebpf, topo.client_iptables):
             create_netns(ns)
@@ -413,16 +428,23 @@ def topology(args: argparse.Namespace, tag: str) -> Iterator[Topology]:
         )
         for client, be_addr, cl_addr, side in pairs:
             be_if, cl_if = f"sb{tag}{side}", f"sc{tag}{side}"
-            run("ip", "-n", topo.backends, "link", "add", be_if, "type", "veth", "peer", "name",
+            cmd("ip", "-n", topo.backends, "link", "add", be_if, "type", "veth", "peer", "name",
                 cl_if, "netns", client)  # fmt: skip
-            run("ip", "-n", topo.backends, "addr", "add", f"{be_addr}/30", "dev", be_if)
-            run("ip", "-n", topo.backends, "link", "set", be_if, "up")
-            run("ip", "-n", client, "addr", "add", f"{cl_addr}/30", "dev", cl_if)
-            run("ip", "-n", client, "link", "set", cl_if, "up")
-            run("ip", "-n", client, "route", "add", "default", "via", str(be_addr))
-        run("ip", "-n", topo.backends, "route", "add", "local", args.backend_cidr, "dev", "lo")
+            cmd("ip", "-n", topo.backends, "addr", "add", f"{be_addr}/30", "dev", be_if)
+            cmd("ip", "-n", topo.backends, "link", "set", be_if, "up")
+            cmd("ip", "-n", client, "addr", "add", f"{cl_addr}/30", "dev", cl_if)
+            cmd("ip", "-n", client, "link", "set", cl_if, "up")
+            cmd("ip", "-n", client, "route", "add", "default", "via", str(be_addr))
+        cmd("ip", "-n", topo.backends, "route", "add", "local", args.backend_cidr, "dev", "lo")
         topo.server = subprocess.Popen(
-            netns_argv(topo.backends, sys.executable, "-c", ECHO_SERVER, str(args.target_port)),
+            netns_argv(
+                topo.backends,
+                sys.executable,
+                "-c",
+                ECHO_SERVER,
+                str(args.target_port),
+                str(args.io_timeout),
+            ),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -437,7 +459,7 @@ def topology(args: argparse.Namespace, tag: str) -> Iterator[Topology]:
         if topo.server is not None:
             topo.server.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                topo.server.wait(timeout=5)
+                topo.server.wait(timeout=args.stop_timeout)
             if topo.server.poll() is None:
                 topo.server.kill()
         for ns in (topo.client_ebpf, topo.client_iptables, topo.backends):
@@ -482,10 +504,11 @@ class Client:
     """A long-lived traffic client in ``netns`` (:data:`TRAFFIC_CLIENT`): one short
     measurement per call, no process start between slices."""
 
-    def __init__(self, netns: str) -> None:
+    def __init__(self, netns: str, io_timeout: float, stop_timeout: float) -> None:
         self.netns = netns
+        self.stop_timeout = stop_timeout
         self.proc = subprocess.Popen(
-            netns_argv(netns, sys.executable, "-c", TRAFFIC_CLIENT),
+            netns_argv(netns, sys.executable, "-c", TRAFFIC_CLIENT, str(io_timeout)),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -520,7 +543,7 @@ class Client:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
         try:
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -541,13 +564,14 @@ class SocketLB:
     programmed: list[Svc] = field(default_factory=list)
 
 
-def bpftool_link_ids(pin_dir: pathlib.Path) -> list[int]:
+def bpftool_link_ids(pin_dir: pathlib.Path, timeout: float) -> list[int]:
     """Kernel ids of the socket-LB links pinned under ``pin_dir`` (``bpftool link show``)."""
     from cilia_agent.loadbalancer import socklb
 
     ids = []
     for name in socklb.attached(pin_dir):
-        out = run("bpftool", "-j", "link", "show", "pinned", str(socklb.link_pin(pin_dir, name)))
+        pin = str(socklb.link_pin(pin_dir, name))
+        out = run("bpftool", "-j", "link", "show", "pinned", pin, timeout=timeout)
         ids.append(int(json.loads(out)["id"]))
     return ids
 
@@ -588,7 +612,7 @@ def socket_lb(args: argparse.Namespace, tag: str, report: dict[str, Any]) -> Ite
             socklb.attach(config)
         except socklb.SocketLBUnavailable as exc:
             raise BenchError(str(exc)) from exc
-        ids = bpftool_link_ids(config.pin_dir)
+        ids = bpftool_link_ids(config.pin_dir, args.command_timeout)
         if len(ids) != len(socklb.PROGRAMS):
             raise BenchError(f"{len(ids)} socket-LB links pinned, {len(socklb.PROGRAMS)} expected")
         maps = LBMaps(config.pin_dir)
@@ -633,13 +657,17 @@ def program_iptables(topo: Topology, services: list[Svc], args: argparse.Namespa
         services, services[0], args.service_port, args.target_port, args.cluster_cidr
     )
     started = time.perf_counter()
-    run(*netns_argv(topo.client_iptables, args.iptables_restore), stdin=text, timeout=600)
+    run(
+        *netns_argv(topo.client_iptables, args.iptables_restore),
+        stdin=text,
+        timeout=args.restore_timeout,
+    )
     return time.perf_counter() - started
 
 
-def iptables_rule_count(topo: Topology) -> int:
+def iptables_rule_count(topo: Topology, timeout: float) -> int:
     """Rules in the iptables client netns' nat table (``iptables-save`` lines with ``-A``)."""
-    out = run(*netns_argv(topo.client_iptables, "iptables-save", "-t", "nat"), timeout=600)
+    out = run(*netns_argv(topo.client_iptables, "iptables-save", "-t", "nat"), timeout=timeout)
     return sum(1 for line in out.splitlines() if line.startswith("-A "))
 
 
@@ -735,14 +763,14 @@ async def change_latency(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     api = OperatorAPI(
-        address=f"127.0.0.1:{port}", node_name="bench", timeout=5, min_backoff=0.05,
-        max_backoff=1.0,
+        address=f"127.0.0.1:{port}", node_name="bench", timeout=args.command_timeout,
+        min_backoff=WATCH_MIN_BACKOFF_SECONDS, max_backoff=WATCH_MAX_BACKOFF_SECONDS,
     )  # fmt: skip
     watcher = ServiceWatcher(lb.writer, ServiceMetrics(CollectorRegistry()))
     started = time.perf_counter()
     task = asyncio.create_task(
-        run_watch("services", api.watch_services, watcher.consume, min_backoff=0.05,
-                  max_backoff=1.0)
+        run_watch("services", api.watch_services, watcher.consume,
+                  min_backoff=WATCH_MIN_BACKOFF_SECONDS, max_backoff=WATCH_MAX_BACKOFF_SECONDS)
     )  # fmt: skip
     poller = LBMaps(lb.config.pin_dir)  # the polling thread's own fds
     rng = random.Random(args.seed + 1)
@@ -777,11 +805,10 @@ async def change_latency(
             await task
         await api.close()
         op.close()
-        for _ in range(100):  # the streams end (at most 1 s) before the server stops
-            if not op.streams:
-                break
+        closing = time.perf_counter() + args.stop_timeout
+        while op.streams and time.perf_counter() < closing:  # streams end, then the server
             await asyncio.sleep(0.01)
-        await server.stop(1.0)
+        await server.stop(args.stop_timeout)
         poller.close()
     lb.programmed = list(services)
     return {"sync_seconds": sync_seconds, "samples": samples}
@@ -865,7 +892,10 @@ def bench(args: argparse.Namespace, report: dict[str, Any]) -> None:
     with contextlib.ExitStack() as stack:
         topo = stack.enter_context(topology(args, tag))
         lb = stack.enter_context(socket_lb(args, tag, report))
-        clients = {"ebpf": Client(topo.client_ebpf), "iptables": Client(topo.client_iptables)}
+        clients = {
+            name: Client(netns, args.io_timeout, args.stop_timeout)
+            for name, netns in (("ebpf", topo.client_ebpf), ("iptables", topo.client_iptables))
+        }
         for client in clients.values():
             stack.callback(client.close)
         for r in range(args.rounds):
@@ -876,7 +906,7 @@ def bench(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 programming[n]["ebpf_seconds"].append(round(t_ebpf, 3))
                 programming[n]["iptables_seconds"].append(round(t_ipt, 3))
                 if r == 0:
-                    rules[n] = iptables_rule_count(topo)
+                    rules[n] = iptables_rule_count(topo, args.restore_timeout)
                     check_spread(topo.client_ebpf, measured, args, f"eBPF at {n} Services")
                     lb.writer.delete_service(NAMESPACE, measured.name)
                     try:
@@ -1164,6 +1194,30 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_READY_TIMEOUT_SECONDS,
         help=f"seconds for the echo server to answer (default {DEFAULT_READY_TIMEOUT_SECONDS:g})",
+    )
+    add(
+        "--io-timeout",
+        type=float,
+        default=DEFAULT_IO_TIMEOUT_SECONDS,
+        help=f"seconds a traffic socket waits for its peer (default {DEFAULT_IO_TIMEOUT_SECONDS:g})",
+    )
+    add(
+        "--command-timeout",
+        type=float,
+        default=DEFAULT_COMMAND_TIMEOUT_SECONDS,
+        help=f"seconds an ip or bpftool command may take (default {DEFAULT_COMMAND_TIMEOUT_SECONDS:g})",
+    )
+    add(
+        "--restore-timeout",
+        type=float,
+        default=DEFAULT_RESTORE_TIMEOUT_SECONDS,
+        help=f"seconds iptables-restore or -save may take (default {DEFAULT_RESTORE_TIMEOUT_SECONDS:g})",
+    )
+    add(
+        "--stop-timeout",
+        type=float,
+        default=DEFAULT_STOP_TIMEOUT_SECONDS,
+        help=f"seconds a server or client has to exit before it is killed (default {DEFAULT_STOP_TIMEOUT_SECONDS:g})",
     )
     add(
         "--seed",
