@@ -450,7 +450,9 @@ def topology(args: argparse.Namespace, tag: str) -> Iterator[Topology]:
         )
         probe = str(ipaddress.ip_network(args.backend_cidr)[1])
         deadline = time.monotonic() + args.ready_timeout
-        while spread(topo.client_ebpf, probe, args.target_port, 1, 0.5)[0] != probe:
+        while (
+            spread(topo.client_ebpf, probe, args.target_port, 1, args.connect_timeout)[0] != probe
+        ):
             if time.monotonic() > deadline or topo.server.poll() is not None:
                 raise BenchError(f"the echo server did not answer on {probe}:{args.target_port}")
             time.sleep(0.1)
@@ -1243,6 +1245,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--duration and --slice must be > 0, --rounds >= 1, --change-rounds >= 0")
     if not 1 <= args.min_backends <= args.max_backends:
         p.error("need 1 <= --min-backends <= --max-backends")
+    if ipaddress.ip_network(args.link_cidr).prefixlen > 29:
+        p.error("--link-cidr must hold two /30s (a /29 or larger)")
     if os.geteuid() != 0:
         print("the services benchmark needs root (netns, iptables, bpf)", file=sys.stderr)
         return 1
