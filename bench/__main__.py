@@ -1,7 +1,7 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
 NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``, ``cluster``,
-``k8s_operator``
+``k8s_operator``, ``services``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import sys
 
-from bench import agent_add, cluster, cni_latency, datapath, flows, ipam, k8s_operator
+from bench import (
+    agent_add,
+    cluster,
+    cni_latency,
+    datapath,
+    flows,
+    ipam,
+    k8s_operator,
+    services,
+)
 
 BENCHES = {
     "cni_latency": cni_latency.main,
@@ -21,6 +30,7 @@ BENCHES = {
     "ipam": ipam.main,
     "cluster": cluster.main,
     "k8s_operator": k8s_operator.main,
+    "services": services.main,
 }
 
 if __name__ == "__main__":
