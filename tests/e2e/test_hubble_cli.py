@@ -606,13 +606,14 @@ def test_a_peer_with_a_certificate_of_another_ca_is_reported_node_error_then_rec
         n: {"enabled": True, "server_name": f"{n}.default.hubble-grpc.cilium.io"}
         for n in ("node-a", "node-b")
     }, tls
-    from cilia_common.tls import generate_bundle
-
-    stranger = generate_bundle(
-        tmp_path / "stranger", server_hosts=["127.0.0.1"], nodes=["node-b"], admins=(),
-        hubble_cluster="default",
+    stranger = tmp_path / "stranger"  # a CA of its own (the CLI writes it)
+    made = subprocess.run(
+        [str(VENV_BIN / "cilia-operator"), "certs", "generate", "--dir", str(stranger),
+         "--nodes", "node-b", "--admins", "", "--hubble-cluster", "default"],
+        capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    cert, key = stranger.hubble["hubble-node-b"]
+    assert made.returncode == 0, made.stderr
+    cert, key = str(stranger / "hubble-node-b.crt"), str(stranger / "hubble-node-b.key")
     agent = w.cluster.node("node-b").agent
     original = agent.extra_args
     agent.extra_args = (*original, "--hubble-tls-cert-file", cert, "--hubble-tls-key-file", key)
