@@ -4,8 +4,8 @@ Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING; mutu
 and authorisation by client certificate when the TLS files are set, see
 ``controlplane/authz.py``) ->
 auto-create pools (existing ones skipped) -> without leader election: IPAM controller
-restores every node's CIDRs -> identity GC (and CiliumEndpointSlices) start -> health
-SERVING. With --enable-leader-election: the replica follows the store (allocation streams
+restores every node's CIDRs -> identity GC (and CiliumEndpointSlices, and in standalone
+mode the Service controller: default ServiceCIDR, EndpointSlices) start -> health SERVING. With --enable-leader-election: the replica follows the store (allocation streams
 served, nothing allocated) and is SERVING at once; when it becomes leader the controller
 restores and allocates, the GC and slices start; when it loses the lock they stop and it
 follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
@@ -44,6 +44,7 @@ from .controlplane.pod import PodServicer
 from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
 from .controlplane.resources import add_to_server as add_resource_service
+from .controlplane.service import ServiceServicer
 from .endpoint.slices import SliceController
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
@@ -54,6 +55,8 @@ from .kinds import POOL
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits
 from .metrics import Metrics
+from .service.allocation import ServiceSettings
+from .service.controller import ServiceController
 from .store import AlreadyExists, Snapshot, StoreError, Write
 from .store.kubernetes import KubernetesStore
 from .store.redis import RedisStore
@@ -68,6 +71,7 @@ SERVICE_NAMES = (
     "cilia.controlplane.v1.EndpointService",
     "cilia.controlplane.v1.PolicyService",
     "cilia.controlplane.v1.PodService",
+    "cilia.controlplane.v1.ServiceService",
 )
 
 
@@ -140,6 +144,18 @@ class Operator:
                 sync_counter=self.metrics.ces_sync,
             )
             if config.enable_cilium_endpoint_slice
+            else None
+        )
+        # standalone: the operator keeps EndpointSlices and ServiceCIDRs (with --store
+        # kubernetes, kube-controller-manager and the API server do)
+        self.services = (
+            ServiceController(
+                self.store,
+                config.service_cidrs,
+                max_per_slice=config.max_endpoints_per_slice,
+                retry_interval=config.store_retry_interval,
+            )
+            if config.store != "kubernetes"
             else None
         )
         if config.enable_leader_election:
@@ -235,6 +251,12 @@ class Operator:
                     default_pool=config.ipam_default_ip_pool,
                     parse_concurrency=config.apply_max_concurrent_parses,
                     fences=ApplyFences(config.apply_outcomes_max, config.apply_outcome_retention),
+                    services=ServiceSettings(
+                        service_cidrs=config.service_cidrs,
+                        node_port_range=config.node_port_range,
+                        allocate=config.store != "kubernetes",
+                        pod_cidrs=config.cluster_pool_cidrs,
+                    ),
                 ),
                 SERVICE_NAMES[2],
             ),
@@ -257,6 +279,11 @@ class Operator:
                 pb_grpc.add_PodServiceServicer_to_server,
                 PodServicer(self.store, enabled=config.store == "kubernetes", **streams),
                 SERVICE_NAMES[6],
+            ),
+            Service(
+                pb_grpc.add_ServiceServiceServicer_to_server,
+                ServiceServicer(self.store, **streams),
+                SERVICE_NAMES[7],
             ),
         ]
         listen = self.config.listen
@@ -372,12 +399,16 @@ class Operator:
         self.identity_gc.start()
         if self.slices is not None:
             await self.slices.start()
+        if self.services is not None:
+            await self.services.start()
         if self._health is not None:
             await set_serving(self._health, SERVICE_NAMES)
 
     async def _stop_leading(self) -> None:
         """Leadership lost: the leader-only work stops; the replica goes on serving agents
         as a follower (its allocation streams follow the store)."""
+        if self.services is not None:
+            await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
         await self.identity_gc.stop()
@@ -445,6 +476,8 @@ class Operator:
             await self._health_server.stop(None)
         if self.elector is not None:
             await self.elector.stop()
+        if self.services is not None:
+            await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
         await self.identity_gc.stop()
