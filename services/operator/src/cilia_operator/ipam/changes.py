@@ -9,7 +9,8 @@ Rules (Cilia's, stricter than upstream which accepts these edits silently, gh-is
   it, nodes keep the blocks they hold, the operator drops it once no block inside is
   held; re-adding the same CIDR ends the draining;
 - a pool CIDR may not overlap another pool's CIDRs or draining CIDRs, the service
-  CIDRs (``--service-cluster-ip-range``), or any network attached to any node
+  CIDRs (``--service-cluster-ip-range`` and the ``networking.k8s.io/v1 ServiceCIDR``
+  objects, named in the message), or any network attached to any node
   (``status.localNetworks``, reported by the agents) -- the message names the node,
   the interface and the subnet;
 - ``maskSize`` and ``allowFirstIP``/``allowLastIP`` are immutable (checked in
