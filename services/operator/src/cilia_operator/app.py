@@ -51,11 +51,11 @@ from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
 from .ipam.pool import pool_manifest, pool_overlaps, pool_specs, special_ranges
-from .kinds import POOL
+from .kinds import POOL, SERVICE_CIDR
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits
 from .metrics import Metrics
-from .service.allocation import ServiceSettings
+from .service.allocation import ServiceSettings, named_service_cidrs
 from .service.controller import ServiceController
 from .store import AlreadyExists, Snapshot, StoreError, Write
 from .store.kubernetes import KubernetesStore
@@ -192,6 +192,8 @@ class Operator:
                 )
         try:
             await self.store.ping()
+            if self.config.cluster_pool_cidrs:
+                await self._check_cluster_pool_vs_service_cidrs()
         except StoreError as exc:
             raise StartupError(str(exc)) from None
         if self.config.prometheus_serve_addr:
@@ -322,6 +324,21 @@ class Operator:
             self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
 
+    async def _check_cluster_pool_vs_service_cidrs(self) -> None:
+        """Refuse to start when a ``--cluster-pool-ipv4-cidr`` overlaps a stored ServiceCIDR
+        (the reverse, a ServiceCIDR applied over the cluster-pool CIDRs, is refused by apply).
+
+        Raises:
+            StartupError: naming both; StoreError: the list failed.
+        """
+        stored = (await self.store.list(SERVICE_CIDR.kind)).items
+        for name, svc_net in named_service_cidrs(stored, self.config.service_cidrs):
+            for net in self.config.cluster_pool_cidrs:
+                if net.overlaps(svc_net):
+                    raise StartupError(
+                        f"--cluster-pool-ipv4-cidr: {net} overlaps ServiceCIDR {name!r} {svc_net}"
+                    )
+
     async def _start_health_listener(self, address: str) -> None:
         """Serve the main server's health servicer alone, in plaintext, on ``address``
         (``--grpc-health-listen``), so probes without client certificates see readiness.
@@ -427,7 +444,8 @@ class Operator:
         replica starting cannot slip an overlapping pool in between.
 
         Raises:
-            StartupError: a pool overlaps a stored pool or a service CIDR.
+            StartupError: a pool overlaps a stored pool, ``--service-cluster-ip-range`` or a
+                stored ServiceCIDR.
         """
         wanted = self.config.auto_create_pools
         if not wanted:
@@ -437,6 +455,9 @@ class Operator:
         async def plan(snapshot: Snapshot) -> list[Write]:
             existing = pool_specs(snapshot[POOL.kind].items)
             present = {o["metadata"]["name"] for o in snapshot[POOL.kind].items}
+            named = named_service_cidrs(
+                snapshot[SERVICE_CIDR.kind].items, self.config.service_cidrs
+            )
             writes = []
             created.clear()
             for name, spec in wanted.items():
@@ -444,7 +465,7 @@ class Operator:
                     log.info("auto-create pool skipped: it exists", extra={"pool": name})
                     continue
                 overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
-                    spec.cidrs, service_cidrs=self.config.service_cidrs
+                    spec.cidrs, service_cidrs=self.config.service_cidrs, named_service_cidrs=named
                 )
                 if overlaps:
                     raise StartupError(
@@ -458,7 +479,9 @@ class Operator:
         for _ in range(self.config.store_conflict_retries):
             try:
                 await self.store.transact(
-                    [POOL.kind], plan, attempts=self.config.store_conflict_retries
+                    [POOL.kind, SERVICE_CIDR.kind],
+                    plan,
+                    attempts=self.config.store_conflict_retries,
                 )
                 break
             except AlreadyExists:  # Kubernetes store: created meanwhile; plan again

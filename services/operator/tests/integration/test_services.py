@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from cluster import running_operator
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_operator.app import StartupError
 from cilia_operator.store import NotFound
 
 RANGE = "10.96.0.0/28"  # 14 usable addresses
@@ -361,3 +363,21 @@ async def test_slices_hold_at_most_the_limit_of_endpoints(redis_url: str) -> Non
             return sizes == [1, 2, 2]
 
         await eventually(three_slices)
+
+
+async def test_operator_start_refuses_pools_over_a_stored_service_cidr(redis_url: str) -> None:
+    """The pools of --auto-create-cilium-pod-ip-pools and --cluster-pool-ipv4-cidr are checked
+    against the stored ServiceCIDRs too: start-up fails naming both."""
+    async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (_, channel):
+        await apply(channel, service_cidr("extra", "10.252.0.0/16"))
+    auto = ["clash=ipv4-cidrs:10.252.4.0/24;ipv4-mask-size:26"]
+    with pytest.raises(StartupError, match=re.escape("overlaps ServiceCIDR 'extra' 10.252.0.0/16")):
+        async with running_operator(redis_url, auto_create_cilium_pod_ip_pools=auto):
+            pass
+    cluster = {"ipam": "cluster-pool", "cluster_pool_ipv4_cidr": ["10.252.128.0/20"],
+               "auto_create_cilium_pod_ip_pools": []}  # fmt: skip
+    with pytest.raises(
+        StartupError, match=re.escape("10.252.128.0/20 overlaps ServiceCIDR 'extra'")
+    ):
+        async with running_operator(redis_url, **cluster):
+            pass
