@@ -7,6 +7,7 @@ EndpointSlices following the endpoint records, and the WatchServices stream."""
 from __future__ import annotations
 
 import asyncio
+import io
 import ipaddress
 import json
 import re
@@ -20,6 +21,7 @@ from cluster import running_operator
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_operator import cli
 from cilia_operator.app import StartupError
 from cilia_operator.store import NotFound
 
@@ -381,3 +383,39 @@ async def test_operator_start_refuses_pools_over_a_stored_service_cidr(redis_url
     ):
         async with running_operator(redis_url, **cluster):
             pass
+
+
+async def test_servicecidr_migrate_dry_run_prints_the_plan_and_changes_nothing(
+    redis_url: str,
+) -> None:
+    """The plan keeps each Service's offset in the range (the DNS address stays x.x.x.10),
+    names the special cases, and writes nothing; a target overlapping a ServiceCIDR or too
+    small is refused; without --dry-run it says that executing is not built."""
+    async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (op, channel):
+        await apply(channel, service("kube-dns", ns="kube-system", clusterIP="10.96.0.10",
+                                     ports=[{"port": 53, "protocol": "UDP"}]))  # fmt: skip
+        await apply(channel, service("web", clusterIP="10.96.0.3"))
+        await apply(channel, service("api", clusterIP="10.96.0.4"))
+        before = {k: (await op.store.list(k)).items for k in ("Service", "ServiceCIDR")}
+        out = io.StringIO()
+        await asyncio.to_thread(
+            cli.servicecidr_migrate, "10.100.0.0/29", True, "10m", op.address, 10.0, out
+        )
+        text = out.getvalue()
+        assert "from: ServiceCIDR kubernetes 10.96.0.0/28 (3 Service(s))" in text, text
+        assert "to:   10.100.0.0/29 as new ServiceCIDR migrated-10-100-0-0-29" in text
+        assert "kube-system/kube-dns  10.96.0.10 -> 10.100.0.1  (offset taken or out" in text
+        assert "default/web           10.96.0.3 -> 10.100.0.3\n" in text
+        assert "default/api           10.96.0.4 -> 10.100.0.4\n" in text
+        assert "cluster DNS kube-system/kube-dns: pods keep 10.96.0.10" in text
+        assert "no use of it for 10m (--alias-grace-period)" in text
+        after = {k: (await op.store.list(k)).items for k in ("Service", "ServiceCIDR")}
+        assert after == before
+        for target, reason in [("10.96.0.0/24", "overlaps ServiceCIDR kubernetes"),
+                               ("10.100.0.0/31", "has 0 usable addresses but 3 Services")]:  # fmt: skip
+            with pytest.raises(cli.CommandError, match=re.escape(reason)):
+                await asyncio.to_thread(cli.servicecidr_migrate, target, True, "1h", op.address,
+                                        10.0, io.StringIO())  # fmt: skip
+        with pytest.raises(cli.CommandError, match="not built yet"):
+            await asyncio.to_thread(cli.servicecidr_migrate, "10.100.0.0/16", False, "1h",
+                                    op.address, 10.0, io.StringIO())  # fmt: skip
