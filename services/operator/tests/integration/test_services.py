@@ -249,6 +249,11 @@ async def test_service_cidr_deleted_while_used_stays_terminating_until_released(
         assert "ServiceCIDR 'extra', which is being deleted" in details
         details = await refused(channel, service_cidr("extra", "10.97.0.0/24"))
         assert "is being deleted" in details
+        # the Service holding an address there can still be updated (it keeps the address)
+        changed = service("held", ports=[{"port": 81}])
+        assert [r.action for r in (await apply(channel, changed)).resources] == ["configured"]
+        stored = (await listed(channel, "services"))["default/held"]["spec"]
+        assert (stored["clusterIP"], stored["ports"][0]["port"]) == ("10.97.0.10", 81)
         await resources.Delete(pb.DeleteRequest(kind="service", name="held", namespace="default"))
 
         async def released() -> bool:

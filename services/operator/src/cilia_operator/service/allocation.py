@@ -186,7 +186,7 @@ def prepare(
             problems = _selectorless(doc, sliced)
         if not problems and settings.allocate:
             _defaults(doc.obj)
-            problems = _allocate_ip(doc, ranges, rng) + _allocate_node_ports(
+            problems = _allocate_ip(doc, current, ranges, rng) + _allocate_node_ports(
                 doc, current, ranges, settings.node_port_range, rng
             )
         errors += [(doc.index, e) for e in problems]
@@ -257,7 +257,9 @@ def _defaults(obj: dict[str, Any]) -> None:
         spec["ipFamilyPolicy"] = "SingleStack"
 
 
-def _allocate_ip(doc: ServiceDoc, ranges: _Ranges, rng: random.Random) -> list[FieldError]:
+def _allocate_ip(
+    doc: ServiceDoc, current: Resource | None, ranges: _Ranges, rng: random.Random
+) -> list[FieldError]:
     spec = doc.obj["spec"]
     me = _display((doc.namespace, doc.name))
     if spec.get("type") == "ExternalName" or spec.get("clusterIP") == "None":
@@ -265,7 +267,11 @@ def _allocate_ip(doc: ServiceDoc, ranges: _Ranges, rng: random.Random) -> list[F
             spec["clusterIPs"] = ["None"]
         return []
     given = spec.get("clusterIP") or ""
-    if given:
+    held = ((current or {}).get("spec") or {}).get("clusterIP") or ""
+    if given and given == held:
+        # an update keeps the address it holds, even in a ServiceCIDR being deleted
+        ip = Addr(given)
+    elif given:
         ip = Addr(given)
         home = next(((n, net) for n, net in ranges.active if ip in net), None)
         if home is None:
