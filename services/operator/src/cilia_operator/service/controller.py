@@ -171,6 +171,12 @@ class ServiceController:
         self.max_per_slice = max_per_slice
         self.retry_interval = retry_interval
         self.objects: dict[str, dict[Key, Resource]] = {k: {} for k in self.KINDS}
+        # indexes: namespace -> Services / endpoint records; Service -> our slices
+        self.in_namespace: dict[str, dict[str, set[Key]]] = {
+            model.SERVICE_KIND: {},
+            records.KIND: {},
+        }
+        self.slices_of: dict[Key, set[Key]] = {}
         self.dirty: set[Key] = set()
         self.cidrs_dirty = False
         self.writes = 0
@@ -180,16 +186,52 @@ class ServiceController:
 
     # ---------------------------------------------------------------- state
 
-    def _services_in(self, namespace: str) -> list[Key]:
-        return [k for k in self.objects[model.SERVICE_KIND] if k[0] == namespace]
+    def _key(self, kind: str, obj: Resource) -> Key:
+        if kind == model.CIDR_KIND:
+            return "", str((obj.get("metadata") or {}).get("name") or "")
+        return model.key_of(obj)
+
+    def _put(self, kind: str, obj: Resource) -> Resource | None:
+        """Keep ``obj`` (indexes too); returns what it replaced."""
+        key = self._key(kind, obj)
+        old = self._drop(kind, key)
+        self.objects[kind][key] = obj
+        if kind in (model.SERVICE_KIND, records.KIND):
+            self.in_namespace[kind].setdefault(key[0], set()).add(key)
+        elif kind == model.SLICE_KIND:
+            owner = model.slice_service(obj)
+            if owner is not None and model.labels_of(obj).get(model.MANAGED_BY_LABEL) == (
+                model.MANAGED_BY
+            ):
+                self.slices_of.setdefault(owner, set()).add(key)
+        return old
+
+    def _drop(self, kind: str, key: Key) -> Resource | None:
+        """Forget one object (indexes too); returns it."""
+        old = self.objects[kind].pop(key, None)
+        if old is None:
+            return None
+        if kind in (model.SERVICE_KIND, records.KIND):
+            self.in_namespace[kind].get(key[0], set()).discard(key)
+        elif kind == model.SLICE_KIND:
+            owner = model.slice_service(old)
+            if owner is not None:
+                self.slices_of.get(owner, set()).discard(key)
+        return old
 
     def _mark(self, kind: str, obj: Resource) -> None:
-        key = model.key_of(obj)
+        """Mark what a change of ``obj`` may affect: its Service; for an endpoint, the
+        Services of its namespace whose selector picks it; the ServiceCIDRs."""
+        key = self._key(kind, obj)
         if kind == model.SERVICE_KIND:
             self.dirty.add(key)
             self.cidrs_dirty = True
         elif kind == records.KIND:
-            self.dirty.update(self._services_in(key[0]))
+            labels = endpoint_labels(obj)
+            for service_key in self.in_namespace[model.SERVICE_KIND].get(key[0], ()):
+                service = self.objects[model.SERVICE_KIND][service_key]
+                if selects((service.get("spec") or {}).get("selector") or {}, labels):
+                    self.dirty.add(service_key)
         elif kind == model.SLICE_KIND:
             owner = model.slice_service(obj)
             if owner is not None and model.labels_of(obj).get(model.MANAGED_BY_LABEL) == (
@@ -200,26 +242,23 @@ class ServiceController:
             self.cidrs_dirty = True
         self._wake.set()
 
-    def _key(self, kind: str, obj: Resource) -> Key:
-        if kind == model.CIDR_KIND:
-            return "", str((obj.get("metadata") or {}).get("name") or "")
-        return model.key_of(obj)
-
     def _listed(self, kind: str, items: Iterable[Resource]) -> None:
-        old = self.objects[kind]
-        self.objects[kind] = {self._key(kind, o): o for o in items}
-        for obj in [*old.values(), *self.objects[kind].values()]:
+        old = list(self.objects[kind].values())
+        for obj in old:
+            self._drop(kind, self._key(kind, obj))
+        for obj in items:
+            self._put(kind, obj)
+        for obj in [*old, *self.objects[kind].values()]:
             self._mark(kind, obj)
 
     def on_event(self, kind: str, event: WatchEvent) -> None:
         """One change of one of :attr:`KINDS`."""
-        key = self._key(kind, event.object)
         if event.type == "DELETED":
-            gone = self.objects[kind].pop(key, None)
-            if gone is not None and kind == records.KIND:
-                self._mark(kind, gone)
+            old = self._drop(kind, self._key(kind, event.object))
         else:
-            self.objects[kind][key] = event.object
+            old = self._put(kind, event.object)
+        if old is not None:
+            self._mark(kind, old)  # an endpoint's old labels; a slice's old owner
         self._mark(kind, event.object)
 
     # ---------------------------------------------------------------- lifecycle
@@ -269,7 +308,7 @@ class ServiceController:
         if stored is None:
             with contextlib.suppress(AlreadyExists):
                 created = await self.store.create(model.default_cidr(list(self.service_cidrs)))
-                self.objects[model.CIDR_KIND][("", model.DEFAULT_CIDR_NAME)] = created
+                self._put(model.CIDR_KIND, created)
                 log.info("default ServiceCIDR created",
                          extra={"cidrs": [str(c) for c in self.service_cidrs]})  # fmt: skip
         elif model.cidr_networks(stored) != list(self.service_cidrs):
@@ -340,7 +379,9 @@ class ServiceController:
 
     async def _reconcile_service(self, key: Key) -> None:
         service = self.objects[model.SERVICE_KIND].get(key)
-        endpoints = self.objects[records.KIND].values()
+        endpoints = [
+            self.objects[records.KIND][k] for k in self.in_namespace[records.KIND].get(key[0], ())
+        ]
         desired: dict[str, dict[str, Any]] = {}
         if service is not None:
             desired = desired_slices(service, endpoints, self.max_per_slice)
@@ -353,10 +394,7 @@ class ServiceController:
                         extra={"service": f"{key[0]}/{key[1]}", "port": name},
                     )
         current = {
-            k[1]: o
-            for k, o in self.objects[model.SLICE_KIND].items()
-            if model.slice_service(o) == key
-            and model.labels_of(o).get(model.MANAGED_BY_LABEL) == model.MANAGED_BY
+            k[1]: self.objects[model.SLICE_KIND][k] for k in list(self.slices_of.get(key, ()))
         }
         for name, obj in desired.items():
             have = current.get(name)
@@ -373,7 +411,7 @@ class ServiceController:
                            "resourceVersion": stored["metadata"]["resourceVersion"]}}  # fmt: skip
                     stored = await self.store.update(obj)
                 self.writes += 1
-                self.objects[model.SLICE_KIND][(key[0], name)] = stored
+                self._put(model.SLICE_KIND, stored)
             elif not _same(have, obj):
                 rv = (have.get("metadata") or {}).get("resourceVersion") or ""
                 update = {**have, **{f: obj[f] for f in ("addressType", "endpoints", "ports")}}
@@ -381,7 +419,7 @@ class ServiceController:
                                       "resourceVersion": rv}  # fmt: skip
                 stored = await self.store.update(update)
                 self.writes += 1
-                self.objects[model.SLICE_KIND][(key[0], name)] = stored
+                self._put(model.SLICE_KIND, stored)
         for name, have in current.items():
             if name in desired:
                 continue
@@ -389,7 +427,7 @@ class ServiceController:
             with contextlib.suppress(NotFound):
                 await self.store.delete(model.SLICE_KIND, name, key[0], rv)
             self.writes += 1
-            self.objects[model.SLICE_KIND].pop((key[0], name), None)
+            self._drop(model.SLICE_KIND, (key[0], name))
 
     async def _release_cidrs(self) -> None:
         cidrs = list(self.objects[model.CIDR_KIND].values())
@@ -413,6 +451,6 @@ class ServiceController:
             except Conflict:
                 self.cidrs_dirty = True  # changed meanwhile: the watch brings it back
                 continue
-            self.objects[model.CIDR_KIND].pop(("", name), None)
+            self._drop(model.CIDR_KIND, ("", name))
             log.info("ServiceCIDR released: no Service holds an address in it",
                      extra={"servicecidr": name})  # fmt: skip
