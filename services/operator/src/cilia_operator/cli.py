@@ -278,7 +278,18 @@ def delete(
     request = pb.DeleteRequest(
         kind=info.kind, name=name, namespace=namespace if info.namespaced else ""
     )
-    _call(_stub(server, tls).Delete, request, server, timeout)
+    stub = _stub(server, tls)
+    _call(stub.Delete, request, server, timeout)
+    if info.kind == "ServiceCIDR":
+        # a ServiceCIDR that Services still hold addresses in stays, terminating
+        try:
+            left = stub.Get(pb.GetRequest(kind=info.kind, name=name), timeout=timeout)
+        except grpc.RpcError:
+            left = None
+        if left is not None and json.loads(left.resource.json)["metadata"].get("deletionTimestamp"):
+            print(f"{info.display(name)} terminating: Services hold addresses in it; it is "
+                  "deleted when the last of them goes", file=out)  # fmt: skip
+            return
     print(f"{info.display(name)} deleted", file=out)
 
 

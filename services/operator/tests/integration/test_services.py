@@ -241,7 +241,12 @@ async def test_service_cidr_deleted_while_used_stays_terminating_until_released(
         resources = pb_grpc.ResourceServiceStub(channel)
         await apply(channel, service_cidr("extra", "10.97.0.0/24"))
         await apply(channel, service("held", clusterIP="10.97.0.10"))
-        await resources.Delete(pb.DeleteRequest(kind="servicecidr", name="extra"))
+        out = io.StringIO()
+        await asyncio.to_thread(cli.delete, "servicecidr", "extra", op.address, 10.0, out)
+        assert out.getvalue() == (
+            "servicecidr.networking.k8s.io/extra terminating: Services hold addresses in it; "
+            "it is deleted when the last of them goes\n"
+        )
         kept = (await listed(channel, "servicecidrs"))["extra"]
         assert kept["metadata"]["deletionTimestamp"]
         assert kept["status"]["conditions"][0]["reason"] == "Terminating"
@@ -266,7 +271,9 @@ async def test_service_cidr_deleted_while_used_stays_terminating_until_released(
         await eventually(released)
         # an unused ServiceCIDR goes at once
         await apply(channel, service_cidr("spare", "10.98.0.0/24"))
-        await resources.Delete(pb.DeleteRequest(kind="servicecidr", name="spare"))
+        out = io.StringIO()
+        await asyncio.to_thread(cli.delete, "servicecidr", "spare", op.address, 10.0, out)
+        assert out.getvalue() == "servicecidr.networking.k8s.io/spare deleted\n"
         assert "spare" not in await listed(channel, "servicecidrs")
 
 
