@@ -17,6 +17,8 @@ cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
 cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-last-ip]
                          [--pool NAME] [--service-cluster-ip-range CIDR] [--server ADDR | --offline]
 cilia-operator ipam status [-o text|json] [--server ADDR]
+cilia-operator servicecidr migrate --to CIDR --dry-run [--alias-grace-period DURATION]
+                                   [--server ADDR]
 cilia-operator certs generate --dir DIR [--nodes N1,N2] [--hosts ADDR,...] [--admins NAMES]
                               [--days N]
 cilia-operator --version
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -112,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not contact the operator (default: check against it when "
                       "reachable)")  # fmt: skip
     client(plan)
+    svc_cidr = sub.add_parser("servicecidr", help="Service ranges (networking.k8s.io ServiceCIDR)")
+    svc_sub = svc_cidr.add_subparsers(dest="servicecidr_command", required=True,
+                                      metavar="SUBCOMMAND")  # fmt: skip
+    migrate = svc_sub.add_parser(
+        "migrate",
+        help="plan moving every Service to addresses in a new range while the old addresses "
+        "keep working (only --dry-run is built: it prints the plan)",
+    )
+    migrate.add_argument("--to", required=True, help="the new Service range (IPv4 CIDR)")
+    migrate.add_argument("--dry-run", action="store_true",
+                         help="print the plan, change nothing (required for now)")  # fmt: skip
+    migrate.add_argument("--alias-grace-period", default="1h", type=_go_duration,
+                         help=f"an old ClusterIP is served until no connection used it for "
+                         f"this long (Go duration) {d}")  # fmt: skip
+    client(migrate)
     certs = sub.add_parser("certs", help="certificates of the control plane (mutual TLS)")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="SUBCOMMAND")
     gen = certs_sub.add_parser(
@@ -188,6 +206,13 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _go_duration(value: str) -> str:
+    """A Go duration (``1h``, ``30m``, ``1h30m``, ``90s``), returned as given."""
+    if not re.fullmatch(r"(\d+(\.\d+)?(h|m|s|ms))+", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Go duration (e.g. 1h, 30m, 90s)")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from cilia_common.logs import setup_logging
 
@@ -237,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
+        elif args.command == "servicecidr":
+            cli.servicecidr_migrate(args.to, args.dry_run, args.alias_grace_period, args.server,
+                                    args.timeout, sys.stdout, tls=tls)  # fmt: skip
         elif args.command == "ipam":
             cli.ipam_status(args.server, args.timeout, sys.stdout, output=args.output, tls=tls)
         elif args.command == "get":

@@ -4,8 +4,8 @@ Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING; mutu
 and authorisation by client certificate when the TLS files are set, see
 ``controlplane/authz.py``) ->
 auto-create pools (existing ones skipped) -> without leader election: IPAM controller
-restores every node's CIDRs -> identity GC (and CiliumEndpointSlices) start -> health
-SERVING. With --enable-leader-election: the replica follows the store (allocation streams
+restores every node's CIDRs -> identity GC (and CiliumEndpointSlices, and in standalone
+mode the Service controller: default ServiceCIDR, EndpointSlices) start -> health SERVING. With --enable-leader-election: the replica follows the store (allocation streams
 served, nothing allocated) and is SERVING at once; when it becomes leader the controller
 restores and allocates, the GC and slices start; when it loses the lock they stop and it
 follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
@@ -44,16 +44,19 @@ from .controlplane.pod import PodServicer
 from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
 from .controlplane.resources import add_to_server as add_resource_service
+from .controlplane.service import ServiceServicer
 from .endpoint.slices import SliceController
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
 from .ipam.pool import pool_manifest, pool_overlaps, pool_specs, special_ranges
-from .kinds import POOL
+from .kinds import POOL, SERVICE_CIDR
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits
 from .metrics import Metrics
+from .service.allocation import ServiceSettings, named_service_cidrs
+from .service.controller import ServiceController
 from .store import AlreadyExists, Snapshot, StoreError, Write
 from .store.kubernetes import KubernetesStore
 from .store.redis import RedisStore
@@ -68,6 +71,7 @@ SERVICE_NAMES = (
     "cilia.controlplane.v1.EndpointService",
     "cilia.controlplane.v1.PolicyService",
     "cilia.controlplane.v1.PodService",
+    "cilia.controlplane.v1.ServiceService",
 )
 
 
@@ -142,6 +146,18 @@ class Operator:
             if config.enable_cilium_endpoint_slice
             else None
         )
+        # standalone: the operator keeps EndpointSlices and ServiceCIDRs (with --store
+        # kubernetes, kube-controller-manager and the API server do)
+        self.services = (
+            ServiceController(
+                self.store,
+                config.service_cidrs,
+                max_per_slice=config.max_endpoints_per_slice,
+                retry_interval=config.store_retry_interval,
+            )
+            if config.store != "kubernetes"
+            else None
+        )
         if config.enable_leader_election:
             self.elector = LeaderElector(
                 self._leader_lock(),
@@ -176,6 +192,8 @@ class Operator:
                 )
         try:
             await self.store.ping()
+            if self.config.cluster_pool_cidrs:
+                await self._check_cluster_pool_vs_service_cidrs()
         except StoreError as exc:
             raise StartupError(str(exc)) from None
         if self.config.prometheus_serve_addr:
@@ -235,6 +253,12 @@ class Operator:
                     default_pool=config.ipam_default_ip_pool,
                     parse_concurrency=config.apply_max_concurrent_parses,
                     fences=ApplyFences(config.apply_outcomes_max, config.apply_outcome_retention),
+                    services=ServiceSettings(
+                        service_cidrs=config.service_cidrs,
+                        node_port_range=config.node_port_range,
+                        allocate=config.store != "kubernetes",
+                        pod_cidrs=config.cluster_pool_cidrs,
+                    ),
                 ),
                 SERVICE_NAMES[2],
             ),
@@ -257,6 +281,11 @@ class Operator:
                 pb_grpc.add_PodServiceServicer_to_server,
                 PodServicer(self.store, enabled=config.store == "kubernetes", **streams),
                 SERVICE_NAMES[6],
+            ),
+            Service(
+                pb_grpc.add_ServiceServiceServicer_to_server,
+                ServiceServicer(self.store, **streams),
+                SERVICE_NAMES[7],
             ),
         ]
         listen = self.config.listen
@@ -294,6 +323,21 @@ class Operator:
                 await set_serving(self._health, SERVICE_NAMES)
             self.elector.start()
         log.info("operator serving", extra={"listen": self.address, "metrics": self.metrics_port})
+
+    async def _check_cluster_pool_vs_service_cidrs(self) -> None:
+        """Refuse to start when a ``--cluster-pool-ipv4-cidr`` overlaps a stored ServiceCIDR
+        (the reverse, a ServiceCIDR applied over the cluster-pool CIDRs, is refused by apply).
+
+        Raises:
+            StartupError: naming both; StoreError: the list failed.
+        """
+        stored = (await self.store.list(SERVICE_CIDR.kind)).items
+        for name, svc_net in named_service_cidrs(stored, self.config.service_cidrs):
+            for net in self.config.cluster_pool_cidrs:
+                if net.overlaps(svc_net):
+                    raise StartupError(
+                        f"--cluster-pool-ipv4-cidr: {net} overlaps ServiceCIDR {name!r} {svc_net}"
+                    )
 
     async def _start_health_listener(self, address: str) -> None:
         """Serve the main server's health servicer alone, in plaintext, on ``address``
@@ -372,12 +416,16 @@ class Operator:
         self.identity_gc.start()
         if self.slices is not None:
             await self.slices.start()
+        if self.services is not None:
+            await self.services.start()
         if self._health is not None:
             await set_serving(self._health, SERVICE_NAMES)
 
     async def _stop_leading(self) -> None:
         """Leadership lost: the leader-only work stops; the replica goes on serving agents
         as a follower (its allocation streams follow the store)."""
+        if self.services is not None:
+            await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
         await self.identity_gc.stop()
@@ -396,7 +444,8 @@ class Operator:
         replica starting cannot slip an overlapping pool in between.
 
         Raises:
-            StartupError: a pool overlaps a stored pool or a service CIDR.
+            StartupError: a pool overlaps a stored pool, ``--service-cluster-ip-range`` or a
+                stored ServiceCIDR.
         """
         wanted = self.config.auto_create_pools
         if not wanted:
@@ -406,6 +455,9 @@ class Operator:
         async def plan(snapshot: Snapshot) -> list[Write]:
             existing = pool_specs(snapshot[POOL.kind].items)
             present = {o["metadata"]["name"] for o in snapshot[POOL.kind].items}
+            named = named_service_cidrs(
+                snapshot[SERVICE_CIDR.kind].items, self.config.service_cidrs
+            )
             writes = []
             created.clear()
             for name, spec in wanted.items():
@@ -413,7 +465,7 @@ class Operator:
                     log.info("auto-create pool skipped: it exists", extra={"pool": name})
                     continue
                 overlaps = pool_overlaps(name, spec.cidrs, existing.values()) + overlap_errors(
-                    spec.cidrs, service_cidrs=self.config.service_cidrs
+                    spec.cidrs, service_cidrs=self.config.service_cidrs, named_service_cidrs=named
                 )
                 if overlaps:
                     raise StartupError(
@@ -427,7 +479,9 @@ class Operator:
         for _ in range(self.config.store_conflict_retries):
             try:
                 await self.store.transact(
-                    [POOL.kind], plan, attempts=self.config.store_conflict_retries
+                    [POOL.kind, SERVICE_CIDR.kind],
+                    plan,
+                    attempts=self.config.store_conflict_retries,
                 )
                 break
             except AlreadyExists:  # Kubernetes store: created meanwhile; plan again
@@ -445,6 +499,8 @@ class Operator:
             await self._health_server.stop(None)
         if self.elector is not None:
             await self.elector.stop()
+        if self.services is not None:
+            await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
         await self.identity_gc.stop()

@@ -33,6 +33,7 @@ from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
 from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
 from .kinds import UnknownKind, kind_of, resolve_kind
 from .manifests import parse_manifest
+from .service.migration import MigrationRefused, plan_migration
 
 EXIT_ERROR = 2
 DEFAULT_SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/12")  # the operator's default
@@ -277,8 +278,60 @@ def delete(
     request = pb.DeleteRequest(
         kind=info.kind, name=name, namespace=namespace if info.namespaced else ""
     )
-    _call(_stub(server, tls).Delete, request, server, timeout)
+    stub = _stub(server, tls)
+    _call(stub.Delete, request, server, timeout)
+    if info.kind == "ServiceCIDR":
+        # a ServiceCIDR that Services still hold addresses in stays, terminating
+        try:
+            left = stub.Get(pb.GetRequest(kind=info.kind, name=name), timeout=timeout)
+        except grpc.RpcError:
+            left = None
+        if left is not None and json.loads(left.resource.json)["metadata"].get("deletionTimestamp"):
+            print(f"{info.display(name)} terminating: Services hold addresses in it; it is "
+                  "deleted when the last of them goes", file=out)  # fmt: skip
+            return
     print(f"{info.display(name)} deleted", file=out)
+
+
+def servicecidr_migrate(
+    to: str,
+    dry_run: bool,
+    grace: str,
+    server: str,
+    timeout: float,
+    out: IO[str],
+    *,
+    tls: ClientTLS | None = None,
+) -> None:
+    """Print the plan of moving every Service to addresses in ``to`` (see
+    :mod:`cilia_operator.service.migration`); only ``dry_run`` is built.
+
+    Args:
+        to: the new range (IPv4 CIDR); grace: ``--alias-grace-period`` as given (printed).
+
+    Raises:
+        CommandError: not a CIDR, the range cannot take the Services, the operator is
+            unreachable, or ``dry_run`` is False (executing a plan is not built yet).
+    """
+    try:
+        target = ipaddress.IPv4Network(to, strict=True)
+    except ValueError as exc:
+        raise CommandError(f"--to: {to!r} is not an IPv4 CIDR: {exc}") from None
+    stub = _stub(server, tls)
+    services = [json.loads(r.json) for r in
+                _call(stub.List, pb.ListRequest(kind="Service"), server, timeout).items]  # fmt: skip
+    cidrs = [json.loads(r.json) for r in
+             _call(stub.List, pb.ListRequest(kind="ServiceCIDR"), server, timeout).items]  # fmt: skip
+    try:
+        plan = plan_migration(services, cidrs, target)
+    except MigrationRefused as exc:
+        raise CommandError(str(exc)) from None
+    for line in plan.lines(grace):
+        print(line, file=out)
+    if not dry_run:
+        raise CommandError(
+            "executing the migration is not built yet (only the plan is): run with --dry-run"
+        )
 
 
 def _ipam_stub(server: str, tls: ClientTLS | None = None) -> Any:

@@ -160,7 +160,20 @@ class Config(BaseModel):
     service_cluster_ip_range: Annotated[list[str], Flag(metavar="CIDR")] = Field(
         default_factory=lambda: ["10.96.0.0/12"],
         description="service CIDRs no pool may overlap (kube-apiserver's default is "
-        "10.96.0.0/12); repeat or comma-separate",
+        "10.96.0.0/12); repeat or comma-separate. Standalone: the default ServiceCIDR "
+        "'kubernetes' ClusterIPs are allocated from (created at start unless it exists)",
+    )
+    service_node_port_range: Annotated[str, Flag(metavar="FIRST-LAST")] = Field(
+        default="30000-32767",
+        description="standalone: the NodePorts of NodePort/LoadBalancer Services are allocated "
+        "from this inclusive range (kube-apiserver's flag and default)",
+    )
+    max_endpoints_per_slice: int = Field(
+        default=100,
+        ge=1,
+        le=1000,
+        description="standalone: endpoints in one EndpointSlice the operator keeps at most "
+        "(kube-controller-manager's --max-endpoints-per-slice)",
     )
     kubeconfig: str = Field(
         default="",
@@ -360,6 +373,25 @@ class Config(BaseModel):
     def service_cidrs(self) -> tuple[ipaddress.IPv4Network, ...]:
         """Parsed ``--service-cluster-ip-range``."""
         return tuple(ipaddress.IPv4Network(c) for c in self.service_cluster_ip_range)
+
+    @field_validator("service_node_port_range")
+    @classmethod
+    def _node_ports(cls, value: str) -> str:
+        first, sep, last = value.partition("-")
+        if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+            raise ValueError(f"--service-node-port-range: {value!r}: expected FIRST-LAST")
+        low, high = int(first), int(last)
+        if not 1 <= low <= high <= 65535:
+            raise ValueError(
+                f"--service-node-port-range: {value!r}: need 1 <= FIRST <= LAST <= 65535"
+            )
+        return f"{low}-{high}"
+
+    @property
+    def node_port_range(self) -> tuple[int, int]:
+        """Parsed ``--service-node-port-range`` (first, last), inclusive."""
+        first, _, last = self.service_node_port_range.partition("-")
+        return int(first), int(last)
 
     @field_validator("store")
     @classmethod

@@ -17,7 +17,15 @@ CiliumEndpoint              cilium.io/v2            ciliumendpoints | cep,      
                                                     ciliumep
 Namespace                   v1                      namespaces | ns             cluster
 CiliaIPAMBlock              cilia.io/v1alpha1       ciliaipamblocks | cipb      cluster
+Service                     v1                      services | svc              namespaced
+EndpointSlice               discovery.k8s.io/v1     endpointslices              namespaced
+ServiceCIDR                 networking.k8s.io/v1    servicecidrs                cluster
 ==========================  ======================  ==========================  ==========
+
+Services, EndpointSlices and ServiceCIDRs are Kubernetes' own kinds (see
+:mod:`cilia_operator.service`): in standalone mode the operator allocates ClusterIPs and
+keeps EndpointSlices as kube-apiserver and kube-controller-manager would; with
+``--store kubernetes`` they are the API server's objects.
 
 Namespaces carry the labels/annotations ResolvePool reads (pool annotations,
 namespaceSelector). CiliaIPAMBlock records are the allocator's per-block claims
@@ -36,6 +44,7 @@ from typing import Any
 from .errors import FieldError, InvalidResource
 from .ipam import claims, node, pool, resolve
 from .policy import validation as policy
+from .service import model as service
 
 
 class UnknownKind(ValueError):
@@ -128,7 +137,22 @@ IPAM_BLOCK = KindInfo(
     claims.KIND, claims.API_VERSION, "ciliaipamblocks", "ciliaipamblock", ("cipb",),
     _managed_by("the operator's IPAM allocator"), appliable=False,
 )  # fmt: skip
-KINDS = (POOL, NODE, CNP, CCNP, NETWORK_POLICY, IDENTITY, ENDPOINT, NAMESPACE, IPAM_BLOCK)
+SERVICE = KindInfo(
+    service.SERVICE_KIND, service.SERVICE_API_VERSION, "services", "service", ("svc",),
+    service.validate_service, namespaced=True,
+)  # fmt: skip
+ENDPOINT_SLICE = KindInfo(
+    service.SLICE_KIND, service.SLICE_API_VERSION, "endpointslices", "endpointslice", (),
+    service.validate_endpoint_slice, namespaced=True,
+)  # fmt: skip
+SERVICE_CIDR = KindInfo(
+    service.CIDR_KIND, service.CIDR_API_VERSION, "servicecidrs", "servicecidr", (),
+    service.validate_service_cidr,
+)  # fmt: skip
+KINDS = (
+    POOL, NODE, CNP, CCNP, NETWORK_POLICY, IDENTITY, ENDPOINT, NAMESPACE, IPAM_BLOCK,
+    SERVICE, ENDPOINT_SLICE, SERVICE_CIDR,
+)  # fmt: skip
 
 
 def resolve_kind(name: str) -> KindInfo:
@@ -142,7 +166,7 @@ def resolve_kind(name: str) -> KindInfo:
         names = {info.kind.lower(), info.plural, info.singular, *info.short_names}
         if wanted in names or wanted == f"{info.plural}.{info.group}":
             return info
-    accepted = ", ".join(f"{i.plural}|{'|'.join(i.short_names)}" for i in KINDS)
+    accepted = ", ".join("|".join((i.plural, *i.short_names)) for i in KINDS)
     raise UnknownKind(f"unknown kind {name!r}: use one of {accepted}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import ipaddress
 import json
@@ -28,7 +29,18 @@ from ..ipam.pool import (
     to_pool_spec,
     validate_pool,
 )
-from ..kinds import IDENTITY, NODE, POOL, KindInfo, UnknownKind, kind_of, resolve_kind
+from ..kinds import (
+    ENDPOINT_SLICE,
+    IDENTITY,
+    NODE,
+    POOL,
+    SERVICE_CIDR,
+    KindInfo,
+    UnknownKind,
+    kind_of,
+    resolve_kind,
+)
+from ..kinds import SERVICE as SERVICE_INFO
 from ..manifests import (
     Document,
     DocumentError,
@@ -38,10 +50,13 @@ from ..manifests import (
     parse_manifest,
     validate_documents,
 )
+from ..service import allocation
+from ..service import model as svc
 from ..store import (
     Conflict,
     Contention,
     ListResult,
+    NotFound,
     Resource,
     Snapshot,
     Store,
@@ -198,6 +213,16 @@ def _kinds(raw: Sequence[Any]) -> list[str]:
     return out
 
 
+def _selectorless(raw: Sequence[Any]) -> bool:
+    """Whether a parsed document is a Service without ``spec.selector``."""
+    for doc in raw:
+        if isinstance(doc, dict) and doc.get("kind") == SERVICE_INFO.kind:
+            spec = doc.get("spec")
+            if not isinstance(spec, dict) or not spec.get("selector"):
+                return True
+    return False
+
+
 def _plan_one(
     doc: Document, current: Resource | None, change: PoolChange | None
 ) -> tuple[str, Write | None]:
@@ -234,6 +259,9 @@ class ResourceServicer:
         parse_concurrency: manifests parsed at once (``--apply-max-concurrent-parses``);
             the others wait their turn without using CPU, so hostile manifests take at
             most that many threads from the event loop serving every other call.
+        fences: the outcomes of applies by request id (``ApplyOutcome``).
+        services: Service settings (ServiceCIDR default range, NodePort range, whether
+            the operator allocates; default: standalone with ``service_cidrs``).
     """
 
     def __init__(
@@ -246,6 +274,7 @@ class ResourceServicer:
         default_pool: str = DEFAULT_POOL,
         parse_concurrency: int = 1,
         fences: ApplyFences | None = None,
+        services: allocation.ServiceSettings | None = None,
     ) -> None:
         if parse_concurrency < 1:
             raise ValueError(f"parse_concurrency must be >= 1, got {parse_concurrency}")
@@ -257,9 +286,14 @@ class ResourceServicer:
         self.limits = limits or ManifestLimits()
         self.attempts = attempts
         self.fences = fences or ApplyFences()
+        self.services = services or allocation.ServiceSettings(service_cidrs=self.service_cidrs)
 
     def _pool_changes(
-        self, docs: Sequence[Document], stored: Mapping[str, PoolSpec], records: list[Resource]
+        self,
+        docs: Sequence[Document],
+        stored: Mapping[str, PoolSpec],
+        records: list[Resource],
+        service_cidrs: Sequence[Resource] = (),
     ) -> tuple[dict[str, PoolChange], list[str]]:
         """Check every pool document against nodes and services; effects per node.
 
@@ -285,6 +319,7 @@ class ResourceServicer:
             )
             for r in records
         ]
+        named = allocation.named_service_cidrs(service_cidrs, self.service_cidrs)
         changes: dict[str, PoolChange] = {}
         effects: list[str] = []
         errors: list[DocumentError] = []
@@ -301,6 +336,7 @@ class ResourceServicer:
                 holdings,
                 service_cidrs=self.service_cidrs,
                 node_networks=networks,
+                named_service_cidrs=named,
             )
             errors += [DocumentError(doc.index, label, e) for e in change.errors]
             changes[doc.name] = change
@@ -308,6 +344,41 @@ class ResourceServicer:
         if errors:
             raise InvalidManifest(errors)
         return changes, effects
+
+    def _prepare_services(
+        self, docs: Sequence[Document], snapshot: Snapshot, stored: Mapping[str, PoolSpec]
+    ) -> None:
+        """The Service registry step (:func:`cilia_operator.service.allocation.prepare`):
+        defaults, ClusterIP and NodePort allocation into the Service documents, ServiceCIDR
+        checks.
+
+        Raises:
+            InvalidManifest: every problem (nothing written).
+        """
+        wanted = (SERVICE_INFO, SERVICE_CIDR, ENDPOINT_SLICE)
+        for doc in docs:
+            if doc.info is SERVICE_INFO and "spec" in doc.obj:
+                # the parsed manifest is shared by every attempt of the transaction: the
+                # allocations of one attempt must not show up as "given" in the next
+                doc.obj["spec"] = copy.deepcopy(doc.obj["spec"])
+        service_docs = [
+            allocation.ServiceDoc(d.index, d.info.kind, d.namespace, d.name, d.obj)
+            for d in docs
+            if d.info in wanted
+        ]
+        if not any(d.kind in (SERVICE_INFO.kind, SERVICE_CIDR.kind) for d in service_docs):
+            return
+        specs = {**stored}
+        for doc in docs:
+            if doc.info is POOL:
+                with contextlib.suppress(InvalidResource):
+                    specs[doc.name] = to_pool_spec(validate_pool(doc.obj))
+        pools = [allocation.PoolRanges(n, (*p.cidrs, *p.draining)) for n, p in specs.items()]
+        problems = allocation.prepare(service_docs, snapshot, self.services, pools)
+        if problems:
+            labels = {d.index: f"{d.info.kind} {d.namespace + '/' if d.namespace else ''}{d.name}"
+                      for d in docs}  # fmt: skip
+            raise InvalidManifest([DocumentError(i, labels[i], e) for i, e in problems])
 
     def deserialize_apply(self, raw: bytes) -> pb.ApplyRequest | OversizedApply:
         """Decode an ApplyRequest, or only measure it when it is too large to hold a
@@ -374,7 +445,11 @@ class ResourceServicer:
             async with self._parsing:
                 docs = await asyncio.to_thread(validate_documents, raw, stored)
             records = snapshot[NODE.kind].items if NODE.kind in snapshot else []
-            changes, effects = self._pool_changes(docs, stored, records)
+            cidr_records = (
+                snapshot[SERVICE_CIDR.kind].items if SERVICE_CIDR.kind in snapshot else []
+            )
+            changes, effects = self._pool_changes(docs, stored, records, cidr_records)
+            self._prepare_services(docs, snapshot, stored)
             writes: list[Write] = []
             applied = []
             for doc in docs:
@@ -403,7 +478,19 @@ class ResourceServicer:
         # are applied (their networks and blocks are checked), so a policy apply is not
         # retried for every node update
         nodes_too = [NODE.kind] if POOL.kind in kinds else []
-        await self.store.transact([POOL.kind, *nodes_too, *kinds], plan, attempts=self.attempts)
+        # Services are planned on every Service and ServiceCIDR (addresses held, ranges),
+        # a selector-less one also on the EndpointSlices (the controller's slice writes
+        # would otherwise make every concurrent Service apply start again); pools on the
+        # ServiceCIDRs
+        if SERVICE_INFO.kind in kinds or SERVICE_CIDR.kind in kinds:
+            kinds = [*kinds, SERVICE_INFO.kind, SERVICE_CIDR.kind]
+            if _selectorless(raw):
+                kinds.append(ENDPOINT_SLICE.kind)
+        elif POOL.kind in kinds:
+            kinds = [*kinds, SERVICE_CIDR.kind]
+        await self.store.transact(
+            list(dict.fromkeys([POOL.kind, *nodes_too, *kinds])), plan, attempts=self.attempts
+        )
         if not request.dry_run:
             for doc, res in zip(outcome["docs"], outcome["applied"], strict=True):
                 log.info(
@@ -428,6 +515,52 @@ class ResourceServicer:
         return pb.ApplyOutcomeResponse(
             outcome=pb.ApplyOutcomeResponse.Outcome.Name(outcome.value), detail=detail
         )
+
+    async def _delete_service_cidr(self, name: str, context: Any) -> None:
+        """Delete a ServiceCIDR as kube-apiserver and its servicecidrs controller do
+        (standalone): in one transaction with the Services it is marked terminating
+        (``metadata.deletionTimestamp``, finalizer ``networking.k8s.io/service-cidr-finalizer``,
+        condition Ready=False reason Terminating) so nothing new is allocated from it; it
+        is deleted at once when no Service holds an address only it covers, else by the
+        leader's Service controller when the last such Service goes.
+
+        Errors: NOT_FOUND; FAILED_PRECONDITION for the default ServiceCIDR ``kubernetes``
+        (it is ``--service-cluster-ip-range``: change the flag).
+        """
+        if name == svc.DEFAULT_CIDR_NAME:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"servicecidr/{name} is the operator's --service-cluster-ip-range: change "
+                "that flag instead",
+            )
+        holders: list[str] = []
+        marked: list[Resource] = []
+
+        async def plan(snapshot: Snapshot) -> list[Write]:
+            items = snapshot[SERVICE_CIDR.kind].items
+            current = _find(snapshot[SERVICE_CIDR.kind], "", name)
+            if current is None:
+                raise NotFound(SERVICE_CIDR.kind, "", name)
+            holders[:] = allocation.cidr_holders(current, snapshot[SERVICE_INFO.kind].items, items)
+            marked[:] = [current]
+            if svc.cidr_terminating(current):
+                return []
+            return [Write("update", svc.terminating(current))]
+
+        written = await self.store.transact(
+            [SERVICE_CIDR.kind, SERVICE_INFO.kind], plan, attempts=self.attempts
+        )
+        record = written[0] if written else marked[0]
+        if holders:
+            log.info(
+                "ServiceCIDR terminating: Services hold addresses in it",
+                extra={"servicecidr": name, "services": holders[:20], "count": len(holders)},
+            )
+            return
+        # changed or gone meanwhile: the leader's controller finishes the delete
+        with contextlib.suppress(Conflict, NotFound):
+            await self.store.delete(SERVICE_CIDR.kind, name, "", resource_version(record))
+        log.info("resource deleted", extra={"resource": f"servicecidr/{name}"})
 
     @unary
     async def Get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:  # noqa: N802
@@ -463,6 +596,9 @@ class ResourceServicer:
         """
         info = resolve_kind(request.kind)
         namespace = _namespace(info, request.namespace)
+        if info is SERVICE_CIDR and self.services.allocate:
+            await self._delete_service_cidr(request.name, context)
+            return pb.DeleteResponse()
         current = await self.store.get(info.kind, request.name, namespace)
         if info is POOL:
             records = (await self.store.list(NODE.kind)).items

@@ -9,7 +9,8 @@ Rules (Cilia's, stricter than upstream which accepts these edits silently, gh-is
   it, nodes keep the blocks they hold, the operator drops it once no block inside is
   held; re-adding the same CIDR ends the draining;
 - a pool CIDR may not overlap another pool's CIDRs or draining CIDRs, the service
-  CIDRs (``--service-cluster-ip-range``), or any network attached to any node
+  CIDRs (``--service-cluster-ip-range`` and the ``networking.k8s.io/v1 ServiceCIDR``
+  objects, named in the message), or any network attached to any node
   (``status.localNetworks``, reported by the agents) -- the message names the node,
   the interface and the subnet;
 - ``maskSize`` and ``allowFirstIP``/``allowLastIP`` are immutable (checked in
@@ -78,12 +79,16 @@ def overlap_errors(
     indexes: Sequence[int] | None = None,
     service_cidrs: Iterable[Net] = (),
     node_networks: Iterable[NodeNetworks] = (),
+    named_service_cidrs: Iterable[tuple[str, Net]] = (),
 ) -> list[FieldError]:
     """Errors for every CIDR of ``cidrs`` overlapping a service CIDR or a node network.
 
     Args:
         cidrs: the CIDRs to check; indexes: their positions in ``spec.ipv4.cidrs``
             (default 0..n-1) for the field path.
+        service_cidrs: ``--service-cluster-ip-range``; named_service_cidrs: ``(name,
+            network)`` of the ``networking.k8s.io/v1 ServiceCIDR`` objects beyond it (the
+            message names the ServiceCIDR).
 
     Each node message names the node, interface and subnet: ``192.168.10.0/23 overlaps
     node 'n1' interface eth1 subnet 192.168.10.0/24``.
@@ -91,6 +96,7 @@ def overlap_errors(
     errors = []
     idx = list(indexes) if indexes is not None else list(range(len(cidrs)))
     services = list(service_cidrs)
+    named = list(named_service_cidrs)
     all_nodes = list(node_networks)
     for i, net in zip(idx, cidrs, strict=True):
         path = f"spec.ipv4.cidrs[{i}]"
@@ -101,6 +107,9 @@ def overlap_errors(
                         path, f"{net} overlaps the service CIDR {svc} (--service-cluster-ip-range)"
                     )
                 )
+        for svc_name, svc in named:
+            if net.overlaps(svc):
+                errors.append(FieldError(path, f"{net} overlaps ServiceCIDR {svc_name!r} {svc}"))
         for node in all_nodes:
             for iface, subnet in node.networks:
                 if not net.overlaps(subnet):
@@ -125,6 +134,7 @@ def plan_pool_change(
     *,
     service_cidrs: Iterable[Net] = (),
     node_networks: Iterable[NodeNetworks] = (),
+    named_service_cidrs: Iterable[tuple[str, Net]] = (),
 ) -> PoolChange:
     """Check and describe the edit of pool ``new.name`` from ``stored`` (None: created).
 
@@ -132,7 +142,8 @@ def plan_pool_change(
         new: the pool as the manifest gives it.
         stored: the pool in the store now (with its draining CIDRs).
         holdings: node -> ``(pool, block)`` every node holds now.
-        service_cidrs / node_networks: what no new pool CIDR may overlap.
+        service_cidrs / node_networks / named_service_cidrs: what no new pool CIDR may
+            overlap (see :func:`overlap_errors`).
 
     Returns:
         errors (overlaps with services/node networks/own draining CIDRs), effects per
@@ -149,6 +160,7 @@ def plan_pool_change(
         indexes=[i for i, _ in brand_new],
         service_cidrs=service_cidrs,
         node_networks=node_networks,
+        named_service_cidrs=named_service_cidrs,
     )
     for i, cidr in brand_new:
         for d in old_draining:

@@ -111,6 +111,11 @@ KINDS: dict[str, KubeKind] = {
     "Pod": KubeKind("", "v1", "pods", True),  # read only (PodService)
     "Node": KubeKind("", "v1", "nodes", False),  # read only (--ipam kubernetes)
     "Lease": KubeKind("coordination.k8s.io", "v1", "leases", True),
+    # Services: the API server allocates ClusterIPs (ServiceCIDRs), kube-controller-manager
+    # keeps the EndpointSlices; the operator reads them (ServiceService)
+    "Service": KubeKind("", "v1", "services", True),
+    "EndpointSlice": KubeKind("discovery.k8s.io", "v1", "endpointslices", True),
+    "ServiceCIDR": KubeKind("networking.k8s.io", "v1", "servicecidrs", False),
     # Cilia's own bookkeeping kinds (CRDs in deploy/kubernetes/crds)
     "CiliaIdentityKey": KubeKind("cilia.io", "v1alpha1", "ciliaidentitykeys", False),
     "CiliaIPAMBlock": KubeKind("cilia.io", "v1alpha1", "ciliaipamblocks", False),

@@ -125,6 +125,15 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _loaded(body: str | bytes, rv: str) -> Resource:
+    """A stored JSON body as a fresh object with ``metadata.resourceVersion`` ``rv`` (set in
+    place: ``json.loads`` made it, so the deep copy of :func:`with_resource_version` is not
+    needed -- it was half the time of a 10,000-object list)."""
+    obj: Resource = json.loads(body)
+    obj.setdefault("metadata", {})["resourceVersion"] = rv
+    return obj
+
+
 def _dump(obj: Resource) -> str:
     body = json.loads(json.dumps(obj))
     body.get("metadata", {}).pop("resourceVersion", None)
@@ -213,7 +222,7 @@ class RedisStore(Store):
         )
         if body is None:
             raise NotFound(kind, namespace, name)
-        return with_resource_version(json.loads(body), str(rv))
+        return _loaded(body, str(rv))
 
     async def list(self, kind: str) -> ListResult:
         k = self._keys(kind)
@@ -223,7 +232,7 @@ class RedisStore(Store):
         versions = dict(zip(flat_versions[::2], flat_versions[1::2], strict=True))
         objects = dict(zip(flat_objects[::2], flat_objects[1::2], strict=True))
         items = [
-            with_resource_version(json.loads(objects[field]), str(versions.get(field, "")))
+            _loaded(objects[field], str(versions.get(field, "")))
             for field in sorted(objects, key=_split)
         ]
         return ListResult(items=items, resource_version=str(rv))
@@ -261,13 +270,13 @@ class RedisStore(Store):
         kind, namespace, name = object_key(obj)
         body = _dump(obj)
         rv, _ = await self._run_write("update", kind, namespace, name, body, resource_version(obj))
-        return with_resource_version(json.loads(body), rv)
+        return _loaded(body, rv)
 
     async def delete(
         self, kind: str, name: str, namespace: str = "", resource_version: str = ""
     ) -> Resource:
         rv, body = await self._run_write("delete", kind, namespace, name, "", resource_version)
-        return with_resource_version(json.loads(body), rv)
+        return _loaded(body, rv)
 
     def _prepare(self, write: Write) -> tuple[builtins.list[str], builtins.list[Any], Resource]:
         """Keys, script args and the object as it will be stored, for one write."""
@@ -315,7 +324,7 @@ class RedisStore(Store):
                     flat_objects = await self._call(pipe.hgetall(k["objects"]))
                     versions = await self._call(pipe.hgetall(k["versions"]))
                     items = [
-                        with_resource_version(json.loads(flat_objects[f]), str(versions.get(f, "")))
+                        _loaded(flat_objects[f], str(versions.get(f, "")))
                         for f in sorted(flat_objects, key=_split)
                     ]
                     snapshot[kind] = ListResult(items=items, resource_version=str(rv or "0"))
@@ -363,7 +372,7 @@ class RedisStore(Store):
                 last = entry_id.split("-", 1)[0]
                 yield WatchEvent(
                     type=fields["type"],
-                    object=with_resource_version(json.loads(fields["object"]), last),
+                    object=_loaded(fields["object"], last),
                     resource_version=last,
                 )
 
