@@ -306,7 +306,7 @@ def service_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -
     ``cilium service list``): ID (rev-NAT index), frontend, type, backends with state.
 
     Raises:
-        cilia_agent.loadbalancer.libbpf.LibbpfError: the maps cannot be opened (not root,
+        cilia_agent.datapath.libbpf.LibbpfError: the maps cannot be opened (not root,
             load balancer never started, wrong ``--bpf-pin-dir``).
     """
     from cilia_agent.loadbalancer.listing import read_frontends

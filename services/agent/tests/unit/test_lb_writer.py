@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
-from cilia_agent.loadbalancer.libbpf import LibbpfError
+from cilia_agent.datapath.libbpf import LibbpfError
 from cilia_agent.loadbalancer.maps import LBMapFull, ServiceMapWriter, frontend_key
 from cilia_agent.loadbalancer.model import Frontend
 

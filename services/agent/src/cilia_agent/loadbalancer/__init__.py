@@ -3,8 +3,8 @@
 Modules, one concern each:
     model    Service message -> frontends (VIP, port, protocol) and their backends (pure).
     layout   ctypes mirrors of ``bpf/lib/lb.h`` (upstream's ``cilium_lb4_*`` maps).
-    libbpf   the few libbpf calls: pinned maps by path, cgroup BPF links.
-    maps     the map writer: backend ids and rev-NAT indexes, restored from the pins.
+    maps     the map writer: backend ids and rev-NAT indexes, restored from the pins
+             (through ``datapath.libbpf``: pinned maps by path, cgroup BPF links).
     socklb   ``bpf/bpf_sock.c`` compiled and its programs linked to the cgroup2 root.
     watcher  ``ServiceService.WatchServices`` -> the writer (resync, metrics).
     manager  the component the agent starts (flags -> all of the above).

@@ -38,6 +38,7 @@ from typing import Any
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.datapath.errors import DatapathError
 from cilia_agent.datapath.layout import ip_from_map, ip_to_map, port_to_map
+from cilia_agent.datapath.libbpf import LibbpfError, PinnedMap
 from cilia_agent.loadbalancer.layout import (
     AFFINITY_MATCH_MAP,
     BACKENDS_MAP,
@@ -54,7 +55,6 @@ from cilia_agent.loadbalancer.layout import (
     Lb4ReverseNat,
     Lb4Service,
 )
-from cilia_agent.loadbalancer.libbpf import LibbpfError, PinnedMap
 from cilia_agent.loadbalancer.model import (
     Backend,
     Frontend,

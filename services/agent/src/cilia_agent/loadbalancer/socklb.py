@@ -36,7 +36,7 @@ from typing import Any
 
 from cilia_agent.datapath.bpffs import mount_point
 from cilia_agent.datapath.errors import DatapathError
-from cilia_agent.loadbalancer.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
+from cilia_agent.datapath.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
 
 log = logging.getLogger(__name__)
 

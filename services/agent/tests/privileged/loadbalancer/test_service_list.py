@@ -55,6 +55,6 @@ def test_service_list_shows_frontends_backends_and_states(
 
 def test_service_list_without_maps_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["service", "list", "--bpf-pin-dir", "/sys/fs/bpf/cilia-tlb-none"]) == 1
-    assert "cannot open pinned object /sys/fs/bpf/cilia-tlb-none/cilium_lb4_services_v2" in (
+    assert "cannot open pinned map /sys/fs/bpf/cilia-tlb-none/cilium_lb4_services_v2" in (
         capsys.readouterr().err
     )

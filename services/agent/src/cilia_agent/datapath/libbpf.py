@@ -1,7 +1,9 @@
-"""The few libbpf calls the load balancer makes, through Debian's ``libbpf.so.1`` (ctypes).
+"""The few libbpf calls the agent makes itself, through Debian's ``libbpf.so.1`` (ctypes).
 
 Pinned maps are opened by path (``BPF_OBJ_GET``) and read and written with
-``BPF_MAP_*_ELEM``, so the writer, the CLI and the tests need neither bcc nor the agent.
+``BPF_MAP_*_ELEM``, so the load balancer's writer, ``cilia-agent bpf … list``, ``cilia-agent
+service list`` and the tests need neither bcc nor the agent (upstream ``cilium-dbg bpf``
+reads pinned maps the same way).
 cgroup attachments are BPF links (``BPF_LINK_CREATE``) pinned on bpffs: the pin keeps the
 program attached while no process holds it, ``BPF_LINK_UPDATE`` swaps the program of a
 running link atomically (an agent restart), and removing the pin detaches it.
@@ -78,15 +80,15 @@ def _err(rc: int) -> int:
     return ctypes.get_errno() or -rc or errno.EIO
 
 
-def obj_get(path: pathlib.Path) -> int:
-    """A new fd of the object pinned at ``path``.
+def obj_get(path: pathlib.Path, what: str = "object") -> int:
+    """A new fd of the object (``what``: "map", "link" …, for the message) pinned at ``path``.
 
     Raises:
         LibbpfError: no such pin (``errno`` ENOENT) or no permission.
     """
     fd = libbpf().bpf_obj_get(str(path).encode())
     if fd < 0:
-        raise LibbpfError(f"cannot open pinned object {path}", _err(fd))
+        raise LibbpfError(f"cannot open pinned {what} {path}", _err(fd))
     return int(fd)
 
 
@@ -127,7 +129,7 @@ class PinnedMap(Generic[K, V]):
 
     Args:
         path: the pin, e.g. ``/sys/fs/bpf/cilia/cilium_lb4_services_v2``.
-        key_type, value_type: ctypes layouts (``loadbalancer.layout``).
+        key_type, value_type: ctypes layouts (``datapath.layout``, ``loadbalancer.layout``).
 
     Raises:
         LibbpfError: no such pin, no permission (root needed), or libbpf missing.
@@ -137,7 +139,7 @@ class PinnedMap(Generic[K, V]):
         self.path = path
         self.key_type = key_type
         self.value_type = value_type
-        self.fd = obj_get(path)
+        self.fd = obj_get(path, "map")
 
     def lookup(self, key: K) -> V | None:
         """The value of ``key``, or None."""
@@ -196,3 +198,9 @@ class PinnedMap(Generic[K, V]):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def __enter__(self) -> PinnedMap[K, V]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
