@@ -95,11 +95,12 @@ def test_probe_checks_icmp_and_tcp_with_payload_and_counts_pings(netns: str) -> 
         probe.stop(server)
 
 
-def test_probe_rejects_an_unknown_target() -> None:
+@pytest.mark.parametrize("target", ["sctp:1.2.3.4:80", "udp:1.2.3.4", "tcp:1.2.3.4:http"])
+def test_probe_rejects_an_unknown_or_malformed_target(target: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "cilia_testkit.probe", "check", "udp:1.2.3.4"],
+        [sys.executable, "-m", "cilia_testkit.probe", "check", target],
         capture_output=True,
         text=True,
         check=False,
     )
-    assert out.returncode == 2 and "not icmp:IP or tcp:IP:PORT" in out.stderr
+    assert out.returncode == 2 and "not icmp:IP, tcp:IP:PORT or udp:IP:PORT" in out.stderr

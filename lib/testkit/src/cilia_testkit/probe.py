@@ -249,17 +249,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     for target in args.targets:
         kind, _, rest = target.partition(":")
+        host, _, port = rest.rpartition(":")
+        if kind not in ("icmp", "tcp", "udp") or (
+            kind != "icmp" and not (host and port.isdigit() and 0 < int(port) < 65536)
+        ):
+            parser.error(f"target {target!r}: not icmp:IP, tcp:IP:PORT or udp:IP:PORT")
         start = time.monotonic()
         if kind == "icmp":
             ok, detail = icmp_check(rest, args.timeout)
         elif kind == "tcp":
-            host, _, port = rest.rpartition(":")
             ok, detail = tcp_check(host, int(port), args.timeout, args.payload)
-        elif kind == "udp":
-            host, _, port = rest.rpartition(":")
-            ok, detail = udp_check(host, int(port), args.timeout)
         else:
-            parser.error(f"target {target!r}: not icmp:IP, tcp:IP:PORT or udp:IP:PORT")
+            ok, detail = udp_check(host, int(port), args.timeout)
         ms = round((time.monotonic() - start) * 1000, 1)
         print(json.dumps({"target": target, "ok": ok, "detail": detail, "ms": ms}), flush=True)
     return 0
