@@ -81,6 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging("cilia-agent", config.log_level)
         for note in config.relative_path_notes(given_flags(args)):
             logging.getLogger("cilia_agent").warning(note)
+        if config.hubble_tls is not None:  # before any side effect (datapath, cgroup links)
+            from cilia_common.tls import CertificateReloader
+
+            try:
+                CertificateReloader(config.hubble_tls)
+            except TLSFileError as exc:
+                print(f"cilia-agent: cannot start: Hubble TLS: {exc}", file=sys.stderr)
+                return 1
         try:
             app.run(config)
         except BpfUnavailable as exc:

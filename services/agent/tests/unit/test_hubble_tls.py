@@ -57,3 +57,22 @@ def test_generated_hubble_certificates_carry_the_names_the_relay_checks(
     assert "*.hubble-relay.cilium.io" in sans("hubble-relay-server")
     assert set(bundle.hubble) == {"hubble-node-a", "hubble-server", "hubble-relay-client",
                                   "hubble-relay-server"}  # fmt: skip
+
+
+def test_serve_refuses_unusable_hubble_tls_files_before_touching_anything(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key that is not the certificate's: exit 1 naming both, before the datapath or any
+    cgroup link exists (the pin dir is never created)."""
+    from cilia_agent.__main__ import main
+
+    generate_bundle(tmp_path, server_hosts=["127.0.0.1"], nodes=["n1"], hubble_cluster="default")
+    pins = tmp_path / "pins"
+    code = main(["serve", "--node-name", "n1", "--operator", "127.0.0.1:1",
+                 "--socket", str(tmp_path / "a.sock"), "--state-dir", str(tmp_path / "st"),
+                 "--bpf-pin-dir", str(pins),
+                 "--hubble-tls-cert-file", str(tmp_path / "hubble-n1.crt"),
+                 "--hubble-tls-key-file", str(tmp_path / "admin.key")])  # fmt: skip
+    assert code == 1
+    assert "is not the private key of" in capsys.readouterr().err
+    assert not pins.exists()

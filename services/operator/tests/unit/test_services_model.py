@@ -53,6 +53,12 @@ def reasons(doc: dict[str, Any]) -> list[str]:
         ({"sessionAffinity": "ClientIP",
           "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 86401}}}, "1-86400"),
         ({"externalTrafficPolicy": "Local"}, "only for type NodePort or LoadBalancer"),
+        # found by a new user's try: accepted before
+        ({"type": "ExternalName", "externalName": "example.com", "clusterIP": "10.96.0.50"},
+         "spec.clusterIP: must not be set for type ExternalName"),
+        ({"type": "ExternalName", "externalName": "not a name!"}, "is not a DNS-1123 subdomain"),
+        ({"clusterIP": "127.0.0.5"}, "special-purpose range (loopback 127.0.0.0/8)"),
+        ({"clusterIP": "224.0.0.1"}, "special-purpose range (multicast 224.0.0.0/4)"),
     ],
 )  # fmt: skip
 def test_invalid_services_are_refused_with_path_and_reason(
@@ -200,3 +206,33 @@ def test_join_resends_a_service_when_its_slice_changes_and_deletes_headless_ones
     assert join.apply(Changed("Service", WatchEvent("MODIFIED", headless, "4"))) == [
         (("default", "web"), None)
     ]
+
+
+@pytest.mark.parametrize("cidr", ["127.0.0.0/24", "0.0.0.0/0", "169.254.0.0/24", "240.0.0.0/8"])
+def test_a_service_cidr_in_a_special_purpose_range_is_refused(cidr: str) -> None:
+    doc = {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+           "metadata": {"name": "odd"}, "spec": {"cidrs": [cidr]}}  # fmt: skip
+    with pytest.raises(InvalidResource, match="special-purpose range"):
+        model.validate_service_cidr(doc)
+
+
+def test_an_external_name_service_with_a_valid_name_and_no_address_passes() -> None:
+    model.validate_service(svc(type="ExternalName", externalName="db.example.com.", ports=[]))
+
+
+def test_a_service_of_20000_ports_joins_each_port_to_its_slice_port() -> None:
+    """A new user's try: 20,000 ports made the join quadratic and stalled the operator for
+    minutes (the env's pytest-timeout ends such a run); each port still finds its slice port."""
+    n = 20_000
+    service = svc(ports=[{"name": f"p{i}", "port": i + 1} for i in range(n)],
+                  clusterIP="10.96.0.9")  # fmt: skip
+    slice_ = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+              "metadata": {"name": "web-1", "namespace": "default",
+                           "labels": {"kubernetes.io/service-name": "web"}},
+              "addressType": "IPv4",
+              "ports": [{"name": f"p{i}", "port": 10_000 + i % 50_000, "protocol": "TCP"}
+                        for i in range(n)],
+              "endpoints": [{"addresses": ["10.0.0.1"]}]}  # fmt: skip
+    message = service_message(service, [slice_])
+    assert message is not None and len(message.ports) == n
+    assert message.ports[-1].backends[0].port == 10_000 + (n - 1)

@@ -102,6 +102,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"{COMPONENT} serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
     setup_logging(COMPONENT, config.log_level)
+    if config.client_tls is not None:  # read again at each dial; unusable now is an error now
+        from cilia_common.tls import channel_credentials
+
+        try:
+            channel_credentials(config.client_tls)
+        except TLSFileError as exc:
+            print(f"{COMPONENT}: cannot start: TLS to agents: {exc}", file=sys.stderr)
+            return 1
     try:
         app.run(config)
     except grpcserver.BindError as exc:

@@ -35,3 +35,12 @@ def test_client_tls_is_used_unless_disabled_and_ca_files_split_on_commas() -> No
     off = Config(tls_hubble_server_ca_files=["a.crt"], disable_client_tls=True)
     assert off.client_tls is None
     assert Config().server_tls is None
+
+
+def test_serve_refuses_a_missing_agent_ca_file_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from cilia_relay.__main__ import main
+
+    code = main(["serve", "--tls-hubble-server-ca-files", "/nonexistent/ca.crt",
+                 "--listen-address", "127.0.0.1:0", "--health-listen-address", "127.0.0.1:0"])  # fmt: skip
+    assert code == 1
+    assert "cannot start: TLS to agents: /nonexistent/ca.crt" in capsys.readouterr().err

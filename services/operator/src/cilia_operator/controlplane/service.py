@@ -45,23 +45,32 @@ def _flag(conditions: Mapping[str, Any], name: str, default: bool) -> bool:
     return default if value is None else bool(value)
 
 
-def _backends(port: Mapping[str, Any], slices: Sequence[Resource]) -> list[pb.ServiceBackend]:
-    name = str(port.get("name") or "")
-    protocol = str(port.get("protocol") or "TCP")
-    out: dict[tuple[str, int], pb.ServiceBackend] = {}
+SlicePorts = list[tuple[Resource, dict[tuple[str, str], int]]]
+
+
+def _slice_ports(slices: Sequence[Resource]) -> SlicePorts:
+    """Each IPv4 slice with its ports by ``(name, protocol)`` (the first of a pair wins):
+    built once per Service, so joining its ports costs O(ports + slice ports), not their
+    product (a Service of 20,000 ports made that product stall the operator)."""
+    out: SlicePorts = []
     for obj in slices:
         if obj.get("addressType") not in (None, "IPv4"):
             continue
-        target_port = next(
-            (
-                int(p.get("port") or 0)
-                for p in obj.get("ports") or []
-                if isinstance(p, Mapping)
-                and str(p.get("name") or "") == name
-                and str(p.get("protocol") or "TCP") == protocol
-            ),
-            0,
-        )
+        ports: dict[tuple[str, str], int] = {}
+        for p in obj.get("ports") or []:
+            if isinstance(p, Mapping):
+                key = (str(p.get("name") or ""), str(p.get("protocol") or "TCP"))
+                ports.setdefault(key, int(p.get("port") or 0))
+        out.append((obj, ports))
+    return out
+
+
+def _backends(port: Mapping[str, Any], slices: SlicePorts) -> list[pb.ServiceBackend]:
+    name = str(port.get("name") or "")
+    protocol = str(port.get("protocol") or "TCP")
+    out: dict[tuple[str, int], pb.ServiceBackend] = {}
+    for obj, slice_ports in slices:
+        target_port = slice_ports.get((name, protocol), 0)
         if not 1 <= target_port <= 65535:
             continue
         for ep in obj.get("endpoints") or []:
@@ -109,13 +118,14 @@ def service_message(service: Resource, slices: Sequence[Resource]) -> pb.Service
     if affinity == "ClientIP":
         config = (spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}
         timeout = int(config.get("timeoutSeconds") or model.DEFAULT_AFFINITY_TIMEOUT)
+    indexed = _slice_ports(slices)
     ports = [
         pb.ServicePort(
             name=str(port.get("name") or ""),
             protocol=str(port.get("protocol") or "TCP"),
             port=int(port.get("port") or 0),
             node_port=int(port.get("nodePort") or 0) if kind in ("NodePort", "LoadBalancer") else 0,
-            backends=_backends(port, slices),
+            backends=_backends(port, indexed),
         )
         for port in spec.get("ports") or []
         if isinstance(port, Mapping)

@@ -67,6 +67,29 @@ DEFAULT_AFFINITY_TIMEOUT = 10800
 MAX_AFFINITY_TIMEOUT = 86400
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+
+#: Special-purpose ranges (RFC 6890) no ServiceCIDR or ClusterIP may use: the socket load
+#: balancer would answer for them for every process on the node. (The same ranges as the
+#: pools' rule in ``ipam.pool``; the layers keep the two domains apart.)
+SPECIAL_RANGES = (
+    ("this network", ipaddress.IPv4Network("0.0.0.0/8")),
+    ("loopback", ipaddress.IPv4Network("127.0.0.0/8")),
+    ("link-local", ipaddress.IPv4Network("169.254.0.0/16")),
+    ("multicast", ipaddress.IPv4Network("224.0.0.0/4")),
+    ("reserved", ipaddress.IPv4Network("240.0.0.0/4")),
+)
+
+#: DNS-1123 subdomain (``spec.externalName``), as Kubernetes validates it.
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+
+
+def _special(net: ipaddress.IPv4Network) -> str:
+    """The special-purpose ranges ``net`` overlaps, as text ("" when none)."""
+    return ", ".join(f"{name} {r}" for name, r in SPECIAL_RANGES if net.overlaps(r))
+
+
 PROTOCOLS = ("TCP", "UDP")
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -152,16 +175,32 @@ def validate_service(doc: Mapping[str, Any]) -> Mapping[str, Any]:
         errors.append(
             FieldError("spec.type", f"{kind!r}: must be one of {', '.join(SERVICE_TYPES)}")
         )
-    if kind == "ExternalName" and not spec.get("externalName"):
+    external = spec.get("externalName")
+    if kind == "ExternalName" and not external:
         errors.append(FieldError("spec.externalName", "required for type ExternalName"))
+    elif kind == "ExternalName" and (
+        not isinstance(external, str) or len(external) > 253
+        or not _DNS1123_SUBDOMAIN.match(external.rstrip("."))
+    ):  # fmt: skip
+        errors.append(FieldError("spec.externalName", f"{external!r} is not a DNS-1123 "
+                                 "subdomain (lower-case labels of letters, digits and '-', "
+                                 "separated by '.')"))  # fmt: skip
     cluster_ip = spec.get("clusterIP") or ""
     headless = cluster_ip == "None"
-    if cluster_ip and not headless:
+    if kind == "ExternalName" and cluster_ip and not headless:
+        errors.append(FieldError("spec.clusterIP", "must not be set for type ExternalName (it "
+                                 "gets no address; clients resolve spec.externalName)"))  # fmt: skip
+    elif cluster_ip and not headless:
         try:
-            ipaddress.IPv4Address(str(cluster_ip))
+            address = ipaddress.IPv4Address(str(cluster_ip))
         except ValueError:
             errors.append(FieldError("spec.clusterIP", f"{cluster_ip!r} is not an IPv4 address "
                                      "(or 'None' for a headless Service)"))  # fmt: skip
+        else:
+            special = _special(ipaddress.IPv4Network(address))
+            if special:
+                errors.append(FieldError("spec.clusterIP", f"{address} is in a special-purpose "
+                                         f"range ({special})"))  # fmt: skip
     cluster_ips = spec.get("clusterIPs")
     if cluster_ips is not None:
         if not isinstance(cluster_ips, list) or len(cluster_ips) > 1:
@@ -280,6 +319,10 @@ def validate_service_cidr(doc: Mapping[str, Any]) -> Mapping[str, Any]:
         if net.prefixlen > 30:
             errors.append(FieldError(f"spec.cidrs[{i}]", f"{net}: too small (at most /30, so "
                                      "it holds an address besides network and broadcast)"))  # fmt: skip
+        special = _special(net)
+        if special:
+            errors.append(FieldError(f"spec.cidrs[{i}]", f"{net} overlaps a special-purpose "
+                                     f"range ({special})"))  # fmt: skip
     if errors:
         raise InvalidResource(errors)
     return doc
