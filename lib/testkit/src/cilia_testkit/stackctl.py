@@ -126,8 +126,13 @@ def status(stack: Stack) -> int:
 
 
 def purge(stack: Stack, *, stop_timeout: float) -> int:
-    """Stop everything, delete leftover netns of the demo/tests/benches, remove ``.run``."""
+    """Stop everything, remove the agent's BPF pins (its maps, and the links that keep its
+    socket load balancer attached to the host's cgroup2 with the stack's old Services) and
+    host device, delete leftover netns of the demo/tests/benches, remove ``.run``. (``down``
+    keeps the pins, so a restarted agent serves the same pods, as upstream's does.)"""
     down(stack, COMPONENTS, stop_timeout=stop_timeout)
+    stack.agent.remove_leftovers()
+    _say(f"removed {stack.agent.pin_dir} (maps, socket-LB links) and {stack.agent.host_device}")
     for name in list_netns("cilia-"):
         if LEFTOVER_NETNS.match(name):
             delete_netns(name)
