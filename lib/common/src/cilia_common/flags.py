@@ -52,6 +52,7 @@ __all__ = [
     "flag_name",
     "given_flags",
     "parse_bool",
+    "split_list",
 ]
 
 EXIT_USAGE = 2
@@ -414,3 +415,10 @@ def validation_error(exc: ValidationError) -> FlagError:
     """``exc`` (from constructing a config model) as a :class:`FlagError` naming the flag
     of its first error."""
     return _error(exc)
+
+
+def split_list(values: list[str]) -> list[str]:
+    """A repeatable flag's values with comma-separated items split out, blanks dropped
+    (``["a.crt,b.crt", " c.crt"]`` -> ``["a.crt", "b.crt", "c.crt"]``): what every
+    ``--…-ca-files`` flag accepts."""
+    return [p.strip() for item in values for p in item.split(",") if p.strip()]

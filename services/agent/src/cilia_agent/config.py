@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cilia_common.addresses import TCPAddress
-from cilia_common.flags import Flag, parse_bool
+from cilia_common.flags import Flag, parse_bool, split_list
 from cilia_common.tls import ClientTLS, ServerTLS
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
@@ -429,7 +429,7 @@ class Config(BaseModel):
     @field_validator("tls_operator_server_ca_files", "hubble_tls_client_ca_files")
     @classmethod
     def _tls_ca_files(cls, value: list[str]) -> list[str]:
-        return [p.strip() for item in value for p in item.split(",") if p.strip()]
+        return split_list(value)
 
     @model_validator(mode="after")
     def _operator_tls(self) -> Config:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cilia_common.addresses import split_host_port
-from cilia_common.flags import Duration, Flag
+from cilia_common.flags import Duration, Flag, split_list
 from cilia_common.tls import ServerTLS
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
@@ -283,7 +283,7 @@ class Config(BaseModel):
     @field_validator("tls_client_ca_files")
     @classmethod
     def _ca_files(cls, value: list[str]) -> list[str]:
-        return [p.strip() for item in value for p in item.split(",") if p.strip()]
+        return split_list(value)
 
     @model_validator(mode="after")
     def _tls(self) -> Config:

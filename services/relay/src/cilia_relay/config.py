@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cilia_common import durations
 from cilia_common.addresses import Address, TCPAddress, dial_target
 from cilia_common.addresses import grpc_listen_target as grpc_address
-from cilia_common.flags import Flag, GoDuration
+from cilia_common.flags import Flag, GoDuration, split_list
 from cilia_common.tls import ClientTLS, ServerTLS
 
 
@@ -141,7 +141,7 @@ class Config(BaseModel):
     @field_validator("tls_hubble_server_ca_files", "tls_relay_client_ca_files")
     @classmethod
     def _ca_files(cls, value: list[str]) -> list[str]:
-        return [p.strip() for item in value for p in item.split(",") if p.strip()]
+        return split_list(value)
 
     @model_validator(mode="after")
     def _tls(self) -> Config:
