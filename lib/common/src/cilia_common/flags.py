@@ -422,3 +422,26 @@ def split_list(values: list[str]) -> list[str]:
     (``["a.crt,b.crt", " c.crt"]`` -> ``["a.crt", "b.crt", "c.crt"]``): what every
     ``--…-ca-files`` flag accepts."""
     return [p.strip() for item in values for p in item.split(",") if p.strip()]
+
+
+def require_all_or_none(flags: Mapping[str, object], why: str = "") -> None:
+    """Check that flags which only work together (a certificate and its key, ...) are all
+    given or all left empty.
+
+    Args:
+        flags: flag name (``--tls-cert-file``) -> its value; empty values (``""``, ``[]``,
+            ``None``) count as not given. Order is kept in the message.
+        why: optional reason appended in parentheses, e.g. ``"mutual TLS"``.
+
+    Raises:
+        ValueError: some but not all were given; the message names every flag of the group,
+            e.g. ``--a and --b: give both or none``.
+    """
+    given = [bool(value) for value in flags.values()]
+    if not any(given) or all(given):
+        return
+    names = list(flags)
+    listed = ", ".join(names[:-1]) + " and " + names[-1]
+    count = {2: "both", 3: "all three", 4: "all four"}.get(len(names), f"all {len(names)}")
+    reason = f" ({why})" if why else ""
+    raise ValueError(f"{listed}: give {count}{reason} or none")

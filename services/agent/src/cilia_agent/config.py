@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cilia_common.addresses import TCPAddress
-from cilia_common.flags import Flag, parse_bool, split_list
+from cilia_common.flags import Flag, parse_bool, require_all_or_none, split_list
 from cilia_common.tls import ClientTLS, ServerTLS
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
@@ -433,19 +433,24 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _operator_tls(self) -> Config:
-        given = [bool(self.tls_operator_server_ca_files), bool(self.tls_operator_client_cert_file),
-                 bool(self.tls_operator_client_key_file)]  # fmt: skip
-        if any(given) and not all(given):
-            raise ValueError(
-                "--tls-operator-server-ca-files, --tls-operator-client-cert-file and "
-                "--tls-operator-client-key-file: give all three (mutual TLS) or none"
-            )
+        require_all_or_none(
+            {
+                "--tls-operator-server-ca-files": self.tls_operator_server_ca_files,
+                "--tls-operator-client-cert-file": self.tls_operator_client_cert_file,
+                "--tls-operator-client-key-file": self.tls_operator_client_key_file,
+            },
+            "mutual TLS",
+        )
         return self
 
     @model_validator(mode="after")
     def _hubble_tls_files(self) -> Config:
-        if bool(self.hubble_tls_cert_file) != bool(self.hubble_tls_key_file):
-            raise ValueError("--hubble-tls-cert-file and --hubble-tls-key-file: give both or none")
+        require_all_or_none(
+            {
+                "--hubble-tls-cert-file": self.hubble_tls_cert_file,
+                "--hubble-tls-key-file": self.hubble_tls_key_file,
+            }
+        )
         if self.hubble_tls_client_ca_files and not self.hubble_tls_cert_file:
             raise ValueError(
                 "--hubble-tls-client-ca-files needs --hubble-tls-cert-file and "

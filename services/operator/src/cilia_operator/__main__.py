@@ -37,7 +37,13 @@ import re
 import sys
 from collections.abc import Sequence
 
-from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args
+from cilia_common.flags import (
+    EXIT_USAGE,
+    FlagError,
+    add_model_flags,
+    config_from_args,
+    require_all_or_none,
+)
 from cilia_common.tls import ClientTLS
 
 from . import __version__
@@ -176,16 +182,18 @@ def _client_tls(args: argparse.Namespace) -> ClientTLS | None:
     Raises:
         FlagError: some but not all of CA, certificate and key given.
     """
-    cas = tuple(p for p in args.tls_operator_server_ca_files.split(",") if p)
-    given = [bool(cas), bool(args.tls_operator_client_cert_file),
-             bool(args.tls_operator_client_key_file)]  # fmt: skip
-    if not any(given):
+    cas = tuple(_split(args.tls_operator_server_ca_files))
+    files = {
+        "--tls-operator-server-ca-files": cas,
+        "--tls-operator-client-cert-file": args.tls_operator_client_cert_file,
+        "--tls-operator-client-key-file": args.tls_operator_client_key_file,
+    }
+    try:
+        require_all_or_none(files)
+    except ValueError as exc:
+        raise FlagError("", str(exc)) from None
+    if not cas:
         return None
-    if not all(given):
-        raise FlagError(
-            "", "--tls-operator-server-ca-files, --tls-operator-client-cert-file and "
-            "--tls-operator-client-key-file: give all three or none",
-        )  # fmt: skip
     return ClientTLS(cas, args.tls_operator_client_cert_file, args.tls_operator_client_key_file,
                      args.tls_operator_server_name)  # fmt: skip
 

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cilia_common.addresses import split_host_port
-from cilia_common.flags import Duration, Flag, split_list
+from cilia_common.flags import Duration, Flag, require_all_or_none, split_list
 from cilia_common.tls import ServerTLS
 
 from .ipam.flags import PoolFlagError, parse_auto_create_pools
@@ -289,15 +289,16 @@ class Config(BaseModel):
     def _tls(self) -> Config:
         from cilia_common.tls import is_loopback
 
-        given = [bool(self.tls_cert_file), bool(self.tls_key_file), bool(self.tls_client_ca_files)]
-        if any(given) and not all(given):
-            raise ValueError(
-                "--tls-cert-file, --tls-key-file and --tls-client-ca-files: give all three "
-                "(mutual TLS) or none"
-            )
-        if all(given) and self.disable_tls:
+        files = {
+            "--tls-cert-file": self.tls_cert_file,
+            "--tls-key-file": self.tls_key_file,
+            "--tls-client-ca-files": self.tls_client_ca_files,
+        }
+        require_all_or_none(files, "mutual TLS")
+        given = all(files.values())
+        if given and self.disable_tls:
             raise ValueError("--disable-tls: conflicts with --tls-cert-file")
-        if not any(given) and not self.disable_tls and not is_loopback(self.listen):
+        if not given and not self.disable_tls and not is_loopback(self.listen):
             raise ValueError(
                 f"--listen {self.listen}: reachable from other hosts, so it needs mutual TLS "
                 "(--tls-cert-file, --tls-key-file, --tls-client-ca-files; "

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cilia_common import durations
 from cilia_common.addresses import Address, TCPAddress, dial_target
 from cilia_common.addresses import grpc_listen_target as grpc_address
-from cilia_common.flags import Flag, GoDuration, split_list
+from cilia_common.flags import Flag, GoDuration, require_all_or_none, split_list
 from cilia_common.tls import ClientTLS, ServerTLS
 
 
@@ -145,15 +145,18 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _tls(self) -> Config:
-        pairs = (
-            ("--tls-client-cert-file", self.tls_client_cert_file,
-             "--tls-client-key-file", self.tls_client_key_file),
-            ("--tls-relay-server-cert-file", self.tls_relay_server_cert_file,
-             "--tls-relay-server-key-file", self.tls_relay_server_key_file),
-        )  # fmt: skip
-        for cert_flag, cert, key_flag, key in pairs:
-            if bool(cert) != bool(key):
-                raise ValueError(f"{cert_flag} and {key_flag}: give both or none")
+        require_all_or_none(
+            {
+                "--tls-client-cert-file": self.tls_client_cert_file,
+                "--tls-client-key-file": self.tls_client_key_file,
+            }
+        )
+        require_all_or_none(
+            {
+                "--tls-relay-server-cert-file": self.tls_relay_server_cert_file,
+                "--tls-relay-server-key-file": self.tls_relay_server_key_file,
+            }
+        )
         if self.tls_client_cert_file and not self.tls_hubble_server_ca_files:
             raise ValueError("--tls-client-cert-file needs --tls-hubble-server-ca-files")
         if self.tls_relay_client_ca_files and not self.tls_relay_server_cert_file:
