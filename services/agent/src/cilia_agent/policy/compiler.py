@@ -17,6 +17,11 @@ Entities: world→2, host→1, remote-node→6, kube-apiserver→7, health→4, 
 ingress→8, unmanaged→3, cluster→every cluster identity (≥256) + host + remote-node,
 all→peer 0.
 
+CIDR peers resolve to the node-local CIDR identities their selector matches (prefix inside
+the cidr, inside none of its excepts; ``rules.CIDRPeer``), plus world (2) for
+``0.0.0.0/0``; the identities exist while some policy names their prefix (the engine
+keeps them in the identity cache).
+
 Source: upstream ``pkg/policy`` (``resolvePolicy``, ``mapstate.go`` deny precedence),
 ``pkg/policy/api/entity.go``; semantics fixed in /work/brief/ISSUE3.md.
 """
@@ -135,6 +140,10 @@ def resolve_peers(peers: Peers, identities: IdentityCache) -> frozenset[int]:
         ids |= identities.matching(selector)
     for entity in peers.entities:
         ids |= entity_identities(entity, identities)
+    for cidr in peers.cidrs:
+        ids |= identities.matching(cidr.selector)
+        if cidr.selects_world:
+            ids.add(IDENTITY_WORLD)
     return frozenset(ids)
 
 
