@@ -87,7 +87,8 @@ async def load(
         bpf.table(table)  # create bcc's table objects once, on this thread
     ipcache.add_listener(BPFWriter(bpf))
     engine = PolicyEngine(
-        PolicyMapWriter(bpf.table("cilia_policy"), capacity=cfg.bpf_policy_map_max)
+        PolicyMapWriter(bpf.table("cilia_policy"), capacity=cfg.bpf_policy_map_max),
+        prefixes=ipcache,  # policy CIDRs → the ipcache (and its BPF writer)
     )
     streams = PolicyStreams(engine, metrics.policy, cfg.endpoint_policy_wait_timeout)
     identities = IdentityAllocator(control, retry, engine, on_learn_error=(PolicyMapError,))
