@@ -1,6 +1,6 @@
 """CIDR policy with real packets: one agent (BPF on, in-process fake operator), one pod, and
 an "external" netns reached from the pod through the host (veth, a random /24 X of the
-benchmarking range 198.18.0.0/15, never a pod address) holding two addresses, X.10 and X.130.
+benchmarking range 198.18.0.0/15 — 198.19.X.0/24 — never a pod address) holding two addresses, X.10 and X.130.
 
 - NetworkPolicy egress ``ipBlock {cidr: X.0/24, except: [X.128/25]}``: the pod reaches
   X.10:8080 over TCP; X.130 is dropped (flow DROPPED, its destination named by the except
@@ -32,7 +32,7 @@ from .conftest import AgentThread, Env, sh
 from .fake_operator import FakeOperator
 from .test_policy_datapath import SERVER, Pod, add_pod, wait
 
-NET = f"198.18.{secrets.randbelow(250) + 1}"
+NET = f"198.19.{secrets.randbelow(250) + 1}"
 HOST_IP, ALLOWED_IP, EXCEPTED_IP = f"{NET}.1", f"{NET}.10", f"{NET}.130"
 
 NP = {

@@ -16,7 +16,7 @@ from cilia_agent.identity.reserved import WORLD
 from cilia_agent.ipcache import Entry, IPCache
 from cilia_agent.policy.compiler import PolicyEntry, Verdict
 from cilia_agent.policy.engine import PolicyEngine
-from cilia_agent.policy.model import InvalidPolicy, parse_policy
+from cilia_agent.policy.model import CiliumNetworkPolicy, InvalidPolicy, parse_policy
 
 NS = "k8s:io.kubernetes.pod.namespace=prod"
 CLIENT_ID = 300
@@ -147,6 +147,7 @@ def test_bad_cidr_is_refused_with_its_path_and_changes_nothing(
 
 def test_host_bits_and_bare_addresses_are_canonical_prefixes() -> None:
     policy = parse_policy(cnp("c", {"egress": [{"toCIDR": ["192.0.2.77/24", "198.51.100.1"]}]}))
+    assert isinstance(policy, CiliumNetworkPolicy)
     assert policy.spec is not None and policy.spec.egress is not None
     assert policy.spec.egress[0].to_cidr == ["192.0.2.0/24", "198.51.100.1/32"]
 
