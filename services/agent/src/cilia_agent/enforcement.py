@@ -33,7 +33,7 @@ from cilia_agent.endpoint.state import EndpointRecord
 from cilia_agent.identity.allocator import IdentityAllocator
 from cilia_agent.identity.watcher import consume_identities
 from cilia_agent.ipcache import IPCache
-from cilia_agent.ipcache.bpf import BPFWriter
+from cilia_agent.ipcache.bpf import BPFWriter, read_prefixes
 from cilia_agent.ipcache.watcher import consume_ipcache
 from cilia_agent.metrics import Metrics
 from cilia_agent.policy.engine import PolicyEngine
@@ -106,6 +106,7 @@ async def load(
     )
     engine.on_enforce = regeneration.on_enforce
     adopted = engine.restore()
+    engine.restore_prefixes(read_prefixes(bpf.table("cilia_ipcache").items()))
     log.info(
         "eBPF datapath ready",
         extra={

@@ -19,6 +19,10 @@ NetworkPolicy ``ipBlock``) is enforced the way upstream Cilium does it:
 - ``0.0.0.0/0`` gets no identity of its own: upstream labels it ``reserved:world`` only,
   i.e. it *is* the world identity (2), which is what the datapath already gives an
   address the ipcache does not know.
+- after an agent restart the numbers found in the pinned ipcache are kept
+  (:meth:`CIDRIdentityAllocator.restore`, as upstream restores its CIDR identities from the
+  ipcache map): a prefix named again gets its old number, so the pinned policy entries stay
+  right; :meth:`CIDRIdentityAllocator.drop_restored` hands back the ones no policy named.
 - each prefix is refcounted by its users (the policies naming it); its identity goes when
   the last user does (:meth:`CIDRIdentityAllocator.update` returns what to add to and
   remove from the identity cache and the ipcache).
@@ -131,6 +135,7 @@ class CIDRIdentityAllocator:
         self._by_user: dict[Hashable, frozenset[str]] = {}
         self._free: list[int] = []  # released indices, reused lowest first
         self._next = MIN_LOCAL_INDEX
+        self._restored: dict[str, int] = {}  # prefix → index kept from before a restart
 
     def __len__(self) -> int:
         return len(self._by_prefix)
@@ -147,6 +152,36 @@ class CIDRIdentityAllocator:
         """How many users hold ``prefix``."""
         return len(self._users.get(prefix, ()))
 
+    def restore(self, prefix: str, identity: int) -> None:
+        """Keep ``identity`` for ``prefix`` (found in the pinned ipcache after a restart)
+        until :meth:`drop_restored`; ignored when not a local identity or already taken."""
+        index = identity & MAX_LOCAL_INDEX
+        if not is_local_identity(identity) or index > self._max:
+            return
+        prefix = str(parse_ipv4_prefix(prefix))
+        taken = index in self._restored.values() or (index < self._next and index not in self._free)
+        if taken or prefix in self._by_prefix or prefix in self._restored:
+            return
+        self._restored[prefix] = index
+        while self._next <= index:
+            if self._next not in self._restored.values():
+                self._free.append(self._next)
+            self._next += 1
+        if index in self._free:
+            self._free.remove(index)
+
+    def drop_restored(self) -> list[CIDRIdentity]:
+        """Forget the restored numbers no user took again; returns them (their pinned
+        entries are stale)."""
+        stale = [
+            CIDRIdentity(p, LOCAL_SCOPE | i, cidr_labels(parse_ipv4_prefix(p)))
+            for p, i in sorted(self._restored.items())
+        ]
+        for ident in stale:
+            self._give_back(ident.identity & MAX_LOCAL_INDEX)
+        self._restored.clear()
+        return stale
+
     def update(self, user: Hashable, prefixes: Iterable[str]) -> CIDRDelta:
         """Make ``prefixes`` the set ``user`` holds (empty = release everything it held).
 
@@ -160,7 +195,8 @@ class CIDRIdentityAllocator:
         wanted = frozenset(str(parse_ipv4_prefix(p)) for p in prefixes) - {WORLD_PREFIX}
         held = self._by_user.get(user, frozenset())
         new = sorted(p for p in wanted - held if p not in self._by_prefix)
-        if len(new) > len(self._free) + (self._max - self._next + 1):
+        fresh = [p for p in new if p not in self._restored]
+        if len(fresh) > len(self._free) + (self._max - self._next + 1):
             raise LocalIdentitiesExhausted(
                 f"{len(new)} CIDR identities needed, local identity space exhausted"
             )
@@ -168,7 +204,9 @@ class CIDRIdentityAllocator:
         for prefix in sorted(wanted - held):
             if prefix not in self._by_prefix:
                 ident = CIDRIdentity(
-                    prefix, LOCAL_SCOPE | self._take(), cidr_labels(parse_ipv4_prefix(prefix))
+                    prefix,
+                    LOCAL_SCOPE | self._take(prefix),
+                    cidr_labels(parse_ipv4_prefix(prefix)),
                 )
                 self._by_prefix[prefix] = ident
                 delta.added.append(ident)
@@ -187,7 +225,10 @@ class CIDRIdentityAllocator:
             self._by_user.pop(user, None)
         return delta
 
-    def _take(self) -> int:
+    def _take(self, prefix: str) -> int:
+        restored = self._restored.pop(prefix, None)
+        if restored is not None:
+            return restored
         if self._free:
             self._free.sort()
             return self._free.pop(0)

@@ -21,7 +21,10 @@ ipcache entry (``prefixes``: the ipcache, through :class:`PrefixSink`) *before* 
 endpoints are recompiled; a prefix no policy names any more loses them *after* (so the map
 never refers to an identity the ipcache cannot produce, and an address never falls back
 to world while a rule still expects its CIDR identity). Prefixes are refcounted by the
-policies naming them (upstream: ipcache metadata refcounted by resource).
+policies naming them (upstream: ipcache metadata refcounted by resource). After a
+restart, :meth:`PolicyEngine.restore_prefixes` adopts the CIDR identities found in the
+pinned ipcache (same numbers for prefixes named again); those no synced policy names are
+removed before the first compilation.
 
 Nothing is compiled before both streams have delivered their initial listing
 (``ready``): compiling against half the identities or policies would delete restored
@@ -37,7 +40,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from cilia_agent.identity.cache import IdentityCache, IdentityChange, WatchIdentitiesResponseLike
-from cilia_agent.identity.cidr import CIDRDelta, CIDRError, CIDRIdentityAllocator
+from cilia_agent.identity.cidr import (
+    CIDRDelta,
+    CIDRError,
+    CIDRIdentityAllocator,
+    cidr_labels,
+    is_local_identity,
+    parse_ipv4_prefix,
+)
 from cilia_agent.identity.labels import Label, LabelSet
 from cilia_agent.policy.compiler import EndpointPolicy, EndpointSubject, PolicyEntry, Verdict
 from cilia_agent.policy.maps import PolicyDiff, PolicyMapError, PolicyMapWriter, diff
@@ -89,6 +99,7 @@ class PolicyEngine:
         self.cidr_identities = (
             cidr_identities if cidr_identities is not None else CIDRIdentityAllocator()
         )
+        self._restored_prefixes = False
         self.endpoints: dict[int, EndpointSubject] = {}
         self.compiled: dict[int, EndpointPolicy] = {}
         self._written: dict[int, Mapping[PolicyEntry, Verdict]] = {}
@@ -106,6 +117,20 @@ class PolicyEngine:
             return {}
         self._written = dict(self.writer.read())
         return dict(self._written)
+
+    def restore_prefixes(self, pinned: Mapping[str, int]) -> None:
+        """Adopt the CIDR identities of a previous run (``prefix → identity`` read from the
+        pinned ipcache; other identities are ignored): their numbers are kept for the
+        prefixes policies name again, the rest are removed once both streams have synced.
+        """
+        for prefix, identity in sorted(pinned.items()):
+            if not is_local_identity(identity):
+                continue
+            self.cidr_identities.restore(prefix, identity)
+            self.identities.upsert_local(identity, cidr_labels(parse_ipv4_prefix(prefix)))
+            if self.prefixes is not None:
+                self.prefixes.upsert_cidr(prefix, identity)
+            self._restored_prefixes = True
 
     def set_endpoint(
         self, ep_id: int, labels: Iterable[str | Label] | LabelSet, namespace: str
@@ -223,6 +248,10 @@ class PolicyEngine:
         if not self.ready:
             self._pending.update(ep_ids)
             return out
+        if self._restored_prefixes:
+            self._restored_prefixes = False
+            stale = CIDRDelta(removed=self.cidr_identities.drop_restored())
+            self._remove_cidrs(stale)  # before compiling: no entry may select them
         todo = sorted(set(ep_ids) | self._pending)
         self._pending.clear()
         for i, ep_id in enumerate(todo):

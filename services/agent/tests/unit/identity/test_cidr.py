@@ -89,3 +89,19 @@ def test_cache_keeps_local_identities_apart_from_the_stream() -> None:
     changes = cache.apply(pb.WatchIdentitiesResponse(events=[delete_local], synced=True))
     assert changes == [] and cache.get(LOCAL_SCOPE + 1) == labels
     assert cache.local_identities() == {LOCAL_SCOPE + 1}
+
+
+def test_restored_numbers_are_kept_for_prefixes_named_again() -> None:
+    alloc = CIDRIdentityAllocator()
+    alloc.restore("192.0.2.0/24", LOCAL_SCOPE + 7)
+    alloc.restore("198.51.100.0/24", LOCAL_SCOPE + 3)
+    alloc.restore("203.0.113.0/24", LOCAL_SCOPE + 7)  # number taken: ignored
+    alloc.restore("10.0.0.0/8", 300)  # not local: ignored
+    delta = alloc.update("p", ["192.0.2.0/24", "10.0.0.0/8"])
+    assert {a.prefix: a.identity for a in delta.added} == {
+        "192.0.2.0/24": LOCAL_SCOPE + 7,
+        "10.0.0.0/8": LOCAL_SCOPE + 1,
+    }, "a new prefix takes the lowest number no restored prefix keeps"
+    stale = alloc.drop_restored()
+    assert [(s.prefix, s.identity) for s in stale] == [("198.51.100.0/24", LOCAL_SCOPE + 3)]
+    assert alloc.update("q", ["203.0.113.0/24"]).added[0].identity == LOCAL_SCOPE + 2

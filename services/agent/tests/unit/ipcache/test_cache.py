@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
+from cilia_agent.datapath.layout import IpcacheKey, IpcacheValue, ip_to_map
 from cilia_agent.ipcache import Entry, IPCache
+from cilia_agent.ipcache.bpf import read_prefixes
 from cilia_agent.ipcache.watcher import consume_ipcache
 
 
@@ -117,3 +119,11 @@ def test_policy_cidrs_are_the_lowest_precedence_and_longest_match_still_wins() -
     cache.delete_remote("10.0.0.0/8")
     cache.delete_cidr("10.0.0.2/32")
     assert sorted(rec.table) == ["10.1.0.0/16"]
+
+
+def test_read_prefixes_turns_pinned_keys_into_prefixes() -> None:
+    items = [
+        (IpcacheKey(24, ip_to_map("192.0.2.0")), IpcacheValue(16777217, 0)),
+        (IpcacheKey(32, ip_to_map("10.0.0.2")), IpcacheValue(300, 0)),
+    ]
+    assert read_prefixes(items) == {"192.0.2.0/24": 16777217, "10.0.0.2/32": 300}

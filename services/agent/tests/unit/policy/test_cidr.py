@@ -267,3 +267,19 @@ def test_hubble_names_an_address_by_its_cidr_identity_and_pods_keep_theirs() -> 
 
     pod = resolver.endpoint_by_ip("192.0.2.5")
     assert pod is not None and (pod.identity, pod.pod_name) == (CLIENT_ID + 1, "inside")
+
+
+def test_after_a_restart_pinned_cidr_identities_are_kept_or_removed_once_synced() -> None:
+    table = Table()
+    ipcache = IPCache([table])
+    eng = PolicyEngine(prefixes=ipcache)
+    kept, stale = LOCAL_SCOPE + 5, LOCAL_SCOPE + 9
+    eng.restore_prefixes({"192.0.2.0/24": kept, "198.51.100.0/24": stale, "10.0.0.2/32": 300})
+    assert table.rows == {"192.0.2.0/24": kept, "198.51.100.0/24": stale}
+    eng.set_endpoint(1, ["k8s:app=client", NS], "prod")
+    eng.on_identities(pb.WatchIdentitiesResponse(synced=True))
+    assert table.rows["198.51.100.0/24"] == stale, "nothing is removed before both streams synced"
+    eng.on_policies(upserts(cnp("c", {"egress": [{"toCIDR": ["192.0.2.0/24"]}]}), synced=True))
+    assert table.rows == {"192.0.2.0/24": kept}
+    assert eng.identities.local_identities() == {kept}
+    assert peers(eng, 1) == {kept}, "the pinned policy entries stay right"
