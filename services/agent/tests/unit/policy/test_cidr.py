@@ -283,3 +283,16 @@ def test_after_a_restart_pinned_cidr_identities_are_kept_or_removed_once_synced(
     assert table.rows == {"192.0.2.0/24": kept}
     assert eng.identities.local_identities() == {kept}
     assert peers(eng, 1) == {kept}, "the pinned policy entries stay right"
+
+
+def test_world_entity_covers_cidr_identities_so_naming_a_prefix_breaks_no_world_rule() -> None:
+    eng, _, _ = engine()
+    eng.on_policies(upserts(cnp("w", {"egress": [{"toEntities": ["world"]}]})))
+    assert peers(eng, 1) == {WORLD}
+    _, recompiled = eng.on_policies(
+        upserts(cnp("c", {"ingress": [{"fromCIDR": ["192.0.2.0/24"]}]}))
+    )
+    assert 1 in recompiled
+    assert peers(eng, 1) == {WORLD, ident(eng, "192.0.2.0/24")}
+    eng.on_policies(delete("CiliumNetworkPolicy", "c"))
+    assert peers(eng, 1) == {WORLD}
