@@ -33,7 +33,7 @@ from cilia_agent.endpoint.state import EndpointRecord
 from cilia_agent.identity.allocator import IdentityAllocator
 from cilia_agent.identity.watcher import consume_identities
 from cilia_agent.ipcache import IPCache
-from cilia_agent.ipcache.bpf import BPFWriter
+from cilia_agent.ipcache.bpf import BPFWriter, read_prefixes
 from cilia_agent.ipcache.watcher import consume_ipcache
 from cilia_agent.metrics import Metrics
 from cilia_agent.policy.engine import PolicyEngine
@@ -87,7 +87,8 @@ async def load(
         bpf.table(table)  # create bcc's table objects once, on this thread
     ipcache.add_listener(BPFWriter(bpf))
     engine = PolicyEngine(
-        PolicyMapWriter(bpf.table("cilia_policy"), capacity=cfg.bpf_policy_map_max)
+        PolicyMapWriter(bpf.table("cilia_policy"), capacity=cfg.bpf_policy_map_max),
+        prefixes=ipcache,  # policy CIDRs → the ipcache (and its BPF writer)
     )
     streams = PolicyStreams(engine, metrics.policy, cfg.endpoint_policy_wait_timeout)
     identities = IdentityAllocator(control, retry, engine, on_learn_error=(PolicyMapError,))
@@ -105,6 +106,7 @@ async def load(
     )
     engine.on_enforce = regeneration.on_enforce
     adopted = engine.restore()
+    engine.restore_prefixes(read_prefixes(bpf.table("cilia_ipcache").items()))
     log.info(
         "eBPF datapath ready",
         extra={

@@ -1,7 +1,10 @@
 """Identity cache: numeric identity → label set, fed by ``IdentityService.WatchIdentities``.
 
 The cache always holds the reserved identities 1..8 (``labels.RESERVED_IDENTITIES``);
-cluster identities (≥ 256) arrive from the operator stream. Every mutation returns
+cluster identities (256 … 65535) arrive from the operator stream; node-local CIDR
+identities (``cidr.LOCAL_SCOPE`` | n, see ``identity.cidr``) are put here by the policy
+engine (:meth:`IdentityCache.upsert_local`), are refused from the stream and survive its
+resyncs (the operator never knows them). Every mutation returns
 an ``IdentityChange`` (id, old labels, new labels) so the policy repository can work out
 which endpoints must be recompiled.
 
@@ -21,6 +24,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cilia_agent.identity.cidr import is_local_identity
 from cilia_agent.identity.labels import (
     MINIMAL_CLUSTER_IDENTITY,
     RESERVED_IDENTITIES,
@@ -134,17 +138,38 @@ class IdentityCache:
         """Set the labels of a cluster identity; returns the change, None when unchanged.
 
         Raises:
-            InvalidIdentity: ``identity`` is 0 or reserved (< 256), or a label is malformed.
+            InvalidIdentity: ``identity`` is 0 or reserved (< 256), node-local (CIDR scope,
+                never from the operator), or a label is malformed.
         """
         if identity < MINIMAL_CLUSTER_IDENTITY:
             raise InvalidIdentity(
                 f"identity {identity}: below {MINIMAL_CLUSTER_IDENTITY} (0 and 1..255 are reserved)"
             )
+        if is_local_identity(identity):
+            raise InvalidIdentity(f"identity {identity}: node-local scope, not a cluster identity")
+        return self._set(identity, labels)
+
+    def upsert_local(self, identity: int, labels: Iterable[str | Label]) -> IdentityChange | None:
+        """Set the labels of a node-local (CIDR) identity; returns the change, None when
+        unchanged. Stream resyncs never remove it; :meth:`delete` does.
+
+        Raises:
+            InvalidIdentity: ``identity`` is not in the local scope, or a label is malformed.
+        """
+        if not is_local_identity(identity):
+            raise InvalidIdentity(f"identity {identity}: not a node-local identity")
+        return self._set(identity, labels)
+
+    def local_identities(self) -> frozenset[int]:
+        """Every node-local (CIDR) identity currently known."""
+        return frozenset(i for i in self._ids if is_local_identity(i))
+
+    def _set(self, identity: int, labels: Iterable[str | Label]) -> IdentityChange | None:
         try:
             new = LabelSet.of(labels)
         except LabelError as exc:
             raise InvalidIdentity(f"identity {identity}: {exc}") from exc
-        if self._seen is not None:
+        if self._seen is not None and not is_local_identity(identity):
             self._seen.add(identity)
         old = self._ids.get(identity)
         if old == new:
@@ -153,7 +178,8 @@ class IdentityCache:
         return self._changed(IdentityChange(identity, old, new))
 
     def delete(self, identity: int) -> IdentityChange | None:
-        """Forget a cluster identity; returns the change, None when it was unknown.
+        """Forget a cluster or node-local identity; returns the change, None when it was
+        unknown.
 
         Reserved identities are never removed (returns None).
         """
@@ -182,6 +208,8 @@ class IdentityCache:
                 if event.type == EVENT_TYPE_UPSERT:
                     change = self.upsert(ident.id, list(ident.labels))
                 elif event.type == EVENT_TYPE_DELETE:
+                    if is_local_identity(ident.id):
+                        raise InvalidIdentity(f"identity {ident.id}: node-local, not the stream's")
                     change = self.delete(ident.id)
                 else:
                     raise InvalidIdentity(f"identity {ident.id}: unknown event type {event.type}")
@@ -193,7 +221,11 @@ class IdentityCache:
         if response.synced:
             if self._seen is not None:
                 stale = [
-                    i for i in self._ids if i not in RESERVED_IDENTITIES and i not in self._seen
+                    i
+                    for i in self._ids
+                    if i not in RESERVED_IDENTITIES
+                    and not is_local_identity(i)
+                    and i not in self._seen
                 ]
                 for identity in stale:
                     change = self.delete(identity)

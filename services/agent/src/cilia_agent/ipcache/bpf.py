@@ -6,8 +6,10 @@ The map's key is ``{prefixlen, IPv4}`` and its value ``{identity, tunnel/host IP
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
+from cilia_agent.datapath.layout import ip_from_map
 from cilia_agent.ipcache.cache import Entry
 
 
@@ -39,3 +41,13 @@ class BPFWriter:
         """Remove the prefix."""
         ip, _, plen = prefix.partition("/")
         self.map.delete_ipcache(ip, int(plen))
+
+
+def read_prefixes(table: Iterable[tuple[Any, Any]]) -> dict[str, int]:
+    """Every ``prefix → identity`` of the pinned map (``table``: the bcc table's ``items()``,
+    keys ``IpcacheKey``, values ``IpcacheValue``); used after a restart to adopt the CIDR
+    identities of the previous run."""
+    return {
+        f"{ip_from_map(int(key.ip))}/{int(key.prefixlen)}": int(value.sec_identity)
+        for key, value in table
+    }

@@ -1,4 +1,4 @@
-"""The ipcache owner: one effective entry per prefix, chosen from three sources.
+"""The ipcache owner: one effective entry per prefix, chosen from four sources.
 
 Precedence (upstream: local knowledge beats what other nodes announce):
 
@@ -7,7 +7,15 @@ Precedence (upstream: local knowledge beats what other nodes announce):
 2. this node's own addresses and router IP (identity 1, ``reserved:host``);
 3. the operator's stream (``IPCacheEntry``: identity, host IP of the node holding the
    prefix, owner ``namespace/name``). A stream entry for a locally owned prefix is kept
-   aside and takes over when the local owner goes (an address moved to another node).
+   aside and takes over when the local owner goes (an address moved to another node);
+4. the prefixes policies name (``toCIDR``/``fromCIDR``/``ipBlock`` and their excepts),
+   each with its node-local CIDR identity (``identity.cidr``), written and removed by the
+   policy engine (:meth:`IPCache.upsert_cidr`/:meth:`IPCache.delete_cidr`). Lowest
+   precedence, as upstream's generated CIDR entries: a pod or node owning the same
+   prefix keeps its identity. The datapath (and :meth:`IPCache.lookup`) take the
+   longest matching prefix, so a CIDR entry names only addresses no longer prefix
+   covers — pod ``/32``s and node addresses inside a policy's CIDR keep their
+   identities, i.e. CIDR rules select addresses outside the cluster's endpoints.
 
 Every change of a prefix's effective entry is passed to the listeners
 (:class:`Listener`: the BPF ``cilia_ipcache`` writer); Hubble reads :meth:`IPCache.lookup`.
@@ -74,6 +82,7 @@ class IPCache:
         self._local: dict[str, tuple[int, int]] = {}  # prefix → (ep_id, identity)
         self._host: set[str] = set()
         self._remote: dict[str, Entry] = {}
+        self._cidr: dict[str, int] = {}  # prefix → CIDR identity
 
     def add_listener(self, listener: Listener) -> None:
         """Tell ``listener`` of every later change."""
@@ -87,7 +96,11 @@ class IPCache:
             return Entry(local[1])
         if prefix in self._host:
             return Entry(IDENTITY_HOST)
-        return self._remote.get(prefix)
+        remote = self._remote.get(prefix)
+        if remote is not None:
+            return remote
+        cidr = self._cidr.get(prefix)
+        return Entry(cidr) if cidr is not None else None
 
     def _publish(self, prefix: str, entry: Entry | None) -> None:
         for listener in self._listeners:
@@ -111,17 +124,17 @@ class IPCache:
         hit = self._effective(exact)
         if hit is not None:
             return hit
-        best: tuple[int, Entry] | None = None
-        for prefix, entry in self._remote.items():
+        best: tuple[int, str] | None = None
+        for prefix in (*self._remote, *self._cidr):
             net = ipaddress.IPv4Network(prefix)
             if addr in net and (best is None or net.prefixlen > best[0]):
-                best = (net.prefixlen, entry)
-        return best[1] if best else None
+                best = (net.prefixlen, prefix)
+        return self._effective(best[1]) if best else None
 
     def __len__(self) -> int:
         """Entries from all sources (a locally owned prefix also in the stream counts twice,
-        as ``cilia-agent status`` always counted them)."""
-        return len(self._local) + len(self._host) + len(self._remote)
+        as ``cilia-agent status`` always counted them; policy CIDRs count too)."""
+        return len(self._local) + len(self._host) + len(self._remote) + len(self._cidr)
 
     # ------------------------------------------------------------------ local endpoints
 
@@ -220,4 +233,35 @@ class IPCache:
         if self._remote.pop(prefix, None) is None:
             return
         if not self.locally_owned(prefix):
+            self._publish(prefix, self._effective(prefix))
+
+    # ------------------------------------------------------------------ policy CIDRs
+
+    def cidr_prefixes(self) -> dict[str, int]:
+        """Policy prefixes and their CIDR identities."""
+        return dict(self._cidr)
+
+    def upsert_cidr(self, cidr: str, identity: int) -> None:
+        """A policy names ``cidr``, selected through the CIDR ``identity``; applied unless
+        another source holds the same prefix.
+
+        Raises:
+            ValueError: ``cidr`` is not an IPv4 prefix.
+        """
+        prefix = prefix_of(cidr)
+        self._cidr[prefix] = identity
+        if self.locally_owned(prefix) or prefix in self._remote:
+            return
+        self._publish(prefix, Entry(identity))
+
+    def delete_cidr(self, cidr: str) -> None:
+        """No policy names ``cidr`` any more; another source's entry for it is unaffected.
+
+        Raises:
+            ValueError: ``cidr`` is not an IPv4 prefix.
+        """
+        prefix = prefix_of(cidr)
+        if self._cidr.pop(prefix, None) is None:
+            return
+        if not self.locally_owned(prefix) and prefix not in self._remote:
             self._publish(prefix, None)

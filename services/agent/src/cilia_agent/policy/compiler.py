@@ -13,9 +13,16 @@ same (peer, direction) covers it (same protocol with port 0, or protocol 0). A D
 peer 0 against an ALLOW for an exact peer needs no conversion: the datapath looks both
 up and a deny from either wins (bpf/bpf_lxc.c ``policy_check``).
 
-Entities: world→2, host→1, remote-node→6, kube-apiserver→7, health→4, init→5,
+Entities: world→2 and every CIDR identity (they carry ``reserved:world``: an address a
+policy's prefix names is still outside the cluster, upstream selects it by the world
+entity too), host→1, remote-node→6, kube-apiserver→7, health→4, init→5,
 ingress→8, unmanaged→3, cluster→every cluster identity (≥256) + host + remote-node,
 all→peer 0.
+
+CIDR peers resolve to the node-local CIDR identities their selector matches (prefix inside
+the cidr, inside none of its excepts; ``rules.CIDRPeer``), plus world (2) for
+``0.0.0.0/0``; the identities exist while some policy names their prefix (the engine
+keeps them in the identity cache).
 
 Source: upstream ``pkg/policy`` (``resolvePolicy``, ``mapstate.go`` deny precedence),
 ``pkg/policy/api/entity.go``; semantics fixed in /work/brief/ISSUE3.md.
@@ -64,7 +71,8 @@ ENTITY_IDENTITIES: Mapping[str, frozenset[int]] = {
     "unmanaged": frozenset({IDENTITY_UNMANAGED}),
     "all": frozenset({ANY_PEER}),
 }
-"""Fixed entity → identities; ``cluster`` depends on the identity cache (``entity_identities``)."""
+"""Fixed entity → identities; ``cluster`` and ``world`` depend on the identity cache
+(``entity_identities``)."""
 CLUSTER_RESERVED = frozenset({IDENTITY_HOST, IDENTITY_REMOTE_NODE})
 
 
@@ -125,6 +133,8 @@ def entity_identities(entity: str, identities: IdentityCache) -> frozenset[int]:
     """Identities an entity stands for (peer 0 for ``all``); unknown names → empty."""
     if entity == "cluster":
         return identities.cluster_identities() | CLUSTER_RESERVED
+    if entity == "world":
+        return identities.local_identities() | {IDENTITY_WORLD}
     return ENTITY_IDENTITIES.get(entity, frozenset())
 
 
@@ -135,6 +145,10 @@ def resolve_peers(peers: Peers, identities: IdentityCache) -> frozenset[int]:
         ids |= identities.matching(selector)
     for entity in peers.entities:
         ids |= entity_identities(entity, identities)
+    for cidr in peers.cidrs:
+        ids |= identities.matching(cidr.selector)
+        if cidr.selects_world:
+            ids.add(IDENTITY_WORLD)
     return frozenset(ids)
 
 

@@ -15,6 +15,7 @@ Kubernetes ``networking.k8s.io/v1``; reference: cilium-upstream.md §5.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -93,6 +95,8 @@ def _format_loc(loc: Sequence[int | str]) -> str:
 
 _MESSAGES = {"extra_forbidden": "unknown field"}
 _UNSUPPORTED = "cilia_unsupported"
+_ITEM = "cilia_item"
+"""Error type of a list item's problem found by the list's validator (``ctx.index``)."""
 
 
 class _Model(BaseModel):
@@ -185,19 +189,80 @@ class PortRule(_Model):
     ports: list[PortProtocol] | None = None
 
 
+# ----------------------------------------------------------------------------- CIDRs
+
+
+def _ipv4_cidr(value: Any) -> Any:
+    """``"10.1.2.3/8"`` → ``"10.0.0.0/8"`` (host bits cleared, as upstream masks the
+    prefix); a bare address is a ``/32``. IPv6 and anything else are refused."""
+    if not isinstance(value, str):
+        raise ValueError("CIDR must be a string such as 10.0.0.0/8")
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid CIDR (expected a.b.c.d/n)") from None
+    if net.version != 4:
+        raise ValueError(f"IPv6 CIDR {value!r} not supported by Cilia: the datapath is IPv4-only")
+    return str(net)
+
+
+CIDR = Annotated[str, BeforeValidator(_ipv4_cidr)]
+"""An IPv4 prefix in canonical ``a.b.c.d/n`` form (see ``_ipv4_cidr``)."""
+
+
+class _CIDRBlock(_Model):
+    """``cidr`` plus ``except`` prefixes that must each lie inside ``cidr`` (upstream
+    ``api.CIDRRule``: "these CIDR prefixes should be contained within Cidr"; Kubernetes
+    refuses an ``ipBlock.except`` outside its ``cidr`` the same way)."""
+
+    cidr: CIDR
+    except_: list[CIDR] | None = Field(default=None, alias="except")
+
+    @field_validator("except_")
+    @classmethod
+    def _inside_cidr(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        outer = info.data.get("cidr")
+        if outer is None or not value:
+            return value
+        net = ipaddress.IPv4Network(outer)
+        for i, inner in enumerate(value):
+            if not ipaddress.IPv4Network(inner).subnet_of(net):
+                raise PydanticCustomError(
+                    _ITEM,
+                    "{message}",
+                    {"index": i, "message": f"{inner} is not inside cidr {outer}"},
+                )
+        return value
+
+    @property
+    def excepts(self) -> tuple[str, ...]:
+        """The ``except`` prefixes (canonical, in manifest order)."""
+        return tuple(self.except_ or ())
+
+
+class CIDRRule(_CIDRBlock):
+    """``toCIDRSet[]``/``fromCIDRSet[]`` item: ``{cidr, except: [...]}``; CIDR groups
+    (``cidrGroupRef``, ``cidrGroupSelector``) are not supported."""
+
+    _unsupported = ("cidrGroupRef", "cidrGroupSelector")
+
+
+class IPBlock(_CIDRBlock):
+    """NetworkPolicy ``ipBlock``: ``{cidr, except: [...]}``."""
+
+
 # ----------------------------------------------------------------------------- CNP
 
 
 class IngressRule(_Model):
-    """``ingress[]``/``ingressDeny[]`` item: peers (``fromEndpoints``, ``fromEntities``) and ports.
+    """``ingress[]``/``ingressDeny[]`` item: peers (``fromEndpoints``, ``fromEntities``,
+    ``fromCIDR``, ``fromCIDRSet``) and ports.
 
     No peer field but ``toPorts`` = any peer on those ports; neither = allows nothing
-    (still turns on default-deny for the direction).
+    (still turns on default-deny for the direction). Peer fields add up (union).
     """
 
     _unsupported = (
-        "fromCIDR",
-        "fromCIDRSet",
         "fromNodes",
         "fromRequires",
         "fromGroups",
@@ -206,15 +271,16 @@ class IngressRule(_Model):
     )
     from_endpoints: list[LabelSelector] | None = None
     from_entities: list[Entity] | None = None
+    from_cidr: list[CIDR] | None = Field(default=None, alias="fromCIDR")
+    from_cidr_set: list[CIDRRule] | None = Field(default=None, alias="fromCIDRSet")
     to_ports: list[PortRule] | None = None
 
 
 class EgressRule(_Model):
-    """``egress[]``/``egressDeny[]`` item: peers (``toEndpoints``, ``toEntities``) and ports."""
+    """``egress[]``/``egressDeny[]`` item: peers (``toEndpoints``, ``toEntities``,
+    ``toCIDR``, ``toCIDRSet``) and ports."""
 
     _unsupported = (
-        "toCIDR",
-        "toCIDRSet",
         "toFQDNs",
         "toServices",
         "toNodes",
@@ -225,6 +291,8 @@ class EgressRule(_Model):
     )
     to_endpoints: list[LabelSelector] | None = None
     to_entities: list[Entity] | None = None
+    to_cidr: list[CIDR] | None = Field(default=None, alias="toCIDR")
+    to_cidr_set: list[CIDRRule] | None = Field(default=None, alias="toCIDRSet")
     to_ports: list[PortRule] | None = None
 
 
@@ -319,16 +387,20 @@ class NetworkPolicyPort(_Model):
 
 
 class NetworkPolicyPeer(_Model):
-    """``from[]``/``to[]``: ``podSelector`` and/or ``namespaceSelector`` (``ipBlock`` refused)."""
+    """``from[]``/``to[]``: ``podSelector`` and/or ``namespaceSelector``, or ``ipBlock``
+    alone (Kubernetes refuses ``ipBlock`` next to a selector)."""
 
-    _unsupported = ("ipBlock",)
     pod_selector: LabelSelector | None = None
     namespace_selector: LabelSelector | None = None
+    ip_block: IPBlock | None = None
 
     @model_validator(mode="after")
     def _one_selector(self) -> NetworkPolicyPeer:
-        if self.pod_selector is None and self.namespace_selector is None:
-            raise ValueError("a peer needs podSelector and/or namespaceSelector")
+        selectors = self.pod_selector is not None or self.namespace_selector is not None
+        if self.ip_block is not None and selectors:
+            raise ValueError("ipBlock cannot be combined with podSelector or namespaceSelector")
+        if self.ip_block is None and not selectors:
+            raise ValueError("a peer needs podSelector and/or namespaceSelector, or ipBlock")
         return self
 
 
@@ -433,5 +505,8 @@ def _field_errors(err: ErrorDetails) -> list[FieldError]:
     if err["type"] == _UNSUPPORTED:
         fields = str((err.get("ctx") or {}).get("fields", "")).split(",")
         return [FieldError(_format_loc([*loc, f]), "not supported by Cilia") for f in fields]
+    if err["type"] == _ITEM:
+        ctx = err.get("ctx") or {}
+        return [FieldError(_format_loc([*loc, int(ctx["index"])]), str(ctx["message"]))]
     message = _MESSAGES.get(err["type"], err["msg"].removeprefix("Value error, "))
     return [FieldError(_format_loc(loc), message)]

@@ -9,7 +9,8 @@ is reported and leaves the stored version of that policy untouched.
 Impact: after a policy change only endpoints selected by the old or the new version need
 recompiling (``affected_by_policies``); after identity changes only endpoints selected by
 a rule whose peer selectors match the old or new labels of a changed identity, or that
-use the ``cluster`` entity while a cluster identity changed (``affected_by_identities``).
+use the ``cluster`` entity while a cluster identity changed, or the ``world`` entity while a
+CIDR identity changed (``affected_by_identities``).
 
 Not thread-safe: feed it from the agent's event loop only.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from cilia_agent.identity.cache import IdentityCache, IdentityChange
+from cilia_agent.identity.cidr import is_local_identity
 from cilia_agent.identity.labels import LabelError, LabelSet, is_cluster_identity
 from cilia_agent.policy.compiler import EndpointPolicy, EndpointSubject, compile_endpoint
 from cilia_agent.policy.model import (
@@ -242,21 +244,28 @@ class PolicyRepository:
             ls for c in changed for ls in (c.old, c.new) if ls is not None
         ]
         cluster_changed = any(is_cluster_identity(c.id) for c in changed)
+        local_changed = any(is_local_identity(c.id) for c in changed)
         affected: set[K] = set()
         for key, ep in endpoints.items():
             for policy in self._policies.values():
-                if _peers_touch(policy, ep.labels, label_sets, cluster_changed):
+                if _peers_touch(policy, ep.labels, label_sets, cluster_changed, local_changed):
                     affected.add(key)
                     break
         return affected
 
 
 def _peers_touch(
-    policy: CompiledPolicy, labels: LabelSet, changed: list[LabelSet], cluster_changed: bool
+    policy: CompiledPolicy,
+    labels: LabelSet,
+    changed: list[LabelSet],
+    cluster_changed: bool,
+    local_changed: bool,
 ) -> bool:
     for subject in policy.selecting(labels):
         for rule in subject.rules:
             if cluster_changed and "cluster" in rule.peers.entities:
+                return True
+            if local_changed and "world" in rule.peers.entities:
                 return True
             if any(rule.peers.matches_labels(ls) for ls in changed):
                 return True

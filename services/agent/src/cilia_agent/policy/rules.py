@@ -9,7 +9,13 @@ Ports: ``TCP``→6, ``UDP``→17; port 0/absent = any port; ``ANY`` without a po
 protocol 0 (every protocol, prefix 72 in the map); ``ANY`` with a port becomes TCP and
 UDP entries, since the LPM key cannot wildcard the protocol and match the port.
 
-Source: upstream ``pkg/policy/api`` (rules, entities), ``pkg/k8s/apis/cilium.io/utils``
+CIDR peers (``toCIDR``/``toCIDRSet``/``fromCIDR``/``fromCIDRSet``, NetworkPolicy
+``ipBlock``) become :class:`CIDRPeer` items: a ``cidr`` and its ``except`` prefixes; their
+prefixes are what the policy asks the node to name with CIDR identities
+(``CompiledPolicy.prefixes``, see ``identity.cidr``). A CIDR peer is never restricted to the
+policy's namespace.
+
+Source: upstream ``pkg/policy/api`` (rules, entities, ``cidr.go``), ``pkg/k8s/apis/cilium.io/utils``
 (namespace restriction), ``pkg/k8s/network_policy.go`` (NetworkPolicy translation);
 semantics fixed in /work/brief/ISSUE3.md.
 """
@@ -20,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from cilia_agent.identity.cidr import SOURCE_CIDR
 from cilia_agent.identity.labels import (
     NAMESPACE_LABELS_PREFIX,
     POD_NAMESPACE_KEY,
@@ -27,6 +34,7 @@ from cilia_agent.identity.labels import (
     LabelSet,
 )
 from cilia_agent.policy.model import (
+    CIDRRule,
     CiliumClusterwideNetworkPolicy,
     CiliumNetworkPolicy,
     EgressRule,
@@ -73,21 +81,59 @@ class PolicyRef:
 
 
 @dataclass(frozen=True)
+class CIDRPeer:
+    """One CIDR peer: ``cidr`` minus its ``excepts`` (canonical IPv4 prefixes, each except
+    inside ``cidr``; the model checked both).
+
+    It selects the CIDR identities whose prefix lies inside ``cidr`` and inside none of
+    the excepts: every CIDR identity carries ``cidr:`` labels for its prefix and all its
+    super-prefixes, so that is the selector ``cidr:<cidr> Exists`` and ``cidr:<except>
+    DoesNotExist`` for each except. A ``/0`` cidr also selects ``reserved:world`` (2): the
+    addresses no prefix names (upstream ``CIDRSlice.GetAsEndpointSelectors`` adds the
+    world selector for ``0.0.0.0/0``).
+    """
+
+    cidr: str
+    excepts: tuple[str, ...] = ()
+
+    @property
+    def selector(self) -> Selector:
+        """The label selector described above."""
+        reqs = {Requirement(self.cidr, "Exists", source=SOURCE_CIDR)}
+        reqs |= {Requirement(e, "DoesNotExist", source=SOURCE_CIDR) for e in self.excepts}
+        return Selector(frozenset(reqs))
+
+    @property
+    def selects_world(self) -> bool:
+        """True for ``0.0.0.0/0`` (the world identity is selected too)."""
+        return self.cidr.endswith("/0")
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        """``cidr`` and its excepts: the prefixes needing CIDR identities."""
+        return (self.cidr, *self.excepts)
+
+
+@dataclass(frozen=True)
 class Peers:
     """Who a directional rule is about.
 
     ``selectors`` are already namespace-restricted; ``entities`` are upstream entity
-    names; ``any_peer`` = every peer (sec_label 0), set for a rule with ``toPorts`` and no
-    peer field (and for NetworkPolicy rules without ``from``/``to``).
+    names; ``cidrs`` are CIDR peers; ``any_peer`` = every peer (sec_label 0), set for a
+    rule with ``toPorts`` and no peer field (and for NetworkPolicy rules without
+    ``from``/``to``).
     """
 
     selectors: tuple[Selector, ...] = ()
     entities: frozenset[str] = frozenset()
     any_peer: bool = False
+    cidrs: tuple[CIDRPeer, ...] = ()
 
     def matches_labels(self, labels: LabelSet) -> bool:
-        """True when one of the selectors selects ``labels``."""
-        return any(s.matches(labels) for s in self.selectors)
+        """True when one of the selectors (CIDR peers' included) selects ``labels``."""
+        return any(s.matches(labels) for s in self.selectors) or any(
+            c.selector.matches(labels) for c in self.cidrs
+        )
 
 
 @dataclass(frozen=True)
@@ -121,6 +167,16 @@ class CompiledPolicy:
     def selecting(self, labels: LabelSet) -> list[SubjectRule]:
         """The subject rules that select an endpoint with ``labels``."""
         return [s for s in self.subjects if s.subject.matches(labels)]
+
+    def prefixes(self) -> frozenset[str]:
+        """Every prefix the policy's CIDR peers name (excepts included)."""
+        return frozenset(
+            p
+            for subject in self.subjects
+            for rule in subject.rules
+            for cidr in rule.peers.cidrs
+            for p in cidr.prefixes
+        )
 
 
 def compile_policy(policy: Policy, namespace: str) -> CompiledPolicy:
@@ -169,6 +225,7 @@ def _cnp_rule(rule: Rule, namespace: str | None) -> SubjectRule:
 def _peers(
     selectors: Sequence[LabelSelector] | None,
     entities: Sequence[str] | None,
+    cidrs: tuple[CIDRPeer, ...],
     has_ports: bool,
     namespace: str | None,
 ) -> Peers:
@@ -179,16 +236,28 @@ def _peers(
         for s in selectors or ()
     )
     ents = frozenset(entities or ())
-    return Peers(sels, ents, any_peer=not sels and not ents and has_ports)
+    any_peer = not sels and not ents and not cidrs and has_ports
+    return Peers(sels, ents, any_peer=any_peer, cidrs=cidrs)
+
+
+def _cidr_peers(
+    plain: Sequence[str] | None, sets: Sequence[CIDRRule] | None
+) -> tuple[CIDRPeer, ...]:
+    """``toCIDR``/``fromCIDR`` items (no excepts) then ``…CIDRSet`` items, deduplicated."""
+    peers = [CIDRPeer(c) for c in plain or ()]
+    peers += [CIDRPeer(r.cidr, r.excepts) for r in sets or ()]
+    return tuple(dict.fromkeys(peers))
 
 
 def _cnp_ingress(rule: IngressRule, deny: bool, namespace: str | None) -> DirectionalRule:
-    peers = _peers(rule.from_endpoints, rule.from_entities, bool(rule.to_ports), namespace)
+    cidrs = _cidr_peers(rule.from_cidr, rule.from_cidr_set)
+    peers = _peers(rule.from_endpoints, rule.from_entities, cidrs, bool(rule.to_ports), namespace)
     return DirectionalRule(Direction.INGRESS, deny, peers, _cnp_ports(rule.to_ports))
 
 
 def _cnp_egress(rule: EgressRule, deny: bool, namespace: str | None) -> DirectionalRule:
-    peers = _peers(rule.to_endpoints, rule.to_entities, bool(rule.to_ports), namespace)
+    cidrs = _cidr_peers(rule.to_cidr, rule.to_cidr_set)
+    peers = _peers(rule.to_endpoints, rule.to_entities, cidrs, bool(rule.to_ports), namespace)
     return DirectionalRule(Direction.EGRESS, deny, peers, _cnp_ports(rule.to_ports))
 
 
@@ -238,7 +307,13 @@ def _np_spec(policy: NetworkPolicy, namespace: str) -> SubjectRule:
 def _np_peers(peers: Sequence[NetworkPolicyPeer] | None, namespace: str) -> Peers:
     if not peers:
         return Peers(any_peer=True)
-    return Peers(tuple(_np_peer(p, namespace) for p in peers))
+    selectors = tuple(_np_peer(p, namespace) for p in peers if p.ip_block is None)
+    cidrs = tuple(
+        dict.fromkeys(
+            CIDRPeer(p.ip_block.cidr, p.ip_block.excepts) for p in peers if p.ip_block is not None
+        )
+    )
+    return Peers(selectors, cidrs=cidrs)
 
 
 def _np_peer(peer: NetworkPolicyPeer, namespace: str) -> Selector:

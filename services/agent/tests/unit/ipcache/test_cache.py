@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
+from cilia_agent.datapath.layout import IpcacheKey, IpcacheValue, ip_to_map
 from cilia_agent.ipcache import Entry, IPCache
+from cilia_agent.ipcache.bpf import read_prefixes
 from cilia_agent.ipcache.watcher import consume_ipcache
 
 
@@ -96,3 +98,32 @@ def test_a_new_stream_listing_drops_what_the_previous_stream_gave_and_skips_bad_
     later = cp.WatchIPCacheResponse(events=[_event("10.1.0.5/32", 0, cp.EVENT_TYPE_DELETE)])
     asyncio.run(consume_ipcache(cache, _stream(later)))
     assert rec.table == {}
+
+
+def test_policy_cidrs_are_the_lowest_precedence_and_longest_match_still_wins() -> None:
+    rec = Recorder()
+    cache = IPCache([rec])
+    cache.upsert_cidr("10.0.0.0/8", 16777217)
+    cache.upsert_cidr("10.0.0.2/32", 16777218)  # a policy naming a pod's address exactly
+    cache.upsert_endpoint("10.0.0.2", 300, ep_id=1)
+    cache.upsert_remote("10.1.0.0/16", Entry(401, "192.0.2.31", ""))
+    assert rec.table["10.0.0.2/32"] == Entry(300), "the pod keeps its identity"
+    assert cache.lookup("10.0.0.2") == Entry(300)
+    assert cache.lookup("10.1.0.9") == Entry(401, "192.0.2.31", "")
+    assert cache.lookup("10.9.0.1") == Entry(16777217)
+    cache.delete_endpoint("10.0.0.2", ep_id=1)
+    assert rec.table["10.0.0.2/32"] == Entry(16777218), "the policy's entry takes over"
+    cache.upsert_remote("10.0.0.0/8", Entry(402, "192.0.2.32", ""))
+    cache.delete_cidr("10.0.0.0/8")
+    assert rec.table["10.0.0.0/8"] == Entry(402, "192.0.2.32", ""), "the stream's entry stays"
+    cache.delete_remote("10.0.0.0/8")
+    cache.delete_cidr("10.0.0.2/32")
+    assert sorted(rec.table) == ["10.1.0.0/16"]
+
+
+def test_read_prefixes_turns_pinned_keys_into_prefixes() -> None:
+    items = [
+        (IpcacheKey(24, ip_to_map("192.0.2.0")), IpcacheValue(16777217, 0)),
+        (IpcacheKey(32, ip_to_map("10.0.0.2")), IpcacheValue(300, 0)),
+    ]
+    assert read_prefixes(items) == {"192.0.2.0/24": 16777217, "10.0.0.2/32": 300}

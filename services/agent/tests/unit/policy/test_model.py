@@ -141,9 +141,9 @@ def test_network_policy_parses_with_kubernetes_defaults() -> None:
             "not supported by Cilia",
         ),
         (
-            cnp({"endpointSelector": {}, "ingress": [{"fromCIDR": ["10.0.0.0/8"]}]}),
-            "spec.ingress[0].fromCIDR",
-            "not supported by Cilia",
+            cnp({"endpointSelector": {}, "ingress": [{"fromCIDR": ["fd00::/8"]}]}),
+            "spec.ingress[0].fromCIDR[0]",
+            "IPv6 CIDR 'fd00::/8' not supported by Cilia",
         ),
         (
             cnp({"endpointSelector": {}, "egress": [{"toPorts": [{"rules": {"http": []}}]}]}),
@@ -207,8 +207,8 @@ def test_network_policy_parses_with_kubernetes_defaults() -> None:
                 "metadata": {"name": "np"},
                 "spec": {"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "0/0"}}]}]},
             },
-            "spec.ingress[0].from[0].ipBlock",
-            "not supported by Cilia",
+            "spec.ingress[0].from[0].ipBlock.cidr",
+            "'0/0' is not a valid CIDR",
         ),
         (
             {
