@@ -153,7 +153,13 @@ def test_custom_resources_of_the_new_kinds_are_validated(
     assert out.returncode == 0, out.stderr
 
     bad_ccnp = copy.deepcopy(good[1])
-    bad_ccnp["spec"]["ingress"][0]["fromCIDR"] = ["192.0.2.0/24"]  # not implemented: refused
+    good_ccnp = copy.deepcopy(good[1])
+    good_ccnp["spec"]["ingress"][0]["fromCIDRSet"] = [
+        {"cidr": "192.0.2.0/24", "except": ["192.0.2.128/25"]}
+    ]
+    out = _apply(kube_apiserver, [good_ccnp], "--dry-run=server")
+    assert out.returncode == 0, out.stderr
+    bad_ccnp["spec"]["ingress"][0]["fromCIDR"] = ["fd00::/8"]  # IPv4 only: refused
     bad_cnc = copy.deepcopy(good[2])
     del bad_cnc["spec"]["nodeSelector"]  # required
     bad_ces = copy.deepcopy(good[0])

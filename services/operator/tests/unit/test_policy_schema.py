@@ -73,8 +73,19 @@ def test_documented_frontend_to_backend_policy_is_valid_and_gets_namespace_defau
     [
         ({}, "spec.endpointSelector: required field is missing"),
         (
-            {"endpointSelector": {}, "ingress": [{"fromCIDR": ["10.0.0.0/8"]}]},
-            "spec.ingress[0].fromCIDR: unknown field",
+            {"endpointSelector": {}, "ingress": [{"fromCIDR": ["fd00::/8"]}]},
+            "spec.ingress[0].fromCIDR[0]: 'fd00::/8' does not match",
+        ),
+        (
+            {"endpointSelector": {}, "egressDeny": [{"toCIDRSet": [{"except": ["10.1.0.0/16"]}]}]},
+            "spec.egressDeny[0].toCIDRSet[0].cidr: required field is missing",
+        ),
+        (
+            {
+                "endpointSelector": {},
+                "egress": [{"toCIDRSet": [{"cidr": "10.0.0.0/16", "except": ["10.1.0.0/24"]}]}],
+            },
+            "spec.egress[0].toCIDRSet[0].except[0]: 10.1.0.0/24 is not inside cidr 10.0.0.0/16",
         ),
         (
             {
@@ -130,8 +141,23 @@ def test_network_policy_subset_is_validated_with_paths() -> None:
         },
     }
     assert validate_np(doc)["metadata"]["namespace"] == "prod"
-    doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
-    assert errors_of(doc, validate_np)[0].startswith("spec.ingress[0].from[0].ipBlock: unknown")
+    doc["spec"]["ingress"][0]["from"] = [
+        {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}
+    ]
+    assert validate_np(doc)["spec"]["ingress"][0]["from"][0]["ipBlock"]["cidr"] == "10.0.0.0/8"
+    doc["spec"]["ingress"][0]["from"] = [
+        {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["11.0.0.0/16"]}}
+    ]
+    assert errors_of(doc, validate_np) == [
+        "spec.ingress[0].from[0].ipBlock.except[0]: 11.0.0.0/16 is not inside cidr 10.0.0.0/8"
+    ]
+    doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]
+    assert errors_of(doc, validate_np) == [
+        "spec.ingress[0].from[0].ipBlock: ipBlock may not be combined with podSelector or "
+        "namespaceSelector"
+    ]
+    doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/33"}}]
+    assert errors_of(doc, validate_np)[0].startswith("spec.ingress[0].from[0].ipBlock.cidr: ")
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ Kubernetes semantics applied to the schemas before use with ``jsonschema``:
 Checks a structural schema cannot express run afterwards: ``metadata.name`` is a DNS-1123
 subdomain, ``metadata.namespace`` a DNS-1123 label, a CiliumNetworkPolicy has ``spec`` or
 ``specs`` (a CEL rule in the CRD), and selector ``matchExpressions`` carry ``values`` exactly
-for ``In``/``NotIn``.
+for ``In``/``NotIn``, ``except`` prefixes lie inside their ``cidr`` and an ``ipBlock`` peer
+has no selector beside it.
 
 Every problem is reported as a ``FieldError`` with a path like
 ``spec.ingress[0].toPorts[0].ports[0].protocol``.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.resources
+import ipaddress
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -222,6 +224,46 @@ def _selector_values(doc: Mapping[str, Any]) -> list[FieldError]:
     return errors
 
 
+def _cidr_blocks(kind: str, doc: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Every ``{cidr, except}`` block of a schema-valid policy with its path:
+    ``fromCIDRSet``/``toCIDRSet`` items of a CNP/CCNP, ``ipBlock`` of NetworkPolicy peers."""
+    if kind == NP_KIND:
+        spec = doc.get("spec") or {}
+        for direction, peers in (("ingress", "from"), ("egress", "to")):
+            for i, rule in enumerate(spec.get(direction) or ()):
+                for j, peer in enumerate(rule.get(peers) or ()):
+                    if "ipBlock" in peer:
+                        yield f"spec.{direction}[{i}].{peers}[{j}].ipBlock", peer
+        return
+    rules = [("spec", doc["spec"])] if doc.get("spec") else []
+    rules += [(f"specs[{k}]", r) for k, r in enumerate(doc.get("specs") or ())]
+    for root, rule in rules:
+        for direction, field in (("ingress", "fromCIDRSet"), ("ingressDeny", "fromCIDRSet"),
+                                 ("egress", "toCIDRSet"), ("egressDeny", "toCIDRSet")):  # fmt: skip
+            for i, item in enumerate(rule.get(direction) or ()):
+                for j, block in enumerate(item.get(field) or ()):
+                    yield f"{root}.{direction}[{i}].{field}[{j}]", block
+
+
+def _cidr_rules(kind: str, doc: Mapping[str, Any]) -> list[FieldError]:
+    """What the schema's patterns cannot say about prefixes: each ``except`` lies inside its
+    ``cidr`` (Kubernetes' NetworkPolicy validation and upstream's CIDRRule both require it),
+    and an ``ipBlock`` peer sets no selector (Kubernetes: "may not be combined")."""
+    errors = []
+    for path, block in _cidr_blocks(kind, doc):
+        if kind == NP_KIND:
+            peer, block = block, block["ipBlock"]
+            if "podSelector" in peer or "namespaceSelector" in peer:
+                errors.append(FieldError(path, "ipBlock may not be combined with podSelector "
+                                               "or namespaceSelector"))  # fmt: skip
+        outer = ipaddress.IPv4Network(block["cidr"], strict=False)
+        for i, inner in enumerate(block.get("except") or ()):
+            if not ipaddress.IPv4Network(inner, strict=False).subnet_of(outer):
+                errors.append(FieldError(f"{path}.except[{i}]",
+                                         f"{inner} is not inside cidr {block['cidr']}"))  # fmt: skip
+    return errors
+
+
 def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     """Validate a ``CiliumNetworkPolicy`` or ``NetworkPolicy`` manifest.
 
@@ -247,7 +289,7 @@ def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     if kind == CCNP_KIND and isinstance(meta, dict) and meta.get("namespace"):
         errors.append(FieldError("metadata.namespace", f"{kind} is cluster-scoped: no namespace"))
     if not errors:
-        errors = _selector_values(doc)
+        errors = _selector_values(doc) + _cidr_rules(kind, doc)
     if errors:
         raise InvalidResource(_dedupe(errors))
     out = copy.deepcopy(dict(doc))
