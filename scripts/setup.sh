@@ -127,6 +127,20 @@ install_hubble_cli() {
 }
 install_hubble_cli
 
+# kube-rbac-proxy (the metrics sidecar of deploy/kubernetes; deploy/tests/test_metrics_rbac.py
+# scrapes through the real one) built once with Go from the Go module proxy, cached by version
+# under ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/kube-rbac-proxy/<version>/ (version pinned in
+# tools/kube-rbac-proxy/go.mod; the first build took 12.6 min wall, 4.6 CPU-min, on this busy
+# 2-core machine, later runs 0.1 s), and the prometheus-operator CRDs
+# (PodMonitor, ServiceMonitor) the deploy tests install on the test API server, from the
+# prometheus-operator Go module, cached under .../prometheus-operator-crds/<version>/.
+# Both scripts fail in CI (CILIA_REQUIRE_PRIVILEGED=1) when they cannot; elsewhere the tests skip.
+install_metrics_rbac_tools() {
+  scripts/kube-rbac-proxy.sh >/dev/null || { log "kube-rbac-proxy could not be built (required in CI)"; exit 2; }
+  scripts/monitoring-crds.sh >/dev/null || { log "the prometheus-operator CRDs could not be fetched (required in CI)"; exit 2; }
+}
+install_metrics_rbac_tools
+
 # The self-contained cilia-cni (PyInstaller onedir bundle: runs on a host without Python; the
 # cni image ships it and cilia-cni-install puts it on hosts), built once per change of the
 # plugin and cached under ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cni-bin/<version>-<inputs>/

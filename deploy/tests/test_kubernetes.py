@@ -9,6 +9,7 @@ skips): every other check here runs on the rendered output.
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -49,14 +51,50 @@ def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     raise AssertionError(f"{kind}/{name} not rendered")
 
 
-def test_every_object_is_valid_for_the_pinned_kubernetes(docs: list[dict[str, Any]]) -> None:
+def _crd_schemas(paths: list[Path]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) → the openAPIV3Schema of each served version of these CRD files."""
+    out = {}
+    for path in paths:
+        crd = yaml.safe_load(path.read_text())
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for v in crd["spec"]["versions"]:
+            out[(f"{group}/{v['name']}", kind)] = v["schema"]["openAPIV3Schema"]
+    return out
+
+
+def test_every_object_is_valid_for_the_pinned_kubernetes(
+    docs: list[dict[str, Any]], monitoring_crds: list[Path]
+) -> None:
+    """Built-in kinds against kubernetes-validate's schemas (strict: no unknown field); the
+    prometheus-operator kinds (PodMonitor, ServiceMonitor), which it does not know, against
+    their upstream CRDs' schemas (unknown fields there are refused by the server dry run)."""
+    custom = _crd_schemas(monitoring_crds)
     errors = []
+    checked_custom = 0
     for d in docs:
+        schema = custom.get((d["apiVersion"], d["kind"]))
+        if schema is not None:
+            checked_custom += 1
+            for err in jsonschema.Draft7Validator(schema).iter_errors(d):
+                errors.append(
+                    f"{d['kind']}/{d['metadata']['name']}: {err.message} at {list(err.path)}"
+                )
+            continue
         try:
             kubernetes_validate.validate(d, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             errors.append(f"{d['kind']}/{d['metadata']['name']}: {exc.message} at {list(exc.path)}")
     assert not errors, "\n".join(errors)
+    assert checked_custom == 2, "the PodMonitor and the ServiceMonitor were not both checked"
+
+
+def test_a_broken_monitor_is_refused_by_its_crd_schema(
+    docs: list[dict[str, Any]], monitoring_crds: list[Path]
+) -> None:
+    monitor = copy.deepcopy(_find(docs, "PodMonitor", "cilia-agent"))
+    monitor["spec"]["podMetricsEndpoints"][0]["scheme"] = "gopher"
+    schema = _crd_schemas(monitoring_crds)[(monitor["apiVersion"], "PodMonitor")]
+    assert list(jsonschema.Draft7Validator(schema).iter_errors(monitor))
 
 
 def test_a_broken_object_is_refused_by_the_validator(docs: list[dict[str, Any]]) -> None:
@@ -163,6 +201,44 @@ def test_metrics_only_behind_kube_rbac_proxy(docs: list[dict[str, Any]]) -> None
         assert f"--prometheus-serve-addr=127.0.0.1:{port}" in main_args
         proxy = next(c for c in containers if c["name"] == "kube-rbac-proxy")
         assert f"--upstream=http://127.0.0.1:{port}/" in proxy["args"]
+        assert "--allow-paths=/metrics" in proxy["args"]
+
+
+def test_the_scraper_may_get_exactly_the_metrics_subresources(docs: list[dict[str, Any]]) -> None:
+    """Role cilia:prometheus-metrics: `get` on each sidecar's virtual subresource and name
+    (the attributes in ConfigMap cilia-kube-rbac-proxy), bound to the account whose token
+    the PodMonitor and ServiceMonitor use; both monitors scrape https-metrics over https."""
+    config = _find(docs, "ConfigMap", "cilia-kube-rbac-proxy")["data"]
+    wanted = set()
+    for key in ("agent.yaml", "operator.yaml"):
+        attrs = yaml.safe_load(config[key])["authorization"]["resourceAttributes"]
+        assert attrs["namespace"] == NAMESPACE and attrs["subresource"] == "prometheus-metrics"
+        wanted.add(
+            (attrs["apiGroup"], f"{attrs['resource']}/{attrs['subresource']}", attrs["name"])
+        )
+    role = _find(docs, "Role", "cilia:prometheus-metrics")
+    granted = {(g, res, name) for r in role["rules"] for g in r["apiGroups"]
+               for res in r["resources"] for name in r["resourceNames"]}  # fmt: skip
+    assert granted == wanted
+    assert all(r["verbs"] == ["get"] for r in role["rules"])
+    assert set(_rules(docs, "cilia-metrics-scraper")) == {
+        ("namespace", "apps", res, "get") for _, res, _ in wanted
+    }
+    secret = _find(docs, "Secret", "cilia-metrics-scraper-token")
+    assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == (
+        "cilia-metrics-scraper"
+    )
+    pod_monitor = _find(docs, "PodMonitor", "cilia-agent")
+    service_monitor = _find(docs, "ServiceMonitor", "cilia-operator")
+    service = _find(docs, "Service", "cilia-operator-metrics")
+    assert [p["port"] for p in service["spec"]["ports"]] == [4242]
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= (
+        service["metadata"]["labels"].items()
+    )
+    for endpoint in (*pod_monitor["spec"]["podMetricsEndpoints"],
+                     *service_monitor["spec"]["endpoints"]):  # fmt: skip
+        assert endpoint["port"] == "https-metrics" and endpoint["scheme"] == "https"
+        assert endpoint["authorization"]["credentials"]["name"] == "cilia-metrics-scraper-token"
 
 
 def test_relay_deployment_and_service(docs: list[dict[str, Any]]) -> None:

@@ -6,7 +6,8 @@ init and app containers), CRD structural-schema rules — is checked by the serv
 The CustomResourceDefinitions and the Namespace are applied for real (a dry run of namespaced
 objects needs the namespace, and of custom resources their CRD); everything else is applied
 with ``kubectl apply --dry-run=server``. The session's server is shared: this module only
-creates cluster objects of its own kinds and names (the cilia CRDs, namespace cilia-system).
+creates cluster objects of its own kinds and names (the cilia CRDs, namespace cilia-system,
+the prometheus-operator's PodMonitor and ServiceMonitor CRDs).
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ def rendered(kube_apiserver: KubeAPI) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def installed(kube_apiserver: KubeAPI, rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def installed(
+    kube_apiserver: KubeAPI, rendered: list[dict[str, Any]], monitoring_crds: list[Path]
+) -> list[dict[str, Any]]:
     """Apply the CRDs and the Namespace for real, wait until every CRD is Established;
-    the remaining objects."""
+    the remaining objects. The prometheus-operator CRDs (PodMonitor, ServiceMonitor: the
+    upstream files, see deploy/tests/conftest.py) are installed first, as a cluster's
+    prometheus-operator would have them, so monitoring.yaml's monitors are validated too."""
+    kube_apiserver.install_crds(*monitoring_crds)
     base = [d for d in rendered if d["kind"] in ("CustomResourceDefinition", "Namespace")]
     out = _apply(kube_apiserver, base, "--server-side", "--force-conflicts")
     assert out.returncode == 0, out.stderr
