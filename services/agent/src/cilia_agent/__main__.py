@@ -72,6 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except FlagError as exc:
             print(f"cilia-agent: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        from cilia_agent.hubble.metrics import MetricsConfigError, parse_metrics
+
+        try:  # the grammar lives with the handlers (hubble/metrics), a layer above config
+            parse_metrics(config.hubble_metrics)
+        except MetricsConfigError as exc:
+            print(f"cilia-agent: --hubble-metrics: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         from cilia_agent.datapath import DatapathError
         from cilia_agent.datapath.loader import BpfUnavailable
         from cilia_agent.endpoint import StateError

@@ -17,7 +17,8 @@ Start (``Agent.start``):
    ``replace-filter`` — filters and maps stay pinned, running pods lose no packets);
 5. the CNI-config manager (``cni/manager``): DEL queue replayed; the conflist is written
    when the node is first ready;
-6. gRPC sockets (agent, Hubble unix + TCP), metrics;
+6. gRPC sockets (agent, Hubble unix + TCP), metrics (the agent's, and Hubble's own endpoint
+   when ``--hubble-metrics`` enables a handler);
 7. the operator (``controlplane/``): one channel for the session (Register, demand,
    allocations), ResolvePool, identities and endpoint records, and the watch streams
    (identities, policies, ipcache, nodes, services), each a named task with backoff.
@@ -267,6 +268,14 @@ class Agent:
             )
             announce_listening(log, "metrics", metrics.address)
             self._stops.append(functools.partial(asyncio.to_thread, metrics.close))
+        if cfg.hubble_metrics_server and self.hubble.metrics.enabled:
+            hubble_metrics = start_metrics_server(
+                cfg.hubble_metrics_server,
+                self.hubble.metrics.flow_registry,
+                flag="--hubble-metrics-server",
+            )
+            announce_listening(log, "hubble-metrics", hubble_metrics.address)
+            self._stops.append(functools.partial(asyncio.to_thread, hubble_metrics.close))
         if channel is not None and isinstance(control, OperatorAPI):
             self._start_operator(cfg, channel, control)
         elif enf is not None:

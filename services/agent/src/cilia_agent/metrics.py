@@ -6,9 +6,10 @@ Upstream names (reference: cilium-upstream.md §9): ``cilium_endpoint``,
 ``cilium_ipam_events_total{action,family}``, ``cilium_policy`` (policies loaded).
 ``cilia_endpoint_add_duration_seconds`` has no upstream twin (CNI ADD latency inside
 the agent). The datapath counters (``cilium_drop_count_total{reason,direction}``,
-``cilium_forward_count_total{direction}``) and ``hubble_flows_processed_total`` are
-registered in the same registry by ``hubble.metrics``; :class:`ScrapeHook` refreshes
-the datapath counters from the pinned per-CPU map at every scrape.
+``cilium_forward_count_total{direction}``) are registered in the same registry by
+``hubble.metrics``; :class:`ScrapeHook` refreshes them from the pinned per-CPU map at every
+scrape. The ``hubble_*`` flow metrics are not here: as upstream they have their own registry
+and endpoint (``--hubble-metrics``, ``--hubble-metrics-server``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ Typical wiring (inside the agent's event loop)::
     server = ...hubble.services()...            # Observer + Peer (api.serve_api)
     supervisor.spawn("watch-nodes", ... hubble.peers.consume_watch ...)
     metrics.scrape_hook.refresh = hubble.refresh_datapath_counters
+    if hubble.metrics.enabled:                  # --hubble-metrics, on --hubble-metrics-server
+        start_metrics_server(address, hubble.metrics.flow_registry, flag=...)
     ...
     await hubble.stop(); await server.stop(grace)
 
@@ -35,7 +37,7 @@ from cilia.hubble.peer import peer_pb2_grpc
 from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
 from cilia_agent.hubble.eventlog import EventLog, agent_started_event
-from cilia_agent.hubble.metrics import HubbleMetrics, read_bcc_counters
+from cilia_agent.hubble.metrics import HandlerSpec, HubbleMetrics, parse_metrics, read_bcc_counters
 from cilia_agent.hubble.observer import FlowStore, ObserverServicer
 from cilia_agent.hubble.parser import BootClock, Parser
 from cilia_agent.hubble.peer import (
@@ -78,6 +80,7 @@ class HubbleConfig:
         peer_buffer: Notify changes queued per subscriber before disconnecting it.
         tls_cluster: the cluster name when Hubble's TCP server uses TLS (peers are then
             announced with their TLS names); None without TLS.
+        metrics: ``--hubble-metrics`` parsed: the metric handlers to enable.
     """
 
     node_name: str
@@ -88,6 +91,7 @@ class HubbleConfig:
     poll_timeout_ms: int = DEFAULT_POLL_TIMEOUT_MS
     peer_buffer: int = DEFAULT_PEER_BUFFER
     tls_cluster: str | None = None
+    metrics: tuple[HandlerSpec, ...] = ()
 
 
 class Hubble:
@@ -117,7 +121,7 @@ class Hubble:
         self.resolver: Resolver = resolver if resolver is not None else MemoryResolver()
         self.store = FlowStore(config.capacity, node_name=config.node_name, version=config.version)
         self.parser = Parser(self.resolver, config.node_name, clock)
-        self.metrics = HubbleMetrics(registry)
+        self.metrics = HubbleMetrics(registry, handlers=config.metrics)
         self.peers = PeerRegistry(
             PeerInfo(config.node_name, config.advertise_address),
             max_buffer=config.peer_buffer,
@@ -232,7 +236,12 @@ def hubble_advertise_address(cfg: Config, addresses: Sequence[str]) -> str:
 
 def hubble_config(cfg: Config, version: str, addresses: Sequence[str]) -> HubbleConfig:
     """The :class:`HubbleConfig` of the agent's flags (``--hubble-event-buffer-capacity``,
-    ``--hubble-event-queue-size``, ``--node-name``) for a node with ``addresses``."""
+    ``--hubble-event-queue-size``, ``--node-name``, ``--hubble-metrics``) for a node with
+    ``addresses``.
+
+    Raises:
+        cilia_agent.hubble.metrics.MetricsConfigError: ``--hubble-metrics`` is malformed.
+    """
     return HubbleConfig(
         node_name=cfg.node_name,
         capacity=cfg.hubble_event_buffer_capacity,
@@ -240,4 +249,5 @@ def hubble_config(cfg: Config, version: str, addresses: Sequence[str]) -> Hubble
         version=version,
         queue_size=cfg.hubble_event_queue_size,
         tls_cluster=cfg.cluster_name if cfg.hubble_tls is not None else None,
+        metrics=tuple(parse_metrics(cfg.hubble_metrics)),
     )

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from cilia.hubble.flow import flow_pb2
 from cilia_agent.hubble import events
-from cilia_agent.hubble.metrics import CounterReading, HubbleMetrics
+from cilia_agent.hubble.metrics import CounterReading, HubbleMetrics, parse_metrics
 from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.reader import EventReader, RecordCallback
 
@@ -49,7 +49,7 @@ async def wait_until(predicate: object, timeout: float = 2.0) -> None:
 def pipeline(queue_size: int = 1000) -> tuple[FakeSource, FlowStore, HubbleMetrics, EventReader]:
     source = FakeSource()
     store = FlowStore(63, node_name=h.NODE)
-    metrics = HubbleMetrics(CollectorRegistry())
+    metrics = HubbleMetrics(CollectorRegistry(), handlers=parse_metrics("flow"))
     reader = EventReader(
         source, h.parser(), store, metrics, queue_size=queue_size, poll_timeout_ms=10
     )
@@ -76,11 +76,18 @@ def test_records_become_flows_in_the_ring_and_are_counted() -> None:
         flow_pb2.FORWARDED,
     ]
     assert (reader.received, reader.processed, reader.lost) == (3, 3, 0)
-    sample = metrics.registry.get_sample_value
-    labels = {"type": "Trace", "subtype": "from-endpoint", "verdict": "FORWARDED"}
+    # the `flow` handler counts them on Hubble's own registry, not the agent's
+    sample = metrics.flow_registry.get_sample_value
+    labels = {
+        "protocol": "TCP",
+        "type": "Trace",
+        "subtype": "from-endpoint",
+        "verdict": "FORWARDED",
+    }
     assert sample("hubble_flows_processed_total", labels) == 2
-    labels = {"type": "Drop", "subtype": "", "verdict": "DROPPED"}
+    labels = {"protocol": "TCP", "type": "Drop", "subtype": "", "verdict": "DROPPED"}
     assert sample("hubble_flows_processed_total", labels) == 1
+    assert metrics.registry.get_sample_value("hubble_flows_processed_total", labels) is None
 
 
 def test_full_queue_drops_records_and_stores_one_lost_event() -> None:

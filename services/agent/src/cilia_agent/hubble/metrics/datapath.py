@@ -1,9 +1,6 @@
-"""Prometheus metrics of the datapath and of Hubble, with upstream names.
+"""The datapath's packet counters, with upstream names (served on the agent's own metrics
+endpoint, ``--prometheus-serve-addr``, not on Hubble's).
 
-- ``hubble_flows_processed_total{type,subtype,verdict}``: flows the Hubble reader
-  processed (upstream ``pkg/hubble/metrics/flow``: type "Trace"/"Drop", subtype the
-  trace observation point such as "to-endpoint"/"from-endpoint", "" for drops,
-  verdict the ``flow.Verdict`` name).
 - ``cilium_drop_count_total{reason,direction}`` / ``cilium_drop_bytes_total{reason,direction}``
   and ``cilium_forward_count_total{direction}`` / ``cilium_forward_bytes_total{direction}``:
   the datapath's per-CPU counters (``cilia_metrics`` map), summed over CPUs, exported
@@ -11,7 +8,7 @@
   upstream text ("Policy denied" for 133, "Policy denied by denylist" for 181),
   ``direction`` is "INGRESS"/"EGRESS".
 
-Every metric lives in the registry passed in (default: the global one), so tests and
+The collector lives in the registry passed to :class:`DatapathCounters`, so tests and
 several agents in one process do not clash.
 """
 
@@ -21,19 +18,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from cilia.hubble.flow import flow_pb2
 from cilia_agent.datapath import layout
-from cilia_agent.hubble import events
 
 # Upstream drop reason texts (pkg/monitor/api/drop.go) for the codes Cilia emits.
 DROP_REASON_TEXT: dict[int, str] = layout.DROP_REASON_TEXT
 
 _DIRECTION_TEXT = {layout.DIR_INGRESS: "INGRESS", layout.DIR_EGRESS: "EGRESS"}
-_TRACE_POINT_TEXT = {0: "to-endpoint", 5: "from-endpoint"}
 
 
 def drop_reason_text(reason: int) -> str:
@@ -93,39 +87,20 @@ class _DatapathCollector(Collector):
         yield fwd_bytes
 
 
-class HubbleMetrics:
-    """Hubble and datapath metrics registered in ``registry``.
+class DatapathCounters:
+    """The ``cilium_drop_*`` / ``cilium_forward_*`` counters registered in ``registry``.
 
     Args:
-        registry: where to register (default: prometheus_client's global REGISTRY;
-            pass a fresh ``CollectorRegistry()`` in tests or when the agent has its own).
+        registry: the agent's registry (its ``--prometheus-serve-addr`` endpoint).
     """
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.flows_processed = Counter(
-            "hubble_flows_processed",
-            "Total number of flows processed",
-            ["type", "subtype", "verdict"],
-            registry=registry,
-        )
-        self._datapath = _DatapathCollector()
-        registry.register(self._datapath)
+        self._collector = _DatapathCollector()
+        registry.register(self._collector)
 
-    def flow_processed(self, flow: flow_pb2.Flow) -> None:
-        """Count one flow in ``hubble_flows_processed_total``."""
-        etype = flow.event_type.type
-        if etype == events.EVENT_DROP:
-            type_name, subtype = "Drop", ""
-        elif etype == events.EVENT_TRACE:
-            type_name = "Trace"
-            subtype = _TRACE_POINT_TEXT.get(flow.event_type.sub_type, str(flow.event_type.sub_type))
-        else:
-            type_name, subtype = "Unknown", str(etype)
-        self.flows_processed.labels(type_name, subtype, flow_pb2.Verdict.Name(flow.verdict)).inc()
-
-    def update_datapath_counters(self, readings: Iterable[CounterReading]) -> None:
-        """Replace the exported datapath counters with a fresh read of ``cilia_metrics``.
+    def update(self, readings: Iterable[CounterReading]) -> None:
+        """Replace the exported counters with a fresh read of ``cilia_metrics``.
 
         Call it with every entry of the map (e.g. on a timer or before a scrape). Values
         are the map's cumulative counters: they are exported as-is, not added.
@@ -143,20 +118,19 @@ class HubbleMetrics:
                 key = (drop_reason_text(r.reason), direction)
                 p, b = drop.get(key, (0, 0))
                 drop[key] = (p + packets, b + nbytes)
-        self._datapath.forward = forward
-        self._datapath.drop = drop
+        self._collector.forward = forward
+        self._collector.drop = drop
 
     def close(self) -> None:
-        """Unregister everything from the registry (agent shutdown, tests)."""
-        self.registry.unregister(self.flows_processed)
-        self.registry.unregister(self._datapath)
+        """Unregister the collector (agent shutdown, tests)."""
+        self.registry.unregister(self._collector)
 
 
 def read_bcc_counters(bpf: Any, table: str = "cilia_metrics") -> list[CounterReading]:
     """Read every entry of the per-CPU ``cilia_metrics`` map of a bcc ``BPF`` object.
 
     Returns one :class:`CounterReading` per (reason, direction) key, with per-CPU
-    values, ready for :meth:`HubbleMetrics.update_datapath_counters`.
+    values, ready for :meth:`DatapathCounters.update`.
     """
     readings: list[CounterReading] = []
     for key, per_cpu in bpf[table.encode()].items():
