@@ -343,3 +343,23 @@ def test_every_flag_is_accepted_by_its_binary(docs: list[dict[str, Any]]) -> Non
 def test_unknown_flag_is_refused_by_the_same_check() -> None:
     with pytest.raises(SystemExit):
         _parsers()["cilia-agent"]().parse_args(["serve", "--no-such-flag=1"])
+
+
+def test_hubble_metrics_on_upstream_port_behind_a_headless_service(
+    docs: list[dict[str, Any]],
+) -> None:
+    from cilia_agent.hubble.metrics import parse_metrics
+
+    ds = _find(docs, "DaemonSet", "cilia-agent")
+    agent = ds["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "hubble-metrics", "containerPort": 9965} in agent["ports"]
+    assert "--hubble-metrics-server=:9965" in agent["args"]
+    (handlers,) = [a.split("=", 1)[1] for a in agent["args"] if a.startswith("--hubble-metrics=")]
+    assert parse_metrics(handlers), "the handlers named in the manifest parse"
+    svc = _find(docs, "Service", "hubble-metrics")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["ports"] == [
+        {"name": "hubble-metrics", "port": 9965, "protocol": "TCP", "targetPort": "hubble-metrics"}
+    ]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()

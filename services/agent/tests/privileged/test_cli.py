@@ -54,6 +54,10 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             str(env.pin_dir),
             "--hubble-listen-address",
             "",
+            "--hubble-metrics",
+            "flow",
+            "--hubble-metrics-server",
+            "127.0.0.1:0",
         ],
         stderr=log,
         text=True,
@@ -119,9 +123,14 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             "cilium_policy ",
             "# TYPE cilium_drop_count_total counter",
             "# TYPE cilium_forward_count_total counter",
-            "# TYPE hubble_flows_processed_total counter",
         ):
             assert name in text
+        # Hubble's flow metrics are on their own endpoint (--hubble-metrics-server), as upstream
+        assert wait_for(lambda: "hubble-metrics" in read_listeners(env.tmp / "agent.log"), 30)
+        hubble_metrics = read_listeners(env.tmp / "agent.log")["hubble-metrics"]
+        hubble_text = urllib.request.urlopen(f"http://{hubble_metrics}/metrics", timeout=5).read()
+        assert "# TYPE hubble_flows_processed_total counter" in hubble_text.decode()
+        assert "hubble_flows_processed_total" not in text
         assert sock.stat().st_mode & 0o777 == 0o600
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0

@@ -212,6 +212,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             static={},
             enable_bpf=True,
             hubble_listen_address=f"127.0.0.1:{hubble_port}",
+            hubble_metrics="flow",  # counted in Hubble's registry, read in-process
+            hubble_metrics_server="",
             operator=op.address,
             operator_reconnect_min_backoff=0.1,
             operator_reconnect_max_backoff=0.5,
@@ -361,8 +363,9 @@ def test_metrics_count_drops_forwards_policies_endpoints_and_flows(cluster: Clus
     assert metric(text, "cilium_forward_count_total", direction="EGRESS") >= 1
     assert metric(text, "cilium_policy") == 1
     assert metric(text, "cilium_endpoint") == 3
-    assert metric(text, "hubble_flows_processed_total", verdict="DROPPED") >= 1
-    assert metric(text, "hubble_flows_processed_total", verdict="FORWARDED") >= 1
+    flows = generate_latest(cluster.agent.agent.hubble.metrics.flow_registry).decode()
+    assert metric(flows, "hubble_flows_processed_total", verdict="DROPPED") >= 1
+    assert metric(flows, "hubble_flows_processed_total", verdict="FORWARDED") >= 1
 
 
 def test_cli_shows_datapath_status_endpoint_identities_and_pinned_maps(cluster: Cluster) -> None:

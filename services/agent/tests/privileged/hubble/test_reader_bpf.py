@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from cilia.hubble.flow import flow_pb2
 from cilia_agent.hubble.enrich import MemoryResolver
-from cilia_agent.hubble.metrics import read_bcc_counters
+from cilia_agent.hubble.metrics import parse_metrics, read_bcc_counters
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 from cilia_bpf_testing import harness  # map layouts + packet builder
 from cilia_testkit import skips
@@ -110,7 +110,12 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
 
     async def main() -> tuple[list[flow_pb2.Flow], Hubble]:
         hubble = Hubble(
-            HubbleConfig(node_name="node-t", capacity=63, poll_timeout_ms=20),
+            HubbleConfig(
+                node_name="node-t",
+                capacity=63,
+                poll_timeout_ms=20,
+                metrics=tuple(parse_metrics("flow")),
+            ),
             resolver=resolver(),
             registry=CollectorRegistry(),
         )
@@ -165,5 +170,8 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
     assert sample("cilium_drop_count_total", drop_labels) == 1
     assert sample("cilium_forward_count_total", {"direction": "EGRESS"}) == 1
     assert sample("cilium_forward_count_total", {"direction": "INGRESS"}) == 1
-    processed = {"type": "Drop", "subtype": "", "verdict": "DROPPED"}
-    assert sample("hubble_flows_processed_total", processed) == 1
+    processed = {"protocol": "TCP", "type": "Drop", "subtype": "", "verdict": "DROPPED"}
+    assert (
+        hubble.metrics.flow_registry.get_sample_value("hubble_flows_processed_total", processed)
+        == 1
+    )

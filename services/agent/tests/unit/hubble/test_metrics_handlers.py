@@ -420,7 +420,7 @@ def test_a_failing_handler_is_logged_once_and_the_others_still_count(
 ) -> None:
     m = metrics("tcp flow")
 
-    def broken(*_args: object) -> None:
+    def broken(flow: flow_pb2.Flow, etype: int, verdict: int, l4: str | None) -> None:
         raise RuntimeError("bug")
 
     m._process = (broken, *m._process[1:])  # the tcp handler's slot
