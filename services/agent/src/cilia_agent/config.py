@@ -308,7 +308,7 @@ class Config(BaseModel):
         "it is plaintext anyway, with a warning; the unix socket is always plaintext, mode "
         "0600)",
     )
-    hubble_metrics: str = Field(
+    hubble_metrics: Annotated[str, Flag(metavar="HANDLERS")] = Field(
         default="",
         description="Hubble metric handlers to enable, space- or comma-separated, each "
         "name[:key=value;key=value...] (upstream hubble-metrics): flow, drop, tcp, "
@@ -318,7 +318,7 @@ class Config(BaseModel):
         "syn-only; e.g. 'drop:sourceContext=pod;destinationContext=pod tcp flow'; empty = "
         "no Hubble metrics (agent README)",
     )
-    hubble_metrics_server: TCPAddress = Field(
+    hubble_metrics_server: Annotated[TCPAddress, Flag(metavar="ADDR")] = Field(
         default=":9965",
         description="[host]:port of the Hubble metrics endpoint (GET /metrics), apart from "
         "--prometheus-serve-addr; served only when --hubble-metrics enables a handler; "

@@ -155,8 +155,8 @@ def parse_metrics(text: str) -> list[HandlerSpec]:
             raise MetricsConfigError(f"{item!r}: empty handler name")
         if name in UPSTREAM_ONLY:
             raise MetricsConfigError(
-                f"handler {name!r} exists upstream but not in this agent, whose flows carry "
-                f"no L7 records (implemented: {', '.join(HANDLER_NAMES)})"
+                f"handler {name!r} exists upstream but not in this agent (implemented: "
+                f"{', '.join(HANDLER_NAMES)})"
             )
         if name not in HANDLER_NAMES:
             raise MetricsConfigError(
