@@ -30,9 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia_agent.hubble.metrics import HubbleMetrics, parse_metrics
-from cilia_testkit import VENV_BIN, probe
+from cilia_testkit import VENV_BIN, probe, skips
 from cilia_testkit.cluster import Cluster
 from cilia_testkit.host import wait_for
+from cilia_testkit.plugin import cluster_unsupported
 from cilia_testkit.stack import read_listeners
 
 PORT = 8080
@@ -94,6 +95,8 @@ def policy() -> dict[str, Any]:
 def test_metrics_on_9965_count_real_allowed_dropped_icmp_and_world_traffic_exactly(
     cluster: Callable[..., Cluster],
 ) -> None:
+    skips.require_bpf("a cluster node's eBPF datapath")
+    skips.require(cluster_unsupported() or None)
     c = cluster(nodes=1, relay=False, name="hubble-metrics", agent_args=["--hubble-metrics", SPEC])
     node = c.node("node-a")
     listeners = read_listeners(node.agent.process.log, node.agent.process.offset)
