@@ -19,7 +19,9 @@ handler's context labels, :mod:`.api`, come after these unless said otherwise):
     FORWARDED or REDIRECTED flows known not to be replies (``is_reply`` set and false):
     ``protocol`` TCP/UDP/SCTP with the destination port, or ICMPv4/ICMPv6 with port "0".
 ``icmp`` → ``hubble_icmp_total{family,type}``
-    every ICMP flow, any verdict: ``family`` "IPv4"/"IPv6", ``type`` the message name as
+    every ICMP flow, any verdict: ``family`` "IPv4"/"IPv6" (upstream writes "IPv4" for
+    ICMPv6 too, a slip not copied; this agent's flows carry no ICMPv6 yet), ``type`` the
+    message name as
     gopacket spells it ("EchoRequest", "EchoReply", "DestinationUnreachable(Port)";
     unknown type "T(C)").
 ``flows-to-world`` → ``hubble_flows_to_world_total{protocol,verdict[,port]}``
