@@ -110,7 +110,13 @@ def clean_network(devices: list[str], report: Report) -> None:
                     continue
                 dst = f"{route.get_attr('RTA_DST') or '0.0.0.0'}/{route['dst_len']}"
                 with contextlib.suppress(NetlinkError):  # gone with a device already
-                    ipr.route("del", dst=dst, proto=RTPROT_CILIA, table=RT_TABLE_MAIN)
+                    ipr.route(  # scope as installed: a link-scope route is not found without
+                        "del",
+                        dst=dst,
+                        proto=RTPROT_CILIA,
+                        table=RT_TABLE_MAIN,
+                        scope=route["scope"],
+                    )
                     report.removed.append(f"route {dst}")
             for name in devices:
                 try:

@@ -35,6 +35,8 @@ class Setting:
     key: str
     value: str
     why: str
+    only_if_present: bool = False
+    """For a device's key: skipped while the device does not exist (the agent creates it)."""
 
 
 def defaults(host_device: str = "cilia_host") -> tuple[Setting, ...]:
@@ -44,7 +46,7 @@ def defaults(host_device: str = "cilia_host") -> tuple[Setting, ...]:
         Setting("net.ipv4.ip_forward", "1", "the host routes between pods and the node network"),
         Setting("net.ipv4.conf.all.rp_filter", "0", "the effective rp_filter is max(all, device)"),
         Setting("net.ipv4.conf.lxc*.rp_filter", "0", rp),
-        Setting(f"net.ipv4.conf.{host_device}.rp_filter", "0", rp),
+        Setting(f"net.ipv4.conf.{host_device}.rp_filter", "0", rp, only_if_present=True),
         Setting("net.ipv4.conf.cilium_*.rp_filter", "0", rp + " (the tunnel device)"),
     )
 
@@ -91,7 +93,8 @@ def apply(
 ) -> list[str]:
     """Write every setting now; returns one line per value changed (``key: old -> new``).
 
-    A key without ``*`` must exist; a glob matching nothing is fine (no such device yet).
+    A key without ``*`` must exist (unless ``only_if_present``); a glob matching nothing is
+    fine (no such device yet).
 
     Raises:
         SysctlError: a file is missing or not writable (not root, read-only /proc/sys).
@@ -99,6 +102,8 @@ def apply(
     changed = []
     for s in settings:
         for path in paths(s.key, root):
+            if s.only_if_present and not path.exists():
+                continue
             name = ".".join(path.relative_to(root).parts)
             try:
                 old = path.read_text().strip()
