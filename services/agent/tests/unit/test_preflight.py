@@ -244,3 +244,16 @@ def test_every_step_is_a_subcommand_and_unknown_ones_are_refused() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["init", "no-such-step"])
     assert exc.value.code == 2
+
+
+def test_the_socket_lb_counts_only_with_the_datapath_on() -> None:
+    assert preflight.needs(True, True) == {"bpf", "socklb"}
+    assert preflight.needs(True, False) == {"bpf"}
+    assert preflight.needs(False, True) == set()
+
+
+def test_serve_without_bpf_skips_the_bpf_checks() -> None:
+    from cilia_agent.config import Config
+
+    cfg = Config(enable_bpf=False, install_iptables_rules=False, operator="")
+    assert preflight.startup_checks(cfg, "3.10.0") == preflight.StartupResult([], "")

@@ -68,12 +68,13 @@ class PreflightError(Exception):
 
 
 def needs(enable_bpf: bool, socket_lb: bool) -> set[str]:
-    """The feature groups (:data:`kernel.Need`) a configuration uses."""
+    """The feature groups (:data:`kernel.Need`) a configuration uses (the socket-LB only
+    runs with the eBPF datapath on, as the agent's load balancer)."""
     out = set()
     if enable_bpf:
         out.add("bpf")
-    if socket_lb:
-        out.add("socklb")
+        if socket_lb:
+            out.add("socklb")
     return out
 
 
@@ -183,10 +184,10 @@ def startup_checks(cfg: Config, release: str) -> StartupResult:
     Raises:
         PreflightError: the first check that fails (same messages as the init steps).
     """
-    socket_lb = cfg.bpf_lb_sock and cfg.kube_proxy_replacement_enabled
+    socket_lb = cfg.enable_bpf and cfg.bpf_lb_sock and cfg.kube_proxy_replacement_enabled
     groups = needs(cfg.enable_bpf, socket_lb)
     lines = check_kernel(release, "", groups) if groups else []
-    if cfg.enable_bpf or socket_lb:
+    if cfg.enable_bpf:
         lines.append(pin_dir_on_bpffs(cfg.bpf_pin_dir))
     if socket_lb:
         lines.append(mount_cgroup2(cfg.cgroup_root))
