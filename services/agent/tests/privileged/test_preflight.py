@@ -217,6 +217,10 @@ def test_all_state_removes_devices_routes_chain_and_state_in_a_netns(
     assert "10.251.77.0/24" not in routes and "10.251.78.0/24" in routes
     assert "CILIA_FORWARD" not in _sh(*nft[:-1], "iptables-nft-save")
     assert not state.exists()
+    # the legacy side was looked at without creating its tables (nothing of ours was there)
+    tables = subprocess.run(["ip", "netns", "exec", netns, "cat", "/proc/net/ip_tables_names"],
+                            capture_output=True, text=True, check=False).stdout  # fmt: skip
+    assert tables == ""
     for what in ("route 10.251.77.0/24", "device ciliat_host",  # its veth peer goes with it
                  "iptables-nft -A FORWARD -j CILIA_FORWARD", f"state dir {state} (3 entries)"):  # fmt: skip
         assert what in proc.stdout

@@ -257,3 +257,10 @@ def test_serve_without_bpf_skips_the_bpf_checks() -> None:
 
     cfg = Config(enable_bpf=False, install_iptables_rules=False, operator="")
     assert preflight.startup_checks(cfg, "3.10.0") == preflight.StartupResult([], "")
+
+
+def test_legacy_tables_are_read_from_proc_without_running_iptables(tmp_path: pathlib.Path) -> None:
+    names = tmp_path / "ip_tables_names"
+    assert iptables_backend._legacy_tables(names) == set()  # module not loaded
+    names.write_text("mangle\nfilter\n")
+    assert iptables_backend._legacy_tables(names) == {"mangle", "filter"}

@@ -12,6 +12,10 @@ clearing-unnecessary-iptables init step):
 2. without a hint, the backend holding more rules (``-A`` lines of ``*-save``) wins;
 3. on a tie (an empty host) nft, the default of every current distribution.
 
+The legacy side is only read when ``/proc/net/ip_tables_names`` lists tables:
+``iptables-legacy-save`` would otherwise create them (and load ``ip_tables``) just by
+looking, after which every ``iptables-nft`` call warns about legacy tables.
+
 The agent then runs ``iptables-nft`` or ``iptables-legacy`` by name for every command
 (``--iptables-backend``; ``auto`` runs this detection at start, which is what the init step
 runs too, so both reach the same answer). The init step also removes the agent's own chain
@@ -22,6 +26,7 @@ unloads the legacy modules; Cilia touches only its own rules).
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ from cilia_agent.datapath.iptables import CHAIN, PARENT
 Backend = Literal["nft", "legacy"]
 BACKENDS: tuple[Backend, Backend] = ("nft", "legacy")
 HINT_CHAINS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
+LEGACY_TABLES = pathlib.Path("/proc/net/ip_tables_names")
 
 
 class BackendError(Exception):
@@ -117,16 +123,31 @@ def detect(timeout: float = 10.0) -> Detection:
     hint: dict[Backend, bool] = {}
     rules: dict[Backend, int] = {}
     available: set[Backend] = set()
+    legacy_tables = _legacy_tables()
     for b in BACKENDS:
-        mangle = _save(b, timeout, "mangle")
-        if mangle is None:
+        if shutil.which(f"iptables-{b}-save") is None:
             continue
         available.add(b)
-        hint[b] = has_hint(mangle)
+        if b == "legacy" and "mangle" not in legacy_tables:
+            hint[b] = False  # not read: reading would create the legacy tables
+            continue
+        hint[b] = has_hint(_save(b, timeout, "mangle") or "")
     if not any(hint.values()) and len(available) == 2:
         for b in BACKENDS:
-            rules[b] = count_rules(_save(b, timeout) or "")
+            empty = b == "legacy" and not legacy_tables
+            rules[b] = 0 if empty else count_rules(_save(b, timeout) or "")
     return decide(hint, rules, available)
+
+
+def _legacy_tables(path: pathlib.Path = LEGACY_TABLES) -> set[str]:
+    """The legacy tables that exist in this network namespace (``/proc/net/ip_tables_names``;
+    absent: the ip_tables module is not loaded, so there are none). Read instead of running
+    ``iptables-legacy-save`` where that is enough, because that command creates the legacy
+    tables (and loads the module) as a side effect."""
+    try:
+        return set(path.read_text().split())
+    except OSError:
+        return set()
 
 
 def remove_stale_chain(
@@ -140,8 +161,8 @@ def remove_stale_chain(
         BackendError: a delete failed for another reason than "not there".
     """
     exe = shutil.which(binary(backend))
-    if exe is None:
-        return []
+    if exe is None or (backend == "legacy" and "filter" not in _legacy_tables()):
+        return []  # no legacy filter table: nothing of ours there (and none is created)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [exe, "-w", str(max(1, int(timeout))), "-t", "filter", *args]
