@@ -143,13 +143,24 @@ def test_agent_daemonset_layout(docs: list[dict[str, Any]]) -> None:
     spec = ds["spec"]["template"]["spec"]
     assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
     assert spec["hostNetwork"] is True
+    # the module's init containers in its order, each one `cilia-agent init <step>`
     assert [c["name"] for c in spec["initContainers"]] == [
         "check-linux-kernel",
-        "mount-bpf-fs",
+        "clearing-unnecessary-iptables",
         "mount-cgroup",
         "apply-sysctl-overwrites",
+        "mount-bpf-fs",
         "clean-cilia-state",
         "install-cni-binaries",
+    ]
+    steps = [c["args"][:2] for c in spec["initContainers"][:-1]]
+    assert steps == [
+        ["init", "check-kernel"],
+        ["init", "iptables-backend"],
+        ["init", "mount-cgroup2"],
+        ["init", "sysctl"],
+        ["init", "mount-bpffs"],
+        ["init", "clean-state"],
     ]
     agent = spec["containers"][0]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

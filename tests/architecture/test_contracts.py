@@ -94,7 +94,8 @@ _LAYOUT = {
         "hubble/__init__", "policy/__init__", "ipcache/__init__", "node/__init__", "k8s/__init__",
         "loadbalancer/__init__",
         "identity/__init__", "identity/labels", "identity/reserved", "ipam/__init__",
-        "cni/__init__", "controlplane/__init__", "datapath/__init__", "metrics", "config",
+        "cni/__init__", "controlplane/__init__", "preflight/__init__", "datapath/__init__",
+        "metrics", "config",
     ],
     "cilia_cni": [
         "__main__", "plugin", "agent", "delqueue", "netconf", "result", "log", "h2grpc",

@@ -1,10 +1,11 @@
 """``cilia-agent``: argument parsing only (serve, status, endpoint list, bpf policy|ipcache list,
-service list)."""
+service list, init <step>)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -56,6 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
     service = sub.add_parser("service", help="load-balancer commands (root)")
     ssub = service.add_subparsers(dest="service_command", required=True)
     ssub.add_parser("list", parents=[pins], help="list Service frontends and their backends")
+    from cilia_agent.preflight import cli as init_cli
+
+    init_cli.add_parser(sub)
     return parser
 
 
@@ -96,6 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             except TLSFileError as exc:
                 print(f"cilia-agent: cannot start: Hubble TLS: {exc}", file=sys.stderr)
                 return 1
+        from cilia_agent.preflight import PreflightError, startup_checks
+
+        try:  # the init steps' checks, fast path: before any side effect of the agent
+            checks = startup_checks(config, os.uname().release)
+        except PreflightError as exc:
+            print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)
+            return exc.code
+        for line in checks.lines:
+            logging.getLogger("cilia_agent").info("start-up check: %s", line)
+        if checks.iptables_backend:
+            config = config.model_copy(update={"iptables_backend": checks.iptables_backend})
         try:
             app.run(config)
         except BpfUnavailable as exc:
@@ -108,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "init":
+        from cilia_agent.preflight import cli as init_cli
+
+        return init_cli.run(args)
     from cilia_agent import cli
 
     if args.command == "bpf":

@@ -73,6 +73,7 @@ from cilia_agent.k8s import PodCache
 from cilia_agent.metrics import Metrics
 from cilia_agent.node import LocalNode
 from cilia_agent.node.manager import NodeManager, RouteSync
+from cilia_agent.preflight import iptables_binary
 from cilia_agent.status import Enforced, StatusCollector
 from cilia_common.metrics import start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
@@ -106,7 +107,10 @@ class Agent:
         self.datapath = LinuxDatapath(
             cfg.host_device_name,
             install_iptables_rules=cfg.install_iptables_rules,
-            iptables=Iptables(timeout=cfg.iptables_timeout),
+            iptables=Iptables(
+                binary=iptables_binary(cfg) if cfg.install_iptables_rules else "iptables",
+                timeout=cfg.iptables_timeout,
+            ),
         )
         self.iptables_reconciler = IptablesReconciler(
             self.datapath.iptables,

@@ -186,6 +186,10 @@ class Config(BaseModel):
     iptables_timeout: float = Field(
         default=10.0, gt=0, description="seconds one iptables command may take"
     )
+    iptables_backend: Literal["auto", "nft", "legacy"] = Field(
+        default="auto",
+        description="iptables the agent runs for every rule: nft (iptables-nft), legacy (iptables-legacy) or auto: the one the host uses, detected at start as the init step iptables-backend does (the kubelet's KUBE-IPTABLES-HINT chain, else the backend holding more rules, else nft)",
+    )
     iptables_reconcile_interval: float = Field(
         default=10.0,
         ge=0,
