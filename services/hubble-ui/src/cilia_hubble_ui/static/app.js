@@ -7,11 +7,13 @@
 
 const COLORS = { FORWARDED: "#16a34a", DROPPED: "#dc2626", other: "#d97706" };
 
+// Short labels (the line itself must stay visible): "dropped · POLICY_DENIED · TCP/8080",
+// "TCP/8080"; the flow count and every port are in the edge's data and the table.
 function edgeLabel(e) {
-  const parts = [e.verdict.toLowerCase()];
-  if (e.drop_reasons.length) parts.push(e.drop_reasons.join(","));
-  if (e.ports.length) parts.push(e.ports.slice(0, 3).join(","));
-  return parts.join(" · ") + " (" + e.flows + ")";
+  const parts = e.verdict === "FORWARDED" ? [] : [e.verdict.toLowerCase()];
+  if (e.drop_reasons.length) parts.push(e.drop_reasons[0]);
+  if (e.ports.length) parts.push(e.ports[0] + (e.ports.length > 1 ? ",…" : ""));
+  return parts.join(" · ");
 }
 
 function fillForm() {
@@ -36,6 +38,7 @@ function makeMap() {
   return cytoscape({
     container: document.getElementById("map"),
     wheelSensitivity: 0.3,
+    maxZoom: 1.6,
     style: [
       { selector: "node", style: {
           "label": "data(label)", "text-valign": "bottom", "text-margin-y": 4,
@@ -46,16 +49,17 @@ function makeMap() {
           "border-width": 1, "shape": "round-rectangle", "text-valign": "top",
           "text-margin-y": -4, "font-weight": "bold", "padding": 18 } },
       { selector: "edge", style: {
-          "curve-style": "bezier", "width": 3, "line-color": COLORS.other,
-          "target-arrow-shape": "triangle", "target-arrow-color": COLORS.other,
-          "label": "data(label)", "font-size": 10, "text-rotation": "autorotate",
-          "text-background-color": "#fff", "text-background-opacity": 0.85,
-          "text-background-padding": 2, "color": "#334155" } },
+          "curve-style": "bezier", "control-point-step-size": 60, "width": 3,
+          "line-color": COLORS.other, "target-arrow-shape": "triangle",
+          "target-arrow-color": COLORS.other, "arrow-scale": 1.3,
+          "label": "data(label)", "font-size": 9, "text-rotation": "autorotate",
+          "text-margin-y": -9,
+          "text-outline-color": "#fff", "text-outline-width": 2, "color": "#334155" } },
       { selector: "edge[verdict = 'FORWARDED']", style: {
           "line-color": COLORS.FORWARDED, "target-arrow-color": COLORS.FORWARDED } },
       { selector: "edge[verdict = 'DROPPED']", style: {
-          "line-color": COLORS.DROPPED, "target-arrow-color": COLORS.DROPPED, "width": 4,
-          "line-style": "dashed", "line-dash-pattern": [8, 3], "target-arrow-shape": "tee",
+          "line-color": COLORS.DROPPED, "target-arrow-color": COLORS.DROPPED, "width": 5,
+          "line-style": "dashed", "line-dash-pattern": [10, 4], "target-arrow-shape": "tee",
           "color": COLORS.DROPPED } },
     ],
     elements: [],
@@ -94,7 +98,7 @@ function updateMap(cy, data) {
   });
   if (changed && cy.nodes().length) {
     cy.layout({ name: "cose", animate: false, nodeDimensionsIncludeLabels: true,
-                padding: 40, idealEdgeLength: () => 120, nodeRepulsion: () => 9000 }).run();
+                padding: 40, idealEdgeLength: () => 90, nodeRepulsion: () => 9000 }).run();
     cy.fit(undefined, 40);
   }
   const map = document.getElementById("map");
