@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,13 +124,17 @@ class LiveView:
         data["filters"] = {k: list(v) for k, v in self.filter.params.items()}
         return data
 
-    async def events(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def events(
+        self, alive: Callable[[], bool] = lambda: True
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Yield ``(event, data)`` pairs: ``graph``, ``status``, ``ping``, and a last
-        ``refused`` (see the module docstring). Runs until the caller stops iterating."""
+        ``refused`` (see the module docstring). Runs until the caller stops iterating or
+        ``alive()`` turns false (checked every ``update_interval``: the page went away, so
+        its relay stream is closed without waiting for a failed write)."""
         pump = asyncio.create_task(self._pump(), name="hubble-ui-pump")
         quiet_since = time.monotonic()
         try:
-            while True:
+            while alive():
                 sent = False
                 if self._status_changed:
                     self._status_changed = False

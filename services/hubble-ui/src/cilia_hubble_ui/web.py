@@ -151,7 +151,12 @@ async def events(request: web.Request) -> web.StreamResponse:
     try:
         await response.prepare(request)
         view = LiveView(app[_CLIENT], page_filter, app[_OPTIONS], metrics)
-        async for event, data in view.events():
+        transport = request.transport
+
+        def alive() -> bool:
+            return transport is not None and not transport.is_closing()
+
+        async for event, data in view.events(alive):
             await response.write(_sse(event, data))
     except (ConnectionResetError, asyncio.CancelledError):
         pass  # the page went away, or the server is stopping
