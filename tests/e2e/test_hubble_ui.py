@@ -64,6 +64,7 @@ def pods(stack: Stack) -> Iterator[dict[str, cni.Pod]]:
     """The demo's three pods in :data:`NS`, the backend's greeter, and the demo's policy
     (applied and seen to drop other → backend)."""
     skips.require(_browser_missing())
+    started = time.monotonic()
     conflist = stack.agent.conflist()
     made: dict[str, cni.Pod] = {}
     server: subprocess.Popen[str] | None = None
@@ -85,6 +86,7 @@ def pods(stack: Stack) -> Iterator[dict[str, cni.Pod]]:
             interval=0.3,
         )
         assert blocked, f"the policy did not drop other -> backend\n{dump_logs()}"
+        print(f"hubble-ui pods and policy: {time.monotonic() - started:.1f} s")
         yield made
     finally:
         current_stack().operator_cli("delete", "cnp", POLICY, "-n", NS)
