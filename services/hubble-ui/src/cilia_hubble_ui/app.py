@@ -25,9 +25,6 @@ from cilia_hubble_ui.web import check_static, make_app
 
 log = logging.getLogger("cilia_hubble_ui")
 
-SHUTDOWN_TIMEOUT_SECONDS = 5.0
-"""How long requests in flight get at stop (page streams are ended at once)."""
-
 
 class BindError(RuntimeError):
     """``--listen-address`` cannot be bound (message names the flag and the reason)."""
@@ -68,12 +65,13 @@ class HubbleUI:
                 table_rows=config.table_rows,
                 update_interval=config.update_interval,
                 retry_timeout=config.retry_timeout,
+                snapshot_timeout=config.snapshot_timeout,
             ),
             max_clients=config.max_clients,
             metrics=self.metrics,
         )
         self._runner = web.AppRunner(
-            app, shutdown_timeout=SHUTDOWN_TIMEOUT_SECONDS, access_log=None
+            app, shutdown_timeout=config.shutdown_grace_period, access_log=None
         )
         await self._runner.setup()
         host, port = split_host_port(config.listen_address, flag="--listen-address")

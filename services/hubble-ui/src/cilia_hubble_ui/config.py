@@ -11,8 +11,9 @@ given and ``--disable-tls`` is not; the relay's certificate is checked against
 
 Every limit is a flag with a documented default: flows kept per open page
 (``--flows-buffer``), open pages (``--max-clients``), how often a page is updated
-(``--update-interval``), rows of the flow table (``--table-rows``), and the relay's dial and
-retry timeouts.
+(``--update-interval``), rows of the flow table (``--table-rows``), the relay's dial and
+retry timeouts, the deadline of a one-off snapshot (``--snapshot-timeout``) and the grace
+period at stop (``--shutdown-grace-period``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ class Config(BaseModel):
         default=2.0,
         gt=0,
         description="after a lost or refused relay stream, reopen it after this long",
+    )
+    snapshot_timeout: GoDuration = Field(
+        default=10.0,
+        gt=0,
+        description="deadline of the one-off GetFlows behind /api/graph",
+    )
+    shutdown_grace_period: GoDuration = Field(
+        default=5.0, ge=0, description="time requests in flight get on SIGTERM"
     )
     tls_relay_ca_cert_files: Annotated[list[str], Flag(metavar="PATH")] = Field(
         default_factory=list,

@@ -42,12 +42,14 @@ class LiveOptions:
         table_rows: rows of the flow table sent.
         update_interval: seconds between updates.
         retry_timeout: seconds before a lost stream is reopened.
+        snapshot_timeout: deadline in seconds of a one-off (non-follow) GetFlows.
     """
 
     flows_buffer: int
     table_rows: int
     update_interval: float
     retry_timeout: float
+    snapshot_timeout: float = 10.0
 
 
 class LiveView:

@@ -42,8 +42,6 @@ log = logging.getLogger("cilia_hubble_ui")
 STATIC_DIR = pathlib.Path(__file__).with_name("static")
 VENDOR_FILES = ("vendor/cytoscape.min.js",)
 """Files ``scripts/setup.sh`` vendors from npm into ``static/``; the page needs them."""
-SNAPSHOT_TIMEOUT_SECONDS = 10.0
-"""Deadline of the non-follow GetFlows behind ``/api/graph``."""
 
 _CLIENT = web.AppKey("client", RelayClient)
 _OPTIONS = web.AppKey("options", LiveOptions)
@@ -106,7 +104,7 @@ async def graph(request: web.Request) -> web.Response:
             page_filter.whitelist,
             number=options.flows_buffer,
             follow=False,
-            timeout=SNAPSHOT_TIMEOUT_SECONDS,
+            timeout=options.snapshot_timeout,
         ):
             if response.WhichOneof("response_types") == "flow":
                 view.add(summarize(response.flow))
