@@ -15,6 +15,7 @@ import grpc
 
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
+from cilia_common.tls import ServerTLS, server_credentials
 
 
 def _passes(flow: flow_pb2.Flow, whitelist: list[flow_pb2.FlowFilter]) -> bool:
@@ -46,10 +47,14 @@ class FakeRelay(observer_pb2_grpc.ObserverServicer):
         self._new = asyncio.Condition()
         self._server: grpc.aio.Server | None = None
 
-    async def start(self) -> None:
+    async def start(self, tls: ServerTLS | None = None) -> None:
+        """Serve on 127.0.0.1:0, in plaintext or with ``tls`` (mutual with client CAs)."""
         self._server = grpc.aio.server()
         observer_pb2_grpc.add_ObserverServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = self._server.add_secure_port("127.0.0.1:0", server_credentials(tls)[0])
         await self._server.start()
         self.address = f"127.0.0.1:{port}"
 

@@ -3,13 +3,15 @@
 Shows: the page's filters reach the relay as the GetFlows whitelist; the live stream sends
 the graph and follows new flows; malformed filters are a 400 naming the parameter and the
 service keeps serving; --max-clients is enforced with 503; a filter the relay refuses ends
-the stream with a ``refused`` event; an unreachable relay is a 502 for a snapshot.
+the stream with a ``refused`` event; an unreachable relay is a 502 for a snapshot; mutual TLS
+to the relay with upstream's server name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from fake_relay import FakeRelay
 from flows import endpoint, tcp_flow
 
 from cilia.hubble.flow import flow_pb2
+from cilia_common.tls import ClientTLS, ServerTLS, generate_bundle
 from cilia_hubble_ui.live import LiveOptions
 from cilia_hubble_ui.metrics import Metrics
 from cilia_hubble_ui.relay import RelayClient
@@ -32,11 +35,18 @@ EVENT_TIMEOUT = 10.0
 Body = Callable[[TestClient[Any, Any], FakeRelay], Awaitable[None]]
 
 
-def _run(body: Body, *, max_clients: int = 5, relay_address: str = "") -> None:
+def _run(
+    body: Body,
+    *,
+    max_clients: int = 5,
+    relay_address: str = "",
+    server_tls: ServerTLS | None = None,
+    client_tls: ClientTLS | None = None,
+) -> None:
     async def main() -> None:
         relay = FakeRelay([tcp_flow(FRONT, BACK), tcp_flow(OTHER, BACK, verdict=flow_pb2.DROPPED)])
-        await relay.start()
-        client = RelayClient(relay_address or relay.address, None)
+        await relay.start(server_tls)
+        client = RelayClient(relay_address or relay.address, client_tls)
         app = make_app(client, OPTIONS, max_clients=max_clients, metrics=Metrics())
         async with TestClient(TestServer(app)) as http:
             try:
@@ -177,3 +187,33 @@ def test_an_unreachable_relay_is_reported_not_fatal() -> None:
         assert (await http.get("/healthz")).status == 200
 
     _run(body, relay_address="127.0.0.1:1")
+
+
+def test_mutual_tls_to_the_relay_with_its_upstream_server_name(tmp_path: pathlib.Path) -> None:
+    """The relay serves *.hubble-relay.cilium.io and asks for a client certificate: the UI
+    dials it with the CA, its client pair and the name ui.hubble-relay.cilium.io; without a
+    client certificate the handshake is refused and the snapshot says the relay is
+    unavailable (502)."""
+    bundle = generate_bundle(tmp_path, server_hosts=["127.0.0.1"], hubble_cluster="default")
+    cert, key = bundle.hubble["hubble-relay-server"]
+    server = ServerTLS(cert, key, (bundle.ca_cert,))
+    client_cert, client_key = bundle.hubble["hubble-relay-client"]
+    name = "ui.hubble-relay.cilium.io"
+
+    async def works(http: TestClient[Any, Any], relay: FakeRelay) -> None:
+        snap = await http.get("/api/graph")
+        assert snap.status == 200, await snap.text()
+        assert {e["verdict"] for e in (await snap.json())["edges"]} == {"FORWARDED", "DROPPED"}
+
+    _run(
+        works,
+        server_tls=server,
+        client_tls=ClientTLS((bundle.ca_cert,), client_cert, client_key, name),
+    )
+
+    async def refused(http: TestClient[Any, Any], relay: FakeRelay) -> None:
+        snap = await http.get("/api/graph")
+        assert snap.status == 502 and "UNAVAILABLE" in (await snap.json())["error"]
+        assert relay.requests == []
+
+    _run(refused, server_tls=server, client_tls=ClientTLS((bundle.ca_cert,), "", "", name))
