@@ -53,7 +53,7 @@ function makeMap() {
           "line-color": COLORS.other, "target-arrow-shape": "triangle",
           "target-arrow-color": COLORS.other, "arrow-scale": 1.3,
           "label": "data(label)", "font-size": 9, "text-rotation": "autorotate",
-          "text-margin-y": -9,
+          "text-margin-y": -6,
           "text-outline-color": "#fff", "text-outline-width": 2, "color": "#334155" } },
       { selector: "edge[verdict = 'FORWARDED']", style: {
           "line-color": COLORS.FORWARDED, "target-arrow-color": COLORS.FORWARDED } },
@@ -98,7 +98,7 @@ function updateMap(cy, data) {
   });
   if (changed && cy.nodes().length) {
     cy.layout({ name: "cose", animate: false, nodeDimensionsIncludeLabels: true,
-                padding: 40, idealEdgeLength: () => 90, nodeRepulsion: () => 9000 }).run();
+                padding: 40, idealEdgeLength: () => 140, nodeRepulsion: () => 20000 }).run();
     cy.fit(undefined, 40);
   }
   const map = document.getElementById("map");
