@@ -55,7 +55,7 @@ import docker
 import docker.errors
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVICES = ("operator", "agent", "cni", "relay", "safe-agent-updater")
+SERVICES = ("operator", "agent", "cni", "relay", "safe-agent-updater", "hubble-ui")
 #: Image-only targets that are not Python services (built from deploy/).
 EXTRA_IMAGES = {"redis": ROOT / "deploy" / "images" / "redis.Dockerfile"}
 DEFAULT_BASE_IMAGE = "cilia-base:bookworm"

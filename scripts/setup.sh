@@ -85,7 +85,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
         -c constraints.txt --build-constraint constraints.txt "$@"
   }
   uvpip grpcio-tools pytest pytest-timeout hypothesis ruff mypy tox tox-uv types-protobuf \
-      types-PyYAML pyinstaller
+      types-PyYAML pyinstaller playwright
   # --reinstall-package: ./proto is a plain install; rebuild it so changed .proto files count.
   uvpip --reinstall-package cilia-api ./proto -e lib/common -e lib/kubemock -e lib/testkit \
       $(for s in services/*/; do printf -- '-e %s ' "$s"; done)
@@ -156,4 +156,56 @@ install_cni_bin() {
 }
 install_cni_bin
 
-log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater"
+# cilia-hubble-ui's page draws its graph with cytoscape.js, vendored from the npm registry at
+# a pinned version (checked by sha256) into the package's static/vendor/ (not committed), so the
+# page needs no network and the image's wheel carries it. The tarball is cached by version
+# under ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cytoscape/<version>/.
+CYTOSCAPE_VERSION=3.34.4
+CYTOSCAPE_SHA256=081591ab735b2b6a3b31a3c60f8f3a3e2fee8c92939e0c7820ad1208571b6cd8
+vendor_cytoscape() {
+  local cache=${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cytoscape/$CYTOSCAPE_VERSION
+  local dest=$ROOT/services/hubble-ui/src/cilia_hubble_ui/static/vendor
+  if [[ ! -f $cache/cytoscape.min.js ]]; then
+    log "vendoring cytoscape $CYTOSCAPE_VERSION from npm"
+    mkdir -p "$cache"
+    local tmp; tmp=$(mktemp -d)
+    if ! (cd "$tmp" && npm pack -s "cytoscape@$CYTOSCAPE_VERSION" >/dev/null \
+          && tar -xzf "cytoscape-$CYTOSCAPE_VERSION.tgz" package/dist/cytoscape.min.js package/LICENSE); then
+      rm -rf "$tmp"
+      if [[ ${CILIA_REQUIRE_PRIVILEGED:-0} == 1 ]]; then
+        log "cytoscape could not be fetched from npm (required in CI)"; exit 2
+      fi
+      log "cytoscape could not be fetched from npm; cilia-hubble-ui will refuse to start and say so"
+      return 0
+    fi
+    if [[ $(sha256sum "$tmp/package/dist/cytoscape.min.js" | cut -c1-64) != "$CYTOSCAPE_SHA256" ]]; then
+      rm -rf "$tmp"; log "cytoscape $CYTOSCAPE_VERSION: sha256 mismatch"; exit 2
+    fi
+    cp "$tmp/package/LICENSE" "$cache/LICENSE"
+    cp "$tmp/package/dist/cytoscape.min.js" "$cache/cytoscape.min.js"
+    rm -rf "$tmp"
+  fi
+  mkdir -p "$dest"
+  cmp -s "$cache/cytoscape.min.js" "$dest/cytoscape.min.js" || cp "$cache/cytoscape.min.js" "$dest/"
+  cmp -s "$cache/LICENSE" "$dest/cytoscape.LICENSE" || cp "$cache/LICENSE" "$dest/cytoscape.LICENSE"
+}
+vendor_cytoscape
+
+# Debian's Chromium for the browser test of cilia-hubble-ui's page (tests/e2e/test_hubble_ui.py
+# drives it headless through Playwright for Python, installed in the .venv above, pointed at
+# /usr/bin/chromium: no browser download).
+install_chromium() {
+  if dpkg-query -W -f='${Status}' chromium 2>/dev/null | grep -q "install ok installed"; then
+    return 0
+  fi
+  if [[ $(id -u) -ne 0 ]]; then
+    log "chromium is missing (apt-get install chromium as root); the browser test will skip"
+    return 0
+  fi
+  log "installing Debian's chromium (browser test of the hubble-ui page)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+}
+install_chromium
+
+log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater, cilia-hubble-ui"

@@ -102,6 +102,9 @@ _LAYOUT = {
         "invocation", "errors",
     ],
     "cilia_relay": ["__main__", "app", "cli/__init__", "observer", "merge", "peers", "config"],
+    "cilia_hubble_ui": [
+        "__main__", "app", "web", "live", "relay", "graph", "filters", "config", "metrics",
+    ],
     "cilia_safe_agent_updater": ["__main__"],
     "cilia_common": ["grpcserver"],
     "cilia_kubemock": ["server"],
