@@ -57,6 +57,10 @@ BPF_TABLE_PINNED("hash", struct lb_affinity_match, __u8, cilium_lb_affinity_matc
 BPF_TABLE_PINNED("lru_hash", struct lb4_nat_tuple, struct lb4_nat_entry, cilium_snat_v4_external,
 		 CILIA_LB_NAT_MAX, CILIA_PIN_DIR "/cilium_snat_v4_external");
 
+/* A packet these programs leave alone goes on to the next program on the device (tcx
+ * TCX_NEXT, clsact: the next filter), e.g. another agent's on the same device in a test
+ * stack; with none left it is passed. A translated one is passed (TC_ACT_OK) or redirected. */
+#define CIL_NEXT TC_ACT_UNSPEC
 #define NSEC_PER_SEC 1000000000ULL
 #define AF_INET 2
 #define NAT_PORT_MIN 32768
@@ -249,9 +253,9 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	key.scope = LB_LOOKUP_SCOPE_EXT;
 	svc = cilium_lb4_services_v2.lookup(&key);
 	if (!svc || !(svc->flags & SVC_FLAG_NODEPORT))
-		return TC_ACT_OK;
+		return CIL_NEXT;
 	if (fib(skb, p, p->daddr, &f) != BPF_FIB_LKUP_RET_NOT_FWDED || p->daddr == 0xffffffff)
-		return TC_ACT_OK; /* not addressed to this node */
+		return CIL_NEXT; /* not addressed to this node */
 	if (svc->count == 0)
 		return TC_ACT_SHOT; /* no backend here (externalTrafficPolicy Local) */
 	if (svc->flags & SVC_FLAG_AFFINITY) {
@@ -333,7 +337,7 @@ int cil_from_netdev(struct __sk_buff *skb)
 	struct lb4_nat_entry *e;
 
 	if (!parse(skb, &p))
-		return TC_ACT_OK;
+		return CIL_NEXT;
 	t.saddr = p.saddr;
 	t.daddr = p.daddr;
 	t.sport = p.sport;
@@ -364,7 +368,7 @@ int cil_to_netdev(struct __sk_buff *skb)
 	struct lb4_nat_entry *e;
 
 	if (!parse(skb, &p))
-		return TC_ACT_OK;
+		return CIL_NEXT;
 	t.saddr = p.saddr;
 	t.daddr = p.daddr;
 	t.sport = p.sport;
@@ -373,7 +377,7 @@ int cil_to_netdev(struct __sk_buff *skb)
 	t.flags = NAT_DIR_REPLY;
 	e = cilium_snat_v4_external.lookup(&t);
 	if (!e || e->to_daddr)
-		return TC_ACT_OK;
+		return CIL_NEXT;
 	/* a local backend's reply to an outside client: from node:nodePort again */
 	if (rewrite(skb, &p, e->to_saddr, e->to_sport, 0, 0) < 0)
 		return TC_ACT_SHOT;

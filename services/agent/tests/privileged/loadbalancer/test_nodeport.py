@@ -228,6 +228,11 @@ def test_nodeport_from_the_lan_translates_both_ways_and_honours_local_policy(
         assert layout_diff(key, ctypes_layout(key_mirror)) == []
         assert layout_diff(value, ctypes_layout(value_mirror)) == []
 
+    # an agent restart compiles again and swaps the programs into the pinned links
+    assert in_netns(lan.node, hostlb.attach, config) == {lan.device: "replaced"}
+    again = in_netns(lan.lan, many, tcp_once, TCP_NODE_PORT, 4)
+    assert set(again) <= {f"{local} | {want_peer}", f"{remote} | {want_peer}"}, again
+
     # externalTrafficPolicy Local: only node-1's own backend, the client address kept
     writer.upsert_service(nodeport_service("Local"))
     tcp = in_netns(lan.lan, many, tcp_once, TCP_NODE_PORT, 10)
