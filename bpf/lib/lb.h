@@ -1,4 +1,4 @@
-/* Service load-balancing maps of the Cilia socket-LB (bpf_sock.c).
+/* Service load-balancing maps of the Cilia socket-LB (bpf_sock.c) and NodePort (bpf_host.c).
  *
  * Layouts follow upstream's IPv4 load-balancer maps (pkg/loadbalancer/maps,
  * bpf/lib/lb.h), so a Cilium engineer reads them as the ones they know. They
