@@ -39,8 +39,8 @@
 #define LB_LOOKUP_SCOPE_INT 1
 
 /* Service flags (upstream enum: SVC_FLAG_*). */
-#define SVC_FLAG_NODEPORT (1 << 0)        /* a NodePort frontend (the 0.0.0.0 surrogate) */
-#define SVC_FLAG_EXT_LOCAL_SCOPE (1 << 3) /* externalTrafficPolicy Local */
+#define SVC_FLAG_NODEPORT (1 << 1)        /* a NodePort frontend (the 0.0.0.0 surrogate) */
+#define SVC_FLAG_EXT_LOCAL_SCOPE (1 << 2) /* externalTrafficPolicy Local */
 #define SVC_FLAG_AFFINITY (1 << 4) /* sessionAffinity ClientIP */
 #define SVC_FLAG_ROUTABLE (1 << 6) /* a ClusterIP or other VIP that is not HostPort */
 /* flags2 (upstream enum: SVC_FLAG_*, second byte). */
