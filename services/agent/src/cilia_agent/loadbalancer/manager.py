@@ -9,9 +9,11 @@
 * otherwise: bpffs checked (mounted on /sys/fs/bpf if needed), the socket-LB attached or
   its programs swapped in place (``socklb``), the pinned maps opened and read back
   (``maps.ServiceMapWriter.restore``: rev-NAT indexes and backend ids kept), and the
-  Service watcher built; then the NodePort programs (``hostlb``: ``bpf/bpf_host.c`` on
-  ``--devices``, or the default route's device) are attached. Its stream (``ServiceService.WatchServices``) is one of the
-  agent's operator watches (:func:`watches`).
+  Service watcher built; the NodePort programs (``hostlb``: ``bpf/bpf_host.c`` on
+  ``--devices``, or the default route's device) are attached after the socket-LB (whose
+  compilation creates the maps they share). The Service stream
+  (``ServiceService.WatchServices``) is one of the agent's operator watches
+  (:func:`watches`).
 
 Without an operator nothing feeds the maps: the restored entries keep being served.
 """

@@ -216,12 +216,22 @@ def test_nodeport_from_the_lan_translates_both_ways_and_honours_local_policy(
     # translation state: the remote backend's replies are keyed by node:NAT port
     nat_pin = sock_config.pin_dir / layout.NAT_MAP
     with PinnedMap(nat_pin, layout.NatTuple, layout.NatEntry) as nat:
-        snat = [
-            k for k, v in nat.items()
-            if k.flags == layout.NAT_DIR_REPLY and v.to_daddr and ip_from_map(k.saddr) == REMOTE_ADDR
-        ]  # fmt: skip
+        entries = list(nat.items())
+    snat = [
+        k for k, v in entries
+        if k.flags == layout.NAT_DIR_REPLY and v.to_daddr and ip_from_map(k.saddr) == REMOTE_ADDR
+    ]  # fmt: skip
     assert snat and all(32768 <= socket.ntohs(k.dport) <= 65535 for k in snat)
     assert all(ip_from_map(k.daddr) == NODE_ADDR for k in snat)
+    # the local backend's replies are keyed by the client (DNAT only), rewritten to node:port
+    dnat = [
+        (k, v) for k, v in entries
+        if k.flags == layout.NAT_DIR_REPLY and ip_from_map(k.saddr) == POD_ADDR
+    ]  # fmt: skip
+    assert dnat and all(ip_from_map(k.daddr) == CLIENT_ADDR and not v.to_daddr for k, v in dnat)
+    assert all(ip_from_map(v.to_saddr) == NODE_ADDR for _, v in dnat)
+    forward = [k for k, _ in entries if k.flags == layout.NAT_DIR_FWD]
+    assert len(forward) == len(snat) + len(dnat)  # one forward entry per flow
     if not skips.binary_missing("bpftool", "bpftool"):
         key_mirror, value_mirror = layout.HOST_MAP_LAYOUTS[layout.NAT_MAP]
         key, value = btf_of_map(pinned=nat_pin).map_key_value(layout.NAT_MAP)
