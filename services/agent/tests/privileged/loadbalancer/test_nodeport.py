@@ -272,3 +272,44 @@ def link_id(pin: pathlib.Path) -> int:
     out = subprocess.run(["bpftool", "-j", "link", "show", "pinned", str(pin)],
                          capture_output=True, text=True, check=True)  # fmt: skip
     return int(json.loads(out.stdout)["id"])
+
+
+def _tc_fallback(config: hostlb.HostConfig, device: str) -> list[str]:
+    """In the node netns: the programs attached as clsact filters (a kernel without tcx),
+    then the ingress filters' text."""
+    bpf, fds = hostlb.compile_programs(config)
+    try:
+        ifindex = hostlb.resolve_devices((device,))[device]
+        hostlb.attach_fds(ifindex, fds)
+        hostlb.attach_fds(ifindex, fds)  # idempotent: replaces
+    finally:
+        bpf.cleanup()
+    return [
+        sh_out("tc", "filter", "show", "dev", device, "ingress"),
+        sh_out("tc", "filter", "show", "dev", device, "egress"),
+    ]
+
+
+def sh_out(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def test_without_tcx_the_programs_attach_as_tc_filters_and_detach(
+    lan: Lan, sock_config: socklb.SockConfig, writer: ServiceMapWriter
+) -> None:
+    writer.node_name = "node-1"
+    writer.upsert_service(nodeport_service("Local"))  # local backend only: no SNAT needed
+    config = hostlb.HostConfig(
+        bpf_dir=sock_config.bpf_dir, pin_dir=sock_config.pin_dir, devices=(lan.device,),
+        lb_map_max=sock_config.lb_map_max, nat_max=4096,
+    )  # fmt: skip
+    ingress, egress = in_netns(lan.node, _tc_fallback, config, lan.device)
+    # one filter each (attached twice: replaced, not doubled)
+    assert ingress.count("handle 0xc1") == 1 and hostlb.PROG_FROM_NETDEV in ingress, ingress
+    assert egress.count("handle 0xc1") == 1 and hostlb.PROG_TO_NETDEV in egress, egress
+    got = in_netns(lan.lan, many, tcp_once, TCP_NODE_PORT, 3)
+    want = f"be {POD_ADDR} from {CLIENT_ADDR} | {NODE_ADDR}:{TCP_NODE_PORT}"
+    assert got == Counter({want: 3}), got
+    assert in_netns(lan.node, hostlb.detach, sock_config.pin_dir, (lan.device,)) == [lan.device]
+    ingress = in_netns(lan.node, sh_out, "tc", "filter", "show", "dev", lan.device, "ingress")
+    assert hostlb.PROG_FROM_NETDEV not in ingress
