@@ -1,4 +1,4 @@
-/* Service load-balancing maps of the Cilia socket-LB (bpf_sock.c).
+/* Service load-balancing maps of the Cilia socket-LB (bpf_sock.c) and NodePort (bpf_host.c).
  *
  * Layouts follow upstream's IPv4 load-balancer maps (pkg/loadbalancer/maps,
  * bpf/lib/lb.h), so a Cilium engineer reads them as the ones they know. They
@@ -11,6 +11,9 @@
  *                                               entries (upstream --bpf-lb-map-max)
  *   CILIA_LB_SOCK_REV_MAX  262144               socket reverse-translation entries,
  *                                               LRU (upstream --bpf-sock-rev-map-max)
+ *   CILIA_LB_NAT_MAX       524288               NodePort translation entries of
+ *                                               bpf_host.c, LRU (upstream
+ *                                               --bpf-nat-global-max)
  */
 #ifndef CILIA_LB_H
 #define CILIA_LB_H
@@ -27,14 +30,21 @@
 #ifndef CILIA_LB_SOCK_REV_MAX
 #define CILIA_LB_SOCK_REV_MAX 262144
 #endif
+#ifndef CILIA_LB_NAT_MAX
+#define CILIA_LB_NAT_MAX 524288
+#endif
 
 /* Lookup scopes of the service key (upstream LB_LOOKUP_SCOPE_*). */
 #define LB_LOOKUP_SCOPE_EXT 0
 #define LB_LOOKUP_SCOPE_INT 1
 
 /* Service flags (upstream enum: SVC_FLAG_*). */
+#define SVC_FLAG_NODEPORT (1 << 1)        /* a NodePort frontend (the 0.0.0.0 surrogate) */
+#define SVC_FLAG_EXT_LOCAL_SCOPE (1 << 2) /* externalTrafficPolicy Local */
 #define SVC_FLAG_AFFINITY (1 << 4) /* sessionAffinity ClientIP */
 #define SVC_FLAG_ROUTABLE (1 << 6) /* a ClusterIP or other VIP that is not HostPort */
+/* flags2 (upstream enum: SVC_FLAG_*, second byte). */
+#define SVC_FLAG_INT_LOCAL_SCOPE (1 << 4) /* internalTrafficPolicy Local */
 
 /* Backend states in lb4_backend.flags (upstream BE_STATE_*). */
 #define BE_STATE_ACTIVE 0
@@ -115,6 +125,41 @@ struct lb_affinity_match {
 	__u32 backend_id;
 	__u16 rev_nat_id;
 	__u16 pad;
+};
+
+/* NodePort translation state of bpf_host.c (cilium_snat_v4_external): one LRU map holds
+ * both directions of every translated flow, keyed by the tuple as a packet carries it
+ * (upstream keeps its SNAT entries the same way, a tuple per direction):
+ *
+ *   NAT_DIR_FWD    client -> node:nodePort, seen on from-netdev: to_daddr/to_dport = the
+ *                  backend; to_saddr/to_sport = node:NAT port when SNATed, else 0
+ *   NAT_DIR_REPLY  backend -> client (local backend, seen on to-netdev): to_saddr/to_sport
+ *                  = node:nodePort, to_daddr = 0;
+ *                  backend -> node:NAT port (remote backend, seen on from-netdev):
+ *                  to_saddr/to_sport = node:nodePort, to_daddr/to_dport = the client
+ */
+#define NAT_DIR_FWD 0
+#define NAT_DIR_REPLY 1
+
+struct lb4_nat_tuple {
+	__be32 daddr;
+	__be32 saddr;
+	__be16 dport;
+	__be16 sport;
+	__u8 nexthdr; /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 flags;   /* NAT_DIR_* */
+	__u16 pad;
+};
+
+struct lb4_nat_entry {
+	__be32 to_saddr; /* 0: source kept */
+	__be32 to_daddr; /* 0: destination kept */
+	__be16 to_sport;
+	__be16 to_dport;
+	__u32 backend_id; /* NAT_DIR_FWD: the backend chosen */
+	__u16 rev_nat_index;
+	__u16 pad;
+	__u64 created; /* bpf_ktime_get_ns() */
 };
 
 #endif /* CILIA_LB_H */

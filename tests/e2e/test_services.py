@@ -13,6 +13,8 @@ A ``v1 Service`` ``web`` (selector ``app=web``; TCP :data:`TCP_PORT` and UDP
 manifest: the operator gives it a ClusterIP from its ServiceCIDR and keeps its
 EndpointSlices from the endpoints the agents report; every agent programs its maps from the
 operator's ``WatchServices`` stream. Nothing of kube-proxy exists (no ``KUBE-*`` rule).
+A second Service ``web-np`` (same selector, type NodePort, nodePorts from the operator) is
+reached from a LAN host that is not a node, through each node's ``bpf_host.c`` programs.
 Tests run in file order on one module-scoped cluster; the last ones take web-b out.
 """
 
@@ -34,6 +36,7 @@ import pytest
 from cilia_testkit import VENV_BIN, cni, probe
 from cilia_testkit.cluster import Cluster, Node
 from cilia_testkit.host import sh, wait_for
+from cilia_testkit.netns import create_netns, delete_netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -114,6 +117,14 @@ def service_manifest(selector: dict[str, str]) -> str:
     })  # fmt: skip
 
 
+def nodeport_manifest() -> str:
+    """``web-np``: ``web``'s ports as a NodePort Service (nodePorts from the operator)."""
+    manifest = json.loads(service_manifest({"app": "web"}))
+    manifest["metadata"]["name"] = NODEPORT_SERVICE
+    manifest["spec"]["type"] = "NodePort"
+    return json.dumps(manifest)
+
+
 @pytest.fixture(scope="module")
 def world(cluster: Any) -> Iterator[World]:
     c: Cluster = cluster(nodes=2, routing="native", name="e2e-services")
@@ -129,7 +140,8 @@ def world(cluster: Any) -> Iterator[World]:
             w.pods[short] = pod
             if short.startswith("web"):
                 w.servers[short] = probe.start_server(pod.name, pod.name, (TARGET_PORT,))
-        w.operator("apply", "-f", "-", stdin=service_manifest({"app": "web"}))
+        both = f"{service_manifest({'app': 'web'})}\n---\n{nodeport_manifest()}"
+        w.operator("apply", "-f", "-", stdin=both)
         stored = json.loads(w.operator("get", "Service", SERVICE, "-n", NS, "-o", "json").stdout)
         w.vip = str(stored["spec"]["clusterIP"])
         webs = {w.pods["web-a"].ip, w.pods["web-b"].ip}
@@ -195,6 +207,120 @@ def test_no_kube_proxy_rules_exist(world: World) -> None:
     dumps += [node.exec("iptables-save").stdout for node in world.cluster.nodes.values()]
     kube = [line for d in dumps for line in d.splitlines() if "KUBE-" in line]
     assert not kube, kube[:10]
+
+
+NODEPORT_SERVICE = "web-np"
+#: Requests per node and protocol of the NodePort test; each backend must answer at least
+#: one of them (random choice: missing one has a chance of 2 * 2**-NODEPORT_REQUESTS).
+NODEPORT_REQUESTS = 40
+#: Bytes each NodePort TCP request sends and has acknowledged with the server's digest
+#: (several full-size segments through the translation and its checksum fixes).
+NODEPORT_PAYLOAD = 200_000
+#: Host part of the LAN client's address (on the cluster bridge, not a node).
+LAN_CLIENT_HOST = 250
+
+_LAN_CLIENT = textwrap.dedent(
+    """
+    import hashlib, json, os, socket, sys
+    timeout, payload = float(sys.argv[1]), int(sys.argv[2])
+    for target in sys.argv[3:]:
+        proto, ip, port = target.split(":")
+        out = {"target": target}
+        try:
+            if proto == "tcp":
+                with socket.create_connection((ip, int(port)), timeout=timeout) as c:
+                    c.settimeout(timeout)
+                    r = c.makefile("rb")
+                    out["greeting"] = r.readline().decode().strip()
+                    out["peer"] = "%s:%d" % c.getpeername()
+                    data = os.urandom(payload)
+                    c.sendall(data)
+                    c.shutdown(socket.SHUT_WR)
+                    want = "received %d %s" % (payload, hashlib.sha256(data).hexdigest())
+                    out["digest_ok"] = r.readline().decode().strip() == want
+            else:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.settimeout(timeout)
+                    s.sendto(b"hello?", (ip, int(port)))
+                    data, src = s.recvfrom(65535)
+                    out["greeting"] = data.decode().strip()
+                    out["peer"] = "%s:%d" % src
+                    out["digest_ok"] = True
+        except OSError as exc:
+            out["error"] = repr(exc)
+        print(json.dumps(out), flush=True)
+    """
+)
+
+
+def test_nodeport_from_a_lan_host_reaches_backends_on_both_nodes(world: World) -> None:
+    """A host on the cluster's LAN that is not a node (a netns with a veth on the bridge)
+    reaches a NodePort Service on node-a's and on node-b's address, TCP and UDP: over
+    :data:`NODEPORT_REQUESTS` requests per node and protocol both backends answer (web-a is
+    local to node-a and remote to node-b, and the reverse: DNAT and SNAT paths on each
+    node), every reply comes from the node address and nodePort the client used (reverse
+    NAT), TCP payloads arrive intact; and still no ``KUBE-*`` rule exists anywhere."""
+    w = world
+    c = w.cluster
+    webs = {w.pods["web-a"].ip, w.pods["web-b"].ip}
+    node_ports: dict[str, int] = {}
+
+    def programmed() -> bool:
+        """Both nodes serve web-np's nodePorts (0.0.0.0 frontends) with both backends."""
+        found: dict[str, int] = {}
+        for node in c.nodes.values():
+            for frontend, backends in w.frontends(node).items():
+                address, port_proto = frontend.split(":")
+                port, proto = port_proto.split("/")
+                want = {f"{ip}:{TARGET_PORT}/{proto}" for ip in webs}
+                active = {b["address"] for b in backends if b["state"] == "active"}
+                if address == "0.0.0.0" and active == want:
+                    found[f"{node.name}/{proto}"] = int(port)
+        node_ports.update({k.split("/")[1]: v for k, v in found.items()})
+        return len(found) == 2 * len(c.nodes)
+
+    assert wait_for(programmed, PROGRAMMED_WAIT_SECONDS), {
+        n: w.frontends(node) for n, node in c.nodes.items()
+    }
+    assert set(node_ports) == {"TCP", "UDP"}
+    assert all(30000 <= p <= 32767 for p in node_ports.values()), node_ports  # operator's range
+    client = f"{c.prefix}lanclient"
+    veth = f"cl{c.slot}lan"
+    client_ip = str(c.lan.network_address + LAN_CLIENT_HOST)
+    create_netns(client)
+    try:
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", client)
+        sh("ip", "link", "set", veth, "master", c.bridge, "up")
+        sh("ip", "-n", client, "addr", "add", f"{client_ip}/{c.lan.prefixlen}", "dev", "eth0")
+        sh("ip", "-n", client, "link", "set", "eth0", "up")
+        nodes = [c.nodes["node-a"].address, c.nodes["node-b"].address]
+        targets = [
+            f"{proto.lower()}:{ip}:{port}"
+            for ip in nodes
+            for proto, port in node_ports.items()
+            for _ in range(NODEPORT_REQUESTS)
+        ]
+        out = sh(
+            "ip", "netns", "exec", client, "python3", "-c", _LAN_CLIENT,
+            str(REQUEST_TIMEOUT_SECONDS), str(NODEPORT_PAYLOAD), *targets, timeout=300,
+        )  # fmt: skip
+    finally:
+        delete_netns(client)
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(results) == len(targets)
+    failed = [r for r in results if "error" in r or not r["digest_ok"]]
+    assert not failed, failed[:10]
+    answered: dict[str, Counter[str]] = {}
+    for r in results:
+        _, ip, port = r["target"].split(":")
+        assert r["peer"] == f"{ip}:{port}", r  # the client sees the node, not the backend
+        answered.setdefault(r["target"], Counter())[r["greeting"]] += 1
+    greetings = {w.greeting("web-a"), w.greeting("web-b")}
+    for target, counts in answered.items():
+        assert set(counts) == greetings, (target, counts)
+    dumps = [sh("iptables-save").stdout]
+    dumps += [node.exec("iptables-save").stdout for node in c.nodes.values()]
+    assert not [line for d in dumps for line in d.splitlines() if "KUBE-" in line]
 
 
 _HOLD = textwrap.dedent(

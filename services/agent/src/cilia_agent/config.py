@@ -361,6 +361,20 @@ class Config(BaseModel):
         le=1 << 24,
         description="entries of the socket reverse-translation map (LRU; one per socket and backend it reached) (upstream bpf-sock-rev-map-max)",
     )
+    devices: Annotated[list[str], Flag(metavar="IFNAME")] = Field(
+        default_factory=list,
+        description="external devices whose tc ingress/egress get the NodePort programs (cil_from_netdev/cil_to_netdev of bpf/bpf_host.c, upstream devices); repeat or comma-separate; none = the device of the IPv4 default route",
+    )
+    bpf_lb_mode: Literal["snat", "dsr", "hybrid"] = Field(
+        default="snat",
+        description="how NodePort traffic reaches a backend on another node (upstream bpf-lb-mode): snat (the request leaves from this node's address, the reply comes back through it); dsr and hybrid are refused: not implemented (they need the service address carried to the backend's node, in an IP option or a tunnel header, and a reverse translation there)",
+    )
+    bpf_nat_global_max: int = Field(
+        default=524288,
+        ge=16,
+        le=1 << 24,
+        description="entries of the NodePort translation map cilium_snat_v4_external (LRU; two per translated flow) (upstream bpf-nat-global-max)",
+    )
     cgroup_root: pathlib.Path = Field(
         default=pathlib.Path("/run/cilia/cgroupv2"),
         description="cgroup v2 mount whose root cgroup the socket-LB programs attach to (upstream cgroup-root, there /run/cilium/cgroupv2); cgroup2 is mounted there when it is not",
@@ -491,6 +505,27 @@ class Config(BaseModel):
             self.hubble_tls_key_file,
             tuple(self.hubble_tls_client_ca_files),
         )
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value: Any) -> Any:
+        names = split_list([value] if isinstance(value, str) else value)
+        if isinstance(names, list):
+            for name in names:
+                if not isinstance(name, str) or not _IFNAME.match(name):
+                    raise ValueError(f"--devices: {name!r} is not an interface name")
+        return names
+
+    @field_validator("bpf_lb_mode")
+    @classmethod
+    def _lb_mode(cls, value: str) -> str:
+        if value != "snat":
+            raise ValueError(
+                f"{value} is not implemented: NodePort backends on other nodes are reached "
+                "with SNAT (bpf-lb-mode snat); dsr/hybrid need the Service address carried "
+                "to the backend's node and translated back there"
+            )
+        return value
 
     @field_validator("bpf_lb_algorithm")
     @classmethod

@@ -15,7 +15,11 @@ map                             key -> value                                kind
 ``cilium_lb4_reverse_sk``       :class:`RevNatTuple` -> :class:`RevNatEntry`  LRU hash
 ``cilium_lb4_affinity``         :class:`AffinityKey` -> :class:`AffinityValue`  LRU hash
 ``cilium_lb_affinity_match``    :class:`AffinityMatch` -> ``u8``            hash
+``cilium_snat_v4_external``     :class:`NatTuple` -> :class:`NatEntry`      LRU hash
 ==============================  ==========================================  ==============
+
+``cilium_snat_v4_external`` is ``bpf/bpf_host.c``'s (NodePort translation state, both
+directions of each flow); the others are created by ``bpf/bpf_sock.c`` and shared.
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ REVERSE_SK_MAP = "cilium_lb4_reverse_sk"
 AFFINITY_MAP = "cilium_lb4_affinity"
 AFFINITY_MATCH_MAP = "cilium_lb_affinity_match"
 MAPS = (SERVICES_MAP, BACKENDS_MAP, REVNAT_MAP, REVERSE_SK_MAP, AFFINITY_MAP, AFFINITY_MATCH_MAP)
+NAT_MAP = "cilium_snat_v4_external"
 
 LB_LOOKUP_SCOPE_EXT = 0
+SVC_FLAG_NODEPORT = 1 << 1
+SVC_FLAG_EXT_LOCAL_SCOPE = 1 << 2
 SVC_FLAG_AFFINITY = 1 << 4
 SVC_FLAG_ROUTABLE = 1 << 6
+#: ``flags2`` bit (upstream SVC_FLAG_INT_LOCAL_SCOPE): internalTrafficPolicy Local.
+SVC_FLAG_INT_LOCAL_SCOPE = 1 << 4
+NAT_DIR_FWD = 0
+NAT_DIR_REPLY = 1
 BE_STATE_ACTIVE = 0
 BE_STATE_TERMINATING = 1
 BACKEND_STATE_TEXT = {BE_STATE_ACTIVE: "active", BE_STATE_TERMINATING: "terminating"}
@@ -142,6 +153,44 @@ class AffinityMatch(ctypes.Structure):
         ("rev_nat_id", ctypes.c_uint16),
         ("pad", ctypes.c_uint16),
     ]
+
+
+class NatTuple(ctypes.Structure):
+    """``struct lb4_nat_tuple``: a flow's tuple as one direction's packets carry it
+    (network order), protocol, ``NAT_DIR_*``."""
+
+    _fields_ = [
+        ("daddr", ctypes.c_uint32),
+        ("saddr", ctypes.c_uint32),
+        ("dport", ctypes.c_uint16),
+        ("sport", ctypes.c_uint16),
+        ("nexthdr", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class NatEntry(ctypes.Structure):
+    """``struct lb4_nat_entry``: the source/destination the packet gets (0 = kept), the
+    backend chosen, the frontend's rev-NAT index, creation time (``bpf_ktime_get_ns``)."""
+
+    _fields_ = [
+        ("to_saddr", ctypes.c_uint32),
+        ("to_daddr", ctypes.c_uint32),
+        ("to_sport", ctypes.c_uint16),
+        ("to_dport", ctypes.c_uint16),
+        ("backend_id", ctypes.c_uint32),
+        ("rev_nat_index", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+        ("created", ctypes.c_uint64),
+    ]
+
+
+HOST_MAP_LAYOUTS: dict[
+    str,
+    tuple[type[ctypes.Structure], type[ctypes.Structure]],
+] = {NAT_MAP: (NatTuple, NatEntry)}
+"""Map name in ``bpf/bpf_host.c`` → (key, value) mirrors (checked against the BTF)."""
 
 
 MAP_LAYOUTS: dict[

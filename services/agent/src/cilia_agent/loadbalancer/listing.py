@@ -11,6 +11,7 @@ from cilia_agent.loadbalancer.layout import (
     BACKEND_STATE_TEXT,
     PROTOCOL_TEXT,
     SVC_FLAG_AFFINITY,
+    SVC_FLAG_NODEPORT,
     Lb4Backend,
     Lb4Service,
 )
@@ -55,7 +56,7 @@ def read_frontends(pin_dir: pathlib.Path) -> list[dict[str, Any]]:
                 "id": int(master.rev_nat_index),
                 "frontend": f"{front.address}:{front.port}/"
                 f"{PROTOCOL_TEXT.get(front.proto, front.proto)}",
-                "type": "ClusterIP",
+                "type": "NodePort" if master.flags & SVC_FLAG_NODEPORT else "ClusterIP",
                 "affinity_timeout": int(master.backend_id)
                 if master.flags & SVC_FLAG_AFFINITY
                 else 0,

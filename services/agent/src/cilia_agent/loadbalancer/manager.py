@@ -3,13 +3,17 @@
 :func:`start`:
 
 * ``--kube-proxy-replacement=false`` or ``--bpf-lb-sock=false``: socket-LB links left by an
-  earlier run are detached (so a node moved back to kube-proxy is not served twice);
+  earlier run are detached, and the NodePort programs from ``--devices`` (so a node moved
+  back to kube-proxy is not served twice);
   nothing else is built;
 * otherwise: bpffs checked (mounted on /sys/fs/bpf if needed), the socket-LB attached or
   its programs swapped in place (``socklb``), the pinned maps opened and read back
   (``maps.ServiceMapWriter.restore``: rev-NAT indexes and backend ids kept), and the
-  Service watcher built. Its stream (``ServiceService.WatchServices``) is one of the
-  agent's operator watches (:func:`watches`).
+  Service watcher built; the NodePort programs (``hostlb``: ``bpf/bpf_host.c`` on
+  ``--devices``, or the default route's device) are attached after the socket-LB (whose
+  compilation creates the maps they share). The Service stream
+  (``ServiceService.WatchServices``) is one of the agent's operator watches
+  (:func:`watches`).
 
 Without an operator nothing feeds the maps: the restored entries keep being served.
 """
@@ -29,7 +33,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.config import Config
 from cilia_agent.datapath.bpffs import ensure_bpffs
 from cilia_agent.datapath.loader import default_bpf_dir
-from cilia_agent.loadbalancer import socklb
+from cilia_agent.loadbalancer import hostlb, socklb
 from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
 from cilia_agent.loadbalancer.watcher import ServiceMetrics, ServiceWatcher
 
@@ -68,13 +72,36 @@ def sock_config(cfg: Config) -> socklb.SockConfig:
     )
 
 
-def _build(cfg: Config) -> tuple[dict[str, str], LBMaps, ServiceMapWriter, int]:
+def host_config(cfg: Config) -> hostlb.HostConfig:
+    """The NodePort programs' options of ``cfg``."""
+    return hostlb.HostConfig(
+        bpf_dir=cfg.bpf_dir or default_bpf_dir(),
+        pin_dir=cfg.bpf_pin_dir,
+        devices=tuple(cfg.devices),
+        lb_map_max=cfg.bpf_lb_map_max,
+        nat_max=cfg.bpf_nat_global_max,
+    )
+
+
+def _build(
+    cfg: Config,
+) -> tuple[dict[str, str], dict[str, str], LBMaps, ServiceMapWriter, int]:
     ensure_bpffs(cfg.bpf_pin_dir)
     outcome = socklb.attach(sock_config(cfg))
+    devices = hostlb.attach(host_config(cfg))
     maps = LBMaps(cfg.bpf_pin_dir)
-    writer = ServiceMapWriter(maps, cfg.bpf_lb_map_max)
+    writer = ServiceMapWriter(maps, cfg.bpf_lb_map_max, cfg.node_name)
     restored = writer.restore()
-    return outcome, maps, writer, restored
+    return outcome, devices, maps, writer, restored
+
+
+def _detach(cfg: Config) -> list[str]:
+    gone = socklb.detach(cfg.bpf_pin_dir)
+    try:
+        gone += [f"{d} (NodePort)" for d in hostlb.detach(cfg.bpf_pin_dir, cfg.devices)]
+    except Exception as exc:  # netlink: logged, the socket-LB part is what matters most
+        log.warning("cannot detach the NodePort programs", extra={"reason": str(exc)})
+    return gone
 
 
 async def start(
@@ -84,12 +111,14 @@ async def start(
 
     Raises:
         SocketLBUnavailable: bcc, the cgroup2 mount, compilation or attachment failed.
+        HostLBUnavailable: a ``--devices`` device is missing, or ``bpf_host.c`` could not
+            be compiled or attached.
         BpffsUnavailable: the pin dir is not on bpffs and cannot be.
         LibbpfError: the pinned maps cannot be opened.
     """
     loop = asyncio.get_running_loop()
     if not (cfg.enable_bpf and cfg.kube_proxy_replacement_enabled and cfg.bpf_lb_sock):
-        gone = await loop.run_in_executor(executor, socklb.detach, cfg.bpf_pin_dir)
+        gone = await loop.run_in_executor(executor, _detach, cfg)
         log.warning(
             "Services are not load-balanced by this agent",
             extra={
@@ -100,12 +129,15 @@ async def start(
             },
         )
         return None
-    outcome, maps, writer, restored = await loop.run_in_executor(executor, _build, cfg)
+    outcome, devices, maps, writer, restored = await loop.run_in_executor(executor, _build, cfg)
+    if not devices:
+        log.warning("NodePort is not served from outside: no --devices and no default route device")
     log.info(
         "socket load balancer ready",
         extra={
             "cgroup_root": str(cfg.cgroup_root),
             "programs": outcome,
+            "nodeport_devices": devices,
             "restored_frontends": restored,
             "algorithm": cfg.bpf_lb_algorithm,
         },

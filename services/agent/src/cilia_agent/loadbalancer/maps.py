@@ -48,6 +48,9 @@ from cilia_agent.loadbalancer.layout import (
     REVNAT_MAP,
     SERVICES_MAP,
     SVC_FLAG_AFFINITY,
+    SVC_FLAG_EXT_LOCAL_SCOPE,
+    SVC_FLAG_INT_LOCAL_SCOPE,
+    SVC_FLAG_NODEPORT,
     SVC_FLAG_ROUTABLE,
     AffinityMatch,
     Lb4Backend,
@@ -160,11 +163,14 @@ class ServiceMapWriter:
     Args:
         maps: the pinned maps.
         capacity: ``--bpf-lb-map-max`` (entries per map), for the error message.
+        node_name: this node (``--node-name``): which backends are node-local for the
+            ``Local`` traffic policies.
     """
 
-    def __init__(self, maps: LBMaps, capacity: int) -> None:
+    def __init__(self, maps: LBMaps, capacity: int, node_name: str = "") -> None:
         self.maps = maps
         self.capacity = capacity
+        self.node_name = node_name
         self.frontends: dict[Frontend, Programmed] = {}
         self.backends: dict[int, Backend] = {}
         self._backend_ids: dict[Backend, int] = {}
@@ -253,7 +259,7 @@ class ServiceMapWriter:
             LibbpfError: another kernel error.
         """
         name = service_name(svc.namespace, svc.name)
-        parsed = frontends(svc)
+        parsed = frontends(svc, self.node_name)
         wanted = {spec.frontend for spec in parsed.specs}
         try:
             for spec in parsed.specs:
@@ -310,7 +316,7 @@ class ServiceMapWriter:
         prog.active, prog.terminating = active, terminating
         high = max(len(old_active), prog.slots_high)
         try:
-            self._write_slots(front, prog, old_active, spec.affinity_timeout)
+            self._write_slots(front, prog, old_active, spec)
         except Exception:
             # what the maps hold is unknown now: rewrite every slot next time, and keep the
             # backends this write was dropping referenced until then
@@ -326,7 +332,7 @@ class ServiceMapWriter:
             self._unref(bid, front)
 
     def _write_slots(
-        self, front: Frontend, prog: Programmed, old_active: list[int], affinity_timeout: int
+        self, front: Frontend, prog: Programmed, old_active: list[int], spec: FrontendSpec
     ) -> None:
         """Backend states, slots 1..n (those that changed), then the master entry."""
         for bid in set(prog.active) | prog.terminating | set(old_active):
@@ -336,7 +342,14 @@ class ServiceMapWriter:
                 self._update(
                     self.maps.services, frontend_key(front, slot), Lb4Service(backend_id=bid)
                 )
-        flags = SVC_FLAG_ROUTABLE | (SVC_FLAG_AFFINITY if affinity_timeout else 0)
+        affinity_timeout = spec.affinity_timeout
+        flags = SVC_FLAG_AFFINITY if affinity_timeout else 0
+        flags2 = 0
+        if spec.node_port:
+            flags |= SVC_FLAG_NODEPORT | (SVC_FLAG_EXT_LOCAL_SCOPE if spec.local_scope else 0)
+        else:
+            flags |= SVC_FLAG_ROUTABLE
+            flags2 |= SVC_FLAG_INT_LOCAL_SCOPE if spec.local_scope else 0
         self._update(
             self.maps.services,
             frontend_key(front),
@@ -345,6 +358,7 @@ class ServiceMapWriter:
                 count=len(prog.active),
                 rev_nat_index=prog.rev_nat,
                 flags=flags,
+                flags2=flags2,
             ),
         )
 

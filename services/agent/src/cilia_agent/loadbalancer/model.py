@@ -13,6 +13,21 @@ entry of ``ports``. Backends come from the port's EndpointSlice endpoints:
   connections (kube-proxy's terminating-endpoints fallback, KEP-1669), so a Service whose
   every pod is being replaced in a rollout does not refuse while they drain.
 
+NodePort (``type`` NodePort or LoadBalancer, ``node_port`` set): one more frontend per port,
+``0.0.0.0:<nodePort>`` — upstream's zero-address "surrogate" NodePort frontend, served by
+``bpf_host.c`` for any local address of the node (see ``hostlb``).
+
+Traffic policies (upstream semantics; a backend is node-local when its ``node_name`` is this
+node's name, ``--node-name``):
+
+* ``externalTrafficPolicy: Local``: the NodePort frontend gets the node-local backends only,
+  so a node without one drops NodePort traffic for that Service (the client's address is
+  kept: no SNAT is needed for a local backend);
+* ``internalTrafficPolicy: Local``: the ClusterIP frontends get the node-local backends only
+  (a pod on a node without one gets "connection refused").
+
+The terminating fallback below applies after that filter, among the node-local backends.
+
 IPv6 addresses are left out (the datapath is IPv4 only); a protocol other than TCP/UDP
 (SCTP), a port outside 1..65535 or a malformed address makes that one frontend or backend
 invalid: it is skipped and named in :attr:`Frontends.problems`.
@@ -56,6 +71,9 @@ class FrontendSpec:
         affinity_timeout: ClientIP affinity timeout in seconds; 0 = no affinity.
         service: ``namespace/name`` of the Service (for logs and the CLI).
         service_type: ``ClusterIP``, ``NodePort`` or ``LoadBalancer``.
+        node_port: the frontend is the 0.0.0.0:nodePort surrogate.
+        local_scope: the backends were limited to node-local ones (a ``Local`` traffic
+            policy applies to this frontend).
     """
 
     frontend: Frontend
@@ -64,6 +82,45 @@ class FrontendSpec:
     affinity_timeout: int
     service: str
     service_type: str = "ClusterIP"
+    node_port: bool = False
+    local_scope: bool = False
+
+
+#: The NodePort surrogate frontend's address.
+NODE_PORT_ADDRESS = "0.0.0.0"
+LOCAL = "Local"
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    backend: Backend
+    ready: bool
+    serving: bool
+    terminating: bool
+    local: bool
+
+
+def _choose(
+    endpoints: list[_Endpoint], local_only: bool
+) -> tuple[tuple[Backend, ...], tuple[Backend, ...]]:
+    """(active, terminating) of ``endpoints`` (node-local ones only when ``local_only``),
+    with the terminating-but-serving fallback of the module docstring."""
+    active: set[Backend] = set()
+    terminating: set[Backend] = set()
+    serving: set[Backend] = set()
+    for ep in endpoints:
+        if local_only and not ep.local:
+            continue
+        if ep.ready:
+            active.add(ep.backend)
+        elif ep.terminating:
+            terminating.add(ep.backend)
+            if ep.serving:
+                serving.add(ep.backend)
+    terminating -= active
+    if not active:
+        active, terminating = serving, terminating - serving
+    return tuple(sorted(active)), tuple(sorted(terminating))
 
 
 @dataclass
@@ -85,13 +142,17 @@ def _ipv4(text: str) -> str | None:
     return str(address) if address.version == 4 else None
 
 
-def frontends(svc: cp.Service) -> Frontends:
-    """The frontends of ``svc`` (see the module docstring); never raises."""
+def frontends(svc: cp.Service, node_name: str = "") -> Frontends:
+    """The frontends of ``svc`` as node ``node_name`` serves them (see the module
+    docstring); never raises."""
     name = service_name(svc.namespace, svc.name)
     out = Frontends()
     affinity = svc.session_affinity_timeout_seconds if svc.session_affinity == "ClientIP" else 0
     if svc.session_affinity == "ClientIP" and affinity == 0:
         affinity = 10800  # Kubernetes' default timeoutSeconds
+    service_type = svc.type or "ClusterIP"
+    internal_local = svc.internal_traffic_policy == LOCAL
+    external_local = svc.external_traffic_policy == LOCAL
     vips: list[str] = []
     for text in [*svc.cluster_ips, *svc.alias_ips]:
         try:
@@ -109,9 +170,7 @@ def frontends(svc: cp.Service) -> Frontends:
         if not 1 <= port.port <= 65535:
             out.problems.append(f"{name}: port {port.port} is outside 1..65535")
             continue
-        active: set[Backend] = set()
-        terminating: set[Backend] = set()
-        serving: set[Backend] = set()
+        endpoints: list[_Endpoint] = []
         for be in port.backends:
             try:
                 address = _ipv4(be.ip)
@@ -123,25 +182,39 @@ def frontends(svc: cp.Service) -> Frontends:
             if not 1 <= be.port <= 65535:
                 out.problems.append(f"{name}: backend {be.ip}:{be.port} port outside 1..65535")
                 continue
-            backend = Backend(address, be.port, proto)
-            if be.ready:
-                active.add(backend)
-            elif be.terminating:
-                terminating.add(backend)
-                if be.serving:
-                    serving.add(backend)
-        terminating -= active
-        if not active:
-            active, terminating = serving, terminating - serving
+            local = bool(node_name) and be.node_name == node_name
+            endpoints.append(
+                _Endpoint(Backend(address, be.port, proto), be.ready, be.serving,
+                          be.terminating, local)
+            )  # fmt: skip
+        active, terminating = _choose(endpoints, internal_local)
         for vip in vips:
             out.specs.append(
                 FrontendSpec(
                     frontend=Frontend(vip, port.port, proto),
-                    active=tuple(sorted(active)),
-                    terminating=tuple(sorted(terminating)),
+                    active=active,
+                    terminating=terminating,
                     affinity_timeout=affinity,
                     service=name,
-                    service_type=svc.type or "ClusterIP",
+                    service_type=service_type,
+                    local_scope=internal_local,
+                )
+            )
+        if port.node_port and service_type in ("NodePort", "LoadBalancer"):
+            if not 1 <= port.node_port <= 65535:
+                out.problems.append(f"{name}: nodePort {port.node_port} is outside 1..65535")
+                continue
+            active, terminating = _choose(endpoints, external_local)
+            out.specs.append(
+                FrontendSpec(
+                    frontend=Frontend(NODE_PORT_ADDRESS, port.node_port, proto),
+                    active=active,
+                    terminating=terminating,
+                    affinity_timeout=affinity,
+                    service=name,
+                    service_type=service_type,
+                    node_port=True,
+                    local_scope=external_local,
                 )
             )
     return out
