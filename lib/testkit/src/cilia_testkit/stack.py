@@ -326,6 +326,10 @@ class Agent:
             "info",
             *s.client_tls_args(f"node-{self.node_name}"),
             *s.hubble_tls_args(self.node_name),
+            # a Stack's agents share the host's netns: NodePort programs there would go on
+            # the machine's own default-route device; a test wanting them passes
+            # --enable-node-port=true in agent_args (later flags win)
+            "--enable-node-port=false",
             *s.agent_args,
             *extra,
         ]

@@ -361,6 +361,10 @@ class Config(BaseModel):
         le=1 << 24,
         description="entries of the socket reverse-translation map (LRU; one per socket and backend it reached) (upstream bpf-sock-rev-map-max)",
     )
+    enable_node_port: bool = Field(
+        default=True,
+        description="serve NodePorts from outside the node with the tc programs of bpf/bpf_host.c on --devices (upstream enable-node-port, which kube-proxy-replacement turns on); false leaves the node's devices untouched and skips compiling bpf_host.c",
+    )
     devices: Annotated[list[str], Flag(metavar="IFNAME")] = Field(
         default_factory=list,
         description="external devices whose tc ingress/egress get the NodePort programs (cil_from_netdev/cil_to_netdev of bpf/bpf_host.c, upstream devices); repeat or comma-separate; none = the device of the IPv4 default route",
@@ -394,6 +398,7 @@ class Config(BaseModel):
         "cni_exclusive",
         "cni_uninstall",
         "bpf_lb_sock",
+        "enable_node_port",
         mode="before",
     )
     @classmethod

@@ -258,16 +258,23 @@ def attach(config: HostConfig) -> dict[str, str]:
     return out
 
 
-def detach(pin_dir: pathlib.Path, devices: Sequence[str]) -> list[str]:
-    """Unpin every NodePort link under ``pin_dir`` and remove the tc filters from
-    ``devices`` (or the default route's devices); returns what was removed (link pins,
-    device names). Missing devices, pins or filters are fine."""
+def unpin_links(pin_dir: pathlib.Path) -> list[str]:
+    """Unpin the NodePort tcx links pinned under ``pin_dir`` (a tcx program stays attached
+    only while its link is pinned or held); returns the pin names removed."""
     gone: list[str] = []
     if pin_dir.is_dir():
         for prog in (PROG_FROM_NETDEV, PROG_TO_NETDEV):
             for pin in pin_dir.glob(f"{LINK_PREFIX}{prog}_*"):
                 pin.unlink(missing_ok=True)
                 gone.append(pin.name)
+    return gone
+
+
+def detach(pin_dir: pathlib.Path, devices: Sequence[str]) -> list[str]:
+    """Unpin every NodePort link under ``pin_dir`` and remove the tc filters from
+    ``devices`` (or the default route's devices); returns what was removed (link pins,
+    device names). Missing devices, pins or filters are fine."""
+    gone = unpin_links(pin_dir)
     with IPRoute() as ipr:
         names = list(devices) or default_route_devices(ipr)
         for name in names:

@@ -88,7 +88,15 @@ def _build(
 ) -> tuple[dict[str, str], dict[str, str], LBMaps, ServiceMapWriter, int]:
     ensure_bpffs(cfg.bpf_pin_dir)
     outcome = socklb.attach(sock_config(cfg))
-    devices = hostlb.attach(host_config(cfg))
+    if cfg.enable_node_port:
+        devices = hostlb.attach(host_config(cfg))
+    else:
+        # only this agent's own link pins go: tc filters on a shared device are left to
+        # `--kube-proxy-replacement=false`, which detaches everything it attached
+        devices = {}
+        gone = hostlb.unpin_links(cfg.bpf_pin_dir)
+        if gone:
+            log.info("NodePort links unpinned (--enable-node-port=false)", extra={"links": gone})
     maps = LBMaps(cfg.bpf_pin_dir)
     writer = ServiceMapWriter(maps, cfg.bpf_lb_map_max, cfg.node_name)
     restored = writer.restore()
@@ -130,7 +138,7 @@ async def start(
         )
         return None
     outcome, devices, maps, writer, restored = await loop.run_in_executor(executor, _build, cfg)
-    if not devices:
+    if not devices and cfg.enable_node_port:
         log.warning("NodePort is not served from outside: no --devices and no default route device")
     log.info(
         "socket load balancer ready",

@@ -57,3 +57,24 @@ def test_start_attaches_restores_and_false_detaches(sock_config: socklb.SockConf
 class _NoOperator:
     def watch_services(self) -> object:
         raise AssertionError("not opened by watch()")
+
+
+def test_enable_node_port_false_leaves_no_nodeport_link(sock_config: socklb.SockConfig) -> None:
+    from pyroute2 import IPRoute
+
+    from cilia_agent.loadbalancer import hostlb
+
+    def netdev_pins() -> list[str]:
+        return sorted(p.name for p in sock_config.pin_dir.glob("link_cil_*_netdev_*"))
+
+    with IPRoute() as ipr:
+        assert hostlb.default_route_devices(ipr), "the test needs an IPv4 default route"
+    first = start(config(sock_config))
+    assert first is not None
+    assert netdev_pins(), "NodePort links pinned with the default --enable-node-port"
+    first.close()
+    again = start(config(sock_config, enable_node_port=False))
+    assert again is not None
+    assert netdev_pins() == []  # unpinned: the tcx programs left the device
+    assert socklb.attached(sock_config.pin_dir) == [name for name, _ in socklb.PROGRAMS]
+    again.close()
