@@ -106,10 +106,18 @@ class AliasUsage:
         self._claimed = set()
 
     def end_resync(self) -> None:
-        """The listing ended (``synced``): forget the aliases of Services it did not name."""
+        """The listing ended (``synced``): forget the aliases of Services it did not name,
+        and map entries no served alias has (left by an agent that ran before)."""
         claimed, self._claimed = self._claimed or set(), None
         for name in [n for n in self.by_service if n not in claimed]:
             self.set_service(name, ())
+        serving = {ip_to_map(ip) for ip in self._serving()}
+        try:
+            for key, _ in list(self.map.items()):
+                if int(key.value) not in serving:
+                    self.map.delete(key)
+        except (LibbpfError, OSError) as exc:
+            log.warning("alias-use map not pruned", extra={"error": str(exc)})
 
     def uses(self) -> list[cp.AliasUse]:
         """Every alias served, with its use as the programs recorded it (sorted by IP)."""
