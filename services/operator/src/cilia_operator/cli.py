@@ -366,6 +366,9 @@ def servicecidr_migrate(
     if dry_run:
         return
     if current is None or migration.phase(current) in ("Done", "Failed"):
+        if current is not None:  # a finished one's status would be kept by an apply
+            _call(stub.Delete, pb.DeleteRequest(kind=migration.KIND, name=migration.NAME),
+                  server, timeout)  # fmt: skip
         seconds = parse_duration(grace) if grace else None
         record = migration.migration_record(target, cidr_name, seconds)
         _call(stub.Apply, pb.ApplyRequest(manifest=json.dumps(record),

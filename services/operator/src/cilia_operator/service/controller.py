@@ -270,8 +270,10 @@ class ServiceController:
                 model.MANAGED_BY
             ):
                 self.dirty.add(owner)
-        elif kind in (migration.KIND, aliases.USE_KIND):
+        elif kind == migration.KIND:
             self.migration_dirty = True
+        elif kind == aliases.USE_KIND:
+            pass  # judged at the next alias tick: a report every few seconds per node
         else:
             self.cidrs_dirty = True
         self._wake.set()
@@ -501,12 +503,18 @@ class ServiceController:
         Raises:
             StoreError: a transaction failed (the step is tried again).
         """
+        cached = migration.phase(self.objects[migration.KIND].get(("", migration.NAME)))
+        if not self.objects[migration.KIND] and not any(
+            model.alias_ips(s) for s in self.objects[model.SERVICE_KIND].values()
+        ):
+            return  # nothing to do: no migration record, no alias
         start_kinds = (migration.KIND, model.CIDR_KIND, model.SERVICE_KIND, migration.POOL_KIND)
 
         async def start(snapshot: Snapshot) -> list[Write]:
             return migration.start_writes(snapshot, self.clock(), self.pod_cidrs)
 
-        await self.store.transact(start_kinds, start)
+        if cached == "Pending":
+            await self.store.transact(start_kinds, start)
         moved: list[migration.Move] = []
 
         async def move(snapshot: Snapshot) -> list[Write]:
@@ -514,7 +522,7 @@ class ServiceController:
             moved[:] = [done] if done else []
             return writes
 
-        while True:
+        while cached in ("Pending", "Moving"):
             await self.store.transact((migration.KIND, model.SERVICE_KIND, model.CIDR_KIND), move)
             if not moved:
                 break
