@@ -7,6 +7,7 @@ EndpointSlices following the endpoint records, and the WatchServices stream."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
 import ipaddress
 import json
@@ -463,3 +464,22 @@ async def test_servicecidr_migrate_dry_run_prints_the_plan_and_changes_nothing(
         await asyncio.to_thread(cli.servicecidr_status, op.address, 10.0, status)
         assert "default/web" in status.getvalue() and "yes (" in status.getvalue()
         assert "migrated-10-100-0-0-24       10.100.0.0/24      active" in status.getvalue()
+
+
+async def test_register_records_alias_use_as_a_time_on_the_operators_clock(
+    redis_url: str,
+) -> None:
+    """An agent's alias-use report (Register, reports_alias_use) lands in its node's
+    CiliaServiceAliasUse record: used ones as receipt time minus the idle duration."""
+    async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (op, channel):
+        before = time.time()
+        await pb_grpc.NodeServiceStub(channel).Register(pb.RegisterRequest(
+            node_name="node-a", addresses=["192.0.2.10"], reports_alias_use=True,
+            alias_uses=[pb.AliasUse(ip="10.96.0.10", used=True, idle_ms=30_000),
+                        pb.AliasUse(ip="10.96.0.3", used=False)],
+        ), timeout=10)  # fmt: skip
+        record = await op.store.get("CiliaServiceAliasUse", "node-a")
+        last = record["status"]["lastUsed"]
+        assert list(last) == ["10.96.0.10"]  # never-used aliases have no time
+        used = datetime.datetime.fromisoformat(last["10.96.0.10"].replace("Z", "+00:00"))
+        assert before - 31 <= used.timestamp() <= time.time() - 29
