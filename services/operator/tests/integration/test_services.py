@@ -473,7 +473,7 @@ async def test_register_records_alias_use_as_a_time_on_the_operators_clock(
     CiliaServiceAliasUse record: used ones as receipt time minus the idle duration."""
     async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (op, channel):
         before = time.time()
-        await pb_grpc.NodeServiceStub(channel).Register(pb.RegisterRequest(
+        await pb_grpc.NodeServiceStub(channel).Register(pb.RegisterRequest(  # type: ignore[no-untyped-call]
             node_name="node-a", addresses=["192.0.2.10"], reports_alias_use=True,
             alias_uses=[pb.AliasUse(ip="10.96.0.10", used=True, idle_ms=30_000),
                         pb.AliasUse(ip="10.96.0.3", used=False)],
