@@ -307,6 +307,13 @@ def _migration(stub: Any, server: str, timeout: float) -> dict[str, Any] | None:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             return None
+        if "no Kubernetes resource mapping" in str(exc.details()):
+            raise CommandError(
+                "the operator runs with --store kubernetes: kube-apiserver allocates ClusterIPs "
+                "(and the kubernetes Service from its --service-cluster-ip-range), so Cilia "
+                "cannot move Services; it serves the addresses listed in a Service's "
+                "service.cilia.io/alias-ips annotation as aliases (see the operator README)"
+            ) from None
         raise _rpc_error(exc, server) from None
     record: dict[str, Any] = json.loads(got.resource.json)
     return record
