@@ -206,3 +206,19 @@ def test_a_finished_migration_retires_the_flag_range_and_updates_keep_their_alia
     errors = allocation.prepare(docs, snap, allocation.ServiceSettings((NET("10.96.0.0/28"),)))
     assert list(model.alias_ips(update)) == [ipaddress.IPv4Address("10.96.0.3")]
     assert [(i, e.path) for i, e in errors] == [(1, "spec.clusterIP")]  # the alias is held
+
+
+def test_a_moved_service_deleted_before_its_release_does_not_hold_the_migration() -> None:
+    w = dns_world()
+    w.apply(migration.start_writes(w.snap(), T0))
+    while (step := migration.move_writes(w.snap(), T0))[1] is not None:
+        w.apply(step[0])
+    w.apply(step[0])
+    for name, ns in (("web", "default"), ("api", "default"), ("kube-dns", "kube-system")):
+        del w.objs[("Service", ns, name)]
+    del w.objs[(model.CIDR_KIND, "", "kubernetes")]  # released by the controller: unheld
+    writes, released = migration.release_writes(w.snap(), T0 + datetime.timedelta(seconds=1), 1)
+    w.apply(writes)
+    record = w.get(migration.KIND, migration.NAME)
+    assert released == [] and migration.phase(record) == "Done"
+    assert all(e["released"] for e in record["status"]["services"].values())

@@ -449,6 +449,12 @@ def release_writes(
         released += [v for v in mine if v.release]
         if entry is not None and entry.get("old") in {str(ip) for ip in drop}:
             entry.update(released=True, releasedAt=model.rfc3339(now))
+    # a moved Service deleted since (or its alias removed by hand): nothing left to release
+    held = {(f"{model.key_of(s)[0]}/{model.key_of(s)[1]}", str(ip))
+            for s in services for ip in model.alias_ips(s)}  # fmt: skip
+    for name, entry in entries.items():
+        if not entry.get("released") and (name, str(entry.get("old"))) not in held:
+            entry.update(released=True, releasedAt=model.rfc3339(now))
     left = {_name(c) for c in _items(snapshot, model.CIDR_KIND)} & set(status.get("sources") or [])
     still = any(not e.get("released") for e in entries.values()) or len(verdicts) > len(released)
     changes: dict[str, Any] = {}
