@@ -363,7 +363,7 @@ def servicecidr_migrate(
         cidr_name = str(spec.get("serviceCIDRName") or cidr_name)
     services = _list(stub, "Service", server, timeout)
     cidrs = _list(stub, "ServiceCIDR", server, timeout)
-    pools = migration.pool_ranges(_list(stub, "CiliumPodIPPool", server, timeout))
+    pools = _pod_ranges(stub, server, timeout, tls)
     try:
         plan = migration.plan_migration(services, cidrs, target, cidr_name, pools=pools)
     except migration.MigrationRefused as exc:
@@ -381,6 +381,23 @@ def servicecidr_migrate(
         _call(stub.Apply, pb.ApplyRequest(manifest=json.dumps(record),
                                           request_id=str(uuid.uuid4())), server, timeout)  # fmt: skip
     _follow_migration(stub, server, timeout, out, wait_timeout, poll_interval)
+
+
+def _pod_ranges(
+    stub: Any, server: str, timeout: float, tls: ClientTLS | None
+) -> list[tuple[str, ipaddress.IPv4Network]]:
+    """Every pod range a migration target may not overlap: the pools of ``ipam status``
+    (``cluster-pool`` included in that mode), else the stored CiliumPodIPPools."""
+    try:
+        status = _ipam_stub(server, tls).GetStatus(pb.IPAMServiceGetStatusRequest(),
+                                                   timeout=timeout)  # fmt: skip
+    except grpc.RpcError:
+        return migration.pool_ranges(_list(stub, "CiliumPodIPPool", server, timeout))
+    return [
+        (p.name, ipaddress.IPv4Network(c, strict=False))
+        for p in status.pools
+        for c in [*p.cidrs, *p.draining_cidrs]
+    ]
 
 
 def _follow_migration(

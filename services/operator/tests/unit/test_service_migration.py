@@ -222,3 +222,26 @@ def test_a_moved_service_deleted_before_its_release_does_not_hold_the_migration(
     record = w.get(migration.KIND, migration.NAME)
     assert released == [] and migration.phase(record) == "Done"
     assert all(e["released"] for e in record["status"]["services"].values())
+
+
+def test_a_hand_written_alias_list_is_served_as_alias_ips_and_never_judged_idle() -> None:
+    """With --store kubernetes the migration cannot move ``default/kubernetes``; an alias
+    listed by hand on the re-created Service is served from the datapath, and not released
+    automatically (it has no time it became an alias)."""
+    api = svc("kubernetes", "10.112.0.1")
+    api["metadata"]["annotations"] = {model.ALIAS_ANNOTATION: '["10.96.0.1"]'}
+    message = service_message(api, [])
+    assert message is not None and list(message.alias_ips) == ["10.96.0.1"]
+    (verdict,) = aliases.judge([api], [], T0, 1.0)
+    assert verdict.release is False and verdict.ip == ipaddress.IPv4Address("10.96.0.1")
+
+
+@pytest.mark.parametrize("command", ["get", "delete"])
+def test_get_and_delete_help_list_the_service_kinds(command: str) -> None:
+    from cilia_operator.__main__ import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert isinstance(sub.choices, dict)
+    text = sub.choices[command].format_help()
+    for kind in ("services|svc", "endpointslices", "servicecidrs", "ciliaservicecidrmigrations"):
+        assert kind in " ".join(text.split()), text
