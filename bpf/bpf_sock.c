@@ -21,6 +21,12 @@
  * packet exists, so no per-packet NAT or conntrack is needed; what the socket was sent
  * to is remembered per (socket cookie, backend) in cilium_lb4_reverse_sk.
  *
+ * Alias VIPs (a Service's former ClusterIP kept by a ServiceCIDR migration): every forward
+ * lookup that finds a Service stamps bpf_ktime_get_ns() into cilia_lb4_alias_use when the
+ * VIP has an entry there. The agent keeps one entry per alias (value 0 until used) and
+ * reports the last use to the operator, which releases an alias unused for its grace
+ * period. Other VIPs have no entry: one failed lookup.
+ *
  * Reverse (recvmsg, getpeername): a source that cilium_lb4_reverse_sk knows for this
  * socket is shown as the VIP and Service port again (the application sees the peer it
  * addressed), as long as the Service still exists with the same rev-NAT index.
@@ -39,10 +45,21 @@ BPF_TABLE_PINNED("lru_hash", struct lb4_affinity_key, struct lb_affinity_val, ci
 		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_affinity");
 BPF_TABLE_PINNED("hash", struct lb_affinity_match, __u8, cilium_lb_affinity_match,
 		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb_affinity_match", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __be32, __u64, cilia_lb4_alias_use, CILIA_LB_MAP_MAX,
+		 CILIA_PIN_DIR "/cilia_lb4_alias_use", BPF_F_NO_PREALLOC);
 
 #define SYS_REJECT 0
 #define SYS_PROCEED 1
 #define NSEC_PER_SEC 1000000000ULL
+
+/* Stamp the use of an alias VIP (no entry: not an alias, nothing to do). */
+static __always_inline void alias_used(__be32 address)
+{
+	__u64 *last = cilia_lb4_alias_use.lookup(&address);
+
+	if (last)
+		*last = bpf_ktime_get_ns();
+}
 
 /* The backend remembered for this client (netns) and frontend, if still usable. */
 static __always_inline __u32 affinity_backend(const struct lb4_service *svc,
@@ -95,6 +112,7 @@ static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *add
 	svc = cilium_lb4_services_v2.lookup(&key);
 	if (!svc)
 		return 0;
+	alias_used(key.address);
 	if (svc->count == 0)
 		return -ECONNREFUSED;
 	if (svc->flags & SVC_FLAG_AFFINITY) {

@@ -322,9 +322,14 @@ class Agent:
             hubble_address=functools.partial(hubble_advertise_address, cfg),
             on_demand_sent=self.ipam_manager.demand_sent,
             channel=channel,
+            alias_uses=self.lb.usage.uses if self.lb is not None and self.lb.usage else None,
         )
         self.ipam_manager.on_demand_changed(operator.demand_changed)
         self._spawn("operator-session", operator.run)
+        if self.lb is not None and self.lb.usage is not None:
+            loop = functools.partial(self.lb.usage.report_loop, operator.report_alias_use,
+                                     cfg.alias_use_report_interval)  # fmt: skip
+            self._spawn("alias-use-report", loop)
         if cfg.node_address_check_interval > 0:
             watch = functools.partial(self._watch_addresses, operator)
             self._spawn("node-addresses", watch)

@@ -130,6 +130,11 @@ class Config(BaseModel):
         le=65535,
         description="MTU of the node's network in bytes; pods get it as is in native routing and minus the 50-byte VXLAN overhead in tunnel mode (upstream mtu)",
     )
+    alias_use_report_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description="seconds between reports to the operator of when this node last used each alias VIP of a migrated Service (sent only while it serves aliases; the operator releases an alias no node used for its grace period)",
+    )
     node_address_check_interval: float = Field(
         default=5.0,
         ge=0,

@@ -17,8 +17,9 @@ cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
 cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-last-ip]
                          [--pool NAME] [--service-cluster-ip-range CIDR] [--server ADDR | --offline]
 cilia-operator ipam status [-o text|json] [--server ADDR]
-cilia-operator servicecidr migrate --to CIDR --dry-run [--alias-grace-period DURATION]
-                                   [--server ADDR]
+cilia-operator servicecidr migrate --to CIDR [--dry-run] [--alias-grace-period DURATION]
+                                   [--wait-timeout SECONDS] [--server ADDR]
+cilia-operator servicecidr status [-o text|json] [--server ADDR]
 cilia-operator certs generate --dir DIR [--nodes N1,N2] [--hosts ADDR,...] [--admins NAMES]
                               [--days N]
 cilia-operator --version
@@ -79,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     client(apply)
 
     kinds = ("ciliumpodippools|cpip, ciliumnodes|cn, ciliumnetworkpolicies|cnp, "
-             "networkpolicies|netpol, ciliumidentities|ciliumid, ciliumendpoints|cep")  # fmt: skip
+             "ciliumclusterwidenetworkpolicies|ccnp, networkpolicies|netpol, "
+             "ciliumidentities|ciliumid, ciliumendpoints|cep, namespaces|ns, "
+             "services|svc, endpointslices, servicecidrs, "
+             "ciliaservicecidrmigrations|cscm")  # fmt: skip
     get = sub.add_parser("get", help="print resources as JSON or YAML")
     get.add_argument("kind", metavar="KIND", help=kinds)
     get.add_argument("name", metavar="NAME", nargs="?")
@@ -126,16 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
                                       metavar="SUBCOMMAND")  # fmt: skip
     migrate = svc_sub.add_parser(
         "migrate",
-        help="plan moving every Service to addresses in a new range while the old addresses "
-        "keep working (only --dry-run is built: it prints the plan)",
+        help="move every Service to an address in a new range while the old addresses keep "
+        "working as aliases until unused (prints the plan, then each move)",
     )
     migrate.add_argument("--to", required=True, help="the new Service range (IPv4 CIDR)")
-    migrate.add_argument("--dry-run", action="store_true",
-                         help="print the plan, change nothing (required for now)")  # fmt: skip
-    migrate.add_argument("--alias-grace-period", default="1h", type=_go_duration,
-                         help=f"an old ClusterIP is served until no connection used it for "
-                         f"this long (Go duration) {d}")  # fmt: skip
+    migrate.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    migrate.add_argument("--alias-grace-period", default=None, type=_go_duration,
+                         help="an old ClusterIP is served until no connection used it for "
+                         "this long (Go duration) (default: the operator's "
+                         "--service-alias-grace-period, 1h unless set)")  # fmt: skip
+    migrate.add_argument("--wait-timeout", type=_positive_seconds, default=600.0,
+                         help=f"seconds to follow the moves at most; the operator goes on "
+                         f"after it {d}")  # fmt: skip
     client(migrate)
+    svc_status = svc_sub.add_parser(
+        "status", help="the migration: per Service old/new ClusterIP, alias last use, released; "
+        "the ServiceCIDRs and their state",
+    )  # fmt: skip
+    svc_status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
+    client(svc_status)
     certs = sub.add_parser("certs", help="certificates of the control plane (mutual TLS)")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="SUBCOMMAND")
     gen = certs_sub.add_parser(
@@ -270,9 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
+        elif args.command == "servicecidr" and args.servicecidr_command == "status":
+            cli.servicecidr_status(args.server, args.timeout, sys.stdout, output=args.output,
+                                   tls=tls)  # fmt: skip
         elif args.command == "servicecidr":
             cli.servicecidr_migrate(args.to, args.dry_run, args.alias_grace_period, args.server,
-                                    args.timeout, sys.stdout, tls=tls)  # fmt: skip
+                                    args.timeout, sys.stdout, tls=tls,
+                                    wait_timeout=args.wait_timeout)  # fmt: skip
         elif args.command == "ipam":
             cli.ipam_status(args.server, args.timeout, sys.stdout, output=args.output, tls=tls)
         elif args.command == "get":

@@ -154,6 +154,9 @@ class Operator:
                 config.service_cidrs,
                 max_per_slice=config.max_endpoints_per_slice,
                 retry_interval=config.store_retry_interval,
+                alias_grace=config.service_alias_grace_period,
+                alias_check_interval=config.service_alias_check_interval,
+                pod_cidrs=config.cluster_pool_cidrs,
             )
             if config.store != "kubernetes"
             else None
@@ -222,6 +225,7 @@ class Operator:
                     self.config.ipam_default_ip_pool,
                     conflict_retries,
                     pods_from_api=config.store == "kubernetes",
+                    record_alias_use=config.store != "kubernetes",
                 ),
                 SERVICE_NAMES[0],
             ),

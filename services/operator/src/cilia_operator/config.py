@@ -168,6 +168,19 @@ class Config(BaseModel):
         description="standalone: the NodePorts of NodePort/LoadBalancer Services are allocated "
         "from this inclusive range (kube-apiserver's flag and default)",
     )
+    service_alias_grace_period: Duration = Field(
+        default=3600.0,
+        gt=0,
+        description="standalone, ServiceCIDR migration: an old ClusterIP kept as an alias of "
+        "the new one is released once no node has seen a connection to it for this long "
+        "(Go duration or seconds)",
+    )
+    service_alias_check_interval: Duration = Field(
+        default=5.0,
+        gt=0,
+        description="standalone: how often the aliases of migrated Services are checked "
+        "against the grace period (Go duration or seconds)",
+    )
     max_endpoints_per_slice: int = Field(
         default=100,
         ge=1,

@@ -20,12 +20,18 @@ CiliaIPAMBlock              cilia.io/v1alpha1       ciliaipamblocks | cipb      
 Service                     v1                      services | svc              namespaced
 EndpointSlice               discovery.k8s.io/v1     endpointslices              namespaced
 ServiceCIDR                 networking.k8s.io/v1    servicecidrs                cluster
+CiliaServiceCIDRMigration   cilia.io/v1alpha1       ciliaservicecidrmigrations  cluster
+                                                    | cscm
 ==========================  ======================  ==========================  ==========
 
 Services, EndpointSlices and ServiceCIDRs are Kubernetes' own kinds (see
 :mod:`cilia_operator.service`): in standalone mode the operator allocates ClusterIPs and
 keeps EndpointSlices as kube-apiserver and kube-controller-manager would; with
 ``--store kubernetes`` they are the API server's objects.
+
+CiliaServiceCIDRMigration is the record ``cilia-operator servicecidr migrate`` applies; the
+operator's Service controller carries it out and writes its ``status`` (see
+:mod:`cilia_operator.service.migration`).
 
 Namespaces carry the labels/annotations ResolvePool reads (pool annotations,
 namespaceSelector). CiliaIPAMBlock records are the allocator's per-block claims
@@ -44,6 +50,7 @@ from typing import Any
 from .errors import FieldError, InvalidResource
 from .ipam import claims, node, pool, resolve
 from .policy import validation as policy
+from .service import migration as service_migration
 from .service import model as service
 
 
@@ -149,9 +156,13 @@ SERVICE_CIDR = KindInfo(
     service.CIDR_KIND, service.CIDR_API_VERSION, "servicecidrs", "servicecidr", (),
     service.validate_service_cidr,
 )  # fmt: skip
+SERVICE_CIDR_MIGRATION = KindInfo(
+    service_migration.KIND, service_migration.API_VERSION, "ciliaservicecidrmigrations",
+    "ciliaservicecidrmigration", ("cscm",), service_migration.validate_migration,
+)  # fmt: skip
 KINDS = (
     POOL, NODE, CNP, CCNP, NETWORK_POLICY, IDENTITY, ENDPOINT, NAMESPACE, IPAM_BLOCK,
-    SERVICE, ENDPOINT_SLICE, SERVICE_CIDR,
+    SERVICE, ENDPOINT_SLICE, SERVICE_CIDR, SERVICE_CIDR_MIGRATION,
 )  # fmt: skip
 
 

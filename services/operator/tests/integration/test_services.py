@@ -7,6 +7,7 @@ EndpointSlices following the endpoint records, and the WatchServices stream."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
 import ipaddress
 import json
@@ -401,9 +402,12 @@ async def test_servicecidr_migrate_dry_run_prints_the_plan_and_changes_nothing(
     redis_url: str,
 ) -> None:
     """The plan keeps each Service's offset in the range (the DNS address stays x.x.x.10),
-    names the special cases, and writes nothing; a target overlapping a ServiceCIDR or too
-    small is refused; without --dry-run it says that executing is not built."""
-    async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (op, channel):
+    names the special cases, and writes nothing; a target overlapping a ServiceCIDR, a pod
+    pool or too small is refused; without --dry-run it moves every Service, keeps the old
+    addresses as aliases and releases them (and the old range) after the grace period."""
+    async with running_operator(
+        redis_url, service_cluster_ip_range=[RANGE], service_alias_check_interval=0.2
+    ) as (op, channel):
         await apply(channel, service("kube-dns", ns="kube-system", clusterIP="10.96.0.10",
                                      ports=[{"port": 53, "protocol": "UDP"}]))  # fmt: skip
         await apply(channel, service("web", clusterIP="10.96.0.3"))
@@ -428,6 +432,54 @@ async def test_servicecidr_migrate_dry_run_prints_the_plan_and_changes_nothing(
             with pytest.raises(cli.CommandError, match=re.escape(reason)):
                 await asyncio.to_thread(cli.servicecidr_migrate, target, True, "1h", op.address,
                                         10.0, io.StringIO())  # fmt: skip
-        with pytest.raises(cli.CommandError, match="not built yet"):
-            await asyncio.to_thread(cli.servicecidr_migrate, "10.100.0.0/16", False, "1h",
-                                    op.address, 10.0, io.StringIO())  # fmt: skip
+        await apply(channel, pool("pods", "10.200.0.0/16"))
+        for run_it in (True, False):  # a pod pool overlap is refused in plan and execution
+            with pytest.raises(cli.CommandError, match=re.escape(
+                    "target 10.200.0.0/24 overlaps pod pool 'pods' CIDR 10.200.0.0/16")):  # fmt: skip
+                await asyncio.to_thread(cli.servicecidr_migrate, "10.200.0.0/24", run_it, "1h",
+                                        op.address, 10.0, io.StringIO())  # fmt: skip
+        # executed: every Service moves, its old ClusterIP stays an alias; nothing uses the
+        # aliases (no agent), so after the grace period they go and the old range with them
+        out = io.StringIO()
+        await asyncio.to_thread(cli.servicecidr_migrate, "10.100.0.0/24", False, "1s",
+                                op.address, 10.0, out, poll_interval=0.05)  # fmt: skip
+        text = out.getvalue()
+        assert "moved kube-system/kube-dns: 10.96.0.10 -> 10.100.0.10 (10.96.0.10 stays" in text
+        assert "every Service moved (3)" in text, text
+        web = await op.store.get("Service", "web", "default")
+        assert web["spec"]["clusterIP"] == "10.100.0.3"
+        assert "10.96.0.3" in web["metadata"]["annotations"]["service.cilia.io/alias-ips"]
+
+        async def released() -> bool:
+            names = {c["metadata"]["name"] for c in (await op.store.list("ServiceCIDR")).items}
+            return names == {"migrated-10-100-0-0-24"}
+
+        deadline = time.monotonic() + 20
+        while not await released():
+            assert time.monotonic() < deadline, "the old ServiceCIDR was not released"
+            await asyncio.sleep(0.1)
+        web = await op.store.get("Service", "web", "default")
+        assert "service.cilia.io/alias-ips" not in (web["metadata"].get("annotations") or {})
+        status = io.StringIO()
+        await asyncio.to_thread(cli.servicecidr_status, op.address, 10.0, status)
+        assert "default/web" in status.getvalue() and "yes (" in status.getvalue()
+        assert "migrated-10-100-0-0-24       10.100.0.0/24      active" in status.getvalue()
+
+
+async def test_register_records_alias_use_as_a_time_on_the_operators_clock(
+    redis_url: str,
+) -> None:
+    """An agent's alias-use report (Register, reports_alias_use) lands in its node's
+    CiliaServiceAliasUse record: used ones as receipt time minus the idle duration."""
+    async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (op, channel):
+        before = time.time()
+        await pb_grpc.NodeServiceStub(channel).Register(pb.RegisterRequest(  # type: ignore[no-untyped-call]
+            node_name="node-a", addresses=["192.0.2.10"], reports_alias_use=True,
+            alias_uses=[pb.AliasUse(ip="10.96.0.10", used=True, idle_ms=30_000),
+                        pb.AliasUse(ip="10.96.0.3", used=False)],
+        ), timeout=10)  # fmt: skip
+        record = await op.store.get("CiliaServiceAliasUse", "node-a")
+        last = record["status"]["lastUsed"]
+        assert list(last) == ["10.96.0.10"]  # never-used aliases have no time
+        used = datetime.datetime.fromisoformat(last["10.96.0.10"].replace("Z", "+00:00"))
+        assert before - 31 <= used.timestamp() <= time.time() - 29

@@ -190,6 +190,8 @@ class OperatorClient:
             it); None = a channel of its own for each session.
         tls: mutual-TLS files of the session's own channel (None: plaintext; unused with
             ``channel``).
+        alias_uses: returns the alias VIPs' uses (``loadbalancer.usage``) sent with every
+            Register (``reports_alias_use``); None: not reported (no load balancer).
     """
 
     def __init__(
@@ -209,7 +211,10 @@ class OperatorClient:
         on_demand_sent: Callable[[Demand, str], None] = lambda _demand, _rv: None,
         channel: grpc.aio.Channel | None = None,
         tls: ClientTLS | None = None,
+        alias_uses: Callable[[], list[cp.AliasUse]] | None = None,
     ) -> None:
+        self._alias_uses = alias_uses
+        self._nets: NodeNetworks | None = None
         self.tls = tls
         self.address = address
         self.node_name = node_name
@@ -268,13 +273,28 @@ class OperatorClient:
             await asyncio.sleep(delay)
 
     def _register_request(self, nets: NodeNetworks) -> cp.RegisterRequest:
+        self._nets = nets
+        uses = self._alias_uses() if self._alias_uses is not None else None
         return cp.RegisterRequest(
             node_name=self.node_name,
             addresses=nets.addresses,
             local_networks=[cp.LocalNetwork(interface=i, cidr=c) for i, c in nets.local_networks],
             version=self.version,
             hubble_address=self._hubble_address(nets.addresses),
+            reports_alias_use=uses is not None,
+            alias_uses=uses or [],
         )
+
+    async def report_alias_use(self) -> None:
+        """Register again with the node's last known networks, carrying the alias uses
+        (``loadbalancer.usage.AliasUsage.report_loop`` calls it); nothing before the
+        first Register.
+
+        Raises:
+            OperatorUnavailable: the operator did not take it.
+        """
+        if self._nets is not None:
+            await self.register_again(self._nets)
 
     async def register_again(self, nets: NodeNetworks) -> None:
         """Register once more with ``nets`` (the node's addresses changed), over the shared

@@ -35,6 +35,7 @@ from cilia_agent.datapath.bpffs import ensure_bpffs
 from cilia_agent.datapath.loader import default_bpf_dir
 from cilia_agent.loadbalancer import hostlb, socklb
 from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
+from cilia_agent.loadbalancer.usage import AliasUsage
 from cilia_agent.loadbalancer.watcher import ServiceMetrics, ServiceWatcher
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,13 @@ class LoadBalancer:
     maps: LBMaps
     writer: ServiceMapWriter
     watcher: ServiceWatcher
+    usage: AliasUsage | None = None
 
     def close(self) -> None:
         """Close the map fds; the programs, links and maps stay (Services keep working)."""
         self.maps.close()
+        if self.usage is not None:
+            self.usage.map.close()
 
 
 def sock_config(cfg: Config) -> socklb.SockConfig:
@@ -150,7 +154,10 @@ async def start(
             "algorithm": cfg.bpf_lb_algorithm,
         },
     )
-    return LoadBalancer(maps, writer, ServiceWatcher(writer, ServiceMetrics(registry)))
+    usage = await loop.run_in_executor(executor, AliasUsage, cfg.bpf_pin_dir)
+    return LoadBalancer(
+        maps, writer, ServiceWatcher(writer, ServiceMetrics(registry), usage), usage
+    )
 
 
 Watch = tuple[

@@ -12,6 +12,10 @@ Metrics (one registry per agent): ``cilium_services_events_total{action}`` (upst
 name; add, update, delete) and ``cilia_lb_frontends`` (frontends programmed),
 ``cilia_lb_service_errors_total`` (Services that could not be programmed),
 ``cilia_lb_apply_seconds`` (time to write one stream message into the maps).
+
+Each Service's alias VIPs (``alias_ips``, a ServiceCIDR migration's former ClusterIPs)
+are also handed to :class:`~cilia_agent.loadbalancer.usage.AliasUsage` when one is given,
+which keeps their last-use entries for the operator's release decision.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.datapath.errors import DatapathError
 from cilia_agent.loadbalancer.maps import ServiceMapWriter
 from cilia_agent.loadbalancer.model import service_name
+from cilia_agent.loadbalancer.usage import AliasUsage
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +68,13 @@ class ServiceWatcher:
     Args:
         writer: the map writer (restored from the pinned maps already).
         metrics: see :class:`ServiceMetrics`.
+        usage: the alias last-use entries (None: not tracked).
     """
 
-    def __init__(self, writer: ServiceMapWriter, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self, writer: ServiceMapWriter, metrics: ServiceMetrics, usage: AliasUsage | None = None
+    ) -> None:
+        self.usage = usage
         self.writer = writer
         self.metrics = metrics
         self.synced = False
@@ -79,12 +88,16 @@ class ServiceWatcher:
             if not delivered:
                 delivered, resyncing = True, True
                 self.writer.begin_resync()
+                if self.usage is not None:
+                    self.usage.begin_resync()
             started = time.perf_counter()
             for event in response.events:
                 self.apply(event)
             if response.synced and resyncing:
                 resyncing = False
                 removed = self.writer.end_resync()
+                if self.usage is not None:
+                    self.usage.end_resync()
                 self.synced = True
                 log.info(
                     "services synced",
@@ -101,10 +114,14 @@ class ServiceWatcher:
         try:
             if event.type == cp.EVENT_TYPE_DELETE:
                 self.writer.delete_service(svc.namespace, svc.name)
+                if self.usage is not None:
+                    self.usage.set_service(name, ())
                 self._known.discard(name)
                 self.metrics.events.labels("delete").inc()
                 return
             problems = self.writer.upsert_service(svc)
+            if self.usage is not None:
+                self.usage.set_service(name, svc.alias_ips)
         except DatapathError as exc:
             self.metrics.errors.inc()
             log.error("cannot program Service", extra={"service": name, "reason": str(exc)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from ..ipam import node as nodes
 from ..ipam.controller import IPAMController
 from ..ipam.pool import ObjectMeta
 from ..kinds import NODE
+from ..service import aliases
 from ..store import AlreadyExists, Conflict, Contention, Expired, NotFound, Resource, Store
 from .errors import streaming, unary
 from .peers import peer_ip
@@ -82,8 +84,11 @@ class NodeServicer:
         conflict_retries: int,
         *,
         pods_from_api: bool = False,
+        record_alias_use: bool = False,
     ) -> None:
         self.pods_from_api = pods_from_api
+        # standalone: alias-use reports feed the ServiceCIDR migration (service.aliases)
+        self.record_alias_use = record_alias_use
         self.store = store
         self.controller = controller
         self.default_pool = default_pool
@@ -93,7 +98,9 @@ class NodeServicer:
     async def Register(  # noqa: N802 (gRPC method name)
         self, request: pb.RegisterRequest, context: Any
     ) -> pb.RegisterResponse:
-        """Create or update the CiliumNode with the node's addresses and local networks.
+        """Create or update the CiliumNode with the node's addresses and local networks;
+        with ``reports_alias_use`` (standalone), record the node's alias-VIP uses
+        (:func:`cilia_operator.service.aliases.store_report`).
 
         Errors: INVALID_ARGUMENT (bad name/address/CIDR), ALREADY_EXISTS (an agent at
         another address holds the name: its allocation stream is open), UNAVAILABLE (store
@@ -142,6 +149,12 @@ class NodeServicer:
                 continue
         else:
             raise Contention(NODE.kind, "", name)
+        if request.reports_alias_use and self.record_alias_use:
+            await aliases.store_report(
+                self.store, name,
+                [(u.ip, u.used, u.idle_ms) for u in request.alias_uses],
+                datetime.datetime.now(datetime.UTC), self.conflict_retries,
+            )  # fmt: skip
         self.controller.enqueue(name)
         return pb.RegisterResponse(
             default_pool=self.default_pool,

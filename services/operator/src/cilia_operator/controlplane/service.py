@@ -17,6 +17,9 @@ conditions (``ready`` absent means true, ``serving`` absent means ``ready``,
 ``targetRef`` (``namespace/name`` of a Pod). An address listed twice (two slices during a
 controller's rewrite) is sent once.
 
+``alias_ips``: the Service's former ClusterIPs kept by a ServiceCIDR migration
+(annotation ``service.cilia.io/alias-ips``, :mod:`cilia_operator.service.migration`).
+
 Not sent (a DELETE when a sent Service becomes one): ExternalName Services, headless ones
 (``clusterIP: None``) and Services without an IPv4 ClusterIP yet.
 """
@@ -140,6 +143,7 @@ def service_message(service: Resource, slices: Sequence[Resource]) -> pb.Service
         ports=ports,
         external_traffic_policy=str(spec.get("externalTrafficPolicy") or "Cluster"),
         internal_traffic_policy=str(spec.get("internalTrafficPolicy") or "Cluster"),
+        alias_ips=[str(a) for a in model.alias_ips(service) if str(a) not in ips],
         resource_version=resource_version(service),
     )
 

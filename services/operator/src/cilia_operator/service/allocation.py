@@ -101,12 +101,14 @@ def service_cidr_ranges(
 ) -> tuple[list[tuple[str, Net]], list[tuple[str, Net]]]:
     """``(active, terminating)`` ``(ServiceCIDR name, network)`` pairs: the stored
     ServiceCIDRs plus the flag's ranges as ``kubernetes`` when no record of that name is
-    stored; the default one first, then by name."""
+    stored (and no stored ServiceCIDR says it replaced them: a finished migration,
+    :data:`model.MIGRATED_FROM_ANNOTATION`); the default one first, then by name."""
     active: list[tuple[str, Net]] = []
     terminating: list[tuple[str, Net]] = []
     records = {str((r.get("metadata") or {}).get("name") or ""): r for r in stored}
     if model.DEFAULT_CIDR_NAME not in records:
-        active += [(model.DEFAULT_CIDR_NAME, n) for n in flag]
+        replaced = model.migrated_from(records.values())
+        active += [(model.DEFAULT_CIDR_NAME, n) for n in flag if n not in replaced]
     for name in sorted(records, key=lambda n: (n != model.DEFAULT_CIDR_NAME, n)):
         target = terminating if model.cidr_terminating(records[name]) else active
         target += [(name, n) for n in model.cidr_networks(records[name])]
@@ -166,9 +168,11 @@ def prepare(
     active, terminating = service_cidr_ranges(cidr_records.values(), settings.service_cidrs)
     ranges = _Ranges(active, terminating)
     for key, obj in services.items():
+        for ip in model.alias_ips(obj):  # kept across an update (see _keep_immutable)
+            ranges.holders[ip] = _display(key)
         if key in manifest_keys:
             continue  # its new state is planned below
-        for ip in model.service_ips(obj):
+        for ip in [*model.service_ips(obj), *model.alias_ips(obj)]:
             ranges.holders[ip] = _display(key)
         for port in _node_ports(obj):
             ranges.node_ports[port] = _display(key)
@@ -202,9 +206,15 @@ def _node_ports(obj: Mapping[str, Any]) -> list[tuple[int, str]]:
 
 
 def _keep_immutable(obj: dict[str, Any], current: Resource | None) -> list[FieldError]:
-    """Carry the stored ClusterIP into an update that does not give one; refuse a change."""
+    """Carry the stored ClusterIP into an update that does not give one; refuse a change.
+    The aliases a migration gave the Service (:data:`model.ALIAS_ANNOTATION`) are carried
+    too: only the migration's release removes them."""
     if current is None:
         return []
+    held = (current.get("metadata") or {}).get("annotations") or {}
+    if model.ALIAS_ANNOTATION in held:
+        annotations = obj.setdefault("metadata", {}).setdefault("annotations", {})
+        annotations[model.ALIAS_ANNOTATION] = held[model.ALIAS_ANNOTATION]
     spec = obj.setdefault("spec", {})
     stored = (current.get("spec") or {}).get("clusterIP") or ""
     given = spec.get("clusterIP") or ""
@@ -403,7 +413,8 @@ def named_service_cidrs(stored: Iterable[Resource], flag: Sequence[Net]) -> list
 def cidr_holders(
     cidr: Resource, services: Iterable[Resource], others: Iterable[Resource]
 ) -> list[str]:
-    """The Services (``ns/name``) holding an address in ServiceCIDR ``cidr`` that no other
+    """The Services (``ns/name``) holding an address (a ClusterIP or an alias of a
+    migration, :func:`model.alias_ips`) in ServiceCIDR ``cidr`` that no other
     ServiceCIDR of ``others`` (not being deleted) also covers: what keeps a deleted
     ServiceCIDR terminating (upstream servicecidrs controller)."""
     nets = model.cidr_networks(cidr)
@@ -416,7 +427,7 @@ def cidr_holders(
     ]
     out = []
     for svc in services:
-        for ip in model.service_ips(svc):
+        for ip in [*model.service_ips(svc), *model.alias_ips(svc)]:
             if any(ip in n for n in nets) and not any(ip in n for n in cover):
                 out.append(_display(model.key_of(svc)))
                 break

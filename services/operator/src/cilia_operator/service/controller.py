@@ -23,8 +23,12 @@ ServiceCIDR controllers do, from what the operator knows. Leader only.
   and a warning names it. Slices of other managers (applied for selector-less Services)
   are left alone; ours of a Service that is gone or lost its selector are deleted.
 - **ServiceCIDR release** (upstream ``pkg/controller/servicecidrs``): a ServiceCIDR marked
-  terminating (``ResourceService.Delete``) is deleted once no Service holds an address in
-  it that no other live ServiceCIDR covers.
+  terminating (``ResourceService.Delete``, or a migration) is deleted once no Service holds
+  an address in it -- a ClusterIP or an alias -- that no other live ServiceCIDR covers.
+- **ServiceCIDR migration** (:mod:`.migration`): when the record
+  ``CiliaServiceCIDRMigration/servicecidr-migration`` is applied, its steps run here (each
+  one store transaction), and every ``alias_check_interval`` seconds the aliases are judged
+  against ``alias_grace`` (:mod:`.aliases`) and the idle ones released.
 
 Writes go to the store one object at a time with resourceVersion preconditions; a conflict
 or a store error marks the Service again and it is retried after ``retry_interval``.
@@ -34,14 +38,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import ipaddress
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..endpoint import records
-from ..store import AlreadyExists, Conflict, Expired, NotFound, Resource, Store, WatchEvent
-from . import allocation, model
+from ..store import (
+    AlreadyExists,
+    Conflict,
+    Expired,
+    NotFound,
+    Resource,
+    Snapshot,
+    Store,
+    WatchEvent,
+    Write,
+)  # fmt: skip
+from . import aliases, allocation, migration, model
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +163,20 @@ class ServiceController:
         max_per_slice: endpoints per EndpointSlice at most (100).
         retry_interval: seconds before a failed write or watch is tried again.
         stop_timeout: seconds :meth:`stop` waits for its tasks.
+        alias_grace: ``--service-alias-grace-period`` (seconds).
+        alias_check_interval: ``--service-alias-check-interval`` (seconds).
+        pod_cidrs: ``--cluster-pool-ipv4-cidr`` (a migration target may not overlap them).
+        clock: the wall clock (tests pass a fake one).
 
     ``await start()`` (lists every kind, creates the default ServiceCIDR, reconciles
     everything) then follows changes in the background; ``await stop()``. Leader only.
     """
 
-    KINDS = (model.SERVICE_KIND, records.KIND, model.SLICE_KIND, model.CIDR_KIND)
+    KINDS = (
+        model.SERVICE_KIND, records.KIND, model.SLICE_KIND, model.CIDR_KIND, migration.KIND,
+        aliases.USE_KIND,
+    )  # fmt: skip
+    CLUSTER_KINDS = (model.CIDR_KIND, migration.KIND, aliases.USE_KIND)
 
     def __init__(
         self,
@@ -163,7 +186,16 @@ class ServiceController:
         max_per_slice: int = model.MAX_ENDPOINTS_PER_SLICE,
         retry_interval: float = 1.0,
         stop_timeout: float = 1.0,
+        alias_grace: float = aliases.DEFAULT_GRACE_SECONDS,
+        alias_check_interval: float = 5.0,
+        pod_cidrs: tuple[ipaddress.IPv4Network, ...] = (),
+        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
+        self.alias_grace = alias_grace
+        self.alias_check_interval = alias_check_interval
+        self.pod_cidrs = pod_cidrs
+        self.clock = clock
+        self.migration_dirty = False
         self.store = store
         self.stop_timeout = stop_timeout
         self._stopped = False
@@ -187,7 +219,7 @@ class ServiceController:
     # ---------------------------------------------------------------- state
 
     def _key(self, kind: str, obj: Resource) -> Key:
-        if kind == model.CIDR_KIND:
+        if kind in self.CLUSTER_KINDS:
             return "", str((obj.get("metadata") or {}).get("name") or "")
         return model.key_of(obj)
 
@@ -238,6 +270,10 @@ class ServiceController:
                 model.MANAGED_BY
             ):
                 self.dirty.add(owner)
+        elif kind == migration.KIND:
+            self.migration_dirty = True
+        elif kind == aliases.USE_KIND:
+            pass  # judged at the next alias tick: a report every few seconds per node
         else:
             self.cidrs_dirty = True
         self._wake.set()
@@ -281,6 +317,7 @@ class ServiceController:
             for kind in self.KINDS
         ]
         self._tasks.append(asyncio.create_task(self._reconciler(), name="svc-reconcile"))
+        self._tasks.append(asyncio.create_task(self._alias_ticker(), name="svc-alias-tick"))
 
     async def stop(self) -> None:
         """Cancel the watches and the reconciler; waits at most ``stop_timeout`` seconds.
@@ -305,7 +342,14 @@ class ServiceController:
         if not self.service_cidrs:
             return
         stored = self.objects[model.CIDR_KIND].get(("", model.DEFAULT_CIDR_NAME))
-        if stored is None:
+        replaced = model.migrated_from(self.objects[model.CIDR_KIND].values())
+        if stored is None and set(self.service_cidrs) <= replaced:
+            log.warning(
+                "--service-cluster-ip-range was migrated away from (servicecidr migrate): the "
+                "default ServiceCIDR is not re-created; set the flag to the new range",
+                extra={"flag": [str(c) for c in self.service_cidrs]},
+            )
+        elif stored is None:
             with contextlib.suppress(AlreadyExists):
                 created = await self.store.create(model.default_cidr(list(self.service_cidrs)))
                 self._put(model.CIDR_KIND, created)
@@ -339,6 +383,18 @@ class ServiceController:
                     self._listed(kind, listed.items)
                     since = listed.resource_version
 
+    async def _alias_ticker(self) -> None:
+        """Judge the aliases every ``alias_check_interval`` while any exists (time alone
+        makes an alias idle long enough)."""
+        while True:
+            await asyncio.sleep(self.alias_check_interval)
+            services = self.objects[model.SERVICE_KIND].values()
+            if any(model.alias_ips(s) for s in services) or migration.phase(
+                self.objects[migration.KIND].get(("", migration.NAME))
+            ) in ("Moving", "Aliased"):
+                self.migration_dirty = True
+                self._wake.set()
+
     async def _reconciler(self) -> None:
         while True:
             await self._wake.wait()
@@ -364,6 +420,17 @@ class ServiceController:
                 log.warning("EndpointSlice write failed; retrying",
                             extra={"service": f"{key[0]}/{key[1]}", "error": str(exc)})  # fmt: skip
                 self.dirty.add(key)
+                failed = True
+        if self.migration_dirty:
+            self.migration_dirty = False
+            try:
+                await self.migrate_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("ServiceCIDR migration step failed; retrying",
+                            extra={"error": str(exc)})  # fmt: skip
+                self.migration_dirty = True
                 failed = True
         if self.cidrs_dirty:
             self.cidrs_dirty = False
@@ -428,6 +495,55 @@ class ServiceController:
                 await self.store.delete(model.SLICE_KIND, name, key[0], rv)
             self.writes += 1
             self._drop(model.SLICE_KIND, (key[0], name))
+
+    async def migrate_once(self) -> None:
+        """Run the migration's steps that are due (:mod:`.migration`): start, every move
+        (one transaction each, logged), then the release of idle aliases.
+
+        Raises:
+            StoreError: a transaction failed (the step is tried again).
+        """
+        cached = migration.phase(self.objects[migration.KIND].get(("", migration.NAME)))
+        if not self.objects[migration.KIND] and not any(
+            model.alias_ips(s) for s in self.objects[model.SERVICE_KIND].values()
+        ):
+            return  # nothing to do: no migration record, no alias
+        start_kinds = (migration.KIND, model.CIDR_KIND, model.SERVICE_KIND, migration.POOL_KIND)
+
+        async def start(snapshot: Snapshot) -> list[Write]:
+            return migration.start_writes(snapshot, self.clock(), self.pod_cidrs)
+
+        if cached == "Pending":
+            await self.store.transact(start_kinds, start)
+        moved: list[migration.Move] = []
+
+        async def move(snapshot: Snapshot) -> list[Write]:
+            writes, done = migration.move_writes(snapshot, self.clock())
+            moved[:] = [done] if done else []
+            return writes
+
+        while cached in ("Pending", "Moving"):
+            await self.store.transact((migration.KIND, model.SERVICE_KIND, model.CIDR_KIND), move)
+            if not moved:
+                break
+            m = moved[0]
+            self.cidrs_dirty = True
+            log.info("Service moved to the new ServiceCIDR; the old ClusterIP stays an alias",
+                     extra={"service": m.service, "old": str(m.old), "new": str(m.new)})  # fmt: skip
+        released: list[aliases.Verdict] = []
+
+        async def release(snapshot: Snapshot) -> list[Write]:
+            writes, gone = migration.release_writes(snapshot, self.clock(), self.alias_grace)
+            released[:] = gone
+            return writes
+
+        kinds = (migration.KIND, model.SERVICE_KIND, aliases.USE_KIND, model.CIDR_KIND)
+        await self.store.transact(kinds, release)
+        for v in released:
+            self.cidrs_dirty = True
+            log.info("Service alias released: unused for the grace period",
+                     extra={"service": v.service, "alias": str(v.ip),
+                            "idle_s": round(v.idle_seconds, 1)})  # fmt: skip
 
     async def _release_cidrs(self) -> None:
         cidrs = list(self.objects[model.CIDR_KIND].values())

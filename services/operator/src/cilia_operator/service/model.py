@@ -34,8 +34,9 @@ from __future__ import annotations
 import copy
 import datetime
 import ipaddress
+import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import FieldError, InvalidResource
@@ -62,6 +63,16 @@ DEFAULT_CIDR_NAME = "kubernetes"
 """The ServiceCIDR kube-apiserver creates from ``--service-cluster-ip-range``."""
 CIDR_FINALIZER = "networking.k8s.io/service-cidr-finalizer"
 """Finalizer upstream keeps on a ServiceCIDR while Services hold addresses in it."""
+ALIAS_ANNOTATION = "service.cilia.io/alias-ips"
+"""Annotation of a Service holding its alias VIPs: a JSON object ``{"<former ClusterIP>":
+"<RFC 3339 time it became an alias>"}``. Written by the ServiceCIDR migration; the agents
+serve each alias like the ClusterIP (``Service.alias_ips``) until it is released. Cilia's
+own: Kubernetes has no alias of a ClusterIP."""
+MIGRATED_FROM_ANNOTATION = "service.cilia.io/migrated-from"
+"""Annotation of the ServiceCIDR a migration created: the comma-separated ranges it replaces.
+Once the default ServiceCIDR ``kubernetes`` is released, ``--service-cluster-ip-range``
+ranges listed here are no longer offered (nor the record re-created at start) until the
+flag is changed to the new range."""
 DEFAULT_AFFINITY_TIMEOUT = 10800
 """``sessionAffinityConfig.clientIP.timeoutSeconds`` default (3 hours, Kubernetes')."""
 MAX_AFFINITY_TIMEOUT = 86400
@@ -433,6 +444,73 @@ def service_ips(obj: Mapping[str, Any]) -> list[ipaddress.IPv4Address]:
         except ValueError:
             continue
     return out
+
+
+def alias_ips(obj: Mapping[str, Any]) -> dict[ipaddress.IPv4Address, str]:
+    """The alias VIPs of a Service record (:data:`ALIAS_ANNOTATION`): ``{ip: since}``
+    (``since``: RFC 3339 text, "" when not given). A malformed annotation reads as none."""
+    raw = (_meta(obj).get("annotations") or {}).get(ALIAS_ANNOTATION)
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(str(raw))
+    except ValueError:
+        return {}
+    if isinstance(parsed, list):  # a hand-written list of addresses is accepted too
+        parsed = {str(ip): "" for ip in parsed}
+    if not isinstance(parsed, Mapping):
+        return {}
+    out = {}
+    for ip, since in parsed.items():
+        try:
+            out[ipaddress.IPv4Address(str(ip))] = str(since or "")
+        except ValueError:
+            continue
+    return out
+
+
+def with_aliases(obj: Mapping[str, Any], aliases: Mapping[ipaddress.IPv4Address, str]) -> Resource:
+    """A copy of Service ``obj`` whose :data:`ALIAS_ANNOTATION` is ``aliases`` (removed when
+    empty)."""
+    out = copy.deepcopy(dict(obj))
+    annotations = out.setdefault("metadata", {}).setdefault("annotations", {})
+    if aliases:
+        annotations[ALIAS_ANNOTATION] = json.dumps(
+            {str(ip): aliases[ip] for ip in sorted(aliases)}, sort_keys=True
+        )
+    else:
+        annotations.pop(ALIAS_ANNOTATION, None)
+        if not annotations:
+            del out["metadata"]["annotations"]
+    return out
+
+
+def migrated_from(cidrs: Iterable[Mapping[str, Any]]) -> set[ipaddress.IPv4Network]:
+    """The ranges stored ServiceCIDRs say they replace (:data:`MIGRATED_FROM_ANNOTATION`)."""
+    out = set()
+    for obj in cidrs:
+        raw = str((_meta(obj).get("annotations") or {}).get(MIGRATED_FROM_ANNOTATION) or "")
+        for part in raw.split(","):
+            try:
+                out.add(ipaddress.IPv4Network(part.strip()))
+            except ValueError:
+                continue
+    return out
+
+
+def rfc3339(when: datetime.datetime) -> str:
+    """``when`` (aware) as RFC 3339 UTC text in milliseconds, e.g.
+    ``2026-12-02T01:00:00.250Z``."""
+    return when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(text: str) -> datetime.datetime | None:
+    """Inverse of :func:`rfc3339` (any ISO 8601 with a zone); None when not a time."""
+    try:
+        parsed = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.UTC)
 
 
 def cidr_networks(obj: Mapping[str, Any]) -> list[ipaddress.IPv4Network]:
