@@ -264,3 +264,38 @@ def test_legacy_tables_are_read_from_proc_without_running_iptables(tmp_path: pat
     assert iptables_backend._legacy_tables(names) == set()  # module not loaded
     names.write_text("mangle\nfilter\n")
     assert iptables_backend._legacy_tables(names) == {"mangle", "filter"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (("mount-bpffs", "--bpffs-root", ""), "must not be empty"),
+        (("mount-cgroup2", "--cgroup-root", "rel/dir"), "is relative: give an absolute path"),
+        (("clean-state", "--bpf-state", "--bpf-pin-dir", ""), "must not be empty"),
+        (("clean-state", "--state-dir", "x"), "is relative"),
+        (("iptables-backend", "--iptables-timeout", "0"), "0 must be greater than 0"),
+        (("iptables-backend", "--iptables-timeout", "-1"), "must be greater than 0"),
+    ],
+)
+def test_empty_or_relative_paths_and_bad_timeouts_are_usage_errors(
+    argv: tuple[str, ...], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty path must not mean the current directory (a mount over it, pins removed)."""
+    with pytest.raises(SystemExit) as exc:
+        _args(*argv)
+    assert exc.value.code == 2
+    assert reason in capsys.readouterr().err
+
+
+def test_path_flags_are_normalised_so_a_mount_already_there_is_recognised() -> None:
+    args = _args("mount-bpffs", "--bpffs-root", "/sys/fs/../fs/bpf/")
+    assert args.bpffs_root == pathlib.Path("/sys/fs/bpf")
+
+
+def test_clean_refuses_the_bpffs_mount_itself(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "bpf"
+    (root / "otherapp").mkdir(parents=True)
+    mounts = f"bpf {root} bpf rw,relatime 0 0\n"
+    with pytest.raises(cleanup.CleanError, match="is the bpffs mount itself"):
+        cleanup.clean_bpf(root, cleanup.Report(), mounts=mounts)
+    assert (root / "otherapp").is_dir()

@@ -303,6 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except cli.CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return cli.EXIT_ERROR
+    except KeyboardInterrupt:
+        # Ctrl-C stops this client only: what the operator was told stays told
+        if args.command == "servicecidr" and args.servicecidr_command == "migrate":
+            print("\ninterrupted: the operator carries on with a migration it has started; "
+                  "follow it with 'cilia-operator servicecidr status'", file=sys.stderr)  # fmt: skip
+        else:
+            print("\ninterrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # the reader (``| head``) went away: exit quietly, stdout is useless now
         devnull = os.open(os.devnull, os.O_WRONLY)

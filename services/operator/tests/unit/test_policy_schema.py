@@ -74,7 +74,7 @@ def test_documented_frontend_to_backend_policy_is_valid_and_gets_namespace_defau
         ({}, "spec.endpointSelector: required field is missing"),
         (
             {"endpointSelector": {}, "ingress": [{"fromCIDR": ["fd00::/8"]}]},
-            "spec.ingress[0].fromCIDR[0]: 'fd00::/8' does not match",
+            "spec.ingress[0].fromCIDR[0]: 'fd00::/8' is not an IPv4 CIDR: IPv6 is not supported",
         ),
         (
             {"endpointSelector": {}, "egressDeny": [{"toCIDRSet": [{"except": ["10.1.0.0/16"]}]}]},
@@ -85,7 +85,7 @@ def test_documented_frontend_to_backend_policy_is_valid_and_gets_namespace_defau
                 "endpointSelector": {},
                 "egress": [{"toCIDRSet": [{"cidr": "10.0.0.0/16", "except": ["10.1.0.0/24"]}]}],
             },
-            "spec.egress[0].toCIDRSet[0].except[0]: 10.1.0.0/24 is not inside cidr 10.0.0.0/16",
+            "spec.egress[0].toCIDRSet[0].except[0]: 10.1.0.0/24 is not strictly inside cidr 10.0.0.0/16",
         ),
         (
             {
@@ -149,7 +149,15 @@ def test_network_policy_subset_is_validated_with_paths() -> None:
         {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["11.0.0.0/16"]}}
     ]
     assert errors_of(doc, validate_np) == [
-        "spec.ingress[0].from[0].ipBlock.except[0]: 11.0.0.0/16 is not inside cidr 10.0.0.0/8"
+        "spec.ingress[0].from[0].ipBlock.except[0]: 11.0.0.0/16 is not strictly inside cidr "
+        "10.0.0.0/8"
+    ]
+    doc["spec"]["ingress"][0]["from"] = [
+        {"ipBlock": {"cidr": "10.0.0.5/8", "except": ["10.0.0.0/8"]}}
+    ]
+    assert errors_of(doc, validate_np) == [
+        "spec.ingress[0].from[0].ipBlock.except[0]: 10.0.0.0/8 is not strictly inside cidr "
+        "10.0.0.5/8"
     ]
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]
     assert errors_of(doc, validate_np) == [
@@ -157,7 +165,10 @@ def test_network_policy_subset_is_validated_with_paths() -> None:
         "namespaceSelector"
     ]
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/33"}}]
-    assert errors_of(doc, validate_np)[0].startswith("spec.ingress[0].from[0].ipBlock.cidr: ")
+    assert errors_of(doc, validate_np) == [
+        "spec.ingress[0].from[0].ipBlock.cidr: '10.0.0.0/33' is not an IPv4 CIDR: use an IPv4 "
+        "prefix a.b.c.d/n (0..32) or a bare address"
+    ]
 
 
 @pytest.mark.parametrize(

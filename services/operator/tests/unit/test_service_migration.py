@@ -245,3 +245,20 @@ def test_get_and_delete_help_list_the_service_kinds(command: str) -> None:
     text = sub.choices[command].format_help()
     for kind in ("services|svc", "endpointslices", "servicecidrs", "ciliaservicecidrmigrations"):
         assert kind in " ".join(text.split()), text
+
+
+def test_ctrl_c_on_migrate_says_the_operator_carries_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cilia_operator import cli
+    from cilia_operator.__main__ import main
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "servicecidr_migrate", interrupted)
+    code = main(["servicecidr", "migrate", "--to", "10.200.0.0/16", "--server", "127.0.0.1:1"])
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "the operator carries on" in err and "servicecidr status" in err

@@ -215,7 +215,7 @@ class PolicyEngine:
                 changes.append(change)
             if self.prefixes is not None:
                 self.prefixes.upsert_cidr(ident.prefix, ident.identity)
-            log.info("CIDR identity %d for %s", ident.identity, ident.prefix)
+            log.debug("CIDR identity %d for %s", ident.identity, ident.prefix)
         return changes
 
     def _remove_cidrs(self, delta: CIDRDelta) -> list[IdentityChange]:
@@ -233,7 +233,7 @@ class PolicyEngine:
                 change = self.identities.delete(ident.identity)
                 if change is not None:
                     changes.append(change)
-            log.info("CIDR identity %d for %s released", ident.identity, ident.prefix)
+            log.debug("CIDR identity %d for %s released", ident.identity, ident.prefix)
         return changes
 
     def regenerate(self, ep_ids: Iterable[int]) -> dict[int, EndpointPolicy]:

@@ -211,9 +211,10 @@ CIDR = Annotated[str, BeforeValidator(_ipv4_cidr)]
 
 
 class _CIDRBlock(_Model):
-    """``cidr`` plus ``except`` prefixes that must each lie inside ``cidr`` (upstream
+    """``cidr`` plus ``except`` prefixes that must each lie strictly inside ``cidr`` (upstream
     ``api.CIDRRule``: "these CIDR prefixes should be contained within Cidr"; Kubernetes
-    refuses an ``ipBlock.except`` outside its ``cidr`` the same way)."""
+    refuses an ``ipBlock.except`` that is not a strict subset of its ``cidr``: one equal to
+    it would select nothing)."""
 
     cidr: CIDR
     except_: list[CIDR] | None = Field(default=None, alias="except")
@@ -226,11 +227,12 @@ class _CIDRBlock(_Model):
             return value
         net = ipaddress.IPv4Network(outer)
         for i, inner in enumerate(value):
-            if not ipaddress.IPv4Network(inner).subnet_of(net):
+            sub = ipaddress.IPv4Network(inner)
+            if not sub.subnet_of(net) or sub == net:
                 raise PydanticCustomError(
                     _ITEM,
                     "{message}",
-                    {"index": i, "message": f"{inner} is not inside cidr {outer}"},
+                    {"index": i, "message": f"{inner} is not strictly inside cidr {outer}"},
                 )
         return value
 

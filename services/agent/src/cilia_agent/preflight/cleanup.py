@@ -76,11 +76,16 @@ def clean_bpf(pin_dir: pathlib.Path, report: Report, mounts: str | None = None) 
     """
     if not pin_dir.exists():
         return
-    _, fstype = mount_point(pin_dir, mounts)
+    point, fstype = mount_point(pin_dir, mounts)
     if fstype != "bpf":
         raise CleanError(
             f"{pin_dir} is on {fstype or 'an unknown filesystem'}, not bpffs: refusing to "
             "empty it; check --bpf-pin-dir"
+        )
+    if pathlib.Path(point) == pin_dir:
+        raise CleanError(
+            f"{pin_dir} is the bpffs mount itself (it holds every program's pins): refusing "
+            "to empty it; --bpf-pin-dir must be the agent's directory below it"
         )
     try:
         for path in sorted(pin_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True):
@@ -91,7 +96,8 @@ def clean_bpf(pin_dir: pathlib.Path, report: Report, mounts: str | None = None) 
                 report.removed.append(f"pin {path.relative_to(pin_dir)}")
         pin_dir.rmdir()
     except OSError as exc:
-        raise CleanError(f"cannot remove {exc.filename}: {exc.strerror}; run as root") from exc
+        hint = "; run as root" if os.geteuid() != 0 else ""
+        raise CleanError(f"cannot remove {exc.filename}: {exc.strerror}{hint}") from exc
 
 
 def clean_network(devices: list[str], report: Report) -> None:

@@ -30,6 +30,28 @@ def _bool(text: str) -> bool:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _abs_path(text: str) -> pathlib.Path:
+    """A path flag of a step that mounts or removes things: absolute, normalised (``..``
+    and symlinks resolved, so a mount already there is recognised); empty or relative is
+    refused (exit 2) instead of meaning the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    path = pathlib.Path(text)
+    if not path.is_absolute():
+        raise argparse.ArgumentTypeError(f"{text!r} is relative: give an absolute path")
+    return path.resolve()
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be greater than 0")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``init`` and its steps to the ``cilia-agent`` sub-commands."""
     init = sub.add_parser(
@@ -41,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     steps = init.add_subparsers(dest="init_step", required=True)
     ipt_timeout = argparse.ArgumentParser(add_help=False)
     ipt_timeout.add_argument(
-        "--iptables-timeout", type=float, default=10.0,
+        "--iptables-timeout", type=_positive, default=10.0,
         help="seconds one iptables command may take (default 10)",
     )  # fmt: skip
 
@@ -66,11 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     k.add_argument("--no-probe", action="store_true", help="version only, no BPF probes")
 
     b = steps.add_parser("mount-bpffs", help="bpffs mounted on --bpffs-root")
-    b.add_argument("--bpffs-root", type=pathlib.Path, default=pathlib.Path("/sys/fs/bpf"),
+    b.add_argument("--bpffs-root", type=_abs_path, default=pathlib.Path("/sys/fs/bpf"),
                    help="where bpffs must be mounted (default /sys/fs/bpf)")  # fmt: skip
 
     c = steps.add_parser("mount-cgroup2", help="cgroup2 mounted on --cgroup-root")
-    c.add_argument("--cgroup-root", type=pathlib.Path, default=pathlib.Path(DEFAULT_CGROUP_ROOT),
+    c.add_argument("--cgroup-root", type=_abs_path, default=pathlib.Path(DEFAULT_CGROUP_ROOT),
                    help=f"cgroup v2 mount of the socket-LB programs (default {DEFAULT_CGROUP_ROOT})")  # fmt: skip
 
     i = steps.add_parser(
@@ -105,9 +127,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     x.add_argument("--bpf-state", action="store_true", help="remove every pin under --bpf-pin-dir")
     x.add_argument("--all-state", action="store_true",
                    help="--bpf-state, plus host and tunnel devices, routes, iptables chain, --state-dir")  # fmt: skip
-    x.add_argument("--bpf-pin-dir", type=pathlib.Path, default=pathlib.Path(DEFAULT_PIN_DIR),
+    x.add_argument("--bpf-pin-dir", type=_abs_path, default=pathlib.Path(DEFAULT_PIN_DIR),
                    help=f"(default {DEFAULT_PIN_DIR})")  # fmt: skip
-    x.add_argument("--state-dir", type=pathlib.Path, default=pathlib.Path(DEFAULT_STATE_DIR),
+    x.add_argument("--state-dir", type=_abs_path, default=pathlib.Path(DEFAULT_STATE_DIR),
                    help=f"(default {DEFAULT_STATE_DIR})")  # fmt: skip
     x.add_argument("--socket", type=pathlib.Path, default=pathlib.Path(DEFAULT_SOCKET),
                    help=f"the agent's API socket: an answer there means it runs (default {DEFAULT_SOCKET})")  # fmt: skip

@@ -108,7 +108,7 @@ def ident(eng: PolicyEngine, prefix: str) -> int:
         (
             np_egress("n", "192.0.2.0/24", ["192.0.2.128/25", "198.51.100.0/25"]),
             "spec.egress[0].to[0].ipBlock.except[1]",
-            "198.51.100.0/25 is not inside cidr 192.0.2.0/24",
+            "198.51.100.0/25 is not strictly inside cidr 192.0.2.0/24",
         ),
         (
             cnp("c", {"egressDeny": [{"toCIDRSet": [{"cidr": "10.0.0.0/8", "except": ["::/0"]}]}]}),

@@ -117,6 +117,10 @@ def _validator(kind: str) -> Any:
     return cls(schema)
 
 
+_CIDR_FIELD = re.compile(r"(CIDR\[\d+\]|\.cidr|\.except\[\d+\])$")
+"""Paths of prefix fields: ``fromCIDR[0]``, ``toCIDRSet[0].cidr``, ``ipBlock.except[1]``."""
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -163,6 +167,13 @@ def _describe(error: Any) -> Iterator[FieldError]:
             f"{error.instance!r} is not a port: use a number {low}..{high} or that "
             "number as a string (named ports are not supported by Cilia)",
         )
+        return
+    if validator == "pattern" and _CIDR_FIELD.search(path):
+        if isinstance(error.instance, str) and ":" in error.instance:
+            reason = "IPv6 is not supported by Cilia: the datapath is IPv4-only"
+        else:
+            reason = "use an IPv4 prefix a.b.c.d/n (0..32) or a bare address"
+        yield FieldError(path, f"{error.instance!r} is not an IPv4 CIDR: {reason}")
         return
     if validator == "minProperties" and error.instance == {}:
         yield FieldError(path, "must not be empty")
@@ -246,8 +257,9 @@ def _cidr_blocks(kind: str, doc: Mapping[str, Any]) -> Iterator[tuple[str, Mappi
 
 
 def _cidr_rules(kind: str, doc: Mapping[str, Any]) -> list[FieldError]:
-    """What the schema's patterns cannot say about prefixes: each ``except`` lies inside its
-    ``cidr`` (Kubernetes' NetworkPolicy validation and upstream's CIDRRule both require it),
+    """What the schema's patterns cannot say about prefixes: each ``except`` lies strictly
+    inside its ``cidr`` (Kubernetes' NetworkPolicy validation: "a strict subset"; an except
+    equal to its cidr would select nothing),
     and an ``ipBlock`` peer sets no selector (Kubernetes: "may not be combined")."""
     errors = []
     for path, block in _cidr_blocks(kind, doc):
@@ -258,9 +270,10 @@ def _cidr_rules(kind: str, doc: Mapping[str, Any]) -> list[FieldError]:
                                                "or namespaceSelector"))  # fmt: skip
         outer = ipaddress.IPv4Network(block["cidr"], strict=False)
         for i, inner in enumerate(block.get("except") or ()):
-            if not ipaddress.IPv4Network(inner, strict=False).subnet_of(outer):
+            net = ipaddress.IPv4Network(inner, strict=False)
+            if not net.subnet_of(outer) or net == outer:
                 errors.append(FieldError(f"{path}.except[{i}]",
-                                         f"{inner} is not inside cidr {block['cidr']}"))  # fmt: skip
+                                         f"{inner} is not strictly inside cidr {block['cidr']}"))  # fmt: skip
     return errors
 
 
