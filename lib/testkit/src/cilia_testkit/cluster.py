@@ -283,8 +283,11 @@ class Cluster:
             raise ClusterError(f"no node {name!r} in this cluster ({sorted(self.nodes)})") from None
 
     def agent_args(self) -> list[str]:
-        """The routing flags every agent of this cluster gets, then the extra ones."""
-        args = ["--routing-mode", self.routing, "--mtu", str(self.mtu)]
+        """The routing flags every agent of this cluster gets, then the extra ones.
+
+        NodePort programs are on (the Stack turns them off for host-netns agents): each
+        node's agent has its own netns, whose default-route device is its LAN veth."""
+        args = ["--routing-mode", self.routing, "--mtu", str(self.mtu), "--enable-node-port=true"]
         if self.routing == "tunnel":
             args += ["--tunnel-protocol", "vxlan"]
         return [*args, *self.extra_agent_args]
