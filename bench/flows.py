@@ -22,7 +22,8 @@ Counted, per offered rate (``--rates`` packets/s, 0 = as fast as one Python send
 * ``received``: flows printed by ``cilia-relay observe --follow -o json --from-pod
   bench/cilia-bench-fl-client`` (through the relay, ``--via relay``, default; or straight
   from the agent's Hubble socket, ``--via agent``), counted once the stream is quiet for
-  ``--drain`` s;
+  ``--drain`` s; ``--client hubble`` runs the upstream ``hubble observe`` (Go, built by
+  ``scripts/hubble-cli.sh``) instead, to tell the Python client's cost from the relay's;
 * ``LostEvent``: ``lost_events`` records the stream carried (by source);
 * ``lost`` = kernel - received, split into: ``ringbuf`` (LostEvent PERF_EVENT_RING_BUFFER:
   the BPF ring buffer was full and ``bpf_ringbuf_output`` failed; the datapath counts them),
@@ -265,10 +266,24 @@ def wait_quiet(reader: ObserveReader, quiet: float, limit: float) -> None:
 
 @contextlib.contextmanager
 def observing(args: argparse.Namespace, stack: Stack, client: BenchPod) -> Iterator[ObserveReader]:
-    """Start the observe CLI (relay or agent socket) filtered on the client pod."""
+    """Start the observe CLI (relay or agent socket) filtered on the client pod.
+
+    Raises:
+        BenchError: ``--client hubble`` and the upstream CLI is not built.
+    """
     server = stack.relay if args.via == "relay" else f"unix:{stack.hubble_socket}"
+    if args.client == "hubble":
+        path = host.sh(str(ROOT / "scripts" / "hubble-cli.sh"), "--path", check=False)
+        binary = pathlib.Path(path.stdout.strip())
+        if not binary.is_file():
+            raise BenchError(f"no upstream hubble CLI at {binary}: run scripts/hubble-cli.sh")
+        if server.startswith("unix:"):
+            server = "unix://" + server[len("unix:") :]
+        command = [str(binary)]
+    else:
+        command = [str(VENV_BIN / "cilia-relay")]
     argv = [
-        str(VENV_BIN / "cilia-relay"),
+        *command,
         "observe",
         "--server",
         server,
@@ -433,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         help="observe through the relay or straight from the agent's hubble.sock (default relay)",
     )
     parser.add_argument(
+        "--client",
+        choices=("cilia", "hubble"),
+        default="cilia",
+        help="the observe client: cilia-relay observe, or the upstream hubble CLI built by "
+        "scripts/hubble-cli.sh (default cilia)",
+    )
+    parser.add_argument(
         "--drain",
         type=float,
         default=DEFAULT_DRAIN_SECONDS,
@@ -488,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"UDP to distinct ports, dropped by egressDeny (1 packet = 1 flow), {args.duration:g} s "
-        f"per rate, cilia-relay observe --follow -o json via {args.via}"
+        f"per rate, {args.client} observe --follow -o json via {args.via}"
     )
     print(
         "kernel = drop events emitted (deny entry's counter); agent = Hubble seen_flows; lost = "
