@@ -110,7 +110,7 @@ spec:
 """
 
 # Runs in the client netns: argv ip, rate (0 = unpaced), seconds, first port, last port.
-# One UDP socket; destination port cycles first..last; prints {"sent", "seconds"}.
+# One UDP socket; destination port cycles first..last; prints {"sent", "seconds", "errors"}.
 UDP_SENDER = r"""
 import json, socket, sys, time
 ip, rate, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
@@ -118,25 +118,27 @@ first, last = int(sys.argv[4]), int(sys.argv[5])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 send = s.sendto
 clock = time.perf_counter
-port, sent, payload = first, 0, b"x"
+port, sent, errors, payload = first, 0, 0, b"x"
 start = clock()
 deadline = start + seconds
 while True:
     now = clock()
     if now >= deadline:
         break
-    target = int((now - start) * rate) + 1 if rate else sent + 256
+    # At most 256 packets between clock reads, so a slow host cannot overrun the deadline.
+    target = min(int((now - start) * rate) + 1, sent + 256) if rate else sent + 256
     while sent < target:
         try:
             send(payload, (ip, port))
         except OSError:
-            pass
+            errors += 1
+            break
         else:
             sent += 1
         port = first if port == last else port + 1
-    if rate:
+    if rate and sent >= target:
         time.sleep(0.0005)
-print(json.dumps({"sent": sent, "seconds": clock() - start}))
+print(json.dumps({"sent": sent, "seconds": clock() - start, "errors": errors}))
 """
 
 
@@ -233,7 +235,8 @@ def seen_flows(hubble_socket: pathlib.Path) -> int:
 def send_udp(
     client: BenchPod, ip: str, rate: int, seconds: float, ports: tuple[int, int]
 ) -> dict[str, float]:
-    """Run the UDP sender in the client netns; returns {"sent", "seconds"}.
+    """Run the UDP sender in the client netns; returns {"sent", "seconds", "errors"}
+    (errors: sendto calls that failed, e.g. ENOBUFS).
 
     Raises:
         BenchError: the sender failed.
@@ -254,7 +257,11 @@ def send_udp(
         result = json.loads(out.stdout)
     except ValueError as exc:
         raise BenchError(f"UDP sender failed ({out.returncode}): {out.stderr[-500:]}") from exc
-    return {"sent": int(result["sent"]), "seconds": float(result["seconds"])}
+    return {
+        "sent": int(result["sent"]),
+        "seconds": float(result["seconds"]),
+        "errors": int(result.get("errors", 0)),
+    }
 
 
 def wait_quiet(reader: ObserveReader, quiet: float, limit: float) -> None:
@@ -385,6 +392,7 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
                 "rate": rate,
                 "sent": sent["sent"],
                 "send_seconds": round(sent["seconds"], 3),
+                "send_errors": sent["errors"],
                 "offered_per_s": round(sent["sent"] / sent["seconds"], 1),
                 "kernel_events": kernel,
                 "agent_seen": agent_seen,
