@@ -62,6 +62,7 @@ import os
 import pathlib
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -186,7 +187,12 @@ def private_stack(args: argparse.Namespace) -> Iterator[Stack]:
     Raises:
         BenchError: a component exited or was not ready within ``--up-timeout`` s.
     """
-    tk = TestkitStack("bench", pool_cidr=args.pool_cidr, ready_seconds=args.up_timeout)
+    tk = TestkitStack(
+        "bench",
+        pool_cidr=args.pool_cidr,
+        ready_seconds=args.up_timeout,
+        agent_args=shlex.split(args.agent_args),
+    )
     try:
         tk.start()
     except StackError as exc:
@@ -277,6 +283,12 @@ def add_stack_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_STOP_TIMEOUT_SECONDS,
         help=f"seconds a private stack component gets after SIGTERM (default {DEFAULT_STOP_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--agent-args",
+        default="",
+        help="extra cilia-agent serve flags of a private stack (ignored with --stack shared), "
+        "one shell-quoted string (e.g. '--monitor-aggregation none'; default none)",
     )
     parser.add_argument(
         "--keep-stack",
