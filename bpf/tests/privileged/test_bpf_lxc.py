@@ -13,8 +13,6 @@ from typing import Any
 import pytest
 
 from cilia_agent.datapath.layout import policy_key
-from cilia_agent.hubble.events import decode
-from cilia_agent.hubble.reader import BccCountedMmapRingBuffer
 from cilia_bpf_testing import harness
 from cilia_bpf_testing.harness import (
     DIR_EGRESS,
@@ -301,26 +299,3 @@ def test_events_beyond_the_ring_buffer_are_counted_lost_and_late_wakeup_loses_no
     assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=100) == TC_ACT_SHOT
     assert len(dp.events) == 50 + 73
     assert sum(dp.table("cilia_events_counters")[0]) == 100 - 73
-
-
-def test_agent_mmap_reader_reads_records_across_the_wrap_and_counts_overflow(
-    loaded: Callable[..., harness.Datapath],
-) -> None:
-    dp = loaded(events_pages=1, events_wakeup_events=16)
-    setup_endpoint(dp, egress=True)
-    reader = BccCountedMmapRingBuffer(dp.bpf)
-    records: list[bytes] = []
-    reader.open(records.append)
-    try:
-        for k in range(1, 6):  # 5 x 50 records of 56 bytes: the 4096-byte ring wraps 3 times
-            frame = packet(POD, OUTSIDE, dport=9)
-            assert dp.run(FROM, frame, repeat=50, consume=False) == TC_ACT_SHOT
-            reader.poll(100)
-            assert len(records) == 50 * k
-        dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=100, consume=False)
-        reader.poll(100)
-        assert (len(records), reader.kernel_lost()) == (250 + 73, 27)
-        ev = decode(records[-1])
-        assert (ev.daddr, ev.dport, ev.drop_reason) == (OUTSIDE, 9, 133)
-    finally:
-        reader.close()

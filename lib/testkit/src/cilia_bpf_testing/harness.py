@@ -118,10 +118,9 @@ class Datapath:
     progs: dict[str, int]
     events: list[FlowEvent]
 
-    def run(self, prog: str, frame: bytes, repeat: int = 1, consume: bool = True) -> int:
-        """Run one frame through ``prog`` (``repeat`` times), then (``consume``) read the ring
-        buffer into :attr:`events` whether or not the programs woke its reader; returns the
-        tc verdict (TC_ACT_*)."""
+    def run(self, prog: str, frame: bytes, repeat: int = 1) -> int:
+        """Run one frame through ``prog`` (``repeat`` times), then read the ring buffer
+        whether or not the programs woke its reader; returns the tc verdict (TC_ACT_*)."""
         lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = _TestRunOpts(
@@ -133,8 +132,7 @@ class Datapath:
         rc = lib.bpf_prog_test_run_opts(self.progs[prog], ctypes.byref(opts))
         if rc != 0:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
-        if consume:
-            self.bpf.ring_buffer_consume()
+        self.bpf.ring_buffer_consume()
         return int(opts.retval)
 
     def table(self, name: str) -> Any:

@@ -32,10 +32,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import mmap
-import platform
-import select
-import struct
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -110,117 +106,6 @@ class BccRingBuffer:
         except KeyError:
             return 0
         return int(sum(table[table.Key(COUNTER_LOST)]))
-
-
-_U64 = struct.Struct("=Q")
-_U32 = struct.Struct("=I")
-_RINGBUF_BUSY = 1 << 31
-_RINGBUF_DISCARD = 1 << 30
-_RINGBUF_HEADER = 8
-
-
-class MmapRingBuffer:
-    """:class:`RecordSource` reading a ``BPF_MAP_TYPE_RINGBUF`` map through its own mmap,
-    many records per wakeup and no per-record callback from C.
-
-    The kernel's layout (``kernel/bpf/ringbuf.c``, the protocol libbpf's ``ring_buffer``
-    follows): page 0 holds the consumer position (written here), page 1 the producer
-    position, then the data pages mapped twice so a record never wraps. Each record has an
-    8-byte header (length with BUSY/DISCARD bits, page offset) and is padded to 8 bytes.
-    Reading the positions without barriers relies on x86-64's ordering (the producer
-    stores the header with release semantics); :func:`ring_buffer_source` uses bcc's reader
-    on other machines.
-
-    Args:
-        map_fd: the ring buffer map's file descriptor (kept open by its owner).
-        size: the map's ``max_entries`` in bytes (a power of two, multiple of the page).
-
-    Raises:
-        OSError: the map cannot be mapped or polled.
-    """
-
-    def __init__(self, map_fd: int, size: int) -> None:
-        page = mmap.PAGESIZE
-        self._mask = size - 1
-        self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._data = mmap.mmap(
-            map_fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page
-        )
-        self._view = memoryview(self._data)
-        self._page = page
-        self._epoll = select.epoll()
-        self._epoll.register(map_fd, select.EPOLLIN)
-        self._on_record: RecordCallback | None = None
-
-    def open(self, on_record: RecordCallback) -> None:
-        """Register ``on_record`` (called from :meth:`poll`, in the poll thread)."""
-        self._on_record = on_record
-
-    def poll(self, timeout_ms: int) -> None:
-        """Wait up to ``timeout_ms`` for a wakeup, then read every record written so far."""
-        self._epoll.poll(timeout_ms / 1000)
-        self.consume()
-
-    def consume(self) -> int:
-        """Deliver every complete record to the callback; returns how many."""
-        on_record = self._on_record
-        assert on_record is not None, "open() first"
-        view, base, mask = self._view, self._page, self._mask
-        cons = _U64.unpack_from(self._consumer, 0)[0]
-        prod = _U64.unpack_from(self._data, 0)[0]
-        n = 0
-        while cons < prod:
-            off = base + (cons & mask)
-            header = _U32.unpack_from(view, off)[0]
-            if header & _RINGBUF_BUSY:
-                break
-            length = header & ~(_RINGBUF_BUSY | _RINGBUF_DISCARD)
-            if not header & _RINGBUF_DISCARD:
-                start = off + _RINGBUF_HEADER
-                on_record(bytes(view[start : start + length]))
-                n += 1
-            cons += (length + _RINGBUF_HEADER + 7) & ~7
-            if cons >= prod:  # hand the space back, then look for more
-                _U64.pack_into(self._consumer, 0, cons)
-                prod = _U64.unpack_from(self._data, 0)[0]
-        _U64.pack_into(self._consumer, 0, cons)
-        return n
-
-    def close(self) -> None:
-        """Unmap and stop polling (the map fd stays its owner's)."""
-        self._epoll.close()
-        self._view.release()
-        self._data.close()
-        self._consumer.close()
-
-
-class BccCountedMmapRingBuffer(MmapRingBuffer):
-    """:class:`MmapRingBuffer` over a bcc ``BPF`` object's ``cilia_events``, with the
-    datapath's lost-event counter (see :meth:`BccRingBuffer.kernel_lost`).
-
-    Raises:
-        OSError: the map cannot be mapped or polled.
-    """
-
-    def __init__(self, bpf: Any, table: str = EVENTS_TABLE) -> None:
-        events_table = bpf[table.encode()]
-        super().__init__(int(events_table.map_fd), int(events_table.max_entries))
-        self._counted = BccRingBuffer(bpf, table)
-
-    def kernel_lost(self) -> int:
-        """Events the datapath could not write (``cilia_events_counters``)."""
-        return self._counted.kernel_lost()
-
-
-def ring_buffer_source(bpf: Any) -> RecordSource:
-    """The agent's reader of ``cilia_events``: :class:`BccCountedMmapRingBuffer` on x86-64,
-    else (or when mapping fails) :class:`BccRingBuffer`."""
-    if platform.machine() in ("x86_64", "AMD64"):
-        try:
-            return BccCountedMmapRingBuffer(bpf)
-        except OSError as exc:
-            log.warning("hubble: mapping the ring buffer failed (%s); using bcc's reader", exc)
-    return BccRingBuffer(bpf)
 
 
 class EventReader:

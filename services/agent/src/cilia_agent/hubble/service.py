@@ -48,9 +48,9 @@ from cilia_agent.hubble.peer import (
 from cilia_agent.hubble.reader import (
     DEFAULT_POLL_TIMEOUT_MS,
     DEFAULT_QUEUE_SIZE,
+    BccRingBuffer,
     EventReader,
     RecordSource,
-    ring_buffer_source,
 )
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, validate_capacity
 from cilia_common import grpcserver
@@ -189,7 +189,7 @@ class Hubble:
         if self.reader is not None:
             raise RuntimeError("Hubble reader already started")
         self._bpf = bpf
-        record_source = source if source is not None else ring_buffer_source(bpf)
+        record_source = source if source is not None else BccRingBuffer(bpf)
         self.reader = EventReader(
             record_source,
             self.parser,
