@@ -44,7 +44,10 @@ Before each BPF configuration a connect to an unallowed port must time out (drop
 policy); in ``no-bpf`` it must be refused (RST: nothing drops it). The padding entries are
 removed again afterwards.
 
-Ratios: ``bpf-10 / no-bpf`` and ``bpf-10k / bpf-10`` (1.0 = no cost; below 1 = slower).
+Ratios: ``bpf-10 / no-bpf`` and ``bpf-10k / bpf-10`` (1.0 = no cost; below 1 = slower), of
+the medians, and per round (each round's pair measured back to back) as median [min-max],
+which shows how far host load moved them. ``--metrics`` picks some of stream, rr, crr;
+``--agent-args`` adds flags to a private stack's agent (e.g. ``--monitor-aggregation none``).
 
 Output: a table, and JSON in ``--results-dir`` (``datapath-<UTC time>.json`` and
 ``datapath-latest.json``), including the CPU seconds the agent spent during each
