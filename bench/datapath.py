@@ -44,7 +44,10 @@ Before each BPF configuration a connect to an unallowed port must time out (drop
 policy); in ``no-bpf`` it must be refused (RST: nothing drops it). The padding entries are
 removed again afterwards.
 
-Ratios: ``bpf-10 / no-bpf`` and ``bpf-10k / bpf-10`` (1.0 = no cost; below 1 = slower).
+Ratios: ``bpf-10 / no-bpf`` and ``bpf-10k / bpf-10`` (1.0 = no cost; below 1 = slower), of
+the medians, and per round (each round's pair measured back to back) as median [min-max],
+which shows how far host load moved them. ``--metrics`` picks some of stream, rr, crr;
+``--agent-args`` adds flags to a private stack's agent (e.g. ``--monitor-aggregation none``).
 
 Output: a table, and JSON in ``--results-dir`` (``datapath-<UTC time>.json`` and
 ``datapath-latest.json``), including the CPU seconds the agent spent during each
@@ -62,6 +65,7 @@ import os
 import pathlib
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -186,7 +190,12 @@ def private_stack(args: argparse.Namespace) -> Iterator[Stack]:
     Raises:
         BenchError: a component exited or was not ready within ``--up-timeout`` s.
     """
-    tk = TestkitStack("bench", pool_cidr=args.pool_cidr, ready_seconds=args.up_timeout)
+    tk = TestkitStack(
+        "bench",
+        pool_cidr=args.pool_cidr,
+        ready_seconds=args.up_timeout,
+        agent_args=shlex.split(args.agent_args),
+    )
     try:
         tk.start()
     except StackError as exc:
@@ -277,6 +286,12 @@ def add_stack_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_STOP_TIMEOUT_SECONDS,
         help=f"seconds a private stack component gets after SIGTERM (default {DEFAULT_STOP_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--agent-args",
+        default="",
+        help="extra cilia-agent serve flags of a private stack (ignored with --stack shared), "
+        "one shell-quoted string (e.g. '--monitor-aggregation none'; default none)",
     )
     parser.add_argument(
         "--keep-stack",
@@ -957,7 +972,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         configs = Configurations(datapath, client, server, args)
         stack.callback(configs.close)
         for round_no in range(args.rounds):
-            for metric, title, unit in METRICS:
+            for metric, title, unit in selected_metrics(args):
                 for config in CONFIGS:
                     configs.set(config)
                     value, extra = measure_one(cilia, client, server, args, metric)
@@ -976,6 +991,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "padding_write_seconds": round(configs.pad_seconds, 2),
         "stack": {"kind": cilia.kind, "started_by_bench": cilia.started},
     }
+
+
+def selected_metrics(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """The METRICS rows ``--metrics`` names (all by default)."""
+    wanted = {m.strip() for m in args.metrics.split(",") if m.strip()}
+    return [row for row in METRICS if row[0].split("_")[0] in wanted]
+
+
+def paired_ratios(
+    samples: dict[str, dict[str, list[float]]], over: str, under: str
+) -> dict[str, dict[str, float | None]]:
+    """Per metric, the ratio ``over / under`` of each round's pair (measured back to back,
+    so host load hits both alike): median, min and max over the rounds."""
+    out: dict[str, dict[str, float | None]] = {}
+    for m, values in samples[over].items():
+        pairs = [a / b for a, b in zip(values, samples[under][m], strict=True) if b]
+        out[m] = {
+            "median": round(statistics.median(pairs), 3) if pairs else None,
+            "min": round(min(pairs), 3) if pairs else None,
+            "max": round(max(pairs), 3) if pairs else None,
+        }
+    return out
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -1062,8 +1099,15 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_RESULTS_DIR,
         help="where the JSON goes (default bench/results)",
     )
+    parser.add_argument(
+        "--metrics",
+        default="stream,rr,crr",
+        help="which of stream, rr, crr to measure, comma-separated (default all three)",
+    )
     add_stack_flags(parser)
     args = parser.parse_args(argv)
+    if not selected_metrics(args):
+        parser.error("--metrics must name at least one of stream, rr, crr")
     if args.duration < 1 or args.rounds < 1 or not 1 <= args.base_entries <= args.entries:
         parser.error("--duration and --rounds must be >= 1 and 1 <= --base-entries <= --entries")
     if os.geteuid() != 0:
@@ -1079,14 +1123,19 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, cni.CniRunError, OSError, subprocess.SubprocessError) as exc:
         print(f"\nbenchmark failed: {exc}", file=sys.stderr)
         return 1
-    samples = out["samples"]
+    metrics = selected_metrics(args)
+    samples = {c: {m: v for m, v in out["samples"][c].items() if v} for c in CONFIGS}
     med = {c: {m: statistics.median(v) for m, v in samples[c].items()} for c in CONFIGS}
     ratios = {
         m: {
             "bpf_over_nobpf": ratio(med["bpf-10"][m], med["no-bpf"][m]),
             "10k_over_10": ratio(med["bpf-10k"][m], med["bpf-10"][m]),
         }
-        for m, _, _ in METRICS
+        for m, _, _ in metrics
+    }
+    paired = {
+        "bpf_over_nobpf": paired_ratios(samples, "bpf-10", "no-bpf"),
+        "10k_over_10": paired_ratios(samples, "bpf-10k", "bpf-10"),
     }
     n_small = out["policy_entries"].get("bpf-10", args.base_entries)
     n_large = out["policy_entries"].get("bpf-10k", args.entries)
@@ -1102,12 +1151,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(head)
     print("-" * len(head))
-    for m, title, unit in METRICS:
+    for m, title, unit in metrics:
         r = ratios[m]
         print(
             f"{title:<12} {unit:<8} {med['no-bpf'][m]:>10.2f} {med['bpf-10'][m]:>10.2f} "
             f"{med['bpf-10k'][m]:>11.2f} {r['bpf_over_nobpf'] or 0:>9.3f}x "
             f"{r['10k_over_10'] or 0:>10.3f}x"
+        )
+    print("\nper-round ratios (each round's pair back to back), median [min-max]:")
+    for m, title, _unit in metrics:
+        a, b = paired["bpf_over_nobpf"][m], paired["10k_over_10"][m]
+        cpu = [d["agent_cpu_s"] for d in out["details"]["bpf-10"][m]]
+        print(
+            f"{title:<12} BPF/noBPF {a['median']}x [{a['min']}-{a['max']}]   "
+            f"{n_large}/{n_small} {b['median']}x [{b['min']}-{b['max']}]   "
+            f"agent CPU s per measurement (BPF {n_small}): {cpu}"
         )
     report = {
         "benchmark": "datapath",
@@ -1119,6 +1177,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": round(time.perf_counter() - started, 1),
         "median": med,
         "ratios": ratios,
+        "paired_ratios": paired,
         **out,
     }
     path = write_results("datapath", report, args.results_dir)

@@ -22,13 +22,18 @@ Counted, per offered rate (``--rates`` packets/s, 0 = as fast as one Python send
 * ``received``: flows printed by ``cilia-relay observe --follow -o json --from-pod
   bench/cilia-bench-fl-client`` (through the relay, ``--via relay``, default; or straight
   from the agent's Hubble socket, ``--via agent``), counted once the stream is quiet for
-  ``--drain`` s;
+  ``--drain`` s; ``--client hubble`` runs the upstream ``hubble observe`` (Go, built by
+  ``scripts/hubble-cli.sh``) instead, to tell the Python client's cost from the relay's;
 * ``LostEvent``: ``lost_events`` records the stream carried (by source);
-* ``lost`` = kernel - received, split into: ``ringbuf`` (the BPF ring buffer was full and
-  ``bpf_ringbuf_output`` failed; nothing counts these, so = kernel - agent seen - queue),
+* ``lost`` = kernel - received, split into: ``ringbuf`` (LostEvent PERF_EVENT_RING_BUFFER:
+  the BPF ring buffer was full and ``bpf_ringbuf_output`` failed; the datapath counts them),
   ``queue`` (LostEvent OBSERVER_EVENTS_QUEUE: the agent's hand-off queue was full) and
   ``ring`` (LostEvent HUBBLE_RING_BUFFER: the follower fell behind Hubble's flow ring);
-* ``delivered/s`` = received / (last flow received - first packet sent).
+  ``unreported`` = losses no LostEvent accounts for (kernel - received - all three; 0 is
+  the goal: every loss reported with its source);
+* ``delivered/s`` = received / (last flow received - first packet sent);
+* CPU per flow of the agent, the relay and the observe CLI: each process's CPU seconds
+  during the rate (sending and draining) / received, in microseconds.
 
 Baseline = the kernel's count in the same run: the table shows ``received / kernel``.
 
@@ -74,7 +79,7 @@ from bench.datapath import (
 )
 from cilia_testkit import ROOT, VENV_BIN, cni, host
 
-DEFAULT_RATES = "1000,2000,5000,20000,0"
+DEFAULT_RATES = "5000,10000,20000,40000"
 DEFAULT_DURATION_SECONDS = 5
 DEFAULT_DRAIN_SECONDS = 2.0
 DEFAULT_DRAIN_MAX_SECONDS = 20.0
@@ -105,7 +110,7 @@ spec:
 """
 
 # Runs in the client netns: argv ip, rate (0 = unpaced), seconds, first port, last port.
-# One UDP socket; destination port cycles first..last; prints {"sent", "seconds"}.
+# One UDP socket; destination port cycles first..last; prints {"sent", "seconds", "errors"}.
 UDP_SENDER = r"""
 import json, socket, sys, time
 ip, rate, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
@@ -113,25 +118,27 @@ first, last = int(sys.argv[4]), int(sys.argv[5])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 send = s.sendto
 clock = time.perf_counter
-port, sent, payload = first, 0, b"x"
+port, sent, errors, payload = first, 0, 0, b"x"
 start = clock()
 deadline = start + seconds
 while True:
     now = clock()
     if now >= deadline:
         break
-    target = int((now - start) * rate) + 1 if rate else sent + 256
+    # At most 256 packets between clock reads, so a slow host cannot overrun the deadline.
+    target = min(int((now - start) * rate) + 1, sent + 256) if rate else sent + 256
     while sent < target:
         try:
             send(payload, (ip, port))
         except OSError:
-            pass
+            errors += 1
+            break
         else:
             sent += 1
         port = first if port == last else port + 1
-    if rate:
+    if rate and sent >= target:
         time.sleep(0.0005)
-print(json.dumps({"sent": sent, "seconds": clock() - start}))
+print(json.dumps({"sent": sent, "seconds": clock() - start, "errors": errors}))
 """
 
 
@@ -228,7 +235,8 @@ def seen_flows(hubble_socket: pathlib.Path) -> int:
 def send_udp(
     client: BenchPod, ip: str, rate: int, seconds: float, ports: tuple[int, int]
 ) -> dict[str, float]:
-    """Run the UDP sender in the client netns; returns {"sent", "seconds"}.
+    """Run the UDP sender in the client netns; returns {"sent", "seconds", "errors"}
+    (errors: sendto calls that failed, e.g. ENOBUFS).
 
     Raises:
         BenchError: the sender failed.
@@ -249,7 +257,11 @@ def send_udp(
         result = json.loads(out.stdout)
     except ValueError as exc:
         raise BenchError(f"UDP sender failed ({out.returncode}): {out.stderr[-500:]}") from exc
-    return {"sent": int(result["sent"]), "seconds": float(result["seconds"])}
+    return {
+        "sent": int(result["sent"]),
+        "seconds": float(result["seconds"]),
+        "errors": int(result.get("errors", 0)),
+    }
 
 
 def wait_quiet(reader: ObserveReader, quiet: float, limit: float) -> None:
@@ -261,10 +273,24 @@ def wait_quiet(reader: ObserveReader, quiet: float, limit: float) -> None:
 
 @contextlib.contextmanager
 def observing(args: argparse.Namespace, stack: Stack, client: BenchPod) -> Iterator[ObserveReader]:
-    """Start the observe CLI (relay or agent socket) filtered on the client pod."""
+    """Start the observe CLI (relay or agent socket) filtered on the client pod.
+
+    Raises:
+        BenchError: ``--client hubble`` and the upstream CLI is not built.
+    """
     server = stack.relay if args.via == "relay" else f"unix:{stack.hubble_socket}"
+    if args.client == "hubble":
+        path = host.sh(str(ROOT / "scripts" / "hubble-cli.sh"), "--path", check=False)
+        binary = pathlib.Path(path.stdout.strip())
+        if not binary.is_file():
+            raise BenchError(f"no upstream hubble CLI at {binary}: run scripts/hubble-cli.sh")
+        if server.startswith("unix:"):
+            server = "unix://" + server[len("unix:") :]
+        command = [str(binary)]
+    else:
+        command = [str(VENV_BIN / "cilia-relay")]
     argv = [
-        str(VENV_BIN / "cilia-relay"),
+        *command,
         "observe",
         "--server",
         server,
@@ -356,29 +382,41 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
             agent_seen = seen_flows(cilia.hubble_socket) - seen0
             queue_lost = lost_events.get("OBSERVER_EVENTS_QUEUE", 0)
             ring_lost = lost_events.get("HUBBLE_RING_BUFFER", 0)
+            ringbuf_lost = lost_events.get("PERF_EVENT_RING_BUFFER", 0)
+            cpu = (
+                process_cpu_seconds(agent) - cpu0[0],
+                process_cpu_seconds(relay) - cpu0[1],
+                process_cpu_seconds(reader.proc.pid) - cpu0[2],
+            )
             row = {
                 "rate": rate,
                 "sent": sent["sent"],
                 "send_seconds": round(sent["seconds"], 3),
+                "send_errors": sent["errors"],
                 "offered_per_s": round(sent["sent"] / sent["seconds"], 1),
                 "kernel_events": kernel,
                 "agent_seen": agent_seen,
                 "received": received,
                 "lost": kernel - received,
                 "lost_events_reported": lost_events,
-                # Where they went: the BPF ring buffer was full (bpf_ringbuf_output failed;
-                # nothing counts it) = emitted - decoded - dropped from the agent's queue;
-                # the agent's hand-off queue was full (LostEvent OBSERVER_EVENTS_QUEUE);
-                # the follower fell behind Hubble's flow ring (LostEvent HUBBLE_RING_BUFFER).
-                "lost_bpf_ringbuf_unreported": kernel - agent_seen - queue_lost,
+                # Where they went, as the LostEvents say: the BPF ring buffer was full
+                # (PERF_EVENT_RING_BUFFER), the agent's hand-off queue was full
+                # (OBSERVER_EVENTS_QUEUE), the follower fell behind Hubble's flow ring
+                # (HUBBLE_RING_BUFFER); unreported = what no LostEvent accounts for.
+                "lost_bpf_ringbuf": ringbuf_lost,
                 "lost_agent_queue": queue_lost,
                 "lost_hubble_ring": ring_lost,
-                "lost_other": agent_seen - ring_lost - received,
+                "lost_unreported": kernel - received - ringbuf_lost - queue_lost - ring_lost,
+                "lost_before_agent_unreported": kernel - agent_seen - queue_lost - ringbuf_lost,
                 "delivered_per_s": round(received / span, 1) if span else 0.0,
                 "received_over_kernel": round(received / kernel, 4) if kernel else None,
-                "agent_cpu_s": round(process_cpu_seconds(agent) - cpu0[0], 2),
-                "relay_cpu_s": round(process_cpu_seconds(relay) - cpu0[1], 2),
-                "observe_cli_cpu_s": round(process_cpu_seconds(reader.proc.pid) - cpu0[2], 2),
+                "agent_cpu_s": round(cpu[0], 2),
+                "relay_cpu_s": round(cpu[1], 2),
+                "observe_cli_cpu_s": round(cpu[2], 2),
+                "cpu_us_per_flow": {
+                    name: round(c / received * 1e6, 1) if received else None
+                    for name, c in zip(("agent", "relay", "cli"), cpu, strict=True)
+                },
             }
             rows.append(row)
             print(
@@ -416,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("relay", "agent"),
         default="relay",
         help="observe through the relay or straight from the agent's hubble.sock (default relay)",
+    )
+    parser.add_argument(
+        "--client",
+        choices=("cilia", "hubble"),
+        default="cilia",
+        help="the observe client: cilia-relay observe, or the upstream hubble CLI built by "
+        "scripts/hubble-cli.sh (default cilia)",
     )
     parser.add_argument(
         "--drain",
@@ -467,29 +512,31 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     head = (
         f"{'offered':>12} {'kernel':>8} {'agent':>7} {'received':>8} {'lost':>7} "
-        f"{'ringbuf':>7} {'queue':>6} {'ring':>6} {'deliv/s':>8} {'recv/kern':>9} "
-        f"{'CPU agent/relay/cli s':>21}"
+        f"{'ringbuf':>7} {'queue':>6} {'ring':>6} {'unrep':>6} {'deliv/s':>8} {'recv/kern':>9} "
+        f"{'CPU agent/relay/cli s':>21} {'us/flow agent/relay/cli':>23}"
     )
     print()
     print(
         f"UDP to distinct ports, dropped by egressDeny (1 packet = 1 flow), {args.duration:g} s "
-        f"per rate, cilia-relay observe --follow -o json via {args.via}"
+        f"per rate, {args.client} observe --follow -o json via {args.via}"
     )
     print(
         "kernel = drop events emitted (deny entry's counter); agent = Hubble seen_flows; lost = "
-        "kernel - received, of which ringbuf = BPF ring buffer full (unreported), queue = "
-        "LostEvent OBSERVER_EVENTS_QUEUE, ring = LostEvent HUBBLE_RING_BUFFER"
+        "kernel - received, of which ringbuf = LostEvent PERF_EVENT_RING_BUFFER, queue = "
+        "LostEvent OBSERVER_EVENTS_QUEUE, ring = LostEvent HUBBLE_RING_BUFFER, unrep = "
+        "accounted for by no LostEvent"
     )
     print(head)
     print("-" * len(head))
     for r in out["rows"]:
         offered = f"{r['rate']}/s" if r["rate"] else f"max~{r['offered_per_s']:.0f}/s"
         cpu = f"{r['agent_cpu_s']:.1f}/{r['relay_cpu_s']:.1f}/{r['observe_cli_cpu_s']:.1f}"
+        per = "/".join("-" if v is None else f"{v:.0f}" for v in r["cpu_us_per_flow"].values())
         print(
             f"{offered:>12} {r['kernel_events']:>8} {r['agent_seen']:>7} {r['received']:>8} "
-            f"{r['lost']:>7} {r['lost_bpf_ringbuf_unreported']:>7} {r['lost_agent_queue']:>6} "
-            f"{r['lost_hubble_ring']:>6} {r['delivered_per_s']:>8.0f} "
-            f"{r['received_over_kernel'] or 0:>8.3f}x {cpu:>21}"
+            f"{r['lost']:>7} {r['lost_bpf_ringbuf']:>7} {r['lost_agent_queue']:>6} "
+            f"{r['lost_hubble_ring']:>6} {r['lost_unreported']:>6} {r['delivered_per_s']:>8.0f} "
+            f"{r['received_over_kernel'] or 0:>8.3f}x {cpu:>21} {per:>23}"
         )
     report = {
         "benchmark": "flows",

@@ -8,9 +8,13 @@
  * conntrack, otherwise look the (endpoint, peer identity, direction, protocol,
  * port) up in the policy map: an explicit deny drops with POLICY_DENY (181),
  * an allow forwards and creates a conntrack entry, no match drops with
- * POLICY_DENIED (133) when the direction is enforced. Every drop, every new
- * connection and its first reply emit an event on the ring buffer; per-CPU counters count
- * packets and bytes by reason and direction.
+ * POLICY_DENIED (133) when the direction is enforced. Every drop emits an event on the
+ * ring buffer; forwarded packets emit one as CILIA_MONITOR_AGGREGATION says (lib/common.h:
+ * at the default, medium, a connection's first packet in each direction, its SYN/FIN/RST
+ * and one update per interval). An event that does not fit in the ring buffer is counted
+ * in cilia_events_counters (the agent reports it as a LostEvent). The reader is woken for
+ * every CILIA_EVENTS_WAKEUP_EVENTS-th event of a CPU only (it also drains on a timer). Per-CPU counters count packets
+ * and bytes by reason and direction.
  *
  * Non-IPv4 traffic (ARP for the router IP, IPv6) is passed untouched.
  */
@@ -27,6 +31,11 @@ BPF_TABLE_PINNED("lru_hash", struct ct_key, struct ct_value, cilia_ct, CILIA_CT_
 BPF_TABLE_PINNED("percpu_hash", struct metrics_key, struct metrics_value, cilia_metrics, 1024,
 		 CILIA_PIN_DIR "/cilia_metrics");
 BPF_RINGBUF_OUTPUT(cilia_events, CILIA_EVENTS_PAGES);
+/* Per-CPU counters of the event path: [EVENTS_LOST] events that did not fit in
+ * cilia_events (read by the agent), [EVENTS_PENDING] events since the last wakeup. */
+#define EVENTS_LOST 0
+#define EVENTS_PENDING 1
+BPF_PERCPU_ARRAY(cilia_events_counters, __u64, 2);
 
 struct packet {
 	__u32 saddr;
@@ -37,11 +46,6 @@ struct packet {
 	__u8 tcp_flags;
 	__u32 len;
 };
-
-/* TCP flag bits as in byte 13 of the TCP header. */
-#define TCPF_FIN 0x01
-#define TCPF_SYN 0x02
-#define TCPF_RST 0x04
 
 /* Returns 1 for an IPv4 packet (fields filled), 0 for anything to pass untouched. */
 static __always_inline int parse_packet(struct __sk_buff *skb, struct packet *p)
@@ -180,7 +184,51 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 	ev.dir = dir;
 	ev.is_reply = is_reply;
 	ev.tcp_flags = p->tcp_flags;
-	cilia_events.ringbuf_output(&ev, sizeof(ev), 0);
+	/* Wake the reader for every CILIA_EVENTS_WAKEUP_EVENTS-th event of a CPU only. */
+	__u32 idx = EVENTS_PENDING;
+	__u64 flags = 0;
+	__u64 *pending = cilia_events_counters.lookup(&idx);
+	if (CILIA_EVENTS_WAKEUP_EVENTS > 1 && pending) {
+		*pending += 1;
+		if (*pending >= CILIA_EVENTS_WAKEUP_EVENTS) {
+			*pending = 0;
+			flags = BPF_RB_FORCE_WAKEUP;
+		} else {
+			flags = BPF_RB_NO_WAKEUP;
+		}
+	}
+	if (cilia_events.ringbuf_output(&ev, sizeof(ev), flags) < 0) {
+		idx = EVENTS_LOST;
+		__u64 *lost = cilia_events_counters.lookup(&idx);
+		if (lost)
+			*lost += 1;
+	}
+}
+
+/* Medium aggregation of an existing connection (upstream ct_update_timeout's report
+ * rule): 1 when this packet is to be reported, updating the entry's report state. */
+static __always_inline int ct_report(struct ct_value *ct, __u8 is_reply, __u8 tcp_flags,
+				     __u64 now)
+{
+	__u16 t = now >> CT_REPORT_SHIFT;
+	__u8 seen = tcp_flags & CILIA_MONITOR_AGGREGATION_FLAGS;
+
+	if (is_reply) {
+		if (!ct->reply_seen || (seen & ~ct->rx_flags_reported) ||
+		    (__u16)(t - ct->rx_report) >= CT_REPORT_INTERVAL) {
+			ct->reply_seen = 1;
+			ct->rx_flags_reported |= seen;
+			ct->rx_report = t;
+			return 1;
+		}
+		return 0;
+	}
+	if ((seen & ~ct->tx_flags_reported) || (__u16)(t - ct->tx_report) >= CT_REPORT_INTERVAL) {
+		ct->tx_flags_reported |= seen;
+		ct->tx_report = t;
+		return 1;
+	}
+	return 0;
 }
 
 static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
@@ -212,20 +260,23 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		if (ct)
 			is_reply = 1;
 	}
-	__u8 first_reply = 0;
+	__u8 report = 0;
 	if (ct) {
-		if (is_reply && !ct->reply_seen) {
-			ct->reply_seen = 1;
-			first_reply = 1;
-		}
 		ct->last_seen_ns = now;
 		__sync_fetch_and_add(&ct->packets, 1);
 		ct->tcp_flags_seen |= p.tcp_flags;
+		report = ct_report(ct, is_reply, p.tcp_flags, now);
 	} else {
 		reason = policy_check(ep, peer, dir, &p);
 		if (!reason) {
-			struct ct_value entry = {.created_ns = now, .last_seen_ns = now, .packets = 1,
-						 .tcp_flags_seen = p.tcp_flags};
+			struct ct_value entry = {
+				.created_ns = now,
+				.last_seen_ns = now,
+				.packets = 1,
+				.tcp_flags_seen = p.tcp_flags,
+				.tx_flags_reported = p.tcp_flags & CILIA_MONITOR_AGGREGATION_FLAGS,
+				.tx_report = now >> CT_REPORT_SHIFT,
+			};
 			cilia_ct.update(&fwd, &entry);
 			is_new = 1;
 		}
@@ -236,7 +287,9 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		emit(skb, &p, ep, peer, dir, reason, is_reply);
 		return TC_ACT_SHOT;
 	}
-	if (CILIA_TRACE_ALL || is_new || first_reply || (p.tcp_flags & (TCPF_SYN | TCPF_FIN | TCPF_RST)))
+	if (CILIA_MONITOR_AGGREGATION == AGGREGATION_NONE ||
+	    (CILIA_MONITOR_AGGREGATION <= AGGREGATION_LOW && dir == DIR_INGRESS) || is_new ||
+	    report)
 		emit(skb, &p, ep, peer, dir, 0, is_reply);
 	return TC_ACT_OK;
 }

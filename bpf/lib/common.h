@@ -11,9 +11,23 @@
  *   CILIA_CT_MAX             262144                conntrack entries (LRU)
  *   CILIA_ENDPOINTS_MAX      65535                 local endpoints (upstream 64k/node)
  *   CILIA_EVENTS_PAGES       64                    ring buffer size in pages (power of 2)
- *   CILIA_TRACE_ALL          0                     1 = emit a trace event for every packet,
- *                                                  0 = only new connections, TCP SYN/FIN/RST
- *                                                  and every drop (upstream monitor aggregation "medium")
+ *   CILIA_EVENTS_WAKEUP_EVENTS 1                   wake the reader for every N-th event of a
+ *                                                  CPU only (1 = every event; the reader also
+ *                                                  drains the buffer on a timer)
+ *   CILIA_MONITOR_AGGREGATION 3                    trace events of forwarded packets
+ *                                                  (upstream --monitor-aggregation): 0 none =
+ *                                                  every packet; 1 lowest, 2 low = every packet
+ *                                                  entering a pod, the medium rule for packets
+ *                                                  leaving it; 3 medium, 4 maximum = per
+ *                                                  connection and direction only: its first
+ *                                                  packet, a TCP flag of the flags below seen for
+ *                                                  the first time, and one update per interval.
+ *                                                  Drops are always reported, each one.
+ *   CILIA_MONITOR_AGGREGATION_INTERVAL_NS 5e9      periodic update of an active connection
+ *                                                  (upstream --monitor-aggregation-interval 5s)
+ *   CILIA_MONITOR_AGGREGATION_FLAGS 0x07           TCP flags reported the first time they are
+ *                                                  seen, byte 13 bits (upstream
+ *                                                  --monitor-aggregation-flags all = syn,fin,rst)
  */
 #ifndef CILIA_COMMON_H
 #define CILIA_COMMON_H
@@ -45,9 +59,31 @@
 #ifndef CILIA_EVENTS_PAGES
 #define CILIA_EVENTS_PAGES 64
 #endif
-#ifndef CILIA_TRACE_ALL
-#define CILIA_TRACE_ALL 0
+#ifndef CILIA_EVENTS_WAKEUP_EVENTS
+#define CILIA_EVENTS_WAKEUP_EVENTS 1
 #endif
+#ifndef CILIA_MONITOR_AGGREGATION
+#define CILIA_MONITOR_AGGREGATION 3
+#endif
+#ifndef CILIA_MONITOR_AGGREGATION_INTERVAL_NS
+#define CILIA_MONITOR_AGGREGATION_INTERVAL_NS 5000000000ULL
+#endif
+#ifndef CILIA_MONITOR_AGGREGATION_FLAGS
+#define CILIA_MONITOR_AGGREGATION_FLAGS 0x07
+#endif
+
+/* Monitor aggregation levels (upstream option.MonitorAggregationLevel*). */
+#define AGGREGATION_NONE 0
+#define AGGREGATION_LOW 2
+#define AGGREGATION_MEDIUM 3
+
+/* Report times in the conntrack entry: nanoseconds >> 26 (67 ms units) in 16 bits,
+ * compared with wrapping arithmetic (an entry idle for a multiple of 73 minutes may skip
+ * one periodic update). */
+#define CT_REPORT_SHIFT 26
+#define CT_REPORT_INTERVAL \
+	((CILIA_MONITOR_AGGREGATION_INTERVAL_NS >> CT_REPORT_SHIFT) ? \
+	 (CILIA_MONITOR_AGGREGATION_INTERVAL_NS >> CT_REPORT_SHIFT) : 1)
 
 /* Reserved security identities (upstream pkg/identity/numericidentity.go). */
 #define IDENTITY_UNKNOWN 0
@@ -130,8 +166,11 @@ struct ct_value {
 	__u64 last_seen_ns;
 	__u64 packets;
 	__u8 tcp_flags_seen;
-	__u8 reply_seen; /* 1 once a reply passed: its first one is reported */
-	__u8 pad[6];
+	__u8 reply_seen;        /* 1 once a reply passed: its first one is reported */
+	__u8 tx_flags_reported; /* aggregation flags already reported, original direction */
+	__u8 rx_flags_reported; /* the same, reply direction */
+	__u16 tx_report;        /* last report, original direction (CT_REPORT_SHIFT units) */
+	__u16 rx_report;        /* last report, reply direction */
 };
 
 /* metrics: per-CPU counters by (reason, direction); reason 0 = forwarded. */

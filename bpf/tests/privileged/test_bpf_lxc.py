@@ -6,6 +6,10 @@ run, so the endpoint under test is registered for ifindex 1.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 
 from cilia_agent.datapath.layout import policy_key
@@ -25,6 +29,7 @@ from cilia_bpf_testing.harness import (
     ip_to_map,
     packet,
 )
+from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
 
@@ -189,3 +194,108 @@ def test_non_ip_frames_pass_untouched(dp: harness.Datapath) -> None:
 
     assert dp.run(FROM, arp) == TC_ACT_OK
     assert dp.events == []
+
+
+TCP_FIN, TCP_RST = 0x01, 0x04
+
+
+@pytest.fixture
+def loaded() -> Iterator[Callable[..., harness.Datapath]]:
+    """Load the datapath with DatapathConfig options of the test's choosing."""
+    skips.require_bpf("BPF_PROG_TEST_RUN")
+    made: list[harness.Datapath] = []
+
+    def load(**options: Any) -> harness.Datapath:
+        made.append(harness.load(**options))
+        return made[-1]
+
+    yield load
+    for datapath in made:
+        harness.unload(datapath)
+
+
+def connection(dp: harness.Datapath, acks: int, pause: float = 0.0) -> list[tuple[int, int]]:
+    """SYN, SYN-ACK, ``acks`` ACKs each way (``pause`` s apart), FIN each way, RST from the
+    pod; returns (direction, tcp_flags) of every event emitted."""
+    out = dict(sport=40000, dport=8080)
+    back = dict(sport=8080, dport=40000)
+    dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, **out))
+    dp.run(TO, packet(PEER, POD, flags=TCP_SYN | TCP_ACK, **back))
+    for _ in range(acks):
+        time.sleep(pause)
+        dp.run(FROM, packet(POD, PEER, flags=TCP_ACK, **out))
+        dp.run(TO, packet(PEER, POD, flags=TCP_ACK, **back))
+    dp.run(FROM, packet(POD, PEER, flags=TCP_FIN | TCP_ACK, **out))
+    dp.run(TO, packet(PEER, POD, flags=TCP_FIN | TCP_ACK, **back))
+    dp.run(FROM, packet(POD, PEER, flags=TCP_RST, **out))
+    return [(ev.direction, ev.tcp_flags) for ev in dp.events]
+
+
+def test_medium_aggregation_reports_first_packet_and_new_flags_per_direction(
+    loaded: Callable[..., harness.Datapath],
+) -> None:
+    dp = loaded()  # the default: medium, SYN/FIN/RST, 5 s interval
+    setup_endpoint(dp, egress=True)
+    rule(dp, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+
+    assert connection(dp, acks=5) == [
+        (DIR_EGRESS, TCP_SYN),
+        (DIR_INGRESS, TCP_SYN | TCP_ACK),
+        (DIR_EGRESS, TCP_FIN | TCP_ACK),
+        (DIR_INGRESS, TCP_FIN | TCP_ACK),
+        (DIR_EGRESS, TCP_RST),
+    ]
+
+
+def test_aggregation_none_reports_every_packet_and_low_every_packet_into_the_pod(
+    loaded: Callable[..., harness.Datapath],
+) -> None:
+    none = loaded(monitor_aggregation=0)
+    setup_endpoint(none, egress=True)
+    rule(none, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+    assert len(connection(none, acks=3)) == 2 + 3 * 2 + 2 + 1
+
+    low = loaded(monitor_aggregation=2)
+    setup_endpoint(low, egress=True)
+    rule(low, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+    directions = [d for d, _ in connection(low, acks=3)]
+    assert directions.count(DIR_INGRESS) == 1 + 3 + 1  # SYN-ACK, each ACK, FIN
+    assert directions.count(DIR_EGRESS) == 3  # SYN, FIN, RST
+
+
+def test_aggregation_flags_and_interval_are_options(
+    loaded: Callable[..., harness.Datapath],
+) -> None:
+    # Only RST is a reported flag; every packet after one interval (1 unit, ~67 ms) is.
+    dp = loaded(monitor_aggregation_flags=TCP_RST, monitor_aggregation_interval_ns=1)
+    setup_endpoint(dp, egress=True)
+    rule(dp, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+
+    events = connection(dp, acks=2, pause=0.2)
+    # SYN (new), SYN-ACK (first reply), the paused ACKs each way; FINs follow their ACKs
+    # within the interval so they are not reported; the RST is a flag of the mask.
+    assert events == [
+        (DIR_EGRESS, TCP_SYN),
+        (DIR_INGRESS, TCP_SYN | TCP_ACK),
+        (DIR_EGRESS, TCP_ACK),
+        (DIR_INGRESS, TCP_ACK),
+        (DIR_EGRESS, TCP_ACK),
+        (DIR_INGRESS, TCP_ACK),
+        (DIR_EGRESS, TCP_RST),
+    ]
+
+
+def test_events_beyond_the_ring_buffer_are_counted_lost_and_late_wakeup_loses_none(
+    loaded: Callable[..., harness.Datapath],
+) -> None:
+    # One page (4096 bytes) holds 73 records of 48 + 8 header bytes.
+    dp = loaded(events_pages=1, events_wakeup_events=64)
+    setup_endpoint(dp, egress=True)
+
+    assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=50) == TC_ACT_SHOT
+    assert len(dp.events) == 50
+    assert sum(dp.table("cilia_events_counters")[0]) == 0
+
+    assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=100) == TC_ACT_SHOT
+    assert len(dp.events) == 50 + 73
+    assert sum(dp.table("cilia_events_counters")[0]) == 100 - 73

@@ -118,31 +118,35 @@ class Datapath:
     progs: dict[str, int]
     events: list[FlowEvent]
 
-    def run(self, prog: str, frame: bytes) -> int:
-        """Run one frame through ``prog``; returns the tc verdict (TC_ACT_*)."""
+    def run(self, prog: str, frame: bytes, repeat: int = 1) -> int:
+        """Run one frame through ``prog`` (``repeat`` times), then read the ring buffer
+        whether or not the programs woke its reader; returns the tc verdict (TC_ACT_*)."""
         lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = _TestRunOpts(
             sz=ctypes.sizeof(_TestRunOpts),
             data_in=ctypes.cast(buf, ctypes.c_void_p),
             data_size_in=len(frame),
-            repeat=1,
+            repeat=repeat,
         )
         rc = lib.bpf_prog_test_run_opts(self.progs[prog], ctypes.byref(opts))
         if rc != 0:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
-        self.bpf.ring_buffer_poll(0)
+        self.bpf.ring_buffer_consume()
         return int(opts.retval)
 
     def table(self, name: str) -> Any:
         return self.bpf[name]
 
 
-def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf")) -> Datapath:
+def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf"), **options: Any) -> Datapath:
     """Compile bpf_lxc.c through the agent's loader (the production flags), with maps
-    pinned under a fresh directory of bpffs and small map sizes."""
+    pinned under a fresh directory of bpffs and small map sizes; ``options`` are further
+    :class:`DatapathConfig` fields (e.g. ``monitor_aggregation=0``)."""
     pin_dir = pin_root / f"cilia-test-{uuid.uuid4().hex[:8]}"
-    config = DatapathConfig(bpf_dir=BPF_DIR, pin_dir=pin_dir, ipcache_max=1024, ct_max=1024)
+    config = DatapathConfig(
+        bpf_dir=BPF_DIR, pin_dir=pin_dir, ipcache_max=1024, ct_max=1024, **options
+    )
     try:
         loaded = AgentDatapath.load(config)
     except Exception:

@@ -36,6 +36,14 @@ PATH_FLAGS = (
     "cgroup_root",
 )
 
+# TCP flags by name, as bits of byte 13 of the TCP header (--monitor-aggregation-flags).
+TCP_FLAG_BITS = {
+    "fin": 0x01, "syn": 0x02, "rst": 0x04, "psh": 0x08,
+    "ack": 0x10, "urg": 0x20, "ece": 0x40, "cwr": 0x80,
+}  # fmt: skip
+AGGREGATION_ALL_FLAGS = 0x07  # upstream "all": SYN, FIN, RST
+MONITOR_AGGREGATION_LEVELS = {"none": 0, "lowest": 1, "low": 2, "medium": 3, "maximum": 4}
+
 _IFNAME = re.compile(r"^[A-Za-z0-9_.\-]{1,15}$")
 _POOL = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
@@ -281,6 +289,31 @@ class Config(BaseModel):
         le=1 << 16,
         description="pages of the datapath event ring buffer, a power of two",
     )
+    bpf_events_wakeup_events: int = Field(
+        default=128,
+        ge=1,
+        le=1 << 20,
+        description="the datapath wakes Hubble's reader for every N-th event of a CPU only "
+        "(1 = every event); the reader also drains the ring buffer every 100 ms",
+    )
+    monitor_aggregation: Literal["none", "lowest", "low", "medium", "maximum"] = Field(
+        default="medium",
+        description="trace events of forwarded packets (upstream --monitor-aggregation): none "
+        "= every packet; lowest/low = every packet entering a pod; medium/maximum = a "
+        "connection's first packet each way, its --monitor-aggregation-flags and one update "
+        "per --monitor-aggregation-interval; drops are always reported",
+    )
+    monitor_aggregation_interval: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="seconds between periodic trace events of an active connection",
+    )
+    monitor_aggregation_flags: Annotated[list[str], Flag(metavar="FLAGS")] = Field(
+        default=["all"],
+        description="TCP flags reported the first time a connection shows them in a direction,"
+        " comma-separated of syn,fin,rst,psh,ack,urg,ece,cwr; all = syn,fin,rst",
+    )
     hubble_event_buffer_capacity: int = Field(
         default=4095, description="flows kept by Hubble, 2^n-1 in 1..65535"
     )
@@ -475,6 +508,25 @@ class Config(BaseModel):
     @classmethod
     def _tls_ca_files(cls, value: list[str]) -> list[str]:
         return split_list(value)
+
+    @field_validator("monitor_aggregation_flags")
+    @classmethod
+    def _aggregation_flags(cls, value: list[str]) -> list[str]:
+        flags = [f.lower() for f in split_list(value)]
+        unknown = [f for f in flags if f != "all" and f not in TCP_FLAG_BITS]
+        if unknown or not flags:
+            raise ValueError(
+                f"--monitor-aggregation-flags: {unknown or value!r} not in all, "
+                + ", ".join(TCP_FLAG_BITS)
+            )
+        return flags
+
+    def monitor_aggregation_mask(self) -> int:
+        """``--monitor-aggregation-flags`` as TCP header byte 13 bits (all = SYN|FIN|RST)."""
+        mask = 0
+        for name in self.monitor_aggregation_flags:
+            mask |= AGGREGATION_ALL_FLAGS if name == "all" else TCP_FLAG_BITS[name]
+        return mask
 
     @model_validator(mode="after")
     def _operator_tls(self) -> Config:

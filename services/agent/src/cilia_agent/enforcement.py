@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cilia_agent.config import Config
+from cilia_agent.config import MONITOR_AGGREGATION_LEVELS, Config
 from cilia_agent.controlplane import ControlPlane, OperatorAPI, RetryQueue
 from cilia_agent.datapath.bpffs import ensure_bpffs
 from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir
@@ -80,6 +80,10 @@ async def load(
         policy_max=cfg.bpf_policy_map_max,
         ct_max=cfg.bpf_ct_global_max,
         events_pages=cfg.bpf_events_ringbuf_pages,
+        events_wakeup_events=cfg.bpf_events_wakeup_events,
+        monitor_aggregation=MONITOR_AGGREGATION_LEVELS[cfg.monitor_aggregation],
+        monitor_aggregation_interval_ns=int(cfg.monitor_aggregation_interval * 1e9),
+        monitor_aggregation_flags=cfg.monitor_aggregation_mask(),
     )
     started = time.perf_counter()
     bpf = await loop.run_in_executor(executor, Datapath.load, dp_config)

@@ -71,7 +71,15 @@ class DatapathConfig:
         ct_max: conntrack entries, LRU (``--bpf-ct-global-max``, default 262144).
         endpoints_max: local endpoints (default 65535).
         events_pages: ring buffer pages, a power of two (``--bpf-events-ringbuf-pages``, 64).
-        trace_all: emit a trace event for every packet instead of new flows only.
+        events_wakeup_events: the reader is woken for every N-th event of a CPU only
+            (1 = every event, as the packet tests read; the agent passes
+            ``--bpf-events-wakeup-events`` and drains the buffer on a timer as well).
+        monitor_aggregation: 0 none, 1 lowest, 2 low, 3 medium, 4 maximum
+            (``--monitor-aggregation``, upstream default medium; see bpf/lib/common.h).
+        monitor_aggregation_interval_ns: periodic update of an active connection
+            (``--monitor-aggregation-interval``, 5 s).
+        monitor_aggregation_flags: TCP flag bits (byte 13) reported when first seen in a
+            direction (``--monitor-aggregation-flags``, default SYN|FIN|RST = 0x07).
     """
 
     bpf_dir: pathlib.Path
@@ -81,7 +89,10 @@ class DatapathConfig:
     ct_max: int = 262144
     endpoints_max: int = 65535
     events_pages: int = 64
-    trace_all: bool = False
+    events_wakeup_events: int = 1
+    monitor_aggregation: int = 3
+    monitor_aggregation_interval_ns: int = 5_000_000_000
+    monitor_aggregation_flags: int = 0x07
 
     def cflags(self) -> list[str]:
         """Compiler flags for bcc, one ``-D`` per option."""
@@ -93,7 +104,10 @@ class DatapathConfig:
             f"-DCILIA_CT_MAX={self.ct_max}",
             f"-DCILIA_ENDPOINTS_MAX={self.endpoints_max}",
             f"-DCILIA_EVENTS_PAGES={self.events_pages}",
-            f"-DCILIA_TRACE_ALL={int(self.trace_all)}",
+            f"-DCILIA_EVENTS_WAKEUP_EVENTS={self.events_wakeup_events}",
+            f"-DCILIA_MONITOR_AGGREGATION={self.monitor_aggregation}",
+            f"-DCILIA_MONITOR_AGGREGATION_INTERVAL_NS={self.monitor_aggregation_interval_ns}ULL",
+            f"-DCILIA_MONITOR_AGGREGATION_FLAGS={self.monitor_aggregation_flags:#x}",
             "-w",
         ]
 

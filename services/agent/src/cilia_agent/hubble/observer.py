@@ -16,7 +16,10 @@ GetFlows semantics follow upstream Hubble's local observer
 - Without ``follow`` the stream ends at the newest flow present when the call started.
 - Lost events stored in the ring (reader queue overflow) are always sent; a reader that
   is overtaken by the writer receives a ``LostEvent`` with source HUBBLE_RING_BUFFER and
-  the number of flows it missed, then continues with the oldest flow still held.
+  the number of flows it missed, then continues with the oldest flow still held. When the
+  entries it missed held lost events themselves, it first receives one ``LostEvent`` per
+  source with their sum (each entry carries the store's running loss totals), so every
+  loss reaches it with its source instead of counting as one missed entry.
 
 GetAgentEvents and GetDebugEvents stream the agent's :class:`~.eventlog.EventLog` s (same
 window rules, no filters); GetNamespaces lists the namespaces of the last hour's flows
@@ -46,13 +49,35 @@ from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
 FLOWS_RATE_WINDOW_NS = 60 * 1_000_000_000
 
 
+LostTotals = tuple[tuple[int, int], ...]
+"""Running totals of the lost events written to a store: ``((source, events), ...)``
+sorted by source, plus ``(-1, entries)`` for the number of LostEvent entries."""
+
+_ENTRIES = -1
+
+
+def _add_lost(totals: LostTotals, source: int, count: int) -> LostTotals:
+    merged = dict(totals)
+    merged[source] = merged.get(source, 0) + count
+    merged[_ENTRIES] = merged.get(_ENTRIES, 0) + 1
+    return tuple(sorted(merged.items()))
+
+
 @dataclass(frozen=True, slots=True)
 class RingEntry:
-    """One slot of the flow ring: a flow or a lost-events notice, with its wall time (ns)."""
+    """One slot of the flow ring: a flow or a lost-events notice, with its wall time (ns)
+    and the store's lost-event totals before it was written (shared, not copied)."""
 
     time_ns: int
     flow: flow_pb2.Flow | None = None
     lost: flow_pb2.LostEvent | None = None
+    lost_before: LostTotals = ()
+
+    def lost_after(self) -> LostTotals:
+        """The store's lost-event totals once this entry was written."""
+        if self.lost is None:
+            return self.lost_before
+        return _add_lost(self.lost_before, int(self.lost.source), int(self.lost.num_events_lost))
 
 
 def _ts_ns(ts: timestamp_pb2.Timestamp) -> int:
@@ -106,10 +131,11 @@ class FlowStore:
         self.namespaces = NamespaceTracker(wall_clock_ns=wall_clock_ns)
         self._wall = wall_clock_ns
         self._started = time.monotonic_ns()
+        self.lost_totals: LostTotals = ()
 
     def add_flow(self, flow: flow_pb2.Flow) -> None:
         """Append a flow (O(1)); wakes every follower."""
-        self.ring.write(RingEntry(_ts_ns(flow.time), flow=flow))
+        self.ring.write(RingEntry(_ts_ns(flow.time), flow=flow, lost_before=self.lost_totals))
         self.seen_flows += 1
         self.namespaces.observe(flow)
 
@@ -120,7 +146,9 @@ class FlowStore:
         lost = flow_pb2.LostEvent(source=source, num_events_lost=count)
         if cpu is not None:
             lost.cpu.CopyFrom(wrappers_pb2.Int32Value(value=cpu))
-        self.ring.write(RingEntry(self._wall(), lost=lost))
+        entry = RingEntry(self._wall(), lost=lost, lost_before=self.lost_totals)
+        self.lost_totals = entry.lost_after()
+        self.ring.write(entry)
 
     @property
     def uptime_ns(self) -> int:
@@ -217,17 +245,37 @@ class FlowStore:
         end = ring.next_seq
         limit = 0 if req.follow else req.number
         sent = 0
+        # The store's lost-event totals up to the entry before ``seq``.
+        seen = ring.get(seq).lost_before if ring.oldest <= seq < ring.next_seq else self.lost_totals
         while True:
             oldest = ring.oldest
             if seq < oldest:
-                yield observer_pb2.GetFlowsResponse(
-                    lost_events=flow_pb2.LostEvent(
-                        source=flow_pb2.HUBBLE_RING_BUFFER, num_events_lost=oldest - seq
-                    ),
-                    node_name=self.node_name,
-                    time=timestamp(self._wall()),
-                )
-                seq = oldest
+                before = ring.get(oldest).lost_before
+                missed = dict(before)
+                for source, count in seen:
+                    missed[source] = missed.get(source, 0) - count
+                entries = missed.pop(_ENTRIES, 0)
+                now = timestamp(self._wall())
+                for source, count in missed.items():  # losses inside the missed entries
+                    if count > 0:
+                        yield observer_pb2.GetFlowsResponse(
+                            lost_events=flow_pb2.LostEvent(
+                                source=source,  # type: ignore[arg-type]  # a LostEventSource
+                                num_events_lost=count,
+                            ),
+                            node_name=self.node_name,
+                            time=now,
+                        )
+                if oldest - seq - entries > 0:
+                    yield observer_pb2.GetFlowsResponse(
+                        lost_events=flow_pb2.LostEvent(
+                            source=flow_pb2.HUBBLE_RING_BUFFER,
+                            num_events_lost=oldest - seq - entries,
+                        ),
+                        node_name=self.node_name,
+                        time=now,
+                    )
+                seq, seen = oldest, before
                 continue
             if seq >= (ring.next_seq if req.follow else end):
                 if not req.follow:
@@ -237,6 +285,7 @@ class FlowStore:
             entry = ring.get(seq)
             seq += 1
             if entry.lost is not None:
+                seen = entry.lost_after()
                 yield observer_pb2.GetFlowsResponse(
                     lost_events=entry.lost,
                     node_name=self.node_name,

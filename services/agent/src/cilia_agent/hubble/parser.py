@@ -20,6 +20,15 @@ Field semantics follow upstream Hubble's L3/L4 parser
 - ``l4``: TCP (ports + flags), UDP (ports), ICMPv4. The event carries no ICMP type/code;
   for echo traffic (non-zero echo id) the type is derived from ``is_reply``
   (8 echo request, 0 echo reply); other ICMP leaves type/code 0.
+- ``uuid``: a random (version 4) UUID per flow, as upstream.
+
+Cost: a flow's fields other than ``time``, ``uuid`` and the ports are the same for every
+event of the same (addresses, identities, endpoint, interface, hook, verdict, reason, reply,
+protocol, TCP flags) — e.g. every packet a deny rule drops between two pods. They are built
+once into a template Flow, kept for at most ``template_ttl_s`` (default 1 s, so enrichment
+is at most that stale; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
+event copies its template and sets the rest (about 5 µs instead of 25 µs per flow).
+
 - ``Summary`` (deprecated upstream, still filled there and printed by the ``hubble`` CLI):
   ``TCP Flags: SYN, ACK`` (flags in upstream's order SYN, ACK, RST, FIN, PSH, URG, ECE, CWR),
   ``UDP``, ``ICMPv4 EchoRequest`` / ``ICMPv4 EchoReply`` (``ICMPv4`` when the type is
@@ -28,8 +37,9 @@ Field semantics follow upstream Hubble's L3/L4 parser
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
+from typing import Any
 
 from google.protobuf import timestamp_pb2, wrappers_pb2
 
@@ -43,6 +53,28 @@ TRACE_FROM_LXC = 5
 
 _ICMP_ECHO_REQUEST = 8
 _ICMP_ECHO_REPLY = 0
+
+DEFAULT_TEMPLATE_TTL_S = 1.0
+TEMPLATES_MAX = 4096
+"""Templates kept at most; the cache is emptied when it is full (or older than the TTL)."""
+
+
+_ENTROPY_CHUNK = 16 * 256
+_entropy = memoryview(b"")
+
+
+def random_uuid() -> str:
+    """A random RFC 4122 version-4 UUID string (as ``str(uuid.uuid4())``, from the same
+    ``os.urandom`` entropy, read 4 KiB at a time instead of 16 bytes per flow)."""
+    global _entropy
+    if len(_entropy) < 16:
+        _entropy = memoryview(os.urandom(_ENTROPY_CHUNK))
+    b = bytearray(_entropy[:16])
+    _entropy = _entropy[16:]
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class BootClock:
@@ -154,12 +186,24 @@ class Parser:
         resolver: enrichment lookups (see :class:`~cilia_agent.hubble.enrich.Resolver`).
         node_name: this node's name, copied into every flow.
         clock: monotonic → wall-clock conversion (default: measured at construction).
+        template_ttl_s: seconds a flow template (module docstring) is reused, i.e. how
+            stale enrichment may be; 0 builds every flow from scratch.
     """
 
-    def __init__(self, resolver: Resolver, node_name: str, clock: BootClock | None = None) -> None:
+    def __init__(
+        self,
+        resolver: Resolver,
+        node_name: str,
+        clock: BootClock | None = None,
+        *,
+        template_ttl_s: float = DEFAULT_TEMPLATE_TTL_S,
+    ) -> None:
         self.resolver = resolver
         self.node_name = node_name
         self.clock = clock or BootClock()
+        self.template_ttl_ns = int(template_ttl_s * 1e9)
+        self._templates: dict[tuple[Any, ...], flow_pb2.Flow] = {}
+        self._templates_since = time.monotonic_ns()
 
     def _endpoint(self, ip: str, identity: int, local_ep_id: int | None) -> flow_pb2.Endpoint:
         ref: EndpointRef | None = None
@@ -179,11 +223,43 @@ class Parser:
 
     def parse(self, ev: events.FlowEvent) -> flow_pb2.Flow:
         """Build the Flow for one event (never raises for well-formed events)."""
+        if not self.template_ttl_ns:
+            flow = self._build(ev)
+        else:
+            now = time.monotonic_ns()
+            if (
+                now - self._templates_since > self.template_ttl_ns
+                or len(self._templates) >= TEMPLATES_MAX
+            ):
+                self._templates.clear()
+                self._templates_since = now
+            key = (
+                ev.saddr, ev.daddr, ev.src_identity, ev.dst_identity, ev.ep_id, ev.ifindex,
+                ev.direction, ev.event_type, ev.verdict, ev.drop_reason, ev.is_reply, ev.proto,
+                ev.tcp_flags, ev.proto == events.IPPROTO_ICMP and ev.sport != 0,
+            )  # fmt: skip
+            template = self._templates.get(key)
+            if template is None:
+                template = self._templates[key] = self._build(ev)
+            flow = flow_pb2.Flow()
+            flow.CopyFrom(template)
+            if ev.proto == events.IPPROTO_TCP:
+                flow.l4.TCP.source_port = ev.sport
+                flow.l4.TCP.destination_port = ev.dport
+            elif ev.proto == events.IPPROTO_UDP:
+                flow.l4.UDP.source_port = ev.sport
+                flow.l4.UDP.destination_port = ev.dport
+        wall = self.clock.to_wall_ns(ev.ts_ns)
+        flow.time.seconds = wall // 1_000_000_000
+        flow.time.nanos = wall % 1_000_000_000
+        flow.uuid = random_uuid()
+        return flow
+
+    def _build(self, ev: events.FlowEvent) -> flow_pb2.Flow:
+        """Every field of the event's Flow but ``time`` and ``uuid``."""
         egress_hook = ev.direction == events.DIR_EGRESS
         dropped = ev.event_type == events.EVENT_DROP
         flow = flow_pb2.Flow(
-            time=timestamp(self.clock.to_wall_ns(ev.ts_ns)),
-            uuid=str(uuid.uuid4()),
             verdict=ev.verdict,  # type: ignore[arg-type]  # same numbering as flow.Verdict
             IP=flow_pb2.IP(source=ev.saddr, destination=ev.daddr, ipVersion=flow_pb2.IPv4),
             source=self._endpoint(ev.saddr, ev.src_identity, ev.ep_id if egress_hook else None),

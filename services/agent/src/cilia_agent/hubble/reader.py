@@ -1,14 +1,23 @@
 """The ring-buffer consumer: kernel events → Flow → flow ring.
 
 A poll thread calls ``ring_buffer_poll`` on the datapath's bcc ``BPF`` object (table
-``cilia_events``); each record is copied into a bounded hand-off queue. The agent's
-event loop drains the queue, decodes (:mod:`.events`), enriches (:mod:`.parser`) and
-writes flows into the :class:`~.observer.FlowStore`, counting them in
-``hubble_flows_processed_total``.
+``cilia_events``), then ``ring_buffer_consume``: the datapath wakes the reader only for every
+``--bpf-events-wakeup-events``-th event of a CPU, so each poll timeout also drains what was
+written without a wakeup (many records per wakeup; at most ``poll_timeout_ms`` late). Each
+record is copied into a bounded hand-off queue. The agent's event loop drains the queue,
+decodes (:mod:`.events`), enriches (:mod:`.parser`) and writes flows into the
+:class:`~.observer.FlowStore`, counting them in ``hubble_flows_processed_total``.
 
-When the queue is full (the loop does not keep up) new records are dropped and
-counted; the count is written into the ring as one ``LostEvent`` with source
-OBSERVER_EVENTS_QUEUE, as upstream does for its observer events queue.
+Every loss becomes one ``LostEvent`` in the ring, with its source:
+
+- the ring buffer was full and the datapath could not write an event: the programs count it
+  in ``cilia_events_counters``; the poll thread reads the count after each drain and the
+  increase is reported with source PERF_EVENT_RING_BUFFER (upstream's source for the
+  kernel's event buffer);
+- the hand-off queue was full (the loop does not keep up): new records are dropped and
+  counted, reported with source OBSERVER_EVENTS_QUEUE, as upstream does for its observer
+  events queue;
+- a follower overtaken by the flow ring gets HUBBLE_RING_BUFFER from the observer.
 
 Limits (the agent exposes them as flags):
   ``queue_size``       records waiting for the loop, default 1000
@@ -40,6 +49,8 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE_SIZE = 1000
 DEFAULT_POLL_TIMEOUT_MS = 100
 EVENTS_TABLE = "cilia_events"
+COUNTERS_TABLE = "cilia_events_counters"
+COUNTER_LOST = 0  # index of the ring-buffer-full counter (bpf_lxc.c EVENTS_LOST)
 _YIELD_EVERY = 256
 
 RecordCallback = Callable[[bytes], None]
@@ -52,7 +63,11 @@ class RecordSource(Protocol):
         """Register ``on_record``; it is called from :meth:`poll` for each record."""
 
     def poll(self, timeout_ms: int) -> None:
-        """Wait up to ``timeout_ms`` for records and deliver them (runs in the poll thread)."""
+        """Wait up to ``timeout_ms`` for records and deliver them (runs in the poll thread).
+
+        A source may also have ``kernel_lost() -> int``: events its producer could not
+        write so far (cumulative); the reader reports the increase as a LostEvent.
+        """
 
 
 class BccRingBuffer:
@@ -78,8 +93,19 @@ class BccRingBuffer:
         self._bpf[self._table.encode()].open_ring_buffer(callback)
 
     def poll(self, timeout_ms: int) -> None:
-        """``BPF.ring_buffer_poll`` (the GIL is released while waiting)."""
+        """``BPF.ring_buffer_poll`` (the GIL is released while waiting), then
+        ``ring_buffer_consume``: records written without a wakeup are read too."""
         self._bpf.ring_buffer_poll(timeout_ms)
+        self._bpf.ring_buffer_consume()
+
+    def kernel_lost(self) -> int:
+        """Sum over CPUs of ``cilia_events_counters[0]``: events ``bpf_ringbuf_output``
+        could not write because the ring buffer was full (0 without that map)."""
+        try:
+            table = self._bpf[COUNTERS_TABLE]
+        except KeyError:
+            return 0
+        return int(sum(table[table.Key(COUNTER_LOST)]))
 
 
 class EventReader:
@@ -120,12 +146,15 @@ class EventReader:
         # Counters (read them from the loop; written under the lock by the poll thread).
         self.received = 0
         self.lost = 0
+        self.kernel_lost = 0
         self.decode_errors = 0
         self.parse_errors = 0
         self.processed = 0
         self._lock = threading.Lock()
         self._pending: deque[bytes] = deque()
         self._pending_lost = 0
+        self._kernel_lost_seen = 0
+        self._pending_kernel_lost = 0
         self._notified = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,8 +183,12 @@ class EventReader:
             except Exception:  # the thread must not die silently; the loop sees the log
                 log.exception("hubble: ring buffer poll failed; retrying")
                 self._stop.wait(self.poll_timeout_ms / 1000)
+            kernel_lost = self._kernel_lost()
             with self._lock:
-                notify = (bool(self._pending) or self._pending_lost > 0) and not self._notified
+                self._pending_kernel_lost += kernel_lost
+                notify = (
+                    bool(self._pending) or self._pending_lost > 0 or self._pending_kernel_lost > 0
+                ) and not self._notified
                 if notify:
                     self._notified = True
             if notify:
@@ -164,16 +197,34 @@ class EventReader:
                 except RuntimeError:  # loop closed during shutdown
                     return
 
+    def _kernel_lost(self) -> int:
+        """Increase of the producer's lost-event count since the last call (poll thread)."""
+        counter = getattr(self.source, "kernel_lost", None)
+        if counter is None:
+            return 0
+        try:
+            total = int(counter())
+        except Exception:  # a map read failing must not stop the poll thread
+            log.exception("hubble: reading the ring buffer's lost-event count failed")
+            return 0
+        delta = max(0, total - self._kernel_lost_seen)
+        self._kernel_lost_seen = total
+        return delta
+
     # -- event loop ----------------------------------------------------------------
 
-    def _take(self) -> tuple[deque[bytes], int]:
+    def _take(self) -> tuple[deque[bytes], int, int]:
         with self._lock:
             batch, self._pending = self._pending, deque()
             lost, self._pending_lost = self._pending_lost, 0
+            kernel_lost, self._pending_kernel_lost = self._pending_kernel_lost, 0
             self._notified = False
-        return batch, lost
+        return batch, lost, kernel_lost
 
-    async def _process(self, batch: deque[bytes], lost: int) -> None:
+    async def _process(self, batch: deque[bytes], lost: int, kernel_lost: int = 0) -> None:
+        if kernel_lost:  # written before the records of this batch could be
+            self.kernel_lost += kernel_lost
+            self.store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, kernel_lost)
         for i, record in enumerate(batch, 1):
             try:
                 event = events.decode(record)

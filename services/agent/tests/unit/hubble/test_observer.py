@@ -278,6 +278,36 @@ def test_slow_follower_gets_a_hubble_ring_buffer_lost_event() -> None:
     assert after.flow.l4.TCP.source_port == 15
 
 
+def test_overtaken_follower_gets_the_losses_inside_the_missed_entries_by_source() -> None:
+    async def scenario() -> list[observer_pb2.GetFlowsResponse]:
+        store = FlowStore(7, node_name="n")
+        store.add_lost(flow_pb2.OBSERVER_EVENTS_QUEUE, 5)  # before the follower: not its loss
+        stream = store.get_flows(observer_pb2.GetFlowsRequest(follow=True, number=1))
+        store.add_flow(h.flow(sport=1))
+        first = await stream.__anext__()
+        for k in range(2, 8):
+            store.add_flow(h.flow(sport=k))
+        store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, 100)
+        store.add_lost(flow_pb2.OBSERVER_EVENTS_QUEUE, 40)
+        store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, 7)
+        for k in range(8, 18):  # the ring of 7 now holds flows 11..17 only
+            store.add_flow(h.flow(sport=k))
+        out = [first]
+        while not out[-1].HasField("flow") or out[-1].flow.l4.TCP.source_port < 11:
+            out.append(await stream.__anext__())
+        await stream.aclose()  # type: ignore[attr-defined]
+        return out
+
+    first, *lost, after = h.run(scenario())
+    assert first.flow.l4.TCP.source_port == 1
+    assert sorted((r.lost_events.source, r.lost_events.num_events_lost) for r in lost) == [
+        (flow_pb2.PERF_EVENT_RING_BUFFER, 107),
+        (flow_pb2.OBSERVER_EVENTS_QUEUE, 40),
+        (flow_pb2.HUBBLE_RING_BUFFER, 9),  # flows 2..10; the 3 lost entries are not flows
+    ]
+    assert after.flow.l4.TCP.source_port == 11
+
+
 def test_lost_events_stored_in_the_ring_bypass_filters(sock_dir: Path) -> None:
     async def scenario(hubble: Hubble, stub: observer_pb2_grpc.ObserverStub) -> None:
         add(hubble, 2)

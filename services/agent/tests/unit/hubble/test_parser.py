@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from google.protobuf import json_format
@@ -168,3 +169,31 @@ def test_summary_is_worded_as_upstream_for_the_cli() -> None:
     }
     for want, ev in cases.items():
         assert parse_bytes(ev.pack()).Summary == want
+
+
+def test_flows_built_from_one_template_differ_in_time_uuid_and_ports_only() -> None:
+    res = h.resolver()
+    cached = Parser(res, h.NODE, BootClock(offset_ns=h.BOOT_OFFSET_NS), template_ttl_s=60)
+    fresh = Parser(res, h.NODE, BootClock(offset_ns=h.BOOT_OFFSET_NS), template_ttl_s=0)
+    evs = [h.dropped(sport=1000 + k, dport=2000 + k) for k in range(3)]
+    flows = [cached.parse(ev) for ev in evs]
+
+    for ev, flow in zip(evs, flows, strict=True):
+        expected = fresh.parse(ev)
+        expected.uuid = flow.uuid
+        assert flow == expected
+    assert len({f.uuid for f in flows}) == 3
+    assert [f.l4.TCP.source_port for f in flows] == [1000, 1001, 1002]
+    assert all(uuid.UUID(f.uuid).version == 4 for f in flows)
+
+
+def test_template_is_rebuilt_after_its_ttl_so_enrichment_follows_changes() -> None:
+    res = h.resolver()
+    p = Parser(res, h.NODE, BootClock(offset_ns=h.BOOT_OFFSET_NS), template_ttl_s=0.05)
+    assert p.parse(h.event()).source.pod_name == "frontend-7d9f"
+    res.set_endpoint(
+        h.FRONTEND_EP, ipv4=h.FRONTEND_IP, identity=h.FRONTEND_ID, namespace="demo",
+        pod_name="frontend-new", labels=["k8s:app=frontend"],
+    )  # fmt: skip
+    time.sleep(0.06)
+    assert p.parse(h.event()).source.pod_name == "frontend-new"

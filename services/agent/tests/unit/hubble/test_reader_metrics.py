@@ -108,6 +108,40 @@ def test_full_queue_drops_records_and_stores_one_lost_event() -> None:
     assert (reader.received, reader.lost, reader.processed) == (10, 7, 3)
 
 
+class CountingSource(FakeSource):
+    """FakeSource whose producer also reports events it could not write (cumulative)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost_total = 0
+
+    def kernel_lost(self) -> int:
+        return self.lost_total
+
+
+def test_ring_buffer_losses_are_stored_as_lost_events_with_their_source() -> None:
+    async def main() -> tuple[FlowStore, EventReader]:
+        source = CountingSource()
+        store = FlowStore(63, node_name=h.NODE)
+        reader = EventReader(source, h.parser(), store, poll_timeout_ms=10)
+        await reader.start()
+        source.lost_total = 5
+        source.batches.put([h.event(sport=1).pack()])
+        await wait_until(lambda: len(store.ring) == 2)
+        source.lost_total = 12  # 7 more; the count is cumulative
+        await wait_until(lambda: len(store.ring) == 3)
+        await reader.stop()
+        return store, reader
+
+    store, reader = h.run(main())
+    lost = [e.lost for e in store.ring.iter_range(0) if e.lost is not None]
+    assert [(ev.source, ev.num_events_lost) for ev in lost] == [
+        (flow_pb2.PERF_EVENT_RING_BUFFER, 5),
+        (flow_pb2.PERF_EVENT_RING_BUFFER, 7),
+    ]
+    assert reader.kernel_lost == 12 and store.seen_flows == 1
+
+
 def test_undecodable_records_are_counted_and_skipped() -> None:
     async def main() -> tuple[FlowStore, EventReader]:
         source, store, _metrics, reader = pipeline()
