@@ -12,7 +12,9 @@ case). Client pods on both nodes send requests to both Services, never restarted
 
 and no request fails. Then, with the grace period short (:data:`GRACE`), the unused old TCP
 VIP is released -- gone from every agent's maps and no longer answering -- while the old
-DNS address, still in use, is kept and its old ServiceCIDR stays terminating.
+DNS address, still in use, is kept and its old ServiceCIDR stays terminating. A Service made
+after the move gets an address in the new range; once the old DNS address falls out of use
+too, it is released and the old ServiceCIDR is deleted.
 """
 
 from __future__ import annotations
@@ -162,6 +164,22 @@ def test_migration_keeps_old_and_new_addresses_working_and_releases_only_unused_
         counts = {t: sum(1 for r in results if r.target == t) for t in [*old, *new]}
         assert min(counts.values()) >= 10, counts
         assert len(by_old.results) > stopped_tcp
+
+        # a Service made now gets its address from the new range
+        operator(c, "apply", "-f", "-", stdin=json.dumps(service("web2", TCP_PORT, "TCP")))
+        web2 = json.loads(operator(c, "get", "svc", "web2", "-o", "json"))["spec"]["clusterIP"]
+        assert web2.startswith("10.112."), web2
+        # with nobody on the old DNS address any more, it is released after the grace
+        # period and the old range goes with it
+        assert wait_for(lambda: released("dns"), RELEASE_WAIT_SECONDS), operator(
+            c, "servicecidr", "status"
+        )
+
+        def ranges() -> list[str]:
+            listing = json.loads(operator(c, "get", "servicecidrs", "-o", "json"))
+            return sorted(i["metadata"]["name"] for i in listing["items"])
+
+        assert wait_for(lambda: "kubernetes" not in ranges(), RELEASE_WAIT_SECONDS), ranges()
     finally:
         for sender in senders:
             sender.halt.set()
