@@ -34,6 +34,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from cilia_agent.identity.cidr import parse_ipv4_prefix
+
 CNP_API_VERSION = "cilium.io/v2"
 CNP_KIND = "CiliumNetworkPolicy"
 CCNP_KIND = "CiliumClusterwideNetworkPolicy"
@@ -197,13 +199,7 @@ def _ipv4_cidr(value: Any) -> Any:
     prefix); a bare address is a ``/32``. IPv6 and anything else are refused."""
     if not isinstance(value, str):
         raise ValueError("CIDR must be a string such as 10.0.0.0/8")
-    try:
-        net = ipaddress.ip_network(value.strip(), strict=False)
-    except ValueError:
-        raise ValueError(f"{value!r} is not a valid CIDR (expected a.b.c.d/n)") from None
-    if net.version != 4:
-        raise ValueError(f"IPv6 CIDR {value!r} not supported by Cilia: the datapath is IPv4-only")
-    return str(net)
+    return str(parse_ipv4_prefix(value))  # CIDRError is a ValueError: pydantic reports it
 
 
 CIDR = Annotated[str, BeforeValidator(_ipv4_cidr)]
