@@ -42,6 +42,7 @@ def test_tunnel_clusters_pass_vxlan_and_the_mtu_to_every_agent() -> None:
         "tunnel",
         "--mtu",
         "9000",
+        "--enable-node-port=true",
         "--tunnel-protocol",
         "vxlan",
     ]
