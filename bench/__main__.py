@@ -1,6 +1,6 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
-NAME: ``cni_latency``, ``agent_add``, ``datapath``, ``flows``, ``ipam``, ``cluster``,
+NAME: ``cni_latency``, ``agent_add``, ``agent_memory``, ``datapath``, ``flows``, ``ipam``, ``cluster``,
 ``k8s_operator``, ``services``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
@@ -13,6 +13,7 @@ import sys
 
 from bench import (
     agent_add,
+    agent_memory,
     cluster,
     cni_latency,
     datapath,
@@ -25,6 +26,7 @@ from bench import (
 BENCHES = {
     "cni_latency": cni_latency.main,
     "agent_add": agent_add.main,
+    "agent_memory": agent_memory.main,
     "datapath": datapath.main,
     "flows": flows.main,
     "ipam": ipam.main,
