@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -12,14 +14,49 @@ import redis
 from cilia_testkit import skips
 from cilia_testkit.redis import RedisServer
 
+#: Seconds the loop's tasks left over after a test get to end once cancelled.
+LEFTOVER_TASK_SECONDS = 5.0
+
+
+def _run(coro: Any, timeout: float) -> None:
+    """``asyncio.run`` with a bounded teardown: the test's result (or exception) counts; tasks
+    it left behind are cancelled and given :data:`LEFTOVER_TASK_SECONDS`, then the loop
+    closes. ``asyncio.run`` waits for them without a bound, and a redis-py read cancelled
+    while its connection is being made can stay pending forever (seen in CI: the test had
+    passed, its teardown hung until pytest-timeout). Such a task is reported as a warning."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(coro, timeout=timeout))
+    finally:
+        try:
+            leftover = asyncio.all_tasks(loop)
+            for task in leftover:
+                task.cancel()
+            if leftover:
+                _, stuck = loop.run_until_complete(
+                    asyncio.wait(leftover, timeout=LEFTOVER_TASK_SECONDS)
+                )
+                if stuck:
+                    warnings.warn(
+                        f"tasks still pending {LEFTOVER_TASK_SECONDS:g} s after cancellation: "
+                        f"{sorted(t.get_name() for t in stuck)}",
+                        stacklevel=1,
+                    )
+            loop.run_until_complete(
+                asyncio.wait([loop.create_task(loop.shutdown_asyncgens())],
+                             timeout=LEFTOVER_TASK_SECONDS)
+            )  # fmt: skip
+        finally:
+            loop.close()
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    """Run ``async def`` tests with ``asyncio.run`` (no plugin needed)."""
+    """Run ``async def`` tests on a fresh event loop, 60 s at most (no plugin needed)."""
     if inspect.iscoroutinefunction(pyfuncitem.obj):
         names = pyfuncitem._fixtureinfo.argnames
         kwargs = {name: pyfuncitem.funcargs[name] for name in names}
-        asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), timeout=60))
+        _run(pyfuncitem.obj(**kwargs), timeout=60)
         return True
     return None
 
