@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import ipaddress
-import json
 import os
 import pathlib
 import platform
@@ -235,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_p50": {"add": ratio("add"), "del": ratio("del")},
         "agent_cpu_ms_per_pod": data["agent_cpu_ms_per_pod"],
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    for name in (f"agent_add-{stamp}.json", "agent_add-latest.json"):
-        (args.results_dir / name).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"results: {args.results_dir / f'agent_add-{stamp}.json'}")
+    print(f"results: {datapath.write_results('agent_add', report, args.results_dir)}")
     return 0
 
 

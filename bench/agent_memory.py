@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
-import json
 import os
 import pathlib
 import platform
@@ -226,11 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_endpoint_kb": per_ep * 1000,
         "endpoints_top_mb": dict(top),
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    for name in (f"agent_memory-{stamp}.json", "agent_memory-latest.json"):
-        (args.results_dir / name).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"results: {args.results_dir / f'agent_memory-{stamp}.json'}")
+    print(f"results: {datapath.write_results('agent_memory', report, args.results_dir)}")
     return 0
 
 

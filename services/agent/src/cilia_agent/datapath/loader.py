@@ -44,6 +44,17 @@ _EEXIST = 17
 _EINVAL = 22
 
 
+def bcc_cflags(bpf_dir: pathlib.Path, pin_dir: pathlib.Path, **defines: object) -> list[str]:
+    """bcc compiler flags of one of ``bpf/``'s programs: ``-I<bpf_dir>`` (for ``lib/``),
+    ``-DCILIA_PIN_DIR="<pin_dir>"``, one ``-DNAME=value`` per keyword (in order) and ``-w``."""
+    return [
+        f"-I{bpf_dir}",
+        f'-DCILIA_PIN_DIR="{pin_dir}"',
+        *(f"-D{name}={value}" for name, value in defines.items()),
+        "-w",
+    ]
+
+
 class BpfUnavailable(RuntimeError):
     """bcc cannot be imported or cannot compile the datapath (message says why and what to do)."""
 
@@ -96,20 +107,19 @@ class DatapathConfig:
 
     def cflags(self) -> list[str]:
         """Compiler flags for bcc, one ``-D`` per option."""
-        return [
-            f"-I{self.bpf_dir}",
-            f'-DCILIA_PIN_DIR="{self.pin_dir}"',
-            f"-DCILIA_IPCACHE_MAX={self.ipcache_max}",
-            f"-DCILIA_POLICY_MAX={self.policy_max}",
-            f"-DCILIA_CT_MAX={self.ct_max}",
-            f"-DCILIA_ENDPOINTS_MAX={self.endpoints_max}",
-            f"-DCILIA_EVENTS_PAGES={self.events_pages}",
-            f"-DCILIA_EVENTS_WAKEUP_EVENTS={self.events_wakeup_events}",
-            f"-DCILIA_MONITOR_AGGREGATION={self.monitor_aggregation}",
-            f"-DCILIA_MONITOR_AGGREGATION_INTERVAL_NS={self.monitor_aggregation_interval_ns}ULL",
-            f"-DCILIA_MONITOR_AGGREGATION_FLAGS={self.monitor_aggregation_flags:#x}",
-            "-w",
-        ]
+        return bcc_cflags(
+            self.bpf_dir,
+            self.pin_dir,
+            CILIA_IPCACHE_MAX=self.ipcache_max,
+            CILIA_POLICY_MAX=self.policy_max,
+            CILIA_CT_MAX=self.ct_max,
+            CILIA_ENDPOINTS_MAX=self.endpoints_max,
+            CILIA_EVENTS_PAGES=self.events_pages,
+            CILIA_EVENTS_WAKEUP_EVENTS=self.events_wakeup_events,
+            CILIA_MONITOR_AGGREGATION=self.monitor_aggregation,
+            CILIA_MONITOR_AGGREGATION_INTERVAL_NS=f"{self.monitor_aggregation_interval_ns}ULL",
+            CILIA_MONITOR_AGGREGATION_FLAGS=f"{self.monitor_aggregation_flags:#x}",
+        )
 
 
 class Datapath:

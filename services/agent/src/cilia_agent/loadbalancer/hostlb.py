@@ -39,6 +39,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from cilia_agent.datapath.errors import DatapathError
 from cilia_agent.datapath.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
+from cilia_agent.datapath.loader import bcc_cflags
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +88,12 @@ class HostConfig:
 
     def cflags(self) -> list[str]:
         """Compiler flags for bcc, one ``-D`` per option of ``bpf/lib/lb.h``."""
-        return [
-            f"-I{self.bpf_dir}",
-            f'-DCILIA_PIN_DIR="{self.pin_dir}"',
-            f"-DCILIA_LB_MAP_MAX={self.lb_map_max}",
-            f"-DCILIA_LB_NAT_MAX={self.nat_max}",
-            "-w",
-        ]
+        return bcc_cflags(
+            self.bpf_dir,
+            self.pin_dir,
+            CILIA_LB_MAP_MAX=self.lb_map_max,
+            CILIA_LB_NAT_MAX=self.nat_max,
+        )
 
 
 def default_route_devices(ipr: IPRoute) -> list[str]:

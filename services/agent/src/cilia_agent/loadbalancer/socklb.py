@@ -37,6 +37,7 @@ from typing import Any
 from cilia_agent.datapath.bpffs import mount_point
 from cilia_agent.datapath.errors import DatapathError
 from cilia_agent.datapath.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
+from cilia_agent.datapath.loader import bcc_cflags
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +89,12 @@ class SockConfig:
 
     def cflags(self) -> list[str]:
         """Compiler flags for bcc, one ``-D`` per option of ``bpf/lib/lb.h``."""
-        return [
-            f"-I{self.bpf_dir}",
-            f'-DCILIA_PIN_DIR="{self.pin_dir}"',
-            f"-DCILIA_LB_MAP_MAX={self.lb_map_max}",
-            f"-DCILIA_LB_SOCK_REV_MAX={self.sock_rev_map_max}",
-            "-w",
-        ]
+        return bcc_cflags(
+            self.bpf_dir,
+            self.pin_dir,
+            CILIA_LB_MAP_MAX=self.lb_map_max,
+            CILIA_LB_SOCK_REV_MAX=self.sock_rev_map_max,
+        )
 
 
 def ensure_cgroup2(root: pathlib.Path) -> bool:
