@@ -366,12 +366,14 @@ class Operator:
     def _tls(self) -> tuple[Any, list[Any]]:
         """``(server credentials or None, interceptors)`` of the gRPC listener: mutual TLS
         with authorisation by client certificate when the TLS files are configured, else
-        plaintext without authorisation (a warning says so).
+        plaintext without authorisation (a warning says so). With ``--store kubernetes``
+        resource writes are refused to every caller either way (``controlplane/authz.py``).
 
         Raises:
             StartupError: a TLS file is unusable.
         """
         tls = self.config.server_tls
+        kubernetes = self.config.store == "kubernetes"
         if tls is None:
             log.warning(
                 "gRPC listener is plaintext: no client is authenticated or authorised "
@@ -379,7 +381,10 @@ class Operator:
                 "--tls-client-ca-files)",
                 extra={"listen": self.config.listen, "disable_tls": self.config.disable_tls},
             )
-            return None, []
+            # Kubernetes mode refuses resource writes over gRPC even without TLS
+            return None, [
+                AuthorizationInterceptor(authorise=False, kubernetes=True)
+            ] if kubernetes else []
         try:
             credentials, self.tls_reloader = server_credentials(tls)
         except TLSFileError as exc:
@@ -388,7 +393,7 @@ class Operator:
             "gRPC listener uses mutual TLS",
             extra={"cert_file": tls.cert_file, "serial": f"{self.tls_reloader.serial:x}"},
         )
-        return credentials, [AuthorizationInterceptor()]
+        return credentials, [AuthorizationInterceptor(kubernetes=kubernetes)]
 
     def _leader_lock(self) -> Lock:
         c = self.config

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import pathlib
 import shutil
 import signal
@@ -26,6 +27,7 @@ import pytest
 from cluster import operator_settings
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stores import kube_cilia
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
@@ -34,6 +36,9 @@ from cilia_common.tls import ClientTLS, GeneratedBundle, channel_credentials, ge
 from cilia_operator.app import Operator
 from cilia_operator.config import Config
 from cilia_testkit import procs
+from cilia_testkit.kubeapi import KubeAPI
+
+__all__ = ["kube_cilia"]  # the fixture, imported from stores
 
 POOL = "default=ipv4-cidrs:10.231.0.0/16;ipv4-mask-size:24"
 POLICY = """\
@@ -207,9 +212,29 @@ async def test_agent_identity_cannot_write_another_nodes_endpoints(
         await _denied(
             endpoints.DeleteEndpoint(pb.DeleteEndpointRequest(namespace="default", name="pod-b"))
         )
+        # n1's own node name with n2's pod name (the name was reused on n1): the record
+        # stays n2's, whatever n1 sends
+        takeover = pb.EndpointRecord()
+        takeover.CopyFrom(hijack)
+        takeover.node_name = "n1"
+        exc = await _denied(endpoints.UpsertEndpoint(pb.UpsertEndpointRequest(endpoint=takeover)))
+        assert "endpoint default/pod-b: the record belongs to node 'n2'" in (exc.details() or "")
+        info = grpcerrors.error_info(exc)
+        assert info is not None and dict(info.metadata)["owner"] == "n2"
+        # and n1 may not delete it (FAILED_PRECONDITION: not its record, the agent moves on)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await endpoints.DeleteEndpoint(
+                pb.DeleteEndpointRequest(namespace="default", name="pod-b", node_name="n1")
+            )
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         after = await clients.op.store.list("CiliumEndpoint")
         assert after.items == before.items
         assert after.resource_version == before.resource_version
+        # once n2 has left the cluster (its CiliumNode deleted) its stale record is n1's to take
+        await clients.op.store.delete("CiliumNode", "n2")
+        await endpoints.UpsertEndpoint(pb.UpsertEndpointRequest(endpoint=takeover))
+        (record,) = (await clients.op.store.list("CiliumEndpoint")).items
+        assert record["status"]["networking"]["node-name"] == "n1"
 
 
 async def test_resource_writes_need_an_admin_identity(
@@ -226,6 +251,56 @@ async def test_resource_writes_need_an_admin_identity(
         applied = await admin.Apply(pb.ApplyRequest(manifest=POLICY))
         assert [r.action for r in applied.resources] == ["created"]
         assert len((await clients.op.store.list("CiliumNetworkPolicy")).items) == 1
+
+
+async def _refused_in_kubernetes_mode(call: Awaitable[Any]) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    exc = caught.value
+    assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
+    assert "kubectl apply -f / kubectl delete" in (exc.details() or "")
+    info = grpcerrors.error_info(exc)
+    assert info is not None and info.reason == "RESOURCES_VIA_API_SERVER"
+
+
+async def test_kubernetes_mode_refuses_resource_writes_over_grpc_even_to_admins(
+    kube_cilia: KubeAPI, bundle: GeneratedBundle
+) -> None:
+    """--store kubernetes: Apply, Delete and ApplyOutcome are the API server's business,
+    refused to the admin and to an agent, with TLS and on a plaintext loopback listener;
+    reads still answer; nothing is written."""
+    kube = {"store": "kubernetes", "kubeconfig": str(kube_cilia.kubeconfig),
+            "store_watch_timeout": 5}  # fmt: skip
+    async with tls_operator("redis://unused", bundle, **kube) as clients:
+        admin = pb_grpc.ResourceServiceStub(clients.of("admin"))
+        agent = pb_grpc.ResourceServiceStub(clients.of("node-n1"))
+        for stub in (admin, agent):
+            await _refused_in_kubernetes_mode(stub.Apply(pb.ApplyRequest(manifest=POLICY)))
+            await _refused_in_kubernetes_mode(
+                stub.Delete(pb.DeleteRequest(kind="ciliumpodippools", name="default"))
+            )
+        await _refused_in_kubernetes_mode(
+            admin.ApplyOutcome(pb.ApplyOutcomeRequest(request_id="r1"))
+        )
+        listed = await admin.List(pb.ListRequest(kind="ciliumpodippools"))
+        assert [json.loads(i.json)["metadata"]["name"] for i in listed.items] == ["default"]
+        assert (await clients.op.store.list("CiliumNetworkPolicy")).items == []
+    plain = Config(**operator_settings("redis://unused", **kube,
+                   auto_create_cilium_pod_ip_pools=[POOL]))  # fmt: skip
+    op = Operator(plain)
+    await op.start()
+    channel = grpc.aio.insecure_channel(op.address)
+    try:
+        stub = pb_grpc.ResourceServiceStub(channel)
+        await _refused_in_kubernetes_mode(stub.Apply(pb.ApplyRequest(manifest=POLICY)))
+        await _refused_in_kubernetes_mode(
+            stub.Delete(pb.DeleteRequest(kind="ciliumpodippools", name="default"))
+        )
+        assert len((await op.store.list("CiliumPodIPPool")).items) == 1
+        assert (await op.store.list("CiliumNetworkPolicy")).items == []
+    finally:
+        await channel.close()
+        await op.stop()
 
 
 async def test_client_without_certificate_is_refused_at_the_handshake(

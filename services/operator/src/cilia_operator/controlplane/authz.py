@@ -20,11 +20,23 @@ Rules (:data:`RULES`, one per method; the order of checks is: identity present, 
 * resource writes (``ResourceService.Apply``/``Delete``/``ApplyOutcome``) and any method of
   ``cilia.controlplane.v1`` not listed here: administrators only (fail closed, so a new
   method is admin-only until it gets a rule).
+* **Kubernetes mode** (``--store kubernetes``): resource writes (:data:`RESOURCE_WRITES`) are
+  refused for every caller, administrators included, with FAILED_PRECONDITION, reason
+  ``RESOURCES_VIA_API_SERVER``, naming ``kubectl``: resources are changed through the API
+  server (its RBAC, admission and audit), and the operator's gRPC serves agents only. This
+  holds with or without TLS (the interceptor is installed in Kubernetes mode either way).
+* **Records owned by another node**: an agent that sends its own node name with the name
+  of an endpoint whose record belongs to another, still registered node (the pod name was
+  reused there) must not take it over. The handler checks that, because only it reads the
+  record: :func:`foreign_record_refusal` (``UpsertEndpoint``; ``DeleteEndpoint`` already
+  leaves another node's record alone with FAILED_PRECONDITION, which the agent takes as
+  "not mine").
 
 A refusal is PERMISSION_DENIED with ``google.rpc.ErrorInfo`` reason ``PERMISSION_DENIED``
 (domain ``operator.cilia.io``, metadata ``method``, ``identity`` and, for node-scoped
-methods, ``node``), raised before the handler runs, so nothing changes. Without TLS
-(``--disable-tls``, loopback) the interceptor is not installed and nothing is checked.
+methods, ``node``), raised before the handler runs (or, for another node's record, before
+the handler writes), so nothing changes. Without TLS (``--disable-tls``, loopback) no
+identity is checked (only the Kubernetes-mode rule applies).
 
 Source: Kubernetes' Node authorizer (a node writes only its own Node, its pods' status) and
 the ``system:masters`` group; the issue's rule that an agent writes only its own records.
@@ -42,7 +54,12 @@ from cilia_common import grpcerrors
 from cilia_common.tls import PeerIdentity, peer_identity
 
 REASON = "PERMISSION_DENIED"
+KUBERNETES_REASON = "RESOURCES_VIA_API_SERVER"
 PACKAGE = "/cilia.controlplane.v1."
+RESOURCE_WRITES = frozenset(
+    {"ResourceService/Apply", "ResourceService/Delete", "ResourceService/ApplyOutcome"}
+)
+"""Methods refused in Kubernetes mode whoever calls (``cilia-operator apply``/``delete``)."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +141,56 @@ def refusal(rule: Rule, who: PeerIdentity | None, request: Any) -> tuple[str, di
     return "", {}
 
 
+def kubernetes_mode_refusal(method: str) -> str:
+    """The message refusing ``method`` (a full method name) in Kubernetes mode, or ""
+    when the method is allowed there (everything but :data:`RESOURCE_WRITES`)."""
+    if not method.startswith(PACKAGE) or method[len(PACKAGE) :] not in RESOURCE_WRITES:
+        return ""
+    return (
+        f"{method}: the operator runs with --store kubernetes, where resources are changed "
+        "through the Kubernetes API server (kubectl apply -f / kubectl delete), not over "
+        "the operator's gRPC, which serves agents only"
+    )
+
+
+def foreign_record_refusal(who: PeerIdentity | None, owner: str, node: str) -> str:
+    """Why ``who`` may not write a record owned by node ``owner`` as node ``node``, or "".
+
+    Allowed: no identity (plaintext listener, nothing is authenticated), an administrator,
+    a record without an owner or owned by ``node`` itself. The caller has already passed
+    :data:`RULES` (``node`` is the caller's own node). The handler decides separately
+    whether ``owner`` still exists (a departed node's records may be taken over).
+    """
+    if who is None or who.is_admin or not owner or owner == node:
+        return ""
+    return f"the record belongs to node {owner!r}; node {node!r} may not overwrite it"
+
+
+async def deny(context: Any, method: str, why: str, meta: dict[str, str]) -> None:
+    """End the RPC with PERMISSION_DENIED (reason :data:`REASON`, ``method`` + ``meta`` in
+    the ErrorInfo metadata). Raises ``grpc.aio.AbortError`` always."""
+    await grpcerrors.abort(
+        context,
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"{method}: {why}",
+        reason=REASON,
+        domain=grpcerrors.OPERATOR_DOMAIN,
+        metadata={"method": method, **meta},
+    )
+
+
 class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Checks :data:`RULES` before each handler runs (unary and server-streaming requests;
-    the control plane has no client streams)."""
+    the control plane has no client streams).
+
+    Args:
+        authorise: check the peer certificate against :data:`RULES` (mutual TLS on).
+        kubernetes: refuse :data:`RESOURCE_WRITES` to everyone (``--store kubernetes``).
+    """
+
+    def __init__(self, *, authorise: bool = True, kubernetes: bool = False) -> None:
+        self.authorise = authorise
+        self.kubernetes = kubernetes
 
     async def intercept_service(
         self,
@@ -137,21 +201,26 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         rule = rule_for(method)
-        if handler is None or rule.kind == "read":
+        in_kubernetes = kubernetes_mode_refusal(method) if self.kubernetes else ""
+        if handler is None or (not in_kubernetes and (rule.kind == "read" or not self.authorise)):
             # reads need only a verified certificate, which the handshake already demanded
             return handler
 
         async def check(request: Any, context: Any) -> None:
-            why, meta = refusal(rule, peer_identity(context), request)
-            if why:
+            if in_kubernetes:
                 await grpcerrors.abort(
                     context,
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method}: {why}",
-                    reason=REASON,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    in_kubernetes,
+                    reason=KUBERNETES_REASON,
                     domain=grpcerrors.OPERATOR_DOMAIN,
-                    metadata={"method": method, **meta},
+                    metadata={"method": method},
                 )
+            if not self.authorise:
+                return
+            why, meta = refusal(rule, peer_identity(context), request)
+            if why:
+                await deny(context, method, why, meta)
 
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary

@@ -10,15 +10,19 @@ from typing import Any
 import grpc
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
+from cilia_common.tls import peer_identity
 
 from ..endpoint import records
 from ..endpoint.ipcache import Entry, IPCache, host_ip, node_addresses
 from ..kinds import NODE
 from ..store import AlreadyExists, Conflict, Contention, NotFound, Store, resource_version
+from . import authz
 from .errors import streaming, unary
 from .streams import Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
+
+UPSERT_METHOD = "/cilia.controlplane.v1.EndpointService/UpsertEndpoint"
 
 
 def entry_message(entry: Entry) -> pb.IPCacheEntry:
@@ -60,8 +64,15 @@ class EndpointServicer:
     ) -> pb.UpsertEndpointResponse:
         """Create or update the endpoint's CiliumEndpoint (namespace "" = ``default``).
 
-        Errors: INVALID_ARGUMENT (bad name/namespace/node/IP, identity 0), ABORTED
-        (record changing too fast), UNAVAILABLE.
+        With mutual TLS, an agent may not take over a record another node owns (the pod
+        name was reused there): PERMISSION_DENIED naming the owner, nothing written
+        (``authz.foreign_record_refusal``). An administrator may, and so may any node once
+        the owner's CiliumNode is gone (the node left; its records are stale, as
+        upstream's operator would garbage-collect them).
+
+        Errors: INVALID_ARGUMENT (bad name/namespace/node/IP, identity 0),
+        PERMISSION_DENIED (another node's record), ABORTED (record changing too fast),
+        UNAVAILABLE.
         """
         ep = request.endpoint
         desired = records.endpoint_record(
@@ -87,6 +98,7 @@ class EndpointServicer:
                 log.info("endpoint recorded", extra={"endpoint": f"{namespace}/{name}",
                          "node": ep.node_name, "ipv4": ep.ipv4, "identity": ep.identity})  # fmt: skip
                 return pb.UpsertEndpointResponse()
+            await self._check_owner(context, current, ep.node_name)
             if current.get("status") == desired["status"]:
                 return pb.UpsertEndpointResponse()
             updated = copy.deepcopy(current)
@@ -97,6 +109,28 @@ class EndpointServicer:
                 continue
             return pb.UpsertEndpointResponse()
         raise Contention(records.KIND, namespace, name)
+
+    async def _check_owner(self, context: Any, current: Any, node: str) -> None:
+        """Abort with PERMISSION_DENIED when the caller's certificate may not overwrite
+        ``current`` as node ``node`` and its owner is still a registered node."""
+        owner = records.node_name_of(current)
+        who = peer_identity(context)
+        why = authz.foreign_record_refusal(who, owner, node)
+        if not why:
+            return
+        try:
+            await self.store.get(NODE.kind, owner)
+        except NotFound:
+            log.warning("endpoint taken over from a departed node", extra={
+                "endpoint": current["metadata"]["name"], "from": owner, "node": node})  # fmt: skip
+            return
+        namespace, name = current["metadata"].get("namespace", ""), current["metadata"]["name"]
+        await authz.deny(
+            context,
+            UPSERT_METHOD,
+            f"endpoint {namespace}/{name}: {why}; not written",
+            {"identity": who.describe() if who else "", "node": node, "owner": owner},
+        )
 
     @unary
     async def DeleteEndpoint(  # noqa: N802 (gRPC method name)
