@@ -168,6 +168,28 @@ def test_agent_daemonset_layout(docs: list[dict[str, Any]]) -> None:
     assert {c["name"] for c in spec["containers"]} == {"agent", "kube-rbac-proxy"}
 
 
+def test_each_agent_presents_its_own_nodes_kubelet_credentials(
+    docs: list[dict[str, Any]],
+) -> None:
+    """No Secret carries a node's key: the agent's client pair is its node's kubelet client
+    certificate (hostPath, read-only, at the host's path so the kubelet's absolute symlink
+    resolves); the operator trusts the cluster CA that issued it beside its own."""
+    spec = _find(docs, "DaemonSet", "cilia-agent")["spec"]["template"]["spec"]
+    agent = next(c for c in spec["containers"] if c["name"] == "agent")
+    pair = "/var/lib/kubelet/pki/kubelet-client-current.pem"
+    assert f"--tls-operator-client-cert-file={pair}" in agent["args"]
+    assert f"--tls-operator-client-key-file={pair}" in agent["args"]
+    assert not [a for a in agent["args"] if "$(NODE_NAME).key" in a]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["kubelet-pki"]["hostPath"]["path"] == "/var/lib/kubelet/pki"
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "kubelet-pki")
+    assert (mount["mountPath"], mount["readOnly"]) == ("/var/lib/kubelet/pki", True)
+    operator = _find(docs, "Deployment", "cilia-operator")["spec"]["template"]["spec"]
+    args = next(c for c in operator["containers"] if c["name"] == "operator")["args"]
+    (cas,) = [a.split("=", 1)[1] for a in args if a.startswith("--tls-client-ca-files=")]
+    assert "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt" in cas.split(",")
+
+
 def test_updater_daemonset_layout(docs: list[dict[str, Any]]) -> None:
     ds = _find(docs, "DaemonSet", "cilia-safe-agent-updater")
     assert ds["spec"]["updateStrategy"] == {

@@ -253,6 +253,40 @@ async def test_resource_writes_need_an_admin_identity(
         assert len((await clients.op.store.list("CiliumNetworkPolicy")).items) == 1
 
 
+async def test_kubelet_client_certificates_identify_agents_in_kubernetes_mode(
+    redis_url: str, bundle: GeneratedBundle, tmp_path: pathlib.Path
+) -> None:
+    """Kubernetes mode's per-node credentials: each agent presents its node's kubelet client
+    certificate (one PEM holding certificate and key, reached through the kubelet's
+    ``kubelet-client-current.pem`` symlink), issued by the cluster CA, which the operator
+    trusts beside its own. Node n1's kubelet pair registers n1 and cannot act for n2; the
+    admin pair of the operator's own CA still works."""
+    cluster = generate_bundle(tmp_path / "cluster-ca", server_hosts=["kube-apiserver"],
+                              nodes=["n1", "n2"], admins=[], ca_name="kubernetes")  # fmt: skip
+    pki = tmp_path / "var-lib-kubelet-pki"
+    pki.mkdir()
+    cert, key = cluster.clients["node-n1"]
+    dated = pki / "kubelet-client-2026-12-02-04-00-00.pem"
+    dated.write_bytes(pathlib.Path(cert).read_bytes() + pathlib.Path(key).read_bytes())
+    (pki / "kubelet-client-current.pem").symlink_to(dated)
+    current = str(pki / "kubelet-client-current.pem")
+    async with tls_operator(
+        redis_url, bundle, tls_client_ca_files=[bundle.ca_cert, cluster.ca_cert]
+    ) as clients:
+        kubelet_n1 = clients.channel(ClientTLS((bundle.ca_cert,), current, current))
+        node = pb_grpc.NodeServiceStub(kubelet_n1)
+        await node.Register(pb.RegisterRequest(node_name="n1", addresses=["192.0.2.1"]))
+        exc = await _denied(
+            node.Register(pb.RegisterRequest(node_name="n2", addresses=["192.0.2.2"]))
+        )
+        assert "'n1' may not act for node 'n2'" in (exc.details() or "")
+        names = [o["metadata"]["name"] for o in (await clients.op.store.list("CiliumNode")).items]
+        assert names == ["n1"]
+        admin = pb_grpc.ResourceServiceStub(clients.of("admin"))
+        applied = await admin.Apply(pb.ApplyRequest(manifest=POLICY))
+        assert [r.action for r in applied.resources] == ["created"]
+
+
 async def _refused_in_kubernetes_mode(call: Awaitable[Any]) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
