@@ -9,6 +9,7 @@ import os
 import pathlib
 import socket
 import stat
+from typing import Any
 
 import grpc
 import pytest
@@ -148,3 +149,42 @@ def test_second_server_on_the_same_port_is_refused() -> None:
             await first.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_unparsable_request_bytes_get_invalid_argument_and_streams_still_work(
+    tmp_path: pathlib.Path,
+) -> None:
+    """grpcio answers bytes that do not parse as the request with UNKNOWN (and logs a
+    traceback); the server's guard makes it INVALID_ARGUMENT naming the method, for unary
+    and server-streaming methods, while well-formed calls (health Check, and Watch, which
+    writes with context.write) work as before."""
+    sock = tmp_path / "svc.sock"
+    identity: Any = None
+
+    async def scenario() -> list[Any]:
+        server, _ = await start_server([], [f"unix:{sock}"])
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{sock}") as ch:
+                out: list[Any] = []
+                for kind, method in (("unary_unary", "Check"), ("unary_stream", "Watch")):
+                    call = getattr(ch, kind)(
+                        f"/grpc.health.v1.Health/{method}",
+                        request_serializer=identity, response_deserializer=identity,
+                    )(b"\xff\xff\xff", timeout=5)  # fmt: skip
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await (call if kind == "unary_unary" else call.read())
+                    out.append((caught.value.code(), caught.value.details()))
+                stub = health_pb2_grpc.HealthStub(ch)
+                out.append((await stub.Check(health_pb2.HealthCheckRequest())).status)
+                watch = stub.Watch(health_pb2.HealthCheckRequest())
+                out.append((await watch.read()).status)
+                watch.cancel()
+                return out
+        finally:
+            await server.stop(0)
+
+    check, watch, checked, watched = asyncio.run(scenario())
+    for (code, details), method in ((check, "Check"), (watch, "Watch")):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith(f"/grpc.health.v1.Health/{method}: malformed request: ")
+    assert checked == watched == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .grpcinput import MalformedRequestGuard
+
 UNIX_PREFIX = "unix:"
 
 
@@ -90,7 +92,8 @@ async def start_server_with_ports(
 
     ``credentials`` (e.g. :func:`cilia_common.tls.server_credentials`) make every address a
     TLS port (None: plaintext); ``interceptors`` run before every handler, health and
-    reflection included.
+    reflection included, after :class:`~cilia_common.grpcinput.MalformedRequestGuard`
+    (request bytes that do not parse answer INVALID_ARGUMENT).
 
     Returns:
         ``(server, health_servicer, ports)`` where ``ports`` maps every TCP listen address
@@ -102,8 +105,10 @@ async def start_server_with_ports(
     """
     # gRPC turns SO_REUSEPORT on by default: a second server on the same port
     # would start silently and split the clients between the two. Refuse instead.
+    # unparsable request bytes: INVALID_ARGUMENT before any other interceptor (grpcinput)
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), *options], interceptors=list(interceptors) or None
+        options=[("grpc.so_reuseport", 0), *options],
+        interceptors=[MalformedRequestGuard(), *interceptors],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
