@@ -299,6 +299,13 @@ class KubeAPI:
         return self._certs.ca_file
 
     @property
+    def ca_key_file(self) -> pathlib.Path:
+        """The CA's private key (PEM), for kube-controller-manager's
+        ``--cluster-signing-key-file`` (certificates issued through CSRs)."""
+        assert self._certs is not None, "not started"
+        return self._certs.ca_key_file
+
+    @property
     def client_cert_file(self) -> pathlib.Path:
         """The admin client certificate (PEM; CN cilia-test-admin, O system:masters)."""
         assert self._certs is not None, "not started"

@@ -8,6 +8,7 @@ process (CLI, rotation); every certificate comes from :func:`cilia_common.tls.ge
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import json
@@ -18,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
@@ -26,6 +28,9 @@ import grpc
 import pytest
 from cluster import operator_settings
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stores import kube_cilia
 
@@ -40,6 +45,8 @@ from cilia_testkit.kubeapi import KubeAPI
 
 __all__ = ["kube_cilia"]  # the fixture, imported from stores
 
+#: Seconds kube-controller-manager gets to sign an approved CSR.
+CSR_SIGNED_SECONDS = 30
 POOL = "default=ipv4-cidrs:10.231.0.0/16;ipv4-mask-size:24"
 POLICY = """\
 apiVersion: cilium.io/v2
@@ -285,6 +292,81 @@ async def test_kubelet_client_certificates_identify_agents_in_kubernetes_mode(
         admin = pb_grpc.ResourceServiceStub(clients.of("admin"))
         applied = await admin.Apply(pb.ApplyRequest(manifest=POLICY))
         assert [r.action for r in applied.resources] == ["created"]
+
+
+def _kubelet_csr(kube: KubeAPI, node: str, tmp_path: pathlib.Path) -> str:
+    """Do what a kubelet's TLS bootstrap does, on the real API server: a key made here, a
+    CertificateSigningRequest for ``CN=system:node:<node>, O=system:nodes`` to signer
+    ``kubernetes.io/kube-apiserver-client-kubelet``, approved, signed by
+    kube-controller-manager with the cluster CA. Returns the kubelet-style PEM (certificate
+    then key, one file)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+                                 x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}")]))
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    name = f"cilia-test-kubelet-{node}-{uuid.uuid4().hex[:8]}"
+    manifest = {
+        "apiVersion": "certificates.k8s.io/v1",
+        "kind": "CertificateSigningRequest",
+        "metadata": {"name": name},
+        "spec": {
+            "request": base64.b64encode(csr.public_bytes(serialization.Encoding.PEM)).decode(),
+            "signerName": "kubernetes.io/kube-apiserver-client-kubelet",
+            "usages": ["digital signature", "client auth"],
+            "expirationSeconds": 3600,
+        },
+    }
+    kube.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    try:
+        kube.kubectl("certificate", "approve", name)
+        deadline = time.monotonic() + CSR_SIGNED_SECONDS
+        while time.monotonic() < deadline:
+            got = kube.kubectl("get", "csr", name, "-o", "jsonpath={.status.certificate}")
+            if got.stdout.strip():
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"CSR {name} not signed in {CSR_SIGNED_SECONDS} s")
+    finally:
+        cert = kube.kubectl("get", "csr", name, "-o", "jsonpath={.status.certificate}").stdout
+        kube.kubectl("delete", "csr", name, check=False)
+    pem = base64.b64decode(cert) + key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    path = tmp_path / f"kubelet-client-{node}.pem"
+    path.write_bytes(pem)
+    path.chmod(0o600)
+    return str(path)
+
+
+async def test_kubelet_certificate_issued_through_a_kubernetes_csr_is_its_nodes_identity(
+    redis_url: str, bundle: GeneratedBundle, kube_apiserver: KubeAPI, tmp_path: pathlib.Path
+) -> None:
+    """The real issuance path of Kubernetes mode's agent credentials: a certificate the
+    cluster's kube-controller-manager signed for node n1 through a CSR registers n1 at an
+    operator trusting the cluster CA, and may not act for n2."""
+    kube = kube_apiserver
+    kube.stop_controller_manager()  # one started by another test lacks the signing flags
+    kube.controller_manager(extra=("--controllers=csrsigning",
+                                   f"--cluster-signing-cert-file={kube.ca_file}",
+                                   f"--cluster-signing-key-file={kube.ca_key_file}"))  # fmt: skip
+    try:
+        pair = _kubelet_csr(kube, "n1", tmp_path)
+    finally:
+        kube.stop_controller_manager()
+    async with tls_operator(
+        redis_url, bundle, tls_client_ca_files=[bundle.ca_cert, str(kube.ca_file)]
+    ) as clients:
+        node = pb_grpc.NodeServiceStub(clients.channel(ClientTLS((bundle.ca_cert,), pair, pair)))
+        await node.Register(pb.RegisterRequest(node_name="n1", addresses=["192.0.2.1"]))
+        await _denied(node.Register(pb.RegisterRequest(node_name="n2", addresses=["192.0.2.2"])))
+        names = [o["metadata"]["name"] for o in (await clients.op.store.list("CiliumNode")).items]
+        assert names == ["n1"]
 
 
 async def _refused_in_kubernetes_mode(call: Awaitable[Any]) -> None:
