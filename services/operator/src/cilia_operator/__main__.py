@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(CN=system:node:<node>, O=system:nodes) and admin ones (O=system:masters)",
     )
     gen.add_argument("--dir", required=True, help="output directory (ca.crt/ca.key reused)")
-    gen.add_argument("--nodes", default="", help="comma-separated node names (default: none)")
+    gen.add_argument("--nodes", default="",
+                     help="comma-separated node names (default: none; standalone mode only: in "
+                     "Kubernetes agents present their kubelet's client certificate)")  # fmt: skip
     gen.add_argument("--hosts", default="127.0.0.1,localhost",
                      help=f"comma-separated addresses/names agents dial the operator at: the "
                      f"server certificate's SANs {d}")  # fmt: skip
