@@ -11,7 +11,13 @@ import pytest
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia_common.tls import PeerIdentity
 from cilia_operator.config import Config
-from cilia_operator.controlplane.authz import RULES, refusal, rule_for
+from cilia_operator.controlplane.authz import (
+    RULES,
+    foreign_record_refusal,
+    kubernetes_mode_refusal,
+    refusal,
+    rule_for,
+)
 
 NODE_N1 = PeerIdentity("system:node:n1", ("system:nodes",))
 ADMIN = PeerIdentity("admin", ("system:masters",))
@@ -53,6 +59,33 @@ def test_unknown_control_plane_methods_are_admin_only_and_others_are_reads() -> 
 def test_refusal(method: str, request_: object, who: PeerIdentity, allowed: bool) -> None:
     why, _ = refusal(RULES[method], who, request_)
     assert (why == "") is allowed, why
+
+
+@pytest.mark.parametrize(
+    ("who", "owner", "node", "allowed"),
+    [
+        (NODE_N1, "n2", "n1", False),  # another node's record
+        (NODE_N1, "n1", "n1", True),
+        (NODE_N1, "", "n1", True),  # no owner recorded
+        (ADMIN, "n2", "n1", True),
+        (None, "n2", "n1", True),  # plaintext listener: nothing is authenticated
+    ],
+)
+def test_foreign_record_refusal(
+    who: PeerIdentity | None, owner: str, node: str, allowed: bool
+) -> None:
+    why = foreign_record_refusal(who, owner, node)
+    assert (why == "") is allowed, why
+    if not allowed:
+        assert f"belongs to node {owner!r}" in why
+
+
+def test_kubernetes_mode_refuses_exactly_the_resource_writes() -> None:
+    refused = {name for name in RULES if kubernetes_mode_refusal(f"/cilia.controlplane.v1.{name}")}
+    assert refused == {"ResourceService/Apply", "ResourceService/Delete",
+                       "ResourceService/ApplyOutcome"}  # fmt: skip
+    assert "kubectl" in kubernetes_mode_refusal("/cilia.controlplane.v1.ResourceService/Apply")
+    assert kubernetes_mode_refusal("/grpc.health.v1.Health/Check") == ""
 
 
 def test_no_certificate_is_refused_even_for_reads() -> None:
