@@ -273,7 +273,12 @@ class Operator:
             ),
             Service(
                 pb_grpc.add_EndpointServiceServicer_to_server,
-                EndpointServicer(self.store, conflict_retries=conflict_retries, **streams),
+                EndpointServicer(
+                    self.store,
+                    conflict_retries=conflict_retries,
+                    pods_from_api=config.store == "kubernetes",
+                    **streams,
+                ),
                 SERVICE_NAMES[4],
             ),
             Service(

@@ -419,6 +419,57 @@ async def test_kubernetes_mode_refuses_resource_writes_over_grpc_even_to_admins(
         await op.stop()
 
 
+def _pod_on(ns: str, name: str, node: str) -> str:
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"nodeName": node, "serviceAccountName": "default",
+                 "containers": [{"name": "c", "image": "registry.invalid/app:1"}]},
+    })  # fmt: skip
+
+
+async def test_kubernetes_mode_lets_the_pods_node_take_its_endpoint_record_over(
+    kube_cilia: KubeAPI, bundle: GeneratedBundle
+) -> None:
+    """--store kubernetes: the API server's Pod decides who owns an endpoint record. Node n1
+    may not overwrite n2's record of pod ``ns/web-0`` while no Pod, or a Pod on n2, says so;
+    once the Pod is on n1 (a StatefulSet pod rescheduled off a node that is down but still
+    registered), n1 takes the record over without waiting for n2's CiliumNode to go."""
+    ns = f"takeover-{uuid.uuid4().hex[:6]}"
+    kube_cilia.kubectl("create", "namespace", ns)
+    kube_cilia.kubectl("create", "serviceaccount", "default", "-n", ns, check=False)
+    kube = {"store": "kubernetes", "kubeconfig": str(kube_cilia.kubeconfig),
+            "store_watch_timeout": 5}  # fmt: skip
+    try:
+        async with tls_operator("redis://unused", bundle, **kube) as clients:
+            n1, n2 = clients.of("node-n1"), clients.of("node-n2")
+            await pb_grpc.NodeServiceStub(n2).Register(
+                pb.RegisterRequest(node_name="n2", addresses=["192.0.2.2"])
+            )
+            record = pb.EndpointRecord(namespace=ns, name="web-0", node_name="n2",
+                                       ipv4="10.231.1.5", identity=300)  # fmt: skip
+            await pb_grpc.EndpointServiceStub(n2).UpsertEndpoint(
+                pb.UpsertEndpointRequest(endpoint=record)
+            )
+            moved = pb.EndpointRecord()
+            moved.CopyFrom(record)
+            moved.node_name, moved.ipv4 = "n1", "10.231.0.9"
+            endpoints = pb_grpc.EndpointServiceStub(n1)
+            await _denied(endpoints.UpsertEndpoint(pb.UpsertEndpointRequest(endpoint=moved)))
+            kube_cilia.kubectl("create", "-f", "-", input=_pod_on(ns, "web-0", "n2"))
+            await _denied(endpoints.UpsertEndpoint(pb.UpsertEndpointRequest(endpoint=moved)))
+            kept = await clients.op.store.get("CiliumEndpoint", "web-0", ns)
+            assert kept["status"]["networking"]["node-name"] == "n2"
+            kube_cilia.kubectl("delete", "pod", "web-0", "-n", ns, "--grace-period=0", "--force")
+            kube_cilia.kubectl("create", "-f", "-", input=_pod_on(ns, "web-0", "n1"))
+            await endpoints.UpsertEndpoint(pb.UpsertEndpointRequest(endpoint=moved))
+            taken = await clients.op.store.get("CiliumEndpoint", "web-0", ns)
+            assert taken["status"]["networking"]["node-name"] == "n1"
+            assert taken["status"]["networking"]["addressing"][0]["ipv4"] == "10.231.0.9"
+    finally:
+        kube_cilia.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
 async def test_client_without_certificate_is_refused_at_the_handshake(
     redis_url: str, bundle: GeneratedBundle
 ) -> None:

@@ -18,6 +18,7 @@ from ..kinds import NODE
 from ..store import AlreadyExists, Conflict, Contention, NotFound, Store, resource_version
 from . import authz
 from .errors import streaming, unary
+from .pod import POD_KIND
 from .streams import Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,16 @@ class EndpointServicer:
     """
 
     def __init__(
-        self, store: Store, *, conflict_retries: int, chunk_size: int, queue_size: int
+        self,
+        store: Store,
+        *,
+        conflict_retries: int,
+        chunk_size: int,
+        queue_size: int,
+        pods_from_api: bool = False,
     ) -> None:
         self.store = store
+        self.pods_from_api = pods_from_api
         self.conflict_retries = max(1, conflict_retries)
         self.chunk_size = chunk_size
         self.queue_size = queue_size
@@ -68,7 +76,10 @@ class EndpointServicer:
         name was reused there): PERMISSION_DENIED naming the owner, nothing written
         (``authz.foreign_record_refusal``). An administrator may, and so may any node once
         the owner's CiliumNode is gone (the node left; its records are stale, as
-        upstream's operator would garbage-collect them).
+        upstream's operator would garbage-collect them). With the Kubernetes store
+        (``pods_from_api``) the API server decides first: a node may take over the record
+        of a Pod whose ``spec.nodeName`` is that node (a StatefulSet pod rescheduled from
+        a node that is down but still registered), and only then.
 
         Errors: INVALID_ARGUMENT (bad name/namespace/node/IP, identity 0),
         PERMISSION_DENIED (another node's record), ABORTED (record changing too fast),
@@ -118,6 +129,10 @@ class EndpointServicer:
         why = authz.foreign_record_refusal(who, owner, node)
         if not why:
             return
+        if self.pods_from_api and await self._pod_runs_on(current, node):
+            log.info("endpoint taken over: the API server places its pod on this node", extra={
+                "endpoint": current["metadata"]["name"], "from": owner, "node": node})  # fmt: skip
+            return
         try:
             await self.store.get(NODE.kind, owner)
         except NotFound:
@@ -131,6 +146,17 @@ class EndpointServicer:
             f"endpoint {namespace}/{name}: {why}; not written",
             {"identity": who.describe() if who else "", "node": node, "owner": owner},
         )
+
+    async def _pod_runs_on(self, current: Any, node: str) -> bool:
+        """Whether the API server's Pod of the record ``current`` has ``spec.nodeName`` ==
+        ``node`` (False when the Pod is absent or not yet scheduled)."""
+        meta = current["metadata"]
+        try:
+            pod = await self.store.get(POD_KIND, meta["name"], meta.get("namespace") or "default")
+        except NotFound:
+            return False
+        spec = pod.get("spec")
+        return bool(node) and isinstance(spec, dict) and spec.get("nodeName") == node
 
     @unary
     async def DeleteEndpoint(  # noqa: N802 (gRPC method name)
