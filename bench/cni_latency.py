@@ -27,7 +27,9 @@ The cilia stack is private by default (redis, operator, agent, relay of this che
 free ports, pods from ``--pool-cidr``; see ``bench.datapath.private_stack``).
 
 Output: a table of p50/p99/mean ms and pods/s per (plugin, op, concurrency), the ratios
-cilia/reference, and JSON in ``--results-dir`` (``cni_latency-<UTC time>.json`` and
+cilia/reference, the CPU per pod (user + system ms) of the plugin execs and, for cilia, of
+the stack's agent, operator and redis over each timed phase — on a shared 2-core host CPU
+per pod is steadier than wall time, and it bounds pods/s at concurrency — and JSON in ``--results-dir`` (``cni_latency-<UTC time>.json`` and
 ``cni_latency-latest.json``).
 """
 
@@ -40,6 +42,7 @@ import math
 import os
 import pathlib
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -65,6 +68,8 @@ REFERENCE_BRIDGE = "cbench0"
 FREEZE_BUILDER = ROOT / "services" / "cni" / "freeze" / "build.py"
 CNI_INSTALLER = ROOT / "deploy" / "images" / "cni-install.sh"
 NETNS_PREFIX = "cilia-bench-cni-"
+#: Stack processes whose CPU per pod is reported beside the plugin's.
+STACK_PROCESSES = ("agent", "operator", "redis")
 
 
 class BenchError(RuntimeError):
@@ -91,6 +96,14 @@ def summarize(seconds: list[float]) -> dict[str, float]:
     }
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished (waited-for) children: in a
+    timed phase only plugin execs finish, so a phase's delta over its pods is the plugin's
+    CPU per pod (a delegated IPAM plugin's included: the reference ``host-local``)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _timed_phase(
     pods: list[cni.Pod], op: Any, concurrency: int
 ) -> tuple[list[cni.CniOutcome], float]:
@@ -109,9 +122,13 @@ def run_pods(
     pods: int,
     warmup: int,
     concurrency: int,
+    processes: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
     """ADD ``pods`` pods on ``concurrency`` workers, then DEL them (after ``warmup``
-    untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s}``.
+    untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s,
+    "add_cpu_ms": {"plugin": ms per pod, <name>: ms per pod, ...}, "del_cpu_ms": {...}}``:
+    the CPU per pod of the plugin execs and of each of ``processes`` (name → pid, e.g. the
+    stack's agent, operator and redis) over the timed phase.
 
     Raises:
         BenchError: an ADD or DEL failed (its CNI error is included).
@@ -133,7 +150,13 @@ def run_pods(
 
         for name, op in (("add", add), ("del", delete)):
             _timed_phase(created[:warmup], op, concurrency)
+            before = {k: datapath.process_cpu_seconds(v) for k, v in (processes or {}).items()}
+            plugin_before = children_cpu_seconds()
             outcomes, wall = _timed_phase(created[warmup:], op, concurrency)
+            cpu = {"plugin": children_cpu_seconds() - plugin_before}
+            for key, pid in (processes or {}).items():
+                cpu[key] = datapath.process_cpu_seconds(pid) - before[key]
+            out[f"{name}_cpu_ms"] = {k: round(v * 1000 / pods, 2) for k, v in cpu.items()}
             for pod, outcome in zip(created[warmup:], outcomes, strict=True):
                 if outcome.returncode != 0:
                     raise BenchError(
@@ -210,6 +233,7 @@ def bench_cilia(
             args.pods,
             args.warmup,
             concurrency,
+            {name: stack.pid(name) for name in STACK_PROCESSES},
         )
         records = [json.loads(line) for line in log_file.read_text().splitlines() if line]
         data["log"] = [r for r in records if str(r.get("msg", "")).endswith("succeeded")]
@@ -407,11 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
 
-    def summary_of(data: dict[str, Any]) -> dict[str, dict[str, float]]:
-        out = {}
+    def summary_of(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
         for op in ("add", "del"):
-            s = summarize(data[op])
+            s: dict[str, Any] = dict(summarize(data[op]))
             s["pods_per_s"] = round(len(data[op]) / data[f"{op}_wall"], 2)
+            s["cpu_ms_per_pod"] = data[f"{op}_cpu_ms"]
             out[op] = s
         return out
 
@@ -447,14 +472,18 @@ def main(argv: list[str] | None = None) -> int:
     frozen_ratio = ratios("frozen") if frz else {}
     if frz:
         ratio_sets.append(("cilia-cni frozen", frozen_ratio))
-    rows: list[tuple[str, str, int, dict[str, float]]] = []
-    for conc in levels:
+
+    def sets_of(conc: int) -> list[tuple[str, str]]:
         sets = [("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")]
         if frz:
             sets.append(("cilia-cni frozen", "frozen"))
         if cmp:
             sets.append(("compare " + args.compare_cni.name, "compare"))
-        for name, key in sets:
+        return sets
+
+    rows: list[tuple[str, str, int, dict[str, float]]] = []
+    for conc in levels:
+        for name, key in sets_of(conc):
             for op in ("add", "del"):
                 rows.append((name, op.upper(), conc, summary[key][str(conc)][op]))
     rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
@@ -471,6 +500,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {op.upper():<4} c={conc:<3} p50 {rset[f'{op}_p50_c{conc}']:>6.2f}x   "
                     f"p99 {rset[f'{op}_p99_c{conc}']:>6.2f}x   "
                     f"pods/s {rset[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
+                )
+
+    print("\nCPU per pod, ms (user + system; plugin: its execs; the stack's processes beside it):")
+    for conc in levels:
+        for name, key in sets_of(conc):
+            for op in ("add", "del"):
+                cpu = summary[key][str(conc)][op]["cpu_ms_per_pod"]
+                parts = "  ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                print(
+                    f"  {name:<28} {op.upper():<4} c={conc:<3} total {sum(cpu.values()):6.1f}  "
+                    f"{parts}"
                 )
 
     breakdowns = [("cilia-cni", "cilia_add_breakdown_median")]
