@@ -50,7 +50,7 @@ def _pb2(cls: type[wire.Message]) -> Any:
 @pytest.mark.parametrize("cls", MESSAGES, ids=lambda c: c.__name__)
 def test_schema_matches_the_contract_field_for_field(cls: type[wire.Message]) -> None:
     descriptor = _pb2(cls).DESCRIPTOR
-    assert cls.FULL_NAME == descriptor.full_name
+    assert descriptor.full_name == cls.FULL_NAME
     ours = {f.name: f for f in cls.FIELDS}
     theirs = {f.name: f for f in descriptor.fields}
     assert set(theirs) - set(ours) == SKIPPED.get(cls.FULL_NAME, set())
@@ -68,7 +68,7 @@ def test_schema_matches_the_contract_field_for_field(cls: type[wire.Message]) ->
         assert field.repeated == pb.is_repeated, name
         if field.kind == wire.MESSAGE:
             assert field.message is not None
-            assert field.message.FULL_NAME == pb.message_type.full_name, name
+            assert pb.message_type.full_name == field.message.FULL_NAME, name
 
 
 def test_method_paths_are_the_contracts() -> None:
@@ -191,7 +191,7 @@ def test_unknown_fields_and_other_wire_types_are_skipped() -> None:
 def test_malformed_input_is_a_decode_error(data: bytes, needle: str) -> None:
     with pytest.raises(wire.DecodeError, match=needle):
         wire.DelRequest.FromString(data)
-    with pytest.raises(Exception):  # noqa: B017, PT011 - protobuf refuses it too
+    with pytest.raises(Exception):  # noqa: B017 - protobuf refuses it too
         agent_pb2.DelRequest.FromString(data)
 
 
