@@ -26,7 +26,7 @@ Plugin sets, all against the same stack in the same run:
 The cilia stack is private by default (redis, operator, agent, relay of this checkout on
 free ports, pods from ``--pool-cidr``; see ``bench.datapath.private_stack``).
 
-Output: a table of p50/p99/mean ms and pods/s per (plugin, op, concurrency), the ratios
+Output: a table of p50/p90/p99/mean ms and pods/s per (plugin, op, concurrency), the ratios
 cilia/reference, the CPU per pod (user + system ms) of the plugin execs and, for cilia, of
 the stack's agent, operator and redis over each timed phase — on a shared 2-core host CPU
 per pod is steadier than wall time, and it bounds pods/s at concurrency — and JSON in ``--results-dir`` (``cni_latency-<UTC time>.json`` and
@@ -84,11 +84,12 @@ def percentile(samples: list[float], pct: float) -> float:
 
 
 def summarize(seconds: list[float]) -> dict[str, float]:
-    """p50, p99, mean, min, max in milliseconds, plus the sample count."""
+    """p50, p90, p99, mean, min, max in milliseconds, plus the sample count."""
     ms = [s * 1000 for s in seconds]
     return {
         "n": len(ms),
         "p50_ms": round(percentile(ms, 50), 2),
+        "p90_ms": round(percentile(ms, 90), 2),
         "p99_ms": round(percentile(ms, 99), 2),
         "mean_ms": round(statistics.fmean(ms), 2),
         "min_ms": round(min(ms), 2),
@@ -309,7 +310,7 @@ def bench_version(args: argparse.Namespace, plugin: pathlib.Path = cni.CILIA_CNI
 def table(rows: list[tuple[str, str, int, dict[str, float]]]) -> str:
     """Render ``(plugin, op, concurrency, summary)`` rows as a fixed-width table."""
     head = (
-        f"{'plugin':<28} {'op':<8} {'conc':>4} {'n':>4} {'p50 ms':>9} {'p99 ms':>9} "
+        f"{'plugin':<28} {'op':<8} {'conc':>4} {'n':>4} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} "
         f"{'mean ms':>9} {'pods/s':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -317,6 +318,7 @@ def table(rows: list[tuple[str, str, int, dict[str, float]]]) -> str:
         rate = f"{s['pods_per_s']:>8.1f}" if "pods_per_s" in s else f"{'':>8}"
         lines.append(
             f"{plugin:<28} {op:<8} {conc or '':>4} {int(s['n']):>4} {s['p50_ms']:>9.1f} "
+            f"{s['p90_ms']:>9.1f} "
             f"{s['p99_ms']:>9.1f} {s['mean_ms']:>9.1f} {rate}"
         )
     return "\n".join(lines)
@@ -460,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         for conc in levels:
             r, c = summary["reference"][str(conc)], summary[key][str(conc)]
             for op in ("add", "del"):
-                for q in ("p50", "p99"):
+                for q in ("p50", "p90", "p99"):
                     out[f"{op}_{q}_c{conc}"] = round(c[op][f"{q}_ms"] / r[op][f"{q}_ms"], 2)
                 out[f"{op}_pods_per_s_c{conc}"] = round(
                     c[op]["pods_per_s"] / r[op]["pods_per_s"], 3
@@ -498,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             for op in ("add", "del"):
                 print(
                     f"  {op.upper():<4} c={conc:<3} p50 {rset[f'{op}_p50_c{conc}']:>6.2f}x   "
+                    f"p90 {rset[f'{op}_p90_c{conc}']:>6.2f}x   "
                     f"p99 {rset[f'{op}_p99_c{conc}']:>6.2f}x   "
                     f"pods/s {rset[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
                 )
