@@ -27,7 +27,7 @@ FIELDS = [
     ("grpc-message", "ünïcode ✓ %20 done"),
     ("x-binary-bin", "AAECAwQ="),
     ("custom", ""),
-    ("long", "v" * 5000),
+    ("long", "v" * 1500),
 ]
 
 
@@ -35,8 +35,8 @@ FIELDS = [
 def test_decodes_what_the_library_encodes_over_many_blocks(huffman: bool) -> None:
     rng = random.Random(huffman)
     encoder, ours = lib.Encoder(), hpack.Decoder(64 * 1024)
-    for round_ in range(200):
-        if round_ % 50 == 49:
+    for round_ in range(120):
+        if round_ % 30 == 29:
             encoder.header_table_size = rng.choice([0, 256, 4096])  # a size update next
         fields = rng.sample(FIELDS, rng.randrange(1, len(FIELDS)))
         sensitive = [
