@@ -26,8 +26,10 @@ Plugin sets, all against the same stack in the same run:
 The cilia stack is private by default (redis, operator, agent, relay of this checkout on
 free ports, pods from ``--pool-cidr``; see ``bench.datapath.private_stack``).
 
-Output: a table of p50/p99/mean ms and pods/s per (plugin, op, concurrency), the ratios
-cilia/reference, and JSON in ``--results-dir`` (``cni_latency-<UTC time>.json`` and
+Output: a table of p50/p90/p99/mean ms and pods/s per (plugin, op, concurrency), the ratios
+cilia/reference, the CPU per pod (user + system ms) of the plugin execs and, for cilia, of
+the stack's agent, operator and redis over each timed phase — on a shared 2-core host CPU
+per pod is steadier than wall time, and it bounds pods/s at concurrency — and JSON in ``--results-dir`` (``cni_latency-<UTC time>.json`` and
 ``cni_latency-latest.json``).
 """
 
@@ -40,6 +42,7 @@ import math
 import os
 import pathlib
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -65,6 +68,8 @@ REFERENCE_BRIDGE = "cbench0"
 FREEZE_BUILDER = ROOT / "services" / "cni" / "freeze" / "build.py"
 CNI_INSTALLER = ROOT / "deploy" / "images" / "cni-install.sh"
 NETNS_PREFIX = "cilia-bench-cni-"
+#: Stack processes whose CPU per pod is reported beside the plugin's.
+STACK_PROCESSES = ("agent", "operator", "redis")
 
 
 class BenchError(RuntimeError):
@@ -79,16 +84,25 @@ def percentile(samples: list[float], pct: float) -> float:
 
 
 def summarize(seconds: list[float]) -> dict[str, float]:
-    """p50, p99, mean, min, max in milliseconds, plus the sample count."""
+    """p50, p90, p99, mean, min, max in milliseconds, plus the sample count."""
     ms = [s * 1000 for s in seconds]
     return {
         "n": len(ms),
         "p50_ms": round(percentile(ms, 50), 2),
+        "p90_ms": round(percentile(ms, 90), 2),
         "p99_ms": round(percentile(ms, 99), 2),
         "mean_ms": round(statistics.fmean(ms), 2),
         "min_ms": round(min(ms), 2),
         "max_ms": round(max(ms), 2),
     }
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished (waited-for) children: in a
+    timed phase only plugin execs finish, so a phase's delta over its pods is the plugin's
+    CPU per pod (a delegated IPAM plugin's included: the reference ``host-local``)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _timed_phase(
@@ -109,9 +123,13 @@ def run_pods(
     pods: int,
     warmup: int,
     concurrency: int,
+    processes: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
     """ADD ``pods`` pods on ``concurrency`` workers, then DEL them (after ``warmup``
-    untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s}``.
+    untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s,
+    "add_cpu_ms": {"plugin": ms per pod, <name>: ms per pod, ...}, "del_cpu_ms": {...}}``:
+    the CPU per pod of the plugin execs and of each of ``processes`` (name → pid, e.g. the
+    stack's agent, operator and redis) over the timed phase.
 
     Raises:
         BenchError: an ADD or DEL failed (its CNI error is included).
@@ -133,7 +151,13 @@ def run_pods(
 
         for name, op in (("add", add), ("del", delete)):
             _timed_phase(created[:warmup], op, concurrency)
+            before = {k: datapath.process_cpu_seconds(v) for k, v in (processes or {}).items()}
+            plugin_before = children_cpu_seconds()
             outcomes, wall = _timed_phase(created[warmup:], op, concurrency)
+            cpu = {"plugin": children_cpu_seconds() - plugin_before}
+            for key, pid in (processes or {}).items():
+                cpu[key] = datapath.process_cpu_seconds(pid) - before[key]
+            out[f"{name}_cpu_ms"] = {k: round(v * 1000 / pods, 2) for k, v in cpu.items()}
             for pod, outcome in zip(created[warmup:], outcomes, strict=True):
                 if outcome.returncode != 0:
                     raise BenchError(
@@ -210,6 +234,7 @@ def bench_cilia(
             args.pods,
             args.warmup,
             concurrency,
+            {name: stack.pid(name) for name in STACK_PROCESSES},
         )
         records = [json.loads(line) for line in log_file.read_text().splitlines() if line]
         data["log"] = [r for r in records if str(r.get("msg", "")).endswith("succeeded")]
@@ -285,7 +310,7 @@ def bench_version(args: argparse.Namespace, plugin: pathlib.Path = cni.CILIA_CNI
 def table(rows: list[tuple[str, str, int, dict[str, float]]]) -> str:
     """Render ``(plugin, op, concurrency, summary)`` rows as a fixed-width table."""
     head = (
-        f"{'plugin':<28} {'op':<8} {'conc':>4} {'n':>4} {'p50 ms':>9} {'p99 ms':>9} "
+        f"{'plugin':<28} {'op':<8} {'conc':>4} {'n':>4} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} "
         f"{'mean ms':>9} {'pods/s':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -293,6 +318,7 @@ def table(rows: list[tuple[str, str, int, dict[str, float]]]) -> str:
         rate = f"{s['pods_per_s']:>8.1f}" if "pods_per_s" in s else f"{'':>8}"
         lines.append(
             f"{plugin:<28} {op:<8} {conc or '':>4} {int(s['n']):>4} {s['p50_ms']:>9.1f} "
+            f"{s['p90_ms']:>9.1f} "
             f"{s['p99_ms']:>9.1f} {s['mean_ms']:>9.1f} {rate}"
         )
     return "\n".join(lines)
@@ -407,11 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
 
-    def summary_of(data: dict[str, Any]) -> dict[str, dict[str, float]]:
-        out = {}
+    def summary_of(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
         for op in ("add", "del"):
-            s = summarize(data[op])
+            s: dict[str, Any] = dict(summarize(data[op]))
             s["pods_per_s"] = round(len(data[op]) / data[f"{op}_wall"], 2)
+            s["cpu_ms_per_pod"] = data[f"{op}_cpu_ms"]
             out[op] = s
         return out
 
@@ -435,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         for conc in levels:
             r, c = summary["reference"][str(conc)], summary[key][str(conc)]
             for op in ("add", "del"):
-                for q in ("p50", "p99"):
+                for q in ("p50", "p90", "p99"):
                     out[f"{op}_{q}_c{conc}"] = round(c[op][f"{q}_ms"] / r[op][f"{q}_ms"], 2)
                 out[f"{op}_pods_per_s_c{conc}"] = round(
                     c[op]["pods_per_s"] / r[op]["pods_per_s"], 3
@@ -447,14 +474,18 @@ def main(argv: list[str] | None = None) -> int:
     frozen_ratio = ratios("frozen") if frz else {}
     if frz:
         ratio_sets.append(("cilia-cni frozen", frozen_ratio))
-    rows: list[tuple[str, str, int, dict[str, float]]] = []
-    for conc in levels:
+
+    def sets_of(conc: int) -> list[tuple[str, str]]:
         sets = [("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")]
         if frz:
             sets.append(("cilia-cni frozen", "frozen"))
         if cmp:
             sets.append(("compare " + args.compare_cni.name, "compare"))
-        for name, key in sets:
+        return sets
+
+    rows: list[tuple[str, str, int, dict[str, float]]] = []
+    for conc in levels:
+        for name, key in sets_of(conc):
             for op in ("add", "del"):
                 rows.append((name, op.upper(), conc, summary[key][str(conc)][op]))
     rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
@@ -469,8 +500,20 @@ def main(argv: list[str] | None = None) -> int:
             for op in ("add", "del"):
                 print(
                     f"  {op.upper():<4} c={conc:<3} p50 {rset[f'{op}_p50_c{conc}']:>6.2f}x   "
+                    f"p90 {rset[f'{op}_p90_c{conc}']:>6.2f}x   "
                     f"p99 {rset[f'{op}_p99_c{conc}']:>6.2f}x   "
                     f"pods/s {rset[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
+                )
+
+    print("\nCPU per pod, ms (user + system; plugin: its execs; the stack's processes beside it):")
+    for conc in levels:
+        for name, key in sets_of(conc):
+            for op in ("add", "del"):
+                cpu = summary[key][str(conc)][op]["cpu_ms_per_pod"]
+                parts = "  ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                print(
+                    f"  {name:<28} {op.upper():<4} c={conc:<3} total {sum(cpu.values()):6.1f}  "
+                    f"{parts}"
                 )
 
     breakdowns = [("cilia-cni", "cilia_add_breakdown_median")]

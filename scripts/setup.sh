@@ -84,8 +84,10 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
     "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" \
         -c constraints.txt --build-constraint constraints.txt "$@"
   }
+  # hpack, hyperframe: the reference the cni tests check cilia_cni's own HTTP/2 code against
+  # (services/cni's `test` extra; the plugin itself no longer imports them).
   uvpip grpcio-tools pytest pytest-timeout hypothesis ruff mypy tox tox-uv types-protobuf \
-      types-PyYAML pyinstaller playwright
+      types-PyYAML pyinstaller playwright hpack hyperframe
   # --reinstall-package: ./proto is a plain install; rebuild it so changed .proto files count.
   uvpip --reinstall-package cilia-api ./proto -e lib/common -e lib/kubemock -e lib/testkit \
       $(for s in services/*/; do printf -- '-e %s ' "$s"; done)

@@ -34,7 +34,7 @@ Why onedir and these options (measured, services/cni/README.md "Frozen binary"):
 
 Cache: ``${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cni-bin/<cilia-cni version>-pyinstaller<version>-
 <16 hex>/cilia-cni/``, the hex a sha256 over every input (this file, entry.py, the plugin's
-sources, the generated ``cilia-api`` modules, the versions of the frozen distributions and of
+sources, the versions of the frozen distributions and of
 PyInstaller, the interpreter's version and platform). A present bundle is reused, so
 ``scripts/setup.sh`` and CI pay the build (~10-20 s) once per change of the plugin. Bundles
 unused for ``--prune-days`` days are removed after a build.
@@ -70,14 +70,11 @@ CONTENTS_DIR = f".{NAME}"
 #: Modules left out of the bundle (see the module docstring: PyInstaller's start-up imports
 #: them when they are bundled, and the plugin itself never imports them).
 EXCLUDED_MODULES = ("inspect", "multiprocessing", "pkgutil", "ctypes")
-#: Distributions whose version decides the bundle's content (cilia-api is hashed by content
-#: too: its generated modules change without a version bump).
+#: Distributions whose version decides the bundle's content (the plugin's own sources are
+#: hashed by content; protobuf and google.rpc are imported on the agent-error path only).
 FROZEN_DISTRIBUTIONS = (
     "cilia-cni",
-    "cilia-api",
     "protobuf",
-    "hpack",
-    "hyperframe",
     "googleapis-common-protos",
     "pyinstaller",
     "pyinstaller-hooks-contrib",
@@ -127,9 +124,6 @@ def input_digest() -> str:
             h.update(f"{dist}=={importlib.metadata.version(dist)}\0".encode())
         except importlib.metadata.PackageNotFoundError as exc:
             raise FreezeError(f"{dist} is not installed here; run scripts/setup.sh") from exc
-    for file in sorted(importlib.metadata.files("cilia-api") or [], key=str):
-        if str(file).endswith(".py"):
-            h.update(str(file).encode() + b"\0" + Path(str(file.locate())).read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

@@ -2,8 +2,8 @@
 
 Imported lazily by the plugin, only once the invocation is valid and the socket exists:
 this is the module that pays for the HTTP/2 client (:mod:`cilia_cni.h2grpc`: hpack,
-hyperframe) and the generated messages. Method paths come from the contract's
-descriptor, so the service name is not repeated here.
+hyperframe). Messages and method paths are :mod:`cilia_cni.wire`'s (the protobuf runtime
+is not imported on the success path; its tests check them against the contract).
 
 gRPC status → CNI error (documented in services/cni/README.md):
 
@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import time
 
-from google.protobuf.message import DecodeError, Message  # loaded by agent_pb2 already
-
-from cilia.agent.v1 import agent_pb2
+from cilia_cni import wire
 from cilia_cni.errors import (
     AgentTimeout,
     AgentUnavailable,
@@ -74,7 +72,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import TypeVar
 
-    _Response = TypeVar("_Response", bound=Message)
+    _Response = TypeVar("_Response", bound=wire.Message)
 
 #: How cilia-agent's IPAM ``PoolExhausted`` message starts (services/agent ipam/allocator.py);
 #: read only when the agent sent no ErrorInfo (an agent older than the reasons).
@@ -100,6 +98,7 @@ def error_reason(exc: RpcError) -> tuple[str, str] | None:
     """
     if not exc.status_details:
         return None
+    from google.protobuf.message import DecodeError
     from google.rpc import error_details_pb2, status_pb2
 
     try:
@@ -116,9 +115,6 @@ def error_reason(exc: RpcError) -> tuple[str, str] | None:
 #: grpc core's message size limit errors ("Received/Sent message larger than max (N vs. M)").
 SIZE_LIMIT_TEXT = "message larger than max"
 
-_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AttachmentService"]
-_DEBUG = agent_pb2.DESCRIPTOR.services_by_name["DebugService"]
-
 _BY_STATUS: dict[str, type[CniError]] = {
     "UNAVAILABLE": AgentUnavailable,
     "DEADLINE_EXCEEDED": AgentUnavailable,
@@ -133,11 +129,6 @@ _BY_STATUS_CHECK: dict[str, type[CniError]] = {
     "NOT_FOUND": UnknownContainer,
     "FAILED_PRECONDITION": CheckMismatch,
 }
-
-
-def _method(name: str, service: object = _SERVICE) -> str:
-    svc = service  # a ServiceDescriptor
-    return f"/{svc.full_name}/{svc.methods_by_name[name].name}"  # type: ignore[attr-defined]
 
 
 class AgentClient:
@@ -163,19 +154,19 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         pass  # every call closes its own connection
 
-    def add(self, request: agent_pb2.AddRequest, timeout: float) -> agent_pb2.AddResponse:
+    def add(self, request: wire.AddRequest, timeout: float) -> wire.AddResponse:
         """Call ``Add`` with a deadline of ``timeout`` seconds.
 
         Raises:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response = self._call("Add", request, agent_pb2.AddResponse, timeout)
+            response = self._call(wire.ADD_METHOD, request, wire.AddResponse, timeout)
         except RpcError as exc:
             raise self._error("ADD", exc, timeout, "agent-timeout-seconds") from None
         return response
 
-    def delete(self, request: agent_pb2.DelRequest, timeout: float) -> bool:
+    def delete(self, request: wire.DelRequest, timeout: float) -> bool:
         """Call ``Del`` with a deadline of ``timeout`` seconds.
 
         Returns whether the agent had something to delete.
@@ -184,12 +175,12 @@ class AgentClient:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response = self._call("Del", request, agent_pb2.DelResponse, timeout)
+            response = self._call(wire.DEL_METHOD, request, wire.DelResponse, timeout)
         except RpcError as exc:
             raise self._error("DEL", exc, timeout, "agent-del-timeout-seconds") from None
         return bool(response.deleted)
 
-    def check(self, request: agent_pb2.CheckRequest, timeout: float) -> agent_pb2.CheckResponse:
+    def check(self, request: wire.CheckRequest, timeout: float) -> wire.CheckResponse:
         """Call ``Check`` with a deadline of ``timeout`` seconds.
 
         Raises:
@@ -197,26 +188,26 @@ class AgentClient:
                 AgentUnavailable, ... (see the module table).
         """
         try:
-            response = self._call("Check", request, agent_pb2.CheckResponse, timeout)
+            response = self._call(wire.CHECK_METHOD, request, wire.CheckResponse, timeout)
         except RpcError as exc:
             raise self._error(
                 "CHECK", exc, timeout, "agent-timeout-seconds", _BY_STATUS_CHECK
             ) from None
         return response
 
-    def gc(self, request: agent_pb2.GCRequest, timeout: float) -> agent_pb2.GCResponse:
+    def gc(self, request: wire.GCRequest, timeout: float) -> wire.GCResponse:
         """Call ``GC`` with a deadline of ``timeout`` seconds.
 
         Raises:
             CniError: the subclass mapped from the gRPC status (see the module table).
         """
         try:
-            response = self._call("GC", request, agent_pb2.GCResponse, timeout)
+            response = self._call(wire.GC_METHOD, request, wire.GCResponse, timeout)
         except RpcError as exc:
             raise self._error("GC", exc, timeout, "agent-timeout-seconds") from None
         return response
 
-    def status(self, timeout: float) -> agent_pb2.StatusResponse:
+    def status(self, timeout: float) -> wire.StatusResponse:
         """Call ``DebugService.Status`` with a deadline of ``timeout`` seconds.
 
         Raises:
@@ -224,21 +215,16 @@ class AgentClient:
         """
         try:
             response = self._call(
-                "Status", agent_pb2.StatusRequest(), agent_pb2.StatusResponse, timeout, _DEBUG
+                wire.STATUS_METHOD, wire.StatusRequest(), wire.StatusResponse, timeout
             )
         except RpcError as exc:
             raise self._error("STATUS", exc, timeout, "agent-timeout-seconds") from None
         return response
 
     def _call(
-        self,
-        name: str,
-        request: Message,
-        response: type[_Response],
-        timeout: float,
-        service: object = _SERVICE,
+        self, method: str, request: wire.Message, response: type[_Response], timeout: float
     ) -> _Response:
-        """One unary call of method ``name`` of ``service``; the response as ``response``.
+        """One unary call of ``method`` (its path); the response as ``response``.
 
         Raises:
             RpcError: the call's status is not OK; a response that does not parse as
@@ -248,7 +234,7 @@ class AgentClient:
         try:
             raw = unary_call(
                 self.socket_path,
-                _method(name, service),
+                method,
                 request.SerializeToString(),
                 timeout,
                 max_response_bytes=self.max_response_bytes,
@@ -261,7 +247,8 @@ class AgentClient:
             self.call_ms += (time.monotonic() - started) * 1000
         try:
             return response.FromString(raw)
-        except DecodeError as exc:
+        except wire.DecodeError as exc:
+            name = method.rpartition("/")[2]
             raise RpcError(INTERNAL, f"the agent's {name} response does not parse: {exc}") from None
 
     def _error(

@@ -6,7 +6,8 @@ in protobuf binary form, written to ``.<name>.tmp`` first and renamed, so the ag
 reads a partial file. The agent replays every ``*.del`` in name order before it serves
 requests, then deletes it (upstream: cilium-cni's ``/var/run/cilium/deleteQueue``).
 
-Imported only on that path: it needs the generated messages but not the agent client.
+Imported only on that path: it needs the messages (:mod:`cilia_cni.wire`) but not the agent
+client.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hashlib
 import os
 import time
 
-from cilia.agent.v1 import agent_pb2
+from cilia_cni import wire
 from cilia_cni.errors import AgentUnavailable
 
 #: Mode of the queue directory when the plugin creates it (root only, like the socket).
@@ -30,7 +31,7 @@ def entry_key(container_id: str, ifname: str) -> str:
     return hashlib.sha256(f"{container_id}/{ifname}".encode()).hexdigest()[:16]
 
 
-def enqueue(directory: str, limit: int, request: agent_pb2.DelRequest, why: str) -> str:
+def enqueue(directory: str, limit: int, request: wire.DelRequest, why: str) -> str:
     """Queue ``request``; return the file's path (an existing one for the same attachment).
 
     A DEL already queued for (container_id, ifname) is not queued twice: the runtime
@@ -63,7 +64,7 @@ def enqueue(directory: str, limit: int, request: agent_pb2.DelRequest, why: str)
     name = f"{now_ms:013d}-{key}{SUFFIX}"
     path = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    data = agent_pb2.QueuedDel(request=request, queued_at_unix_ms=now_ms).SerializeToString()
+    data = wire.QueuedDel(request=request, queued_at_unix_ms=now_ms).SerializeToString()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, QUEUE_FILE_MODE)
         try:

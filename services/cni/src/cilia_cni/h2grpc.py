@@ -3,10 +3,13 @@ stream per call.
 
 Why not grpcio: the plugin is exec'd once per pod operation, and ``import grpc`` costs
 70-150 ms on an idle 2-core host (its extension imports asyncio, ``grpc/__init__`` imports
-``grpc.aio``) — more than everything else in an ADD. This client needs only the
-python-hyper libraries ``hyperframe`` (HTTP/2 frame encoding and decoding) and ``hpack``
-(HPACK header compression, RFC 7541); the code here is the client side of the connection
-sequence and gRPC's 5-byte message framing. The agent side (grpcio's server) is unchanged.
+``grpc.aio``) — more than everything else in an ADD. Nor the python-hyper libraries
+(``hyperframe`` for frames, ``hpack`` for header compression) it used before: with what
+they import (``logging``, ``typing``, ``enum`` flags) they were about a third of an ADD
+exec's imports. The code here is the client side of the connection sequence, the frames
+it sends and reads (RFC 9113 §4.1 layout, §6 payloads), and gRPC's 5-byte message
+framing; header blocks are :mod:`cilia_cni.hpack`'s. The agent side (grpcio's server) is
+unchanged.
 
 Specs followed:
 
@@ -42,21 +45,8 @@ import _socket
 import struct
 import time
 
-from hpack import Decoder, Encoder
-from hpack.exceptions import HPACKError
-from hyperframe.exceptions import HyperframeError
-from hyperframe.frame import (
-    ContinuationFrame,
-    DataFrame,
-    Frame,
-    GoAwayFrame,
-    HeadersFrame,
-    PingFrame,
-    PushPromiseFrame,
-    RstStreamFrame,
-    SettingsFrame,
-    WindowUpdateFrame,
-)
+from cilia_cni.hpack import Decoder, HPACKError
+from cilia_cni.hpack import encode as encode_headers
 
 # gRPC status codes (grpc/grpc doc/statuscodes.md), index = numeric code.
 STATUS_NAMES = (
@@ -101,6 +91,21 @@ RECV_BYTES = 256 * 1024
 #: ``:authority`` of every call (what grpcio sends for a ``unix:`` target).
 AUTHORITY = "localhost"
 USER_AGENT = "grpc-python-cilia-cni/0.1 (h2 unary)"
+
+# RFC 9113 §6 frame types, flags and the SETTINGS identifiers used here.
+_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE = 0, 1, 2, 3, 4, 5
+_PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 6, 7, 8, 9
+_END_STREAM = _ACK = 0x1
+_END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x4, 0x8, 0x20
+_SETTINGS_HEADER_TABLE_SIZE, _SETTINGS_ENABLE_PUSH = 1, 2
+_SETTINGS_INITIAL_WINDOW_SIZE, _SETTINGS_MAX_FRAME_SIZE = 4, 5
+#: Frame types that belong to a stream (stream id 0 is a PROTOCOL_ERROR) and those that
+#: belong to the connection (a stream id is).
+_STREAM_FRAMES = {_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _PUSH_PROMISE, _CONTINUATION}
+_CONNECTION_FRAMES = {_SETTINGS, _PING, _GOAWAY}
+#: The 9-octet frame header (RFC 9113 §4.1): 24-bit length (as 16 + 8), type, flags,
+#: reserved bit + 31-bit stream id.
+_FRAME_HEADER = struct.Struct(">HBBBI")
 
 # RFC 9113 §7 error codes used here.
 _NO_ERROR, _PROTOCOL_ERROR, _REFUSED_STREAM, _CANCEL = 0, 1, 7, 8
@@ -241,6 +246,79 @@ def unary_call(
         sock.close()
 
 
+class FrameError(ValueError):
+    """A received frame breaks RFC 9113 §4-§6 (the message says how)."""
+
+
+def frame_bytes(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    """One frame's bytes (RFC 9113 §4.1)."""
+    size = len(payload)
+    return _FRAME_HEADER.pack(size >> 8, size & 0xFF, kind, flags, stream_id) + payload
+
+
+class Frame:
+    """A received frame: ``kind`` (type), ``flags``, ``stream_id`` and ``data``, the
+    payload without padding and priority fields (DATA, HEADERS) or as sent (the others).
+
+    Raises (:meth:`parse`): FrameError for a payload its type does not allow.
+    """
+
+    __slots__ = ("data", "flags", "kind", "stream_id")
+
+    def __init__(self, kind: int, flags: int, stream_id: int, data: bytes) -> None:
+        self.kind = kind
+        self.flags = flags
+        self.stream_id = stream_id
+        self.data = data
+
+    @classmethod
+    def parse(cls, kind: int, flags: int, stream_id: int, payload: bytes) -> Frame:
+        """Check ``payload`` against the frame type's rules (RFC 9113 §6) and strip padding."""
+        if kind in _STREAM_FRAMES and stream_id == 0:
+            raise FrameError(f"frame type {kind} on stream 0")
+        if kind in _CONNECTION_FRAMES and stream_id != 0:
+            raise FrameError(f"frame type {kind} on stream {stream_id}")
+        size = len(payload)
+        fixed = {_RST_STREAM: 4, _PING: 8, _WINDOW_UPDATE: 4, _PRIORITY: 5}.get(kind)
+        if fixed is not None and size != fixed:
+            raise FrameError(f"frame type {kind} of {size} bytes, not {fixed}")
+        if kind in (_DATA, _HEADERS) and flags & _PADDED:
+            if not size or payload[0] >= size:
+                raise FrameError("padding exceeds the payload")
+            payload = payload[1 : size - payload[0]]
+        if kind == _HEADERS and flags & _PRIORITY_FLAG:
+            if len(payload) < 5:
+                raise FrameError("HEADERS too short for its priority fields")
+            payload = payload[5:]
+        if kind == _SETTINGS and (size % 6 or (flags & _ACK and size)):
+            raise FrameError(f"SETTINGS of {size} bytes")
+        if kind == _GOAWAY and size < 8:
+            raise FrameError(f"GOAWAY of {size} bytes")
+        if kind == _WINDOW_UPDATE and not int.from_bytes(payload, "big") & 0x7FFFFFFF:
+            raise FrameError("WINDOW_UPDATE with a zero increment")
+        return cls(kind, flags, stream_id, payload)
+
+    def settings(self) -> dict[int, int]:
+        """A SETTINGS frame's ``{identifier: value}``."""
+        data = self.data
+        return {
+            int.from_bytes(data[i : i + 2], "big"): int.from_bytes(data[i + 2 : i + 6], "big")
+            for i in range(0, len(data), 6)
+        }
+
+    def u31(self, offset: int = 0) -> int:
+        """The 31-bit value at ``offset`` (window increment, GOAWAY last stream id)."""
+        return int.from_bytes(self.data[offset : offset + 4], "big") & 0x7FFFFFFF
+
+    def u32(self, offset: int = 0) -> int:
+        """The 32-bit value at ``offset`` (an error code)."""
+        return int.from_bytes(self.data[offset : offset + 4], "big")
+
+
+def _rst_stream(error_code: int) -> bytes:
+    return frame_bytes(_RST_STREAM, 0, STREAM_ID, error_code.to_bytes(4, "big"))
+
+
 class _Call:
     """The client side of one HTTP/2 connection carrying stream 1 (RFC 9113 §5.1 states:
     idle → open → half-closed (local) → closed)."""
@@ -253,7 +331,6 @@ class _Call:
         self.deadline = deadline
         self.where = f"unix:{where}"
         self.buf = bytearray()
-        self.encoder = Encoder()
         self.decoder = Decoder(MAX_HEADER_LIST_BYTES)
         # What the peer lets us send (its SETTINGS and WINDOW_UPDATEs).
         self.max_frame = DEFAULT_MAX_FRAME_SIZE
@@ -275,18 +352,19 @@ class _Call:
     # -- sending --------------------------------------------------------------------------
 
     def run(self, method: str, request: bytes, authority: str) -> bytes:
-        settings = SettingsFrame(
+        settings = frame_bytes(
+            _SETTINGS,
             0,
-            settings={
-                SettingsFrame.ENABLE_PUSH: 0,
-                SettingsFrame.INITIAL_WINDOW_SIZE: MAX_WINDOW,
-            },
+            0,
+            struct.pack(
+                ">HIHI", _SETTINGS_ENABLE_PUSH, 0, _SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW
+            ),
         )
-        window = WindowUpdateFrame(0, window_increment=MAX_WINDOW - DEFAULT_WINDOW)
+        window = frame_bytes(_WINDOW_UPDATE, 0, 0, (MAX_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big"))
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise self._deadline_error()
-        block = self.encoder.encode(
+        block = encode_headers(
             [
                 (":method", "POST"),
                 (":scheme", "http"),
@@ -298,7 +376,7 @@ class _Call:
                 ("user-agent", USER_AGENT),
             ]
         )
-        self._send(PREFACE + settings.serialize() + window.serialize() + self._header_frames(block))
+        self._send(PREFACE + settings + window + self._header_frames(block))
         self._send_message(_MESSAGE_PREFIX.pack(0, len(request)) + request)
         while not self.ended:
             self._handle(self._read_frame())
@@ -307,17 +385,16 @@ class _Call:
     def _header_frames(self, block: bytes) -> bytes:
         """HEADERS (+ CONTINUATION) frames carrying ``block`` on stream 1 (RFC 9113 §6.10)."""
         size = self.max_frame
-        first = HeadersFrame(STREAM_ID, block[:size])
-        rest = [block[i : i + size] for i in range(size, len(block), size)]
-        if not rest:
-            first.flags.add("END_HEADERS")
-        frames = [first.serialize()]
-        for i, part in enumerate(rest):
-            cont = ContinuationFrame(STREAM_ID, part)
-            if i == len(rest) - 1:
-                cont.flags.add("END_HEADERS")
-            frames.append(cont.serialize())
-        return b"".join(frames)
+        parts = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
+        return b"".join(
+            frame_bytes(
+                _HEADERS if i == 0 else _CONTINUATION,
+                _END_HEADERS if i == len(parts) - 1 else 0,
+                STREAM_ID,
+                part,
+            )
+            for i, part in enumerate(parts)
+        )
 
     def _send_message(self, body: bytes) -> None:
         """DATA frames of ``body`` within the peer's frame size and windows, END_STREAM on
@@ -326,7 +403,7 @@ class _Call:
         while offset < len(body):
             if self.ended or self.send_closed:
                 if self.ended and not self.send_closed:  # PROTOCOL-HTTP2 "Early Server Closure"
-                    self._send(RstStreamFrame(STREAM_ID, error_code=_NO_ERROR).serialize())
+                    self._send(_rst_stream(_NO_ERROR))
                 return
             allowed = min(self.conn_window, self.stream_window, self.max_frame)
             if allowed <= 0:
@@ -334,10 +411,8 @@ class _Call:
                 continue
             chunk = body[offset : offset + allowed]
             offset += len(chunk)
-            frame = DataFrame(STREAM_ID, chunk)
-            if offset == len(body):
-                frame.flags.add("END_STREAM")
-            self._send(frame.serialize())
+            end = _END_STREAM if offset == len(body) else 0
+            self._send(frame_bytes(_DATA, end, STREAM_ID, chunk))
             self.conn_window -= len(chunk)
             self.stream_window -= len(chunk)
 
@@ -380,25 +455,20 @@ class _Call:
 
     def _read_frame(self) -> Frame:
         header = self._recv_exact(9)
-        try:
-            frame, length = Frame.parse_frame_header(memoryview(header))
-        except HyperframeError as exc:
-            if not self.got_preface:
-                raise self._not_http2(header) from None
-            raise self._protocol_error(f"malformed frame: {exc}") from None
+        high, low, kind, flags, stream_id = _FRAME_HEADER.unpack(header)
+        length = high << 8 | low
         if not self.got_preface:
             # RFC 9113 §3.4: the server's preface is a SETTINGS frame, first. Anything else
             # (b"HTTP/1.1 ", garbage) is not an HTTP/2 server: say so, not "frame too big".
-            if not isinstance(frame, SettingsFrame) or length > DEFAULT_MAX_FRAME_SIZE:
+            if kind != _SETTINGS or length > DEFAULT_MAX_FRAME_SIZE:
                 raise self._not_http2(header)
             self.got_preface = True
         if length > DEFAULT_MAX_FRAME_SIZE:  # RFC 9113 §4.2: our advertised maximum
             raise self._protocol_error(f"frame of {length} bytes exceeds MAX_FRAME_SIZE")
         try:
-            frame.parse_body(memoryview(self._recv_exact(length)))
-        except HyperframeError as exc:
+            return Frame.parse(kind, flags, stream_id & 0x7FFFFFFF, self._recv_exact(length))
+        except FrameError as exc:
             raise self._protocol_error(f"malformed frame: {exc}") from None
-        return frame
 
     def _not_http2(self, first: bytes) -> NotHttp2:
         return NotHttp2(
@@ -410,9 +480,10 @@ class _Call:
 
     def _handle(self, frame: Frame) -> None:
         """Apply one received frame to the connection and stream state (RFC 9113 §6)."""
-        if self.block_stream and not isinstance(frame, ContinuationFrame):
+        kind = frame.kind
+        if self.block_stream and kind != _CONTINUATION:
             raise self._protocol_error("header block interrupted before END_HEADERS")
-        if isinstance(frame, DataFrame):
+        if kind == _DATA:
             if frame.stream_id == STREAM_ID:
                 if self.headers is None or self.ended:
                     raise self._protocol_error("DATA outside the response")
@@ -423,63 +494,64 @@ class _Call:
                         f"the response from {self.where} is larger than "
                         f"{self.max_response_bytes} bytes",
                     )
-                if "END_STREAM" in frame.flags:
+                if frame.flags & _END_STREAM:
                     self.ended = True
-        elif isinstance(frame, HeadersFrame):
+        elif kind == _HEADERS:
             self.block = bytearray(frame.data)
             self.block_stream = frame.stream_id
-            self.block_end_stream = "END_STREAM" in frame.flags
-            if "END_HEADERS" in frame.flags:
+            self.block_end_stream = bool(frame.flags & _END_STREAM)
+            if frame.flags & _END_HEADERS:
                 self._header_block()
-        elif isinstance(frame, ContinuationFrame):
+        elif kind == _CONTINUATION:
             if frame.stream_id != self.block_stream or not self.block_stream:
                 raise self._protocol_error("CONTINUATION without its HEADERS")
             self.block += frame.data
             if len(self.block) > MAX_HEADER_LIST_BYTES:
                 raise self._protocol_error("header block too large")
-            if "END_HEADERS" in frame.flags:
+            if frame.flags & _END_HEADERS:
                 self._header_block()
-        elif isinstance(frame, SettingsFrame):
-            if "ACK" not in frame.flags:
-                self._apply_settings(frame.settings)
-                self._send(SettingsFrame(0, flags=["ACK"]).serialize())
-        elif isinstance(frame, PingFrame):
-            if "ACK" not in frame.flags:
-                self._send(PingFrame(0, frame.opaque_data, flags=["ACK"]).serialize())
-        elif isinstance(frame, WindowUpdateFrame):
+        elif kind == _SETTINGS:
+            if not frame.flags & _ACK:
+                self._apply_settings(frame.settings())
+                self._send(frame_bytes(_SETTINGS, _ACK, 0))
+        elif kind == _PING:
+            if not frame.flags & _ACK:
+                self._send(frame_bytes(_PING, _ACK, 0, frame.data))
+        elif kind == _WINDOW_UPDATE:
             if frame.stream_id == 0:
-                self.conn_window += frame.window_increment
+                self.conn_window += frame.u31()
             elif frame.stream_id == STREAM_ID:
-                self.stream_window += frame.window_increment
-        elif isinstance(frame, RstStreamFrame):
+                self.stream_window += frame.u31()
+        elif kind == _RST_STREAM:
             if frame.stream_id == STREAM_ID:
-                self._reset(frame.error_code)
-        elif isinstance(frame, GoAwayFrame):
-            self.goaway_last_stream = frame.last_stream_id
-            if frame.last_stream_id < STREAM_ID:
+                self._reset(frame.u32())
+        elif kind == _GOAWAY:
+            last_stream = frame.u31()
+            self.goaway_last_stream = last_stream
+            if last_stream < STREAM_ID:
                 raise RpcError(
                     UNAVAILABLE,
                     f"{self.where} closed the connection before taking the call (GOAWAY "
-                    f"{_h2_error(frame.error_code)}{_debug(frame.additional_data)})",
+                    f"{_h2_error(frame.u32(4))}{_debug(frame.data[8:])})",
                     transport=True,
                 )
-        elif isinstance(frame, PushPromiseFrame):
+        elif kind == _PUSH_PROMISE:
             raise self._protocol_error("PUSH_PROMISE although SETTINGS_ENABLE_PUSH is 0")
         # PRIORITY, ALTSVC and extension frames are ignored (RFC 9113 §5.5).
 
     def _apply_settings(self, settings: dict[int, int]) -> None:
         for key, value in settings.items():
-            if key == SettingsFrame.INITIAL_WINDOW_SIZE:
+            if key == _SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise self._protocol_error("SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1")
                 self.stream_window += value - self.peer_initial_window  # §6.9.2
                 self.peer_initial_window = value
-            elif key == SettingsFrame.MAX_FRAME_SIZE:
+            elif key == _SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_MAX_FRAME_SIZE <= value <= 2**24 - 1:
                     raise self._protocol_error(f"SETTINGS_MAX_FRAME_SIZE {value} out of range")
                 self.max_frame = value
-            elif key == SettingsFrame.HEADER_TABLE_SIZE:
-                self.encoder.header_table_size = value
+            # SETTINGS_HEADER_TABLE_SIZE needs nothing: our header block never indexes
+            # (cilia_cni.hpack.encode), so the peer's dynamic table is never used.
 
     def _header_block(self) -> None:
         """Decode a complete header block; the first on stream 1 is the response headers
@@ -488,7 +560,7 @@ class _Call:
         self.block_stream = 0
         self.block = bytearray()
         try:
-            fields = self.decoder.decode(block, raw=True)  # always: keeps the HPACK state
+            fields = self.decoder.decode(block)  # always: keeps the HPACK state
         except HPACKError as exc:
             raise self._protocol_error(f"header block cannot be decoded: {exc}") from None
         if stream != STREAM_ID:
@@ -560,7 +632,7 @@ class _Call:
     def _deadline_error(self) -> RpcError:
         try:  # a client cancellation (PROTOCOL-HTTP2.md): best effort, never blocks
             self.sock.settimeout(0)
-            self.sock.send(RstStreamFrame(STREAM_ID, error_code=_CANCEL).serialize())
+            self.sock.send(_rst_stream(_CANCEL))
         except OSError:
             pass
         return RpcError(DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -573,7 +645,9 @@ class _Call:
     def _protocol_error(self, why: str) -> RpcError:
         try:  # RFC 9113 §5.4.1: a connection error is GOAWAY + close; best effort
             self.sock.settimeout(0)
-            self.sock.send(GoAwayFrame(0, error_code=_PROTOCOL_ERROR).serialize())
+            self.sock.send(
+                frame_bytes(_GOAWAY, 0, 0, bytes(4) + _PROTOCOL_ERROR.to_bytes(4, "big"))
+            )
         except OSError:
             pass
         return RpcError(INTERNAL, f"HTTP/2 protocol error from {self.where}: {why}")

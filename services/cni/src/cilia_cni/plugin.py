@@ -6,8 +6,8 @@ answered here; then the other CNI_* variables (4), stdin JSON (6), ``cniVersion`
 also when the command is newer than the version: CHECK < 0.4.0, GC/STATUS < 1.1.0), the
 plugin's netconf keys (7), CNI_ARGS, labels, annotations and prevResult (4/7), the agent
 socket (11; 50 for STATUS; DEL queues itself on disk), the agent's answer (see
-:mod:`cilia_cni.agent`). The agent client (HTTP/2, protobuf) is imported only for that
-last step.
+:mod:`cilia_cni.agent`). The agent client (HTTP/2, :mod:`cilia_cni.wire` messages) is
+imported only for that last step.
 """
 
 from __future__ import annotations
@@ -154,10 +154,9 @@ def _add(
     labels = netconf.parse_labels(conf)
     annotations = netconf.parse_annotations(conf)
     _check_socket(config.agent_socket, "ADD")
-    from cilia.agent.v1 import agent_pb2
-    from cilia_cni import result
+    from cilia_cni import result, wire
 
-    request = agent_pb2.AddRequest(
+    request = wire.AddRequest(
         container_id=invocation.container_id,
         ifname=invocation.ifname,
         netns=invocation.netns,
@@ -198,9 +197,9 @@ def _rollback(
     client: AgentClient, invocation: Invocation, config: netconf.NetConf, exc: CniError
 ) -> None:
     """Best-effort Del after an ADD that failed on our side; the outcome goes to details."""
-    from cilia.agent.v1 import agent_pb2
+    from cilia_cni import wire
 
-    request = agent_pb2.DelRequest(
+    request = wire.DelRequest(
         container_id=invocation.container_id, ifname=invocation.ifname, netns=invocation.netns
     )
     try:
@@ -219,9 +218,9 @@ def _del(
     With the agent unreachable (socket absent, not a socket, refusing) the DEL is queued
     on disk for the agent to replay at start, and succeeds.
     """
-    from cilia.agent.v1 import agent_pb2
+    from cilia_cni import wire
 
-    request = agent_pb2.DelRequest(
+    request = wire.DelRequest(
         container_id=invocation.container_id, ifname=invocation.ifname, netns=invocation.netns
     )
     try:
@@ -289,14 +288,14 @@ def _check(
             "runtime cached; the runtime should DEL and ADD the container again"
         )
     _check_socket(config.agent_socket, "CHECK")
-    from cilia.agent.v1 import agent_pb2
+    from cilia_cni import wire
 
-    request = agent_pb2.CheckRequest(
+    request = wire.CheckRequest(
         container_id=invocation.container_id,
         ifname=invocation.ifname,
         netns=invocation.netns,
         addresses=addresses,
-        routes=[agent_pb2.Route(dst=r["dst"], gw=r.get("gw", "")) for r in routes],
+        routes=[wire.Route(dst=r["dst"], gw=r.get("gw", "")) for r in routes],
         mac=str(interfaces[index].get("mac", "")),
     )
     with _client(config) as client:
@@ -321,11 +320,11 @@ def _gc(
     (or ``cni.dev/attachments``); neither key present is code 7, nothing released."""
     valid = netconf.parse_attachments(conf)
     _check_socket(config.agent_socket, "GC")
-    from cilia.agent.v1 import agent_pb2
+    from cilia_cni import wire
 
-    request = agent_pb2.GCRequest(
+    request = wire.GCRequest(
         valid_attachments=[
-            agent_pb2.Attachment(container_id=cid, ifname=ifname) for cid, ifname in valid
+            wire.Attachment(container_id=cid, ifname=ifname) for cid, ifname in valid
         ]
     )
     with _client(config) as client:
@@ -367,7 +366,7 @@ _COMMANDS = {"ADD": _add, "DEL": _del, "CHECK": _check, "GC": _gc, "STATUS": _st
 
 
 #: Where one run's time went (milliseconds), added to the log line of the outcome:
-#: ``clientImportMs`` (the agent client: hpack, hyperframe, generated messages),
+#: ``clientImportMs`` (the agent client: hpack, hyperframe, cilia_cni.wire),
 #: ``agentMs`` (the agent calls).
 _TIMINGS: dict[str, float] = {}
 
@@ -377,7 +376,7 @@ def _load_client() -> None:
     if "cilia_cni.agent" in sys.modules:
         return
     started = time.monotonic()
-    import cilia_cni.agent  # noqa: F401 - imported for its side effect (h2grpc, agent_pb2)
+    import cilia_cni.agent  # noqa: F401 - imported for its side effect (h2grpc, wire)
 
     _TIMINGS["clientImportMs"] = _ms(started)
 

@@ -3,7 +3,7 @@
 Shapes (spec "Success" of each version): 0.3.0, 0.3.1 and 0.4.0 carry ``ips[].version``
 (``"4"``/``"6"``); 1.0.0 dropped it; ``interfaces[].mtu`` exists from 1.1.0 on.
 
-Kept free of protobuf imports: it reads the response's attributes only.
+It reads the response's attributes only (:class:`cilia_cni.wire.AddResponse`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from cilia.agent.v1 import agent_pb2
+    from cilia_cni.wire import AddResponse
 
 
-def build(cni_version: str, response: agent_pb2.AddResponse) -> dict[str, object]:
+def build(cni_version: str, response: AddResponse) -> dict[str, object]:
     """Return the spec result for ``response`` in ``cni_version``.
 
     Shape: ``{"cniVersion", "interfaces": [{name, mac?, mtu? (1.1.0 only), sandbox?}],
