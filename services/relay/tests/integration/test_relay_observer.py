@@ -168,7 +168,9 @@ def test_flows_from_batching_and_plain_agents_merge_the_same(sockdir: pathlib.Pa
             await wait_until(lambda: len(a.batch_requests) == 2 and len(b.requests) == 2)
             new = make_flow(time.time_ns(), "node-a")
             await a.push(new)
-            seen = []  # the stored flows come first (follow without number sends them all)
+            seen: list[
+                observer_pb2.GetFlowsResponse
+            ] = []  # the stored flows come first (follow without number sends them all)
             while len(seen) < 30 and (not seen or seen[-1] != new):
                 seen.append(await asyncio.wait_for(follow.read(), 5))
             assert seen[-1] == new

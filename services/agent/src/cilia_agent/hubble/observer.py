@@ -154,6 +154,10 @@ class FlowStore:
         node_name: this node's name (stamped on every response).
         version: version string reported by ServerStatus/GetNodes.
         wall_clock_ns: wall clock (tests inject a fake one).
+        on_lost: called with ``(LostEventSource, count)`` for every loss written to the
+            store (:meth:`add_lost`) and with ``(HUBBLE_RING_BUFFER, 1)`` for every
+            LostEvent sent to a follower the ring overtook (the agent counts them in
+            ``hubble_lost_events_total``).
 
     Raises:
         InvalidCapacity: bad capacity.
@@ -166,7 +170,9 @@ class FlowStore:
         node_name: str,
         version: str = "",
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        on_lost: Callable[[int, int], None] | None = None,
     ) -> None:
+        self.on_lost = on_lost
         self.ring: Ring[RingEntry] = Ring(capacity, time_of=lambda e: e.time_ns)
         self.node_name = node_name
         self.version = version
@@ -192,6 +198,8 @@ class FlowStore:
         entry = RingEntry(self._wall(), lost=lost, lost_before=self.lost_totals)
         self.lost_totals = entry.lost_after()
         self.ring.write(entry)
+        if self.on_lost is not None:
+            self.on_lost(int(source), count)
 
     @property
     def uptime_ns(self) -> int:
@@ -379,6 +387,8 @@ class FlowStore:
                             time=now,
                         )
                 if oldest - seq - entries > 0:
+                    if self.on_lost is not None:
+                        self.on_lost(flow_pb2.HUBBLE_RING_BUFFER, 1)
                     yield observer_pb2.GetFlowsResponse(
                         lost_events=flow_pb2.LostEvent(
                             source=flow_pb2.HUBBLE_RING_BUFFER,

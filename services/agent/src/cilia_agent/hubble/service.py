@@ -122,9 +122,14 @@ class Hubble:
         validate_capacity(config.capacity)
         self.config = config
         self.resolver: Resolver = resolver if resolver is not None else MemoryResolver()
-        self.store = FlowStore(config.capacity, node_name=config.node_name, version=config.version)
-        self.parser = Parser(self.resolver, config.node_name, clock)
         self.metrics = HubbleMetrics(registry, handlers=config.metrics)
+        self.store = FlowStore(
+            config.capacity,
+            node_name=config.node_name,
+            version=config.version,
+            on_lost=self.metrics.events_lost,
+        )
+        self.parser = Parser(self.resolver, config.node_name, clock)
         self.peers = PeerRegistry(
             PeerInfo(config.node_name, config.advertise_address),
             max_buffer=config.peer_buffer,
