@@ -435,3 +435,17 @@ def test_hubble_status_health_name_is_serving_on_the_observer_listener(
             assert response.status == health_pb2.HealthCheckResponse.SERVING, address
 
     run(sockdir, scenario)
+
+
+def test_peer_flow_batch_size_zero_reads_agents_through_getflows_only(
+    sockdir: pathlib.Path,
+) -> None:
+    async def scenario(relay: Relay, config: Config, a: FakeAgent, b: FakeAgent, base: int) -> None:
+        channel, stub = observer_stub(config)
+        async with channel:
+            responses = await collect(stub.GetFlows(observer_pb2.GetFlowsRequest(number=2)))
+        assert [r.node_name for r in responses if r.HasField("flow")] == ["node-a", "node-b"] * 2
+        assert a.batch_requests == b.batch_requests == []
+        assert len(a.requests) == len(b.requests) == 1
+
+    run(sockdir, scenario, batches=(True, True), peer_flow_batch_size=0)
