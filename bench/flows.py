@@ -19,11 +19,12 @@ Counted, per offered rate (``--rates`` packets/s, 0 = as fast as one Python send
   endpoint only, exact) = drop events the programs tried to emit;
 * ``agent seen``: the agent's ``ServerStatus.seen_flows`` delta (every flow it decoded,
   from any pod of the node);
-* ``received``: flows printed by ``cilia-relay observe --follow -o json --from-pod
-  bench/cilia-bench-fl-client`` (through the relay, ``--via relay``, default; or straight
-  from the agent's Hubble socket, ``--via agent``), counted once the stream is quiet for
-  ``--drain`` s; ``--client hubble`` runs the upstream ``hubble observe`` (Go, built by
-  ``scripts/hubble-cli.sh``) instead, to tell the Python client's cost from the relay's;
+* ``received``: flows printed by the upstream ``hubble observe --follow -o compact
+  --from-pod bench/cilia-bench-fl-client`` (Go, built by ``scripts/hubble-cli.sh``;
+  ``--output json|jsonpb`` for the JSON printers) through the relay (``--via relay``,
+  default; or straight from the agent's Hubble socket, ``--via agent``), counted once the
+  stream is quiet for ``--drain`` s; ``--client cilia`` runs ``cilia-relay observe``
+  instead;
 * ``LostEvent``: ``lost_events`` records the stream carried (by source);
 * ``lost`` = kernel - received, split into: ``ringbuf`` (LostEvent PERF_EVENT_RING_BUFFER:
   the BPF ring buffer was full and ``bpf_ringbuf_output`` failed; the datapath counts them),
@@ -143,14 +144,19 @@ print(json.dumps({"sent": sent, "seconds": clock() - start, "errors": errors}))
 
 
 class ObserveReader:
-    """Runs the observe CLI and counts its JSON lines in a thread.
+    """Runs the observe CLI and counts its output lines in a thread.
 
-    ``flows``: flow lines; ``lost``: num_events_lost summed by LostEvent source;
-    ``last_flow``: perf_counter time of the latest flow line.
+    ``output``: the CLI's ``-o``: ``json``/``jsonpb`` (one JSON object per line: a
+    ``{"flow": ...}`` or a ``{"lost_events": ...}`` response) or ``compact`` (a flow per
+    line; a lost event as ``<time> EVENTS LOST: <SOURCE> CPU(<n>) <count>``, upstream's
+    printer; node status goes to stderr). ``flows``: flow lines; ``lost``:
+    num_events_lost summed by LostEvent source; ``last_flow``: perf_counter time of the
+    latest flow line.
     """
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], output: str = "json") -> None:
         self.argv = argv
+        self.output = output
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
         )
@@ -160,17 +166,35 @@ class ObserveReader:
         self.last_flow = 0.0
         self.last_line = time.perf_counter()
         self.other = 0
+        self.stderr_tail: list[str] = []
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
+        self.stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
+        self.stderr_thread.start()
+
+    def _read_stderr(self) -> None:
+        # drained so node-status lines can never fill the pipe and stall the CLI
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_tail = [*self.stderr_tail[-20:], line]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
+        compact = self.output == "compact"
         for line in self.proc.stdout:
             now = time.perf_counter()
-            head = line[:16]
             with self.lock:
                 self.last_line = now
-                if head.startswith('{"flow"'):
+                if compact:
+                    _, sep, tail = line.partition(" EVENTS LOST: ")
+                    if sep:
+                        words = tail.split()
+                        self.lost[words[0]] += int(words[-1]) if words[-1].isdigit() else 0
+                    elif line.strip():
+                        self.flows += 1
+                        self.last_flow = now
+                    continue
+                if line[:16].startswith('{"flow"'):
                     self.flows += 1
                     self.last_flow = now
                 elif '"lost_events"' in line:
@@ -196,10 +220,8 @@ class ObserveReader:
         return self.proc.poll() is None
 
     def stderr(self) -> str:
-        """The CLI's stderr (only once it exited)."""
-        if self.alive() or self.proc.stderr is None:
-            return ""
-        return self.proc.stderr.read()
+        """The last lines the CLI wrote to stderr."""
+        return "".join(self.stderr_tail)
 
     def close(self) -> None:
         """Stop the CLI (SIGTERM, then SIGKILL)."""
@@ -296,11 +318,11 @@ def observing(args: argparse.Namespace, stack: Stack, client: BenchPod) -> Itera
         server,
         "--follow",
         "-o",
-        "json",
+        args.output,
         "--from-pod",
         f"{POD_NAMESPACE}/{client.name}",
     ]
-    reader = ObserveReader(argv)
+    reader = ObserveReader(argv, args.output)
     try:
         yield reader
     finally:
@@ -458,9 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--client",
         choices=("cilia", "hubble"),
-        default="cilia",
-        help="the observe client: cilia-relay observe, or the upstream hubble CLI built by "
-        "scripts/hubble-cli.sh (default cilia)",
+        default="hubble",
+        help="the observe client: the upstream hubble CLI built by scripts/hubble-cli.sh "
+        "(what users run; default), or cilia-relay observe",
+    )
+    parser.add_argument(
+        "--output",
+        choices=("compact", "json", "jsonpb"),
+        default="compact",
+        help="the client's -o (default compact: upstream hubble's cheapest to print; "
+        "cilia-relay observe knows compact and json)",
     )
     parser.add_argument(
         "--drain",
@@ -518,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"UDP to distinct ports, dropped by egressDeny (1 packet = 1 flow), {args.duration:g} s "
-        f"per rate, {args.client} observe --follow -o json via {args.via}"
+        f"per rate, {args.client} observe --follow -o {args.output} via {args.via}"
     )
     print(
         "kernel = drop events emitted (deny entry's counter); agent = Hubble seen_flows; lost = "

@@ -22,14 +22,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
+from cilia.hubble.observer import observer_pb2
 from cilia_common import grpcserver
 from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_common.tls import server_credentials
 from cilia_relay import __version__
 from cilia_relay.config import Config, grpc_address
-from cilia_relay.observer import ObserverOptions, RelayObserver
+from cilia_relay.observer import ObserverOptions, RelayObserver, add_relay_observer_to_server
 from cilia_relay.peers import PeerManager
 
 log = logging.getLogger("cilia_relay")
@@ -98,6 +98,8 @@ class Relay:
                 peer_update_interval=config.peer_update_interval,
                 error_aggregation_window=config.error_aggregation_window,
                 peer_call_timeout=config.dial_timeout,
+                flow_batches=config.peer_flow_batch_size > 0,
+                max_batch=config.peer_flow_batch_size,
             ),
         )
         self._servers: list[tuple[grpc.aio.Server, Any]] = []
@@ -138,9 +140,7 @@ class Relay:
             cilia_common.grpcserver.BindError: an address cannot be bound (nothing is
                 left running).
         """
-        service = grpcserver.Service(
-            observer_pb2_grpc.add_ObserverServicer_to_server, self.observer, OBSERVER_SERVICE
-        )
+        service = grpcserver.Service(add_relay_observer_to_server, self.observer, OBSERVER_SERVICE)
         listeners: tuple[tuple[str, list[grpcserver.Service], str], ...] = (
             ("observer", [service], self.config.listen_address),
             ("health", [], self.config.health_listen_address),

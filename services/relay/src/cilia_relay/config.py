@@ -93,6 +93,14 @@ class Config(BaseModel):
         description="NODE_ERROR events with identical messages within this window are merged "
         "into one",
     )
+    peer_flow_batch_size: int = Field(
+        default=256,
+        ge=0,
+        le=4096,
+        description="flows per message asked of an agent's Cilia-private FlowBatchService "
+        "(the relay forwards them without decoding; an agent without it is read through "
+        "GetFlows); 0 = one GetFlows message per flow, as upstream",
+    )
     prometheus_serve_addr: TCPAddress = Field(
         default="", description="[host]:port of the metrics endpoint; empty disables"
     )

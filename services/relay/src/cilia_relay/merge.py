@@ -37,6 +37,28 @@ def response_time_ns(response: observer_pb2.GetFlowsResponse) -> int:
     return timestamp_ns(response.time)
 
 
+class WireResponse:
+    """A ``GetFlowsResponse`` kept serialized, as a peer's FlowBatchService sent it.
+
+    Attributes:
+        time_ns: its ``time`` in ns since the epoch (the merge key).
+        data: its wire encoding.
+    """
+
+    __slots__ = ("data", "time_ns")
+
+    def __init__(self, time_ns: int, data: bytes) -> None:
+        self.time_ns = time_ns
+        self.data = data
+
+
+def item_time_ns(item: observer_pb2.GetFlowsResponse | WireResponse) -> int:
+    """The ordering key of a response, decoded (:func:`response_time_ns`) or not."""
+    if isinstance(item, WireResponse):
+        return item.time_ns
+    return response_time_ns(item)
+
+
 def sort_buffer_len(sort_buffer_len_max: int, number: int, num_peers: int) -> int:
     """Capacity of the sort buffer for one GetFlows call.
 

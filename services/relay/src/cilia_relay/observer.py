@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 from google.protobuf.wrappers_pb2 import UInt32Value
 
+from cilia.flowbatch.v1 import flowbatch_pb2, flowbatch_pb2_grpc
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
 from cilia_relay import __version__
@@ -45,7 +46,8 @@ from cilia_relay.merge import (
     NANOS_PER_SECOND,
     ErrorAggregator,
     SortBuffer,
-    response_time_ns,
+    WireResponse,
+    item_time_ns,
     sort_buffer_len,
 )
 from cilia_relay.peers import Peer, PeerManager
@@ -72,6 +74,10 @@ class ObserverOptions:
         error_aggregation_window: seconds identical NODE_ERROR messages are merged.
         peer_call_timeout: deadline (s) of each per-peer unary call (ServerStatus).
         node_name: name put on the relay's own node-status events.
+        flow_batches: ask peers for flows through the Cilia-private
+            ``FlowBatchService`` (falling back to ``GetFlows`` per peer when it is
+            UNIMPLEMENTED); False = upstream's GetFlows only.
+        max_batch: responses per FlowBatchService message asked for.
     """
 
     sort_buffer_len_max: int = 100
@@ -80,6 +86,8 @@ class ObserverOptions:
     error_aggregation_window: float = 10.0
     peer_call_timeout: float = 5.0
     node_name: str = socket.gethostname()
+    flow_batches: bool = True
+    max_batch: int = 256
 
 
 def go_code_name(code: grpc.StatusCode) -> str:
@@ -127,6 +135,63 @@ class _PeerDone:
     name: str
 
 
+Outgoing = observer_pb2.GetFlowsResponse | bytes
+"""What the relay's GetFlows yields: a response message, or one already serialized (a
+peer's, forwarded as it came); :func:`serialize_response` writes either."""
+
+
+def serialize_response(response: Outgoing) -> bytes:
+    """The wire bytes of a relay GetFlows response (bytes pass through unchanged)."""
+    if isinstance(response, bytes):
+        return response
+    return response.SerializeToString()
+
+
+def add_relay_observer_to_server(servicer: observer_pb2_grpc.ObserverServicer, server: Any) -> None:
+    """Register the ``observer.Observer`` methods of ``servicer`` on ``server`` as the
+    generated ``add_ObserverServicer_to_server`` does, except that GetFlows may yield
+    pre-serialized responses (:data:`Outgoing`): flows from an agent's FlowBatchService
+    reach the client without being decoded and re-encoded."""
+    p = observer_pb2
+    unary = grpc.unary_unary_rpc_method_handler
+    stream = grpc.unary_stream_rpc_method_handler
+    handlers = {
+        "GetFlows": stream(
+            servicer.GetFlows,
+            request_deserializer=p.GetFlowsRequest.FromString,
+            response_serializer=serialize_response,
+        ),
+        "GetNodes": unary(
+            servicer.GetNodes,
+            request_deserializer=p.GetNodesRequest.FromString,
+            response_serializer=p.GetNodesResponse.SerializeToString,
+        ),
+        "ServerStatus": unary(
+            servicer.ServerStatus,
+            request_deserializer=p.ServerStatusRequest.FromString,
+            response_serializer=p.ServerStatusResponse.SerializeToString,
+        ),
+        "GetAgentEvents": stream(
+            servicer.GetAgentEvents,
+            request_deserializer=p.GetAgentEventsRequest.FromString,
+            response_serializer=p.GetAgentEventsResponse.SerializeToString,
+        ),
+        "GetDebugEvents": stream(
+            servicer.GetDebugEvents,
+            request_deserializer=p.GetDebugEventsRequest.FromString,
+            response_serializer=p.GetDebugEventsResponse.SerializeToString,
+        ),
+        "GetNamespaces": unary(
+            servicer.GetNamespaces,
+            request_deserializer=p.GetNamespacesRequest.FromString,
+            response_serializer=p.GetNamespacesResponse.SerializeToString,
+        ),
+    }
+    name = observer_pb2.DESCRIPTOR.services_by_name["Observer"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 class _FlowsCall:
     """State of one relay GetFlows call (its peer streams and merge)."""
 
@@ -143,10 +208,10 @@ class _FlowsCall:
         self.opts = opts
         self.active: dict[str, asyncio.Task[None]] = {}
         self.last_flow_ns: dict[str, int] = {}
-        self.queue: asyncio.Queue[observer_pb2.GetFlowsResponse | _PeerDone] = asyncio.Queue()
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.running = 0
 
-    async def run(self) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+    async def run(self) -> AsyncIterator[Outgoing]:
         peers = self.peers.list()
         capacity = sort_buffer_len(
             self.opts.sort_buffer_len_max, int(self.request.number), len(peers)
@@ -208,14 +273,8 @@ class _FlowsCall:
         self, name: str, channel: grpc.aio.Channel, request: observer_pb2.GetFlowsRequest
     ) -> None:
         try:
-            stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.GetFlows(request, metadata=self.metadata)
-            async for response in call:
-                if not response.node_name:
-                    response.node_name = name
-                if response.WhichOneof("response_types") == "flow":
-                    self.last_flow_ns[name] = response_time_ns(response)
-                await self.queue.put(response)
+            if not await self._pump_batches(name, channel, request):
+                await self._pump_responses(name, channel, request)
         except grpc.aio.AioRpcError as exc:
             log.warning(
                 "peer GetFlows failed",
@@ -231,6 +290,56 @@ class _FlowsCall:
                 del self.active[name]
         await self.queue.put(_PeerDone(name))
 
+    async def _pump_batches(
+        self, name: str, channel: grpc.aio.Channel, request: observer_pb2.GetFlowsRequest
+    ) -> bool:
+        """Stream the peer's flows through ``FlowBatchService.GetFlowBatches`` (many
+        serialized responses per message, queued as one item); False when the peer does
+        not serve it (UNIMPLEMENTED before any batch: an agent without the service).
+
+        Raises:
+            grpc.aio.AioRpcError: the stream failed otherwise.
+        """
+        if not self.opts.flow_batches:
+            return False
+        stub = flowbatch_pb2_grpc.FlowBatchServiceStub(channel)  # type: ignore[no-untyped-call]
+        call = stub.GetFlowBatches(
+            flowbatch_pb2.GetFlowBatchesRequest(request=request, max_batch=self.opts.max_batch),
+            metadata=self.metadata,
+        )
+        received = False
+        try:
+            async for batch in call:
+                received = True
+                items = [
+                    WireResponse(t, raw)
+                    for t, raw in zip(batch.times_ns, batch.responses, strict=True)
+                ]
+                for t, is_flow in zip(reversed(batch.times_ns), reversed(batch.flows), strict=True):
+                    if is_flow:
+                        self.last_flow_ns[name] = t
+                        break
+                await self.queue.put(items)
+        except grpc.aio.AioRpcError as exc:
+            if not received and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("peer has no FlowBatchService; using GetFlows", extra={"peer": name})
+                return False
+            raise
+        return True
+
+    async def _pump_responses(
+        self, name: str, channel: grpc.aio.Channel, request: observer_pb2.GetFlowsRequest
+    ) -> None:
+        """Stream the peer's flows through upstream's ``Observer.GetFlows``."""
+        stub = observer_pb2_grpc.ObserverStub(channel)  # type: ignore[no-untyped-call]
+        call = stub.GetFlows(request, metadata=self.metadata)
+        async for response in call:
+            if not response.node_name:
+                response.node_name = name
+            if response.WhichOneof("response_types") == "flow":
+                self.last_flow_ns[name] = item_time_ns(response)
+            await self.queue.put(response)
+
     async def _refresh(self) -> None:
         while True:
             await self.peers.wait_changed(self.opts.peer_update_interval)
@@ -245,11 +354,13 @@ class _FlowsCall:
 
     # -- merge --------------------------------------------------------------------------
 
-    async def _merge(self, capacity: int) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+    async def _merge(self, capacity: int) -> AsyncIterator[Outgoing]:
         loop = asyncio.get_running_loop()
         drain_timeout = self.opts.sort_buffer_drain_timeout
         drain_ns = int(drain_timeout * NANOS_PER_SECOND)
-        buffer: SortBuffer[observer_pb2.GetFlowsResponse] = SortBuffer(capacity, response_time_ns)
+        buffer: SortBuffer[observer_pb2.GetFlowsResponse | WireResponse] = SortBuffer(
+            capacity, item_time_ns
+        )
         errors = ErrorAggregator(self.opts.error_aggregation_window)
         idle_since = loop.time()
         while self.request.follow or self.running > 0 or not self.queue.empty():
@@ -264,10 +375,10 @@ class _FlowsCall:
                 now = loop.time()
                 for response in errors.due(now):
                     for out in buffer.push(response):
-                        yield out
+                        yield _outgoing(out)
                 if now >= idle_since + drain_timeout:
                     for out in buffer.pop_older_than(time.time_ns() - drain_ns):
-                        yield out
+                        yield _outgoing(out)
                     idle_since = now
                 continue
             if isinstance(item, _PeerDone):
@@ -275,14 +386,22 @@ class _FlowsCall:
                 continue
             now = loop.time()
             idle_since = now
+            if isinstance(item, list):  # a peer's batch: never a NODE_ERROR
+                for response in errors.due(now):
+                    for out in buffer.push(response):
+                        yield _outgoing(out)
+                for wire in item:
+                    for out in buffer.push(wire):
+                        yield _outgoing(out)
+                continue
             for response in errors.offer(item, now):
                 for out in buffer.push(response):
-                    yield out
+                    yield _outgoing(out)
         for response in errors.flush():
             for out in buffer.push(response):
-                yield out
+                yield _outgoing(out)
         for out in buffer.drain():
-            yield out
+            yield _outgoing(out)
 
 
 class RelayObserver(observer_pb2_grpc.ObserverServicer):
@@ -294,8 +413,9 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
 
     async def GetFlows(  # noqa: N802 (gRPC method name)
         self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
-        """Stream merged flows from every connected peer (see the module docstring)."""
+    ) -> AsyncIterator[Outgoing]:
+        """Stream merged flows from every connected peer (see the module docstring);
+        registered by :func:`add_relay_observer_to_server`, which serializes both kinds."""
         call = _FlowsCall(
             request, forwardable_metadata(context.invocation_metadata()), self.peers, self.opts
         )
@@ -428,3 +548,10 @@ class RelayObserver(observer_pb2_grpc.ObserverServicer):
 
 async def _none() -> None:
     return None
+
+
+_Item = observer_pb2.GetFlowsResponse | list[WireResponse] | _PeerDone
+
+
+def _outgoing(item: observer_pb2.GetFlowsResponse | WireResponse) -> Outgoing:
+    return item.data if isinstance(item, WireResponse) else item

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from cilia.flowbatch.v1 import flowbatch_pb2, flowbatch_pb2_grpc
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2, peer_pb2_grpc
@@ -118,6 +119,32 @@ class _Observer(observer_pb2_grpc.ObserverServicer):
         )
 
 
+class _Batches(flowbatch_pb2_grpc.FlowBatchServiceServicer):
+    """FlowBatchService over the fake's GetFlows: the stored flows in batches of
+    ``max_batch``, then each followed flow as a batch of one."""
+
+    def __init__(self, observer: _Observer) -> None:
+        self.observer = observer
+
+    async def GetFlowBatches(  # noqa: N802
+        self, request: flowbatch_pb2.GetFlowBatchesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[flowbatch_pb2.GetFlowBatchesResponse]:
+        self.observer.agent.batch_requests.append(request)
+        stored = len(self.observer.agent.flows)
+        size = request.max_batch or 256
+        batch = flowbatch_pb2.GetFlowBatchesResponse()
+        async for response in self.observer.GetFlows(request.request, context):
+            batch.responses.append(response.SerializeToString())
+            batch.times_ns.append(response.time.ToNanoseconds())
+            batch.flows.append(response.HasField("flow"))
+            stored -= 1
+            if len(batch.responses) >= size or stored <= 0:
+                yield batch
+                batch = flowbatch_pb2.GetFlowBatchesResponse()
+        if batch.responses:
+            yield batch
+
+
 class _Peer(peer_pb2_grpc.PeerServicer):
     def __init__(self, agent: FakeAgent) -> None:
         self.agent = agent
@@ -149,6 +176,8 @@ class FakeAgent:
         peers: when given, serve peer.Peer announcing ``{name: address}``.
         fail_status: ServerStatus and GetNamespaces fail with INTERNAL.
         namespaces: GetNamespaces answer, ``(cluster, namespace)`` pairs.
+        batches: also serve the Cilia-private FlowBatchService (else the relay gets
+            UNIMPLEMENTED for it and must fall back to GetFlows).
     """
 
     def __init__(
@@ -160,6 +189,7 @@ class FakeAgent:
         peers: dict[str, str] | None = None,
         fail_status: bool = False,
         namespaces: Sequence[tuple[str, str]] = (),
+        batches: bool = False,
     ) -> None:
         self.name = name
         self.socket = socket
@@ -169,7 +199,9 @@ class FakeAgent:
         self.peers = dict(peers) if peers is not None else None
         self.fail_status = fail_status
         self.namespaces = list(namespaces)
+        self.batches = batches
         self.requests: list[observer_pb2.GetFlowsRequest] = []
+        self.batch_requests: list[flowbatch_pb2.GetFlowBatchesRequest] = []
         self.metadata: list[dict[str, str]] = []
         self.followers: list[asyncio.Queue[observer_pb2.GetFlowsResponse]] = []
         self.peer_watchers: list[asyncio.Queue[peer_pb2.ChangeNotification]] = []
@@ -177,7 +209,10 @@ class FakeAgent:
 
     async def start(self) -> FakeAgent:
         server = grpc.aio.server()
-        observer_pb2_grpc.add_ObserverServicer_to_server(_Observer(self), server)
+        observer = _Observer(self)
+        observer_pb2_grpc.add_ObserverServicer_to_server(observer, server)
+        if self.batches:
+            flowbatch_pb2_grpc.add_FlowBatchServiceServicer_to_server(_Batches(observer), server)
         if self.peers is not None:
             peer_pb2_grpc.add_PeerServicer_to_server(_Peer(self), server)
         server.add_insecure_port(self.address)

@@ -44,8 +44,11 @@ def relay_config(sockdir: pathlib.Path, peer_service: str, **overrides: object) 
     return Config.model_validate(values)
 
 
-def two_agents(sockdir: pathlib.Path, base_ns: int, count: int = 5) -> tuple[FakeAgent, FakeAgent]:
-    """node-a flows at base+0,2,4.. s; node-b at base+1,3,5.. s (interleaved)."""
+def two_agents(
+    sockdir: pathlib.Path, base_ns: int, count: int = 5, batches: tuple[bool, bool] = (False, False)
+) -> tuple[FakeAgent, FakeAgent]:
+    """node-a flows at base+0,2,4.. s; node-b at base+1,3,5.. s (interleaved); ``batches``:
+    which of them serve FlowBatchService."""
     a_sock, b_sock = sockdir / "a.sock", sockdir / "b.sock"
     peers = {
         "node-a": f"unix:{a_sock}",
@@ -65,6 +68,7 @@ def two_agents(sockdir: pathlib.Path, base_ns: int, count: int = 5) -> tuple[Fak
             version="fake-a",
         ),
         peers=peers,
+        batches=batches[0],
     )
     b = FakeAgent(
         "node-b",
@@ -78,6 +82,7 @@ def two_agents(sockdir: pathlib.Path, base_ns: int, count: int = 5) -> tuple[Fak
             flows_rate=2.0,
             version="fake-b",
         ),
+        batches=batches[1],
     )
     return a, b
 
@@ -97,11 +102,12 @@ def observer_stub(config: Config) -> tuple[grpc.aio.Channel, observer_pb2_grpc.O
 def run(
     sockdir: pathlib.Path,
     scenario: Callable[[Relay, Config, FakeAgent, FakeAgent, int], Awaitable[None]],
+    batches: tuple[bool, bool] = (False, False),
     **overrides: object,
 ) -> None:
     async def main() -> None:
         base = time.time_ns() - 60 * NS
-        a, b = two_agents(sockdir, base)
+        a, b = two_agents(sockdir, base, batches=batches)
         async with agents(a, b):
             config = relay_config(sockdir, a.address, **overrides)
             relay = await started_relay(config, {"node-a", "node-b"})
@@ -135,6 +141,42 @@ def test_flows_of_two_agents_are_merged_in_time_order(sockdir: pathlib.Path) -> 
         assert [r.node_name for r in flows] == ["node-a", "node-b"] * 5
 
     run(sockdir, scenario)
+
+
+def test_flows_from_batching_and_plain_agents_merge_the_same(sockdir: pathlib.Path) -> None:
+    """node-a serves FlowBatchService (its flows come in one batch and pass the relay
+    undecoded), node-b only GetFlows (the relay falls back): the client sees the same
+    time-ordered stream; a follow stream gets node-a's new flows too."""
+
+    async def scenario(relay: Relay, config: Config, a: FakeAgent, b: FakeAgent, base: int) -> None:
+        channel, stub = observer_stub(config)
+        async with channel:
+            request = observer_pb2.GetFlowsRequest(
+                number=5, whitelist=[flow_pb2.FlowFilter(source_pod=["default/"])]
+            )
+            responses = await collect(stub.GetFlows(request))
+            flows = [r for r in responses if r.HasField("flow")]
+            assert [r.node_name for r in flows] == ["node-a", "node-b"] * 5
+            times = [response_time_ns(r) for r in flows]
+            assert times == sorted(times)
+            assert flows[0] == a.flows[0]  # byte for byte what the agent had
+            assert [r.request for r in a.batch_requests] == [request]
+            assert a.batch_requests[0].max_batch == 256
+            assert a.requests == b.requests == [request]
+
+            follow = stub.GetFlows(observer_pb2.GetFlowsRequest(follow=True))
+            await wait_until(lambda: len(a.batch_requests) == 2 and len(b.requests) == 2)
+            new = make_flow(time.time_ns(), "node-a")
+            await a.push(new)
+            seen: list[
+                observer_pb2.GetFlowsResponse
+            ] = []  # the stored flows come first (follow without number sends them all)
+            while len(seen) < 30 and (not seen or seen[-1] != new):
+                seen.append(await asyncio.wait_for(follow.read(), 5))
+            assert seen[-1] == new
+            follow.cancel()
+
+    run(sockdir, scenario, batches=(True, False))
 
 
 def test_first_events_are_node_connected_then_node_unavailable(sockdir: pathlib.Path) -> None:
@@ -393,3 +435,17 @@ def test_hubble_status_health_name_is_serving_on_the_observer_listener(
             assert response.status == health_pb2.HealthCheckResponse.SERVING, address
 
     run(sockdir, scenario)
+
+
+def test_peer_flow_batch_size_zero_reads_agents_through_getflows_only(
+    sockdir: pathlib.Path,
+) -> None:
+    async def scenario(relay: Relay, config: Config, a: FakeAgent, b: FakeAgent, base: int) -> None:
+        channel, stub = observer_stub(config)
+        async with channel:
+            responses = await collect(stub.GetFlows(observer_pb2.GetFlowsRequest(number=2)))
+        assert [r.node_name for r in responses if r.HasField("flow")] == ["node-a", "node-b"] * 2
+        assert a.batch_requests == b.batch_requests == []
+        assert len(a.requests) == len(b.requests) == 1
+
+    run(sockdir, scenario, batches=(True, True), peer_flow_batch_size=0)

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import timestamp_pb2, wrappers_pb2
 
+from cilia.flowbatch.v1 import flowbatch_pb2, flowbatch_pb2_grpc
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
@@ -47,6 +48,48 @@ from cilia_agent.hubble.parser import timestamp
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
 
 FLOWS_RATE_WINDOW_NS = 60 * 1_000_000_000
+
+DEFAULT_MAX_BATCH = 256
+"""Responses per ``FlowBatchService.GetFlowBatches`` message when the client asks for 0."""
+MAX_BATCH_LIMIT = 4096
+"""The most responses per batch a client may ask for (larger asks are capped)."""
+
+# Keys of GetFlowsResponse's fields in the protobuf wire format: (number << 3) | 2
+# (length-delimited), as varints: flow = 1, node_name = 1000, time = 1001.
+_KEY_FLOW = b"\x0a"
+_KEY_NODE_NAME = b"\xc2\x3e"
+_KEY_TIME = b"\xca\x3e"
+
+
+def _varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def node_name_wire(node_name: str) -> bytes:
+    """The encoded ``node_name`` field (1000) of a GetFlowsResponse ("" encodes nothing)."""
+    if not node_name:
+        return b""
+    raw = node_name.encode()
+    return _KEY_NODE_NAME + _varint(len(raw)) + raw
+
+
+def flow_response_wire(flow: flow_pb2.Flow, node_suffix: bytes) -> bytes:
+    """``GetFlowsResponse(flow=flow, node_name=..., time=flow.time)`` in the protobuf wire
+    format, from the flow's own serialization (about 2 µs instead of 12 µs for building the
+    response message, which copies the flow). ``node_suffix``: :func:`node_name_wire`.
+    Fields are written in field-number order, as protobuf serializers do."""
+    body = flow.SerializeToString()
+    out = _KEY_FLOW + _varint(len(body)) + body + node_suffix
+    if flow.HasField("time"):
+        ts = flow.time.SerializeToString()
+        out += _KEY_TIME + _varint(len(ts)) + ts
+    return out
 
 
 LostTotals = tuple[tuple[int, int], ...]
@@ -111,6 +154,10 @@ class FlowStore:
         node_name: this node's name (stamped on every response).
         version: version string reported by ServerStatus/GetNodes.
         wall_clock_ns: wall clock (tests inject a fake one).
+        on_lost: called with ``(LostEventSource, count)`` for every loss written to the
+            store (:meth:`add_lost`) and with ``(HUBBLE_RING_BUFFER, 1)`` for every
+            LostEvent sent to a follower the ring overtook (the agent counts them in
+            ``hubble_lost_events_total``).
 
     Raises:
         InvalidCapacity: bad capacity.
@@ -123,7 +170,9 @@ class FlowStore:
         node_name: str,
         version: str = "",
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        on_lost: Callable[[int, int], None] | None = None,
     ) -> None:
+        self.on_lost = on_lost
         self.ring: Ring[RingEntry] = Ring(capacity, time_of=lambda e: e.time_ns)
         self.node_name = node_name
         self.version = version
@@ -149,6 +198,8 @@ class FlowStore:
         entry = RingEntry(self._wall(), lost=lost, lost_before=self.lost_totals)
         self.lost_totals = entry.lost_after()
         self.ring.write(entry)
+        if self.on_lost is not None:
+            self.on_lost(int(source), count)
 
     @property
     def uptime_ns(self) -> int:
@@ -240,6 +291,75 @@ class FlowStore:
         since_ns: int | None,
         until_ns: int | None,
     ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+        node_name = self.node_name
+        async for item in self._walk(req, filters, since_ns, until_ns):
+            if item is None:
+                continue
+            if isinstance(item, flow_pb2.Flow):
+                yield observer_pb2.GetFlowsResponse(flow=item, node_name=node_name, time=item.time)
+            else:
+                yield item
+
+    def get_flow_batches(
+        self, req: observer_pb2.GetFlowsRequest, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> AsyncIterator[flowbatch_pb2.GetFlowBatchesResponse]:
+        """The :meth:`get_flows` stream of ``req`` as batches of serialized responses.
+
+        A batch holds every response ready when the stream would otherwise wait for new
+        flows, or ``max_batch`` of them (>= 1), whichever comes first; an empty batch is
+        never sent. Each response is encoded as ``GetFlowsResponse`` (the flow's own
+        serialization with ``node_name`` and ``time`` appended, see :func:`flow_response_wire`).
+
+        Raises:
+            InvalidRequest, InvalidFilter: as :meth:`get_flows`, before anything is sent.
+        """
+        since_ns, until_ns = request_window(req)
+        filters = FilterSet(req.whitelist, req.blacklist)
+        return self._batches(req, filters, since_ns, until_ns, max(1, max_batch))
+
+    async def _batches(
+        self,
+        req: observer_pb2.GetFlowsRequest,
+        filters: FilterSet,
+        since_ns: int | None,
+        until_ns: int | None,
+        max_batch: int,
+    ) -> AsyncIterator[flowbatch_pb2.GetFlowBatchesResponse]:
+        node_suffix = node_name_wire(self.node_name)
+        responses: list[bytes] = []
+        times: list[int] = []
+        kinds: list[bool] = []
+        async for item in self._walk(req, filters, since_ns, until_ns):
+            if item is not None:
+                if isinstance(item, flow_pb2.Flow):
+                    responses.append(flow_response_wire(item, node_suffix))
+                    times.append(_ts_ns(item.time))
+                    kinds.append(True)
+                else:
+                    responses.append(item.SerializeToString())
+                    times.append(_ts_ns(item.time))
+                    kinds.append(False)
+                if len(responses) < max_batch:
+                    continue
+            if responses:
+                yield flowbatch_pb2.GetFlowBatchesResponse(
+                    responses=responses, times_ns=times, flows=kinds
+                )
+                responses, times, kinds = [], [], []
+        if responses:
+            yield flowbatch_pb2.GetFlowBatchesResponse(
+                responses=responses, times_ns=times, flows=kinds
+            )
+
+    async def _walk(
+        self,
+        req: observer_pb2.GetFlowsRequest,
+        filters: FilterSet,
+        since_ns: int | None,
+        until_ns: int | None,
+    ) -> AsyncIterator[flow_pb2.Flow | observer_pb2.GetFlowsResponse | None]:
+        """The stream of one GetFlows request: a Flow that passes, a lost-events
+        response, or ``None`` just before waiting for new entries (a batch boundary)."""
         ring = self.ring
         seq = self._start_seq(req, filters, since_ns)
         end = ring.next_seq
@@ -267,6 +387,8 @@ class FlowStore:
                             time=now,
                         )
                 if oldest - seq - entries > 0:
+                    if self.on_lost is not None:
+                        self.on_lost(flow_pb2.HUBBLE_RING_BUFFER, 1)
                     yield observer_pb2.GetFlowsResponse(
                         lost_events=flow_pb2.LostEvent(
                             source=flow_pb2.HUBBLE_RING_BUFFER,
@@ -280,6 +402,7 @@ class FlowStore:
             if seq >= (ring.next_seq if req.follow else end):
                 if not req.follow:
                     return
+                yield None
                 await ring.wait_beyond(seq)
                 continue
             entry = ring.get(seq)
@@ -300,7 +423,7 @@ class FlowStore:
                 continue
             if not filters.matches(flow):
                 continue
-            yield observer_pb2.GetFlowsResponse(flow=flow, node_name=self.node_name, time=flow.time)
+            yield flow
             sent += 1
             if limit and sent >= limit:
                 return
@@ -397,3 +520,27 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
     ) -> observer_pb2.GetNamespacesResponse:
         """Namespaces with flows in the last hour, sorted by cluster, then namespace."""
         return observer_pb2.GetNamespacesResponse(namespaces=self.store.namespaces.namespaces())
+
+
+class FlowBatchServicer(flowbatch_pb2_grpc.FlowBatchServiceServicer):
+    """``cilia.flowbatch.v1.FlowBatchService`` (Cilia-private, for the relay): the
+    GetFlows stream of a request in batches of serialized responses (see the proto).
+
+    Args:
+        store: the agent's :class:`FlowStore`.
+    """
+
+    def __init__(self, store: FlowStore) -> None:
+        self.store = store
+
+    async def GetFlowBatches(  # noqa: N802 - gRPC method name
+        self,
+        request: flowbatch_pb2.GetFlowBatchesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[flowbatch_pb2.GetFlowBatchesResponse]:
+        """Batched GetFlows; INVALID_ARGUMENT as GetFlows for bad options or filters."""
+        max_batch = min(int(request.max_batch) or DEFAULT_MAX_BATCH, MAX_BATCH_LIMIT)
+        async for batch in _refusing(
+            lambda: self.store.get_flow_batches(request.request, max_batch), context
+        ):
+            yield batch

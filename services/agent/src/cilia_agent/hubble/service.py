@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from cilia.flowbatch.v1 import flowbatch_pb2_grpc
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2_grpc
@@ -38,7 +39,7 @@ from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
 from cilia_agent.hubble.eventlog import EventLog, agent_started_event
 from cilia_agent.hubble.metrics import HandlerSpec, HubbleMetrics, parse_metrics, read_bcc_counters
-from cilia_agent.hubble.observer import FlowStore, ObserverServicer
+from cilia_agent.hubble.observer import FlowBatchServicer, FlowStore, ObserverServicer
 from cilia_agent.hubble.parser import BootClock, Parser
 from cilia_agent.hubble.peer import (
     DEFAULT_PEER_BUFFER,
@@ -58,6 +59,8 @@ from cilia_agent.hubble.ring import DEFAULT_CAPACITY, validate_capacity
 from cilia_common import grpcserver
 
 OBSERVER_SERVICE = "observer.Observer"
+#: Cilia-private: the GetFlows stream in batches, for the relay (proto cilia/flowbatch/v1).
+FLOW_BATCH_SERVICE = "cilia.flowbatch.v1.FlowBatchService"
 PEER_SERVICE = "peer.Peer"
 #: The ``grpc.health.v1`` service name upstream Hubble servers report and ``hubble status``
 #: checks (upstream ``pkg/hubble/api/v1.ObserverServiceName``) — not the proto service name.
@@ -119,9 +122,14 @@ class Hubble:
         validate_capacity(config.capacity)
         self.config = config
         self.resolver: Resolver = resolver if resolver is not None else MemoryResolver()
-        self.store = FlowStore(config.capacity, node_name=config.node_name, version=config.version)
-        self.parser = Parser(self.resolver, config.node_name, clock)
         self.metrics = HubbleMetrics(registry, handlers=config.metrics)
+        self.store = FlowStore(
+            config.capacity,
+            node_name=config.node_name,
+            version=config.version,
+            on_lost=self.metrics.events_lost,
+        )
+        self.parser = Parser(self.resolver, config.node_name, clock)
         self.peers = PeerRegistry(
             PeerInfo(config.node_name, config.advertise_address),
             max_buffer=config.peer_buffer,
@@ -139,11 +147,13 @@ class Hubble:
             debug_events=self.debug_events,
         )
         self.peer_servicer = PeerServicer(self.peers)
+        self.flow_batch_servicer = FlowBatchServicer(self.store)
         self.reader: EventReader | None = None
         self._bpf: Any = None
 
     def services(self) -> list[grpcserver.Service]:
-        """The Observer and Peer services for :func:`cilia_common.grpcserver.start_server`."""
+        """The Observer, Peer and (Cilia-private, for the relay) FlowBatch services for
+        :func:`cilia_common.grpcserver.start_server`."""
         return [
             grpcserver.Service(
                 observer_pb2_grpc.add_ObserverServicer_to_server,
@@ -152,6 +162,11 @@ class Hubble:
             ),
             grpcserver.Service(
                 peer_pb2_grpc.add_PeerServicer_to_server, self.peer_servicer, PEER_SERVICE
+            ),
+            grpcserver.Service(
+                flowbatch_pb2_grpc.add_FlowBatchServiceServicer_to_server,
+                self.flow_batch_servicer,
+                FLOW_BATCH_SERVICE,
             ),
         ]
 

@@ -8,8 +8,10 @@ import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cilia.hubble.flow import flow_pb2
+from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.metrics import CounterReading, HubbleMetrics, parse_metrics
 from cilia_agent.hubble.observer import FlowStore
@@ -206,3 +208,47 @@ def test_metrics_live_in_the_given_registry_and_can_be_unregistered() -> None:
     first.close()
     HubbleMetrics(registry)  # no duplicate-timeseries error after close()
     HubbleMetrics(CollectorRegistry())  # independent registries never clash
+
+
+def test_lost_events_total_counts_every_source_as_upstream_labels_it() -> None:
+    """Kernel ring buffer full (7), hand-off queue full (7), and one follower overtaken by
+    the ring: ``hubble_lost_events_total{source}`` on Hubble's registry, with no handler
+    enabled, read back through the Prometheus text-format parser."""
+
+    async def main() -> HubbleMetrics:
+        source = CountingSource()
+        metrics = HubbleMetrics(CollectorRegistry())
+        store = FlowStore(7, node_name=h.NODE, on_lost=metrics.events_lost)
+        reader = EventReader(source, h.parser(), store, metrics, queue_size=3, poll_timeout_ms=10)
+        follower = store.get_flows(observer_pb2.GetFlowsRequest(follow=True))
+        first = asyncio.ensure_future(anext(follower))
+        await asyncio.sleep(0)  # the follower waits at the ring's end
+        await reader.start()
+        source.lost_total = 7
+        source.batches.put([h.event(sport=k).pack() for k in range(10)])
+        await wait_until(lambda: store.ring.written == 5)  # 2 losses + 3 flows
+        await reader.stop()
+        for k in range(10):  # the ring (7) wraps past the waiting follower
+            store.add_flow(h.parser().parse(h.event(sport=k)))
+        # the follower got the first entry (the kernel's loss), then the losses inside
+        # the entries it missed (the queue's, not counted again) and the ring's notice
+        assert (await first).lost_events.source == flow_pb2.PERF_EVENT_RING_BUFFER
+        missed = [(await anext(follower)).lost_events.source for _ in range(2)]
+        assert missed == [flow_pb2.OBSERVER_EVENTS_QUEUE, flow_pb2.HUBBLE_RING_BUFFER]
+        return metrics
+
+    metrics = h.run(main())
+    text = generate_latest(metrics.flow_registry).decode()
+    samples = {
+        s.labels["source"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "hubble_lost_events"
+        for s in family.samples
+        if s.name == "hubble_lost_events_total"
+    }
+    assert samples == {
+        "perf_event_ring_buffer": 7,
+        "observer_events_queue": 7,
+        "hubble_ring_buffer": 1,
+    }
+    assert metrics.registry.get_sample_value("hubble_lost_events_total", {"source": "x"}) is None

@@ -6,7 +6,14 @@ Two registries, two endpoints, as upstream:
   ``--hubble-metrics-server`` (upstream's port 9965): the ``hubble_*`` counters of the
   handlers enabled with ``--hubble-metrics`` (:mod:`.handlers`, grammar in :mod:`.api`).
   Nothing is counted and nothing served when no handler is enabled (upstream's default:
-  ``--hubble-metrics`` empty).
+  ``--hubble-metrics`` empty). Beside the handlers' counters, and whatever handlers are
+  enabled, the registry holds ``hubble_lost_events_total{source}`` (upstream
+  ``pkg/hubble/metrics.LostEvents``; exported from the first loss on): events lost on the
+  way to Hubble, ``source`` the
+  lower-cased ``flow.LostEventSource`` name — ``perf_event_ring_buffer`` (the datapath
+  could not write the event) and ``observer_events_queue`` (the agent's hand-off queue
+  was full) add the events lost; ``hubble_ring_buffer`` adds 1 per LostEvent a follower
+  overtaken by the flow ring receives, as upstream counts it.
 - the agent's registry (``--prometheus-serve-addr``, 9962): ``cilium_drop_count_total``
   and friends read from the datapath's per-CPU map (:mod:`.datapath`).
 
@@ -19,11 +26,14 @@ logged once and skipped for that flow; the others still count it (as upstream's
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from cilia.hubble.flow import flow_pb2
 from cilia_agent.hubble.metrics.api import (
@@ -56,6 +66,30 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class _LostEventsCollector(Collector):
+    """``hubble_lost_events_total{source}`` from a plain dict (no ``*_created`` series, as
+    the handlers' counters). A source appears at its first loss (upstream creates the
+    ``perf_event_ring_buffer`` and ``observer_events_queue`` series at 0 up front); with no
+    loss at all the family is not exported."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        if not self.counts:
+            return
+        family = CounterMetricFamily(
+            "hubble_lost_events", "Number of lost events", labels=["source"]
+        )
+        for source, count in sorted(self.counts.items()):
+            try:
+                name = flow_pb2.LostEventSource.Name(source).lower()
+            except ValueError:
+                name = str(source)
+            family.add_metric([name], count)
+        yield family
 
 
 class HubbleMetrics:
@@ -93,6 +127,14 @@ class HubbleMetrics:
         self._process = tuple(h.process for h in built)
         self._failed: set[str] = set()
         self._datapath = DatapathCounters(registry)
+        self._lost = _LostEventsCollector()
+        self.flow_registry.register(self._lost)
+
+    def events_lost(self, source: int, count: int) -> None:
+        """Add ``count`` (>= 0) to ``hubble_lost_events_total`` of a ``flow.LostEventSource``
+        (an unknown number is labelled with the number)."""
+        counts = self._lost.counts
+        counts[source] = counts.get(source, 0) + count
 
     @property
     def enabled(self) -> bool:
@@ -126,3 +168,5 @@ class HubbleMetrics:
         for handler in self.handlers:
             handler.close()
         self._datapath.close()
+        with contextlib.suppress(KeyError):  # already closed
+            self.flow_registry.unregister(self._lost)
