@@ -1,0 +1,193 @@
+"""Real Pods: a kubelet with containerd (CRI) runs them, ``cilia-cni`` networks them.
+
+The session's real kube-apiserver (``kube_apiserver``) with Cilia's CRDs; a Stack whose
+operator runs with ``--store kubernetes`` and whose agent is node ``cilia-kl-<pid>``; and a
+real node of that name (:class:`cilia_testkit.kubelet.KubeletNode`: the kubelet built from
+k8s.io/kubernetes by ``scripts/kubelet-tools.sh``, a private containerd whose CRI plugin
+calls the agent's conflist and ``cilia-cni``). Nothing here calls the CNI plugin: the test
+only creates Pod objects (``spec.nodeName`` set, there being no scheduler) and the kubelet
+does the rest — sandbox, CNI ADD through CRI, container start, and on deletion CNI DEL.
+
+One test, several outcomes (one node start):
+
+- the three Pods get Running with an IP from the agent's pool, the kubelet reports it as
+  ``status.podIP``, and the agent has an endpoint per pod with that IP;
+- each pod's identity is built from its Pod and Namespace labels (the CiliumIdentity in the
+  API server), though containerd sends no labels in the CNI call;
+- real TCP from inside the pods' network namespaces: before any policy every pod reaches the
+  backend; a CiliumNetworkPolicy created through the API lets only ``app=frontend`` in;
+- deleting a Pod through the API makes the kubelet tear its sandbox down: CNI DEL reaches
+  the agent, whose endpoint and CiliumEndpoint go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import traffic
+
+from cilia_testkit import ROOT, host, kubelet, skips
+from cilia_testkit.kubeapi import KubeAPI, unique_name
+from cilia_testkit.kubelet import IMAGE, KubeletNode
+from cilia_testkit.stack import Stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
+
+PORT = 8080
+#: Seconds the CNP may take to be enforced after it is created.
+POLICY_WAIT_SECONDS = 15.0
+#: Seconds a deleted Pod's endpoint may take to leave the agent and the API server.
+TEARDOWN_WAIT_SECONDS = 60.0
+ROLES = ("frontend", "backend", "other")
+
+
+def _pod(name: str, namespace: str, node: str, app: str) -> dict[str, Any]:
+    args = ["serve", str(PORT)] if app == "backend" else ["pause"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": app}},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {"name": "main", "image": IMAGE, "imagePullPolicy": "Never", "args": args}
+            ],
+        },
+    }
+
+
+def _connect(netns: str, address: str, port: int) -> str | None:
+    """TCP connect from inside ``netns`` (a path); the greeting read, or None."""
+    out = subprocess.run(
+        ["nsenter", f"--net={netns}", sys.executable, "-c", traffic.CONNECT,
+         address, str(port), "1.0"],
+        capture_output=True, text=True, timeout=20, check=False,
+    )  # fmt: skip
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+class World:
+    """The running node, stack, namespace and pods (role -> name, IP, netns)."""
+
+    def __init__(self, kube: KubeAPI, stack: Stack, node: KubeletNode, namespace: str) -> None:
+        self.kube = kube
+        self.stack = stack
+        self.node = node
+        self.namespace = namespace
+        self.names: dict[str, str] = {}
+        self.ips: dict[str, str] = {}
+        self.netns: dict[str, str] = {}
+        self.startup: dict[str, float] = {}
+
+    def reaches(self, src: str, dst: str) -> bool:
+        got = _connect(self.netns[src], self.ips[dst], PORT)
+        return got == f"hello from {self.names[dst]} on {PORT}"
+
+
+@pytest.fixture(scope="module")
+def world(kube_apiserver: KubeAPI) -> Iterator[World]:
+    skips.require(kubelet.missing())
+    kube = kube_apiserver
+    kube.install_crds(ROOT / "deploy" / "kubernetes" / "crds")
+    node_name = f"cilia-kl-{os.getpid()}"
+    namespace = unique_name("kl")
+    stack = Stack(
+        "e2e-kubelet",
+        agents=0,
+        relay=False,
+        operator_args=("--store", "kubernetes", "--kubeconfig", str(kube.kubeconfig)),
+    )
+    stack.start()
+    node: KubeletNode | None = None
+    try:
+        agent = stack.add_agent(node_name=node_name)
+        agent.start()
+        node = KubeletNode(kube, node_name, cni_conf_dir=agent.conf_dir)
+        t0 = time.monotonic()
+        node.start()
+        w = World(kube, stack, node, namespace)
+        w.startup["node_ready"] = time.monotonic() - t0
+        ns = {"apiVersion": "v1", "kind": "Namespace",
+              "metadata": {"name": namespace, "labels": {"team": "shop"}}}  # fmt: skip
+        node.kubectl("apply", "-f", "-", input=json.dumps(ns))
+        node.prepare_namespace(namespace)
+        t0 = time.monotonic()
+        pods = []
+        for role in ROLES:
+            w.names[role] = f"{role}-{os.getpid()}"
+            pods.append(_pod(w.names[role], namespace, node_name, role))
+        node.kubectl(
+            "apply", "-f", "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}),
+        )  # fmt: skip
+        for role in ROLES:
+            pod = node.wait_running(namespace, w.names[role])
+            w.ips[role] = pod["status"]["podIP"]
+            w.netns[role] = node.pod_netns(namespace, w.names[role])
+        w.startup["pods_running"] = time.monotonic() - t0
+        print(f"kubelet node: {w.startup}")
+        yield w
+    finally:
+        if node is not None:
+            node.stop()
+        kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        stack.stop()
+
+
+def test_a_kubelet_runs_pods_networked_by_cilia_cni_and_a_cnp_applies(world: World) -> None:
+    w = world
+    # Running with the agent's addresses, as the kubelet reports them
+    pool = w.stack.pool_cidr.rsplit(".", 2)[0]
+    for role in ROLES:
+        assert w.ips[role].startswith(pool + "."), (role, w.ips[role], w.stack.pool_cidr)
+    listed = w.stack.agent.endpoint_list().stdout
+    for role in ROLES:
+        assert f"{w.namespace}/{w.names[role]}" in listed and w.ips[role] in listed, listed
+
+    # identities from the Pod and Namespace labels (containerd sent none)
+    identities = json.loads(w.kube.kubectl("get", "ciliumidentities", "-o", "json").stdout)
+    label_sets = [i.get("security-labels", {}) for i in identities["items"]]
+    for role in ROLES:
+        wanted = {
+            "k8s:app": role,
+            "k8s:io.cilium.k8s.namespace.labels.team": "shop",
+            "k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name": w.namespace,
+            "k8s:io.cilium.k8s.policy.cluster": "default",
+            "k8s:io.cilium.k8s.policy.serviceaccount": "default",
+            "k8s:io.kubernetes.pod.namespace": w.namespace,
+        }
+        assert wanted in label_sets, (role, label_sets)
+    ceps = json.loads(w.kube.kubectl("get", "ciliumendpoints", "-n", w.namespace,
+                                     "-o", "json").stdout)["items"]  # fmt: skip
+    assert {c["metadata"]["name"]: c["status"]["networking"]["addressing"][0]["ipv4"]
+            for c in ceps} == {w.names[r]: w.ips[r] for r in ROLES}  # fmt: skip
+
+    # real TCP between the pods; then the CNP admits only app=frontend
+    assert w.reaches("other", "backend") and w.reaches("frontend", "backend")
+    policy = traffic.backend_from_frontend("backend-from-frontend", w.namespace, PORT)
+    w.node.kubectl("apply", "-f", "-", input=json.dumps(policy))
+    assert host.wait_for(lambda: not w.reaches("other", "backend"), POLICY_WAIT_SECONDS), (
+        "app=other still reaches the backend"
+    )
+    assert w.reaches("frontend", "backend")
+
+    # a Pod deleted through the API: the kubelet stops its sandbox, CNI DEL reaches the agent
+    other = w.names["other"]
+    w.node.kubectl("delete", "pod", other, "-n", w.namespace, "--wait=false")
+
+    def gone() -> bool:
+        if other in w.stack.agent.endpoint_list().stdout:
+            return False
+        got = w.kube.kubectl("get", "ciliumendpoint", other, "-n", w.namespace, check=False)
+        return got.returncode != 0 and "NotFound" in got.stderr
+
+    assert host.wait_for(gone, TEARDOWN_WAIT_SECONDS), "the deleted pod's endpoint stayed"
+    assert not os.path.exists(w.netns["other"]), "its network namespace stayed"
