@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ import pytest
 import traffic
 
 from cilia_testkit import ROOT, host, kubelet, skips
-from cilia_testkit.kubeapi import KubeAPI, unique_name
+from cilia_testkit.kubeapi import KubeAPI, binary_missing, unique_name
 from cilia_testkit.kubelet import IMAGE, KubeletNode
 from cilia_testkit.stack import Stack
 
@@ -110,7 +111,7 @@ def world(kube_apiserver: KubeAPI) -> Iterator[World]:
     try:
         agent = stack.add_agent(node_name=node_name)
         agent.start()
-        node = KubeletNode(kube, node_name, cni_conf_dir=agent.conf_dir)
+        node = KubeletNode(kube, node_name, cni_conf_dir=agent.conf_dir, images=(IMAGE, NEW_IMAGE))
         t0 = time.monotonic()
         node.start()
         w = World(kube, stack, node, namespace)
@@ -191,3 +192,187 @@ def test_a_kubelet_runs_pods_networked_by_cilia_cni_and_a_cnp_applies(world: Wor
 
     assert host.wait_for(gone, TEARDOWN_WAIT_SECONDS), "the deleted pod's endpoint stayed"
     assert not os.path.exists(w.netns["other"]), "its network namespace stayed"
+
+
+OPERATOR_DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "operator" / "deployment.yaml"
+AGENT_DAEMONSET = ROOT / "deploy" / "kubernetes" / "agent" / "daemonset.yaml"
+#: Seconds a rollout (kubectl rollout status) or the updater's replacement may take.
+ROLLOUT_SECONDS = 120
+#: The second name of the test image: what an overlay's image change points the agent at.
+NEW_IMAGE = "cilia.test/testpod:2"
+
+
+def _operator_like(namespace: str) -> dict[str, Any]:
+    """deploy/kubernetes' operator Deployment with what this node cannot run swapped out.
+
+    Kept: replicas (2), the RollingUpdate strategy (maxSurge 0, maxUnavailable 1), the
+    tolerations, the operator container's ports, env, resources, securityContext and its
+    probes (readiness: gRPC health on 4251; liveness: TCP 4250) — served here by the test
+    image (``testpod serve 4250 grpc:4251``). Swapped or dropped: the image and args, the
+    TLS volume and the kube-rbac-proxy sidecar (no such image here), hostNetwork (both
+    replicas share this one node, and a ``make up`` operator may hold 4250 on the host;
+    pod networking is cilia-cni's instead), the required anti-affinity (one node) and the
+    priority class."""
+    import yaml
+
+    [deployment] = [
+        d for d in yaml.safe_load_all(OPERATOR_DEPLOYMENT.read_text()) if d["kind"] == "Deployment"
+    ]
+    deployment["metadata"]["namespace"] = namespace
+    spec = deployment["spec"]["template"]["spec"]
+    for key in ("hostNetwork", "dnsPolicy", "priorityClassName", "affinity", "volumes"):
+        spec.pop(key, None)
+    operator = spec["containers"][0]
+    operator.pop("volumeMounts", None)
+    operator.update(image=IMAGE, imagePullPolicy="Never", args=["serve", "4250", "grpc:4251"])
+    spec["containers"] = [operator]
+    result: dict[str, Any] = deployment
+    return result
+
+
+def _agent_like(namespace: str, generation: str) -> dict[str, Any]:
+    """deploy/kubernetes' agent DaemonSet reduced to what the updater reads: its name,
+    selector, OnDelete strategy, tolerations and the generation annotation, with one
+    container of the test image (Ready once it answers TCP)."""
+    import yaml
+
+    from cilia_safe_agent_updater.generation import ANNOTATION
+
+    [source] = [
+        d for d in yaml.safe_load_all(AGENT_DAEMONSET.read_text()) if d["kind"] == "DaemonSet"
+    ]
+    template = source["spec"]["template"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": source["metadata"]["name"], "namespace": namespace},
+        "spec": {
+            "selector": source["spec"]["selector"],
+            "updateStrategy": source["spec"]["updateStrategy"],
+            "template": {
+                "metadata": {
+                    "labels": template["metadata"]["labels"],
+                    "annotations": {ANNOTATION: generation},
+                },
+                "spec": {
+                    "tolerations": template["spec"]["tolerations"],
+                    "terminationGracePeriodSeconds": 2,
+                    "containers": [
+                        {
+                            "name": "cilia-agent",
+                            "image": IMAGE,
+                            "imagePullPolicy": "Never",
+                            "args": ["serve", "9876"],
+                            "readinessProbe": {"tcpSocket": {"port": 9876}, "periodSeconds": 1},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _agent_pods(w: World, namespace: str, selector: str) -> list[dict[str, Any]]:
+    out = w.kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+    pods: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def test_an_operator_shaped_deployment_rolls_and_the_updater_rolls_a_changed_agent(
+    world: World, tmp_path: pathlib.Path
+) -> None:
+    """With kube-controller-manager and kube-scheduler, on the real node: the operator's
+    Deployment (2 replicas, maxSurge 0, maxUnavailable 1, gRPC readiness) completes a
+    rollout; an agent DaemonSet whose image an overlay changed (OnDelete: nothing happens
+    by itself) is rolled on this node by the safe-agent-updater (kubernetes mode): the
+    DaemonSet controller and the kubelet make the replacement, Running the new image."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from cilia_safe_agent_updater.__main__ import main
+    from cilia_safe_agent_updater.exitcodes import Exit
+
+    w = world
+    kube = w.kube
+    skips.require(binary_missing("kube-controller-manager", kube.bin_dir))
+    skips.require(binary_missing("kube-scheduler", kube.bin_dir))
+    namespace = unique_name("klroll")
+    kube.kubectl("create", "namespace", namespace)
+    w.node.prepare_namespace(namespace)
+    w.node.kubectl("create", "serviceaccount", "cilia-operator", "-n", namespace)
+    kube.controller_manager()
+    w.node.start_scheduler()
+    health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    try:
+        # the operator's Deployment: created, Available, then a rollout that completes
+        t0 = time.monotonic()
+        w.node.kubectl("apply", "-f", "-", input=json.dumps(_operator_like(namespace)))
+        status = ("rollout", "status", "deployment/cilia-operator", "-n", namespace,
+                  f"--timeout={ROLLOUT_SECONDS}s")  # fmt: skip
+        w.node.kubectl(*status)
+        first = {p["metadata"]["name"] for p in _agent_pods(w, namespace, "app=cilia-operator")}
+        assert len(first) == 2
+        w.node.kubectl("rollout", "restart", "deployment/cilia-operator", "-n", namespace)
+        w.node.kubectl(*status)
+        pods = _agent_pods(w, namespace, "app=cilia-operator")
+        assert len(pods) == 2 and all(_ready(p) for p in pods), pods
+        assert first.isdisjoint(p["metadata"]["name"] for p in pods), "not replaced"
+        for pod in pods:  # on this node, networked by cilia-cni
+            assert pod["spec"]["nodeName"] == w.node.node_name
+            assert pod["status"]["podIP"] in w.stack.agent.endpoint_list().stdout
+        rolled = time.monotonic() - t0
+
+        # the agent DaemonSet (OnDelete) on this node, then an overlay changes its image
+        t0 = time.monotonic()
+        ds = _agent_like(namespace, "a" * 64)
+        selector = ",".join(f"{k}={v}" for k, v in ds["spec"]["selector"]["matchLabels"].items())
+        w.node.kubectl("apply", "-f", "-", input=json.dumps(ds))
+
+        def agent_ready() -> dict[str, Any] | None:
+            pods = _agent_pods(w, namespace, selector)
+            return pods[0] if len(pods) == 1 and _ready(pods[0]) else None
+
+        assert host.wait_for(lambda: agent_ready() is not None, ROLLOUT_SECONDS)
+        old = agent_ready()
+        assert old is not None
+        ds["spec"]["template"]["spec"]["containers"][0]["image"] = NEW_IMAGE
+        w.node.kubectl("apply", "-f", "-", input=json.dumps(ds))
+        time.sleep(2.0)  # OnDelete: the DaemonSet controller leaves the running pod alone
+        still = agent_ready()
+        assert still is not None and still["metadata"]["uid"] == old["metadata"]["uid"]
+
+        servicer = health.HealthServicer()
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, health_server)
+        address = f"unix:{tmp_path}/agent-health.sock"
+        health_server.add_insecure_port(address)
+        health_server.start()
+        code = main(
+            ["--mode", "kubernetes", "--kubeconfig", str(kube.kubeconfig),
+             "--namespace", namespace, "--node-name", w.node.node_name,
+             "--agent-health-address", address,
+             "--poll-interval", "0.5", "--pod-replace-attempts", "240",
+             "--ready-attempts", "240", "--image-check-attempts", "120"]
+        )  # fmt: skip
+        assert code == Exit.OK
+        new = agent_ready()
+        assert new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+        assert new["spec"]["containers"][0]["image"] == NEW_IMAGE
+        assert new["status"]["phase"] == "Running"
+        assert (
+            new["metadata"]["labels"]["controller-revision-hash"]
+            != old["metadata"]["labels"]["controller-revision-hash"]
+        )
+        print(f"operator rollouts: {rolled:.1f} s; agent replaced: {time.monotonic() - t0:.1f} s")
+    finally:
+        health_server.stop(0)
+        kube.kubectl("delete", "deployment,daemonset", "--all", "-n", namespace, check=False)
+        kube.stop_controller_manager()
+        kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

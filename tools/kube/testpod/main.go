@@ -3,7 +3,10 @@
 //
 //	testpod pause            block until SIGTERM or SIGINT (the sandbox "pause" process)
 //	testpod serve PORT...    answer every TCP connection on each PORT with
-//	                         "hello from <hostname> on <port>\n", then close it
+//	                         "hello from <hostname> on <port>\n", then close it; a PORT
+//	                         written grpc:N instead serves the gRPC health service
+//	                         (grpc.health.v1.Health/Check answers SERVING) on N over
+//	                         cleartext HTTP/2, for a kubelet's gRPC readiness probe
 //
 // It is built statically (CGO_ENABLED=0) by scripts/kubelet-tools.sh; the testkit packs it
 // into an OCI image tarball (lib/testkit/src/cilia_testkit/kubelet.py) that is imported into
@@ -13,10 +16,40 @@ package main
 import (
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 )
+
+// healthCheck answers grpc.health.v1.Health/Check with SERVING: one length-prefixed message
+// (flag 0, 4-byte big-endian length) holding HealthCheckResponse{status: SERVING}, i.e.
+// field 1 varint 1 = 0x08 0x01, then the trailer grpc-status 0 (gRPC over HTTP/2).
+func healthCheck(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != "/grpc.health.v1.Health/Check" {
+		w.Header().Set("Content-Type", "application/grpc")
+		w.Header().Set(http.TrailerPrefix+"Grpc-Status", "12") // UNIMPLEMENTED
+		return
+	}
+	w.Header().Set("Content-Type", "application/grpc")
+	w.WriteHeader(http.StatusOK)
+	w.Write([]byte{0, 0, 0, 0, 2, 0x08, 0x01})
+	w.Header().Set(http.TrailerPrefix+"Grpc-Status", "0")
+}
+
+func serveGRPCHealth(port string) error {
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	server := &http.Server{Addr: ":" + port, Handler: http.HandlerFunc(healthCheck), Protocols: &protocols}
+	ln, err := net.Listen("tcp", server.Addr)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("grpc health on %s\n", ln.Addr())
+	go server.Serve(ln)
+	return nil
+}
 
 func main() {
 	if len(os.Args) < 2 {
@@ -30,6 +63,13 @@ func main() {
 	case "serve":
 		host, _ := os.Hostname()
 		for _, port := range os.Args[2:] {
+			if grpcPort, ok := strings.CutPrefix(port, "grpc:"); ok {
+				if err := serveGRPCHealth(grpcPort); err != nil {
+					fmt.Fprintln(os.Stderr, err)
+					os.Exit(1)
+				}
+				continue
+			}
 			ln, err := net.Listen("tcp", ":"+port)
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)

@@ -240,6 +240,9 @@ class KubeletNode:
         cni_conf_dir: the CNI conf dir (the agent's ``net.d``: it writes the conflist there).
         workdir: a new temporary directory when None (removed by :meth:`stop`).
         cni_plugin: the ``cilia-cni`` executable (the venv's by default).
+        images: the names under which the testpod image is imported (:data:`IMAGE` is
+            also the sandbox image; more names let a test change a pod's image to one the
+            node has, as an image change of a rollout does).
 
     Raises (from :meth:`start`):
         FileNotFoundError: something :func:`missing` names.
@@ -254,6 +257,7 @@ class KubeletNode:
         cni_conf_dir: pathlib.Path,
         workdir: pathlib.Path | None = None,
         cni_plugin: pathlib.Path | None = None,
+        images: tuple[str, ...] = (IMAGE,),
     ) -> None:
         self.kube = kube
         self.node_name = node_name
@@ -261,6 +265,7 @@ class KubeletNode:
         self._own_dir = workdir is None
         self.workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="cilia-kubelet-"))
         self.cni_plugin = cni_plugin or VENV_BIN / "cilia-cni"
+        self.images = images
         self.bin_dir = kube.bin_dir
         self.socket = self.workdir / "containerd.sock"
         self.root_dir = self.workdir / "kubelet"
@@ -392,8 +397,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             if time.monotonic() > deadline:
                 raise KubeletError(f"containerd did not answer:\n{_tail(self.log('containerd'))}")
             time.sleep(0.2)
-        image = write_oci_image(self.bin_dir / "testpod", w / "testpod-image.tar")
-        self.ctr("images", "import", "--no-unpack=false", str(image))
+        for n, name in enumerate(self.images):
+            image = write_oci_image(self.bin_dir / "testpod", w / f"image-{n}.tar", name)
+            self.ctr("images", "import", str(image))
 
     def _node_credentials(self) -> None:
         """A client certificate for ``system:node:<name>`` (group ``system:nodes``) signed by
@@ -567,6 +573,34 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 raise KubeletError(f"node not Ready:\n{_tail(self.log('kubelet'))}")
             time.sleep(0.5)
 
+    def start_scheduler(self) -> None:
+        """Start kube-scheduler (admin kubeconfig, no leader election, no serving port);
+        stopped by :meth:`stop`. It schedules every pending Pod of the shared server, but
+        only Pods that tolerate :data:`TAINT` can land on this node.
+
+        Raises:
+            FileNotFoundError: not built. KubeletError: it exited within its first second.
+        """
+        reason = binary_missing("kube-scheduler", self.bin_dir)
+        if reason:
+            raise FileNotFoundError(reason)
+        running = self._procs.get("kube-scheduler")
+        if running is not None and running.poll() is None:
+            return
+        proc = self._spawn(
+            "kube-scheduler",
+            [str(self.bin_dir / "kube-scheduler"), f"--kubeconfig={self.kube.kubeconfig}",
+             f"--authentication-kubeconfig={self.kube.kubeconfig}",
+             f"--authorization-kubeconfig={self.kube.kubeconfig}",
+             "--leader-elect=false", "--secure-port=0", "--v=1"],
+        )  # fmt: skip
+        time.sleep(1.0)
+        if proc.poll() is not None:
+            raise KubeletError(
+                f"kube-scheduler exited with {proc.returncode}:\n"
+                f"{_tail(self.log('kube-scheduler'))}"
+            )
+
     def prepare_namespace(self, namespace: str) -> None:
         """Make ``namespace`` ready for Pods as kube-controller-manager would (none runs
         here): its ``default`` ServiceAccount (serviceaccount controller) and the
@@ -707,7 +741,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if self.socket.exists():
             with contextlib.suppress(Exception):
                 self.sandboxes()
-        for name in ("kubelet", "containerd"):
+        for name in ("kube-scheduler", "kubelet", "containerd"):
             proc = self._procs.pop(name, None)
             if proc is not None:
                 stop_process(proc, sig=signal.SIGTERM, timeout=STOP_SECONDS, group=True)
