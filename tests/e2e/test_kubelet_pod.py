@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import traffic
 
-from cilia_testkit import ROOT, host, kubelet, skips
+from cilia_testkit import ROOT, VENV_BIN, host, kubelet, skips
 from cilia_testkit.kubeapi import KubeAPI, binary_missing, unique_name
 from cilia_testkit.kubelet import IMAGE, KubeletNode
 from cilia_testkit.stack import Stack
@@ -198,11 +198,26 @@ OPERATOR_DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "operator" / "deployment.
 AGENT_DAEMONSET = ROOT / "deploy" / "kubernetes" / "agent" / "daemonset.yaml"
 #: Seconds a rollout (kubectl rollout status) or the updater's replacement may take.
 ROLLOUT_SECONDS = 120
+#: The pod-template annotation the updater compares (cilia_safe_agent_updater.generation).
+ANNOTATION = "safe-agent-updater-daemonset-generation"
 #: The second name of the test image: what an overlay's image change points the agent at.
 NEW_IMAGE = "cilia.test/testpod:2"
 
 
-def _operator_like(namespace: str) -> dict[str, Any]:
+def _documents(kube: KubeAPI, path: pathlib.Path, kind: str) -> list[dict[str, Any]]:
+    """The ``kind`` objects of a manifest file, as JSON (kubectl parses the YAML: the e2e
+    environment has no YAML library)."""
+    text = kube.kubectl("create", "--dry-run=client", "-o", "json", "-f", str(path)).stdout
+    decoder, at = json.JSONDecoder(), 0
+    items: list[dict[str, Any]] = []
+    while text[at:].strip():  # one JSON object per document, back to back
+        at += len(text[at:]) - len(text[at:].lstrip())
+        item, at = decoder.raw_decode(text, at)
+        items.extend(item["items"] if item.get("kind") == "List" else [item])
+    return [i for i in items if i.get("kind") == kind]
+
+
+def _operator_like(kube: KubeAPI, namespace: str) -> dict[str, Any]:
     """deploy/kubernetes' operator Deployment with what this node cannot run swapped out.
 
     Kept: replicas (2), the RollingUpdate strategy (maxSurge 0, maxUnavailable 1), the
@@ -213,11 +228,7 @@ def _operator_like(namespace: str) -> dict[str, Any]:
     replicas share this one node, and a ``make up`` operator may hold 4250 on the host;
     pod networking is cilia-cni's instead), the required anti-affinity (one node) and the
     priority class."""
-    import yaml
-
-    [deployment] = [
-        d for d in yaml.safe_load_all(OPERATOR_DEPLOYMENT.read_text()) if d["kind"] == "Deployment"
-    ]
+    [deployment] = _documents(kube, OPERATOR_DEPLOYMENT, "Deployment")
     deployment["metadata"]["namespace"] = namespace
     spec = deployment["spec"]["template"]["spec"]
     for key in ("hostNetwork", "dnsPolicy", "priorityClassName", "affinity", "volumes"):
@@ -230,17 +241,11 @@ def _operator_like(namespace: str) -> dict[str, Any]:
     return result
 
 
-def _agent_like(namespace: str, generation: str) -> dict[str, Any]:
+def _agent_like(kube: KubeAPI, namespace: str, generation: str) -> dict[str, Any]:
     """deploy/kubernetes' agent DaemonSet reduced to what the updater reads: its name,
     selector, OnDelete strategy, tolerations and the generation annotation, with one
     container of the test image (Ready once it answers TCP)."""
-    import yaml
-
-    from cilia_safe_agent_updater.generation import ANNOTATION
-
-    [source] = [
-        d for d in yaml.safe_load_all(AGENT_DAEMONSET.read_text()) if d["kind"] == "DaemonSet"
-    ]
+    [source] = _documents(kube, AGENT_DAEMONSET, "DaemonSet")
     template = source["spec"]["template"]
     return {
         "apiVersion": "apps/v1",
@@ -284,21 +289,13 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 
 def test_an_operator_shaped_deployment_rolls_and_the_updater_rolls_a_changed_agent(
-    world: World, tmp_path: pathlib.Path
+    world: World,
 ) -> None:
     """With kube-controller-manager and kube-scheduler, on the real node: the operator's
     Deployment (2 replicas, maxSurge 0, maxUnavailable 1, gRPC readiness) completes a
     rollout; an agent DaemonSet whose image an overlay changed (OnDelete: nothing happens
     by itself) is rolled on this node by the safe-agent-updater (kubernetes mode): the
     DaemonSet controller and the kubelet make the replacement, Running the new image."""
-    from concurrent import futures
-
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from cilia_safe_agent_updater.__main__ import main
-    from cilia_safe_agent_updater.exitcodes import Exit
-
     w = world
     kube = w.kube
     skips.require(binary_missing("kube-controller-manager", kube.bin_dir))
@@ -309,11 +306,11 @@ def test_an_operator_shaped_deployment_rolls_and_the_updater_rolls_a_changed_age
     w.node.kubectl("create", "serviceaccount", "cilia-operator", "-n", namespace)
     kube.controller_manager()
     w.node.start_scheduler()
-    health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_server: subprocess.Popen[str] | None = None
     try:
         # the operator's Deployment: created, Available, then a rollout that completes
         t0 = time.monotonic()
-        w.node.kubectl("apply", "-f", "-", input=json.dumps(_operator_like(namespace)))
+        w.node.kubectl("apply", "-f", "-", input=json.dumps(_operator_like(kube, namespace)))
         status = ("rollout", "status", "deployment/cilia-operator", "-n", namespace,
                   f"--timeout={ROLLOUT_SECONDS}s")  # fmt: skip
         w.node.kubectl(*status)
@@ -331,7 +328,7 @@ def test_an_operator_shaped_deployment_rolls_and_the_updater_rolls_a_changed_age
 
         # the agent DaemonSet (OnDelete) on this node, then an overlay changes its image
         t0 = time.monotonic()
-        ds = _agent_like(namespace, "a" * 64)
+        ds = _agent_like(kube, namespace, "a" * 64)
         selector = ",".join(f"{k}={v}" for k, v in ds["spec"]["selector"]["matchLabels"].items())
         w.node.kubectl("apply", "-f", "-", input=json.dumps(ds))
 
@@ -349,20 +346,30 @@ def test_an_operator_shaped_deployment_rolls_and_the_updater_rolls_a_changed_age
         still = agent_ready()
         assert still is not None and still["metadata"]["uid"] == old["metadata"]["uid"]
 
-        servicer = health.HealthServicer()
-        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, health_server)
-        address = f"unix:{tmp_path}/agent-health.sock"
-        health_server.add_insecure_port(address)
-        health_server.start()
-        code = main(
-            ["--mode", "kubernetes", "--kubeconfig", str(kube.kubeconfig),
-             "--namespace", namespace, "--node-name", w.node.node_name,
-             "--agent-health-address", address,
-             "--poll-interval", "0.5", "--pod-replace-attempts", "240",
-             "--ready-attempts", "240", "--image-check-attempts", "120"]
+        # the agent's gRPC health (step 9 of the updater): testpod's, on a port it binds
+        health_server = subprocess.Popen(
+            [str(kube.bin_dir / "testpod"), "serve", "grpc:0"],
+            stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        assert code == Exit.OK
+        assert health_server.stdout is not None
+        line = health_server.stdout.readline()  # "grpc health on [::]:PORT"
+        address = "127.0.0.1:" + line.strip().rsplit(":", 1)[-1]
+        updater = subprocess.run(
+            [str(VENV_BIN / "cilia-safe-agent-updater"), "--mode", "kubernetes",
+             "--kubeconfig", str(kube.kubeconfig), "--namespace", namespace,
+             "--node-name", w.node.node_name, "--agent-health-address", address,
+             "--poll-interval", "0.5", "--pod-replace-attempts", "240",
+             "--ready-attempts", "240", "--image-check-attempts", "120"],
+            capture_output=True, text=True, timeout=ROLLOUT_SECONDS + 60, check=False,
+        )  # fmt: skip
+        assert updater.returncode == 0, updater.stdout + updater.stderr
+        steps = [
+            json.loads(x).get("step") for x in updater.stdout.splitlines() if x.startswith("{")
+        ]
+        steps += [
+            json.loads(x).get("step") for x in updater.stderr.splitlines() if x.startswith("{")
+        ]
+        assert "AgentPodDeleted" in steps and "AgentUpdated" in steps, steps
         new = agent_ready()
         assert new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
         assert new["spec"]["containers"][0]["image"] == NEW_IMAGE
@@ -376,7 +383,9 @@ def test_an_operator_shaped_deployment_rolls_and_the_updater_rolls_a_changed_age
             f"{agent_up:.1f} s; then replaced by the updater: {time.monotonic() - t0:.1f} s"
         )
     finally:
-        health_server.stop(0)
+        if health_server is not None:
+            health_server.kill()
+            health_server.wait()
         kube.kubectl("delete", "deployment,daemonset", "--all", "-n", namespace, check=False)
         kube.stop_controller_manager()
         kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
