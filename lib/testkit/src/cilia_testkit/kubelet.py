@@ -42,7 +42,9 @@ stops their containers and sandboxes: CNI DEL), then the kubelet and containerd 
 any shim left of this containerd is killed (found by its ``-address`` argument), every mount
 under the work dir is unmounted, containerd's ``/k8s.io`` cgroups are removed once empty, the network namespaces of this containerd's sandboxes are
 unmounted and removed, and the Node object is deleted. The host's containerd/docker are never
-touched.
+touched. One path is shared with them: containerd 1.6's runc shim always puts its socket in
+``/run/containerd/s/`` (named by a hash of our containerd's address and the container), and
+removes it when it exits; the directory itself is the system containerd's and is left.
 """
 
 from __future__ import annotations
