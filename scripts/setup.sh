@@ -15,7 +15,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
           python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool
-          docker.io docker-compose debootstrap python3-venv)
+          docker.io docker-compose debootstrap python3-venv containerd runc)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -114,6 +114,10 @@ fi
 # under ${CILIA_CACHE_DIR:-~/.cache/cilia}/kube/<version>/bin (scripts/kube-tools.sh; the
 # first build takes ~22 min on 2 cores, later runs only check the cache).
 scripts/kube-tools.sh >/dev/null
+# A real node for tests/e2e/test_kubelet_pod.py: kubelet, kube-scheduler and the static
+# testpod program of the test image, same cache (scripts/kubelet-tools.sh; containerd, runc
+# and the loopback CNI plugin are the Debian packages above).
+scripts/kubelet-tools.sh >/dev/null
 # The unmodified upstream hubble CLI (tests/e2e/test_hubble_cli.py runs it against the relay
 # and the agents), built once with Go from the Go module proxy and cached by version under
 # ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/hubble/<version>/ (scripts/hubble-cli.sh pins it).

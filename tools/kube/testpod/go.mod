@@ -1,0 +1,3 @@
+module cilia.test/tools/kube/testpod
+
+go 1.26.0
