@@ -540,6 +540,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "localStorageCapacityIsolation": False,
             "resolvConf": "/etc/resolv.conf",
             "protectKernelDefaults": False,
+            # no KUBE-FIREWALL / KUBE-KUBELET-CANARY / KUBE-IPTABLES-HINT chains in the
+            # host's iptables: the kubelet runs in the host's network namespace, and those
+            # chains would outlive it (a DROP rule on INPUT, a hint that steers iptables
+            # backend detection, and "no KUBE-* rule" checks of other tests)
+            "makeIPTablesUtilChains": False,
             # the session's API server is shared: controllers of other tests (DaemonSets of
             # a running kube-controller-manager) must not send pods here. Pods the tests
             # bind with spec.nodeName skip the scheduler, so NoSchedule does not stop them.
