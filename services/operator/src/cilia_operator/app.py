@@ -10,7 +10,9 @@ served, nothing allocated) and is SERVING at once; when it becomes leader the co
 restores and allocates, the GC and slices start; when it loses the lock they stop and it
 follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
 gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller -> store
--> metrics endpoint.
+-> metrics endpoint. Tasks still running after that (a Redis watch cancelled inside its
+connect may never return) get ``--shutdown-timeout`` seconds, then the process exits without
+them (``__main__`` runs :func:`run` through ``cilia_common.runtime.run_bounded``).
 """
 
 from __future__ import annotations
