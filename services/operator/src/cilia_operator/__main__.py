@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--hubble-cluster", default=None, metavar="CLUSTER",
                      help="also write Hubble's: a server certificate per node named "
                      "<node>.<CLUSTER>.hubble-grpc.cilium.io (agents' --hubble-tls-*), the "
-                     "relay's client and server pairs (default: none)")  # fmt: skip
+                     "relay's client and server pairs, hubble-ui's client pair "
+                     "(default: none)")  # fmt: skip
     gen.add_argument("--days", type=_positive_seconds, default=365.0,
                      help=f"validity of the server and client certificates in days; the CA "
                      f"gets ten times as long {d}")  # fmt: skip
