@@ -31,8 +31,9 @@ from cilia_common.tls import (
     generate_bundle,
 )
 
+from .addresses import special_ranges
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
-from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
+from .ipam.pool import PoolSpec, pool_overlaps
 from .kinds import UnknownKind, kind_of, resolve_kind
 from .manifests import parse_manifest
 from .service import allocation, migration
