@@ -299,3 +299,24 @@ def test_clean_refuses_the_bpffs_mount_itself(tmp_path: pathlib.Path) -> None:
     with pytest.raises(cleanup.CleanError, match="is the bpffs mount itself"):
         cleanup.clean_bpf(root, cleanup.Report(), mounts=mounts)
     assert (root / "otherapp").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("device", "code", "message"),
+    [
+        ("lo", 2, "cilia-agent: cannot start: devices: --devices lo: a loopback device: "
+                  "NodePort traffic from other hosts never arrives on it"),
+        ("doesnotexist0", 1, "cilia-agent: cannot start: devices: no interface "
+                             "'doesnotexist0' on this node: check --devices"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_a_loopback_or_missing_nodeport_device_in_one_line(
+    device: str, code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked first (netlink, this netns), before the kernel is probed or anything is
+    changed; before, a missing device ended the start with a nested errno tuple and ``lo``
+    was accepted."""
+    assert main(["serve", "--node-name", "n1", "--devices", device]) == code
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert "(19," not in err and "Errno" not in err
