@@ -230,6 +230,27 @@ def test_cli_bad_override_is_a_usage_error_before_anything_is_written() -> None:
     assert err.getvalue().startswith("cilia-agent init sysctl: --sysctl-override: 'ip_forward'")
 
 
+def test_cli_clean_state_refuses_an_env_request_that_is_no_boolean(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """``CILIUM_BPF_STATE=banana`` used to count as "false" silently: a usage error now,
+    before anything is looked at or removed."""
+    (tmp_path / "pins").mkdir()
+    monkeypatch.setenv("CILIUM_BPF_STATE", "banana")
+    monkeypatch.delenv("CILIUM_ALL_STATE", raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    args = _args("clean-state", "--bpf-pin-dir", str(tmp_path / "pins"))
+    assert run(args, out, err) == preflight.EXIT_USAGE
+    assert out.getvalue() == ""
+    assert err.getvalue() == (
+        "cilia-agent init clean-state: CILIUM_BPF_STATE='banana': not a boolean (true or "
+        "false) (ConfigMap keys clean-cilia-bpf-state / clean-cilia-state)\n"
+    )
+    assert (tmp_path / "pins").is_dir()
+    with pytest.raises(cleanup.EnvError, match="CILIUM_ALL_STATE='yes please'"):
+        cleanup.env_requests({"CILIUM_ALL_STATE": "yes please"})
+
+
 def test_cli_clean_state_without_a_request_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CILIUM_BPF_STATE", raising=False)
     monkeypatch.delenv("CILIUM_ALL_STATE", raising=False)

@@ -188,7 +188,14 @@ def _sysctl(args: argparse.Namespace) -> list[str]:
 
 
 def _clean(args: argparse.Namespace) -> list[str]:
-    env_bpf, env_all = cleanup.env_requests(os.environ)
+    try:
+        env_bpf, env_all = cleanup.env_requests(os.environ)
+    except cleanup.EnvError as exc:
+        raise PreflightError(
+            "clean-state",
+            f"{exc} (ConfigMap keys clean-cilia-bpf-state / clean-cilia-state)",
+            preflight.EXIT_USAGE,
+        ) from None
     all_state = args.all_state or env_all
     bpf_state = args.bpf_state or env_bpf or all_state
     if not bpf_state:
