@@ -155,11 +155,30 @@ def test_sysctl_unknown_key_is_named(tmp_path: pathlib.Path) -> None:
 
 def test_sysctl_conf_file_is_written_once(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "sysctl.d" / "99-zzz-override_cilia.conf"
+    path.parent.mkdir()  # the host's /etc/sysctl.d (its missing directory: next test)
     assert sysctl.write_conf(sysctl.defaults(), path)
     text = path.read_text()
     assert "net.ipv4.conf.lxc*.rp_filter = 0\n" in text
     assert "net.ipv4.conf.all.rp_filter = 0\n" in text
     assert not sysctl.write_conf(sysctl.defaults(), path)
+
+
+def test_cli_sysctl_refuses_a_conf_file_whose_directory_does_not_exist(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``--sysctl-conf-file /nonexistent/dir/x.conf`` used to create the directories; the
+    directory must exist (the host's /etc/sysctl.d, mounted): nothing is created."""
+    path = tmp_path / "nonexistent" / "dir" / "x.conf"
+    with pytest.raises(sysctl.SysctlError, match=f"no directory {path.parent}"):
+        sysctl.write_conf(sysctl.defaults(), path)
+    assert not (tmp_path / "nonexistent").exists()
+    err = io.StringIO()
+    assert run(_args("sysctl", "--sysctl-conf-file", str(path)), io.StringIO(), err) == 1
+    assert err.getvalue() == (
+        f"cilia-agent init sysctl: cannot write {path}: no directory {path.parent} (mount the "
+        "host's /etc/sysctl.d there, fix --sysctl-conf-file, or pass --sysctl-conf-file='')\n"
+    )
+    assert not (tmp_path / "nonexistent").exists()
 
 
 def test_a_wrong_filesystem_at_the_mount_point_is_refused() -> None:

@@ -176,6 +176,8 @@ def _sysctl(args: argparse.Namespace) -> list[str]:
     except ValueError as exc:
         raise PreflightError("sysctl", f"--sysctl-override: {exc}", preflight.EXIT_USAGE) from exc
     try:
+        if args.sysctl_conf_file:  # before any sysctl is changed
+            sysctl.check_conf_dir(pathlib.Path(args.sysctl_conf_file))
         changed = sysctl.apply(settings)
         lines = [f"set {c}" for c in changed] or ["every setting already in place"]
         if args.sysctl_conf_file:
