@@ -65,8 +65,8 @@ def test_operator_exits_within_the_shutdown_timeout_when_a_watch_ignores_cancell
             proc.wait()
     assert proc.returncode == 0, err
     # the service controller's own 1 s, the bound, the rest of the stop and interpreter exit
-    # (measured 2.6 s in all; with the default 5 s bound instead of the flag's: 6.2 s)
-    assert took < 1.0 + SHUTDOWN_TIMEOUT + 3, took
+    # (measured 2.6 s in all; margin for a loaded CI machine); unbounded, it never exits
+    assert took < 1.0 + SHUTDOWN_TIMEOUT + 8, took
     warnings = [
         json.loads(line)
         for line in err.splitlines()
@@ -76,5 +76,5 @@ def test_operator_exits_within_the_shutdown_timeout_when_a_watch_ignores_cancell
     assert warnings[0]["tasks"] and all(
         name.startswith("svc-watch-") for name in warnings[0]["tasks"]
     ), warnings[0]
-    assert warnings[0]["flag"] == "--shutdown-timeout"
+    assert (warnings[0]["flag"], warnings[0]["seconds"]) == ("--shutdown-timeout", 1.0)
     assert '"msg": "operator stopped"' in err and "Traceback" not in err
