@@ -5,7 +5,9 @@
 #   scripts/stack.sh up     [--fresh] [--timeout S] [COMPONENT...]   start (idempotent), wait until ready
 #   scripts/stack.sh down   [--stop-timeout S] [COMPONENT...]        stop (idempotent)
 #   scripts/stack.sh status                                          what runs, is the agent ready
-#   scripts/stack.sh purge                                           down, delete demo/e2e/bench/test-kit netns, rm .run
+#   scripts/stack.sh purge                                           down, delete leftover demo/e2e/bench/test-kit/cluster
+#                                                                    netns whose owner process is gone (a running test's,
+#                                                                    demo's or cluster's are kept: "kept netns X: ..."), rm .run
 #
 # COMPONENT: redis operator agent relay (default: all; started in that order, stopped in reverse).
 #

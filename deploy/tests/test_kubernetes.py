@@ -328,6 +328,7 @@ def test_rbac_is_least_privilege(docs: list[dict[str, Any]]) -> None:
 
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from cilia_agent.__main__ import _build_parser as agent_parser
+    from cilia_hubble_ui.__main__ import build_parser as hubble_ui_parser
     from cilia_operator.__main__ import build_parser as operator_parser
     from cilia_relay.__main__ import build_parser as relay_parser
     from cilia_safe_agent_updater.__main__ import build_parser as updater_parser
@@ -337,6 +338,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "cilia-agent": agent_parser,
         "cilia-relay": relay_parser,
         "cilia-safe-agent-updater": updater_parser,
+        "cilia-hubble-ui": hubble_ui_parser,
     }
 
 
@@ -345,6 +347,7 @@ def test_every_flag_is_accepted_by_its_binary(docs: list[dict[str, Any]]) -> Non
     ($(VAR) references replaced by a sample value, as the kubelet expands them)."""
     parsers = _parsers()
     checked = 0
+    images: set[str] = set()
     for d in docs:
         pod = d.get("spec", {}).get("template", {}).get("spec")
         if not pod:
@@ -370,12 +373,16 @@ def test_every_flag_is_accepted_by_its_binary(docs: list[dict[str, Any]]) -> Non
             except SystemExit as exc:
                 pytest.fail(f"{d['metadata']['name']}/{c['name']}: {image} refuses {args} ({exc})")
             checked += 1
+            images.add(image)
     assert checked >= 5
+    assert images == set(parsers), f"no container of {set(parsers) - images} was checked"
 
 
 def test_unknown_flag_is_refused_by_the_same_check() -> None:
     with pytest.raises(SystemExit):
         _parsers()["cilia-agent"]().parse_args(["serve", "--no-such-flag=1"])
+    with pytest.raises(SystemExit):
+        _parsers()["cilia-hubble-ui"]().parse_args(["serve", "--no-such-flag=1"])
 
 
 def test_hubble_metrics_on_upstream_port_behind_a_headless_service(

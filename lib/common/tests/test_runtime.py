@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
 import os
 import signal
+import time
 
 import pytest
 
 from cilia_common.logs import JSONFormatter
-from cilia_common.runtime import announce_listening, run_until_signal
+from cilia_common.runtime import announce_listening, run_bounded, run_until_signal
 
 
 def test_announce_listening_writes_one_json_line_with_listener_and_address() -> None:
@@ -78,3 +80,29 @@ def test_an_until_event_also_ends_the_wait() -> None:
 
     assert asyncio.run(run_until_signal(start, stop, until=[lost])) is None
     assert stopped == [True]
+
+
+def test_run_bounded_abandons_a_task_that_ignores_cancellation_and_names_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> int:
+        async def stubborn() -> None:
+            while True:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(3600)
+
+        async def polite() -> None:
+            await asyncio.sleep(3600)
+
+        asyncio.get_running_loop().create_task(stubborn(), name="stubborn")
+        asyncio.get_running_loop().create_task(polite(), name="polite")
+        await asyncio.sleep(0)
+        return 7
+
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="cilia_common.runtime"):
+        assert run_bounded(main(), teardown_timeout=0.3) == 7
+    assert time.monotonic() - started < 2
+    [record] = [r for r in caplog.records if r.getMessage().startswith("tasks did not stop")]
+    assert record.__dict__["tasks"] == ["stubborn"]
+    assert record.__dict__["flag"] == "--shutdown-timeout"

@@ -621,7 +621,9 @@ def generate_bundle(
     node (SAN :func:`hubble_server_name`, server and client use), ``hubble-server.crt/.key``
     (SAN ``*.<cluster>.hubble-grpc.cilium.io``: one pair for every node),
     ``hubble-relay-client.crt/.key`` and ``hubble-relay-server.crt/.key`` (SANs
-    :data:`HUBBLE_RELAY_SERVER_NAME` and ``server_hosts``).
+    :data:`HUBBLE_RELAY_SERVER_NAME` and ``server_hosts``), and ``hubble-ui-client.crt/.key``
+    (``CN=hubble-ui``, client use: what cilia-hubble-ui presents to the relay, Secret
+    ``hubble-ui-client-certs`` in the manifests).
 
     Raises:
         ValueError: no server host, or ``days`` <= 0.
@@ -679,6 +681,7 @@ def generate_bundle(
         hubble["hubble-relay-client"] = leaf(
             "hubble-relay-client", _name("hubble-relay-client"), (), client=True
         )
+        hubble["hubble-ui-client"] = leaf("hubble-ui-client", _name("hubble-ui"), (), client=True)
         relay_hosts = [HUBBLE_RELAY_SERVER_NAME, *hosts]
         hubble["hubble-relay-server"] = leaf(
             "hubble-relay-server", _name(HUBBLE_RELAY_SERVER_NAME), relay_hosts, client=False

@@ -3,7 +3,11 @@
 :class:`NetnsRegistry` hands out names under one prefix per suite (``cilia-e2e-``,
 ``cilia-bench-``, ``cilia-demo-`` …, each with the creating pid) and deletes what it made;
 :meth:`NetnsRegistry.remove_stale` removes what a killed earlier run of the same suite left.
-``scripts/stack.sh purge`` removes ``cilia-(demo|e2e|bench)-*`` leftovers of any suite.
+Each namespace made by :func:`create_netns` has its owner recorded: the creating process's pid
+and start time in ``OWNER_DIR/<name>`` (removed with the namespace). ``scripts/stack.sh
+purge`` deletes the leftovers of any suite (``cilia_testkit.stackctl.LEFTOVER_NETNS``) but
+only those whose owner is gone (:func:`netns_owner`): on a shared host another checkout's
+running test, demo or cluster keeps its namespaces.
 """
 
 from __future__ import annotations
@@ -16,6 +20,40 @@ from cilia_testkit.host import sh
 
 #: Where ``ip netns`` keeps its named namespaces (iproute2's ``NETNS_RUN_DIR``).
 NETNS_DIR = pathlib.Path("/var/run/netns")
+#: One file per namespace made by :func:`create_netns`: ``<pid> <start time>`` of its owner
+#: (root's, like the namespaces; outside NETNS_DIR so ``ip netns list`` does not show it).
+OWNER_DIR = pathlib.Path("/run/cilia-testkit/netns-owners")
+
+
+def _start_time(pid: int) -> str:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22, clock ticks since
+    boot), "" when it does not run: with the pid it names one process, even after reuse."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else ""
+
+
+def netns_owner(name: str) -> int | None:
+    """The pid of the running process that owns netns ``name``, else None.
+
+    The owner is the one recorded by :func:`create_netns` (pid and start time must both
+    match a live process). A namespace without a record (made by an older test kit) falls
+    back to the pid in a :class:`NetnsRegistry` name (``<prefix><pid>-…``) when it runs.
+    """
+    try:
+        pid_text, _, started = (OWNER_DIR / name).read_text().strip().partition(" ")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        pass
+    else:
+        return pid if started and _start_time(pid) == started else None
+    for part in name.split("-")[2:3]:  # cilia-<suite>-<pid>-…
+        if part.isdigit() and _start_time(int(part)):
+            return int(part)
+    return None
 
 
 def netns_path(name: str) -> str:
@@ -23,22 +61,27 @@ def netns_path(name: str) -> str:
     return str(NETNS_DIR / name)
 
 
-def create_netns(name: str) -> str:
-    """Create netns ``name`` (deleting a stale one first), bring ``lo`` up; return its path.
+def create_netns(name: str, *, owner: int | None = None) -> str:
+    """Create netns ``name`` (deleting a stale one first), bring ``lo`` up, record its owner
+    (``owner``, default this process: see :func:`netns_owner`); return its path.
 
     Raises:
         subprocess.CalledProcessError: ``ip netns add`` failed (not root?).
     """
     delete_netns(name)
     sh("ip", "netns", "add", name)
+    pid = os.getpid() if owner is None else owner
+    OWNER_DIR.mkdir(parents=True, exist_ok=True)
+    (OWNER_DIR / name).write_text(f"{pid} {_start_time(pid)}\n")
     sh("ip", "-n", name, "link", "set", "lo", "up")
     return netns_path(name)
 
 
 def delete_netns(name: str) -> None:
-    """Delete netns ``name`` if it exists (its veth ends go with it)."""
+    """Delete netns ``name`` if it exists (its veth ends go with it), and its owner record."""
     if (NETNS_DIR / name).exists():
         sh("ip", "netns", "delete", name, check=False)
+    (OWNER_DIR / name).unlink(missing_ok=True)
 
 
 def list_netns(prefix: str) -> list[str]:
@@ -124,6 +167,7 @@ __all__ = [
     "delete_netns",
     "list_netns",
     "netns_links",
+    "netns_owner",
     "netns_path",
     "ping",
 ]

@@ -10,7 +10,9 @@ second way to start them.
     up     [--fresh] [--timeout S] [COMPONENT...]   start (idempotent), wait until each is ready
     down   [--stop-timeout S] [COMPONENT...]        stop (idempotent), reverse order
     status                                          what runs; the agent's ``cilia-agent status``
-    purge                                           down, delete demo/e2e/bench/test-kit netns, rm .run
+    purge                                           down, delete leftover demo/e2e/bench/test-kit/cluster
+                                                    netns whose owner process is gone (those of a running
+                                                    test, demo or cluster are kept and named), rm .run
 
 COMPONENT: redis operator agent relay (default all). Environment defaults:
 ``CILIA_STACK_TIMEOUT`` (90), ``CILIA_STACK_STOP_TIMEOUT`` (10), ``CILIA_STACK_FRESH`` (0),
@@ -21,22 +23,23 @@ printed), 2 usage, 3 (``status``) a component is stopped.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from cilia_testkit import VENV_BIN
 from cilia_testkit.host import tail
-from cilia_testkit.netns import delete_netns, list_netns
-from cilia_testkit.stack import SHARED_POOL, SHARED_RUN, Stack, StackError
+from cilia_testkit.netns import delete_netns, list_netns, netns_owner
+from cilia_testkit.stack import SHARED_POOL, SHARED_RUN, SLOT_DIR, Stack, StackError
 
 COMPONENTS = ("redis", "operator", "agent", "relay")
 #: netns prefixes of the demo, the e2e tests, the benches, the test kit's own tests and
 #: the clusters (``cilia-cl<slot>-``: nodes and pods of :class:`~cilia_testkit.cluster.Cluster`).
-LEFTOVER_NETNS = re.compile(r"^cilia-(demo|e2e|bench|tk|ipmig|cl[0-9]+)-")
+LEFTOVER_NETNS = re.compile(r"^cilia-(demo|e2e|bench|tk|ipmig|cl([0-9]+))-")
 
 
 def _say(text: str) -> None:
@@ -129,17 +132,62 @@ def purge(stack: Stack, *, stop_timeout: float) -> int:
     """Stop everything, remove the agent's BPF pins (its maps, and the links that keep its
     socket load balancer attached to the host's cgroup2 with the stack's old Services) and
     host device, delete leftover netns of the demo/tests/benches, remove ``.run``. (``down``
-    keeps the pins, so a restarted agent serves the same pods, as upstream's does.)"""
+    keeps the pins, so a restarted agent serves the same pods, as upstream's does.) Only
+    namespaces whose owner is gone are deleted (:func:`remove_leftover_netns`)."""
     down(stack, COMPONENTS, stop_timeout=stop_timeout)
     stack.agent.remove_leftovers()
     _say(f"removed {stack.agent.pin_dir} (maps, socket-LB links) and {stack.agent.host_device}")
-    for name in list_netns("cilia-"):
-        if LEFTOVER_NETNS.match(name):
-            delete_netns(name)
-            _say(f"deleted netns {name}")
+    deleted, kept = remove_leftover_netns()
+    for name in deleted:
+        _say(f"deleted netns {name}")
+    for name, owner in kept.items():
+        _say(f"kept netns {name}: {owner} still runs")
     shutil.rmtree(SHARED_RUN, ignore_errors=True)
     _say(f"purged {SHARED_RUN}")
     return 0
+
+
+def remove_leftover_netns(
+    only: Collection[str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """Delete the :data:`LEFTOVER_NETNS` namespaces nobody runs any more (of ``only`` when
+    given, a test's own names); returns the names deleted and, per name kept, who still
+    owns it.
+
+    A namespace is kept while its owner runs (:func:`cilia_testkit.netns.netns_owner`: the
+    process that made it, e.g. a test run, the demo or a cluster's supervisor) or, for a
+    cluster's (``cilia-cl<slot>-``), while a Stack holds that slot (its ``flock``).
+    """
+    deleted: list[str] = []
+    kept: dict[str, str] = {}
+    for name in list_netns("cilia-"):
+        match = LEFTOVER_NETNS.match(name)
+        if not match or (only is not None and name not in only):
+            continue
+        owner = netns_owner(name)
+        if owner is not None:
+            kept[name] = f"owner pid {owner}"
+        elif match.group(2) is not None and _slot_held(int(match.group(2))):
+            kept[name] = f"the holder of stack slot {match.group(2)}"
+        else:
+            delete_netns(name)
+            deleted.append(name)
+    return deleted, kept
+
+
+def _slot_held(slot: int) -> bool:
+    """Whether a running Stack holds ``slot`` (its lock file is ``flock``-ed)."""
+    try:
+        fd = os.open(SLOT_DIR / f"{slot}.lock", os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
 
 
 def _seconds(text: str) -> int:

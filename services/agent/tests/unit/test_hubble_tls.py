@@ -56,7 +56,7 @@ def test_generated_hubble_certificates_carry_the_names_the_relay_checks(
     assert sans("hubble-server") == ["*.default.hubble-grpc.cilium.io"]
     assert "*.hubble-relay.cilium.io" in sans("hubble-relay-server")
     assert set(bundle.hubble) == {"hubble-node-a", "hubble-server", "hubble-relay-client",
-                                  "hubble-relay-server"}  # fmt: skip
+                                  "hubble-relay-server", "hubble-ui-client"}  # fmt: skip
 
 
 def test_serve_refuses_unusable_hubble_tls_files_before_touching_anything(

@@ -155,11 +155,30 @@ def test_sysctl_unknown_key_is_named(tmp_path: pathlib.Path) -> None:
 
 def test_sysctl_conf_file_is_written_once(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "sysctl.d" / "99-zzz-override_cilia.conf"
+    path.parent.mkdir()  # the host's /etc/sysctl.d (its missing directory: next test)
     assert sysctl.write_conf(sysctl.defaults(), path)
     text = path.read_text()
     assert "net.ipv4.conf.lxc*.rp_filter = 0\n" in text
     assert "net.ipv4.conf.all.rp_filter = 0\n" in text
     assert not sysctl.write_conf(sysctl.defaults(), path)
+
+
+def test_cli_sysctl_refuses_a_conf_file_whose_directory_does_not_exist(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``--sysctl-conf-file /nonexistent/dir/x.conf`` used to create the directories; the
+    directory must exist (the host's /etc/sysctl.d, mounted): nothing is created."""
+    path = tmp_path / "nonexistent" / "dir" / "x.conf"
+    with pytest.raises(sysctl.SysctlError, match=f"no directory {path.parent}"):
+        sysctl.write_conf(sysctl.defaults(), path)
+    assert not (tmp_path / "nonexistent").exists()
+    err = io.StringIO()
+    assert run(_args("sysctl", "--sysctl-conf-file", str(path)), io.StringIO(), err) == 1
+    assert err.getvalue() == (
+        f"cilia-agent init sysctl: cannot write {path}: no directory {path.parent} (mount the "
+        "host's /etc/sysctl.d there, fix --sysctl-conf-file, or pass --sysctl-conf-file='')\n"
+    )
+    assert not (tmp_path / "nonexistent").exists()
 
 
 def test_a_wrong_filesystem_at_the_mount_point_is_refused() -> None:
@@ -228,6 +247,27 @@ def test_cli_bad_override_is_a_usage_error_before_anything_is_written() -> None:
     err = io.StringIO()
     assert run(_args("sysctl", "--sysctl-override", "ip_forward"), io.StringIO(), err) == 2
     assert err.getvalue().startswith("cilia-agent init sysctl: --sysctl-override: 'ip_forward'")
+
+
+def test_cli_clean_state_refuses_an_env_request_that_is_no_boolean(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """``CILIUM_BPF_STATE=banana`` used to count as "false" silently: a usage error now,
+    before anything is looked at or removed."""
+    (tmp_path / "pins").mkdir()
+    monkeypatch.setenv("CILIUM_BPF_STATE", "banana")
+    monkeypatch.delenv("CILIUM_ALL_STATE", raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    args = _args("clean-state", "--bpf-pin-dir", str(tmp_path / "pins"))
+    assert run(args, out, err) == preflight.EXIT_USAGE
+    assert out.getvalue() == ""
+    assert err.getvalue() == (
+        "cilia-agent init clean-state: CILIUM_BPF_STATE='banana': not a boolean (true or "
+        "false) (ConfigMap keys clean-cilia-bpf-state / clean-cilia-state)\n"
+    )
+    assert (tmp_path / "pins").is_dir()
+    with pytest.raises(cleanup.EnvError, match="CILIUM_ALL_STATE='yes please'"):
+        cleanup.env_requests({"CILIUM_ALL_STATE": "yes please"})
 
 
 def test_cli_clean_state_without_a_request_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,3 +339,24 @@ def test_clean_refuses_the_bpffs_mount_itself(tmp_path: pathlib.Path) -> None:
     with pytest.raises(cleanup.CleanError, match="is the bpffs mount itself"):
         cleanup.clean_bpf(root, cleanup.Report(), mounts=mounts)
     assert (root / "otherapp").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("device", "code", "message"),
+    [
+        ("lo", 2, "cilia-agent: cannot start: devices: --devices lo: a loopback device: "
+                  "NodePort traffic from other hosts never arrives on it"),
+        ("doesnotexist0", 1, "cilia-agent: cannot start: devices: no interface "
+                             "'doesnotexist0' on this node: check --devices"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_a_loopback_or_missing_nodeport_device_in_one_line(
+    device: str, code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked first (netlink, this netns), before the kernel is probed or anything is
+    changed; before, a missing device ended the start with a nested errno tuple and ``lo``
+    was accepted."""
+    assert main(["serve", "--node-name", "n1", "--devices", device]) == code
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert "(19," not in err and "Errno" not in err

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from cilia_common.addresses import split_host_port
 from cilia_common.metrics import MetricsServer, start_metrics_server
@@ -28,6 +32,60 @@ log = logging.getLogger("cilia_hubble_ui")
 
 class BindError(RuntimeError):
     """``--listen-address`` cannot be bound (message names the flag and the reason)."""
+
+
+class _RequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering a request line or header line longer than
+    its limit with 414 URI Too Long / 431 Request Header Fields Too Large and one plain
+    line (aiohttp answers 400 with the Python repr of the line's first bytes and logs a
+    traceback). Methods only (``__slots__ = ()``), so a handler aiohttp made can take this
+    class (:class:`_Server`)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, LineTooLong):
+            return super().handle_error(request, status, exc, message)
+        line, limit = exc.args[0], exc.args[1]
+        # the exception carries the line's first bytes: a request target is "/…" (origin
+        # form, what browsers send) or "http://…" (absolute form); else it is a header line
+        head = bytes(line[:8]) if isinstance(line, bytes | bytearray) else b""
+        if head.startswith((b"/", b"http://", b"https://")):
+            code = HTTPStatus.REQUEST_URI_TOO_LONG
+            text = (f"the request line is longer than {limit} bytes "
+                    "(--max-request-line-bytes): use fewer or shorter filters")  # fmt: skip
+        else:
+            code = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
+            text = f"a request header line is longer than {limit} bytes"
+        log.info("request refused", extra={"status": int(code), "reason": text})
+        response = web.Response(status=code, text=f"{int(code)} {code.phrase}: {text}\n")
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    """aiohttp's server whose connections use :class:`_RequestHandler` (a subclass of the
+    handler it makes, with no state of its own, so the class is swapped on the instance)."""
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _RequestHandler
+        return handler
+
+
+class _AppRunner(web.AppRunner):
+    """``web.AppRunner`` serving through :class:`_Server`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        return server
 
 
 class HubbleUI:
@@ -70,8 +128,11 @@ class HubbleUI:
             max_clients=config.max_clients,
             metrics=self.metrics,
         )
-        self._runner = web.AppRunner(
-            app, shutdown_timeout=config.shutdown_grace_period, access_log=None
+        self._runner = _AppRunner(
+            app,
+            shutdown_timeout=config.shutdown_grace_period,
+            access_log=None,
+            max_line_size=config.max_request_line_bytes,
         )
         await self._runner.setup()
         host, port = split_host_port(config.listen_address, flag="--listen-address")

@@ -68,6 +68,13 @@ class Config(BaseModel):
         description="pages followed at once (each holds one GetFlows stream to the relay); "
         "more are answered 503",
     )
+    max_request_line_bytes: int = Field(
+        default=8190,
+        ge=1024,
+        le=1_048_576,
+        description="longest request line (method, path and query string) read; a longer one "
+        "is answered 414 URI Too Long (aiohttp's default limit)",
+    )
     update_interval: GoDuration = Field(
         default=1.0,
         ge=0.05,

@@ -61,8 +61,23 @@ def test_serves_the_page_on_the_port_it_bound_and_stops_on_sigterm() -> None:
         with pytest.raises(urllib.error.HTTPError) as bad:
             urllib.request.urlopen(f"http://{address}/?protocol=carrier-pigeon", timeout=5)
         assert bad.value.code == 400
+        # over-long request line / header line: 414 / 431 with one plain line, not a repr
+        with pytest.raises(urllib.error.HTTPError) as long_query:
+            urllib.request.urlopen(f"http://{address}/api/graph?q={'a' * 100_000}", timeout=5)
+        body = long_query.value.read().decode()
+        assert long_query.value.code == 414
+        assert body == ("414 Request-URI Too Long: the request line is longer than 8190 bytes "
+                        "(--max-request-line-bytes): use fewer or shorter filters\n")  # fmt: skip
+        big = urllib.request.Request(f"http://{address}/healthz", headers={"X-Big": "b" * 10_000})
+        with pytest.raises(urllib.error.HTTPError) as long_header:
+            urllib.request.urlopen(big, timeout=5)
+        assert long_header.value.code == 431
+        assert "bytearray" not in long_header.value.read().decode()
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=5) as resp:
+            assert resp.status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in proc.stderr.read()  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
             proc.kill()

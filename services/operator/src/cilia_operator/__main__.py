@@ -31,7 +31,6 @@ Client commands take --tls-operator-server-ca-files, --tls-operator-client-cert-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import re
@@ -168,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--hubble-cluster", default=None, metavar="CLUSTER",
                      help="also write Hubble's: a server certificate per node named "
                      "<node>.<CLUSTER>.hubble-grpc.cilium.io (agents' --hubble-tls-*), the "
-                     "relay's client and server pairs (default: none)")  # fmt: skip
+                     "relay's client and server pairs, hubble-ui's client pair "
+                     "(default: none)")  # fmt: skip
     gen.add_argument("--days", type=_positive_seconds, default=365.0,
                      help=f"validity of the server and client certificates in days; the CA "
                      f"gets ten times as long {d}")  # fmt: skip
@@ -238,6 +238,7 @@ def _go_duration(value: str) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     from cilia_common.logs import setup_logging
+    from cilia_common.runtime import run_bounded
 
     from .app import StartupError, run
 
@@ -248,7 +249,8 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     setup_logging("cilia-operator", config.log_level)
     try:
-        return asyncio.run(run(config))
+        # bounded end: a task that ignores its cancellation must not keep the process alive
+        return run_bounded(run(config), teardown_timeout=config.shutdown_timeout)
     except StartupError as exc:
         print(f"cilia-operator: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -10,7 +10,9 @@ served, nothing allocated) and is SERVING at once; when it becomes leader the co
 restores and allocates, the GC and slices start; when it loses the lock they stop and it
 follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
 gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller -> store
--> metrics endpoint.
+-> metrics endpoint. Tasks still running after that (a Redis watch cancelled inside its
+connect may never return) get ``--shutdown-timeout`` seconds, then the process exits without
+them (``__main__`` runs :func:`run` through ``cilia_common.runtime.run_bounded``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_common.tls import CertificateReloader, TLSFileError, server_credentials
 
+from .addresses import special_ranges
 from .config import Config
 from .controlplane.applyfence import ApplyFences
 from .controlplane.authz import AuthorizationInterceptor
@@ -50,7 +53,7 @@ from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
-from .ipam.pool import pool_manifest, pool_overlaps, pool_specs, special_ranges
+from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
 from .kinds import POOL, SERVICE_CIDR
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits

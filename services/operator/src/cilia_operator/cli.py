@@ -31,8 +31,9 @@ from cilia_common.tls import (
     generate_bundle,
 )
 
+from .addresses import special_ranges
 from .ipam.changes import NodeNetworks, overlap_errors, plan_numbers
-from .ipam.pool import PoolSpec, pool_overlaps, special_ranges
+from .ipam.pool import PoolSpec, pool_overlaps
 from .kinds import UnknownKind, kind_of, resolve_kind
 from .manifests import parse_manifest
 from .service import allocation, migration
@@ -757,7 +758,8 @@ def certs_generate(
     """Write the control plane's CA, the operator's server pair, one client pair per node and
     per admin into ``directory`` (``ca.crt``/``ca.key`` reused when present, so new nodes
     can be added later) and print the flags that use them; with ``hubble_cluster`` also
-    Hubble's (each node's server pair, the relay's client and server pairs).
+    Hubble's (each node's server pair, the relay's client and server pairs, hubble-ui's
+    client pair).
 
     Raises:
         CommandError: bad node name, no host, or the directory cannot be written.
@@ -787,6 +789,11 @@ def certs_generate(
         if name == "hubble-relay-client":
             flags = (f"--tls-hubble-server-ca-files {bundle.ca_cert} --tls-client-cert-file "
                      f"{cert} --tls-client-key-file {key}")  # fmt: skip
+        elif name == "hubble-ui-client":
+            flags = (f"--tls-relay-ca-cert-files {bundle.ca_cert} --tls-relay-client-cert-file "
+                     f"{cert} --tls-relay-client-key-file {key} --tls-relay-server-name "
+                     f"ui.hubble-relay.cilium.io (cilia-hubble-ui; Secret "
+                     f"hubble-ui-client-certs: tls.crt, tls.key, ca.crt)")  # fmt: skip
         elif name == "hubble-relay-server":
             flags = (f"--tls-relay-server-cert-file {cert} --tls-relay-server-key-file {key} "
                      f"(clients: hubble --tls --tls-ca-cert-files {bundle.ca_cert})")  # fmt: skip

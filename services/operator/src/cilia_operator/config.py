@@ -82,6 +82,11 @@ class Config(BaseModel):
     shutdown_grace_period: float = Field(
         default=5.0, ge=0, description="seconds in-flight RPCs get on SIGTERM"
     )
+    shutdown_timeout: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds the process waits, once stopped, for background tasks still running (cancelled) before it exits without them, naming them in a warning (e.g. a Redis watch stuck in its connect)",
+    )
     node_cidr_release_grace_period: Duration = Field(
         default=30.0,
         ge=0,

@@ -483,3 +483,44 @@ async def test_register_records_alias_use_as_a_time_on_the_operators_clock(
         assert list(last) == ["10.96.0.10"]  # never-used aliases have no time
         used = datetime.datetime.fromisoformat(last["10.96.0.10"].replace("Z", "+00:00"))
         assert before - 31 <= used.timestamp() <= time.time() - 29
+
+
+async def test_report_alias_use_records_the_uses_and_queues_no_ipam_reconcile(
+    redis_url: str,
+) -> None:
+    """``ReportAliasUse`` (every report interval per node while aliases exist) writes the
+    node's CiliaServiceAliasUse record and nothing else: no IPAM reconcile of the node is
+    queued and its CiliumNode is untouched, unlike ``Register``."""
+    async with running_operator(redis_url, service_cluster_ip_range=[RANGE]) as (op, channel):
+        nodes = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+        await nodes.Register(pb.RegisterRequest(node_name="node-a", addresses=["192.0.2.10"]),
+                             timeout=10)  # fmt: skip
+        node_before = await op.store.get("CiliumNode", "node-a")
+        queued: list[str] = []
+        real_enqueue = op.controller.enqueue
+
+        def enqueue(name: str) -> None:
+            queued.append(name)
+            real_enqueue(name)
+
+        op.controller.enqueue = enqueue  # type: ignore[method-assign]
+        for idle_ms in (30_000, 20_000):
+            await nodes.ReportAliasUse(pb.ReportAliasUseRequest(
+                node_name="node-a",
+                alias_uses=[pb.AliasUse(ip="10.96.0.10", used=True, idle_ms=idle_ms),
+                            pb.AliasUse(ip="10.96.0.3", used=False)],
+            ), timeout=10)  # fmt: skip
+        record = await op.store.get("CiliaServiceAliasUse", "node-a")
+        assert list(record["status"]["lastUsed"]) == ["10.96.0.10"]
+        assert queued == []
+        node_after = await op.store.get("CiliumNode", "node-a")
+        assert (
+            node_after["metadata"]["resourceVersion"] == node_before["metadata"]["resourceVersion"]
+        )
+        # the old way (an older agent's Register with fields 6 and 7) still reconciles
+        await nodes.Register(pb.RegisterRequest(node_name="node-a", addresses=["192.0.2.10"],
+                                                reports_alias_use=True), timeout=10)  # fmt: skip
+        assert queued == ["node-a"]
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await nodes.ReportAliasUse(pb.ReportAliasUseRequest(node_name="Bad_Name"), timeout=10)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -190,8 +190,9 @@ class OperatorClient:
             it); None = a channel of its own for each session.
         tls: mutual-TLS files of the session's own channel (None: plaintext; unused with
             ``channel``).
-        alias_uses: returns the alias VIPs' uses (``loadbalancer.usage``) sent with every
-            Register (``reports_alias_use``); None: not reported (no load balancer).
+        alias_uses: returns the alias VIPs' uses (``loadbalancer.usage``), sent with every
+            Register (``reports_alias_use``) and by :meth:`report_alias_use`; None: not
+            reported (no load balancer).
     """
 
     def __init__(
@@ -214,6 +215,8 @@ class OperatorClient:
         alias_uses: Callable[[], list[cp.AliasUse]] | None = None,
     ) -> None:
         self._alias_uses = alias_uses
+        # an older operator (no ReportAliasUse): alias uses ride on Register this session
+        self._reports_by_register = False
         self._nets: NodeNetworks | None = None
         self.tls = tls
         self.address = address
@@ -286,15 +289,37 @@ class OperatorClient:
         )
 
     async def report_alias_use(self) -> None:
-        """Register again with the node's last known networks, carrying the alias uses
-        (``loadbalancer.usage.AliasUsage.report_loop`` calls it); nothing before the
-        first Register.
+        """Send the alias uses with ``NodeService.ReportAliasUse`` over the shared channel
+        (``loadbalancer.usage.AliasUsage.report_loop`` calls it): the operator records
+        them and nothing else (a Register would also queue an IPAM reconcile of the node).
+        An older operator without that RPC (UNIMPLEMENTED) gets a Register carrying them,
+        as before, for the rest of the session. Nothing before the first Register.
 
         Raises:
             OperatorUnavailable: the operator did not take it.
         """
-        if self._nets is not None:
-            await self.register_again(self._nets)
+        if self._nets is None or self._channel is None:
+            return
+        if self._alias_uses is not None and not self._reports_by_register:
+            request = cp.ReportAliasUseRequest(
+                node_name=self.node_name, alias_uses=self._alias_uses()
+            )
+            try:
+                await cp_grpc.NodeServiceStub(self._channel).ReportAliasUse(  # type: ignore[no-untyped-call]
+                    request, timeout=self.timeout
+                )
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise _operator_error(
+                        exc, f"ReportAliasUse at operator {self.address}"
+                    ) from exc
+                log.info(
+                    "operator has no ReportAliasUse; reporting alias use with Register",
+                    extra={"operator": self.address},
+                )
+                self._reports_by_register = True
+        await self.register_again(self._nets)
 
     async def register_again(self, nets: NodeNetworks) -> None:
         """Register once more with ``nets`` (the node's addresses changed), over the shared
@@ -313,6 +338,7 @@ class OperatorClient:
             raise _operator_error(exc, f"Register at operator {self.address}") from exc
 
     async def _session(self) -> bool:
+        self._reports_by_register = False  # the operator may have been upgraded meanwhile
         nets = await asyncio.to_thread(read_node_networks, self.exclude_devices)
         delivered = False
         own = self._channel is None

@@ -16,9 +16,10 @@ Only aliases have entries, so other Services cost one failed lookup.
 * :meth:`uses` reads the map: per alias, whether it was used and how many milliseconds
   ago, measured against CLOCK_MONOTONIC now (a duration: the operator turns it into a
   time on its own clock);
-* :meth:`report_loop` calls ``report`` (a ``NodeService.Register`` carrying
-  ``reports_alias_use`` and these uses) every ``--alias-use-report-interval`` seconds
-  while the node serves an alias, and once more after the last one went.
+* :meth:`report_loop` calls ``report`` (a ``NodeService.ReportAliasUse`` carrying these
+  uses; a ``Register`` with them to an older operator) every
+  ``--alias-use-report-interval`` seconds while the node serves an alias, and once more
+  after the last one went.
 
 Not thread-safe: the watcher and the loop run on the agent's event loop.
 """

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cilia_agent.config import Config
@@ -65,6 +66,44 @@ class PreflightError(Exception):
         self.step = step
         self.message = message
         self.code = code
+
+
+#: ``IFF_LOOPBACK`` of a link's flags (Linux ``include/uapi/linux/if.h``).
+IFF_LOOPBACK = 0x8
+
+
+def check_devices(devices: Sequence[str]) -> str:
+    """Check the ``--devices`` the NodePort programs go on, in this network namespace
+    (netlink): each exists and is not a loopback device (traffic from other hosts never
+    arrives on one, so NodePort could not be served there). Returns the summary line.
+
+    Raises:
+        PreflightError: step ``devices``: a device is missing (exit 1: the node's
+            interfaces, ``ip -br link`` lists them) or is a loopback device (exit 2: the
+            flag is wrong).
+    """
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    with IPRoute() as ipr:
+        for name in devices:
+            try:
+                flags = int(ipr.link("get", ifname=name)[0]["flags"])
+            except NetlinkError:
+                raise PreflightError(
+                    "devices",
+                    f"no interface {name!r} on this node: check --devices (ip -br link lists "
+                    "the node's interfaces)",
+                ) from None
+            if flags & IFF_LOOPBACK:
+                raise PreflightError(
+                    "devices",
+                    f"--devices {name}: a loopback device: NodePort traffic from other hosts "
+                    "never arrives on it (name the node's external devices, or leave --devices "
+                    "empty for the default route's device)",
+                    code=EXIT_USAGE,
+                )
+    return f"NodePort devices {', '.join(devices)} present"
 
 
 def needs(enable_bpf: bool, socket_lb: bool) -> set[str]:
@@ -176,7 +215,7 @@ class StartupResult:
 
 def startup_checks(cfg: Config, release: str) -> StartupResult:
     """The agent's own fast path of the init steps, before it changes anything:
-    kernel (version and probes of the features the configuration uses), bpffs under the
+    ``--devices`` (NodePort on: each exists, none is a loopback device), kernel (version and probes of the features the configuration uses), bpffs under the
     pin dir (``--enable-bpf``), cgroup2 on ``--cgroup-root`` (socket-LB on), the iptables
     backend (``--install-iptables-rules``). Sysctls and cleaning stay init steps (the
     agent sets ``ip_forward`` itself when it sets up the node).
@@ -185,8 +224,12 @@ def startup_checks(cfg: Config, release: str) -> StartupResult:
         PreflightError: the first check that fails (same messages as the init steps).
     """
     socket_lb = cfg.enable_bpf and cfg.bpf_lb_sock and cfg.kube_proxy_replacement_enabled
+    # the flag first: a wrong device is refused before the kernel is probed
+    lines = (
+        [check_devices(cfg.devices)] if socket_lb and cfg.enable_node_port and cfg.devices else []
+    )
     groups = needs(cfg.enable_bpf, socket_lb)
-    lines = check_kernel(release, "", groups) if groups else []
+    lines += check_kernel(release, "", groups) if groups else []
     if cfg.enable_bpf:
         lines.append(pin_dir_on_bpffs(cfg.bpf_pin_dir))
     if socket_lb:

@@ -165,11 +165,37 @@ def host_devices(host_device: str, tunnel_device: str) -> list[str]:
     return [host_device, peer, tunnel_device]
 
 
-def env_true(value: str | None) -> bool:
-    """``"true"`` (any case, surrounding blanks ignored) → True; anything else False."""
-    return (value or "").strip().lower() == "true"
+#: Values a boolean ConfigMap key may hold (Go's ``strconv.ParseBool``, lower-cased), and
+#: empty (unset).
+BOOLEAN_WORDS = frozenset({"", "true", "false", "t", "f", "1", "0"})
+
+
+class EnvError(ValueError):
+    """An environment variable holds no boolean (message names it and its value)."""
+
+
+def env_true(value: str | None, name: str = "value") -> bool:
+    """``"true"`` (any case, surrounding blanks ignored) → True; ``false``, empty, unset and
+    the other words of :data:`BOOLEAN_WORDS` → False (upstream's init script acts on exactly
+    ``"true"``).
+
+    Raises:
+        EnvError: ``value`` is no boolean at all (``"banana"``): a typo must not silently
+            mean "do not clean".
+    """
+    word = (value or "").strip().lower()
+    if word not in BOOLEAN_WORDS:
+        raise EnvError(f"{name}={value!r}: not a boolean (true or false)")
+    return word == "true"
 
 
 def env_requests(environ: dict[str, str] | os._Environ[str]) -> tuple[bool, bool]:
-    """``(bpf_state, all_state)`` requested by ``CILIUM_BPF_STATE`` / ``CILIUM_ALL_STATE``."""
-    return env_true(environ.get("CILIUM_BPF_STATE")), env_true(environ.get("CILIUM_ALL_STATE"))
+    """``(bpf_state, all_state)`` requested by ``CILIUM_BPF_STATE`` / ``CILIUM_ALL_STATE``.
+
+    Raises:
+        EnvError: one of them holds no boolean.
+    """
+    return (
+        env_true(environ.get("CILIUM_BPF_STATE"), "CILIUM_BPF_STATE"),
+        env_true(environ.get("CILIUM_ALL_STATE"), "CILIUM_ALL_STATE"),
+    )

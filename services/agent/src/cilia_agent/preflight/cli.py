@@ -176,6 +176,8 @@ def _sysctl(args: argparse.Namespace) -> list[str]:
     except ValueError as exc:
         raise PreflightError("sysctl", f"--sysctl-override: {exc}", preflight.EXIT_USAGE) from exc
     try:
+        if args.sysctl_conf_file:  # before any sysctl is changed
+            sysctl.check_conf_dir(pathlib.Path(args.sysctl_conf_file))
         changed = sysctl.apply(settings)
         lines = [f"set {c}" for c in changed] or ["every setting already in place"]
         if args.sysctl_conf_file:
@@ -188,7 +190,14 @@ def _sysctl(args: argparse.Namespace) -> list[str]:
 
 
 def _clean(args: argparse.Namespace) -> list[str]:
-    env_bpf, env_all = cleanup.env_requests(os.environ)
+    try:
+        env_bpf, env_all = cleanup.env_requests(os.environ)
+    except cleanup.EnvError as exc:
+        raise PreflightError(
+            "clean-state",
+            f"{exc} (ConfigMap keys clean-cilia-bpf-state / clean-cilia-state)",
+            preflight.EXIT_USAGE,
+        ) from None
     all_state = args.all_state or env_all
     bpf_state = args.bpf_state or env_bpf or all_state
     if not bpf_state:

@@ -123,19 +123,36 @@ def apply(
     return changed
 
 
+def check_conf_dir(path: pathlib.Path) -> None:
+    """Refuse a conf file whose directory does not exist (see :func:`write_conf`).
+
+    Raises:
+        SysctlError: naming the file and the missing directory.
+    """
+    if not path.parent.is_dir():
+        raise SysctlError(
+            f"cannot write {path}: no directory {path.parent} (mount the host's "
+            "/etc/sysctl.d there, fix --sysctl-conf-file, or pass --sysctl-conf-file='')"
+        )
+
+
 def write_conf(settings: tuple[Setting, ...] | list[Setting], path: pathlib.Path) -> bool:
     """Write ``settings`` as a sysctl.d file (atomically; returns True when it changed).
 
+    The file's directory must exist: it is the host's ``/etc/sysctl.d`` (mounted into the
+    init container), and a missing one means a wrong path or a missing mount -- created
+    here, the file would land where systemd-sysctl never reads it.
+
     Raises:
-        SysctlError: the directory is not writable.
+        SysctlError: the directory does not exist or is not writable.
     """
     lines = ["# written by cilia-agent init sysctl; applied by systemd-sysctl to new devices"]
     lines += [f"# {s.why}\n{s.key} = {s.value}" for s in settings]
     text = "\n".join(lines) + "\n"
+    check_conf_dir(path)
     try:
         if path.exists() and path.read_text() == text:
             return False
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(text)
         tmp.replace(path)

@@ -13,7 +13,7 @@ Rules (:data:`RULES`, one per method; the order of checks is: identity present, 
 
 * reads and watches (``Get``, ``List``, ``Watch*``, ``ResolvePool``, ``GetStatus``, health,
   reflection): every authenticated client;
-* node-scoped writes (``Register``, ``UpdateDemand``, ``WatchAllocations``,
+* node-scoped writes (``Register``, ``ReportAliasUse``, ``UpdateDemand``, ``WatchAllocations``,
   ``UpsertEndpoint``, ``DeleteEndpoint``, ``Allocate``, ``Release``): an administrator, or
   the agent of the node named in the request (``node_name``; ``endpoint.node_name`` for
   ``UpsertEndpoint``); an empty node name is another node's;
@@ -84,6 +84,7 @@ _NODE = Rule("node", "node_name")
 RULES: dict[str, Rule] = {
     "NodeService/Register": _NODE,
     "NodeService/WatchNodes": _READ,
+    "NodeService/ReportAliasUse": _NODE,
     "IPAMService/UpdateDemand": _NODE,
     "IPAMService/WatchAllocations": _NODE,
     "IPAMService/ResolvePool": _READ,

@@ -162,6 +162,31 @@ class NodeServicer:
             pods_from_api=self.pods_from_api,
         )
 
+    @unary
+    async def ReportAliasUse(  # noqa: N802 (gRPC method name)
+        self, request: pb.ReportAliasUseRequest, context: Any
+    ) -> pb.ReportAliasUseResponse:
+        """Record the node's alias-VIP uses (standalone;
+        :func:`cilia_operator.service.aliases.store_report`) and nothing else: the node's
+        record is not touched and no IPAM reconcile is queued (a report comes every
+        ``--alias-use-report-interval`` per node while aliases exist). With the Kubernetes
+        store the report is accepted and dropped (no migration there).
+
+        Errors: INVALID_ARGUMENT (bad node name), UNAVAILABLE (store down), ABORTED (the
+        record kept changing).
+        """
+        try:
+            ObjectMeta(name=request.node_name)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node_name: {exc}")
+        if self.record_alias_use:
+            await aliases.store_report(
+                self.store, request.node_name,
+                [(u.ip, u.used, u.idle_ms) for u in request.alias_uses],
+                datetime.datetime.now(datetime.UTC), self.conflict_retries,
+            )  # fmt: skip
+        return pb.ReportAliasUseResponse()
+
     @streaming
     async def WatchNodes(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchNodesRequest, context: Any

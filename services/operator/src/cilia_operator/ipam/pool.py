@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from ..addresses import special_ranges
 from ..errors import FieldError, InvalidResource, from_pydantic
 
 API_VERSION = "cilium.io/v2alpha1"
@@ -190,23 +191,6 @@ def no_pod_address(mask_size: int, allow_first: bool, allow_last: bool) -> str |
     )
 
 
-# IPv4 ranges no pod address may come from (RFC 6890): refused in spec.ipv4.cidrs.
-_SPECIAL_V4: tuple[tuple[str, ipaddress.IPv4Network], ...] = (
-    ('"this network"', ipaddress.IPv4Network("0.0.0.0/8")),
-    ("loopback", ipaddress.IPv4Network("127.0.0.0/8")),
-    ("link-local", ipaddress.IPv4Network("169.254.0.0/16")),
-    ("multicast", ipaddress.IPv4Network("224.0.0.0/4")),
-    ("reserved", ipaddress.IPv4Network("240.0.0.0/4")),
-)
-
-
-def special_ranges(net: ipaddress.IPv4Network) -> list[tuple[str, ipaddress.IPv4Network]]:
-    """The special-purpose ranges (RFC 6890) ``net`` overlaps, as ``(name, range)`` pairs:
-    "this network" 0/8, loopback 127/8, link-local 169.254/16, multicast 224/4, reserved
-    240/4. No pod address may come from them (:func:`validate_pool` refuses such CIDRs)."""
-    return [(name, special) for name, special in _SPECIAL_V4 if net.overlaps(special)]
-
-
 DEFAULT_POOL = "default"
 """Upstream's ``ipam-default-ip-pool`` default: the pool the agent takes its router IP
 from."""
@@ -244,14 +228,14 @@ def validate_pool(
             continue
         nets = [ipaddress.ip_network(c) for c in spec.cidrs]
         for i, net in enumerate(nets):
-            for name, special in _SPECIAL_V4 if family == "ipv4" else ():
-                if net.overlaps(special):
-                    errors.append(
-                        FieldError(
-                            f"spec.{family}.cidrs[{i}]",
-                            f"{net} overlaps the {name} range {special}: not usable for pods",
-                        )
+            hits = special_ranges(net) if isinstance(net, ipaddress.IPv4Network) else []
+            for name, special in hits:
+                errors.append(
+                    FieldError(
+                        f"spec.{family}.cidrs[{i}]",
+                        f"{net} overlaps the {name} range {special}: not usable for pods",
                     )
+                )
             if spec.maskSize < net.prefixlen:
                 errors.append(
                     FieldError(

@@ -2,9 +2,10 @@
 
 Each agent's socket load balancer stamps the time of every ``connect()``/``sendmsg()`` to
 an alias VIP (``bpf/bpf_sock.c``, map ``cilia_lb4_alias_use``); the agent reports those
-times with ``NodeService.Register`` (``reports_alias_use``, ``alias_uses``: per alias,
-whether it was used and how many milliseconds ago) every
-``--alias-use-report-interval`` while it serves aliases. The operator turns each report
+times with ``NodeService.ReportAliasUse`` (``alias_uses``: per alias, whether it was used
+and how many milliseconds ago) every ``--alias-use-report-interval`` while it serves
+aliases, and once per session with ``NodeService.Register`` (``reports_alias_use``,
+``alias_uses``; an older agent sends every report that way). The operator turns each report
 into an absolute time on its own clock (receipt time minus the idle duration, so the
 nodes' clocks do not matter) and keeps one record per node, kind
 :data:`USE_KIND`, name the node, in the store:
@@ -150,8 +151,9 @@ async def store_report(
     now: datetime.datetime,
     attempts: int = 5,
 ) -> None:
-    """Record one node's report (``NodeService.Register`` with ``reports_alias_use``) in its
-    :data:`USE_KIND` record, retrying a resourceVersion conflict up to ``attempts`` times.
+    """Record one node's report (``NodeService.ReportAliasUse``, or ``Register`` with
+    ``reports_alias_use``) in its :data:`USE_KIND` record, retrying a resourceVersion
+    conflict up to ``attempts`` times.
 
     Raises:
         StoreError: the store failed, or kept conflicting.

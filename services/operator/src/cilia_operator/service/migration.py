@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..addresses import special_ranges
 from ..errors import FieldError, InvalidResource
 from ..store import Resource, Write
 from . import aliases, model
@@ -168,10 +169,9 @@ def check_target(
     Raises:
         MigrationRefused: naming the target and the range it overlaps.
     """
-    for name, special in model.SPECIAL_RANGES:
-        if target.overlaps(special):
-            raise MigrationRefused(f"target {target} overlaps the special-purpose range "
-                                   f"{special} ({name}): choose a private range")  # fmt: skip
+    for name, special in special_ranges(target)[:1]:
+        raise MigrationRefused(f"target {target} overlaps the special-purpose range "
+                               f"{special} ({name}): choose a private range")  # fmt: skip
     for name, cidr in pools:
         if target.overlaps(cidr):
             raise MigrationRefused(f"target {target} overlaps pod pool {name!r} CIDR {cidr} "

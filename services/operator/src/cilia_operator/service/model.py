@@ -39,6 +39,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..addresses import special_ranges
 from ..errors import FieldError, InvalidResource
 from ..store import Resource
 
@@ -79,17 +80,6 @@ MAX_AFFINITY_TIMEOUT = 86400
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 
-#: Special-purpose ranges (RFC 6890) no ServiceCIDR or ClusterIP may use: the socket load
-#: balancer would answer for them for every process on the node. (The same ranges as the
-#: pools' rule in ``ipam.pool``; the layers keep the two domains apart.)
-SPECIAL_RANGES = (
-    ("this network", ipaddress.IPv4Network("0.0.0.0/8")),
-    ("loopback", ipaddress.IPv4Network("127.0.0.0/8")),
-    ("link-local", ipaddress.IPv4Network("169.254.0.0/16")),
-    ("multicast", ipaddress.IPv4Network("224.0.0.0/4")),
-    ("reserved", ipaddress.IPv4Network("240.0.0.0/4")),
-)
-
 #: DNS-1123 subdomain (``spec.externalName``), as Kubernetes validates it.
 _DNS1123_SUBDOMAIN = re.compile(
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -97,8 +87,10 @@ _DNS1123_SUBDOMAIN = re.compile(
 
 
 def _special(net: ipaddress.IPv4Network) -> str:
-    """The special-purpose ranges ``net`` overlaps, as text ("" when none)."""
-    return ", ".join(f"{name} {r}" for name, r in SPECIAL_RANGES if net.overlaps(r))
+    """The special-purpose ranges (:mod:`cilia_operator.addresses`: the socket load balancer
+    would answer for them for every process on the node) ``net`` overlaps, as text ("" when
+    none)."""
+    return ", ".join(f"{name} {r}" for name, r in special_ranges(net))
 
 
 PROTOCOLS = ("TCP", "UDP")
