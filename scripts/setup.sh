@@ -12,12 +12,15 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
 log() { printf '[setup] %s\n' "$*" >&2; }
+# `make bpf` compiles the eBPF programs with clang-14 (libbpf-dev's bpf_helpers.h,
+# linux-libc-dev's uapi headers); the agent loads the objects with libbpf1.
+BPF_PKGS=(clang-14 libbpf-dev libbpf1 linux-libc-dev)
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
           python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool
           docker.io docker-compose debootstrap python3-venv containerd runc)
 missing=()
-for p in "${APT_PKGS[@]}"; do
+for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then

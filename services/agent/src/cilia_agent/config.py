@@ -265,8 +265,11 @@ class Config(BaseModel):
     )
     bpf_dir: Annotated[
         pathlib.Path | None,
-        Flag(default_text="$CILIA_BPF_DIR, the repository's bpf/, else /usr/lib/cilia/bpf"),
-    ] = Field(default=None, description="directory holding bpf_lxc.c and lib/")
+        Flag(default_text="$CILIA_BPF_DIR, the checkout's build/bpf, else /opt/cilia/bpf"),
+    ] = Field(
+        default=None,
+        description="directory holding the compiled eBPF objects (bpf_lxc.o …, `make bpf`)",
+    )
     bpf_pin_dir: Annotated[pathlib.Path, Flag(aliases=("--bpf-root",))] = Field(
         default=pathlib.Path("/sys/fs/bpf/cilia"),
         description="bpffs directory of the pinned maps, alias --bpf-root; bpffs is mounted on /sys/fs/bpf when it is not",

@@ -1,6 +1,6 @@
 """Pod plumbing on the node (host device, veth pairs, addresses, routes, iptables) and
-the eBPF datapath (``loader``: bcc compile + tc attach; ``layout``: map layouts;
-``bpffs``: bpffs mount and pinned-map reads).
+the eBPF datapath (``loader``: object load + tc attach; ``objects``: libbpf objects and ring
+buffers; ``layout``: map layouts; ``bpffs``: bpffs mount and pinned-map reads).
 
 Everything here is synchronous and is run by the endpoint layer in worker threads.
 """
