@@ -3,10 +3,26 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test up down cluster-up cluster-down demo bench images lint types clean
+.PHONY: setup bpf test up down cluster-up cluster-down demo bench images lint types clean
 
 setup:
 	@scripts/setup.sh
+	@$(MAKE) --no-print-directory bpf
+
+# The eBPF programs, compiled ahead of time (the agent loads build/bpf/*.o with libbpf and
+# configures them at load: map sizes and each program's CONFIG). clang-14 and libbpf-dev come
+# from Debian (scripts/setup.sh); the uapi headers from linux-libc-dev.
+# BPF_BCC: programs still written for bcc (compiled by the agent at start), not built here.
+BPF_BCC    := bpf/bpf_sock.c bpf/bpf_host.c
+BPF_SRCS   := $(filter-out $(BPF_BCC),$(wildcard bpf/bpf_*.c))
+BPF_OBJS   := $(patsubst bpf/%.c,build/bpf/%.o,$(BPF_SRCS))
+BPF_CC     ?= clang-14
+BPF_CFLAGS := -O2 -g -target bpf -Wall -Werror -I bpf -I/usr/include/$(shell uname -m)-linux-gnu
+bpf: $(BPF_OBJS)
+
+build/bpf/%.o: bpf/%.c $(wildcard bpf/lib/*.h)
+	@mkdir -p $(@D)
+	$(BPF_CC) $(BPF_CFLAGS) -c $< -o $@.tmp && mv $@.tmp $@
 
 test: setup
 	$(TOX) run

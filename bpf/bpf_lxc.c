@@ -9,33 +9,110 @@
  * port) up in the policy map: an explicit deny drops with POLICY_DENY (181),
  * an allow forwards and creates a conntrack entry, no match drops with
  * POLICY_DENIED (133) when the direction is enforced. Every drop emits an event on the
- * ring buffer; forwarded packets emit one as CILIA_MONITOR_AGGREGATION says (lib/common.h:
+ * ring buffer; forwarded packets emit one as CONFIG.monitor_aggregation says (below:
  * at the default, medium, a connection's first packet in each direction, its SYN/FIN/RST
  * and one update per interval). An event that does not fit in the ring buffer is counted
  * in cilia_events_counters (the agent reports it as a LostEvent). The reader is woken for
- * every CILIA_EVENTS_WAKEUP_EVENTS-th event of a CPU only (it also drains on a timer). Per-CPU counters count packets
+ * every CONFIG.events_wakeup_events-th event of a CPU only (it also drains on a timer). Per-CPU counters count packets
  * and bytes by reason and direction.
  *
  * Non-IPv4 traffic (ARP for the router IP, IPv6) is passed untouched.
  */
 #include "lib/common.h"
 
-BPF_TABLE_PINNED("lpm_trie", struct ipcache_key, struct ipcache_value, cilia_ipcache,
-		 CILIA_IPCACHE_MAX, CILIA_PIN_DIR "/cilia_ipcache", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u32, struct endpoint_info, cilia_endpoints, CILIA_ENDPOINTS_MAX,
-		 CILIA_PIN_DIR "/cilia_endpoints");
-BPF_TABLE_PINNED("lpm_trie", struct policy_key, struct policy_value, cilia_policy,
-		 CILIA_POLICY_MAX, CILIA_PIN_DIR "/cilia_policy", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("lru_hash", struct ct_key, struct ct_value, cilia_ct, CILIA_CT_MAX,
-		 CILIA_PIN_DIR "/cilia_ct");
-BPF_TABLE_PINNED("percpu_hash", struct metrics_key, struct metrics_value, cilia_metrics, 1024,
-		 CILIA_PIN_DIR "/cilia_metrics");
-BPF_RINGBUF_OUTPUT(cilia_events, CILIA_EVENTS_PAGES);
+/* Load-time configuration (the agent writes it before load; mirrored by
+ * cilia_agent.datapath.layout.LxcConfig):
+ *   monitor_aggregation_interval_ns  periodic update of an active connection
+ *                                    (upstream --monitor-aggregation-interval, 5 s)
+ *   monitor_aggregation              trace events of forwarded packets (upstream
+ *                                    --monitor-aggregation): 0 none = every packet; 1 lowest,
+ *                                    2 low = every packet entering a pod, the medium rule for
+ *                                    packets leaving it; 3 medium, 4 maximum = per connection
+ *                                    and direction only: its first packet, a TCP flag of the
+ *                                    flags below seen for the first time, and one update per
+ *                                    interval. Drops are always reported, each one.
+ *   events_wakeup_events             wake the reader for every N-th event of a CPU only
+ *                                    (1 = every event; the reader also drains on a timer)
+ *   monitor_aggregation_flags        TCP flags reported the first time they are seen, byte 13
+ *                                    bits (upstream --monitor-aggregation-flags all =
+ *                                    syn,fin,rst = 0x07)
+ */
+struct lxc_config {
+	__u64 monitor_aggregation_interval_ns;
+	__u32 monitor_aggregation;
+	__u32 events_wakeup_events;
+	__u8 monitor_aggregation_flags;
+	__u8 pad[7];
+};
+
+const volatile struct lxc_config CONFIG = {
+	.monitor_aggregation_interval_ns = 5000000000ULL,
+	.monitor_aggregation = AGGREGATION_MEDIUM,
+	.events_wakeup_events = 1,
+	.monitor_aggregation_flags = 0x07,
+};
+
+/* Maps. max_entries here are defaults; the agent sets the configured sizes at load
+ * (ipcache 512000, endpoints 65535, policy 16384, conntrack 262144 as upstream). Pinned maps
+ * keep their names, types, sizes and flags, so an agent restart reuses them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct ipcache_key);
+	__type(value, struct ipcache_value);
+	__uint(max_entries, 512000);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_ipcache SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct endpoint_info);
+	__uint(max_entries, 65535);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_endpoints SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct policy_key);
+	__type(value, struct policy_value);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_policy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct ct_key);
+	__type(value, struct ct_value);
+	__uint(max_entries, 262144);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_ct SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__type(key, struct metrics_key);
+	__type(value, struct metrics_value);
+	__uint(max_entries, 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_metrics SEC(".maps");
+
+/* Flow events; max_entries is the size in bytes (pages * page size, set by the agent). */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 64 * 4096);
+} cilia_events SEC(".maps");
+
 /* Per-CPU counters of the event path: [EVENTS_LOST] events that did not fit in
  * cilia_events (read by the agent), [EVENTS_PENDING] events since the last wakeup. */
 #define EVENTS_LOST 0
 #define EVENTS_PENDING 1
-BPF_PERCPU_ARRAY(cilia_events_counters, __u64, 2);
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 2);
+} cilia_events_counters SEC(".maps");
 
 struct packet {
 	__u32 saddr;
@@ -56,7 +133,7 @@ static __always_inline int parse_packet(struct __sk_buff *skb, struct packet *p)
 
 	if ((void *)(eth + 1) > data_end)
 		return 0;
-	if (eth->h_proto != htons(ETH_P_IP))
+	if (eth->h_proto != bpf_htons(ETH_P_IP))
 		return 0;
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
@@ -69,7 +146,7 @@ static __always_inline int parse_packet(struct __sk_buff *skb, struct packet *p)
 	if (ihl < sizeof(*ip))
 		return 1;
 	/* Non-first fragments carry no L4 header: match them on addresses only. */
-	if (ip->frag_off & htons(0x1FFF))
+	if (ip->frag_off & bpf_htons(0x1FFF))
 		return 1;
 	void *l4 = (void *)ip + ihl;
 	if (p->proto == IPPROTO_TCP) {
@@ -102,7 +179,7 @@ static __always_inline int parse_packet(struct __sk_buff *skb, struct packet *p)
 static __always_inline __u32 identity_of(__u32 addr)
 {
 	struct ipcache_key key = {.prefixlen = 32, .ip = addr};
-	struct ipcache_value *val = cilia_ipcache.lookup(&key);
+	struct ipcache_value *val = bpf_map_lookup_elem(&cilia_ipcache, &key);
 
 	return val ? val->sec_identity : IDENTITY_WORLD;
 }
@@ -111,8 +188,12 @@ static __always_inline void count(__u8 reason, __u8 dir, __u32 len)
 {
 	struct metrics_key key = {.reason = reason, .dir = dir};
 	struct metrics_value zero = {};
-	struct metrics_value *val = cilia_metrics.lookup_or_try_init(&key, &zero);
+	struct metrics_value *val = bpf_map_lookup_elem(&cilia_metrics, &key);
 
+	if (!val) {
+		bpf_map_update_elem(&cilia_metrics, &key, &zero, BPF_NOEXIST);
+		val = bpf_map_lookup_elem(&cilia_metrics, &key);
+	}
 	if (val) {
 		val->packets += 1;
 		val->bytes += len;
@@ -137,10 +218,10 @@ static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, _
 		.protocol = p->proto,
 		.dport = p->dport,
 	};
-	struct policy_value *exact = cilia_policy.lookup(&key);
+	struct policy_value *exact = bpf_map_lookup_elem(&cilia_policy, &key);
 
 	key.sec_label = 0;
-	struct policy_value *any = cilia_policy.lookup(&key);
+	struct policy_value *any = bpf_map_lookup_elem(&cilia_policy, &key);
 
 	if (exact && (exact->flags & POLICY_FLAG_DENY)) {
 		account(exact, p->len);
@@ -184,22 +265,22 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 	ev.dir = dir;
 	ev.is_reply = is_reply;
 	ev.tcp_flags = p->tcp_flags;
-	/* Wake the reader for every CILIA_EVENTS_WAKEUP_EVENTS-th event of a CPU only. */
+	/* Wake the reader for every CONFIG.events_wakeup_events-th event of a CPU only. */
 	__u32 idx = EVENTS_PENDING;
 	__u64 flags = 0;
-	__u64 *pending = cilia_events_counters.lookup(&idx);
-	if (CILIA_EVENTS_WAKEUP_EVENTS > 1 && pending) {
+	__u64 *pending = bpf_map_lookup_elem(&cilia_events_counters, &idx);
+	if (CONFIG.events_wakeup_events > 1 && pending) {
 		*pending += 1;
-		if (*pending >= CILIA_EVENTS_WAKEUP_EVENTS) {
+		if (*pending >= CONFIG.events_wakeup_events) {
 			*pending = 0;
 			flags = BPF_RB_FORCE_WAKEUP;
 		} else {
 			flags = BPF_RB_NO_WAKEUP;
 		}
 	}
-	if (cilia_events.ringbuf_output(&ev, sizeof(ev), flags) < 0) {
+	if (bpf_ringbuf_output(&cilia_events, &ev, sizeof(ev), flags) < 0) {
 		idx = EVENTS_LOST;
-		__u64 *lost = cilia_events_counters.lookup(&idx);
+		__u64 *lost = bpf_map_lookup_elem(&cilia_events_counters, &idx);
 		if (lost)
 			*lost += 1;
 	}
@@ -211,11 +292,15 @@ static __always_inline int ct_report(struct ct_value *ct, __u8 is_reply, __u8 tc
 				     __u64 now)
 {
 	__u16 t = now >> CT_REPORT_SHIFT;
-	__u8 seen = tcp_flags & CILIA_MONITOR_AGGREGATION_FLAGS;
+	__u8 seen = tcp_flags & CONFIG.monitor_aggregation_flags;
+	__u64 interval = CONFIG.monitor_aggregation_interval_ns >> CT_REPORT_SHIFT;
+
+	if (!interval)
+		interval = 1;
 
 	if (is_reply) {
 		if (!ct->reply_seen || (seen & ~ct->rx_flags_reported) ||
-		    (__u16)(t - ct->rx_report) >= CT_REPORT_INTERVAL) {
+		    (__u16)(t - ct->rx_report) >= interval) {
 			ct->reply_seen = 1;
 			ct->rx_flags_reported |= seen;
 			ct->rx_report = t;
@@ -223,7 +308,7 @@ static __always_inline int ct_report(struct ct_value *ct, __u8 is_reply, __u8 tc
 		}
 		return 0;
 	}
-	if ((seen & ~ct->tx_flags_reported) || (__u16)(t - ct->tx_report) >= CT_REPORT_INTERVAL) {
+	if ((seen & ~ct->tx_flags_reported) || (__u16)(t - ct->tx_report) >= interval) {
 		ct->tx_flags_reported |= seen;
 		ct->tx_report = t;
 		return 1;
@@ -238,7 +323,7 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	if (!parse_packet(skb, &p))
 		return TC_ACT_OK;
 	__u32 ifindex = skb->ifindex;
-	struct endpoint_info *ep = cilia_endpoints.lookup(&ifindex);
+	struct endpoint_info *ep = bpf_map_lookup_elem(&cilia_endpoints, &ifindex);
 	if (!ep)
 		return TC_ACT_OK;
 
@@ -254,9 +339,9 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	__u8 reason = 0;
 	__u8 is_new = 0;
 
-	struct ct_value *ct = cilia_ct.lookup(&fwd);
+	struct ct_value *ct = bpf_map_lookup_elem(&cilia_ct, &fwd);
 	if (!ct) {
-		ct = cilia_ct.lookup(&rev);
+		ct = bpf_map_lookup_elem(&cilia_ct, &rev);
 		if (ct)
 			is_reply = 1;
 	}
@@ -274,10 +359,10 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 				.last_seen_ns = now,
 				.packets = 1,
 				.tcp_flags_seen = p.tcp_flags,
-				.tx_flags_reported = p.tcp_flags & CILIA_MONITOR_AGGREGATION_FLAGS,
+				.tx_flags_reported = p.tcp_flags & CONFIG.monitor_aggregation_flags,
 				.tx_report = now >> CT_REPORT_SHIFT,
 			};
-			cilia_ct.update(&fwd, &entry);
+			bpf_map_update_elem(&cilia_ct, &fwd, &entry, BPF_ANY);
 			is_new = 1;
 		}
 	}
@@ -287,19 +372,23 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		emit(skb, &p, ep, peer, dir, reason, is_reply);
 		return TC_ACT_SHOT;
 	}
-	if (CILIA_MONITOR_AGGREGATION == AGGREGATION_NONE ||
-	    (CILIA_MONITOR_AGGREGATION <= AGGREGATION_LOW && dir == DIR_INGRESS) || is_new ||
+	if (CONFIG.monitor_aggregation == AGGREGATION_NONE ||
+	    (CONFIG.monitor_aggregation <= AGGREGATION_LOW && dir == DIR_INGRESS) || is_new ||
 	    report)
 		emit(skb, &p, ep, peer, dir, 0, is_reply);
 	return TC_ACT_OK;
 }
 
+SEC("tc")
 int cil_from_container(struct __sk_buff *skb)
 {
 	return handle(skb, DIR_EGRESS);
 }
 
+SEC("tc")
 int cil_to_container(struct __sk_buff *skb)
 {
 	return handle(skb, DIR_INGRESS);
 }
+
+char _license[] SEC("license") = "GPL";

@@ -15,6 +15,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
           python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool
+          clang-14 libbpf-dev libbpf1 linux-libc-dev
           docker.io docker-compose debootstrap python3-venv)
 missing=()
 for p in "${APT_PKGS[@]}"; do

@@ -1,76 +1,44 @@
 /* Shared definitions of the Cilia endpoint datapath.
  *
- * Compiled by bcc (the agent passes the -D options below once per
- * configuration, never per endpoint). Layouts are mirrored in Python by the
- * agent's datapath package; change both together.
+ * Compiled ahead of time by clang (`make bpf`: bpf/bpf_*.c -> build/bpf/bpf_*.o) and loaded
+ * by the agent with libbpf. Layouts are mirrored in Python by the agent's datapath package
+ * (datapath/layout.py); change both together.
  *
- * Build-time options (with defaults):
- *   CILIA_PIN_DIR            "/sys/fs/bpf/cilia"   where maps are pinned
- *   CILIA_IPCACHE_MAX        512000                ipcache entries (upstream default)
- *   CILIA_POLICY_MAX         16384                 policy entries (upstream bpf-policy-map-max)
- *   CILIA_CT_MAX             262144                conntrack entries (LRU)
- *   CILIA_ENDPOINTS_MAX      65535                 local endpoints (upstream 64k/node)
- *   CILIA_EVENTS_PAGES       64                    ring buffer size in pages (power of 2)
- *   CILIA_EVENTS_WAKEUP_EVENTS 1                   wake the reader for every N-th event of a
- *                                                  CPU only (1 = every event; the reader also
- *                                                  drains the buffer on a timer)
- *   CILIA_MONITOR_AGGREGATION 3                    trace events of forwarded packets
- *                                                  (upstream --monitor-aggregation): 0 none =
- *                                                  every packet; 1 lowest, 2 low = every packet
- *                                                  entering a pod, the medium rule for packets
- *                                                  leaving it; 3 medium, 4 maximum = per
- *                                                  connection and direction only: its first
- *                                                  packet, a TCP flag of the flags below seen for
- *                                                  the first time, and one update per interval.
- *                                                  Drops are always reported, each one.
- *   CILIA_MONITOR_AGGREGATION_INTERVAL_NS 5e9      periodic update of an active connection
- *                                                  (upstream --monitor-aggregation-interval 5s)
- *   CILIA_MONITOR_AGGREGATION_FLAGS 0x07           TCP flags reported the first time they are
- *                                                  seen, byte 13 bits (upstream
- *                                                  --monitor-aggregation-flags all = syn,fin,rst)
+ * Map sizes are not compiled in: the agent sets each map's max_entries before load
+ * (--bpf-ipcache-map-max, --bpf-policy-map-max, --bpf-ct-global-max, the endpoint and ring
+ * buffer sizes); the values in the map definitions are only defaults. Other options are
+ * load-time constants in the program's CONFIG (bpf_lxc.c: struct lxc_config), which the
+ * verifier sees as constants, so a disabled branch is pruned as a -D option pruned it.
  */
 #ifndef CILIA_COMMON_H
 #define CILIA_COMMON_H
 
-#include <uapi/linux/bpf.h>
-#include <uapi/linux/pkt_cls.h>
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/in.h>
-#include <uapi/linux/tcp.h>
-#include <uapi/linux/udp.h>
-#include <uapi/linux/icmp.h>
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/in.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
 
-#ifndef CILIA_PIN_DIR
-#define CILIA_PIN_DIR "/sys/fs/bpf/cilia"
-#endif
-#ifndef CILIA_IPCACHE_MAX
-#define CILIA_IPCACHE_MAX 512000
-#endif
-#ifndef CILIA_POLICY_MAX
-#define CILIA_POLICY_MAX 16384
-#endif
-#ifndef CILIA_CT_MAX
-#define CILIA_CT_MAX 262144
-#endif
-#ifndef CILIA_ENDPOINTS_MAX
-#define CILIA_ENDPOINTS_MAX 65535
-#endif
-#ifndef CILIA_EVENTS_PAGES
-#define CILIA_EVENTS_PAGES 64
-#endif
-#ifndef CILIA_EVENTS_WAKEUP_EVENTS
-#define CILIA_EVENTS_WAKEUP_EVENTS 1
-#endif
-#ifndef CILIA_MONITOR_AGGREGATION
-#define CILIA_MONITOR_AGGREGATION 3
-#endif
-#ifndef CILIA_MONITOR_AGGREGATION_INTERVAL_NS
-#define CILIA_MONITOR_AGGREGATION_INTERVAL_NS 5000000000ULL
-#endif
-#ifndef CILIA_MONITOR_AGGREGATION_FLAGS
-#define CILIA_MONITOR_AGGREGATION_FLAGS 0x07
-#endif
+/* The ICMP echo header (RFC 792): <linux/icmp.h> pulls in libc's socket headers, which do
+ * not build for the bpf target. */
+#define ICMP_ECHOREPLY 0
+#define ICMP_ECHO 8
+struct icmphdr {
+	__u8 type;
+	__u8 code;
+	__sum16 checksum;
+	union {
+		struct {
+			__be16 id;
+			__be16 sequence;
+		} echo;
+		__be32 gateway;
+	} un;
+};
 
 /* Monitor aggregation levels (upstream option.MonitorAggregationLevel*). */
 #define AGGREGATION_NONE 0
@@ -81,9 +49,6 @@
  * compared with wrapping arithmetic (an entry idle for a multiple of 73 minutes may skip
  * one periodic update). */
 #define CT_REPORT_SHIFT 26
-#define CT_REPORT_INTERVAL \
-	((CILIA_MONITOR_AGGREGATION_INTERVAL_NS >> CT_REPORT_SHIFT) ? \
-	 (CILIA_MONITOR_AGGREGATION_INTERVAL_NS >> CT_REPORT_SHIFT) : 1)
 
 /* Reserved security identities (upstream pkg/identity/numericidentity.go). */
 #define IDENTITY_UNKNOWN 0

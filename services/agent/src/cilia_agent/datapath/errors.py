@@ -42,3 +42,9 @@ class DefaultRouteExists(DatapathError):
 
 class IptablesError(DatapathError):
     """An iptables command failed (command line and stderr in the message)."""
+
+
+class BpfUnavailable(RuntimeError):
+    """A compiled BPF object cannot be found or loaded: missing or stale ``.o`` (the message
+    names ``make bpf``), bpffs not usable, or libbpf/the verifier refused it (libbpf's
+    message and the verifier log's tail in the message)."""

@@ -146,17 +146,48 @@ class FlowEvent(ctypes.Structure):
     ]
 
 
+class MetricsKey(ctypes.Structure):
+    """``struct metrics_key``: reason (0 = forwarded, else a drop reason), dir (0 ingress)."""
+
+    _fields_ = [("reason", ctypes.c_uint8), ("dir", ctypes.c_uint8), ("pad", ctypes.c_uint16)]
+
+
+class MetricsValue(ctypes.Structure):
+    """``struct metrics_value``: packets and bytes of one CPU (``cilia_metrics`` is per-CPU)."""
+
+    _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+class LxcConfig(ctypes.Structure):
+    """``struct lxc_config`` (bpf/bpf_lxc.c ``CONFIG``), written into the object before load.
+
+    Fields: ``monitor_aggregation_interval_ns`` (u64), ``monitor_aggregation`` (0 none …
+    4 maximum), ``events_wakeup_events`` (>= 1), ``monitor_aggregation_flags`` (TCP flag bits
+    of byte 13); meanings in :class:`cilia_agent.datapath.loader.DatapathConfig`. 24 bytes.
+    """
+
+    _fields_ = [
+        ("monitor_aggregation_interval_ns", ctypes.c_uint64),
+        ("monitor_aggregation", ctypes.c_uint32),
+        ("events_wakeup_events", ctypes.c_uint32),
+        ("monitor_aggregation_flags", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 7),
+    ]
+
+
 MAP_LAYOUTS: dict[
     str, tuple[type[ctypes.Structure] | type[ctypes.c_uint32], type[ctypes.Structure]]
 ] = {
     "cilia_ipcache": (IpcacheKey, IpcacheValue),
     "cilia_endpoints": (ctypes.c_uint32, EndpointInfo),
     "cilia_policy": (PolicyKey, PolicyValue),
+    "cilia_metrics": (MetricsKey, MetricsValue),
 }
-"""Map name in ``bpf/bpf_lxc.c`` → (key, value) mirrors, for every map the agent writes.
+"""Map name in ``bpf/bpf_lxc.c`` → (key, value) mirrors, for every map the agent reads or
+writes (``cilia_ct`` is only written by the programs and has no mirror)."""
 
-``cilia_ct`` and ``cilia_metrics`` are only read, by bcc with its own types, and have no mirror.
-"""
-
-STRUCT_LAYOUTS: dict[str, type[ctypes.Structure]] = {"flow_event": FlowEvent}
+STRUCT_LAYOUTS: dict[str, type[ctypes.Structure]] = {
+    "flow_event": FlowEvent,
+    "lxc_config": LxcConfig,
+}
 """C struct name → mirror, for types that are not a map's key or value (ring-buffer records)."""

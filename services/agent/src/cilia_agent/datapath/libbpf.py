@@ -20,12 +20,12 @@ import errno
 import os
 import pathlib
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from cilia_agent.datapath.errors import DatapathError
 
 K = TypeVar("K", bound=ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint16)
-V = TypeVar("V", bound=ctypes.Structure | ctypes.c_uint8)
+V = TypeVar("V", bound=ctypes.Structure | ctypes.c_uint8 | ctypes.c_uint32 | ctypes.c_uint64)
 
 BPF_ANY = 0
 
@@ -72,8 +72,91 @@ def libbpf() -> ctypes.CDLL:
             lib.bpf_link_update,
         ):  # fmt: skip
             fn.restype = ctypes.c_int
+        _object_prototypes(lib)
         _lib = lib
     return _lib
+
+
+class OpenOpts(ctypes.Structure):
+    """``struct bpf_object_open_opts`` of libbpf 1.1 (``sz`` first; fields after
+    ``kernel_log_level`` unused, so an older or newer libbpf reads what it knows)."""
+
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("object_name", ctypes.c_char_p),
+        ("relaxed_maps", ctypes.c_bool),
+        ("pin_root_path", ctypes.c_char_p),
+        ("_attach_prog_fd", ctypes.c_uint32),
+        ("kconfig", ctypes.c_char_p),
+        ("btf_custom_path", ctypes.c_char_p),
+        ("kernel_log_buf", ctypes.c_void_p),
+        ("kernel_log_size", ctypes.c_size_t),
+        ("kernel_log_level", ctypes.c_uint32),
+    ]
+
+
+class BtfType(ctypes.Structure):
+    """``struct btf_type`` (linux/btf.h): name offset, info (kind bits 24-28, vlen 0-15),
+    size or type id."""
+
+    _fields_ = [("name_off", ctypes.c_uint32), ("info", ctypes.c_uint32), ("size", ctypes.c_uint32)]
+
+
+class BtfVarSecinfo(ctypes.Structure):
+    """``struct btf_var_secinfo``: one variable of a DATASEC (type id, offset, size)."""
+
+    _fields_ = [("type", ctypes.c_uint32), ("offset", ctypes.c_uint32), ("size", ctypes.c_uint32)]
+
+
+BTF_KIND_DATASEC = 15
+
+# int (*)(enum libbpf_print_level, const char *fmt, va_list ap): va_list arrives as a pointer
+# on x86-64 (an array) and on arm64 (a 32-byte struct, passed by reference).
+PRINT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+# int (*)(void *ctx, void *data, size_t size)
+RING_SAMPLE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _object_prototypes(lib: ctypes.CDLL) -> None:
+    """Prototypes of the object, map, BTF and ring-buffer calls (:mod:`datapath.objects`)."""
+    vp, cp, i, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t
+    protos: dict[str, tuple[list[Any], Any]] = {
+        "bpf_object__open_file": ([cp, ctypes.POINTER(OpenOpts)], vp),
+        "bpf_object__load": ([vp], i),
+        "bpf_object__close": ([vp], None),
+        "bpf_object__btf": ([vp], vp),
+        "bpf_object__next_map": ([vp, vp], vp),
+        "bpf_object__next_program": ([vp, vp], vp),
+        "bpf_object__find_program_by_name": ([vp, cp], vp),
+        "bpf_object__find_map_by_name": ([vp, cp], vp),
+        "bpf_program__fd": ([vp], i),
+        "bpf_program__name": ([vp], cp),
+        "bpf_map__fd": ([vp], i),
+        "bpf_map__name": ([vp], cp),
+        "bpf_map__type": ([vp], i),
+        "bpf_map__is_internal": ([vp], ctypes.c_bool),
+        "bpf_map__set_max_entries": ([vp, ctypes.c_uint32], i),
+        "bpf_map__max_entries": ([vp], ctypes.c_uint32),
+        "bpf_map__key_size": ([vp], ctypes.c_uint32),
+        "bpf_map__value_size": ([vp], ctypes.c_uint32),
+        "bpf_map__pin_path": ([vp], cp),
+        "bpf_map__initial_value": ([vp, ctypes.POINTER(sz)], vp),
+        "bpf_map__set_initial_value": ([vp, vp, sz], i),
+        "btf__find_by_name_kind": ([vp, cp, ctypes.c_uint32], ctypes.c_int32),
+        "btf__type_by_id": ([vp, ctypes.c_uint32], ctypes.POINTER(BtfType)),
+        "btf__name_by_offset": ([vp, ctypes.c_uint32], cp),
+        "libbpf_set_print": ([vp], vp),
+        "libbpf_num_possible_cpus": ([], i),
+        "ring_buffer__new": ([i, RING_SAMPLE_FN, vp, vp], vp),
+        "ring_buffer__poll": ([vp, i], i),
+        "ring_buffer__consume": ([vp], i),
+        "ring_buffer__epoll_fd": ([vp], i),
+        "ring_buffer__free": ([vp], None),
+    }
+    for name, (argtypes, restype) in protos.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
 
 
 def _err(rc: int) -> int:
@@ -141,6 +224,41 @@ class PinnedMap(Generic[K, V]):
         self.value_type = value_type
         self.fd = obj_get(path, "map")
 
+    @classmethod
+    def from_fd(cls, fd: int, name: str, key_type: type[K], value_type: type[V]) -> PinnedMap[K, V]:
+        """A handle on the map behind ``fd`` (e.g. :meth:`BpfObject.map_fd`); the handle
+        owns a duplicate of ``fd``, so closing either leaves the other open. ``name`` is
+        used in messages."""
+        self = cls.__new__(cls)
+        self.path = pathlib.Path(name)
+        self.key_type = key_type
+        self.value_type = value_type
+        self.fd = os.dup(fd)
+        return self
+
+    def keys(self) -> Iterator[K]:
+        """Every key, in the kernel's iteration order (copies)."""
+        lib = libbpf()
+        key = self.key_type()
+        first = True
+        while True:
+            nxt = self.key_type()
+            rc = lib.bpf_map_get_next_key(
+                self.fd, None if first else ctypes.byref(key), ctypes.byref(nxt)
+            )
+            if rc != 0:
+                return
+            first = False
+            key = nxt
+            yield nxt
+
+    def clear(self) -> int:
+        """Delete every entry; returns how many were deleted."""
+        return sum(self.delete(key) for key in list(self.keys()))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
     def lookup(self, key: K) -> V | None:
         """The value of ``key``, or None."""
         value = self.value_type()
@@ -204,3 +322,65 @@ class PinnedMap(Generic[K, V]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PerCpuMap(Generic[K, V]):
+    """A per-CPU hash or array map (``BPF_MAP_TYPE_PERCPU_*``): each key holds one value per
+    possible CPU, read together (the kernel copies ``ncpus`` values, each padded to 8 bytes).
+
+    Args:
+        fd: the map's fd (duplicated; the handle owns its copy).
+        name: for messages.
+        key_type, value_type: ctypes layouts.
+    """
+
+    def __init__(self, fd: int, name: str, key_type: type[K], value_type: type[V]) -> None:
+        self.name = name
+        self.key_type = key_type
+        self.value_type = value_type
+        self.ncpus = int(libbpf().libbpf_num_possible_cpus())
+        if self.ncpus <= 0:
+            raise LibbpfError("cannot count possible CPUs", -self.ncpus or errno.EIO)
+        self.stride = (ctypes.sizeof(value_type) + 7) // 8 * 8
+        self.fd = os.dup(fd)
+
+    def _values(self, buf: ctypes.Array[ctypes.c_char]) -> list[V]:
+        out: list[V] = []
+        for cpu in range(self.ncpus):
+            value = self.value_type()
+            ctypes.memmove(ctypes.byref(value), ctypes.byref(buf, cpu * self.stride),
+                           ctypes.sizeof(value))  # fmt: skip
+            out.append(value)
+        return out
+
+    def lookup(self, key: K) -> list[V] | None:
+        """The per-CPU values of ``key`` (index = CPU number), or None."""
+        buf = ctypes.create_string_buffer(self.stride * self.ncpus)
+        if libbpf().bpf_map_lookup_elem(self.fd, ctypes.byref(key), buf) != 0:
+            return None
+        return self._values(buf)
+
+    def items(self) -> Iterator[tuple[K, list[V]]]:
+        """Every (key, per-CPU values), in the kernel's iteration order (copies)."""
+        lib = libbpf()
+        key = self.key_type()
+        first = True
+        buf = ctypes.create_string_buffer(self.stride * self.ncpus)
+        while True:
+            nxt = self.key_type()
+            rc = lib.bpf_map_get_next_key(
+                self.fd, None if first else ctypes.byref(key), ctypes.byref(nxt)
+            )
+            if rc != 0:
+                return
+            first = False
+            key = nxt
+            if lib.bpf_map_lookup_elem(self.fd, ctypes.byref(key), buf) != 0:
+                continue  # deleted between the two calls
+            yield nxt, self._values(buf)
+
+    def close(self) -> None:
+        """Close the map's file descriptor (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

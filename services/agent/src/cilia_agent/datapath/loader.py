@@ -26,6 +26,7 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from cilia_agent.datapath.errors import BpfUnavailable
 from cilia_agent.datapath.layout import (
     EndpointInfo,
     IpcacheKey,
@@ -53,10 +54,6 @@ def bcc_cflags(bpf_dir: pathlib.Path, pin_dir: pathlib.Path, **defines: object) 
         *(f"-D{name}={value}" for name, value in defines.items()),
         "-w",
     ]
-
-
-class BpfUnavailable(RuntimeError):
-    """bcc cannot be imported or cannot compile the datapath (message says why and what to do)."""
 
 
 def default_bpf_dir() -> pathlib.Path:

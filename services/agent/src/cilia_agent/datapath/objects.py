@@ -1,0 +1,433 @@
+"""BPF objects compiled ahead of time (``make bpf``: ``bpf/bpf_*.c`` → ``build/bpf/*.o``),
+loaded with Debian's ``libbpf.so.1`` through ctypes.
+
+:meth:`BpfObject.load` opens an ELF object, points every map declared with
+``__uint(pinning, LIBBPF_PIN_BY_NAME)`` at ``<pin_dir>/<map name>`` (libbpf reuses a pin
+whose type, key/value size, max_entries and flags match, and pins a new map otherwise), sets
+``max_entries`` of the maps the caller sizes, writes the program's load-time configuration
+into ``const volatile struct … CONFIG`` (``.rodata``: the verifier sees constants and prunes
+the branches a configuration disables), and loads the programs. Upstream Cilium compiles with
+clang and loads ELF objects the same way (its loader is Go; this one is libbpf's).
+
+:class:`RingBuffer` reads a ``BPF_MAP_TYPE_RINGBUF`` map with libbpf's ``ring_buffer__*``.
+
+Where objects are: :func:`default_bpf_dir` (``--bpf-dir`` / ``$CILIA_BPF_DIR``, the
+checkout's ``build/bpf``, or the image's ``/opt/cilia/bpf``); :func:`object_path` refuses a
+missing object, and in a checkout one older than its sources, with a message naming
+``make bpf``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import pathlib
+import threading
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from cilia_agent.datapath import libbpf as lb
+from cilia_agent.datapath.errors import BpfUnavailable
+from cilia_agent.datapath.libbpf import LibbpfError, PerCpuMap, PinnedMap
+
+__all__ = [
+    "BpfObject",
+    "BpfUnavailable",
+    "RingBuffer",
+    "default_bpf_dir",
+    "object_path",
+]
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint16)
+V = TypeVar("V", bound=ctypes.Structure | ctypes.c_uint8 | ctypes.c_uint32 | ctypes.c_uint64)
+
+IMAGE_BPF_DIR = pathlib.Path("/opt/cilia/bpf")
+CONFIG_VAR = "CONFIG"
+VERIFIER_LOG_SIZE = 1 << 20  # bytes of verifier log kept for a failed load (the tail)
+VERIFIER_LOG_TAIL = 40  # lines of it quoted in BpfUnavailable
+LIBBPF_MESSAGES_KEPT = 20  # libbpf warnings quoted in BpfUnavailable
+
+_REPO = pathlib.Path(__file__).resolve().parents[5]
+
+
+def default_bpf_dir() -> pathlib.Path:
+    """The directory of the compiled objects: ``$CILIA_BPF_DIR``, ``<checkout>/build/bpf``
+    when this module runs from a checkout (``<checkout>/bpf/bpf_lxc.c`` exists), else the
+    image's ``/opt/cilia/bpf``."""
+    env = os.environ.get("CILIA_BPF_DIR")
+    if env:
+        return pathlib.Path(env)
+    if (_REPO / "bpf" / "bpf_lxc.c").is_file():
+        return _REPO / "build" / "bpf"
+    return IMAGE_BPF_DIR
+
+
+def object_path(bpf_dir: pathlib.Path, stem: str) -> pathlib.Path:
+    """``<bpf_dir>/<stem>.o``, checked.
+
+    In a checkout (``bpf_dir`` is ``<repo>/build/bpf`` and ``<repo>/bpf/<stem>.c`` exists)
+    the object must be newer than ``<stem>.c`` and every ``bpf/lib/*.h``.
+
+    Raises:
+        BpfUnavailable: the object is missing or stale (the message says to run
+            ``make bpf``).
+    """
+    path = bpf_dir / f"{stem}.o"
+    src_dir = bpf_dir.parent.parent / "bpf"
+    source = src_dir / f"{stem}.c"
+    in_checkout = bpf_dir.name == "bpf" and bpf_dir.parent.name == "build" and source.is_file()
+    if not path.is_file():
+        hint = "run `make bpf`" if in_checkout else "run `make bpf` in a checkout"
+        raise BpfUnavailable(
+            f"no compiled BPF object {path}: {hint}, or point --bpf-dir / CILIA_BPF_DIR at "
+            "the directory holding the .o files"
+        )
+    if in_checkout:
+        built = path.stat().st_mtime
+        for src in (source, *sorted((src_dir / "lib").glob("*.h"))):
+            if src.stat().st_mtime > built:
+                raise BpfUnavailable(f"{path} is older than {src}: run `make bpf`")
+    return path
+
+
+# ----- libbpf's messages ----------------------------------------------------------------------
+
+_LIBBPF_WARN = 0  # enum libbpf_print_level: LIBBPF_WARN, LIBBPF_INFO, LIBBPF_DEBUG
+_LIBBPF_DEBUG = 2
+_collect = threading.local()
+_load_lock = threading.Lock()
+_printer: object = None
+
+
+def _install_printer() -> None:
+    """Route libbpf's messages to logging (debug), keeping the warnings of the load in
+    progress on this thread for its error message."""
+    global _printer
+    if _printer is not None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    vsnprintf = libc.vsnprintf
+    vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p]
+    vsnprintf.restype = ctypes.c_int
+
+    def printer(level: int, fmt: bytes | None, args: int | None) -> int:
+        if level >= _LIBBPF_DEBUG or fmt is None:
+            return 0
+        buf = ctypes.create_string_buffer(1024)
+        vsnprintf(buf, len(buf), fmt, args)
+        text = buf.value.decode(errors="replace").rstrip().removeprefix("libbpf: ")
+        kept: list[str] | None = getattr(_collect, "messages", None)
+        if kept is not None and level == _LIBBPF_WARN:
+            kept.append(text)
+        log.debug("libbpf: %s", text)
+        return 0
+
+    _printer = lb.PRINT_FN(printer)
+    lb.libbpf().libbpf_set_print(ctypes.cast(_printer, ctypes.c_void_p))
+
+
+# ----- objects --------------------------------------------------------------------------------
+
+
+def _config_offset(lib: ctypes.CDLL, obj: int, path: pathlib.Path) -> tuple[int, int]:
+    """(offset, size) of ``CONFIG`` in the object's ``.rodata`` (from its BTF DATASEC).
+
+    Raises:
+        BpfUnavailable: no BTF, no ``.rodata`` or no ``CONFIG`` in it.
+    """
+    btf = lib.bpf_object__btf(obj)
+    if not btf:
+        raise BpfUnavailable(f"{path} has no BTF (compile with -g)")
+    sec_id = lib.btf__find_by_name_kind(btf, b".rodata", lb.BTF_KIND_DATASEC)
+    if sec_id < 0:
+        raise BpfUnavailable(f"{path} has no .rodata: declare `const volatile struct … CONFIG`")
+    sec = lib.btf__type_by_id(btf, sec_id)
+    vlen = sec.contents.info & 0xFFFF
+    infos = ctypes.cast(
+        ctypes.addressof(sec.contents) + ctypes.sizeof(lb.BtfType),
+        ctypes.POINTER(lb.BtfVarSecinfo * vlen),
+    ).contents
+    for info in infos:
+        var = lib.btf__type_by_id(btf, info.type)
+        if lib.btf__name_by_offset(btf, var.contents.name_off) == CONFIG_VAR.encode():
+            return int(info.offset), int(info.size)
+    raise BpfUnavailable(f"{path} has no {CONFIG_VAR} variable in .rodata")
+
+
+def _find(lib: ctypes.CDLL, finder: str, obj: int, name: str) -> int:
+    ptr = getattr(lib, finder)(obj, name.encode())
+    if not ptr:
+        raise KeyError(name)
+    return int(ptr)
+
+
+class BpfObject:
+    """One loaded ELF object (its programs and maps), created with :meth:`load`.
+
+    File descriptors stay valid until :meth:`close`; attached programs and pinned maps
+    outlive it in the kernel.
+    """
+
+    def __init__(self, path: pathlib.Path, obj: int) -> None:
+        self.path = path
+        self._obj: int | None = obj
+
+    @classmethod
+    def load(
+        cls,
+        path: pathlib.Path,
+        *,
+        pin_dir: pathlib.Path,
+        config: ctypes.Structure | None = None,
+        max_entries: Mapping[str, int] | None = None,
+    ) -> BpfObject:
+        """Open ``path``, configure it and load it into the kernel.
+
+        Args:
+            path: the ``.o`` (see :func:`object_path`).
+            pin_dir: bpffs directory of the pinned maps (created when missing).
+            config: the program's ``CONFIG`` (a ctypes mirror of the same size), written
+                into ``.rodata`` before load; None keeps the defaults compiled in.
+            max_entries: map name → entries, set before load (the C default otherwise).
+
+        Raises:
+            BpfUnavailable: the file cannot be opened, a named map or ``CONFIG`` is
+                missing or of another size, a pinned map does not match (libbpf's
+                "parameter mismatch"), or the verifier refused a program (its log's tail
+                in the message).
+        """
+        lib = lb.libbpf()
+        _install_printer()
+        try:
+            pin_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BpfUnavailable(f"cannot create {pin_dir}: is bpffs mounted? ({exc})") from exc
+        log_buf = ctypes.create_string_buffer(VERIFIER_LOG_SIZE)
+        opts = lb.OpenOpts(
+            sz=ctypes.sizeof(lb.OpenOpts),
+            pin_root_path=str(pin_dir).encode(),
+            kernel_log_buf=ctypes.cast(log_buf, ctypes.c_void_p),
+            kernel_log_size=VERIFIER_LOG_SIZE,
+        )
+        with _load_lock:
+            _collect.messages = []
+            obj = 0
+            try:
+                obj = lib.bpf_object__open_file(str(path).encode(), ctypes.byref(opts)) or 0
+                if not obj:
+                    raise BpfUnavailable(
+                        cls._failure(path, "cannot open", ctypes.get_errno() or errno.EINVAL)
+                    )
+                for name, entries in (max_entries or {}).items():
+                    try:
+                        m = _find(lib, "bpf_object__find_map_by_name", obj, name)
+                    except KeyError:
+                        raise BpfUnavailable(f"{path} has no map {name}") from None
+                    rc = lib.bpf_map__set_max_entries(m, entries)
+                    if rc < 0:
+                        raise BpfUnavailable(cls._failure(path, f"max_entries of {name}", -rc))
+                if config is not None:
+                    cls._write_config(lib, obj, path, config)
+                rc = lib.bpf_object__load(obj)
+                if rc < 0:
+                    raise BpfUnavailable(cls._failure(path, "cannot load", -rc, log_buf.value))
+            except BaseException:
+                if obj:
+                    lib.bpf_object__close(obj)
+                raise
+            finally:
+                _collect.messages = None
+        log.debug("bpf object loaded", extra={"path": str(path), "pin_dir": str(pin_dir)})
+        return cls(path, obj)
+
+    @staticmethod
+    def _write_config(
+        lib: ctypes.CDLL, obj: int, path: pathlib.Path, config: ctypes.Structure
+    ) -> None:
+        offset, size = _config_offset(lib, obj, path)
+        if size != ctypes.sizeof(config):
+            raise BpfUnavailable(
+                f"{CONFIG_VAR} of {path} is {size} bytes, the Python mirror "
+                f"{type(config).__name__} {ctypes.sizeof(config)}: rebuild (`make bpf`) or "
+                "fix the mirror"
+            )
+        rodata = 0
+        m = lib.bpf_object__next_map(obj, None)
+        while m:
+            if lib.bpf_map__is_internal(m) and lib.bpf_map__name(m).endswith(b".rodata"):
+                rodata = m
+                break
+            m = lib.bpf_object__next_map(obj, m)
+        if not rodata:
+            raise BpfUnavailable(f"{path} has no .rodata map")
+        total = ctypes.c_size_t()
+        data = lib.bpf_map__initial_value(rodata, ctypes.byref(total))
+        if not data or offset + size > total.value:
+            raise BpfUnavailable(f"{path}: .rodata is smaller than {CONFIG_VAR}")
+        image = ctypes.create_string_buffer(ctypes.string_at(data, total.value), total.value)
+        ctypes.memmove(ctypes.addressof(image) + offset, ctypes.addressof(config), size)
+        rc = lib.bpf_map__set_initial_value(rodata, image, total.value)
+        if rc < 0:
+            raise BpfUnavailable(BpfObject._failure(path, "cannot set CONFIG", -rc))
+
+    @staticmethod
+    def _failure(path: pathlib.Path, what: str, err: int, verifier: bytes = b"") -> str:
+        parts = [f"{what} {path}: {os.strerror(err)}"]
+        kept: list[str] = getattr(_collect, "messages", None) or []
+        if kept:
+            parts.append("libbpf: " + " | ".join(kept[-LIBBPF_MESSAGES_KEPT:]))
+        lines = verifier.decode(errors="replace").strip().splitlines()
+        if lines:
+            parts.append("verifier log (tail):\n" + "\n".join(lines[-VERIFIER_LOG_TAIL:]))
+        return "; ".join(parts)
+
+    def _handle(self) -> int:
+        if self._obj is None:
+            raise ValueError(f"{self.path} is closed")
+        return self._obj
+
+    def prog_fd(self, name: str) -> int:
+        """The fd of program ``name`` (the C function's name).
+
+        Raises:
+            KeyError: no such program.
+        """
+        lib = lb.libbpf()
+        return int(lib.bpf_program__fd(_find(lib, "bpf_object__find_program_by_name",
+                                             self._handle(), name)))  # fmt: skip
+
+    def map_fd(self, name: str) -> int:
+        """The fd of map ``name`` (valid until :meth:`close`).
+
+        Raises:
+            KeyError: no such map.
+        """
+        lib = lb.libbpf()
+        return int(
+            lib.bpf_map__fd(_find(lib, "bpf_object__find_map_by_name", self._handle(), name))
+        )
+
+    def max_entries(self, name: str) -> int:
+        """The loaded map's ``max_entries``. Raises KeyError: no such map."""
+        lib = lb.libbpf()
+        return int(lib.bpf_map__max_entries(
+            _find(lib, "bpf_object__find_map_by_name", self._handle(), name)))  # fmt: skip
+
+    def map(self, name: str, key_type: type[K], value_type: type[V]) -> PinnedMap[K, V]:
+        """A typed handle on map ``name`` with its own fd (close it, or use ``with``).
+
+        Raises:
+            KeyError: no such map.
+        """
+        return PinnedMap.from_fd(self.map_fd(name), name, key_type, value_type)
+
+    def percpu_map(self, name: str, key_type: type[K], value_type: type[V]) -> PerCpuMap[K, V]:
+        """A typed handle on the per-CPU map ``name`` (values are per-CPU lists).
+
+        Raises:
+            KeyError: no such map.
+        """
+        return PerCpuMap(self.map_fd(name), name, key_type, value_type)
+
+    def ring_buffer(self, name: str, callback: Callable[[bytes], None]) -> RingBuffer:
+        """A :class:`RingBuffer` on the ring-buffer map ``name``.
+
+        Raises:
+            KeyError: no such map. LibbpfError: not a ring buffer.
+        """
+        return RingBuffer(self.map_fd(name), callback)
+
+    def close(self) -> None:
+        """Release the object's fds (idempotent). Attached programs and pins stay."""
+        if self._obj is not None:
+            lb.libbpf().bpf_object__close(self._obj)
+            self._obj = None
+
+    def __enter__(self) -> BpfObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RingBuffer:
+    """Consumer of a ``BPF_MAP_TYPE_RINGBUF`` map (libbpf ``ring_buffer__new/poll/consume``).
+
+    Args:
+        map_fd: the ring buffer map's fd (duplicated; the consumer owns its copy).
+        callback: called with each record (a ``bytes`` copy) from :meth:`poll` /
+            :meth:`consume`, on the calling thread. An exception it raises is logged and
+            the record skipped.
+
+    Raises:
+        LibbpfError: libbpf cannot map the buffer (not a ring buffer, no permission).
+    """
+
+    def __init__(self, map_fd: int, callback: Callable[[bytes], None]) -> None:
+        self._callback = callback
+
+        def sample(_ctx: int | None, data: int | None, size: int) -> int:
+            try:
+                callback(ctypes.string_at(data, size) if data else b"")
+            except Exception:
+                log.exception("ring buffer callback failed; record skipped")
+            return 0
+
+        self._sample = lb.RING_SAMPLE_FN(sample)  # kept alive as long as the buffer
+        self._fd = os.dup(map_fd)
+        ctypes.set_errno(0)
+        rb = lb.libbpf().ring_buffer__new(self._fd, self._sample, None, None)
+        if not rb:
+            err = ctypes.get_errno() or errno.EINVAL
+            os.close(self._fd)
+            raise LibbpfError("cannot open the ring buffer", err)
+        self._rb: int | None = int(rb)
+
+    def _handle(self) -> int:
+        if self._rb is None:
+            raise ValueError("ring buffer is closed")
+        return self._rb
+
+    def poll(self, timeout_ms: int) -> int:
+        """Wait up to ``timeout_ms`` (the GIL is released) and deliver what arrived;
+        returns the number of records (0 when interrupted by a signal).
+
+        Raises:
+            LibbpfError: epoll failed.
+        """
+        n = int(lb.libbpf().ring_buffer__poll(self._handle(), timeout_ms))
+        if n == -errno.EINTR:
+            return 0
+        if n < 0:
+            raise LibbpfError("ring buffer poll failed", -n)
+        return n
+
+    def consume(self) -> int:
+        """Deliver every record available now, without waiting; returns how many.
+
+        Raises:
+            LibbpfError: reading failed.
+        """
+        n = int(lb.libbpf().ring_buffer__consume(self._handle()))
+        if n < 0:
+            raise LibbpfError("ring buffer consume failed", -n)
+        return n
+
+    def close(self) -> None:
+        """Free the consumer (idempotent)."""
+        if self._rb is not None:
+            lb.libbpf().ring_buffer__free(self._rb)
+            self._rb = None
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+
+    def __enter__(self) -> RingBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

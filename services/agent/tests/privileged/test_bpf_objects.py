@@ -1,0 +1,75 @@
+"""datapath.objects: libbpf loads bpf_lxc.o with its CONFIG and map sizes, pins its maps, and
+a second load reuses the pins (an agent restart keeps the maps' contents)."""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from cilia_agent.datapath.layout import EndpointInfo, LxcConfig
+from cilia_agent.datapath.objects import BpfObject, BpfUnavailable, default_bpf_dir, object_path
+from cilia_testkit import skips
+
+pytestmark = pytest.mark.privileged
+
+PINNED = {"cilia_ipcache", "cilia_endpoints", "cilia_policy", "cilia_ct", "cilia_metrics"}
+
+
+@pytest.fixture
+def pin_dir() -> Iterator[pathlib.Path]:
+    skips.require_bpf("libbpf object load")
+    path = pathlib.Path(f"/sys/fs/bpf/cilia-test-{uuid.uuid4().hex[:8]}")
+    yield path
+    if path.exists():
+        for pinned in path.iterdir():
+            pinned.unlink()
+        path.rmdir()
+
+
+def test_load_configures_pins_and_reuses(pin_dir: pathlib.Path) -> None:
+    path = object_path(default_bpf_dir(), "bpf_lxc")
+    config = LxcConfig(monitor_aggregation=0, events_wakeup_events=4)
+    sizes = {"cilia_ipcache": 64, "cilia_endpoints": 32, "cilia_ct": 128}
+    with BpfObject.load(path, pin_dir=pin_dir, config=config, max_entries=sizes) as first:
+        assert {p.name for p in pin_dir.iterdir()} == PINNED
+        assert first.max_entries("cilia_ipcache") == 64
+        assert first.max_entries("cilia_policy") == 16384  # the C default
+        assert first.prog_fd("cil_from_container") >= 0
+        with pytest.raises(KeyError):
+            first.prog_fd("nope")
+        # CONFIG landed in the frozen .rodata the programs read.
+        rodata = next(n for n in ("bpf_lxc.rodata", ".rodata") if _has_map(first, n))
+        with first.map(rodata, ctypes.c_uint32, LxcConfig) as ro:
+            value = ro.lookup(ctypes.c_uint32(0))
+        assert value is not None
+        assert (value.monitor_aggregation, value.events_wakeup_events) == (0, 4)
+        assert value.monitor_aggregation_interval_ns == 0
+        with first.map("cilia_endpoints", ctypes.c_uint32, EndpointInfo) as eps:
+            eps.update(ctypes.c_uint32(5), EndpointInfo(ep_id=42))
+    # The programs are gone with the object, the pins are not: a reload reuses them.
+    with (
+        BpfObject.load(path, pin_dir=pin_dir, max_entries=sizes) as second,
+        second.map("cilia_endpoints", ctypes.c_uint32, EndpointInfo) as eps,
+    ):
+        found = eps.lookup(ctypes.c_uint32(5))
+        assert found is not None and found.ep_id == 42
+    # Another size than the pin's is refused with libbpf's reason.
+    with pytest.raises(BpfUnavailable, match="cilia_endpoints"):
+        BpfObject.load(path, pin_dir=pin_dir, max_entries={**sizes, "cilia_endpoints": 16})
+
+
+def test_missing_object_names_make_bpf(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(BpfUnavailable, match="make bpf"):
+        object_path(tmp_path, "bpf_lxc")
+
+
+def _has_map(obj: BpfObject, name: str) -> bool:
+    try:
+        obj.map_fd(name)
+    except KeyError:
+        return False
+    return True
