@@ -9,7 +9,7 @@ Topology (names ``tnp<hex>…``; removed even when the test fails)::
         └─veth── [ remote netns ] 10.252.79.3/24, server :8080 TCP+UDP (node-2)
 
 The servers answer ``be <own address> from <peer address>`` so the test sees what each
-backend saw as the client. The node's programs are compiled and attached inside the node
+backend saw as the client. The node's programs are loaded and attached inside the node
 netns; the Service is written by the agent's own :class:`ServiceMapWriter` for node
 ``node-1``.
 """
@@ -238,7 +238,7 @@ def test_nodeport_from_the_lan_translates_both_ways_and_honours_local_policy(
         assert layout_diff(key, ctypes_layout(key_mirror)) == []
         assert layout_diff(value, ctypes_layout(value_mirror)) == []
 
-    # an agent restart compiles again and swaps the programs into the pinned links
+    # an agent restart loads again and swaps the programs into the pinned links
     assert in_netns(lan.node, hostlb.attach, config) == {lan.device: "replaced"}
     again = in_netns(lan.lan, many, tcp_once, TCP_NODE_PORT, 4)
     assert set(again) <= {f"{local} | {want_peer}", f"{remote} | {want_peer}"}, again
@@ -277,13 +277,13 @@ def link_id(pin: pathlib.Path) -> int:
 def _tc_fallback(config: hostlb.HostConfig, device: str) -> list[str]:
     """In the node netns: the programs attached as clsact filters (a kernel without tcx),
     then the ingress filters' text."""
-    bpf, fds = hostlb.compile_programs(config)
+    obj, fds = hostlb.load_programs(config)
     try:
         ifindex = hostlb.resolve_devices((device,))[device]
         hostlb.attach_fds(ifindex, fds)
         hostlb.attach_fds(ifindex, fds)  # idempotent: replaces
     finally:
-        bpf.cleanup()
+        obj.close()
     return [
         sh_out("tc", "filter", "show", "dev", device, "ingress"),
         sh_out("tc", "filter", "show", "dev", device, "egress"),
