@@ -21,12 +21,16 @@
  *
  * Translation (upstream bpf-lb-mode snat):
  *   local backend  (its route leaves by another device than the one the packet came in
- *                  by): destination rewritten to the backend, the client's address kept
+ *                  by, without a gateway when CONFIG.tunnel is set): destination
+ *                  rewritten to the backend, the client's address kept
  *                  (the pod's policy program sees the client: identity world); the
  *                  packet goes on up the stack to the pod. The reply leaves by this
  *                  device: to-netdev rewrites its source back to node:nodePort.
- *   remote backend (its route leaves by this device again): destination rewritten to the
- *                  backend and source to this node's address and a NAT port (32768-65535,
+ *   remote backend (its route leaves by this device again, or, with tunnel routing, goes
+ *                  through a gateway: another node's pod CIDR behind the tunnel device;
+ *                  its replies to this node come back over the LAN): destination
+ *                  rewritten to the backend and source to this node's address and a NAT
+ *                  port (32768-65535,
  *                  a free one among up to NAT_PORT_TRIES random tries), then the packet is
  *                  redirected out (bpf_fib_lookup + bpf_redirect/bpf_redirect_neigh: the
  *                  stack would drop a packet with a local source as martian). The backend
@@ -57,6 +61,19 @@ struct {
 	__uint(max_entries, CILIA_LB_NAT_MAX);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } cilium_snat_v4_external SEC(".maps");
+
+/* Load-time configuration: the agent writes it into .rodata before loading (so the verifier
+ * prunes what a configuration disables). Mirrored by the agent's loadbalancer/layout.py
+ * (HostProgramConfig); change both together. */
+struct host_config {
+	/* 1 with --routing-mode tunnel: a backend whose route goes through a gateway is a pod
+	 * of another node, reached through the tunnel device (datapath/routing.py routes each
+	 * node's pod CIDRs "via <node> dev <tunnel> onlink"); 0 with native routing, where
+	 * another node's pods are routed through the device the request came in by. */
+	__u32 tunnel;
+};
+
+const volatile struct host_config CONFIG = {.tunnel = 0};
 
 /* A packet these programs leave alone goes on to the next program on the device (tcx
  * TCX_NEXT, clsact: the next filter), e.g. another agent's on the same device in a test
@@ -219,6 +236,17 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	return TC_ACT_OK;
 }
 
+/* 1 when the backend at addr, whose route f was just looked up from skb's device, is on
+ * another host: its replies reach this node only if the request leaves with this node's
+ * address as its source. */
+static __always_inline int backend_remote(struct __sk_buff *skb, struct bpf_fib_lookup *f,
+					  __be32 addr)
+{
+	if (f->ifindex == skb->ifindex)
+		return 1;
+	return CONFIG.tunnel && f->ipv4_dst != addr; /* bpf_fib_lookup: ipv4_dst = the gateway */
+}
+
 /* A new flow to a NodePort of this node: choose a backend, record the flow, translate. */
 static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 {
@@ -283,7 +311,7 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	__builtin_memset(&f, 0, sizeof(f));
 	rc = fib(skb, p, backend->address, &f);
 	if ((rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH) &&
-	    f.ifindex == skb->ifindex) {
+	    backend_remote(skb, &f, backend->address)) {
 		/* remote backend: SNAT to this node's address and a free NAT port */
 		rev.daddr = p->daddr;
 		rval.to_daddr = p->saddr;

@@ -83,6 +83,8 @@ class HostConfig:
         devices: ``--devices``; empty = the default route's device.
         lb_map_max: ``--bpf-lb-map-max`` (must equal the socket-LB's: the maps are shared).
         nat_max: ``--bpf-nat-global-max`` (entries of ``cilium_snat_v4_external``).
+        tunnel: ``--routing-mode tunnel`` (other nodes' pods are behind the tunnel device:
+            ``CONFIG.tunnel`` of ``bpf_host.c``).
     """
 
     bpf_dir: pathlib.Path
@@ -90,12 +92,17 @@ class HostConfig:
     devices: tuple[str, ...] = ()
     lb_map_max: int = 65536
     nat_max: int = 524288
+    tunnel: bool = False
 
     def max_entries(self) -> dict[str, int]:
         """``{map name: entries}`` of every map of ``bpf_host.o`` (``bpf/lib/lb.h``)."""
         sizes = {name: self.lb_map_max for name in layout.HOST_SHARED_MAPS}
         sizes[layout.NAT_MAP] = self.nat_max
         return sizes
+
+    def program_config(self) -> layout.HostProgramConfig:
+        """``CONFIG`` of ``bpf_host.o`` for these options."""
+        return layout.HostProgramConfig(tunnel=int(self.tunnel))
 
 
 def default_route_devices(ipr: IPRoute) -> list[str]:
@@ -142,7 +149,9 @@ def load_programs(config: HostConfig) -> tuple[BpfObject, dict[str, int]]:
         path = object_path(config.bpf_dir, OBJECT)
         config.pin_dir.mkdir(parents=True, exist_ok=True)
         sizes = sizes_for_pins(config.pin_dir, config.max_entries())
-        obj = BpfObject.load(path, pin_dir=config.pin_dir, max_entries=sizes)
+        obj = BpfObject.load(
+            path, pin_dir=config.pin_dir, config=config.program_config(), max_entries=sizes
+        )
     except (BpfUnavailable, LibbpfError, OSError) as exc:
         raise HostLBUnavailable(f"cannot load the NodePort programs: {exc}") from exc
     try:

@@ -199,6 +199,18 @@ class NatEntry(ctypes.Structure):
     ]
 
 
+class HostProgramConfig(ctypes.Structure):
+    """``struct host_config`` of ``bpf/bpf_host.c``: its ``CONFIG``, written into the
+    object's ``.rodata`` at load (``datapath.objects.BpfObject.load``).
+
+    Fields:
+        tunnel: 1 with ``--routing-mode tunnel`` (a backend routed through a gateway is
+            another node's pod behind the tunnel device, so its flows are SNATed), else 0.
+    """
+
+    _fields_ = [("tunnel", ctypes.c_uint32)]
+
+
 HOST_MAP_LAYOUTS: dict[
     str,
     tuple[type[ctypes.Structure], type[ctypes.Structure]],

@@ -84,6 +84,7 @@ def host_config(cfg: Config) -> hostlb.HostConfig:
         devices=tuple(cfg.devices),
         lb_map_max=cfg.bpf_lb_map_max,
         nat_max=cfg.bpf_nat_global_max,
+        tunnel=cfg.routing_mode == "tunnel",
     )
 
 
