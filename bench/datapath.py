@@ -422,14 +422,10 @@ def load_datapath(pin_dir: pathlib.Path) -> Any:
     the maps the stack's agent pinned there are the ones opened.
 
     Raises:
-        BenchError: bcc unavailable or the program does not load.
+        BenchError: the object is missing (``make bpf``) or does not load.
     """
-    from cilia_agent.datapath.loader import (
-        BpfUnavailable,
-        Datapath,
-        DatapathConfig,
-        default_bpf_dir,
-    )
+    from cilia_agent.datapath.loader import BpfUnavailable, Datapath, DatapathConfig
+    from cilia_agent.datapath.objects import default_bpf_dir
 
     try:
         return Datapath.load(DatapathConfig(bpf_dir=default_bpf_dir(), pin_dir=pin_dir))
@@ -676,10 +672,10 @@ def reattach(ifindex: int, ids: dict[str, int]) -> None:
     Raises:
         BenchError: a program id no longer exists.
     """
-    from bcc.libbcc import lib
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
+    from cilia_agent.datapath.libbpf import libbpf
     from cilia_agent.datapath.loader import (
         PARENT_EGRESS,
         PARENT_INGRESS,
@@ -687,6 +683,7 @@ def reattach(ifindex: int, ids: dict[str, int]) -> None:
         PROG_TO_CONTAINER,
     )
 
+    lib = libbpf()
     lib.bpf_prog_get_fd_by_id.argtypes = [ctypes.c_uint32]
     lib.bpf_prog_get_fd_by_id.restype = ctypes.c_int
     hooks = {
@@ -719,7 +716,7 @@ def reattach(ifindex: int, ids: dict[str, int]) -> None:
 
 def entries_of(datapath: Any, ep_id: int) -> list[Any]:
     """Keys of ``cilia_policy`` belonging to endpoint ``ep_id``."""
-    return [k for k in datapath.table("cilia_policy") if int(k.ep_id) == ep_id]
+    return [k for k in datapath.policy_map if int(k.ep_id) == ep_id]
 
 
 def pad_policy(
@@ -732,7 +729,7 @@ def pad_policy(
     """
     from cilia_agent.datapath.layout import DIR_INGRESS, PolicyValue, policy_key
 
-    table = datapath.table("cilia_policy")
+    table = datapath.policy_map
     existing = {bytes(k) for k in entries_of(datapath, ep_id)}
     added: list[Any] = []
     while len(existing) < total:
@@ -756,7 +753,7 @@ def pad_policy(
 
 def unpad_policy(datapath: Any, keys: list[Any]) -> None:
     """Delete the entries :func:`pad_policy` added (absent is fine)."""
-    table = datapath.table("cilia_policy")
+    table = datapath.policy_map
     for key in keys:
         with contextlib.suppress(KeyError):
             del table[key]

@@ -332,7 +332,7 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
         def deny_entry() -> Any:
             for key in entries_of(datapath, client.ep_id):
                 if int(key.sec_label) == server.identity and int(key.egress) == DIR_EGRESS:
-                    value = datapath.table("cilia_policy")[key]
+                    value = datapath.policy_map[key]
                     if value.flags & 1:
                         return key
             return None
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
             raise BenchError(f"client→server connect not dropped by the deny policy: {probe}")
 
         def kernel_count() -> int:
-            return int(datapath.table("cilia_policy")[key].packets)
+            return int(datapath.policy_map[key].packets)
 
         print(
             f"pods: client {client.ip} (endpoint {client.ep_id}), server {server.ip} "

@@ -448,6 +448,7 @@ def _context_files(service: str, dockerfile: Path) -> Iterator[tuple[Path, str]]
             if p.is_file():
                 yield p, f"build/images/cni-bin/{p.relative_to(bundle).as_posix()}"
     if service == "agent":
+        yield ROOT / "Makefile", "Makefile"  # the bpf stage runs its `make bpf` rule
         for p in sorted((ROOT / "bpf").rglob("*")):
             if (
                 p.is_file()

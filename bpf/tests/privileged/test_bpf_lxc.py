@@ -6,13 +6,14 @@ run, so the endpoint under test is registered for ifindex 1.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from cilia_agent.datapath.layout import policy_key
+from cilia_agent.datapath.layout import MetricsKey, policy_key
 from cilia_bpf_testing import harness
 from cilia_bpf_testing.harness import (
     DIR_EGRESS,
@@ -41,14 +42,14 @@ FROM, TO = "cil_from_container", "cil_to_container"
 
 
 def setup_endpoint(dp: harness.Datapath, ingress: bool = False, egress: bool = False) -> None:
-    dp.table("cilia_endpoints")[dp.table("cilia_endpoints").Key(1)] = EndpointInfo(
+    dp.agent.endpoint_map[ctypes.c_uint32(1)] = EndpointInfo(
         ep_id=EP_ID,
         sec_identity=POD_ID,
         ipv4=ip_to_map(POD),
         enforce_ingress=int(ingress),
         enforce_egress=int(egress),
     )
-    ipcache = dp.table("cilia_ipcache")
+    ipcache = dp.agent.ipcache_map
     ipcache[IpcacheKey(32, ip_to_map(POD))] = IpcacheValue(POD_ID, 0)
     ipcache[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
 
@@ -62,7 +63,7 @@ def rule(
     deny: bool = False,
 ) -> None:
     key = policy_key(EP_ID, peer, direction, proto, port)
-    dp.table("cilia_policy")[key] = PolicyValue(flags=1 if deny else 0)
+    dp.agent.policy_map[key] = PolicyValue(flags=1 if deny else 0)
 
 
 def test_allowed_flow_is_forwarded_with_both_identities(dp: harness.Datapath) -> None:
@@ -172,8 +173,8 @@ def test_metrics_count_drops_by_reason_and_direction(dp: harness.Datapath) -> No
     for _ in range(3):
         dp.run(FROM, frame)
 
-    metrics = dp.table("cilia_metrics")
-    per_cpu = metrics[metrics.Key(133, DIR_EGRESS, 0)]
+    per_cpu = dp.agent.metrics_map.lookup(MetricsKey(133, DIR_EGRESS, 0))
+    assert per_cpu is not None
     assert sum(v.packets for v in per_cpu) == 3
     assert sum(v.bytes for v in per_cpu) == 3 * len(frame)
 
@@ -185,7 +186,7 @@ def test_policy_entry_counts_matched_packets(dp: harness.Datapath) -> None:
     dp.run(FROM, packet(POD, PEER, sport=2, dport=8080))
 
     key = policy_key(EP_ID, PEER_ID, DIR_EGRESS, 6, 8080)
-    assert dp.table("cilia_policy")[key].packets == 2
+    assert dp.agent.policy_map[key].packets == 2
 
 
 def test_non_ip_frames_pass_untouched(dp: harness.Datapath) -> None:
@@ -294,8 +295,8 @@ def test_events_beyond_the_ring_buffer_are_counted_lost_and_late_wakeup_loses_no
 
     assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=50) == TC_ACT_SHOT
     assert len(dp.events) == 50
-    assert sum(dp.table("cilia_events_counters")[0]) == 0
+    assert dp.agent.events_lost() == 0
 
     assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=100) == TC_ACT_SHOT
     assert len(dp.events) == 50 + 73
-    assert sum(dp.table("cilia_events_counters")[0]) == 100 - 73
+    assert dp.agent.events_lost() == 100 - 73

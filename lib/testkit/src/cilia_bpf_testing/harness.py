@@ -1,4 +1,5 @@
-"""Load bpf_lxc.c with bcc and run crafted packets through BPF_PROG_TEST_RUN.
+"""Load bpf_lxc.o (``make bpf``) through the agent's loader and run crafted packets through
+BPF_PROG_TEST_RUN.
 
 Map keys and values come from the agent's own ``cilia_agent.datapath.layout``
 and ring-buffer events are decoded by the agent's ``cilia_agent.hubble.events``
@@ -8,8 +9,7 @@ here as wrong verdicts or a decode error. The independent mirror of
 IPv4 + TCP/UDP/ICMP), checksums are not verified by the program.
 
 ``BPF_PROG_TEST_RUN`` is reached through Debian's ``libbpf.so.1``
-(``bpf_prog_test_run_opts``), which bcc 0.26 does not wrap
-(environment-notes.md, kernel Documentation/bpf/bpf_prog_run.rst).
+(``bpf_prog_test_run_opts``; kernel Documentation/bpf/bpf_prog_run.rst).
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ from cilia_agent.datapath.layout import (  # noqa: F401  (re-exported for the te
     ip_to_map,
     port_to_map,
 )
+from cilia_agent.datapath.libbpf import libbpf
 from cilia_agent.datapath.loader import Datapath as AgentDatapath
-from cilia_agent.datapath.loader import DatapathConfig, default_bpf_dir, remove_pins
+from cilia_agent.datapath.loader import DatapathConfig, remove_pins
+from cilia_agent.datapath.objects import RingBuffer, default_bpf_dir
 from cilia_agent.hubble.events import FlowEvent, decode
 
-#: The C sources (the repository's ``bpf/``, or ``$CILIA_BPF_DIR``), as the agent finds them.
+#: The compiled objects (the checkout's ``build/bpf``, or ``$CILIA_BPF_DIR``), as the agent
+#: finds them.
 BPF_DIR = default_bpf_dir()
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
@@ -111,17 +114,18 @@ def packet(
 
 @dataclass
 class Datapath:
-    """The compiled programs, their pinned maps and the events they emitted."""
+    """The loaded programs (``agent``: the agent's own :class:`AgentDatapath`, whose typed
+    maps the tests read and write), and the events they emitted."""
 
-    bpf: Any
+    agent: AgentDatapath
     pin_dir: pathlib.Path
     progs: dict[str, int]
     events: list[FlowEvent]
+    ring: RingBuffer
 
     def run(self, prog: str, frame: bytes, repeat: int = 1) -> int:
         """Run one frame through ``prog`` (``repeat`` times), then read the ring buffer
         whether or not the programs woke its reader; returns the tc verdict (TC_ACT_*)."""
-        lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = _TestRunOpts(
             sz=ctypes.sizeof(_TestRunOpts),
@@ -129,19 +133,23 @@ class Datapath:
             data_size_in=len(frame),
             repeat=repeat,
         )
-        rc = lib.bpf_prog_test_run_opts(self.progs[prog], ctypes.byref(opts))
+        rc = _test_run(self.progs[prog], ctypes.byref(opts))
         if rc != 0:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
-        self.bpf.ring_buffer_consume()
+        self.ring.consume()
         return int(opts.retval)
 
-    def table(self, name: str) -> Any:
-        return self.bpf[name]
+
+def _test_run(prog_fd: int, opts: Any) -> int:
+    fn = libbpf().bpf_prog_test_run_opts
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return int(fn(prog_fd, opts))
 
 
 def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf"), **options: Any) -> Datapath:
-    """Compile bpf_lxc.c through the agent's loader (the production flags), with maps
-    pinned under a fresh directory of bpffs and small map sizes; ``options`` are further
+    """Load bpf_lxc.o through the agent's loader (the production configuration path), with
+    maps pinned under a fresh directory of bpffs and small map sizes; ``options`` are further
     :class:`DatapathConfig` fields (e.g. ``monitor_aggregation=0``)."""
     pin_dir = pin_root / f"cilia-test-{uuid.uuid4().hex[:8]}"
     config = DatapathConfig(
@@ -152,17 +160,14 @@ def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf"), **options: Any) -
     except Exception:
         remove_pins(pin_dir)
         raise
-    bpf = loaded.bpf
     progs = {name: loaded.prog_fd(name) for name in ("cil_from_container", "cil_to_container")}
     events: list[FlowEvent] = []
-
-    def on_event(_ctx: Any, data: Any, size: int) -> None:
-        events.append(decode(ctypes.string_at(data, size)))
-
-    bpf["cilia_events"].open_ring_buffer(on_event)
-    return Datapath(bpf=bpf, pin_dir=pin_dir, progs=progs, events=events)
+    ring = loaded.ring_buffer(lambda record: events.append(decode(record)))
+    return Datapath(agent=loaded, pin_dir=pin_dir, progs=progs, events=events, ring=ring)
 
 
 def unload(dp: Datapath) -> None:
-    dp.bpf.cleanup()
+    """Close the ring buffer and the object, and remove the pins."""
+    dp.ring.close()
+    dp.agent.close()
     remove_pins(dp.pin_dir)

@@ -213,7 +213,7 @@ class Agent:
         )
         self._stops.append(self.hubble.stop)
         if enf is not None:
-            await self.hubble.start_reader(enf.bpf.bpf)
+            await self.hubble.start_reader(enf.bpf)
             self.metrics.scrape_hook.refresh = self.hubble.refresh_datapath_counters
         self.nodes = NodeManager(
             cfg.node_name, [self.routes, self.hubble.peers], synced=not cfg.operator

@@ -1,7 +1,7 @@
 """The eBPF datapath's owners, built together once the programs are loaded.
 
-Order: bpffs mounted if needed → ``bpf_lxc.c`` compiled once and its pinned maps opened
-(``datapath.loader``) → the ipcache with its BPF writer as listener → the policy engine
+Order: bpffs mounted if needed → ``bpf_lxc.o`` (compiled ahead of time by ``make bpf``)
+loaded with libbpf and its pinned maps opened (``datapath.loader``) → the ipcache with its BPF writer as listener → the policy engine
 over the pinned ``cilia_policy`` map (adopting the entries found there) with its streams'
 readiness → the identity allocator feeding the engine's identity cache → endpoint
 regeneration over all of them (the engine calls it back to write enforcement flags).
@@ -27,7 +27,8 @@ from typing import Any, Protocol
 from cilia_agent.config import MONITOR_AGGREGATION_LEVELS, Config
 from cilia_agent.controlplane import ControlPlane, OperatorAPI, RetryQueue
 from cilia_agent.datapath.bpffs import ensure_bpffs
-from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir
+from cilia_agent.datapath.loader import Datapath, DatapathConfig
+from cilia_agent.datapath.objects import default_bpf_dir
 from cilia_agent.endpoint.regeneration import Regeneration
 from cilia_agent.endpoint.state import EndpointRecord
 from cilia_agent.identity.allocator import IdentityAllocator
@@ -41,8 +42,6 @@ from cilia_agent.policy.maps import PolicyMapError, PolicyMapWriter
 from cilia_agent.policy.watcher import PolicyStreams
 
 log = logging.getLogger(__name__)
-
-TABLES = ("cilia_ipcache", "cilia_endpoints", "cilia_policy", "cilia_metrics")
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,8 @@ async def load(
     """Load the datapath and build the owners over it.
 
     Raises:
-        BpfUnavailable: bcc missing, bpffs not mounted, compilation or verification failed.
+        BpfUnavailable: the object missing or stale, bpffs not mounted, a pinned map of
+            other sizes, or the verifier refused a program.
     """
     loop = asyncio.get_running_loop()
     if await loop.run_in_executor(executor, ensure_bpffs, cfg.bpf_pin_dir):
@@ -87,11 +87,9 @@ async def load(
     )
     started = time.perf_counter()
     bpf = await loop.run_in_executor(executor, Datapath.load, dp_config)
-    for table in TABLES:
-        bpf.table(table)  # create bcc's table objects once, on this thread
     ipcache.add_listener(BPFWriter(bpf))
     engine = PolicyEngine(
-        PolicyMapWriter(bpf.table("cilia_policy"), capacity=cfg.bpf_policy_map_max),
+        PolicyMapWriter(bpf.policy_map, capacity=cfg.bpf_policy_map_max),
         prefixes=ipcache,  # policy CIDRs → the ipcache (and its BPF writer)
     )
     streams = PolicyStreams(engine, metrics.policy, cfg.endpoint_policy_wait_timeout)
@@ -110,7 +108,7 @@ async def load(
     )
     engine.on_enforce = regeneration.on_enforce
     adopted = engine.restore()
-    engine.restore_prefixes(read_prefixes(bpf.table("cilia_ipcache").items()))
+    engine.restore_prefixes(read_prefixes(bpf.ipcache_map.items()))
     log.info(
         "eBPF datapath ready",
         extra={

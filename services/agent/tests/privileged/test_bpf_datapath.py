@@ -18,8 +18,9 @@ from cilia_agent.datapath.layout import (
     ip_to_map,
     policy_key,
 )
-from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir
-from cilia_agent.hubble.metrics import read_bcc_counters
+from cilia_agent.datapath.loader import Datapath, DatapathConfig
+from cilia_agent.datapath.objects import default_bpf_dir
+from cilia_agent.hubble.metrics import read_counters
 from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
@@ -88,25 +89,27 @@ def test_default_deny_egress_drops_real_ping_until_a_rule_allows_it(
 ) -> None:
     events: list[int] = []
     dp = Datapath.load(config)
+    ring = dp.ring_buffer(lambda record: events.append(len(record)))
     try:
-        dp.table("cilia_events").open_ring_buffer(lambda _ctx, _data, size: events.append(size))
         assert ping(pod.netns, HOST_IP), "baseline: the veth works before any program"
         dp.attach(pod.ifindex)
         enforce_egress(dp, pod)
 
         assert not ping(pod.netns, HOST_IP)
-        dp.bpf.ring_buffer_poll(100)
+        ring.poll(100)
         assert events, "a drop event reached the ring buffer"
 
-        policy = dp.table("cilia_policy")
-        policy[policy_key(EP_ID, IDENTITY_WORLD, DIR_EGRESS)] = PolicyValue(flags=0)
+        dp.policy_map[policy_key(EP_ID, IDENTITY_WORLD, DIR_EGRESS)] = PolicyValue(flags=0)
         assert ping(pod.netns, HOST_IP)
 
         drops = {
-            (c.reason, c.direction): sum(c.packets) for c in read_bcc_counters(dp.bpf) if c.reason
+            (c.reason, c.direction): sum(c.packets)
+            for c in read_counters(dp.metrics_map)
+            if c.reason
         }
         assert drops[(133, DIR_EGRESS)] >= 1
     finally:
+        ring.close()
         dp.detach(pod.ifindex)
         dp.close()
     assert ping(pod.netns, HOST_IP), "detached: traffic flows without enforcement"
@@ -123,8 +126,9 @@ def test_reload_replaces_programs_and_keeps_pinned_state(pod: Pod, config: Datap
     try:
         assert pod.ifindex in second.endpoints(), "endpoint map kept across reload"
         second.attach(pod.ifindex)
-        policy = second.table("cilia_policy")
-        policy[policy_key(EP_ID, IDENTITY_WORLD, DIR_EGRESS, protocol=1)] = PolicyValue(flags=0)
+        second.policy_map[policy_key(EP_ID, IDENTITY_WORLD, DIR_EGRESS, protocol=1)] = PolicyValue(
+            flags=0
+        )
         assert ping(pod.netns, HOST_IP)
     finally:
         second.detach(pod.ifindex)

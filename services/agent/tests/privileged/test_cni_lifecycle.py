@@ -429,9 +429,7 @@ def test_stale_del_keeps_the_new_sandbox_operator_record_ipcache_and_programs(en
         assert a.attach.Del(agent_pb2.DelRequest(container_id="sb-old", ifname="eth0")).deleted
         bpf = a.agent.bpf
         assert list(bpf.endpoints()) == [new_ifindex]
-        prefixes = {
-            f"{ip_from_map(int(k.ip))}/{int(k.prefixlen)}" for k in bpf.table("cilia_ipcache")
-        }
+        prefixes = {f"{ip_from_map(int(k.ip))}/{int(k.prefixlen)}" for k in bpf.ipcache_map}
         assert new.ips[0].address in prefixes  # the new pod's /32 is still there
         a.attach.Check(agent_pb2.CheckRequest(container_id="sb-new", ifname="eth0"))
         # the new sandbox's own DEL is the only DeleteEndpoint the operator sees

@@ -1,39 +1,42 @@
 """``datapath.layout``'s ctypes mirrors agree with the compiled datapath's BTF.
 
-The real ``bpf/bpf_lxc.c`` is compiled and loaded by the agent's loader (bcc, into a pin dir
-of its own); each map the agent writes is read back with bpftool, and its key and value types
-(the compiler's field names, byte offsets and sizes) must equal the mirror's. ``struct
-flow_event`` is no map's key or value, so it is compiled by bcc from the same header into a
-one-entry probe array and compared the same way; hubble's decoder must read a mirrored record
-back field by field. Needs root, bpffs, bcc and bpftool.
+The real ``build/bpf/bpf_lxc.o`` (``make bpf``) is loaded by the agent's loader (libbpf, into
+a pin dir of its own); each map the agent reads or writes is read back with bpftool, and its
+key and value types (the compiler's field names, byte offsets and sizes) must equal the
+mirror's. ``struct flow_event`` and ``struct lxc_config`` (``CONFIG``) are no map's key or
+value: ``lxc_config`` is found by name in the same loaded BTF object, ``flow_event`` (a local
+variable only, which clang keeps no BTF for) in a probe compiled from ``lib/common.h`` with
+the flags of ``make bpf``, and both are compared the same way;
+hubble's decoder must read a mirrored record back field by field. Needs root, bpffs and
+bpftool.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import pathlib
 import shutil
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from cilia_agent.datapath import layout
 from cilia_agent.datapath.bpffs import ensure_bpffs
-from cilia_agent.datapath.btf import (
-    Btf,
-    btf_of_map,
-    ctypes_layout,
-    layout_diff,
-    map_id_of_fd,
-)
-from cilia_agent.datapath.loader import Datapath, DatapathConfig, default_bpf_dir, remove_pins
+from cilia_agent.datapath.btf import Btf, btf_of_map, ctypes_layout, layout_diff
+from cilia_agent.datapath.loader import Datapath, DatapathConfig, remove_pins
+from cilia_agent.datapath.objects import default_bpf_dir
 from cilia_agent.hubble import events
+from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
+
+BPF_CC = "clang-14"  # as the Makefile's BPF_CC
+PROBED = ("flow_event",)  # common.h structs no global of bpf_lxc.c has (others: object_btf)
 
 
 def _skip_reason() -> str | None:
@@ -41,10 +44,6 @@ def _skip_reason() -> str | None:
         return "needs root to load BPF programs and read their BTF"
     if shutil.which("bpftool") is None:
         return "needs bpftool (Debian bpftool) to dump BTF"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (Debian python3-bpfcc) not importable; run scripts/setup.sh"
     return None
 
 
@@ -69,29 +68,35 @@ def datapath() -> Iterator[Datapath]:
 
 
 @pytest.fixture(scope="module")
-def probe_btf() -> Iterator[Btf]:
-    """BTF of ``bpf/lib/common.h``'s structs that are no map's key/value, compiled by bcc."""
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    from bcc import BPF
+def object_btf(datapath: Datapath) -> Btf:
+    """The loaded object's BTF (all of ``bpf_lxc.o``'s types, through one of its maps)."""
+    return btf_of_map(pinned=datapath.config.pin_dir / "cilia_policy")
 
-    # One array per struct, and a function that reads them: bcc only loads BTF with code.
-    arrays = "".join(
-        f"BPF_ARRAY(probe_{name}, struct {name}, 1);\n" for name in layout.STRUCT_LAYOUTS
+
+@pytest.fixture(scope="module")
+def probe_btf(tmp_path_factory: pytest.TempPathFactory) -> Btf:
+    """BTF of ``bpf/lib/common.h``'s structs that only live in local variables (clang keeps
+    no BTF for those): one global per struct, compiled with the flags of ``make bpf``."""
+    skips.require_binary(BPF_CC, BPF_CC)
+    out = tmp_path_factory.mktemp("btf")
+    source = out / "probe.c"
+    source.write_text(
+        '#include "lib/common.h"\n'
+        + "".join(f"struct {name} probe_{name};\n" for name in PROBED)
+        + 'char _license[] SEC("license") = "GPL";\n'
     )
-    reads = "".join(f"    if (probe_{name}.lookup(&zero)) n++;\n" for name in layout.STRUCT_LAYOUTS)
-    source = (
-        f'#include "lib/common.h"\n{arrays}'
-        f"int probe(struct __sk_buff *skb) {{\n    int zero = 0, n = 0;\n{reads}    return n;\n}}\n"
-    )
-    bpf: Any = BPF(text=source.encode(), cflags=[f"-I{default_bpf_dir()}", "-w"])
-    bpf.load_func(b"probe", BPF.SCHED_CLS)
-    try:
-        name = next(iter(layout.STRUCT_LAYOUTS))
-        yield btf_of_map(map_id=map_id_of_fd(bpf[f"probe_{name}".encode()].get_fd()))
-    finally:
-        bpf.cleanup()
+    bpf_src = pathlib.Path(__file__).resolve().parents[4] / "bpf"
+    subprocess.run(
+        [BPF_CC, "-O2", "-g", "-target", "bpf", "-I", str(bpf_src),
+         f"-I/usr/include/{os.uname().machine}-linux-gnu", "-c", str(source),
+         "-o", str(out / "probe.o")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    dump = subprocess.run(
+        ["bpftool", "-j", "btf", "dump", "file", str(out / "probe.o")],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return Btf(json.loads(dump.stdout))
 
 
 @pytest.mark.parametrize("map_name", sorted(layout.MAP_LAYOUTS))
@@ -107,8 +112,11 @@ def test_map_key_and_value_mirrors_match_the_compiled_types(
 
 
 @pytest.mark.parametrize("struct_name", sorted(layout.STRUCT_LAYOUTS))
-def test_struct_mirrors_match_the_compiled_types(probe_btf: Btf, struct_name: str) -> None:
-    compiled = probe_btf.layout(probe_btf.find(struct_name))
+def test_struct_mirrors_match_the_compiled_types(
+    request: pytest.FixtureRequest, struct_name: str
+) -> None:
+    btf: Btf = request.getfixturevalue("probe_btf" if struct_name in PROBED else "object_btf")
+    compiled = btf.layout(btf.find(struct_name))
     assert compiled.fields, compiled
     assert layout_diff(compiled, ctypes_layout(layout.STRUCT_LAYOUTS[struct_name])) == []
 

@@ -1,8 +1,9 @@
 """Layouts of C types as the compiler laid them out (BTF), to check ``layout``'s mirrors.
 
-bcc compiles ``bpf_lxc.c`` with BTF and loads it with every map it creates, so a loaded map
-names its BTF object (``btf_id``) and, through bcc's ``____btf_map_<name>`` struct, its key
-and value types. ``bpftool -j btf dump id N`` prints that object; :class:`Btf` reads it.
+``make bpf`` compiles ``bpf_lxc.c`` with BTF (``-g``) and libbpf loads that BTF with every map
+it creates, so a loaded map names its BTF object (``btf_id``) and, through the map's
+definition (``__type(key, …)``), its key and value types. ``bpftool -j btf dump id N``
+prints that object; :class:`Btf` reads it.
 :func:`ctypes_layout` gives the same shape for a ctypes mirror, and :func:`layout_diff` the
 differences (field names, byte offsets, sizes, total size) in words a person can act on.
 
@@ -98,14 +99,27 @@ class Btf:
         return Layout(name, int(info["size"]), tuple(fields))
 
     def map_key_value(self, map_name: str) -> tuple[Layout, Layout]:
-        """Key and value layouts of the map ``map_name`` as bcc declared it.
+        """Key and value layouts of the map ``map_name`` as its object declared it.
 
-        bcc describes each map to the kernel by a struct ``____btf_map_<name>`` whose
-        members ``key`` and ``value`` have the map's key and value types.
+        A libbpf object declares each map as a variable of an anonymous struct whose members
+        ``key`` and ``value`` are pointers to the map's key and value types (``__type(key,
+        T)``); bcc described a map by a struct ``____btf_map_<name>`` with members ``key`` and
+        ``value`` of those types (still read, for objects bcc compiles).
 
         Raises:
             BtfError: no such map in this BTF.
         """
+        for info in self._types.values():
+            if info.get("kind") == "VAR" and info.get("name") == map_name:
+                definition = self._types[int(info["type_id"])]
+                members = {m["name"]: int(m["type_id"]) for m in definition.get("members", ())}
+                if "key" not in members or "value" not in members:
+                    break
+                key, value = (self._types[members[n]] for n in ("key", "value"))
+                return (
+                    self.layout(int(key["type_id"])),
+                    self.layout(int(value["type_id"])),
+                )
         info = self._types[self.find(f"____btf_map_{map_name}")]
         members = {m["name"]: int(m["type_id"]) for m in info["members"]}
         return self.layout(members["key"]), self.layout(members["value"])

@@ -208,7 +208,9 @@ def link_update(link_fd: int, prog_fd: int) -> None:
 
 
 class PinnedMap(Generic[K, V]):
-    """A pinned hash map, read and written through its path.
+    """A BPF map (hash, LRU, LPM trie, array) opened by its pin path or from an fd
+    (:meth:`from_fd`), with typed keys and values; also a mapping (``m[k]``, ``m[k] = v``,
+    ``del m[k]``, ``for k in m``, ``len(m)``).
 
     Args:
         path: the pin, e.g. ``/sys/fs/bpf/cilia/cilium_lb4_services_v2``.
@@ -235,6 +237,25 @@ class PinnedMap(Generic[K, V]):
         self.value_type = value_type
         self.fd = os.dup(fd)
         return self
+
+    def __getitem__(self, key: K) -> V:
+        """The value of ``key``. Raises KeyError: absent."""
+        value = self.lookup(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: K, value: V) -> None:
+        """:meth:`update`."""
+        self.update(key, value)
+
+    def __delitem__(self, key: K) -> None:
+        """:meth:`delete`; raises KeyError when ``key`` was absent."""
+        if not self.delete(key):
+            raise KeyError(key)
+
+    def __iter__(self) -> Iterator[K]:
+        return self.keys()
 
     def keys(self) -> Iterator[K]:
         """Every key, in the kernel's iteration order (copies)."""

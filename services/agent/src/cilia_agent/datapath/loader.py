@@ -1,11 +1,12 @@
-"""Load the endpoint datapath (``bpf/bpf_lxc.c``) with bcc and attach it with tc.
+"""Load the endpoint datapath (``build/bpf/bpf_lxc.o``, compiled from ``bpf/bpf_lxc.c`` by
+``make bpf``) with libbpf and attach it with tc.
 
-The C source is compiled once per configuration when the agent starts —
-never per endpoint (DESIGN.md §4). Maps are pinned under ``pin_dir`` so
-they, and the tc filters holding the programs, outlive the agent: on restart
-the new programs replace the old ones with ``replace-filter`` on every
-endpoint while traffic flows (measured here: 0 of 60 pings lost,
-environment-notes.md).
+The object is compiled ahead of time, once, and configured when the agent loads it: map
+sizes (``max_entries``) and ``CONFIG`` (monitor aggregation, ring-buffer wakeups) are set
+before load, never per endpoint (DESIGN.md §4). Maps are pinned under ``pin_dir`` so they,
+and the tc filters holding the programs, outlive the agent: on restart the new programs
+replace the old ones with ``replace-filter`` on every endpoint while traffic flows (measured
+here: 0 of 60 pings lost, environment-notes.md), and the new object reuses the pins.
 
 Attachment per endpoint, on its host-side veth (``lxc…``), as tc ``clsact``
 direct-action filters:
@@ -16,12 +17,12 @@ direct-action filters:
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -31,8 +32,24 @@ from cilia_agent.datapath.layout import (
     EndpointInfo,
     IpcacheKey,
     IpcacheValue,
+    LxcConfig,
+    MetricsKey,
+    MetricsValue,
+    PolicyKey,
+    PolicyValue,
     ip_to_map,
 )
+from cilia_agent.datapath.libbpf import PerCpuMap, PinnedMap
+from cilia_agent.datapath.objects import BpfObject, RingBuffer, object_path
+
+__all__ = [
+    "BpfUnavailable",
+    "Datapath",
+    "DatapathConfig",
+    "bcc_cflags",
+    "default_bpf_dir",
+    "remove_pins",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +57,23 @@ PARENT_INGRESS = "ffff:fff2"
 PARENT_EGRESS = "ffff:fff3"
 PROG_FROM_CONTAINER = "cil_from_container"
 PROG_TO_CONTAINER = "cil_to_container"
+OBJECT = "bpf_lxc"
+EVENTS_MAP = "cilia_events"
+EVENTS_COUNTERS_MAP = "cilia_events_counters"
+EVENTS_LOST = 0  # index of the ring-buffer-full counter (bpf_lxc.c EVENTS_LOST)
 _ENOENT = 2
 _EEXIST = 17
 _EINVAL = 22
 
 
+# ----- bcc, until bpf_sock.c and bpf_host.c are compiled ahead of time as well ---------------
+# socklb and hostlb still compile their C with bcc at agent start: they find the sources with
+# default_bpf_dir() (the C sources, not the objects: datapath.objects.default_bpf_dir) and
+# build their flags with bcc_cflags(). Both go once those programs load objects too.
+
+
 def bcc_cflags(bpf_dir: pathlib.Path, pin_dir: pathlib.Path, **defines: object) -> list[str]:
-    """bcc compiler flags of one of ``bpf/``'s programs: ``-I<bpf_dir>`` (for ``lib/``),
+    """bcc compiler flags of one of ``bpf/``'s bcc programs: ``-I<bpf_dir>`` (for ``lib/``),
     ``-DCILIA_PIN_DIR="<pin_dir>"``, one ``-DNAME=value`` per keyword (in order) and ``-w``."""
     return [
         f"-I{bpf_dir}",
@@ -57,22 +84,28 @@ def bcc_cflags(bpf_dir: pathlib.Path, pin_dir: pathlib.Path, **defines: object) 
 
 
 def default_bpf_dir() -> pathlib.Path:
-    """Where the C sources are: ``$CILIA_BPF_DIR``, the repository's ``bpf/``, or ``/usr/lib/cilia/bpf``."""
+    """Where the bcc programs' C sources are: ``$CILIA_BPF_DIR``, the repository's ``bpf/``,
+    or ``/opt/cilia/bpf`` (the image ships sources and objects there). The endpoint
+    datapath's objects are found with :func:`cilia_agent.datapath.objects.default_bpf_dir`."""
     env = os.environ.get("CILIA_BPF_DIR")
     if env:
         return pathlib.Path(env)
     repo = pathlib.Path(__file__).resolve().parents[5] / "bpf"
     if (repo / "bpf_lxc.c").is_file():
         return repo
-    return pathlib.Path("/usr/lib/cilia/bpf")
+    return pathlib.Path("/opt/cilia/bpf")
+
+
+# ----- the endpoint datapath ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class DatapathConfig:
-    """Build-time options of the datapath (each maps to a ``-D`` of ``bpf/lib/common.h``).
+    """Load-time options of the datapath: map sizes (``max_entries``) and ``CONFIG``.
 
     Attributes:
-        bpf_dir: directory holding ``bpf_lxc.c`` and ``lib/``.
+        bpf_dir: directory holding ``bpf_lxc.o`` (``--bpf-dir``;
+            :func:`cilia_agent.datapath.objects.default_bpf_dir`).
         pin_dir: bpffs directory for pinned maps (upstream: ``/sys/fs/bpf/tc/globals``).
         ipcache_max: ipcache entries (``--bpf-ipcache-map-max``, default 512000 as upstream).
         policy_max: policy entries for all endpoints (``--bpf-policy-map-max``, default 65536).
@@ -83,7 +116,7 @@ class DatapathConfig:
             (1 = every event, as the packet tests read; the agent passes
             ``--bpf-events-wakeup-events`` and drains the buffer on a timer as well).
         monitor_aggregation: 0 none, 1 lowest, 2 low, 3 medium, 4 maximum
-            (``--monitor-aggregation``, upstream default medium; see bpf/lib/common.h).
+            (``--monitor-aggregation``, upstream default medium; see bpf/bpf_lxc.c CONFIG).
         monitor_aggregation_interval_ns: periodic update of an active connection
             (``--monitor-aggregation-interval``, 5 s).
         monitor_aggregation_flags: TCP flag bits (byte 13) reported when first seen in a
@@ -102,67 +135,80 @@ class DatapathConfig:
     monitor_aggregation_interval_ns: int = 5_000_000_000
     monitor_aggregation_flags: int = 0x07
 
-    def cflags(self) -> list[str]:
-        """Compiler flags for bcc, one ``-D`` per option."""
-        return bcc_cflags(
-            self.bpf_dir,
-            self.pin_dir,
-            CILIA_IPCACHE_MAX=self.ipcache_max,
-            CILIA_POLICY_MAX=self.policy_max,
-            CILIA_CT_MAX=self.ct_max,
-            CILIA_ENDPOINTS_MAX=self.endpoints_max,
-            CILIA_EVENTS_PAGES=self.events_pages,
-            CILIA_EVENTS_WAKEUP_EVENTS=self.events_wakeup_events,
-            CILIA_MONITOR_AGGREGATION=self.monitor_aggregation,
-            CILIA_MONITOR_AGGREGATION_INTERVAL_NS=f"{self.monitor_aggregation_interval_ns}ULL",
-            CILIA_MONITOR_AGGREGATION_FLAGS=f"{self.monitor_aggregation_flags:#x}",
+    def lxc_config(self) -> LxcConfig:
+        """``CONFIG`` of ``bpf_lxc.o`` for these options."""
+        return LxcConfig(
+            monitor_aggregation_interval_ns=self.monitor_aggregation_interval_ns,
+            monitor_aggregation=self.monitor_aggregation,
+            events_wakeup_events=self.events_wakeup_events,
+            monitor_aggregation_flags=self.monitor_aggregation_flags,
         )
+
+    def max_entries(self) -> dict[str, int]:
+        """Map name → ``max_entries`` (the ring buffer's is its size in bytes: pages times the
+        page size)."""
+        return {
+            "cilia_ipcache": self.ipcache_max,
+            "cilia_endpoints": self.endpoints_max,
+            "cilia_policy": self.policy_max,
+            "cilia_ct": self.ct_max,
+            EVENTS_MAP: self.events_pages * os.sysconf("SC_PAGE_SIZE"),
+        }
 
 
 class Datapath:
-    """The compiled programs and handles on their pinned maps.
+    """The loaded programs and typed handles on their maps.
 
-    Create with :meth:`load`. Methods raise :class:`pyroute2.netlink.exceptions.NetlinkError`
-    only for unexpected kernel errors; missing devices on detach are ignored.
+    Create with :meth:`load`. Map handles (``ipcache_map``, ``endpoint_map``,
+    ``policy_map``: :class:`~cilia_agent.datapath.libbpf.PinnedMap`, usable as mappings;
+    ``metrics_map``, ``events_counters``: per-CPU) stay valid until :meth:`close`. Methods
+    raise :class:`pyroute2.netlink.exceptions.NetlinkError` only for unexpected kernel
+    errors; missing devices on detach are ignored.
     """
 
-    def __init__(self, config: DatapathConfig, bpf: Any, fds: dict[str, int]) -> None:
+    def __init__(self, config: DatapathConfig, obj: BpfObject) -> None:
         self.config = config
-        self.bpf = bpf
-        self._fds = fds
+        self.object = obj
+        self._fds = {name: obj.prog_fd(name) for name in (PROG_FROM_CONTAINER, PROG_TO_CONTAINER)}
+        self.ipcache_map: PinnedMap[IpcacheKey, IpcacheValue] = obj.map(
+            "cilia_ipcache", IpcacheKey, IpcacheValue
+        )
+        self.endpoint_map: PinnedMap[ctypes.c_uint32, EndpointInfo] = obj.map(
+            "cilia_endpoints", ctypes.c_uint32, EndpointInfo
+        )
+        self.policy_map: PinnedMap[PolicyKey, PolicyValue] = obj.map(
+            "cilia_policy", PolicyKey, PolicyValue
+        )
+        self.metrics_map: PerCpuMap[MetricsKey, MetricsValue] = obj.percpu_map(
+            "cilia_metrics", MetricsKey, MetricsValue
+        )
+        self.events_counters: PerCpuMap[ctypes.c_uint32, ctypes.c_uint64] = obj.percpu_map(
+            EVENTS_COUNTERS_MAP, ctypes.c_uint32, ctypes.c_uint64
+        )
 
     @classmethod
     def load(cls, config: DatapathConfig) -> Datapath:
-        """Compile ``bpf_lxc.c`` once and load both programs.
+        """Load ``bpf_lxc.o`` once (both programs), reusing or creating the pinned maps.
 
         Raises:
-            BpfUnavailable: bcc missing, bpffs not mounted, or compilation/verification failed.
+            BpfUnavailable: the object is missing or stale (``make bpf``), bpffs is not
+                mounted, a pinned map has other sizes than configured, or the verifier
+                refused a program (libbpf's message and the log's tail).
         """
+        path = object_path(config.bpf_dir, OBJECT)
+        obj = BpfObject.load(
+            path,
+            pin_dir=config.pin_dir,
+            config=config.lxc_config(),
+            max_entries=config.max_entries(),
+        )
         try:
-            from bcc import BPF
-        except ImportError as exc:
-            raise BpfUnavailable(
-                "bcc is not importable: install Debian's python3-bpfcc (scripts/setup.sh links it "
-                "into the venv)"
-            ) from exc
-        if not (config.bpf_dir / "bpf_lxc.c").is_file():
-            raise BpfUnavailable(f"no bpf_lxc.c in {config.bpf_dir}: set --bpf-dir")
-        try:
-            config.pin_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BpfUnavailable(
-                f"cannot create {config.pin_dir}: is bpffs mounted? ({exc})"
-            ) from exc
-        try:
-            bpf = BPF(src_file=str(config.bpf_dir / "bpf_lxc.c").encode(), cflags=config.cflags())
-            fds = {
-                name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd
-                for name in (PROG_FROM_CONTAINER, PROG_TO_CONTAINER)
-            }
-        except Exception as exc:  # bcc raises bare Exception on compile/verify errors
-            raise BpfUnavailable(f"cannot load {config.bpf_dir / 'bpf_lxc.c'}: {exc}") from exc
-        log.info("datapath loaded", extra={"pin_dir": str(config.pin_dir)})
-        return cls(config, bpf, fds)
+            dp = cls(config, obj)
+        except BaseException:
+            obj.close()
+            raise
+        log.info("datapath loaded", extra={"pin_dir": str(config.pin_dir), "object": str(path)})
+        return dp
 
     def prog_fd(self, name: str) -> int:
         """File descriptor of a loaded program (``cil_from_container`` / ``cil_to_container``),
@@ -172,6 +218,16 @@ class Datapath:
             KeyError: no such program.
         """
         return self._fds[name]
+
+    def ring_buffer(self, callback: Callable[[bytes], None]) -> RingBuffer:
+        """A consumer of ``cilia_events`` calling ``callback`` with each record (close it)."""
+        return self.object.ring_buffer(EVENTS_MAP, callback)
+
+    def events_lost(self) -> int:
+        """Events the programs could not write because the ring buffer was full (sum over
+        CPUs of ``cilia_events_counters[EVENTS_LOST]``)."""
+        per_cpu = self.events_counters.lookup(ctypes.c_uint32(EVENTS_LOST))
+        return sum(int(v.value) for v in per_cpu) if per_cpu else 0
 
     # ----- tc attachment -------------------------------------------------------------------
 
@@ -210,45 +266,46 @@ class Datapath:
 
     # ----- maps ----------------------------------------------------------------------------
 
-    def table(self, name: str) -> Any:
-        """The bcc table ``name`` (``cilia_ipcache``, ``cilia_endpoints``, ``cilia_policy``...)."""
-        return self.bpf[name.encode()]
-
     def set_endpoint(self, ifindex: int, info: EndpointInfo) -> None:
         """Register (or update) the endpoint behind host veth ``ifindex``."""
-        table = self.table("cilia_endpoints")
-        table[table.Key(ifindex)] = info
+        self.endpoint_map.update(ctypes.c_uint32(ifindex), info)
 
     def delete_endpoint(self, ifindex: int) -> None:
         """Forget the endpoint behind ``ifindex`` (absent is fine)."""
-        table = self.table("cilia_endpoints")
-        with contextlib.suppress(KeyError):
-            del table[table.Key(ifindex)]
+        self.endpoint_map.delete(ctypes.c_uint32(ifindex))
 
     def endpoints(self) -> dict[int, EndpointInfo]:
         """Current endpoint map: ifindex → info."""
-        return {int(k.value): v for k, v in self.table("cilia_endpoints").items()}
+        return {int(k.value): v for k, v in self.endpoint_map.items()}
 
     def upsert_ipcache(
         self, cidr_ip: str, prefixlen: int, identity: int, node_ip: str = ""
     ) -> None:
         """Map ``cidr_ip/prefixlen`` to ``identity`` in the ipcache."""
-        self.table("cilia_ipcache")[IpcacheKey(prefixlen, ip_to_map(cidr_ip))] = IpcacheValue(
-            identity, ip_to_map(node_ip) if node_ip else 0
+        self.ipcache_map.update(
+            IpcacheKey(prefixlen, ip_to_map(cidr_ip)),
+            IpcacheValue(identity, ip_to_map(node_ip) if node_ip else 0),
         )
 
     def delete_ipcache(self, cidr_ip: str, prefixlen: int) -> None:
         """Remove an ipcache entry (absent is fine)."""
-        with contextlib.suppress(KeyError):
-            del self.table("cilia_ipcache")[IpcacheKey(prefixlen, ip_to_map(cidr_ip))]
+        self.ipcache_map.delete(IpcacheKey(prefixlen, ip_to_map(cidr_ip)))
 
     def close(self) -> None:
-        """Release the programs' file descriptors held by this process.
+        """Release the programs' and maps' file descriptors held by this process (idempotent).
 
         Attached filters and pinned maps stay in the kernel (pods keep their
         enforcement while the agent is down).
         """
-        self.bpf.cleanup()
+        for handle in (
+            self.ipcache_map,
+            self.endpoint_map,
+            self.policy_map,
+            self.metrics_map,
+            self.events_counters,
+        ):
+            handle.close()
+        self.object.close()
 
 
 def remove_pins(pin_dir: pathlib.Path) -> None:

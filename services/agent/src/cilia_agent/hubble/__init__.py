@@ -8,6 +8,6 @@ docstring for the wiring). Layers, importing only downward::
     parser  (FlowEvent → flow.Flow)
     ring, filters, eventlog (agent/debug events, namespaces seen)
     observer (FlowStore + observer.Observer), peer (PeerRegistry + peer.Peer), metrics
-    reader  (bcc ring buffer → parser → FlowStore)
+    reader  (libbpf ring buffer → parser → FlowStore)
     service (Hubble: everything wired)
 """

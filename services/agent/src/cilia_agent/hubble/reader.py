@@ -1,7 +1,7 @@
 """The ring-buffer consumer: kernel events → Flow → flow ring.
 
-A poll thread calls ``ring_buffer_poll`` on the datapath's bcc ``BPF`` object (table
-``cilia_events``), then ``ring_buffer_consume``: the datapath wakes the reader only for every
+A poll thread calls libbpf's ``ring_buffer__poll`` on the datapath's ``cilia_events`` ring
+buffer, then ``ring_buffer__consume``: the datapath wakes the reader only for every
 ``--bpf-events-wakeup-events``-th event of a CPU, so each poll timeout also drains what was
 written without a wakeup (many records per wakeup; at most ``poll_timeout_ms`` late). Each
 record is copied into a bounded hand-off queue. The agent's event loop drains the queue,
@@ -22,7 +22,7 @@ Every loss becomes one ``LostEvent`` in the ring, with its source:
 Limits (the agent exposes them as flags):
   ``queue_size``       records waiting for the loop, default 1000
                        (suggested flag ``--hubble-event-queue-size``)
-  ``poll_timeout_ms``  ring_buffer_poll timeout, i.e. the stop latency, default 100
+  ``poll_timeout_ms``  ring_buffer__poll timeout, i.e. the stop latency, default 100
 
 Upstream: ``pkg/hubble/monitor`` consumer + ``pkg/hubble/observer`` events queue.
 """
@@ -30,12 +30,11 @@ Upstream: ``pkg/hubble/monitor`` consumer + ``pkg/hubble/observer`` events queue
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cilia.hubble.flow import flow_pb2
 from cilia_agent.hubble import events
@@ -44,13 +43,13 @@ from cilia_agent.hubble.metrics import HubbleMetrics
 from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.parser import Parser
 
+if TYPE_CHECKING:
+    from cilia_agent.datapath.objects import RingBuffer
+
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 1000
 DEFAULT_POLL_TIMEOUT_MS = 100
-EVENTS_TABLE = "cilia_events"
-COUNTERS_TABLE = "cilia_events_counters"
-COUNTER_LOST = 0  # index of the ring-buffer-full counter (bpf_lxc.c EVENTS_LOST)
 _YIELD_EVERY = 256
 
 RecordCallback = Callable[[bytes], None]
@@ -70,49 +69,59 @@ class RecordSource(Protocol):
         """
 
 
-class BccRingBuffer:
-    """:class:`RecordSource` over a bcc ``BPF`` object's ``BPF_RINGBUF_OUTPUT`` table.
+class EventsMap(Protocol):
+    """What :class:`LibbpfRingBuffer` needs of the datapath
+    (:class:`cilia_agent.datapath.loader.Datapath`)."""
+
+    def ring_buffer(self, callback: RecordCallback) -> RingBuffer:
+        """A libbpf consumer of the events ring buffer calling ``callback`` per record."""
+
+    def events_lost(self) -> int:
+        """Events the programs could not write (cumulative, summed over CPUs)."""
+
+
+class LibbpfRingBuffer:
+    """:class:`RecordSource` over the datapath's ``cilia_events`` ring buffer (libbpf
+    ``ring_buffer__poll``/``__consume`` through :class:`~cilia_agent.datapath.objects.RingBuffer`).
 
     Args:
-        bpf: the loaded ``bcc.BPF`` (owned by the datapath loader; this class only opens
-            the ring buffer and polls it, it never cleans the object up).
-        table: ring buffer table name (``cilia_events``).
+        datapath: the loaded datapath (owned by the agent; this class only opens a consumer
+            of its ring buffer, polls it and frees it in :meth:`close`).
     """
 
-    def __init__(self, bpf: Any, table: str = EVENTS_TABLE) -> None:
-        self._bpf = bpf
-        self._table = table
+    def __init__(self, datapath: EventsMap) -> None:
+        self._datapath = datapath
+        self._rb: RingBuffer | None = None
 
     def open(self, on_record: RecordCallback) -> None:
-        """Open the ring buffer with a callback copying each record out of kernel memory."""
-
-        def callback(_ctx: Any, data: Any, size: int) -> int:
-            on_record(ctypes.string_at(data, size))
-            return 0
-
-        self._bpf[self._table.encode()].open_ring_buffer(callback)
+        """Open a consumer whose callback gets a copy of each record."""
+        self._rb = self._datapath.ring_buffer(on_record)
 
     def poll(self, timeout_ms: int) -> None:
-        """``BPF.ring_buffer_poll`` (the GIL is released while waiting), then
-        ``ring_buffer_consume``: records written without a wakeup are read too."""
-        self._bpf.ring_buffer_poll(timeout_ms)
-        self._bpf.ring_buffer_consume()
+        """``ring_buffer__poll`` (the GIL is released while waiting), then
+        ``ring_buffer__consume``: records written without a wakeup are read too."""
+        if self._rb is None:
+            raise RuntimeError("ring buffer not opened")
+        self._rb.poll(timeout_ms)
+        self._rb.consume()
 
     def kernel_lost(self) -> int:
         """Sum over CPUs of ``cilia_events_counters[0]``: events ``bpf_ringbuf_output``
-        could not write because the ring buffer was full (0 without that map)."""
-        try:
-            table = self._bpf[COUNTERS_TABLE]
-        except KeyError:
-            return 0
-        return int(sum(table[table.Key(COUNTER_LOST)]))
+        could not write because the ring buffer was full."""
+        return self._datapath.events_lost()
+
+    def close(self) -> None:
+        """Free the consumer (idempotent; the reader calls it after its poll thread ends)."""
+        if self._rb is not None:
+            self._rb.close()
+            self._rb = None
 
 
 class EventReader:
     """Moves datapath events into the flow ring (poll thread + event-loop consumer).
 
     Args:
-        source: a :class:`RecordSource` (``BccRingBuffer(bpf)`` in the agent).
+        source: a :class:`RecordSource` (``LibbpfRingBuffer(datapath)`` in the agent).
         parser: event → Flow with enrichment.
         store: the flow ring the observer serves.
         metrics: where flows are counted (``None`` = not counted).
@@ -281,6 +290,9 @@ class EventReader:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
         if self._task is not None and self._wake is not None:
             self._closing = True
             self._wake.set()

@@ -6,7 +6,7 @@ Typical wiring (inside the agent's event loop)::
                     resolver=OwnerResolver(endpoints=regeneration, ipcache=ipcache,
                                            identities=identity_allocator),
                     registry=agent_metrics.registry)
-    await hubble.start_reader(datapath_bpf)     # the bcc BPF object of bpf_lxc.c
+    await hubble.start_reader(datapath)         # the loaded datapath.loader.Datapath
     server = ...hubble.services()...            # Observer + Peer (api.serve_api)
     supervisor.spawn("watch-nodes", ... hubble.peers.consume_watch ...)
     metrics.scrape_hook.refresh = hubble.refresh_datapath_counters
@@ -37,7 +37,7 @@ from cilia.hubble.peer import peer_pb2_grpc
 from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
 from cilia_agent.hubble.eventlog import EventLog, agent_started_event
-from cilia_agent.hubble.metrics import HandlerSpec, HubbleMetrics, parse_metrics, read_bcc_counters
+from cilia_agent.hubble.metrics import HandlerSpec, HubbleMetrics, parse_metrics, read_counters
 from cilia_agent.hubble.observer import FlowStore, ObserverServicer
 from cilia_agent.hubble.parser import BootClock, Parser
 from cilia_agent.hubble.peer import (
@@ -50,8 +50,8 @@ from cilia_agent.hubble.peer import (
 from cilia_agent.hubble.reader import (
     DEFAULT_POLL_TIMEOUT_MS,
     DEFAULT_QUEUE_SIZE,
-    BccRingBuffer,
     EventReader,
+    LibbpfRingBuffer,
     RecordSource,
 )
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, validate_capacity
@@ -181,7 +181,7 @@ class Hubble:
         """Start consuming datapath events.
 
         Args:
-            bpf: the datapath's loaded ``bcc.BPF`` (table ``cilia_events``), or
+            bpf: the loaded ``datapath.loader.Datapath`` (ring buffer ``cilia_events``), or
             source: any :class:`RecordSource` (tests, replay).
 
         Raises:
@@ -193,7 +193,7 @@ class Hubble:
         if self.reader is not None:
             raise RuntimeError("Hubble reader already started")
         self._bpf = bpf
-        record_source = source if source is not None else BccRingBuffer(bpf)
+        record_source = source if source is not None else LibbpfRingBuffer(bpf)
         self.reader = EventReader(
             record_source,
             self.parser,
@@ -206,9 +206,9 @@ class Hubble:
 
     def refresh_datapath_counters(self) -> None:
         """Read the datapath's per-CPU ``cilia_metrics`` map into the drop/forward counters
-        (called at each scrape; nothing without a bcc datapath)."""
+        (called at each scrape; nothing without a datapath)."""
         if self._bpf is not None:
-            self.metrics.update_datapath_counters(read_bcc_counters(self._bpf))
+            self.metrics.update_datapath_counters(read_counters(self._bpf.metrics_map))
 
     async def stop(self) -> None:
         """Stop the reader (flushing queued events into the ring). Servers are the caller's."""

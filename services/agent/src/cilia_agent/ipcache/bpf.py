@@ -26,7 +26,7 @@ class IPCacheMap(Protocol):
 class BPFWriter:
     """:class:`~cilia_agent.ipcache.cache.Listener` writing ``cilia_ipcache``.
 
-    Raises (from its calls): whatever the map write raises (bcc ``KeyError``/``OSError``).
+    Raises (from its calls): whatever the map write raises (``LibbpfError``).
     """
 
     def __init__(self, bpf_map: IPCacheMap) -> None:
@@ -44,7 +44,7 @@ class BPFWriter:
 
 
 def read_prefixes(table: Iterable[tuple[Any, Any]]) -> dict[str, int]:
-    """Every ``prefix → identity`` of the pinned map (``table``: the bcc table's ``items()``,
+    """Every ``prefix → identity`` of the pinned map (``table``: ``Datapath.ipcache_map.items()``,
     keys ``IpcacheKey``, values ``IpcacheValue``); used after a restart to adopt the CIDR
     identities of the previous run."""
     return {

@@ -107,7 +107,7 @@ def encode_key(ep_id: int, entry: PolicyEntry) -> PolicyKey:
 
 
 def decode_key(key: Any) -> tuple[int, PolicyEntry]:
-    """(ep_id, entry) of a map key (``PolicyKey`` or bcc's generated key type)."""
+    """(ep_id, entry) of a map key (``PolicyKey``)."""
     return int(key.ep_id), PolicyEntry(
         int(key.sec_label), int(key.egress), int(key.protocol), socket.ntohs(int(key.dport))
     )
@@ -158,7 +158,8 @@ def diff(
 
 
 class BpfTable(Protocol):
-    """What the writer uses of a bcc table (``bpf["cilia_policy"]`` / ``BPF.get_table``)."""
+    """What the writer uses of the map (``Datapath.policy_map``, a
+    :class:`~cilia_agent.datapath.libbpf.PinnedMap`): ``del`` raises KeyError when absent."""
 
     def __setitem__(self, key: Any, value: Any) -> None: ...
     def __delitem__(self, key: Any) -> None: ...
@@ -168,8 +169,8 @@ class BpfTable(Protocol):
 class PolicyMapWriter:
     """Applies per-endpoint diffs to the ``cilia_policy`` LPM trie.
 
-    ``table``: the bcc table object of the pinned map; ``capacity``: its max_entries
-    (``CILIA_POLICY_MAX``, default 16384). The writer counts entries itself (read once
+    ``table``: the pinned map (``Datapath.policy_map``); ``capacity``: its max_entries
+    (``--bpf-policy-map-max``). The writer counts entries itself (read once
     from the map on first use), so it must be the map's only writer.
     """
 
@@ -232,7 +233,7 @@ class PolicyMapWriter:
         for entry, verdict in entries.items():
             try:
                 self._table[keys[entry]] = encode_value(verdict)
-            except Exception as exc:  # bcc raises a bare Exception with strerror
+            except Exception as exc:  # LibbpfError (E2BIG when full) or another OSError
                 raise PolicyMapError(f"endpoint {ep_id}: writing {entry}: {exc}") from exc
 
     def _delete(

@@ -1,4 +1,4 @@
-"""The real datapath → Hubble: bpf_lxc.c compiled with bcc, packets through
+"""The real datapath → Hubble: bpf_lxc.o loaded by the agent's loader, packets through
 BPF_PROG_TEST_RUN, ring-buffer events read by the Hubble reader into enriched flows.
 
 Maps are pinned under a fresh ``/sys/fs/bpf/cilia-test-<rand>`` and removed afterwards.
@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import os
 import pathlib
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from cilia.hubble.flow import flow_pb2
+from cilia_agent.datapath.loader import Datapath, DatapathConfig, remove_pins
 from cilia_agent.hubble.enrich import MemoryResolver
-from cilia_agent.hubble.metrics import parse_metrics, read_bcc_counters
+from cilia_agent.hubble.metrics import parse_metrics, read_counters
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 from cilia_bpf_testing import harness  # map layouts + packet builder
 from cilia_testkit import skips
@@ -38,14 +36,12 @@ FROM, TO = "cil_from_container", "cil_to_container"
 
 
 class Loaded:
-    def __init__(self, bpf: Any, pin_dir: pathlib.Path, progs: dict[str, int]) -> None:
-        self.bpf = bpf
-        self.pin_dir = pin_dir
+    def __init__(self, agent: Datapath, progs: dict[str, int]) -> None:
+        self.agent = agent
         self.progs = progs
 
     def run(self, prog: str, frame: bytes) -> int:
         """One BPF_PROG_TEST_RUN (no ring-buffer polling here: the Hubble reader polls)."""
-        lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = harness._TestRunOpts(
             sz=ctypes.sizeof(harness._TestRunOpts),
@@ -53,7 +49,7 @@ class Loaded:
             data_size_in=len(frame),
             repeat=1,
         )
-        if lib.bpf_prog_test_run_opts(self.progs[prog], ctypes.byref(opts)) != 0:
+        if harness._test_run(self.progs[prog], ctypes.byref(opts)) != 0:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
         return int(opts.retval)
 
@@ -61,36 +57,30 @@ class Loaded:
 @pytest.fixture
 def datapath() -> Iterator[Loaded]:
     skips.require_bpf("BPF_PROG_TEST_RUN")
-    from bcc import BPF
-
     pin_dir = pathlib.Path("/sys/fs/bpf") / f"cilia-test-{uuid.uuid4().hex[:8]}"
-    pin_dir.mkdir()
-    bpf = None
+    config = DatapathConfig(bpf_dir=BPF_DIR, pin_dir=pin_dir, ipcache_max=1024, ct_max=1024)
     try:
-        bpf = BPF(
-            src_file=str(BPF_DIR / "bpf_lxc.c").encode(),
-            cflags=[f"-I{BPF_DIR}", f'-DCILIA_PIN_DIR="{pin_dir}"', "-w"],
-        )
-        progs = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in (FROM, TO)}
-        yield Loaded(bpf, pin_dir, progs)
+        agent = Datapath.load(config)
+        try:
+            yield Loaded(agent, {name: agent.prog_fd(name) for name in (FROM, TO)})
+        finally:
+            agent.close()
     finally:
-        if bpf is not None:
-            bpf.cleanup()
-        for pinned in pin_dir.iterdir():
-            os.unlink(pinned)
-        shutil.rmtree(pin_dir, ignore_errors=True)
+        remove_pins(pin_dir)
 
 
 def program_datapath(dp: Loaded) -> None:
-    endpoints = dp.bpf[b"cilia_endpoints"]
-    endpoints[endpoints.Key(1)] = harness.EndpointInfo(
-        ep_id=EP_ID, sec_identity=POD_ID, ipv4=harness.ip_to_map(POD), enforce_egress=1
+    dp.agent.set_endpoint(
+        1,
+        harness.EndpointInfo(
+            ep_id=EP_ID, sec_identity=POD_ID, ipv4=harness.ip_to_map(POD), enforce_egress=1
+        ),
     )
-    ipcache = dp.bpf[b"cilia_ipcache"]
+    ipcache = dp.agent.ipcache_map
     ipcache[harness.IpcacheKey(32, harness.ip_to_map(POD))] = harness.IpcacheValue(POD_ID, 0)
     ipcache[harness.IpcacheKey(32, harness.ip_to_map(PEER))] = harness.IpcacheValue(PEER_ID, 0)
     key = harness.PolicyKey(96, EP_ID, PEER_ID, harness.DIR_EGRESS, 6, harness.port_to_map(8080))
-    dp.bpf[b"cilia_policy"][key] = harness.PolicyValue(flags=0)
+    dp.agent.policy_map[key] = harness.PolicyValue(flags=0)
 
 
 def resolver() -> MemoryResolver:
@@ -119,7 +109,7 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
             resolver=resolver(),
             registry=CollectorRegistry(),
         )
-        await hubble.start_reader(datapath.bpf)
+        await hubble.start_reader(datapath.agent)
         try:
             assert datapath.run(FROM, harness.packet(POD, PEER, dport=8080)) == harness.TC_ACT_OK
             assert datapath.run(FROM, harness.packet(POD, PEER, dport=9090)) == harness.TC_ACT_SHOT
@@ -164,7 +154,7 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
     assert inbound.traffic_direction == flow_pb2.INGRESS
     assert inbound.l4.UDP.destination_port == 5353
 
-    hubble.metrics.update_datapath_counters(read_bcc_counters(datapath.bpf))
+    hubble.metrics.update_datapath_counters(read_counters(datapath.agent.metrics_map))
     sample = hubble.metrics.registry.get_sample_value
     drop_labels = {"reason": "Policy denied", "direction": "EGRESS"}
     assert sample("cilium_drop_count_total", drop_labels) == 1

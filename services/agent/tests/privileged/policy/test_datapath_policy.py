@@ -8,6 +8,7 @@ ifindex 1, so the endpoint is registered for ifindex 1.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -82,16 +83,16 @@ def test_compiled_policy_in_real_map_forwards_allowed_and_drops_the_rest(
     harness: Any, dp: Any
 ) -> None:
     for ip, ident in ((BACKEND_IP, BACKEND), (FRONTEND_IP, FRONTEND), (OTHER_IP, OTHER)):
-        dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_to_map(ip))] = (
-            harness.IpcacheValue(ident, 0)
+        dp.agent.ipcache_map[harness.IpcacheKey(32, harness.ip_to_map(ip))] = harness.IpcacheValue(
+            ident, 0
         )
-    dp.table("cilia_ipcache")[harness.IpcacheKey(32, harness.ip_to_map(BANNED_IP))] = (
+    dp.agent.ipcache_map[harness.IpcacheKey(32, harness.ip_to_map(BANNED_IP))] = (
         harness.IpcacheValue(BANNED, 0)
     )
-    endpoints = dp.table("cilia_endpoints")
+    endpoints = dp.agent.endpoint_map
 
     def enforce(ep_id: int, policy: EndpointPolicy) -> None:
-        endpoints[endpoints.Key(1)] = harness.EndpointInfo(
+        endpoints[ctypes.c_uint32(1)] = harness.EndpointInfo(
             ep_id=ep_id,
             sec_identity=BACKEND,
             ipv4=harness.ip_to_map(BACKEND_IP),
@@ -99,7 +100,7 @@ def test_compiled_policy_in_real_map_forwards_allowed_and_drops_the_rest(
             enforce_egress=int(policy.enforce_egress),
         )
 
-    engine = PolicyEngine(PolicyMapWriter(dp.table("cilia_policy")), on_enforce=enforce)
+    engine = PolicyEngine(PolicyMapWriter(dp.agent.policy_map), on_enforce=enforce)
     engine.on_identities(
         pb.WatchIdentitiesResponse(
             events=[
@@ -141,18 +142,18 @@ def test_compiled_policy_in_real_map_forwards_allowed_and_drops_the_rest(
 
     # Policy update on the running endpoint: "other" may now reach 8080 too.
     frontend_key = encode_key(EP_ID, PolicyEntry(FRONTEND, 0, 6, 8080))
-    assert dp.table("cilia_policy")[frontend_key].packets == 1
+    assert dp.agent.policy_map[frontend_key].packets == 1
     _, affected = engine.on_policies(
         pb.WatchPoliciesResponse(events=[policy_event("other", {"ingress": [tcp8080("other")]})])
     )
     assert affected == {EP_ID}
     assert run(to, pkt(OTHER_IP, BACKEND_IP, sport=5, dport=8080)) == harness.TC_ACT_OK
     # the unchanged frontend entry was not rewritten: its counter survived
-    assert dp.table("cilia_policy")[frontend_key].packets == 1
+    assert dp.agent.policy_map[frontend_key].packets == 1
 
     # A restarted agent reads back exactly what it wrote.
-    reread = PolicyMapWriter(dp.table("cilia_policy")).read()
+    reread = PolicyMapWriter(dp.agent.policy_map).read()
     assert reread == {EP_ID: dict(engine.compiled[EP_ID].entries)}
 
     engine.remove_endpoint(EP_ID)
-    assert len(list(dp.table("cilia_policy").items())) == 0
+    assert len(list(dp.agent.policy_map.items())) == 0

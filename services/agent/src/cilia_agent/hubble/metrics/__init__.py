@@ -38,7 +38,7 @@ from cilia_agent.hubble.metrics.datapath import (
     DatapathCounters,
     direction_text,
     drop_reason_text,
-    read_bcc_counters,
+    read_counters,
 )
 from cilia_agent.hubble.metrics.handlers import HANDLERS, Handler
 
@@ -52,7 +52,7 @@ __all__ = [
     "direction_text",
     "drop_reason_text",
     "parse_metrics",
-    "read_bcc_counters",
+    "read_counters",
 ]
 
 log = logging.getLogger(__name__)

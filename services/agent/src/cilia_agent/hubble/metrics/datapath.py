@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
@@ -126,14 +126,21 @@ class DatapathCounters:
         self.registry.unregister(self._collector)
 
 
-def read_bcc_counters(bpf: Any, table: str = "cilia_metrics") -> list[CounterReading]:
-    """Read every entry of the per-CPU ``cilia_metrics`` map of a bcc ``BPF`` object.
+class CountersMap(Protocol):
+    """The per-CPU ``cilia_metrics`` map (``Datapath.metrics_map``): ``items()`` yields
+    (key with ``reason``/``dir``, per-CPU values with ``packets``/``bytes``)."""
+
+    def items(self) -> Iterable[tuple[Any, Iterable[Any]]]: ...
+
+
+def read_counters(table: CountersMap) -> list[CounterReading]:
+    """Read every entry of the per-CPU ``cilia_metrics`` map.
 
     Returns one :class:`CounterReading` per (reason, direction) key, with per-CPU
     values, ready for :meth:`DatapathCounters.update`.
     """
     readings: list[CounterReading] = []
-    for key, per_cpu in bpf[table.encode()].items():
+    for key, per_cpu in table.items():
         values = list(per_cpu)
         readings.append(
             CounterReading(
