@@ -595,7 +595,7 @@ def socket_lb(args: argparse.Namespace, tag: str, report: dict[str, Any]) -> Ite
     Raises:
         BenchError: attaching failed, or a link is left after detaching.
     """
-    from cilia_agent.datapath.loader import default_bpf_dir
+    from cilia_agent.datapath.objects import default_bpf_dir
     from cilia_agent.loadbalancer import socklb
     from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
 

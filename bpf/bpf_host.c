@@ -21,12 +21,16 @@
  *
  * Translation (upstream bpf-lb-mode snat):
  *   local backend  (its route leaves by another device than the one the packet came in
- *                  by): destination rewritten to the backend, the client's address kept
+ *                  by, without a gateway when CONFIG.tunnel is set): destination
+ *                  rewritten to the backend, the client's address kept
  *                  (the pod's policy program sees the client: identity world); the
  *                  packet goes on up the stack to the pod. The reply leaves by this
  *                  device: to-netdev rewrites its source back to node:nodePort.
- *   remote backend (its route leaves by this device again): destination rewritten to the
- *                  backend and source to this node's address and a NAT port (32768-65535,
+ *   remote backend (its route leaves by this device again, or, with tunnel routing, goes
+ *                  through a gateway: another node's pod CIDR behind the tunnel device;
+ *                  its replies to this node come back over the LAN): destination
+ *                  rewritten to the backend and source to this node's address and a NAT
+ *                  port (32768-65535,
  *                  a free one among up to NAT_PORT_TRIES random tries), then the packet is
  *                  redirected out (bpf_fib_lookup + bpf_redirect/bpf_redirect_neigh: the
  *                  stack would drop a packet with a local source as martian). The backend
@@ -39,29 +43,42 @@
  * terminating), so established connections finish; entries age out of the LRU map.
  * Non-IPv4, non-TCP/UDP packets and IP fragments pass untouched.
  */
-#include <uapi/linux/bpf.h>
-#include <uapi/linux/pkt_cls.h>
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/in.h>
+#include <stddef.h>
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
 #include "lib/lb.h"
 
-BPF_TABLE_PINNED("hash", struct lb4_key, struct lb4_service, cilium_lb4_services_v2,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_services_v2", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u32, struct lb4_backend, cilium_lb4_backends_v3, CILIA_LB_MAP_MAX,
-		 CILIA_PIN_DIR "/cilium_lb4_backends_v3", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("lru_hash", struct lb4_affinity_key, struct lb_affinity_val, cilium_lb4_affinity,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_affinity");
-BPF_TABLE_PINNED("hash", struct lb_affinity_match, __u8, cilium_lb_affinity_match,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb_affinity_match", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("lru_hash", struct lb4_nat_tuple, struct lb4_nat_entry, cilium_snat_v4_external,
-		 CILIA_LB_NAT_MAX, CILIA_PIN_DIR "/cilium_snat_v4_external");
+/* The map of this program only (the four shared with bpf_sock.c are in lib/lb.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct lb4_nat_tuple);
+	__type(value, struct lb4_nat_entry);
+	__uint(max_entries, CILIA_LB_NAT_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_snat_v4_external SEC(".maps");
+
+/* Load-time configuration: the agent writes it into .rodata before loading (so the verifier
+ * prunes what a configuration disables). Mirrored by the agent's loadbalancer/layout.py
+ * (HostProgramConfig); change both together. */
+struct host_config {
+	/* 1 with --routing-mode tunnel: a backend whose route goes through a gateway is a pod
+	 * of another node, reached through the tunnel device (datapath/routing.py routes each
+	 * node's pod CIDRs "via <node> dev <tunnel> onlink"); 0 with native routing, where
+	 * another node's pods are routed through the device the request came in by. */
+	__u32 tunnel;
+};
+
+const volatile struct host_config CONFIG = {.tunnel = 0};
 
 /* A packet these programs leave alone goes on to the next program on the device (tcx
  * TCX_NEXT, clsact: the next filter), e.g. another agent's on the same device in a test
  * stack; with none left it is passed. A translated one is passed (TC_ACT_OK) or redirected. */
 #define CIL_NEXT TC_ACT_UNSPEC
-#define NSEC_PER_SEC 1000000000ULL
 #define AF_INET 2
 #define NAT_PORT_MIN 32768
 #define NAT_PORT_SPAN 32768
@@ -87,13 +104,13 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 	struct iphdr ip;
 	__be16 ports[2];
 
-	if (skb->protocol != htons(ETH_P_IP))
+	if (skb->protocol != bpf_htons(ETH_P_IP))
 		return 0;
 	if (bpf_skb_load_bytes(skb, IP_OFF, &ip, sizeof(ip)) < 0)
 		return 0;
 	if (ip.version != 4 || ip.ihl < 5)
 		return 0;
-	if (ip.frag_off & htons(0x3fff)) /* MF or a fragment offset */
+	if (ip.frag_off & bpf_htons(0x3fff)) /* MF or a fragment offset */
 		return 0;
 	if (ip.protocol != IPPROTO_TCP && ip.protocol != IPPROTO_UDP)
 		return 0;
@@ -139,24 +156,31 @@ static __always_inline int set_port(struct __sk_buff *skb, struct pkt *p, int of
 	return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
 }
 
+/* Rewrite one side of the packet, the address at addr_off and the port at port_off, from
+ * *cur_addr:*cur_port to addr:port (checksums included), and record the new values in
+ * *cur_addr and *cur_port. 0, or -1 on error. */
+static __always_inline int rewrite_side(struct __sk_buff *skb, struct pkt *p, int addr_off,
+					int port_off, __be32 *cur_addr, __be16 *cur_port,
+					__be32 addr, __be16 port)
+{
+	if (set_addr(skb, p, addr_off, *cur_addr, addr) < 0 ||
+	    set_port(skb, p, port_off, *cur_port, port) < 0)
+		return -1;
+	*cur_addr = addr;
+	*cur_port = port;
+	return 0;
+}
+
 /* Rewrite source and destination (a 0 address keeps that side). 0 or -1 on error. */
 static __always_inline int rewrite(struct __sk_buff *skb, struct pkt *p, __be32 saddr,
 				   __be16 sport, __be32 daddr, __be16 dport)
 {
-	if (saddr) {
-		if (set_addr(skb, p, IP_SRC_OFF, p->saddr, saddr) < 0 ||
-		    set_port(skb, p, p->l4_off, p->sport, sport) < 0)
-			return -1;
-		p->saddr = saddr;
-		p->sport = sport;
-	}
-	if (daddr) {
-		if (set_addr(skb, p, IP_DST_OFF, p->daddr, daddr) < 0 ||
-		    set_port(skb, p, p->l4_off + 2, p->dport, dport) < 0)
-			return -1;
-		p->daddr = daddr;
-		p->dport = dport;
-	}
+	if (saddr && rewrite_side(skb, p, IP_SRC_OFF, p->l4_off, &p->saddr, &p->sport, saddr,
+				  sport) < 0)
+		return -1;
+	if (daddr && rewrite_side(skb, p, IP_DST_OFF, p->l4_off + 2, &p->daddr, &p->dport, daddr,
+				  dport) < 0)
+		return -1;
 	return 0;
 }
 
@@ -173,15 +197,6 @@ static __always_inline int fib(struct __sk_buff *skb, struct pkt *p, __be32 dadd
 	return bpf_fib_lookup(skb, f, sizeof(*f), 0);
 }
 
-/* bpf_redirect_neigh(ifindex, NULL, 0, 0) with the kernel's four arguments (bcc's helper
- * table declares an older prototype). */
-static __always_inline long redirect_neigh(__u32 ifindex)
-{
-	long (*helper)(__u32, void *, int, __u64) = (void *)BPF_FUNC_redirect_neigh;
-
-	return helper(ifindex, NULL, 0, 0);
-}
-
 /* Send the (translated) packet out where its route leads, MACs set; the stack would drop
  * a forwarded packet whose source is a local address (martian source). */
 static __always_inline int redirect_out(struct __sk_buff *skb, struct pkt *p)
@@ -196,32 +211,19 @@ static __always_inline int redirect_out(struct __sk_buff *skb, struct pkt *p)
 		return bpf_redirect(f.ifindex, 0);
 	}
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
-		return redirect_neigh(f.ifindex);
+		return bpf_redirect_neigh(f.ifindex, NULL, 0, 0);
 	return TC_ACT_SHOT;
 }
 
-static __always_inline __u32 affinity_backend(const struct lb4_service *svc,
-					      struct lb4_affinity_key *akey, __u64 now)
+/* The translation-state key of packet p as it travels, direction dir (NAT_DIR_*). */
+static __always_inline void tuple_of(const struct pkt *p, struct lb4_nat_tuple *t, __u8 dir)
 {
-	struct lb_affinity_val *val = cilium_lb4_affinity.lookup(akey);
-	struct lb_affinity_match match = {};
-	struct lb4_backend *backend;
-
-	if (!val)
-		return 0;
-	if (val->last_used + (__u64)svc->backend_id * NSEC_PER_SEC <= now)
-		goto stale;
-	match.backend_id = val->backend_id;
-	match.rev_nat_id = svc->rev_nat_index;
-	if (!cilium_lb_affinity_match.lookup(&match))
-		goto stale;
-	backend = cilium_lb4_backends_v3.lookup(&val->backend_id);
-	if (!backend || backend->flags != BE_STATE_ACTIVE)
-		goto stale;
-	return val->backend_id;
-stale:
-	cilium_lb4_affinity.delete(akey);
-	return 0;
+	t->saddr = p->saddr;
+	t->daddr = p->daddr;
+	t->sport = p->sport;
+	t->dport = p->dport;
+	t->nexthdr = p->proto;
+	t->flags = dir;
 }
 
 /* Apply a forward entry: DNAT (and SNAT), then up the stack or out again. */
@@ -232,6 +234,17 @@ static __always_inline int forward(struct __sk_buff *skb, struct pkt *p, struct 
 	if (e->to_saddr)
 		return redirect_out(skb, p);
 	return TC_ACT_OK;
+}
+
+/* 1 when the backend at addr, whose route f was just looked up from skb's device, is on
+ * another host: its replies reach this node only if the request leaves with this node's
+ * address as its source. */
+static __always_inline int backend_remote(struct __sk_buff *skb, struct bpf_fib_lookup *f,
+					  __be32 addr)
+{
+	if (f->ifindex == skb->ifindex)
+		return 1;
+	return CONFIG.tunnel && f->ipv4_dst != addr; /* bpf_fib_lookup: ipv4_dst = the gateway */
 }
 
 /* A new flow to a NodePort of this node: choose a backend, record the flow, translate. */
@@ -251,7 +264,7 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	key.dport = p->dport;
 	key.proto = p->proto;
 	key.scope = LB_LOOKUP_SCOPE_EXT;
-	svc = cilium_lb4_services_v2.lookup(&key);
+	svc = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
 	if (!svc || !(svc->flags & SVC_FLAG_NODEPORT))
 		return CIL_NEXT;
 	if (fib(skb, p, p->daddr, &f) != BPF_FIB_LKUP_RET_NOT_FWDED || p->daddr == 0xffffffff)
@@ -265,26 +278,21 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	}
 	if (!backend_id) {
 		key.backend_slot = (bpf_get_prandom_u32() % svc->count) + 1;
-		slot = cilium_lb4_services_v2.lookup(&key);
+		slot = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
 		if (!slot)
 			return TC_ACT_SHOT; /* the Service is being rewritten */
 		backend_id = slot->backend_id;
 	}
-	backend = cilium_lb4_backends_v3.lookup(&backend_id);
+	backend = bpf_map_lookup_elem(&cilium_lb4_backends_v3, &backend_id);
 	if (!backend)
 		return TC_ACT_SHOT;
 	if (svc->flags & SVC_FLAG_AFFINITY) {
 		struct lb_affinity_val aval = {.last_used = now, .backend_id = backend_id};
 
-		cilium_lb4_affinity.update(&akey, &aval);
+		bpf_map_update_elem(&cilium_lb4_affinity, &akey, &aval, BPF_ANY);
 	}
 
-	fwd.saddr = p->saddr;
-	fwd.daddr = p->daddr;
-	fwd.sport = p->sport;
-	fwd.dport = p->dport;
-	fwd.nexthdr = p->proto;
-	fwd.flags = NAT_DIR_FWD;
+	tuple_of(p, &fwd, NAT_DIR_FWD);
 	fval.to_daddr = backend->address;
 	fval.to_dport = backend->port;
 	fval.backend_id = backend_id;
@@ -303,15 +311,15 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	__builtin_memset(&f, 0, sizeof(f));
 	rc = fib(skb, p, backend->address, &f);
 	if ((rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH) &&
-	    f.ifindex == skb->ifindex) {
+	    backend_remote(skb, &f, backend->address)) {
 		/* remote backend: SNAT to this node's address and a free NAT port */
 		rev.daddr = p->daddr;
 		rval.to_daddr = p->saddr;
 		rval.to_dport = p->sport;
 #pragma unroll
 		for (i = 0; i < NAT_PORT_TRIES; i++) {
-			rev.dport = htons(NAT_PORT_MIN + (bpf_get_prandom_u32() % NAT_PORT_SPAN));
-			if (cilium_snat_v4_external.insert(&rev, &rval) == 0)
+			rev.dport = bpf_htons(NAT_PORT_MIN + (bpf_get_prandom_u32() % NAT_PORT_SPAN));
+			if (bpf_map_update_elem(&cilium_snat_v4_external, &rev, &rval, BPF_NOEXIST) == 0)
 				break; /* BPF_NOEXIST: the port was free for this backend */
 		}
 		if (i == NAT_PORT_TRIES)
@@ -322,14 +330,15 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 		/* local backend: the client's address is kept; the reply leaves by to-netdev */
 		rev.daddr = p->saddr;
 		rev.dport = p->sport;
-		if (cilium_snat_v4_external.update(&rev, &rval) < 0)
+		if (bpf_map_update_elem(&cilium_snat_v4_external, &rev, &rval, BPF_ANY) < 0)
 			return TC_ACT_SHOT;
 	}
-	if (cilium_snat_v4_external.update(&fwd, &fval) < 0)
+	if (bpf_map_update_elem(&cilium_snat_v4_external, &fwd, &fval, BPF_ANY) < 0)
 		return TC_ACT_SHOT;
 	return forward(skb, p, &fval);
 }
 
+SEC("tc")
 int cil_from_netdev(struct __sk_buff *skb)
 {
 	struct pkt p = {};
@@ -338,13 +347,8 @@ int cil_from_netdev(struct __sk_buff *skb)
 
 	if (!parse(skb, &p))
 		return CIL_NEXT;
-	t.saddr = p.saddr;
-	t.daddr = p.daddr;
-	t.sport = p.sport;
-	t.dport = p.dport;
-	t.nexthdr = p.proto;
-	t.flags = NAT_DIR_REPLY;
-	e = cilium_snat_v4_external.lookup(&t);
+	tuple_of(&p, &t, NAT_DIR_REPLY);
+	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
 	if (e && e->to_daddr) {
 		/* a remote backend's reply to node:NAT port: back to the client */
 		if (rewrite(skb, &p, e->to_saddr, e->to_sport, e->to_daddr, e->to_dport) < 0)
@@ -352,15 +356,16 @@ int cil_from_netdev(struct __sk_buff *skb)
 		return redirect_out(skb, &p);
 	}
 	t.flags = NAT_DIR_FWD;
-	e = cilium_snat_v4_external.lookup(&t);
+	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
 	if (e) {
-		if (cilium_lb4_backends_v3.lookup(&e->backend_id))
+		if (bpf_map_lookup_elem(&cilium_lb4_backends_v3, &e->backend_id))
 			return forward(skb, &p, e);
-		cilium_snat_v4_external.delete(&t); /* its backend is gone: choose again */
+		bpf_map_delete_elem(&cilium_snat_v4_external, &t); /* its backend is gone: choose again */
 	}
 	return nodeport_new(skb, &p);
 }
 
+SEC("tc")
 int cil_to_netdev(struct __sk_buff *skb)
 {
 	struct pkt p = {};
@@ -369,13 +374,8 @@ int cil_to_netdev(struct __sk_buff *skb)
 
 	if (!parse(skb, &p))
 		return CIL_NEXT;
-	t.saddr = p.saddr;
-	t.daddr = p.daddr;
-	t.sport = p.sport;
-	t.dport = p.dport;
-	t.nexthdr = p.proto;
-	t.flags = NAT_DIR_REPLY;
-	e = cilium_snat_v4_external.lookup(&t);
+	tuple_of(&p, &t, NAT_DIR_REPLY);
+	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
 	if (!e || e->to_daddr)
 		return CIL_NEXT;
 	/* a local backend's reply to an outside client: from node:nodePort again */
@@ -383,3 +383,6 @@ int cil_to_netdev(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	return TC_ACT_OK;
 }
+
+/* GPL, as bcc loaded these programs: bpf_fib_lookup is a GPL-only helper. */
+char LICENSE[] SEC("license") = "GPL";

@@ -31,59 +31,49 @@
  * socket is shown as the VIP and Service port again (the application sees the peer it
  * addressed), as long as the Service still exists with the same rev-NAT index.
  */
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <linux/errno.h>
+#include <bpf/bpf_helpers.h>
 #include "lib/lb.h"
 
-BPF_TABLE_PINNED("hash", struct lb4_key, struct lb4_service, cilium_lb4_services_v2,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_services_v2", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u32, struct lb4_backend, cilium_lb4_backends_v3, CILIA_LB_MAP_MAX,
-		 CILIA_PIN_DIR "/cilium_lb4_backends_v3", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __u16, struct lb4_reverse_nat, cilium_lb4_reverse_nat,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_reverse_nat", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("lru_hash", struct ipv4_revnat_tuple, struct ipv4_revnat_entry,
-		 cilium_lb4_reverse_sk, CILIA_LB_SOCK_REV_MAX, CILIA_PIN_DIR "/cilium_lb4_reverse_sk");
-BPF_TABLE_PINNED("lru_hash", struct lb4_affinity_key, struct lb_affinity_val, cilium_lb4_affinity,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb4_affinity");
-BPF_TABLE_PINNED("hash", struct lb_affinity_match, __u8, cilium_lb_affinity_match,
-		 CILIA_LB_MAP_MAX, CILIA_PIN_DIR "/cilium_lb_affinity_match", BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", __be32, __u64, cilia_lb4_alias_use, CILIA_LB_MAP_MAX,
-		 CILIA_PIN_DIR "/cilia_lb4_alias_use", BPF_F_NO_PREALLOC);
+/* Maps of this program only (the four shared with bpf_host.c are in lib/lb.h). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u16);
+	__type(value, struct lb4_reverse_nat);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_lb4_reverse_nat SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct ipv4_revnat_tuple);
+	__type(value, struct ipv4_revnat_entry);
+	__uint(max_entries, CILIA_LB_SOCK_REV_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_lb4_reverse_sk SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __be32);
+	__type(value, __u64);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_lb4_alias_use SEC(".maps");
 
 #define SYS_REJECT 0
 #define SYS_PROCEED 1
-#define NSEC_PER_SEC 1000000000ULL
 
 /* Stamp the use of an alias VIP (no entry: not an alias, nothing to do). */
 static __always_inline void alias_used(__be32 address)
 {
-	__u64 *last = cilia_lb4_alias_use.lookup(&address);
+	__u64 *last = bpf_map_lookup_elem(&cilia_lb4_alias_use, &address);
 
 	if (last)
 		*last = bpf_ktime_get_ns();
-}
-
-/* The backend remembered for this client (netns) and frontend, if still usable. */
-static __always_inline __u32 affinity_backend(const struct lb4_service *svc,
-					      struct lb4_affinity_key *akey, __u64 now)
-{
-	struct lb_affinity_val *val = cilium_lb4_affinity.lookup(akey);
-	struct lb_affinity_match match = {};
-	struct lb4_backend *backend;
-
-	if (!val)
-		return 0;
-	if (val->last_used + (__u64)svc->backend_id * NSEC_PER_SEC <= now)
-		goto stale;
-	match.backend_id = val->backend_id;
-	match.rev_nat_id = svc->rev_nat_index;
-	if (!cilium_lb_affinity_match.lookup(&match))
-		goto stale;
-	backend = cilium_lb4_backends_v3.lookup(&val->backend_id);
-	if (!backend || backend->flags != BE_STATE_ACTIVE)
-		goto stale;
-	return val->backend_id;
-stale:
-	cilium_lb4_affinity.delete(akey);
-	return 0;
 }
 
 /* The destination *address:*port (network order) of ctx's socket becomes a backend when it is
@@ -109,7 +99,7 @@ static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *add
 	key.dport = *port;
 	key.proto = proto;
 	key.scope = LB_LOOKUP_SCOPE_EXT;
-	svc = cilium_lb4_services_v2.lookup(&key);
+	svc = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
 	if (!svc)
 		return 0;
 	alias_used(key.address);
@@ -124,18 +114,18 @@ static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *add
 	}
 	if (!backend_id) {
 		key.backend_slot = (bpf_get_prandom_u32() % svc->count) + 1;
-		slot = cilium_lb4_services_v2.lookup(&key);
+		slot = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
 		if (!slot)
 			return 0; /* the Service is being rewritten: leave the call alone */
 		backend_id = slot->backend_id;
 	}
-	backend = cilium_lb4_backends_v3.lookup(&backend_id);
+	backend = bpf_map_lookup_elem(&cilium_lb4_backends_v3, &backend_id);
 	if (!backend)
 		return 0;
 	if (svc->flags & SVC_FLAG_AFFINITY) {
 		struct lb_affinity_val aval = {.last_used = now, .backend_id = backend_id};
 
-		cilium_lb4_affinity.update(&akey, &aval);
+		bpf_map_update_elem(&cilium_lb4_affinity, &akey, &aval, BPF_ANY);
 	}
 	rkey.cookie = bpf_get_socket_cookie(ctx);
 	rkey.address = backend->address;
@@ -143,7 +133,7 @@ static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *add
 	rval.address = key.address;
 	rval.port = key.dport;
 	rval.rev_nat_index = svc->rev_nat_index;
-	cilium_lb4_reverse_sk.update(&rkey, &rval);
+	bpf_map_update_elem(&cilium_lb4_reverse_sk, &rkey, &rval, BPF_ANY);
 	*address = backend->address;
 	*port = backend->port;
 	return 0;
@@ -162,16 +152,16 @@ static __always_inline int sock_xlate_rev(struct bpf_sock_addr *ctx, __be32 *add
 	rkey.cookie = bpf_get_socket_cookie(ctx);
 	rkey.address = *address;
 	rkey.port = *port;
-	rval = cilium_lb4_reverse_sk.lookup(&rkey);
+	rval = bpf_map_lookup_elem(&cilium_lb4_reverse_sk, &rkey);
 	if (!rval)
 		return 0;
 	key.address = rval->address;
 	key.dport = rval->port;
 	key.proto = ctx->protocol;
 	key.scope = LB_LOOKUP_SCOPE_EXT;
-	svc = cilium_lb4_services_v2.lookup(&key);
+	svc = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
 	if (!svc || svc->rev_nat_index != rval->rev_nat_index) {
-		cilium_lb4_reverse_sk.delete(&rkey);
+		bpf_map_delete_elem(&cilium_lb4_reverse_sk, &rkey);
 		return 0;
 	}
 	*address = rval->address;
@@ -259,46 +249,57 @@ static __always_inline void sock6_rev(struct bpf_sock_addr *ctx)
 	}
 }
 
+SEC("cgroup/connect4")
 int cil_sock4_connect(struct bpf_sock_addr *ctx)
 {
 	return sock4_fwd(ctx);
 }
 
+SEC("cgroup/sendmsg4")
 int cil_sock4_sendmsg(struct bpf_sock_addr *ctx)
 {
 	return sock4_fwd(ctx);
 }
 
+SEC("cgroup/recvmsg4")
 int cil_sock4_recvmsg(struct bpf_sock_addr *ctx)
 {
 	sock4_rev(ctx);
 	return SYS_PROCEED;
 }
 
+SEC("cgroup/getpeername4")
 int cil_sock4_getpeername(struct bpf_sock_addr *ctx)
 {
 	sock4_rev(ctx);
 	return SYS_PROCEED;
 }
 
+SEC("cgroup/connect6")
 int cil_sock6_connect(struct bpf_sock_addr *ctx)
 {
 	return sock6_fwd(ctx);
 }
 
+SEC("cgroup/sendmsg6")
 int cil_sock6_sendmsg(struct bpf_sock_addr *ctx)
 {
 	return sock6_fwd(ctx);
 }
 
+SEC("cgroup/recvmsg6")
 int cil_sock6_recvmsg(struct bpf_sock_addr *ctx)
 {
 	sock6_rev(ctx);
 	return SYS_PROCEED;
 }
 
+SEC("cgroup/getpeername6")
 int cil_sock6_getpeername(struct bpf_sock_addr *ctx)
 {
 	sock6_rev(ctx);
 	return SYS_PROCEED;
 }
+
+/* GPL, as bcc loaded these programs (the kernel refuses GPL-only helpers otherwise). */
+char LICENSE[] SEC("license") = "GPL";

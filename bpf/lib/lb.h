@@ -5,34 +5,32 @@
  * are mirrored in Python by the agent's loadbalancer/layout.py; change both
  * together. Addresses and ports are in network byte order.
  *
- * Build-time options (the agent passes -D, with these defaults):
- *   CILIA_PIN_DIR          "/sys/fs/bpf/cilia"  where the maps are pinned
- *   CILIA_LB_MAP_MAX       65536                services/backends/rev-NAT/affinity
- *                                               entries (upstream --bpf-lb-map-max)
- *   CILIA_LB_SOCK_REV_MAX  262144               socket reverse-translation entries,
- *                                               LRU (upstream --bpf-sock-rev-map-max)
- *   CILIA_LB_NAT_MAX       524288               NodePort translation entries of
- *                                               bpf_host.c, LRU (upstream
- *                                               --bpf-nat-global-max)
+ * Compiled ahead of time with clang (libbpf's BTF map definitions); the agent loads the
+ * objects with libbpf. Every map is pinned by name under the agent's --bpf-pin-dir (the
+ * loader sets each map's pin path), so bpf_sock.o and bpf_host.o share the maps both
+ * define, and an agent restart reuses the maps of the previous run (libbpf checks type,
+ * key and value sizes, max_entries and flags against the pinned map). The sizes below
+ * are defaults only: the loader sets each map's max_entries from the agent's flags
+ * before loading:
+ *   CILIA_LB_MAP_MAX       65536    services/backends/rev-NAT/affinity/alias entries
+ *                                   (upstream --bpf-lb-map-max)
+ *   CILIA_LB_SOCK_REV_MAX  262144   socket reverse-translation entries, LRU
+ *                                   (upstream --bpf-sock-rev-map-max)
+ *   CILIA_LB_NAT_MAX       524288   NodePort translation entries of bpf_host.c, LRU
+ *                                   (upstream --bpf-nat-global-max)
  */
 #ifndef CILIA_LB_H
 #define CILIA_LB_H
 
-#include <uapi/linux/bpf.h>
-#include <uapi/linux/in.h>
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
 
-#ifndef CILIA_PIN_DIR
-#define CILIA_PIN_DIR "/sys/fs/bpf/cilia"
-#endif
-#ifndef CILIA_LB_MAP_MAX
 #define CILIA_LB_MAP_MAX 65536
-#endif
-#ifndef CILIA_LB_SOCK_REV_MAX
 #define CILIA_LB_SOCK_REV_MAX 262144
-#endif
-#ifndef CILIA_LB_NAT_MAX
 #define CILIA_LB_NAT_MAX 524288
-#endif
+
+#define NSEC_PER_SEC 1000000000ULL
 
 /* Lookup scopes of the service key (upstream LB_LOOKUP_SCOPE_*). */
 #define LB_LOOKUP_SCOPE_EXT 0
@@ -161,5 +159,71 @@ struct lb4_nat_entry {
 	__u16 pad;
 	__u64 created; /* bpf_ktime_get_ns() */
 };
+
+/* The maps both programs use (the other maps are defined by the program that uses
+ * them). Hash maps are created without preallocation, as the agent has always created
+ * them: the pins of an older agent keep being reused. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb4_key);
+	__type(value, struct lb4_service);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_lb4_services_v2 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct lb4_backend);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_lb4_backends_v3 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct lb4_affinity_key);
+	__type(value, struct lb_affinity_val);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_lb4_affinity SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb_affinity_match);
+	__type(value, __u8);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_lb_affinity_match SEC(".maps");
+
+/* The backend remembered in *akey (a client and frontend) for svc, if still usable: younger
+ * than the Service's ClientIP timeout (slot 0's backend_id, seconds) at now
+ * (bpf_ktime_get_ns), still in the Service (cilium_lb_affinity_match) and active. 0: none
+ * (a stale entry is deleted). */
+static __always_inline __u32 affinity_backend(const struct lb4_service *svc,
+					      struct lb4_affinity_key *akey, __u64 now)
+{
+	struct lb_affinity_val *val = bpf_map_lookup_elem(&cilium_lb4_affinity, akey);
+	struct lb_affinity_match match = {};
+	struct lb4_backend *backend;
+
+	if (!val)
+		return 0;
+	if (val->last_used + (__u64)svc->backend_id * NSEC_PER_SEC <= now)
+		goto stale;
+	match.backend_id = val->backend_id;
+	match.rev_nat_id = svc->rev_nat_index;
+	if (!bpf_map_lookup_elem(&cilium_lb_affinity_match, &match))
+		goto stale;
+	backend = bpf_map_lookup_elem(&cilium_lb4_backends_v3, &val->backend_id);
+	if (!backend || backend->flags != BE_STATE_ACTIVE)
+		goto stale;
+	return val->backend_id;
+stale:
+	bpf_map_delete_elem(&cilium_lb4_affinity, akey);
+	return 0;
+}
 
 #endif /* CILIA_LB_H */

@@ -5,7 +5,8 @@ Modules, one concern each:
     layout   ctypes mirrors of ``bpf/lib/lb.h`` (upstream's ``cilium_lb4_*`` maps).
     maps     the map writer: backend ids and rev-NAT indexes, restored from the pins
              (through ``datapath.libbpf``: pinned maps by path, cgroup BPF links).
-    socklb   ``bpf/bpf_sock.c`` compiled and its programs linked to the cgroup2 root.
+    socklb   ``bpf_sock.o`` loaded and its programs linked to the cgroup2 root.
+    hostlb   ``bpf_host.o`` loaded and its NodePort programs attached to the devices.
     watcher  ``ServiceService.WatchServices`` -> the writer (resync, metrics).
     manager  the component the agent starts (flags -> all of the above).
 

@@ -1,4 +1,4 @@
-"""NodePort from the LAN: compile ``bpf/bpf_host.c`` and attach it to the node's devices.
+"""NodePort from the LAN: load ``bpf_host.o`` and attach it to the node's devices.
 
 A client on another host reaches ``<node address>:<nodePort>`` with packets no socket hook
 sees; ``cil_from_netdev`` (tc ingress) and ``cil_to_netdev`` (tc egress) of each external
@@ -10,8 +10,10 @@ Order (:func:`attach`):
 1. the devices: ``--devices`` as given, or (empty) the device of the IPv4 default route
    in the agent's network namespace (upstream auto-detects the same way); none found:
    NodePort is not served from outside and that is logged (a node without a LAN);
-2. ``bpf_host.c`` is compiled with bcc (the load-balancer maps pinned by the socket-LB are
-   reused, ``cilium_snat_v4_external`` is created or reused under ``--bpf-pin-dir``);
+2. ``bpf_host.o`` (``bpf/bpf_host.c`` compiled ahead of time by ``make bpf``, found in
+   ``--bpf-dir``) is loaded with libbpf (``datapath.objects.BpfObject``): the load-balancer
+   maps pinned by the socket-LB are reused, ``cilium_snat_v4_external`` is created or
+   reused under ``--bpf-pin-dir``;
 3. on each device the two programs through tcx BPF links (Linux 6.6+), pinned as
    ``<pin dir>/link_<program>_<device>``, as the socket-LB's: a link already pinned (an
    agent restart) gets the new program with ``BPF_LINK_UPDATE`` (an atomic swap; flows
@@ -32,19 +34,22 @@ import os
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from cilia_agent.datapath.errors import DatapathError
 from cilia_agent.datapath.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
-from cilia_agent.datapath.loader import bcc_cflags
+from cilia_agent.datapath.objects import BpfObject, BpfUnavailable, object_path
+from cilia_agent.loadbalancer import layout
+from cilia_agent.loadbalancer.sizing import sizes_for_pins
 
 log = logging.getLogger(__name__)
 
 PROG_FROM_NETDEV = "cil_from_netdev"
 PROG_TO_NETDEV = "cil_to_netdev"
+OBJECT = "bpf_host"
+"""Stem of the compiled object in ``--bpf-dir`` (``bpf_host.o``)."""
 PARENT_INGRESS = "ffff:fff2"
 PARENT_EGRESS = "ffff:fff3"
 #: tc filter priority and handle of the NodePort programs (other clsact filters on the
@@ -64,20 +69,22 @@ _ENODEV = 19
 
 
 class HostLBUnavailable(DatapathError):
-    """The NodePort programs cannot be set up (bcc, compilation, a device, tc); the
+    """The NodePort programs cannot be set up (the object, loading, a device, tc); the
     message says which step and why."""
 
 
 @dataclass(frozen=True)
 class HostConfig:
-    """Build and attach options of the NodePort programs.
+    """Load and attach options of the NodePort programs.
 
     Attributes:
-        bpf_dir: directory holding ``bpf_host.c`` and ``lib/``.
+        bpf_dir: directory holding ``bpf_host.o`` (``--bpf-dir``).
         pin_dir: bpffs directory of the maps (``--bpf-pin-dir``).
         devices: ``--devices``; empty = the default route's device.
         lb_map_max: ``--bpf-lb-map-max`` (must equal the socket-LB's: the maps are shared).
         nat_max: ``--bpf-nat-global-max`` (entries of ``cilium_snat_v4_external``).
+        tunnel: ``--routing-mode tunnel`` (other nodes' pods are behind the tunnel device:
+            ``CONFIG.tunnel`` of ``bpf_host.c``).
     """
 
     bpf_dir: pathlib.Path
@@ -85,15 +92,17 @@ class HostConfig:
     devices: tuple[str, ...] = ()
     lb_map_max: int = 65536
     nat_max: int = 524288
+    tunnel: bool = False
 
-    def cflags(self) -> list[str]:
-        """Compiler flags for bcc, one ``-D`` per option of ``bpf/lib/lb.h``."""
-        return bcc_cflags(
-            self.bpf_dir,
-            self.pin_dir,
-            CILIA_LB_MAP_MAX=self.lb_map_max,
-            CILIA_LB_NAT_MAX=self.nat_max,
-        )
+    def max_entries(self) -> dict[str, int]:
+        """``{map name: entries}`` of every map of ``bpf_host.o`` (``bpf/lib/lb.h``)."""
+        sizes = {name: self.lb_map_max for name in layout.HOST_SHARED_MAPS}
+        sizes[layout.NAT_MAP] = self.nat_max
+        return sizes
+
+    def program_config(self) -> layout.HostProgramConfig:
+        """``CONFIG`` of ``bpf_host.o`` for these options."""
+        return layout.HostProgramConfig(tunnel=int(self.tunnel))
 
 
 def default_route_devices(ipr: IPRoute) -> list[str]:
@@ -129,32 +138,28 @@ def resolve_devices(devices: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def compile_programs(config: HostConfig) -> tuple[Any, dict[str, int]]:
-    """``bpf_host.c`` compiled and its two programs loaded: (the bcc object, {name: fd}).
+def load_programs(config: HostConfig) -> tuple[BpfObject, dict[str, int]]:
+    """``bpf_host.o`` loaded (maps created or reused, pinned under the pin dir): (the
+    object, ``{program: fd}``); close the object once the programs are attached.
 
     Raises:
-        HostLBUnavailable: bcc missing, no source, compilation or verification failed.
+        HostLBUnavailable: no object (or a stale one), or libbpf or the verifier refused it.
     """
     try:
-        from bcc import BPF
-    except ImportError as exc:
-        raise HostLBUnavailable(
-            "bcc is not importable: install Debian's python3-bpfcc (scripts/setup.sh links it "
-            "into the venv)"
-        ) from exc
-    source = config.bpf_dir / "bpf_host.c"
-    if not source.is_file():
-        raise HostLBUnavailable(f"no bpf_host.c in {config.bpf_dir}: set --bpf-dir")
-    config.pin_dir.mkdir(parents=True, exist_ok=True)
+        path = object_path(config.bpf_dir, OBJECT)
+        config.pin_dir.mkdir(parents=True, exist_ok=True)
+        sizes = sizes_for_pins(config.pin_dir, config.max_entries())
+        obj = BpfObject.load(
+            path, pin_dir=config.pin_dir, config=config.program_config(), max_entries=sizes
+        )
+    except (BpfUnavailable, LibbpfError, OSError) as exc:
+        raise HostLBUnavailable(f"cannot load the NodePort programs: {exc}") from exc
     try:
-        bpf = BPF(src_file=str(source).encode(), cflags=config.cflags())
-        fds = {
-            name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd
-            for name in (PROG_FROM_NETDEV, PROG_TO_NETDEV)
-        }
-    except Exception as exc:  # bcc raises bare Exception on compile/verify errors
-        raise HostLBUnavailable(f"cannot load {source}: {exc}") from exc
-    return bpf, fds
+        fds = {name: obj.prog_fd(name) for name in (PROG_FROM_NETDEV, PROG_TO_NETDEV)}
+    except KeyError as exc:
+        obj.close()
+        raise HostLBUnavailable(f"{OBJECT}.o has no program {exc}") from exc
+    return obj, fds
 
 
 def attach_fds(ifindex: int, fds: dict[str, int]) -> None:
@@ -227,7 +232,7 @@ def attach_links(pin_dir: pathlib.Path, device: str, ifindex: int, fds: dict[str
 
 
 def attach(config: HostConfig) -> dict[str, str]:
-    """Compile and attach to every device (see the module docstring); returns
+    """Load and attach to every device (see the module docstring); returns
     ``{device: "attached" | "replaced" | "tc"}`` (empty: no device, nothing attached).
 
     Raises:
@@ -236,7 +241,7 @@ def attach(config: HostConfig) -> dict[str, str]:
     devices = resolve_devices(config.devices)
     if not devices:
         return {}
-    bpf, fds = compile_programs(config)
+    obj, fds = load_programs(config)
     out: dict[str, str] = {}
     try:
         for name, ifindex in devices.items():
@@ -254,7 +259,7 @@ def attach(config: HostConfig) -> dict[str, str]:
                 raise HostLBUnavailable(f"cannot attach to {name}: {exc}") from exc
             out[name] = "tc"
     finally:
-        bpf.cleanup()  # the links/filters hold the programs; the maps stay pinned
+        obj.close()  # the links/filters hold the programs; the maps stay pinned
     return out
 
 

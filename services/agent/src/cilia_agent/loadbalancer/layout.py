@@ -15,6 +15,7 @@ map                             key -> value                                kind
 ``cilium_lb4_reverse_sk``       :class:`RevNatTuple` -> :class:`RevNatEntry`  LRU hash
 ``cilium_lb4_affinity``         :class:`AffinityKey` -> :class:`AffinityValue`  LRU hash
 ``cilium_lb_affinity_match``    :class:`AffinityMatch` -> ``u8``            hash
+``cilia_lb4_alias_use``         ``u32 VIP`` -> ``u64`` last use (ns)        hash
 ``cilium_snat_v4_external``     :class:`NatTuple` -> :class:`NatEntry`      LRU hash
 ==============================  ==========================================  ==============
 
@@ -33,7 +34,19 @@ REVNAT_MAP = "cilium_lb4_reverse_nat"
 REVERSE_SK_MAP = "cilium_lb4_reverse_sk"
 AFFINITY_MAP = "cilium_lb4_affinity"
 AFFINITY_MATCH_MAP = "cilium_lb_affinity_match"
-MAPS = (SERVICES_MAP, BACKENDS_MAP, REVNAT_MAP, REVERSE_SK_MAP, AFFINITY_MAP, AFFINITY_MATCH_MAP)
+ALIAS_USE_MAP = "cilia_lb4_alias_use"
+MAPS = (
+    SERVICES_MAP,
+    BACKENDS_MAP,
+    REVNAT_MAP,
+    REVERSE_SK_MAP,
+    AFFINITY_MAP,
+    AFFINITY_MATCH_MAP,
+    ALIAS_USE_MAP,
+)
+"""The maps of ``bpf_sock.o`` (those of :data:`HOST_SHARED_MAPS` are ``bpf_host.o``'s too)."""
+HOST_SHARED_MAPS = (SERVICES_MAP, BACKENDS_MAP, AFFINITY_MAP, AFFINITY_MATCH_MAP)
+"""The maps ``bpf_host.o`` shares with ``bpf_sock.o`` (``bpf/lib/lb.h``); its own is :data:`NAT_MAP`."""
 NAT_MAP = "cilium_snat_v4_external"
 
 LB_LOOKUP_SCOPE_EXT = 0
@@ -186,6 +199,18 @@ class NatEntry(ctypes.Structure):
     ]
 
 
+class HostProgramConfig(ctypes.Structure):
+    """``struct host_config`` of ``bpf/bpf_host.c``: its ``CONFIG``, written into the
+    object's ``.rodata`` at load (``datapath.objects.BpfObject.load``).
+
+    Fields:
+        tunnel: 1 with ``--routing-mode tunnel`` (a backend routed through a gateway is
+            another node's pod behind the tunnel device, so its flows are SNATed), else 0.
+    """
+
+    _fields_ = [("tunnel", ctypes.c_uint32)]
+
+
 HOST_MAP_LAYOUTS: dict[
     str,
     tuple[type[ctypes.Structure], type[ctypes.Structure]],
@@ -206,5 +231,6 @@ MAP_LAYOUTS: dict[
     REVERSE_SK_MAP: (RevNatTuple, RevNatEntry),
     AFFINITY_MAP: (AffinityKey, AffinityValue),
     AFFINITY_MATCH_MAP: (AffinityMatch, ctypes.c_uint8),
+    ALIAS_USE_MAP: (ctypes.c_uint32, ctypes.c_uint64),
 }
 """Map name in ``bpf/bpf_sock.c`` → (key, value) mirrors (checked against the BTF)."""

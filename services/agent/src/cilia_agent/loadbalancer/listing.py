@@ -1,6 +1,6 @@
 """What the pinned load-balancer maps hold, read back for ``cilia-agent service list``
 (upstream ``cilium service list``): one row per frontend, its backends with their state.
-Reads the pins only (no agent, no bcc); root is needed."""
+Reads the pins only (no agent); root is needed."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@
 * otherwise: bpffs checked (mounted on /sys/fs/bpf if needed), the socket-LB attached or
   its programs swapped in place (``socklb``), the pinned maps opened and read back
   (``maps.ServiceMapWriter.restore``: rev-NAT indexes and backend ids kept), and the
-  Service watcher built; the NodePort programs (``hostlb``: ``bpf/bpf_host.c`` on
+  Service watcher built; the NodePort programs (``hostlb``: ``bpf_host.o`` on
   ``--devices``, or the default route's device) are attached after the socket-LB (whose
-  compilation creates the maps they share). The Service stream
+  loading creates the maps they share). The Service stream
   (``ServiceService.WatchServices``) is one of the agent's operator watches
   (:func:`watches`).
 
@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.config import Config
 from cilia_agent.datapath.bpffs import ensure_bpffs
-from cilia_agent.datapath.loader import default_bpf_dir
+from cilia_agent.datapath.objects import default_bpf_dir
 from cilia_agent.loadbalancer import hostlb, socklb
 from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
 from cilia_agent.loadbalancer.usage import AliasUsage
@@ -84,6 +84,7 @@ def host_config(cfg: Config) -> hostlb.HostConfig:
         devices=tuple(cfg.devices),
         lb_map_max=cfg.bpf_lb_map_max,
         nat_max=cfg.bpf_nat_global_max,
+        tunnel=cfg.routing_mode == "tunnel",
     )
 
 
@@ -122,9 +123,10 @@ async def start(
     """Build the load balancer per ``cfg`` (see the module docstring); None when disabled.
 
     Raises:
-        SocketLBUnavailable: bcc, the cgroup2 mount, compilation or attachment failed.
-        HostLBUnavailable: a ``--devices`` device is missing, or ``bpf_host.c`` could not
-            be compiled or attached.
+        SocketLBUnavailable: ``bpf_sock.o`` missing or refused, the cgroup2 mount or
+            attachment failed.
+        HostLBUnavailable: a ``--devices`` device is missing, or ``bpf_host.o`` could not
+            be loaded or attached.
         BpffsUnavailable: the pin dir is not on bpffs and cannot be.
         LibbpfError: the pinned maps cannot be opened.
     """

@@ -1,7 +1,7 @@
 """The load-balancer map writer: Services in, ``cilium_lb4_*`` entries out.
 
 :class:`LBMaps` opens the maps pinned under ``--bpf-pin-dir`` (created by the socket-LB
-programs' compilation, ``socklb``). :class:`ServiceMapWriter` keeps them equal to the
+programs' loading, ``socklb``). :class:`ServiceMapWriter` keeps them equal to the
 Services it is given, one frontend (VIP, port, protocol) at a time:
 
 1. each backend (address, port, protocol) gets a ``backend_id`` (u32, from 1, shared by

@@ -1,4 +1,4 @@
-"""Socket-LB: compile ``bpf/bpf_sock.c`` and keep its programs attached to the root cgroup.
+"""Socket-LB: load ``bpf_sock.o`` and keep its programs attached to the root cgroup.
 
 Order (:func:`attach`):
 
@@ -6,9 +6,11 @@ Order (:func:`attach`):
    (upstream mounts its own at ``/run/cilium/cgroupv2``; on a cgroup v1 host with a hybrid
    ``/sys/fs/cgroup/unified`` it is the same single hierarchy, so its root cgroup holds every
    process in every network namespace, the host's included);
-2. ``bpf_sock.c`` is compiled once with bcc, creating (or reusing) the load-balancer maps
-   pinned under ``--bpf-pin-dir``, and its eight programs are loaded with their expected
-   attach types;
+2. ``bpf_sock.o`` (``bpf/bpf_sock.c`` compiled ahead of time by ``make bpf``, found in
+   ``--bpf-dir``) is loaded with libbpf (``datapath.objects.BpfObject``): the load-balancer
+   maps pinned under ``--bpf-pin-dir`` are created or reused (each map's size from the
+   flags below), and its eight programs are loaded with the attach types their ELF sections
+   name;
 3. each program is attached to the root cgroup through a BPF link pinned as
    ``<pin dir>/link_<program>``. A link already pinned there (an agent restart) gets the
    new program with ``BPF_LINK_UPDATE``, an atomic swap: no connect() ever runs without a
@@ -32,12 +34,13 @@ import os
 import pathlib
 import subprocess
 from dataclasses import dataclass
-from typing import Any
 
 from cilia_agent.datapath.bpffs import mount_point
 from cilia_agent.datapath.errors import DatapathError
 from cilia_agent.datapath.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
-from cilia_agent.datapath.loader import bcc_cflags
+from cilia_agent.datapath.objects import BpfObject, BpfUnavailable, object_path
+from cilia_agent.loadbalancer import layout
+from cilia_agent.loadbalancer.sizing import sizes_for_pins
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +65,21 @@ PROGRAMS = (
     ("cil_sock6_getpeername", BPF_CGROUP_INET6_GETPEERNAME),
 )
 LINK_PREFIX = "link_"
+OBJECT = "bpf_sock"
+"""Stem of the compiled object in ``--bpf-dir`` (``bpf_sock.o``)."""
 
 
 class SocketLBUnavailable(DatapathError):
-    """The socket-LB cannot be set up (bcc, cgroup2 mount, compilation or attachment);
+    """The socket-LB cannot be set up (its object, cgroup2 mount, loading or attachment);
     the message says which step and why."""
 
 
 @dataclass(frozen=True)
 class SockConfig:
-    """Build and attach options of the socket-LB.
+    """Load and attach options of the socket-LB.
 
     Attributes:
-        bpf_dir: directory holding ``bpf_sock.c`` and ``lib/``.
+        bpf_dir: directory holding ``bpf_sock.o`` (``--bpf-dir``).
         pin_dir: bpffs directory of the maps and links (``--bpf-pin-dir``).
         cgroup_root: cgroup2 mount point (``--cgroup-root``).
         lb_map_max: ``--bpf-lb-map-max``.
@@ -87,14 +92,11 @@ class SockConfig:
     lb_map_max: int = 65536
     sock_rev_map_max: int = 262144
 
-    def cflags(self) -> list[str]:
-        """Compiler flags for bcc, one ``-D`` per option of ``bpf/lib/lb.h``."""
-        return bcc_cflags(
-            self.bpf_dir,
-            self.pin_dir,
-            CILIA_LB_MAP_MAX=self.lb_map_max,
-            CILIA_LB_SOCK_REV_MAX=self.sock_rev_map_max,
-        )
+    def max_entries(self) -> dict[str, int]:
+        """``{map name: entries}`` of every map of ``bpf_sock.o`` (``bpf/lib/lb.h``)."""
+        sizes = {name: self.lb_map_max for name in layout.MAPS}
+        sizes[layout.REVERSE_SK_MAP] = self.sock_rev_map_max
+        return sizes
 
 
 def ensure_cgroup2(root: pathlib.Path) -> bool:
@@ -122,58 +124,51 @@ def link_pin(pin_dir: pathlib.Path, program: str) -> pathlib.Path:
     return pin_dir / f"{LINK_PREFIX}{program}"
 
 
-def _compile(config: SockConfig) -> Any:
-    """``bpf_sock.c`` compiled by bcc (its maps created or reused, pinned)."""
+def _load(config: SockConfig) -> BpfObject:
+    """``bpf_sock.o`` loaded (its maps created or reused, pinned under the pin dir; a map
+    already pinned keeps its size, see ``sizing``)."""
     try:
-        from bcc import BPF
-    except ImportError as exc:
-        raise SocketLBUnavailable(
-            "bcc is not importable: install Debian's python3-bpfcc (scripts/setup.sh links it "
-            "into the venv)"
-        ) from exc
-    source = config.bpf_dir / "bpf_sock.c"
-    if not source.is_file():
-        raise SocketLBUnavailable(f"no bpf_sock.c in {config.bpf_dir}: set --bpf-dir")
-    config.pin_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return BPF(src_file=str(source).encode(), cflags=config.cflags())
-    except Exception as exc:  # bcc raises bare Exception on compile errors
-        raise SocketLBUnavailable(f"cannot compile {source}: {exc}") from exc
+        path = object_path(config.bpf_dir, OBJECT)
+        config.pin_dir.mkdir(parents=True, exist_ok=True)
+        sizes = sizes_for_pins(config.pin_dir, config.max_entries())
+        return BpfObject.load(path, pin_dir=config.pin_dir, max_entries=sizes)
+    except (BpfUnavailable, LibbpfError, OSError) as exc:
+        raise SocketLBUnavailable(f"cannot load the socket-LB: {exc}") from exc
 
 
 def create_maps(config: SockConfig) -> None:
     """Create (or keep) the pinned load-balancer maps without attaching anything.
 
     Raises:
-        SocketLBUnavailable: bcc missing or compilation failed.
+        SocketLBUnavailable: the object is missing or could not be loaded.
     """
-    _compile(config).cleanup()
+    _load(config).close()
 
 
 def attach(config: SockConfig) -> dict[str, str]:
-    """Compile, load and attach (or swap in) the eight programs; returns
+    """Load and attach (or swap in) the eight programs; returns
     ``{program: "attached" | "replaced"}``.
 
     Raises:
         SocketLBUnavailable: a step failed (message names it).
     """
-    from bcc import BPF
-
     if ensure_cgroup2(config.cgroup_root):
         log.info("mounted cgroup2", extra={"path": str(config.cgroup_root)})
-    bpf = _compile(config)
+    obj = _load(config)
     result: dict[str, str] = {}
-    cgroup_fd = os.open(config.cgroup_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name, attach_type in PROGRAMS:
-            try:
-                fn = bpf.load_func(name.encode(), BPF.CGROUP_SOCK_ADDR, attach_type=attach_type)
-            except Exception as exc:  # bcc: bare Exception on verifier errors
-                raise SocketLBUnavailable(f"cannot load {name}: {exc}") from exc
-            result[name] = _attach_one(config.pin_dir, name, fn.fd, cgroup_fd, attach_type)
+        cgroup_fd = os.open(config.cgroup_root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name, attach_type in PROGRAMS:
+                try:
+                    prog_fd = obj.prog_fd(name)
+                except KeyError as exc:
+                    raise SocketLBUnavailable(f"{OBJECT}.o has no program {name}") from exc
+                result[name] = _attach_one(config.pin_dir, name, prog_fd, cgroup_fd, attach_type)
+        finally:
+            os.close(cgroup_fd)
     finally:
-        os.close(cgroup_fd)
-        bpf.cleanup()  # the links hold the programs; the maps stay pinned
+        obj.close()  # the links hold the programs; the maps stay pinned
     return result
 
 

@@ -37,11 +37,10 @@ from typing import Any
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.datapath.layout import ip_from_map, ip_to_map
 from cilia_agent.datapath.libbpf import LibbpfError, PinnedMap
+from cilia_agent.loadbalancer.layout import ALIAS_USE_MAP
 
 log = logging.getLogger(__name__)
 
-ALIAS_USE_MAP = "cilia_lb4_alias_use"
-"""Pinned map name (under ``--bpf-pin-dir``), defined in ``bpf/bpf_sock.c``."""
 DEFAULT_REPORT_INTERVAL = 5.0
 """``--alias-use-report-interval`` default (seconds)."""
 

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from cilia_agent.datapath.loader import default_bpf_dir
+from cilia_agent.datapath.objects import default_bpf_dir
 from cilia_agent.loadbalancer import socklb
 from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
 from cilia_testkit import skips

@@ -1,15 +1,21 @@
-"""The map writer on real pinned maps (created by compiling bpf_sock.c, not attached):
+"""The map writer on real pinned maps (created by loading bpf_sock.o, not attached):
 the layout the programs read, id sharing and reuse, cleanup, and restore after a crash."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import socket
+
+import pytest
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.datapath.layout import ip_from_map
+from cilia_agent.loadbalancer import socklb
 from cilia_agent.loadbalancer.layout import (
     BE_STATE_ACTIVE,
     BE_STATE_TERMINATING,
+    SERVICES_MAP,
     SVC_FLAG_AFFINITY,
     SVC_FLAG_ROUTABLE,
     AffinityMatch,
@@ -17,6 +23,7 @@ from cilia_agent.loadbalancer.layout import (
 )
 from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter, frontend_key
 from cilia_agent.loadbalancer.model import Frontend
+from cilia_agent.loadbalancer.sizing import map_info
 
 TCP = 6
 
@@ -191,3 +198,25 @@ def test_bad_entries_are_reported_and_the_rest_programmed(writer: ServiceMapWrit
     assert len(problems) == 5, problems
     assert set(writer.frontends) == {Frontend("198.18.79.12", 81, TCP)}
     assert slots(writer, "198.18.79.12", 81)[0].count == 1
+
+
+def test_a_pinned_map_keeps_its_size_when_the_flag_changes(
+    writer: ServiceMapWriter, sock_config: socklb.SockConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent restarted with another --bpf-lb-map-max reuses the pinned maps (entries
+    kept) at their size, with a warning; libbpf alone would refuse the load."""
+    writer.upsert_service(svc("keep", "198.18.77.40", ["10.252.77.11"]))
+    bigger = dataclasses.replace(sock_config, lb_map_max=sock_config.lb_map_max * 2)
+    with caplog.at_level(logging.WARNING, logger="cilia_agent.loadbalancer.sizing"):
+        socklb.create_maps(bigger)
+    info = map_info(sock_config.pin_dir / SERVICES_MAP)
+    assert info is not None and info.max_entries == sock_config.lb_map_max
+    warned = [r for r in caplog.records if getattr(r, "map", None) == SERVICES_MAP]
+    assert warned and getattr(warned[0], "flag", None) == bigger.lb_map_max
+    again = LBMaps(sock_config.pin_dir)
+    try:
+        key = frontend_key(Frontend("198.18.77.40", 80, TCP))
+        master = again.services.lookup(key)
+        assert master is not None and master.count == 1
+    finally:
+        again.close()

@@ -9,7 +9,7 @@ Topology (names ``tnp<hex>…``; removed even when the test fails)::
         └─veth── [ remote netns ] 10.252.79.3/24, server :8080 TCP+UDP (node-2)
 
 The servers answer ``be <own address> from <peer address>`` so the test sees what each
-backend saw as the client. The node's programs are compiled and attached inside the node
+backend saw as the client. The node's programs are loaded and attached inside the node
 netns; the Service is written by the agent's own :class:`ServiceMapWriter` for node
 ``node-1``.
 """
@@ -238,7 +238,7 @@ def test_nodeport_from_the_lan_translates_both_ways_and_honours_local_policy(
         assert layout_diff(key, ctypes_layout(key_mirror)) == []
         assert layout_diff(value, ctypes_layout(value_mirror)) == []
 
-    # an agent restart compiles again and swaps the programs into the pinned links
+    # an agent restart loads again and swaps the programs into the pinned links
     assert in_netns(lan.node, hostlb.attach, config) == {lan.device: "replaced"}
     again = in_netns(lan.lan, many, tcp_once, TCP_NODE_PORT, 4)
     assert set(again) <= {f"{local} | {want_peer}", f"{remote} | {want_peer}"}, again
@@ -277,13 +277,13 @@ def link_id(pin: pathlib.Path) -> int:
 def _tc_fallback(config: hostlb.HostConfig, device: str) -> list[str]:
     """In the node netns: the programs attached as clsact filters (a kernel without tcx),
     then the ingress filters' text."""
-    bpf, fds = hostlb.compile_programs(config)
+    obj, fds = hostlb.load_programs(config)
     try:
         ifindex = hostlb.resolve_devices((device,))[device]
         hostlb.attach_fds(ifindex, fds)
         hostlb.attach_fds(ifindex, fds)  # idempotent: replaces
     finally:
-        bpf.cleanup()
+        obj.close()
     return [
         sh_out("tc", "filter", "show", "dev", device, "ingress"),
         sh_out("tc", "filter", "show", "dev", device, "egress"),
@@ -313,3 +313,66 @@ def test_without_tcx_the_programs_attach_as_tc_filters_and_detach(
     assert in_netns(lan.node, hostlb.detach, sock_config.pin_dir, (lan.device,)) == [lan.device]
     ingress = in_netns(lan.node, sh_out, "tc", "filter", "show", "dev", lan.device, "ingress")
     assert hostlb.PROG_FROM_NETDEV not in ingress
+
+
+#: Tunnel routing (``--routing-mode tunnel``): node-2's pod CIDR behind a VXLAN device, as
+#: ``datapath.routing`` sets it up (FDB + permanent neighbour + onlink route via node-2).
+TUNNEL_POD_CIDR, TUNNEL_POD_ADDR = "10.252.81.0/24", "10.252.81.3"
+TUNNEL_VNI, TUNNEL_PORT = 7, 8472
+TUNNEL_MACS = {"node": "02:c1:00:00:00:01", "remote": "02:c1:00:00:00:03"}
+
+
+def _tunnel(lan: Lan) -> None:
+    for ns, local in ((lan.node, NODE_ADDR), (lan.remote, REMOTE_ADDR)):
+        role = "node" if ns == lan.node else "remote"
+        sh("ip", "-n", ns, "link", "add", "vx0", "address", TUNNEL_MACS[role], "type",
+           "vxlan", "id", str(TUNNEL_VNI), "dstport", str(TUNNEL_PORT), "local", local,
+           "nolearning")  # fmt: skip
+        sh("ip", "-n", ns, "link", "set", "vx0", "up")
+    # the pod on node-2 and its node's rp_filter off on the tunnel (preflight's sysctl step)
+    sh("ip", "-n", lan.remote, "addr", "add", f"{TUNNEL_POD_ADDR}/32", "dev", "lo")
+    for key in ("all", "vx0"):
+        sh("ip", "netns", "exec", lan.remote, "sysctl", "-qw", f"net.ipv4.conf.{key}.rp_filter=0")
+    sh("ip", "netns", "exec", lan.node, "bridge", "fdb", "append", TUNNEL_MACS["remote"],
+       "dev", "vx0", "dst", REMOTE_ADDR)  # fmt: skip
+    sh("ip", "-n", lan.node, "neigh", "add", REMOTE_ADDR, "lladdr", TUNNEL_MACS["remote"],
+       "dev", "vx0", "nud", "permanent")  # fmt: skip
+    sh("ip", "-n", lan.node, "route", "add", TUNNEL_POD_CIDR, "via", REMOTE_ADDR, "dev", "vx0",
+       "onlink")  # fmt: skip
+
+
+def test_tunnel_routing_snats_a_backend_behind_the_tunnel_device(
+    lan: Lan, sock_config: socklb.SockConfig, writer: ServiceMapWriter
+) -> None:
+    """With tunnel routing a backend on another node is reached through the tunnel device,
+    not the device the request came in by: it is SNATed all the same, so its replies come
+    back through this node and reach the client from node:nodePort."""
+    _tunnel(lan)
+    servers = in_netns(lan.remote, Servers, TUNNEL_POD_ADDR)
+    servers.serve()
+    try:
+        writer.node_name = "node-1"
+        backends = [cp.ServiceBackend(ip=TUNNEL_POD_ADDR, port=TARGET, ready=True,
+                                      node_name="node-2")]  # fmt: skip
+        writer.upsert_service(cp.Service(
+            namespace="e", name="np", type="NodePort", cluster_ips=["198.18.77.51"],
+            ports=[
+                cp.ServicePort(protocol="TCP", port=80, node_port=TCP_NODE_PORT,
+                               backends=backends),
+                cp.ServicePort(protocol="UDP", port=53, node_port=UDP_NODE_PORT,
+                               backends=backends),
+            ],
+        ))  # fmt: skip
+        config = hostlb.HostConfig(
+            bpf_dir=sock_config.bpf_dir, pin_dir=sock_config.pin_dir, devices=(lan.device,),
+            lb_map_max=sock_config.lb_map_max, nat_max=4096, tunnel=True,
+        )  # fmt: skip
+        assert in_netns(lan.node, hostlb.attach, config) == {lan.device: "attached"}
+        want = f"be {TUNNEL_POD_ADDR} from {NODE_ADDR}"
+        tcp = in_netns(lan.lan, many, tcp_once, TCP_NODE_PORT, 3)
+        assert tcp == Counter({f"{want} | {NODE_ADDR}:{TCP_NODE_PORT}": 3}), tcp
+        udp = in_netns(lan.lan, many, udp_once, UDP_NODE_PORT, 3)
+        assert udp == Counter({f"{want} | {NODE_ADDR}:{UDP_NODE_PORT}": 3}), udp
+    finally:
+        servers.close()
+        in_netns(lan.node, hostlb.detach, sock_config.pin_dir, (lan.device,))
