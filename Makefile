@@ -12,11 +12,7 @@ setup:
 # The eBPF programs, compiled ahead of time (the agent loads build/bpf/*.o with libbpf and
 # configures them at load: map sizes and each program's CONFIG). clang-14 and libbpf-dev come
 # from Debian (scripts/setup.sh); the uapi headers from linux-libc-dev.
-# BPF_BCC: programs still written for bcc (they declare maps with BPF_TABLE_PINNED and the
-# agent compiles them at start), not built here; empty once every program is in the libbpf
-# dialect.
-BPF_BCC    := $(shell grep -l BPF_TABLE_PINNED bpf/bpf_*.c 2>/dev/null)
-BPF_SRCS   := $(filter-out $(BPF_BCC),$(wildcard bpf/bpf_*.c))
+BPF_SRCS   := $(wildcard bpf/bpf_*.c)
 BPF_OBJS   := $(patsubst bpf/%.c,build/bpf/%.o,$(BPF_SRCS))
 BPF_CC     ?= clang-14
 BPF_CFLAGS := -O2 -g -target bpf -Wall -Werror -I bpf -I/usr/include/$(shell uname -m)-linux-gnu

@@ -2,7 +2,7 @@
 
 With ``CILIA_REQUIRE_PRIVILEGED=1`` (set by ``.ci/run``; CI runs as root on a
 kernel with BPF), a test marked ``privileged`` that skips is reported as a
-failure: in CI a skip would hide a missing dependency (bcc, bpffs, iproute2)
+failure: in CI a skip would hide a missing dependency (libbpf, bpffs, iproute2)
 behind a green run. Outside CI, privileged tests skip with their reason.
 """
 

@@ -12,7 +12,7 @@ Go module proxy are), so the base image every Dockerfile starts
 ``docker import``. pip is never run against an index inside a container: the host builds
 wheels (``pip wheel`` with ``constraints.txt``) into ``build/images/wheels`` and the
 Dockerfiles install them with ``pip install --no-index``. Debian packages a runtime stage
-needs (the agent's bcc, iptables, kmod; redis-server) are installed by ``apt-get`` inside the
+needs (the agent's libbpf1, iptables, kmod; redis-server) are installed by ``apt-get`` inside the
 build, which runs with the host's network (``network_mode=host``) and is then cached by the
 engine's layer cache.
 

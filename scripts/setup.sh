@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Install what Cilia needs on a fresh Debian 12 machine (DESIGN.md §6), idempotently:
-#   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, bcc + headers,
-#   bpftool for the e2e tests' map checks),
-#   kernel-header links for bcc, the .venv with every service's console script,
-#   bcc's Python bindings made importable in the venv, buf for the proto checks, and the
+#   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, clang-14 and
+#   libbpf for the eBPF objects, bpftool for the e2e tests' map checks),
+#   the .venv with every service's console script, buf for the proto checks, and the
 #   upstream hubble CLI for its e2e test (scripts/hubble-cli.sh).
 # Safe to re-run; each step is skipped when already done.
 set -euo pipefail
@@ -17,7 +16,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 BPF_PKGS=(clang-14 libbpf-dev libbpf1 linux-libc-dev)
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
-          python3-bpfcc bpfcc-tools linux-headers-amd64 kmod bpftool
+          kmod bpftool
           docker.io docker-compose debootstrap python3-venv containerd runc)
 missing=()
 for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}"; do
@@ -54,20 +53,6 @@ if [[ $(id -u) -eq 0 ]] && command -v dockerd >/dev/null \
   /usr/bin/docker info >/dev/null 2>&1 || { log "dockerd did not come up: see /var/log/cilia-dockerd.log"; exit 2; }
 fi
 
-# bcc compiles against /lib/modules/$(uname -r)/build. This kernel ships none:
-# fall back to Debian's linux-headers-amd64 and say so.
-KREL=$(uname -r)
-if [[ ! -e /lib/modules/$KREL/build && $(id -u) -eq 0 ]]; then
-  hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1 || true)
-  if [[ -n $hdr ]]; then
-    common=${hdr%-amd64}-common
-    log "kernel $KREL has no headers; using Debian's $(basename "$hdr") for bcc"
-    mkdir -p "/lib/modules/$KREL"
-    ln -sfn "$hdr" "/lib/modules/$KREL/build"
-    [[ -d $common ]] && ln -sfn "$common" "/lib/modules/$KREL/source"
-  fi
-fi
-
 if [[ ! -x $VENV/bin/python ]]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
@@ -95,15 +80,6 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
   uvpip --reinstall-package cilia-api ./proto -e lib/common -e lib/kubemock -e lib/testkit \
       $(for s in services/*/; do printf -- '-e %s ' "$s"; done)
   echo "$inputs" > "$stamp"
-fi
-
-# bcc's bindings exist only as Debian's python3-bpfcc; expose that one folder
-# (not all of dist-packages) to the venv through a .pth file.
-site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [[ -d /usr/lib/python3/dist-packages/bcc ]]; then
-  mkdir -p "$ROOT/.venv/bcc-link"
-  ln -sfn /usr/lib/python3/dist-packages/bcc "$ROOT/.venv/bcc-link/bcc"
-  echo "$ROOT/.venv/bcc-link" > "$site/cilia-bcc.pth"
 fi
 
 # buf (proto lint + breaking-change check) from the npm registry.

@@ -166,7 +166,6 @@ def stack(client: Any, built: dict[str, str]) -> Iterator[dict[str, Any]]:
             security_opt=AGENT_SECURITY,
             volumes={
                 "/lib/modules": {"bind": "/lib/modules", "mode": "ro"},
-                "/usr/src": {"bind": "/usr/src", "mode": "ro"},
                 state.name: {"bind": "/var/run/cilia", "mode": "rw"},
             },
             **common,

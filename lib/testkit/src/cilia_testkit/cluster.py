@@ -18,7 +18,7 @@ pods from the stack's pool ``10.<210+S>.0.0/16`` (a /24 block per node). Order o
 operations in :meth:`Cluster.start`: slot → LAN (bridge, iptables ACCEPT for frames bridged
 between its ports: the host's FORWARD policy may be DROP and ``br_netfilter`` passes bridged
 IPv4 through it) → redis → operator → every node's netns and agent (all launched, then each
-awaited: the bcc compile runs in parallel) → relay (``--peer-service`` = the first node's
+awaited: their start-ups overlap) → relay (``--peer-service`` = the first node's
 Hubble socket; it learns the others through Peer ``Notify``). :meth:`Cluster.stop` undoes it in
 reverse and deletes every netns with the cluster's prefix; :meth:`Cluster.prepare` removes what a
 killed earlier holder of the slot left (namespaces, bridge, iptables rule).

@@ -78,20 +78,18 @@ def netns_missing(purpose: str = "network namespaces, veth, iptables") -> str | 
 
 
 def bpf_missing(purpose: str = "BPF_PROG_TEST_RUN, tc and BPF maps") -> str | None:
-    """Root, bpffs mounted at ``/sys/fs/bpf`` and bcc importable (Debian ``python3-bpfcc``).
-
-    Returns the first reason or None. bcc is only looked up (``importlib.util.find_spec``),
-    not imported: importing it costs a second.
+    """Root, bpffs mounted at ``/sys/fs/bpf`` and Debian's ``libbpf.so.1`` (the agent loads
+    the objects ``make bpf`` compiles with it). Returns the first reason or None.
     """
-    import importlib.util
+    import ctypes.util
 
     reason = root_missing(purpose)
     if reason:
         return reason
     if not BPFFS.is_dir():
         return f"bpffs is not mounted at {BPFFS}"
-    if importlib.util.find_spec("bcc") is None:
-        return "bcc (Debian python3-bpfcc) is not importable; run scripts/setup.sh"
+    if ctypes.util.find_library("bpf") is None:
+        return "libbpf (Debian libbpf1) is missing; run scripts/setup.sh"
     return None
 
 
@@ -153,7 +151,7 @@ def require_netns(purpose: str = "network namespaces, veth, iptables") -> None:
 
 
 def require_bpf(purpose: str = "BPF_PROG_TEST_RUN, tc and BPF maps") -> None:
-    """Skip (fail in CI) unless root, bpffs and bcc are there. See :func:`bpf_missing`."""
+    """Skip (fail in CI) unless root, bpffs and libbpf are there. See :func:`bpf_missing`."""
     require(bpf_missing(purpose))
 
 

@@ -321,10 +321,10 @@ class Config(BaseModel):
         default=4095, description="flows kept by Hubble, 2^n-1 in 1..65535"
     )
     hubble_event_queue_size: int = Field(
-        default=1000,
-        ge=1,
+        default=0,
+        ge=0,
         le=1 << 20,
-        description="datapath events waiting between the ring-buffer thread and the flow parser; more are counted as lost",
+        description="datapath events waiting between the ring-buffer thread and the flow parser; more are counted as lost; 0 = 1024 per CPU, at most 16384 (as upstream)",
     )
     hubble_socket: Annotated[
         pathlib.Path | None, Flag(default_text="<directory of --socket>/hubble.sock")

@@ -69,7 +69,7 @@ def test_datapath_and_hubble_defaults() -> None:
         512000,
     )
     assert (c.bpf_events_ringbuf_pages, c.hubble_event_buffer_capacity) == (64, 4095)
-    assert c.hubble_event_queue_size == 1000 and c.endpoint_policy_wait_timeout == 10
+    assert c.hubble_event_queue_size == 0 and c.endpoint_policy_wait_timeout == 10
     assert c.hubble_socket_path() == pathlib.Path("/run/x/hubble.sock")
     assert c.hubble_listen() == "0.0.0.0:4244" and c.hubble_port() == 4244
     off = Config(node_name="n1", hubble_listen_address="")

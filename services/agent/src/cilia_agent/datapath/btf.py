@@ -103,8 +103,7 @@ class Btf:
 
         A libbpf object declares each map as a variable of an anonymous struct whose members
         ``key`` and ``value`` are pointers to the map's key and value types (``__type(key,
-        T)``); bcc described a map by a struct ``____btf_map_<name>`` with members ``key`` and
-        ``value`` of those types (still read, for objects bcc compiles).
+        T)``).
 
         Raises:
             BtfError: no such map in this BTF.
@@ -120,9 +119,7 @@ class Btf:
                     self.layout(int(key["type_id"])),
                     self.layout(int(value["type_id"])),
                 )
-        info = self._types[self.find(f"____btf_map_{map_name}")]
-        members = {m["name"]: int(m["type_id"]) for m in info["members"]}
-        return self.layout(members["key"]), self.layout(members["value"])
+        raise BtfError(f"no map {map_name!r} (a variable with key and value members) in this BTF")
 
 
 def _bpftool(*args: str) -> Any:

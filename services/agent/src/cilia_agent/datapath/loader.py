@@ -46,8 +46,6 @@ __all__ = [
     "BpfUnavailable",
     "Datapath",
     "DatapathConfig",
-    "bcc_cflags",
-    "default_bpf_dir",
     "remove_pins",
 ]
 
@@ -64,36 +62,6 @@ EVENTS_LOST = 0  # index of the ring-buffer-full counter (bpf_lxc.c EVENTS_LOST)
 _ENOENT = 2
 _EEXIST = 17
 _EINVAL = 22
-
-
-# ----- bcc, until bpf_sock.c and bpf_host.c are compiled ahead of time as well ---------------
-# socklb and hostlb still compile their C with bcc at agent start: they find the sources with
-# default_bpf_dir() (the C sources, not the objects: datapath.objects.default_bpf_dir) and
-# build their flags with bcc_cflags(). Both go once those programs load objects too.
-
-
-def bcc_cflags(bpf_dir: pathlib.Path, pin_dir: pathlib.Path, **defines: object) -> list[str]:
-    """bcc compiler flags of one of ``bpf/``'s bcc programs: ``-I<bpf_dir>`` (for ``lib/``),
-    ``-DCILIA_PIN_DIR="<pin_dir>"``, one ``-DNAME=value`` per keyword (in order) and ``-w``."""
-    return [
-        f"-I{bpf_dir}",
-        f'-DCILIA_PIN_DIR="{pin_dir}"',
-        *(f"-D{name}={value}" for name, value in defines.items()),
-        "-w",
-    ]
-
-
-def default_bpf_dir() -> pathlib.Path:
-    """Where the bcc programs' C sources are: ``$CILIA_BPF_DIR``, the repository's ``bpf/``,
-    or ``/opt/cilia/bpf`` (the image ships sources and objects there). The endpoint
-    datapath's objects are found with :func:`cilia_agent.datapath.objects.default_bpf_dir`."""
-    env = os.environ.get("CILIA_BPF_DIR")
-    if env:
-        return pathlib.Path(env)
-    repo = pathlib.Path(__file__).resolve().parents[5] / "bpf"
-    if (repo / "bpf_lxc.c").is_file():
-        return repo
-    return pathlib.Path("/opt/cilia/bpf")
 
 
 # ----- the endpoint datapath ----------------------------------------------------------------

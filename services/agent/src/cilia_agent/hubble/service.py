@@ -22,6 +22,7 @@ getters); Hubble holds no copy of their data. Without a resolver, a :class:`Memo
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -236,6 +237,20 @@ class Hubble:
         self.metrics.close()
 
 
+EVENT_QUEUE_PER_CPU = 1024
+"""Default hand-off queue slots per CPU (upstream's monitor queue size per CPU)."""
+EVENT_QUEUE_MAX_DEFAULT = 16384
+"""Upper bound of the computed default (upstream's per-CPU maximum)."""
+
+
+def default_event_queue_size(cpus: int | None = None) -> int:
+    """``--hubble-event-queue-size 0``: 1024 slots per CPU (``cpus``, default
+    ``os.cpu_count()``), at most 16384 — upstream derives the Hubble event queue from its
+    monitor queue size the same way (2,048 on this 2-core machine)."""
+    n = cpus if cpus is not None else (os.cpu_count() or 1)
+    return min(EVENT_QUEUE_PER_CPU * max(1, n), EVENT_QUEUE_MAX_DEFAULT)
+
+
 def hubble_advertise_address(cfg: Config, addresses: Sequence[str]) -> str:
     """``host:port`` other nodes and the relay reach this node's Hubble TCP server at
     ("" when TCP is disabled, its port is 0, or the node has no address): the host of
@@ -262,7 +277,7 @@ def hubble_config(cfg: Config, version: str, addresses: Sequence[str]) -> Hubble
         capacity=cfg.hubble_event_buffer_capacity,
         advertise_address=hubble_advertise_address(cfg, addresses),
         version=version,
-        queue_size=cfg.hubble_event_queue_size,
+        queue_size=cfg.hubble_event_queue_size or default_event_queue_size(),
         tls_cluster=cfg.cluster_name if cfg.hubble_tls is not None else None,
         metrics=tuple(parse_metrics(cfg.hubble_metrics)),
     )

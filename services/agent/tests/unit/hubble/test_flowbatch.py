@@ -112,3 +112,11 @@ def test_follow_batches_what_is_ready_and_refuses_bad_requests(sock_dir: Path) -
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     serve(sock_dir, scenario)
+
+
+def test_event_queue_default_is_1024_per_cpu_capped_at_16384() -> None:
+    from cilia_agent.hubble.service import default_event_queue_size
+
+    assert default_event_queue_size(1) == 1024
+    assert default_event_queue_size(2) == 2048
+    assert default_event_queue_size(64) == 16384
