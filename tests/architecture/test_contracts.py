@@ -87,7 +87,7 @@ _LAYOUT = {
         "__main__", "app", "cli", "controlplane/__init__", "config", "manifests",
         "identity/__init__", "endpoint/__init__", "ipam/__init__", "kinds", "metrics",
         "policy/__init__", "service/__init__", "leader", "store/__init__", "store/redis",
-        "store/kubernetes", "tasks", "errors",
+        "store/kubernetes", "tasks", "errors", "addresses",
     ],
     "cilia_agent": [
         "__main__", "cli", "app", "api", "status", "enforcement", "endpoint/__init__",
