@@ -59,7 +59,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, BinaryIO
 
 from cilia_testkit import ROOT
 from cilia_testkit.procs import stop as stop_process
@@ -82,6 +82,22 @@ CLUSTER_CIDR = "10.244.0.0/16"
 CERT_DAYS = 7
 
 _ADDRESS_IN_USE = re.compile(r"address already in use|bind: address", re.IGNORECASE)
+
+
+def spawn_logged(
+    log_path: pathlib.Path, argv: list[str], cwd: pathlib.Path
+) -> tuple[subprocess.Popen[bytes], BinaryIO]:
+    """Start ``argv`` in its own session with stdout and stderr appended to ``log_path``
+    (after a ``# <time> <argv>`` line) and stdin from /dev/null. Returns the process and
+    the open log, which the caller closes after the process ends."""
+    log = open(log_path, "ab")  # noqa: SIM115 - the caller closes it
+    log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
+    log.flush()
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        cwd=cwd, start_new_session=True,
+    )  # fmt: skip
+    return proc, log
 
 
 class KubeAPIError(RuntimeError):
@@ -346,14 +362,8 @@ class KubeAPI:
         return self
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-        log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
-        log.flush()
+        proc, log = spawn_logged(self.workdir / f"{name}.log", argv, self.workdir)
         self._logs.append(log)
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=self.workdir, start_new_session=True,
-        )  # fmt: skip
         self._procs[name] = proc
         return proc
 

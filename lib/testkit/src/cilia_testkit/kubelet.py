@@ -67,7 +67,7 @@ import time
 from typing import Any
 
 from cilia_testkit import VENV_BIN
-from cilia_testkit.kubeapi import CERT_DAYS, KubeAPI, binary_missing
+from cilia_testkit.kubeapi import CERT_DAYS, KubeAPI, binary_missing, spawn_logged
 from cilia_testkit.procs import stop as stop_process
 
 #: The image every test pod (and the sandbox) uses, imported into the node's containerd.
@@ -283,14 +283,8 @@ class KubeletNode:
         return self.workdir / f"{name}.log"
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log(name), "ab")  # noqa: SIM115 - closed in stop()
-        log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
-        log.flush()
+        proc, log = spawn_logged(self.log(name), argv, self.workdir)
         self._logs.append(log)
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=self.workdir, start_new_session=True,
-        )  # fmt: skip
         self._procs[name] = proc
         return proc
 

@@ -207,6 +207,21 @@ def link_update(link_fd: int, prog_fd: int) -> None:
         raise LibbpfError("cannot replace the program of a link", _err(rc))
 
 
+def map_keys(fd: int, key_type: type[K]) -> Iterator[K]:
+    """Every key of the map behind ``fd`` (``BPF_MAP_GET_NEXT_KEY`` from the start), in the
+    kernel's iteration order, each a fresh ``key_type`` copy; ends at the last key."""
+    lib = libbpf()
+    key: K | None = None
+    while True:
+        nxt = key_type()
+        rc = lib.bpf_map_get_next_key(fd, None if key is None else ctypes.byref(key),
+                                      ctypes.byref(nxt))  # fmt: skip
+        if rc != 0:
+            return
+        key = nxt
+        yield nxt
+
+
 class PinnedMap(Generic[K, V]):
     """A BPF map (hash, LRU, LPM trie, array) opened by its pin path or from an fd
     (:meth:`from_fd`), with typed keys and values; also a mapping (``m[k]``, ``m[k] = v``,
@@ -259,19 +274,7 @@ class PinnedMap(Generic[K, V]):
 
     def keys(self) -> Iterator[K]:
         """Every key, in the kernel's iteration order (copies)."""
-        lib = libbpf()
-        key = self.key_type()
-        first = True
-        while True:
-            nxt = self.key_type()
-            rc = lib.bpf_map_get_next_key(
-                self.fd, None if first else ctypes.byref(key), ctypes.byref(nxt)
-            )
-            if rc != 0:
-                return
-            first = False
-            key = nxt
-            yield nxt
+        return map_keys(self.fd, self.key_type)
 
     def clear(self) -> int:
         """Delete every entry; returns how many were deleted."""
@@ -384,21 +387,11 @@ class PerCpuMap(Generic[K, V]):
     def items(self) -> Iterator[tuple[K, list[V]]]:
         """Every (key, per-CPU values), in the kernel's iteration order (copies)."""
         lib = libbpf()
-        key = self.key_type()
-        first = True
         buf = ctypes.create_string_buffer(self.stride * self.ncpus)
-        while True:
-            nxt = self.key_type()
-            rc = lib.bpf_map_get_next_key(
-                self.fd, None if first else ctypes.byref(key), ctypes.byref(nxt)
-            )
-            if rc != 0:
-                return
-            first = False
-            key = nxt
+        for key in map_keys(self.fd, self.key_type):
             if lib.bpf_map_lookup_elem(self.fd, ctypes.byref(key), buf) != 0:
                 continue  # deleted between the two calls
-            yield nxt, self._values(buf)
+            yield key, self._values(buf)
 
     def close(self) -> None:
         """Close the map's file descriptor (idempotent)."""
