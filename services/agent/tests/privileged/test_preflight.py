@@ -240,6 +240,7 @@ def test_sysctl_sets_what_the_agent_needs_inside_a_netns_only(
     _sh(*wr, "net.ipv4.ip_forward=0", "net.ipv4.conf.all.rp_filter=1",
         "net.ipv4.conf.lxcabc.rp_filter=1", "net.ipv4.conf.eth9.rp_filter=1")  # fmt: skip
     conf = tmp_path / "sysctl.d" / "99-zzz-override_cilia.conf"
+    conf.parent.mkdir()  # the host's /etc/sysctl.d: init sysctl refuses a missing directory
     args = ("init", "sysctl", f"--sysctl-conf-file={conf}",
             "--sysctl-override=net.ipv4.conf.all.accept_local=1")  # fmt: skip
 
