@@ -12,51 +12,93 @@ reference removed) after the last DEL.
 
 from __future__ import annotations
 
-import asyncio
-import datetime as dt
+import json
 import os
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from cilia_operator.identity import records
-from cilia_operator.store import resource_version
-from cilia_operator.store.redis import RedisStore
-from cilia_testkit import bpfmaps, cni, host
+from cilia_testkit import VENV_BIN, bpfmaps, cni, host
 from cilia_testkit.stack import Stack
 
 RELEASE_TIMEOUT_SECONDS = 20.0
 """How long the queued Release after the last DEL may take to reach the store."""
 
+STORE_TIMEOUT_SECONDS = 60.0
+"""Deadline of one store read (redis-cli) or write (the project's Python, start-up included)."""
 
-async def _identity_of(store: RedisStore, label: str) -> dict[str, Any] | None:
-    for record in (await store.list(records.KIND)).items:
-        labels = records.record_labels(record)
-        if labels is not None and label in labels.strings():
-            return record
-    return None
+# Runs in the project's venv (the e2e env has only pytest and the test kit): finds the
+# CiliumIdentity whose labels hold argv[2] in the store at argv[1], puts the GC's heartbeat
+# mark on it (a precondition-checked store update) and prints the record as JSON (null: none).
+_MARK_SCRIPT = """
+import asyncio, datetime, json, sys
+from cilia_operator.identity import records
+from cilia_operator.store.redis import RedisStore
+
+async def main():
+    store = RedisStore(sys.argv[1])
+    try:
+        for record in (await store.list(records.KIND)).items:
+            labels = records.record_labels(record)
+            if labels is not None and sys.argv[2] in labels.strings():
+                now = datetime.datetime.now(datetime.UTC)
+                return await store.update(records.with_heartbeat(record, now))
+        return None
+    finally:
+        await store.close()
+
+print(json.dumps(asyncio.run(main())))
+"""
 
 
-def _read(stack: Stack, label: str) -> dict[str, Any] | None:
-    async def main() -> dict[str, Any] | None:
-        store = RedisStore(stack.redis_url)
-        try:
-            return await _identity_of(store, label)
-        finally:
-            await store.close()
+def _mark(stack: Stack, label: str) -> dict[str, Any] | None:
+    """GC-mark the CiliumIdentity holding ``label``; the marked record (None: no such)."""
+    out = subprocess.run(
+        [str(VENV_BIN / "python"), "-c", _MARK_SCRIPT, stack.redis_url, label],
+        capture_output=True,
+        text=True,
+        timeout=STORE_TIMEOUT_SECONDS,
+        check=True,
+    )
+    record = json.loads(out.stdout)
+    assert record is None or isinstance(record, dict)
+    return record
 
-    return asyncio.run(main())
+
+def _record(stack: Stack, identity: int) -> dict[str, Any] | None:
+    """CiliumIdentity ``identity`` as the store holds it (the Redis store's layout:
+    object JSON in hash ``cilia/objects/<kind>``, its version in ``cilia/versions/<kind>``,
+    field ``<namespace>/<name>``), read with redis-cli (no Python start-up per read)."""
+    values = []
+    for table in ("objects", "versions"):
+        out = subprocess.run(
+            ["redis-cli", "-s", str(stack.redis_socket), "--raw", "HGET",
+             f"cilia/{table}/CiliumIdentity", f"/{identity}"],
+            capture_output=True,
+            text=True,
+            timeout=STORE_TIMEOUT_SECONDS,
+            check=True,
+        )  # fmt: skip
+        values.append(out.stdout.strip())
+    if not values[0]:
+        return None
+    record = json.loads(values[0])
+    assert isinstance(record, dict)
+    record.setdefault("metadata", {})["resourceVersion"] = values[1]
+    return record
 
 
-def _mark(stack: Stack, record: dict[str, Any]) -> dict[str, Any]:
-    async def main() -> dict[str, Any]:
-        store = RedisStore(stack.redis_url)
-        try:
-            marked = records.with_heartbeat(record, dt.datetime.now(dt.UTC))
-            return await store.update(marked)
-        finally:
-            await store.close()
+def _references(record: dict[str, Any] | None) -> set[str]:
+    annotations = (record or {}).get("metadata", {}).get("annotations", {})
+    return {n for n in annotations.get("cilia.io/node-references", "").split(",") if n}
 
-    return asyncio.run(main())
+
+def _marked(record: dict[str, Any]) -> bool:
+    return "io.cilium.heartbeat" in record.get("metadata", {}).get("annotations", {})
+
+
+def _version(record: dict[str, Any]) -> str:
+    return str(record.get("metadata", {}).get("resourceVersion", ""))
 
 
 def test_second_add_with_the_same_labels_is_served_from_the_agents_cache(
@@ -67,32 +109,25 @@ def test_second_add_with_the_same_labels_is_served_from_the_agents_cache(
     node = stack.agent.node_name
     first = make_pod(labels={"app": app})
     first.add(conflist).check()
-    record = _read(stack, label)
-    assert record is not None, f"no CiliumIdentity with {label} after the first ADD"
-    identity = records.identity_id(record)
-    assert node in records.node_references(record)
+    marked = _mark(stack, label)
+    assert marked is not None, f"no CiliumIdentity with {label} after the first ADD"
+    identity = int(marked["metadata"]["name"])
+    assert node in _references(marked) and _marked(marked)
 
-    marked = _mark(stack, record)
     second = make_pod(labels={"app": app})
     second.add(conflist).check()
-    after = _read(stack, label)
-    assert after is not None and records.identity_id(after) == identity
-    assert records.heartbeat(after) is not None, "an Allocate would have cleared the mark"
-    assert resource_version(after) == resource_version(marked), "the record was not written"
+    after = _record(stack, identity)
+    assert after is not None
+    assert _marked(after), "an Allocate from the node would have cleared the mark"
+    assert _version(after) == _version(marked), "the record was not written"
     # both pods carry the identity in the datapath
-    holders = [ep for ep in bpfmaps.bpf_endpoints(stack.agent.pin_dir).values()]
+    holders = list(bpfmaps.bpf_endpoints(stack.agent.pin_dir).values())
     assert sum(1 for ep in holders if ep["identity"] == identity) == 2, holders
 
     first.delete(conflist).check()
-    kept = _read(stack, label)
-    assert kept is not None and node in records.node_references(kept), "one pod still uses it"
+    assert node in _references(_record(stack, identity)), "one pod still uses it"
 
     second.delete(conflist).check()
-
-    def released() -> bool:
-        current = _read(stack, label)
-        return current is None or node not in records.node_references(current)
-
-    assert host.wait_for(released, RELEASE_TIMEOUT_SECONDS), (
-        f"the node's reference to {identity} was not released after the last DEL: {_read(stack, label)}"
-    )
+    assert host.wait_for(
+        lambda: node not in _references(_record(stack, identity)), RELEASE_TIMEOUT_SECONDS
+    ), f"the node's reference to {identity} not released: {_record(stack, identity)}"
