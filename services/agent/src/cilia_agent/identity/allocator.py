@@ -248,7 +248,10 @@ class IdentityAllocator:
                 held.confirmed = False
             await self.control.release_identity(identity)
             self.stats.releases += 1
-            if self._users.get(identity):  # cannot happen: users arrive under this lock
+            if self._users.get(identity):
+                # a user came without this lock meanwhile (an endpoint restored at start-up):
+                # the reference just released is wanted after all
+                self._invalidate(identity)
                 return
             self._users.pop(identity, None)
             self._local.pop(identity, None)

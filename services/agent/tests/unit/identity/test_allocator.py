@@ -369,3 +369,19 @@ def test_release_of_a_leftover_endpoints_identity_is_ordered_with_adds_of_its_la
         assert op.releases() == [] and 300 in op.referenced, "the ADD's reference survives"
 
     run(main())
+
+
+def test_a_user_restored_while_the_release_is_in_flight_gets_the_reference_back() -> None:
+    async def main() -> None:
+        alloc, op, retry = make()
+        ident = await alloc.allocate(WEB, 1)
+        op.release_gate = asyncio.Event()
+        alloc.release(ident, 1)
+        await wait_until(lambda: alloc.held(WEB) == (ident, False))  # Release sent
+        alloc.acquire(ident, 2)  # Regeneration.restore registers an endpoint (no lock)
+        op.release_gate.set()
+        await settle(retry)
+        assert op.calls == [("allocate", ident), ("release", ident), ("allocate", ident)]
+        assert ident in op.referenced and alloc.held(WEB) == (ident, True)
+
+    run(main())
