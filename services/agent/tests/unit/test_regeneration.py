@@ -100,6 +100,11 @@ class FakeControl(LocalControlPlane):
         self.releases: list[int] = []
         self.deleted: list[tuple[str, str]] = []
         self.fail_upsert = False
+        self.allocations = 0
+
+    async def allocate_identity(self, labels: list[str]) -> cp.Identity:
+        self.allocations += 1
+        return await super().allocate_identity(labels)
 
     async def release_identity(self, identity: int) -> None:
         self.releases.append(identity)
@@ -470,5 +475,35 @@ def test_relabel_moves_a_running_endpoint_to_a_new_identity_and_its_policy_follo
         assert {key.sec_label for key, _ in h.dp.policy.items() if key.ep_id == 2} == {again}
         assert await h.enf.relabel(rec(1, "frontend", "10.0.0.2")) == again
         assert await h.enf.relabel(rec(9, "frontend", "10.0.0.9")) == 0, "unknown endpoint"
+
+    run(main())
+
+
+def test_restart_restores_identity_references_and_the_cache_serves_later_adds() -> None:
+    async def main() -> None:
+        first = Harness()
+        await first.sync()
+        web = rec(2, "web", "10.0.0.3").model_copy(update={"host_ifname": "lo"})
+        web = web.model_copy(update={"identity": await first.enf.create(web, 1)})
+        assert first.control.allocations == 1
+        assert await first.enf.create(rec(3, "web", "10.0.0.4"), 13) == web.identity
+        assert first.control.allocations == 1, "second endpoint, same labels: no Allocate"
+
+        # a new agent on the same pinned maps restores endpoint 2 (3 went while it was down)
+        second = Harness(dp=first.dp)
+        second.enf.engine.restore()
+        assert await second.enf.restore([web]) == []
+        await second.sync()
+        assert second.identities.users(web.identity) == 1
+        assert second.control.allocations == 0, "restore asks the operator nothing"
+        # the first ADD with the labels confirms the restored identity once at the operator
+        assert await second.enf.create(rec(5, "web", "10.0.0.6"), 15) == web.identity
+        assert await second.enf.create(rec(6, "web", "10.0.0.7"), 16) == web.identity
+        assert second.control.allocations == 1
+        for gone in (web, rec(5, "web", "10.0.0.6"), rec(6, "web", "10.0.0.7")):
+            assert second.control.releases == []
+            await second.enf.delete(gone.model_copy(update={"identity": web.identity}))
+            await second.settle()
+        assert second.control.releases == [web.identity], "released once, after the last"
 
     run(main())

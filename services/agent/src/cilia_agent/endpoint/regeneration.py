@@ -12,8 +12,9 @@ endpoints through :meth:`Regeneration.endpoint` / :meth:`Regeneration.endpoint_b
 Add (after the veth exists; every step is undone in reverse order on failure):
 
 1. identity labels = ``pod_identity_labels(namespace, labels)`` (upstream label filter);
-2. ``IdentityService.Allocate`` → identity (operator unreachable: UNAVAILABLE);
-   the identity is learned by the cache at once;
+2. the identity of the labels: from the allocator's cache when another local endpoint
+   holds the same labels (no round trip), else ``IdentityService.Allocate`` (operator
+   unreachable: UNAVAILABLE); the identity is learned by the cache at once;
 3. policy mode ``default``: wait up to ``--endpoint-policy-wait-timeout`` until the
    identity and policy streams have synced (upstream blocks endpoint creation until
    its policy is computed), else UNAVAILABLE;
@@ -325,9 +326,9 @@ class Regeneration:
         undo: list[Callable[[], Awaitable[None] | None]] = []
         inflight: tuple[asyncio.Future[Any], ...] = ()
         try:
-            identity = await self.identities.allocate(labels.strings())
-            # the Add in flight uses the identity: a concurrent failing Add must not release it
-            self.identities.acquire(identity, rec.id)
+            # referenced by this Add at once (a concurrent failing Add must not release it);
+            # served from the node's cache when another local endpoint holds these labels
+            identity = await self.identities.allocate(labels.strings(), rec.id)
             undo.append(functools.partial(self.identities.release, identity, rec.id))
             if on_identity is not None:
                 await on_identity(identity)
@@ -421,8 +422,7 @@ class Regeneration:
         if labels == ep.labels and namespace == ep.namespace:
             ep.rec = rec
             return ep.identity
-        identity = await self.identities.allocate(labels.strings())
-        self.identities.acquire(identity, rec.id)
+        identity = await self.identities.allocate(labels.strings(), rec.id)
         self.identities.learn(identity, labels.strings())
         old = ep.identity
         ep.rec, ep.identity, ep.labels, ep.namespace = rec, identity, labels, namespace
@@ -558,7 +558,11 @@ class Regeneration:
                     self._delete_call(namespace, name, rec.container_id),
                 )
             if rec.identity:
-                self.identities.release_if_unused(rec.identity)
+                try:
+                    labels: tuple[str, ...] | None = self.identity_labels(rec)[0].strings()
+                except InvalidLabels:
+                    labels = None
+                self.identities.release_if_unused(rec.identity, labels)
 
     def purge_ipcache(self, records: Iterable[EndpointRecord]) -> None:
         """Remove the pinned ipcache ``/32`` of endpoints cleaned up at restore (a crash

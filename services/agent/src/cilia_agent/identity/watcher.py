@@ -3,7 +3,9 @@
 A new stream resyncs the cache (``begin_resync``; its listing ends with ``synced``).
 Identities of local endpoints missing from the initial listing (allocated while the
 listing was being taken) are kept: they are added to the listing rather than removed and
-re-added when the operator's event arrives. After every message ``on_change`` runs
+re-added when the operator's event arrives. Every message is first shown to the
+allocator (:meth:`IdentityAllocator.observe`), which allocates again a held identity the
+operator deleted, relabelled or did not list. After every message ``on_change`` runs
 (readiness of policy computation).
 """
 
@@ -31,9 +33,11 @@ async def consume_identities(
             listed = set()
         if listed is not None:
             listed.update(e.identity.id for e in response.events)
-            if response.synced:
-                response = _with_local_identities(response, listed, allocator)
-                listed = None
+        listing = listed if listed is not None and response.synced else None
+        allocator.observe(response, listing)
+        if listing is not None:
+            response = _with_local_identities(response, listing, allocator)
+            listed = None
         try:
             sink.on_identities(response)
         finally:
