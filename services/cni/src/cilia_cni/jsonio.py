@@ -9,7 +9,7 @@ of the ~30 ms CPU of a VERSION exec of the frozen plugin, paid on every pod (mea
 ``json.JSONDecoder``/``json.JSONEncoder`` do with their default settings, so results are
 identical, and on any input that ``json`` would reject (or that needs a path this module
 does not take) it calls ``json`` itself, so errors are ``json``'s own exceptions and
-messages. ``services/cni/tests/integration/test_cni_jsonio.py`` checks both against
+messages. ``services/cni/tests/integration/test_cni_lean_imports.py`` checks both against
 ``json``.
 """
 

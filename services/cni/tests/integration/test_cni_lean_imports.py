@@ -1,5 +1,7 @@
-"""cilia_cni.jsonio against ``json``, and the string checks that replaced ``re``: same
-values, same errors, and an ADD path that imports neither ``json`` nor ``re``.
+"""What replaced the plugin's slow imports, against what it replaced: cilia_cni.jsonio
+against ``json``, the string checks against the regular expressions (``re``), the address
+checks of an ADD result against ``ipaddress``: same values, same errors, and a hot path
+that imports none of them.
 
 The comparisons run in a fresh interpreter (``python -I``): CPython 3.11's JSON scanner
 raises ``JSONDecodeError`` only when ``json.decoder`` is imported already, so a test
@@ -8,6 +10,7 @@ process that has imported ``json`` (pytest has) would hide a wrong error path.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import subprocess
@@ -16,8 +19,10 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cilia_cni.errors import InternalError
 from cilia_cni.invocation import is_name
 from cilia_cni.netconf import _has_surrogate, _has_surrogate_escape
+from cilia_cni.result import _check_address, _check_cidr
 
 _FRESH = r"""
 import sys
@@ -152,3 +157,70 @@ def test_string_checks_equal_the_regular_expressions_they_replaced(text: str) ->
     assert is_name(text) == bool(_NAME.fullmatch(text))
     assert _has_surrogate_escape(text) == bool(_ESCAPE.search(text))
     assert _has_surrogate(text) == bool(_SURROGATE.search(text))
+
+
+_ADDRESS_ALPHABET = [*"0123456789abcdefABCDEF:./%x ", "\u0661", "\x00"]
+
+
+def _ipaddress_outcome(parse: object, value: str) -> object:
+    try:
+        return getattr(parse(value), "version", None)  # type: ignore[operator]
+    except ValueError:
+        return "invalid"
+
+
+def _result_outcome(check: object, value: str, *args: object) -> object:
+    try:
+        return check(value, "field", *args)  # type: ignore[operator]
+    except InternalError as exc:
+        assert repr(value) in str(exc)
+        return "invalid"
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.one_of(
+        st.text(alphabet=st.sampled_from(_ADDRESS_ALPHABET), max_size=48),
+        st.ip_addresses().map(str),
+        st.tuples(st.ip_addresses(), st.integers(0, 130)).map(lambda t: f"{t[0]}/{t[1]}"),
+        st.ip_addresses().map(lambda a: f"{a}/{a.max_prefixlen}"),
+        st.sampled_from(
+            [
+                "10.0.0.0/8",
+                "10.0.0.1/8",
+                "1.2.3.4/255.255.0.0",
+                "fe80::1%eth0",
+                "1.2.3.4/024",
+                "::/0",
+                "1.2.3.4/33",
+                "01.2.3.4",
+                "1.2.3.4/",
+                "1.2.3.4/2/3",
+            ]
+        ),
+    )
+)
+def test_address_checks_agree_with_ipaddress(value: str) -> None:
+    assert _result_outcome(_check_cidr, value, False) == _ipaddress_outcome(
+        ipaddress.ip_interface, value
+    )
+    assert _result_outcome(_check_cidr, value, True) == _ipaddress_outcome(
+        ipaddress.ip_network, value
+    )
+    ok = _ipaddress_outcome(ipaddress.ip_address, value) != "invalid"
+    assert (_result_outcome(_check_address, value) != "invalid") == ok
+
+
+def test_address_checks_of_an_add_result_import_no_ipaddress() -> None:
+    code = (
+        "import sys\n"
+        "from cilia_cni.result import _check_address, _check_cidr\n"
+        "assert _check_cidr('10.0.1.7/24', 'f', False) == 4\n"
+        "assert _check_cidr('fd00::/64', 'f', True) == 6\n"
+        "_check_address('fe80::1', 'f')\n"
+        "print('ipaddress' in sys.modules)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True
+    )
+    assert res.stdout.strip() == "False", res
