@@ -10,8 +10,8 @@ phase. ``--warmup`` extra pods per set are run first and not counted.
 
 Baseline: Debian's reference ``bridge`` + ``host-local`` plugins from ``--reference-dir``
 (``/usr/lib/cni``, package containernetworking-plugins), on bridge ``cbench0`` and subnet
-``--reference-subnet``. Also measured: ``cilia-cni`` VERSION (interpreter start + imports,
-no agent round trip), the floor under any ADD.
+``--reference-subnet``. Also measured: ``cilia-cni`` VERSION of each set (wall, and CPU
+per exec: interpreter start + imports, no agent round trip), the floor under any ADD.
 
 Plugin sets, all against the same stack in the same run:
 
@@ -289,9 +289,13 @@ def install_frozen(dest: pathlib.Path) -> pathlib.Path:
     return dest / "bin" / "cilia-cni"
 
 
-def bench_version(args: argparse.Namespace, plugin: pathlib.Path = cni.CILIA_CNI) -> list[float]:
-    """Timed ``plugin`` VERSION execs (no agent involved)."""
+def bench_version(
+    args: argparse.Namespace, plugin: pathlib.Path = cni.CILIA_CNI
+) -> tuple[list[float], float]:
+    """Timed ``plugin`` VERSION execs (no agent involved): the wall seconds of each and the
+    mean CPU ms (user + system) per exec."""
     version: list[float] = []
+    cpu_before = children_cpu_seconds()
     for _ in range(args.version_runs):
         out = cni.invoke(
             "VERSION",
@@ -304,7 +308,7 @@ def bench_version(args: argparse.Namespace, plugin: pathlib.Path = cni.CILIA_CNI
         if out.returncode != 0:
             raise BenchError(f"cilia-cni VERSION exited {out.returncode}: {out.stdout}")
         version.append(out.seconds)
-    return version
+    return version, round((children_cpu_seconds() - cpu_before) * 1000 / len(version), 2)
 
 
 def table(rows: list[tuple[str, str, int, dict[str, float]]]) -> str:
@@ -406,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp: dict[int, dict[str, Any]] = {}
     frz: dict[int, dict[str, Any]] = {}
     frozen_version: list[float] = []
+    compare_version: list[float] = []
+    version_cpu: dict[str, float] = {}
     try:
         with (
             tempfile.TemporaryDirectory(prefix="cilia-bench-optcni-") as optcni,
@@ -426,9 +432,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.compare_cni:
                     print(f"{args.compare_cni}: {args.pods} pods, concurrency {conc} ...")
                     cmp[conc] = bench_cilia(args, stack, conc, args.compare_cni)
-            version = bench_version(args)
+            version, version_cpu["cilia"] = bench_version(args)
             if frozen is not None:
-                frozen_version = bench_version(args, frozen)
+                frozen_version, version_cpu["frozen"] = bench_version(args, frozen)
+            if args.compare_cni:
+                compare_version, version_cpu["compare"] = bench_version(args, args.compare_cni)
     except (BenchError, datapath.BenchError, cni.CniRunError, OSError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -446,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": {str(c): summary_of(ref[c]) for c in levels},
         "cilia": {str(c): summary_of(cil[c]) for c in levels},
         "cilia_version": summarize(version),
+        "version_cpu_ms_per_exec": version_cpu,
         "cilia_add_breakdown_median": {str(c): breakdown(cil[c]) for c in levels},
     }
     if frz:
@@ -456,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["compare"] = {str(c): summary_of(cmp[c]) for c in levels}
         summary["compare_add_breakdown_median"] = {str(c): breakdown(cmp[c]) for c in levels}
         summary["compare_plugin"] = str(args.compare_cni)
+        summary["compare_version"] = summarize(compare_version)
 
     def ratios(key: str) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -491,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
     if frz:
         rows.append(("cilia-cni frozen", "VERSION", 0, summary["frozen_version"]))
+    if cmp:
+        rows.append(("compare " + args.compare_cni.name, "VERSION", 0, summary["compare_version"]))
     print()
     print(table(rows))
     for label, rset in ratio_sets:
@@ -505,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"pods/s {rset[f'{op}_pods_per_s_c{conc}']:>6.3f}x"
                 )
 
+    print(
+        "\nCPU per VERSION exec, ms (user + system, mean): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in version_cpu.items())
+    )
     print("\nCPU per pod, ms (user + system; plugin: its execs; the stack's processes beside it):")
     for conc in levels:
         for name, key in sets_of(conc):

@@ -27,10 +27,31 @@ Why onedir and these options (measured, services/cni/README.md "Frozen binary"):
   module is collected as a ``.pyc`` file in the support directory instead of into the
   zlib-compressed PYZ archive and ``base_library.zip``, so the interpreter's own path
   finder loads them, as in a venv, without PyInstaller's pure-Python importer decompressing
-  each one. CPU of an ADD up to the agent call (the socket refusing), interleaved, n=40,
-  host load 4-8: venv launcher p50 85.5 / min 57.6 ms, PYZ bundle 94.2 / 64.0,
-  noarchive 83.1 / 57.6, Nuitka 4.3.3 ``--standalone`` 82.1 / 59.3 (a 12-minute compile
-  against PyInstaller's ~15 s: not worth it for no measurable gain).
+  each one (CPU of an ADD up to the agent call, n=40: PYZ bundle p50 94.2 ms, noarchive
+  83.1, venv launcher 85.5).
+
+What start-up costs now, and what was tried (2026-12-02, CPU = user + system per exec,
+interleaved, medians of n=20-30 on a loaded 2-core host; services/cni/tests/integration/
+measure_startup.py and ``python -m bench cni_latency``):
+
+- the plugin's own imports were most of it: ``json`` (its decoder and encoder compile
+  regular expressions at import, so ``re``, ``enum``, ``functools``, ``collections``) and
+  ``ipaddress`` (``functools``, ``collections``). The plugin now uses
+  :mod:`cilia_cni.jsonio` (``_json``'s C scanner and encoder), string checks for its two
+  patterns and ``inet_pton`` for the agent's addresses: VERSION 30.0 -> 17.3 ms CPU,
+  ADD (contract-level agent peer) 34.5 -> 21.1, DEL 34.5 -> 23.5; against a real stack
+  the plugin's CPU per ADD went 43-46 -> 27-28 ms (bench, through the installed wrapper);
+  ``python3 -I -S -c pass`` of the same interpreter is ~10 ms;
+- Nuitka 4.3.3 ``--standalone --python-flag=no_site`` (gcc 12, no LTO), same sources:
+  slower to start than this bundle, before the import trimming (VERSION 34.6 vs 30.0 ms
+  CPU, ADD 42.0 vs 34.5) and after it (VERSION 27.7 vs 15.7, ADD 32.2 vs 23.9, DEL 32.7
+  vs 19.7), 27 MB, and a cold build of 6.7-7.6 min wall on one niced core (156-170 s CPU)
+  against PyInstaller's 13-25 s: not adopted;
+- ``--optimize 2`` (no docstrings or asserts) and ``--python-option "X frozen_modules=on"``:
+  no measurable change (VERSION 20.1 vs 20.3 and 19.1 vs 19.0 ms CPU), not used;
+- what is left above the bare interpreter (~5 ms): the bootloader's restart of itself
+  (once per exec, to put the support directory on ``LD_LIBRARY_PATH``), PyInstaller's
+  bootstrap modules and the stdlib modules it loads from ``.pyc`` files.
 
 Cache: ``${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cni-bin/<cilia-cni version>-pyinstaller<version>-
 <16 hex>/cilia-cni/``, the hex a sha256 over every input (this file, entry.py, the plugin's

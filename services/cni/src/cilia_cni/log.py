@@ -5,10 +5,11 @@ reported once on stderr and then ignored.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
+
+from cilia_cni import jsonio
 
 #: Permissions of a newly created log file.
 LOG_FILE_MODE = 0o600
@@ -43,7 +44,7 @@ class EventLog:
         record.update(self._base)
         record["msg"] = msg
         record.update(fields)
-        line = json.dumps(record, default=str) + "\n"
+        line = jsonio.dumps(record, default=str) + "\n"
         try:
             # O_NONBLOCK: a log-file that is a FIFO without a reader fails at once (ENXIO)
             # instead of blocking the plugin forever; no effect on a regular file.

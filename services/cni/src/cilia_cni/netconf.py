@@ -7,12 +7,11 @@ services/cni/README.md. Only the standard library is imported here.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 
+from cilia_cni import jsonio
 from cilia_cni.errors import DecodingFailure, IncompatibleVersion, InvalidNetworkConfig
-from cilia_cni.invocation import show
+from cilia_cni.invocation import is_name, show
 
 # typing is not imported at run time (start-up cost); mypy honours this constant.
 TYPE_CHECKING = False
@@ -50,8 +49,6 @@ DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 MAX_RESPONSE_BYTES_RANGE = (1024, 256 * 1024 * 1024)
 #: containerd's capability carrying the pod's annotations in ``runtimeConfig``.
 POD_ANNOTATIONS_CAPABILITY = "io.kubernetes.cri.pod-annotations"
-#: Spec rule for ``name``.
-_NETWORK_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 
 
 class NetConf:
@@ -123,7 +120,7 @@ def decode(data: bytes) -> dict[str, object]:
     """
     try:
         text = data.decode("utf-8")
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = jsonio.loads(text, _reject_constant)
     except UnicodeDecodeError as exc:
         raise DecodingFailure(f"network configuration on stdin is not UTF-8: {exc}") from None
     except ValueError as exc:
@@ -134,16 +131,35 @@ def decode(data: bytes) -> dict[str, object]:
         raise DecodingFailure(
             f"network configuration on stdin must be a JSON object, got {type(obj).__name__}"
         )
-    if _SURROGATE_ESCAPE.search(text):  # only a \uD800-\uDFFF escape can make one
+    if _has_surrogate_escape(text):
         _reject_surrogates(obj, "")
     return obj
 
 
-#: A JSON escape of a UTF-16 surrogate; UTF-8 input itself cannot encode one (decode
-#: rejects it), so a string holding a lone surrogate always comes from such an escape.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-#: A lone surrogate in a decoded string (a valid pair was joined by json already).
-_SURROGATE = re.compile("[\ud800-\udfff]")
+def _has_surrogate_escape(text: str) -> bool:
+    """Whether ``text`` holds a JSON escape of a UTF-16 surrogate (``\\u`` then ``d``/``D``
+    then ``8``-``f``); UTF-8 input itself cannot encode one (decode rejects it), so a
+    string holding a lone surrogate always comes from such an escape. (String methods, not
+    ``re``: the regex module's import costs more than the whole check, see jsonio.)"""
+    at = text.find("\\u")
+    while at >= 0:
+        if text[at + 2 : at + 3] in ("d", "D") and text[at + 3 : at + 4] in _SURROGATE_HIGH:
+            return True
+        at = text.find("\\u", at + 2)
+    return False
+
+
+_SURROGATE_HIGH = frozenset("89abcdefABCDEF")
+
+
+def _has_surrogate(value: str) -> bool:
+    """Whether ``value`` holds a lone surrogate (U+D800-U+DFFF; a valid pair was joined by
+    the JSON decoder already): strict UTF-8 encodes every code point but those."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _reject_surrogates(value: object, where: str) -> None:
@@ -154,7 +170,7 @@ def _reject_surrogates(value: object, where: str) -> None:
         DecodingFailure: naming the field (``args.cni.labels[0].key``) or the key.
     """
     if isinstance(value, str):
-        if _SURROGATE.search(value):
+        if _has_surrogate(value):
             raise DecodingFailure(
                 f"network config field `{where}` is not valid Unicode: it holds a lone "
                 "UTF-16 surrogate escape (\\ud800-\\udfff without its pair)"
@@ -162,7 +178,7 @@ def _reject_surrogates(value: object, where: str) -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             path = f"{where}.{key}" if where else key
-            if _SURROGATE.search(key):
+            if _has_surrogate(key):
                 shown = key.encode("utf-8", "backslashreplace").decode("ascii", "replace")
                 raise DecodingFailure(
                     f"network config key {shown!r} under `{where or '(top level)'}` is not "
@@ -222,7 +238,7 @@ def parse(conf: Mapping[str, object], cni_version: str, plugin_type: str) -> Net
     name = conf.get("name")
     if name is None:
         raise InvalidNetworkConfig("network config field `name` is missing")
-    if not isinstance(name, str) or not _NETWORK_NAME.fullmatch(name):
+    if not isinstance(name, str) or not is_name(name):
         raise InvalidNetworkConfig(
             f"network config field `name` must match [a-zA-Z0-9][a-zA-Z0-9_.-]*, got {_shown(name)}"
         )
@@ -582,5 +598,5 @@ def _shown(value: object) -> str:
     if isinstance(value, str):
         return show(value)
     if isinstance(value, bool | int | float) or value is None:
-        return json.dumps(value)
+        return jsonio.dumps(value)
     return _json_type(value)

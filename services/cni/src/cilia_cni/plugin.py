@@ -12,13 +12,12 @@ imported only for that last step.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import sys
 import time
 
-from cilia_cni import netconf
+from cilia_cni import jsonio, netconf
 from cilia_cni.errors import (
     AgentTimeout,
     AgentUnavailable,
@@ -165,7 +164,7 @@ def _add(
         pod_namespace=cni_args.get("K8S_POD_NAMESPACE", ""),
         pod_name=cni_args.get("K8S_POD_NAME", ""),
         mtu=config.mtu,
-        prev_result=json.dumps(prev) if prev is not None else "",
+        prev_result=jsonio.dumps(prev) if prev is not None else "",
     )
     with _client(config) as client:
         try:
@@ -431,7 +430,7 @@ def _error(
 
 
 def _dump(obj: Mapping[str, object]) -> str:
-    return json.dumps(obj) + "\n"
+    return jsonio.dumps(obj) + "\n"
 
 
 def _ms(started: float) -> float:

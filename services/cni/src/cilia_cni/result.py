@@ -8,7 +8,7 @@ It reads the response's attributes only (:class:`cilia_cni.wire.AddResponse`).
 
 from __future__ import annotations
 
-import ipaddress
+from _socket import AF_INET, AF_INET6, inet_pton
 
 from cilia_cni.errors import InternalError
 
@@ -49,13 +49,13 @@ def build(cni_version: str, response: AddResponse) -> dict[str, object]:
         raise InternalError("cilia-agent returned an ADD result without interfaces")
     ips: list[dict[str, object]] = []
     for ip in response.ips:
-        parsed = _check(ipaddress.ip_interface, ip.address, "ips[].address")
+        version = _check_cidr(ip.address, "ips[].address", network=False)
         entry = {}
         if cni_version.startswith("0."):
-            entry["version"] = str(getattr(parsed, "version", 4))
+            entry["version"] = str(version)
         entry["address"] = ip.address
         if ip.gateway:
-            _check(ipaddress.ip_address, ip.gateway, "ips[].gateway")
+            _check_address(ip.gateway, "ips[].gateway")
             entry["gateway"] = ip.gateway
         if ip.interface >= len(interfaces):
             raise InternalError(
@@ -66,10 +66,10 @@ def build(cni_version: str, response: AddResponse) -> dict[str, object]:
         ips.append(entry)
     routes: list[dict[str, object]] = []
     for route in response.routes:
-        _check(ipaddress.ip_network, route.dst, "routes[].dst")
+        _check_cidr(route.dst, "routes[].dst", network=True)
         entry = {"dst": route.dst}
         if route.gw:
-            _check(ipaddress.ip_address, route.gw, "routes[].gw")
+            _check_address(route.gw, "routes[].gw")
             entry["gw"] = route.gw
         routes.append(entry)
     return {"cniVersion": cni_version, "interfaces": interfaces, "ips": ips, "routes": routes}
@@ -109,6 +109,60 @@ def convert(cni_version: str, prev: Mapping[str, object]) -> dict[str, object]:
 
 def _objects(value: object) -> list[Mapping[str, object]]:
     return [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
+
+
+# The agent's addresses are checked as ``ipaddress`` would (ip_address, ip_interface, and
+# ip_network with strict host bits), but ``ipaddress`` is imported only when the C parser
+# ``inet_pton`` refuses a value: its import (with functools and collections) cost ~5 ms CPU
+# of every ADD. Every string inet_pton accepts (dotted quad without leading zeros; RFC 4291
+# text forms) ipaddress accepts too (fuzzed in services/cni/tests/integration/
+# test_cni_lean_imports.py); what it refuses (a scope id, a netmask prefix, a typo) goes to
+# ipaddress, which accepts it or raises the error reported.
+
+
+def _packed(text: str) -> bytes | None:
+    try:
+        return inet_pton(AF_INET6 if ":" in text else AF_INET, text)
+    except (OSError, ValueError):  # ValueError: an embedded NUL
+        return None
+
+
+def _check_address(value: str, field: str) -> None:
+    """As ``ipaddress.ip_address(value)``.
+
+    Raises:
+        InternalError: ``value`` is not an IPv4 or IPv6 address.
+    """
+    if _packed(value) is None:
+        import ipaddress
+
+        _check(ipaddress.ip_address, value, field)
+
+
+def _check_cidr(value: str, field: str, network: bool) -> int:
+    """As ``ipaddress.ip_interface(value)`` (``network`` False) or ``ip_network(value)``
+    (True: the host bits must be zero); returns the IP version, 4 or 6.
+
+    Raises:
+        InternalError: ``value`` is not such a CIDR.
+    """
+    address, slash, prefix = value.partition("/")
+    packed = _packed(address)
+    if packed is not None:
+        bits = 8 * len(packed)
+        if not slash:
+            length = bits
+        elif prefix.isascii() and prefix.isdigit() and int(prefix) <= bits:
+            length = int(prefix)
+        else:
+            length = -1
+        host_mask = (1 << (bits - length)) - 1 if length >= 0 else 0
+        if length >= 0 and not (network and int.from_bytes(packed, "big") & host_mask):
+            return 4 if bits == 32 else 6
+    import ipaddress
+
+    parse = ipaddress.ip_network if network else ipaddress.ip_interface
+    return int(getattr(_check(parse, value, field), "version", 4))
 
 
 def _check(parse: Callable[[str], object], value: str, field: str) -> object:
