@@ -337,3 +337,38 @@ async def test_watch_spans_reconnects_without_gaps_or_duplicates(make_store: Sto
         assert seen == ["a", "b", "c"]
     finally:
         await store.close()
+
+
+async def test_redis_store_ping_of_a_server_that_is_not_redis_is_store_unavailable() -> None:
+    """A --store URL naming a port where something else answers (an HTTP server) is a
+    one-line StartupError, not redis-py's InvalidResponse traceback."""
+    from cilia_operator.app import Operator, StartupError
+    from cilia_operator.config import Config
+    from cilia_operator.store import StoreUnavailable
+    from cilia_operator.store.redis import RedisStore
+
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        store = RedisStore(url, connect_timeout=2, request_timeout=2)
+        try:
+            with pytest.raises(
+                StoreUnavailable, match=r"does not answer as Redis: .*HTTP/1\.1 400"
+            ):
+                await store.ping()
+        finally:
+            await store.close()
+        op = Operator(Config(store=url, prometheus_serve_addr=""))
+        with pytest.raises(StartupError, match=f"redis store {url} does not answer as Redis"):
+            await op.start()
+        await op.stop()
+    finally:
+        server.close()
+        await server.wait_closed()

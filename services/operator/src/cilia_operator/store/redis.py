@@ -211,9 +211,16 @@ class RedisStore(Store):
         """Check that Redis answers.
 
         Raises:
-            StoreUnavailable: it does not.
+            StoreUnavailable: it does not, or what answers is not a usable Redis (another
+                protocol on the port, a DB index the server does not have, NOAUTH): the
+                operator's start-up reports it in one line instead of a traceback.
         """
-        await self._call(self._r.ping())
+        try:
+            await self._call(self._r.ping())
+        except redis.exceptions.RedisError as exc:
+            raise StoreUnavailable(
+                f"redis store {self.url} does not answer as Redis: {exc}"
+            ) from exc
 
     async def get(self, kind: str, name: str, namespace: str = "") -> Resource:
         k = self._keys(kind)
