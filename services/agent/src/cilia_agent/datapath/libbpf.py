@@ -66,10 +66,13 @@ def libbpf() -> ctypes.CDLL:
         lib.bpf_map_delete_elem.argtypes = [ctypes.c_int, ctypes.c_void_p]
         lib.bpf_link_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.bpf_link_update.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.bpf_obj_get_info_by_fd.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)
+        ]  # fmt: skip
         for fn in (
             lib.bpf_obj_get, lib.bpf_obj_pin, lib.bpf_map_get_next_key, lib.bpf_map_lookup_elem,
             lib.bpf_map_update_elem, lib.bpf_map_delete_elem, lib.bpf_link_create,
-            lib.bpf_link_update,
+            lib.bpf_link_update, lib.bpf_obj_get_info_by_fd,
         ):  # fmt: skip
             fn.restype = ctypes.c_int
         _object_prototypes(lib)
@@ -222,6 +225,56 @@ def map_keys(fd: int, key_type: type[K]) -> Iterator[K]:
         yield nxt
 
 
+class MapInfo(ctypes.Structure):
+    """The leading fields of ``struct bpf_map_info`` (linux/bpf.h); the kernel fills as many
+    bytes as it is given (``BPF_OBJ_GET_INFO_BY_FD``)."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+    ]
+
+
+def map_info(fd: int, what: str) -> MapInfo:
+    """Type, key and value sizes, max_entries and name of the map behind ``fd``.
+
+    Raises:
+        LibbpfError: ``fd`` is not a BPF map (``what`` names it in the message).
+    """
+    info = MapInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    rc = libbpf().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
+    if rc != 0:
+        raise LibbpfError(f"cannot read the map info of {what}", _err(rc))
+    return info
+
+
+def check_layout(fd: int, what: str, key_type: type[Any], value_type: type[Any]) -> None:
+    """Check that the map behind ``fd`` has the key and value sizes of the ctypes layouts:
+    the kernel copies ``key_size``/``value_size`` bytes to and from the buffers, so a map of
+    another layout (a pin of an older agent or another program, a stale object) would read
+    garbage or write past them (a segfault of ``cilia-agent bpf … list``).
+
+    Raises:
+        LibbpfError: (``errno`` EINVAL) the sizes differ, both named in the message.
+    """
+    info = map_info(fd, what)
+    want = (ctypes.sizeof(key_type), ctypes.sizeof(value_type))
+    if (info.key_size, info.value_size) != want:
+        raise LibbpfError(
+            f"map {what} has {info.key_size}-byte keys and {info.value_size}-byte values, "
+            f"this agent's {key_type.__name__}/{value_type.__name__} are {want[0]}/{want[1]} "
+            "bytes: not this agent's map (a pin left by another version or program, or an "
+            "object not rebuilt by `make bpf`)",
+            errno.EINVAL,
+        )
+
+
 class PinnedMap(Generic[K, V]):
     """A BPF map (hash, LRU, LPM trie, array) opened by its pin path or from an fd
     (:meth:`from_fd`), with typed keys and values; also a mapping (``m[k]``, ``m[k] = v``,
@@ -232,7 +285,8 @@ class PinnedMap(Generic[K, V]):
         key_type, value_type: ctypes layouts (``datapath.layout``, ``loadbalancer.layout``).
 
     Raises:
-        LibbpfError: no such pin, no permission (root needed), or libbpf missing.
+        LibbpfError: no such pin, no permission (root needed), libbpf missing, or the
+            map's key or value size is not the layouts' (:func:`check_layout`).
     """
 
     def __init__(self, path: pathlib.Path, key_type: type[K], value_type: type[V]) -> None:
@@ -240,12 +294,18 @@ class PinnedMap(Generic[K, V]):
         self.key_type = key_type
         self.value_type = value_type
         self.fd = obj_get(path, "map")
+        try:
+            check_layout(self.fd, str(path), key_type, value_type)
+        except LibbpfError:
+            self.close()
+            raise
 
     @classmethod
     def from_fd(cls, fd: int, name: str, key_type: type[K], value_type: type[V]) -> PinnedMap[K, V]:
         """A handle on the map behind ``fd`` (e.g. :meth:`BpfObject.map_fd`); the handle
         owns a duplicate of ``fd``, so closing either leaves the other open. ``name`` is
         used in messages."""
+        check_layout(fd, name, key_type, value_type)
         self = cls.__new__(cls)
         self.path = pathlib.Path(name)
         self.key_type = key_type
@@ -366,6 +426,7 @@ class PerCpuMap(Generic[K, V]):
         if self.ncpus <= 0:
             raise LibbpfError("cannot count possible CPUs", -self.ncpus or errno.EIO)
         self.stride = (ctypes.sizeof(value_type) + 7) // 8 * 8
+        check_layout(fd, name, key_type, value_type)
         self.fd = os.dup(fd)
 
     def _values(self, buf: ctypes.Array[ctypes.c_char]) -> list[V]:
