@@ -47,3 +47,24 @@ def test_object_older_than_a_header_is_refused_and_a_rebuilt_one_is_used(
 def test_outside_a_checkout_only_presence_counts(tmp_path: pathlib.Path) -> None:
     (tmp_path / "bpf_x.o").write_bytes(b"")
     assert object_path(tmp_path, "bpf_x") == tmp_path / "bpf_x.o"
+
+
+def test_an_object_that_is_not_elf_is_refused_with_libbpfs_own_error_text(
+    tmp_path: pathlib.Path,
+) -> None:
+    """libbpf's own error numbers (4000 and up, here 4001) are described by libbpf, not as Python's
+    "Unknown error 4001"; the load fails before any kernel call."""
+    from cilia_agent.datapath.libbpf import LibbpfError, libbpf
+    from cilia_agent.datapath.objects import BpfObject
+
+    try:
+        libbpf()
+    except LibbpfError as exc:
+        pytest.skip(str(exc))  # no libbpf.so.1: nothing to open the object with
+    garbage = tmp_path / "bpf_x.o"
+    garbage.write_text("not an ELF object\n")
+    with pytest.raises(BpfUnavailable) as err:
+        BpfObject.load(garbage, pin_dir=tmp_path / "pins")
+    message = str(err.value)
+    assert message.startswith(f"cannot open {garbage}: BPF object format invalid"), message
+    assert "Unknown error" not in message

@@ -30,11 +30,25 @@ V = TypeVar("V", bound=ctypes.Structure | ctypes.c_uint8 | ctypes.c_uint32 | cty
 BPF_ANY = 0
 
 
+LIBBPF_ERRNO_START = 4000  # libbpf.h LIBBPF_ERRNO__START: libbpf's own error numbers
+
+
+def strerror(err: int) -> str:
+    """The text of error number ``err``: ``os.strerror`` for the kernel's, libbpf's
+    ``libbpf_strerror`` for libbpf's own (4000 and up, e.g. 4001 "BPF object format invalid"),
+    which ``os.strerror`` calls "Unknown error 4001"."""
+    if err >= LIBBPF_ERRNO_START and _lib is not None:
+        buf = ctypes.create_string_buffer(128)
+        if _lib.libbpf_strerror(err, buf, ctypes.sizeof(buf)) == 0:
+            return buf.value.decode(errors="replace")
+    return os.strerror(err)
+
+
 class LibbpfError(DatapathError):
     """A libbpf call failed; ``errno`` holds the error number."""
 
     def __init__(self, message: str, err: int) -> None:
-        super().__init__(f"{message}: {os.strerror(err)}")
+        super().__init__(f"{message}: {strerror(err)}")
         self.errno = err
 
 
@@ -149,6 +163,7 @@ def _object_prototypes(lib: ctypes.CDLL) -> None:
         "btf__type_by_id": ([vp, ctypes.c_uint32], ctypes.POINTER(BtfType)),
         "btf__name_by_offset": ([vp, ctypes.c_uint32], cp),
         "libbpf_set_print": ([vp], vp),
+        "libbpf_strerror": ([i, vp, sz], i),
         "libbpf_num_possible_cpus": ([], i),
         "ring_buffer__new": ([i, RING_SAMPLE_FN, vp, vp], vp),
         "ring_buffer__poll": ([vp, i], i),

@@ -277,7 +277,7 @@ class BpfObject:
 
     @staticmethod
     def _failure(path: pathlib.Path, what: str, err: int, verifier: bytes = b"") -> str:
-        parts = [f"{what} {path}: {os.strerror(err)}"]
+        parts = [f"{what} {path}: {lb.strerror(err)}"]
         kept: list[str] = getattr(_collect, "messages", None) or []
         if kept:
             parts.append("libbpf: " + " | ".join(kept[-LIBBPF_MESSAGES_KEPT:]))
