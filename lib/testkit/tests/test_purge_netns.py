@@ -1,14 +1,23 @@
 """``scripts/stack.sh purge`` deletes only leftover namespaces whose owner is gone: on a shared
-host another run's live namespaces stay (privileged: real ``ip netns``)."""
+host another run's live namespaces stay (privileged: real ``ip netns``); nor does it remove
+the pins and host device another checkout's running agent uses."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
+import types
+from typing import cast
 
-from cilia_testkit import skips
+import pytest
+
+from cilia_testkit import skips, stackctl
+from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
+from cilia_testkit.host import wait_for
 from cilia_testkit.netns import NETNS_DIR, OWNER_DIR, create_netns, delete_netns, netns_owner
+from cilia_testkit.stack import Stack
 from cilia_testkit.stackctl import remove_leftover_netns
 
 
@@ -50,3 +59,48 @@ def test_purge_keeps_namespaces_of_live_owners_and_deletes_the_rest() -> None:
         live_owner.wait()
         for name in names.values():
             delete_netns(name)
+
+
+def test_purge_keeps_the_pins_and_host_device_another_checkouts_agent_uses(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every checkout's ``make up`` agent has the same pin dir and host device: a purge in
+    one checkout must not pull them from under another's running agent (it removed them,
+    and that agent went on reporting ready without a datapath). Unprivileged: the "agents"
+    are processes whose command lines look like ``cilia-agent serve``."""
+    pins, other = tmp_path / "pins", tmp_path / "other"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)", "/x/.venv/bin/cilia-agent"]
+    procs = {
+        "spaced": subprocess.Popen([*sleep, "serve", "--bpf-pin-dir", str(pins)]),
+        "alias": subprocess.Popen([*sleep, "serve", f"--bpf-root={pins}/"]),
+        "elsewhere": subprocess.Popen([*sleep, "serve", "--bpf-pin-dir", str(other)]),
+        "not-serve": subprocess.Popen([*sleep, "status", "--bpf-pin-dir", str(pins)]),
+        "default": subprocess.Popen([*sleep, "serve", "--node-name", "n"]),
+    }
+    removed: list[str] = []
+    agent = types.SimpleNamespace(
+        pin_dir=pins, host_device="cilia_tkx", remove_leftovers=lambda: removed.append("x")
+    )
+    stack = cast(Stack, types.SimpleNamespace(agent=agent))
+    monkeypatch.setattr(stackctl, "down", lambda *a, **k: 0)
+    monkeypatch.setattr(stackctl, "remove_leftover_netns", lambda: ([], {}))
+    monkeypatch.setattr(stackctl, "SHARED_RUN", tmp_path / "run")
+    try:
+        assert wait_for(lambda: len(stackctl.agents_using(pins)) == 2, 10)
+        users = stackctl.agents_using(pins)
+        assert users == sorted([procs["spaced"].pid, procs["alias"].pid])
+        assert stackctl.agents_using(other) == [procs["elsewhere"].pid]
+        assert procs["default"].pid in stackctl.agents_using(DEFAULT_PIN_DIR)
+
+        assert stackctl.purge(stack, stop_timeout=1) == 0
+        assert removed == []  # kept: agents use them
+
+        for name in ("spaced", "alias"):
+            procs[name].kill()
+            procs[name].wait()
+        assert stackctl.purge(stack, stop_timeout=1) == 0
+        assert removed == ["x"]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()

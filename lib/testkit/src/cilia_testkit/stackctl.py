@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ import sys
 from collections.abc import Collection, Sequence
 
 from cilia_testkit import VENV_BIN
+from cilia_testkit.bpfmaps import DEFAULT_PIN_DIR
 from cilia_testkit.host import tail
 from cilia_testkit.netns import delete_netns, list_netns, netns_owner
 from cilia_testkit.stack import SHARED_POOL, SHARED_RUN, SLOT_DIR, Stack, StackError
@@ -133,10 +135,21 @@ def purge(stack: Stack, *, stop_timeout: float) -> int:
     socket load balancer attached to the host's cgroup2 with the stack's old Services) and
     host device, delete leftover netns of the demo/tests/benches, remove ``.run``. (``down``
     keeps the pins, so a restarted agent serves the same pods, as upstream's does.) Only
-    namespaces whose owner is gone are deleted (:func:`remove_leftover_netns`)."""
+    namespaces whose owner is gone are deleted (:func:`remove_leftover_netns`); the pins and
+    device stay while an agent uses them (:func:`agents_using`: another checkout's
+    ``make up`` agent has the same ones)."""
     down(stack, COMPONENTS, stop_timeout=stop_timeout)
-    stack.agent.remove_leftovers()
-    _say(f"removed {stack.agent.pin_dir} (maps, socket-LB links) and {stack.agent.host_device}")
+    users = agents_using(stack.agent.pin_dir)
+    if users:
+        # the make-up stacks of all checkouts share the pin dir and host device: another
+        # checkout's running agent keeps them (its datapath would be gone under it)
+        _say(
+            f"kept {stack.agent.pin_dir} and {stack.agent.host_device}: cilia-agent pid "
+            f"{', '.join(map(str, users))} still uses them (another checkout's `make up`?)"
+        )
+    else:
+        stack.agent.remove_leftovers()
+        _say(f"removed {stack.agent.pin_dir} (maps, socket-LB links) and {stack.agent.host_device}")
     deleted, kept = remove_leftover_netns()
     for name in deleted:
         _say(f"deleted netns {name}")
@@ -145,6 +158,33 @@ def purge(stack: Stack, *, stop_timeout: float) -> int:
     shutil.rmtree(SHARED_RUN, ignore_errors=True)
     _say(f"purged {SHARED_RUN}")
     return 0
+
+
+def agents_using(pin_dir: pathlib.Path, proc: pathlib.Path = pathlib.Path("/proc")) -> list[int]:
+    """Pids of the running ``cilia-agent serve`` processes (any checkout's) whose
+    ``--bpf-pin-dir`` (alias ``--bpf-root``; the agent's default when absent,
+    ``/sys/fs/bpf/cilia``) is ``pin_dir``, read from ``/proc/<pid>/cmdline``; sorted."""
+    want = os.path.normpath(pin_dir)
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        starts = [i for i, a in enumerate(argv) if os.path.basename(a) == "cilia-agent"]
+        if not starts or argv[starts[0] + 1 : starts[0] + 2] != ["serve"]:
+            continue
+        used = str(DEFAULT_PIN_DIR)
+        args = argv[starts[0] + 2 :]
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag in ("--bpf-pin-dir", "--bpf-root"):
+                used = value if eq else (args[i + 1] if i + 1 < len(args) else used)
+        if os.path.normpath(used) == want:
+            found.append(int(entry.name))
+    return sorted(found)
 
 
 def remove_leftover_netns(
