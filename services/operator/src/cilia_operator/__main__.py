@@ -169,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "<node>.<CLUSTER>.hubble-grpc.cilium.io (agents' --hubble-tls-*), the "
                      "relay's client and server pairs, hubble-ui's client pair "
                      "(default: none)")  # fmt: skip
-    gen.add_argument("--days", type=_positive_seconds, default=365.0,
-                     help=f"validity of the server and client certificates in days; the CA "
-                     f"gets ten times as long {d}")  # fmt: skip
+    gen.add_argument("--days", type=_cert_days, default=365.0,
+                     help=f"validity of the server and client certificates in days, at most "
+                     f"{CERT_DAYS_MAX}; the CA gets ten times as long {d}")  # fmt: skip
     status = ipam_sub.add_parser("status", help="pools, draining CIDRs, nodes, migration")
     status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
     client(status)
@@ -227,6 +227,24 @@ def _positive_seconds(value: str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds > 0")
     return seconds
+
+
+#: longest --days of ``certs generate``: 100 years, so the CA's ten times as long still ends
+#: well before X.509's last date (9999-12-31) instead of overflowing Python's datetime
+CERT_DAYS_MAX = 36500
+
+
+def _cert_days(value: str) -> float:
+    """argparse type: a finite number of days in (0, :data:`CERT_DAYS_MAX`]."""
+    try:
+        days = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of days") from None
+    if not math.isfinite(days) or not 0 < days <= CERT_DAYS_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} must be a number of days > 0 and <= {CERT_DAYS_MAX}"
+        )
+    return days
 
 
 def _go_duration(value: str) -> str:

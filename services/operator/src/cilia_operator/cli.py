@@ -762,15 +762,23 @@ def certs_generate(
     client pair).
 
     Raises:
-        CommandError: bad node name, no host, or the directory cannot be written.
+        CommandError: bad node or Hubble cluster name (one line), no host, or the directory
+            cannot be written.
     """
+    import pydantic
+
     from .ipam.pool import ObjectMeta
 
-    for node in nodes:
+    names = [("--nodes", node) for node in nodes]
+    if hubble_cluster is not None:  # the middle label of each node's <node>.<cluster>.hubble-grpc…
+        names.append(("--hubble-cluster", hubble_cluster))
+    for flag, name in names:
         try:
-            ObjectMeta(name=node)
+            ObjectMeta(name=name)
         except ValueError as exc:
-            raise CommandError(f"--nodes: {node!r}: {exc}") from None
+            # pydantic's text is several lines (model, field, docs link): its message only
+            why = exc.errors()[0]["msg"] if isinstance(exc, pydantic.ValidationError) else exc
+            raise CommandError(f"{flag}: {name!r}: {why}") from None
     try:
         bundle = generate_bundle(
             directory, server_hosts=hosts, nodes=nodes, admins=admins, days=days,

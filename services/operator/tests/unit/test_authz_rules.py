@@ -129,6 +129,32 @@ def test_certs_generate_writes_the_bundle_and_refuses_bad_node_names(
     assert "--nodes: 'Bad_Name'" in capsys.readouterr().err
 
 
+def test_certs_generate_refuses_bad_input_in_one_line_and_writes_nothing(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--days past a century overflowed datetime (a traceback); its message said seconds;
+    a bad node name printed pydantic's several lines; a bad --hubble-cluster was written into
+    every node's certificate name."""
+    from cilia_operator.__main__ import main
+
+    out = tmp_path / "tls"
+    for days in ("1e9", "36501", "0", "nan"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["certs", "generate", "--dir", str(out), "--days", days])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.endswith(f"--days: {days!r} must be a number of days > 0 and <= 36500"), err
+    for argv, want in (
+        (["--nodes", "bad name"], "--nodes: 'bad name': Value error, 'bad name' is not a valid"),
+        (["--nodes", "a", "--hubble-cluster", "Bad_Cluster"], "--hubble-cluster: 'Bad_Cluster'"),
+    ):
+        assert main(["certs", "generate", "--dir", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err, err
+    assert not out.exists()
+    assert main(["certs", "generate", "--dir", str(out), "--days", "36500"]) == 0
+
+
 def test_client_tls_flags_come_together(capsys: pytest.CaptureFixture[str]) -> None:
     from cilia_operator.__main__ import main
 
