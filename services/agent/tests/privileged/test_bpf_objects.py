@@ -73,3 +73,31 @@ def _has_map(obj: BpfObject, name: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+def test_a_pin_of_another_size_is_refused_naming_both_sizes_and_kept(
+    pin_dir: pathlib.Path,
+) -> None:
+    """A map-size flag changed since the pins were made (--bpf-policy-map-max 1024 against a
+    65536-entry pin) was refused with libbpf's bare "parameter mismatch"."""
+    path = object_path(default_bpf_dir(), "bpf_lxc")
+    sizes = {"cilia_ipcache": 64, "cilia_endpoints": 32, "cilia_ct": 128, "cilia_policy": 256}
+    with (
+        BpfObject.load(path, pin_dir=pin_dir, max_entries=sizes) as first,
+        first.map("cilia_endpoints", ctypes.c_uint32, EndpointInfo) as eps,
+    ):
+        eps.update(ctypes.c_uint32(5), EndpointInfo(ep_id=42))
+    with pytest.raises(BpfUnavailable) as err:
+        BpfObject.load(path, pin_dir=pin_dir, max_entries={**sizes, "cilia_policy": 1024})
+    assert str(err.value) == (
+        f"pinned map {pin_dir}/cilia_policy has 256 entries, this start asks 1024: start with "
+        "the size it was made with, or, to apply the new one (the endpoints' maps start "
+        "empty), stop the agent and remove the pins (cilia-agent init clean-state "
+        f"--bpf-state --bpf-pin-dir {pin_dir})"
+    )
+    with (
+        BpfObject.load(path, pin_dir=pin_dir, max_entries=sizes) as again,
+        again.map("cilia_endpoints", ctypes.c_uint32, EndpointInfo) as eps,
+    ):
+        found = eps.lookup(ctypes.c_uint32(5))
+        assert found is not None and found.ep_id == 42  # the pins were left as they were

@@ -166,6 +166,36 @@ def _find(lib: ctypes.CDLL, finder: str, obj: int, name: str) -> int:
     return int(ptr)
 
 
+def _check_pinned_size(pin: pathlib.Path, entries: int) -> None:
+    """Refuse, naming both sizes and the way out, a pinned map whose ``max_entries`` is not
+    ``entries`` (a map-size flag changed since the pin was made): libbpf would refuse it as a
+    bare "parameter mismatch", and replacing it would drop what the running pods' policy and
+    connections hold. No pin, or not a map: nothing to say (libbpf pins or refuses it).
+
+    Raises:
+        BpfUnavailable: the sizes differ.
+    """
+    if not pin.exists():
+        return
+    try:
+        fd = lb.obj_get(pin, "map")
+    except LibbpfError:
+        return
+    try:
+        pinned = int(lb.map_info(fd, str(pin)).max_entries)
+    except LibbpfError:
+        return
+    finally:
+        os.close(fd)
+    if pinned != entries:
+        raise BpfUnavailable(
+            f"pinned map {pin} has {pinned} entries, this start asks {entries}: start with the "
+            f"size it was made with, or, to apply the new one (the endpoints' maps start "
+            f"empty), stop the agent and remove the pins (cilia-agent init clean-state "
+            f"--bpf-state --bpf-pin-dir {pin.parent})"
+        )
+
+
 class BpfObject:
     """One loaded ELF object (its programs and maps), created with :meth:`load`.
 
@@ -197,8 +227,9 @@ class BpfObject:
 
         Raises:
             BpfUnavailable: the file cannot be opened, a named map or ``CONFIG`` is
-                missing or of another size, a pinned map does not match (libbpf's
-                "parameter mismatch"), or the verifier refused a program (its log's tail
+                missing or of another size, a pinned map has another ``max_entries``
+                (:func:`_check_pinned_size`: both sizes and the way out) or otherwise does
+                not match (libbpf's "parameter mismatch"), or the verifier refused a program (its log's tail
                 in the message).
         """
         lib = lb.libbpf()
@@ -228,6 +259,7 @@ class BpfObject:
                         m = _find(lib, "bpf_object__find_map_by_name", obj, name)
                     except KeyError:
                         raise BpfUnavailable(f"{path} has no map {name}") from None
+                    _check_pinned_size(pin_dir / name, entries)
                     rc = lib.bpf_map__set_max_entries(m, entries)
                     if rc < 0:
                         raise BpfUnavailable(cls._failure(path, f"max_entries of {name}", -rc))
