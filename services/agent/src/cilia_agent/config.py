@@ -469,6 +469,17 @@ class Config(BaseModel):
             raise ValueError(f"{value!r} must be a plain file name ending in .conflist")
         return value
 
+    @field_validator(*(f for f in PATH_FLAGS if f != "cni_log_file"), mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        # "" would be the working directory: a cgroup2 mounted over it (--cgroup-root ""),
+        # state files written into it (--state-dir ""). --cni-log-file "" is "none".
+        if isinstance(value, str | pathlib.PurePath) and str(value).strip() == "":
+            raise ValueError(
+                f"{str(value)!r} is empty: give a path (it is not the working directory)"
+            )
+        return value
+
     @field_validator(
         "socket", "state_dir", "cni_conf_dir", "bpf_pin_dir", "cni_del_queue_dir", "cgroup_root"
     )

@@ -179,6 +179,27 @@ def test_cni_flags_defaults_and_parsing(tmp_path: pathlib.Path) -> None:
     assert main(["serve", "--cni-exclusive", "maybe"]) == 2
 
 
+@pytest.mark.parametrize(
+    "flag",
+    ["--state-dir", "--socket", "--cni-conf-dir", "--cni-del-queue-dir", "--bpf-dir",
+     "--bpf-pin-dir", "--hubble-socket", "--cgroup-root"],
+)  # fmt: skip
+def test_an_empty_path_flag_is_a_usage_error_not_the_working_directory(
+    flag: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """``--cgroup-root ""`` mounted a cgroup2 over the working directory and ``--state-dir ""``
+    wrote node.json into it: "" is refused before anything starts (``--cni-log-file ""`` stays
+    "no log")."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--operator", "", flag, ""]) == 2
+    assert capsys.readouterr().err == (
+        f"cilia-agent: {flag}: '' is empty: give a path (it is not the working directory)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert Config.model_validate({"cni_log_file": ""}).cni_log_file == ""
+
+
 def test_relative_path_flags_are_resolved_against_the_cwd_and_logged(
     tmp_path: pathlib.Path,
 ) -> None:
