@@ -21,6 +21,7 @@ from cilia_relay import __version__
 from cilia_relay.config import Config
 
 COMPONENT = "cilia-relay"
+UINT64_MAX = 2**64 - 1  # --last: GetFlowsRequest.number (observer.proto) is a uint64
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,6 +136,13 @@ def _observe(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.last < 0:
         print(f"{prog}: error: --last must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    if args.last > UINT64_MAX:  # GetFlowsRequest.number is a uint64 (protobuf would raise)
+        print(f"{prog}: error: --last must be <= {UINT64_MAX}", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.server.strip():
+        print(f"{prog}: error: --server must not be empty (host:port or unix:/path)",
+              file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     return observe.run(
         observe.ObserveOptions(

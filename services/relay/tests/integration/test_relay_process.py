@@ -297,6 +297,8 @@ def test_observe_exits_1_with_a_clear_message_when_the_server_is_unreachable(
         (["--pod", "a", "--from-pod", "b"], "filters --from-pod and --pod cannot be combined"),
         (["-o", "yaml"], "invalid choice"),
         (["--last", "many"], "invalid int value"),
+        (["--last", str(2**64)], "--last must be <= 18446744073709551615"),  # was a traceback
+        (["--server", ""], "--server must not be empty"),  # was "cannot connect to  within"
         (["--timeout", "soon"], "is not a duration"),
     ],
 )
