@@ -404,7 +404,7 @@ class Config(BaseModel):
     )
     enable_node_port: bool = Field(
         default=True,
-        description="serve NodePorts from outside the node with the tc programs of bpf/bpf_host.c on --devices (upstream enable-node-port, which kube-proxy-replacement turns on); false leaves the node's devices untouched and skips compiling bpf_host.c",
+        description="serve NodePorts from outside the node with the tc programs of bpf/bpf_host.c on --devices (upstream enable-node-port, which kube-proxy-replacement turns on); false leaves the node's devices untouched and skips loading bpf_host.o",
     )
     devices: Annotated[list[str], Flag(metavar="IFNAME")] = Field(
         default_factory=list,
