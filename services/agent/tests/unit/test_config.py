@@ -191,12 +191,18 @@ def test_an_empty_path_flag_is_a_usage_error_not_the_working_directory(
     """``--cgroup-root ""`` mounted a cgroup2 over the working directory and ``--state-dir ""``
     wrote node.json into it: "" is refused before anything starts (``--cni-log-file ""`` stays
     "no log")."""
-    monkeypatch.chdir(tmp_path)
-    assert main(["serve", "--operator", "", flag, ""]) == 2
+    cwd, not_a_dir = tmp_path / "cwd", tmp_path / "file"
+    cwd.mkdir()
+    not_a_dir.write_text("")
+    monkeypatch.chdir(cwd)
+    # were "" accepted, the start would stop early on this state dir (no BPF, no listeners)
+    guard = ["--state-dir", str(not_a_dir), "--enable-bpf", "false", "--prometheus-serve-addr",
+             "", "--hubble-listen-address", ""]  # fmt: skip
+    assert main(["serve", "--operator", "", *guard, flag, ""]) == 2
     assert capsys.readouterr().err == (
         f"cilia-agent: {flag}: '' is empty: give a path (it is not the working directory)\n"
     )
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
     assert Config.model_validate({"cni_log_file": ""}).cni_log_file == ""
 
 
