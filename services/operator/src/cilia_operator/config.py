@@ -67,25 +67,27 @@ class Config(BaseModel):
     store_watch_batch_size: int = Field(
         default=500, ge=1, description="max events read per watch round trip"
     )
-    store_connect_timeout: float = Field(
-        default=5.0, gt=0, description="seconds to connect to the store"
+    store_connect_timeout: Duration = Field(
+        default=5.0, gt=0, description="time to connect to the store (Go duration or seconds)"
     )
-    store_request_timeout: float = Field(
-        default=10.0, gt=0, description="seconds to wait for a store reply"
+    store_request_timeout: Duration = Field(
+        default=10.0, gt=0, description="time to wait for a store reply (Go duration or seconds)"
     )
-    store_retry_interval: float = Field(
-        default=1.0, gt=0, description="seconds between retries after a store error"
+    store_retry_interval: Duration = Field(
+        default=1.0,
+        gt=0,
+        description="time between retries after a store error (Go duration or seconds)",
     )
     store_conflict_retries: int = Field(
         default=5, ge=1, description="attempts of a write that hits a resourceVersion conflict"
     )
-    shutdown_grace_period: float = Field(
-        default=5.0, ge=0, description="seconds in-flight RPCs get on SIGTERM"
+    shutdown_grace_period: Duration = Field(
+        default=5.0, ge=0, description="time in-flight RPCs get on SIGTERM (Go duration or seconds)"
     )
-    shutdown_timeout: float = Field(
+    shutdown_timeout: Duration = Field(
         default=5.0,
         ge=0,
-        description="seconds the process waits, once stopped, for background tasks still running (cancelled) before it exits without them, naming them in a warning (e.g. a Redis watch stuck in its connect)",
+        description="time (Go duration or seconds) the process waits, once stopped, for background tasks still running (cancelled) before it exits without them, naming them in a warning (e.g. a Redis watch stuck in its connect)",
     )
     node_cidr_release_grace_period: Duration = Field(
         default=30.0,

@@ -157,3 +157,14 @@ def test_mask_leaving_no_pod_address_exits_2_naming_the_flag(
     assert main(pools) == 2
     err = capsys.readouterr().err
     assert "pool 'default'" in err and "spec.ipv4.maskSize: 32" in err and "router IP" in err
+
+
+def test_store_and_shutdown_times_take_go_durations_and_bare_seconds() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--shutdown-timeout", "5s", "--shutdown-grace-period", "1m",
+         "--store-request-timeout", "2.5", "--store-connect-timeout", "500ms"]
+    )  # fmt: skip
+    assert (args.shutdown_timeout, args.shutdown_grace_period) == (5.0, 60.0)
+    assert (args.store_request_timeout, args.store_connect_timeout) == (2.5, 0.5)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.shutdown_timeout, defaults.store_retry_interval) == (5.0, 1.0)
