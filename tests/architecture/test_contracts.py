@@ -99,7 +99,7 @@ _LAYOUT = {
     ],
     "cilia_cni": [
         "__main__", "plugin", "agent", "delqueue", "netconf", "result", "log", "h2grpc",
-        "invocation", "wire", "hpack", "errors",
+        "invocation", "wire", "hpack", "errors", "jsonio",
     ],
     "cilia_relay": ["__main__", "app", "cli/__init__", "observer", "merge", "peers", "config"],
     "cilia_hubble_ui": [
