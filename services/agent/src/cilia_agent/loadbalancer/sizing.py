@@ -12,31 +12,16 @@ it compiled with bcc, which reused a pinned map whatever its size. Removing the 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
 import pathlib
 from collections.abc import Mapping
 
-from cilia_agent.datapath.libbpf import LibbpfError, libbpf, obj_get
+from cilia_agent.datapath.libbpf import LibbpfError, MapInfo, obj_get
+from cilia_agent.datapath.libbpf import map_info as fd_map_info
 
 log = logging.getLogger(__name__)
-
-
-class MapInfo(ctypes.Structure):
-    """The head of the kernel's ``struct bpf_map_info`` (include/uapi/linux/bpf.h); the
-    kernel fills as many bytes as it is given."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("id", ctypes.c_uint32),
-        ("key_size", ctypes.c_uint32),
-        ("value_size", ctypes.c_uint32),
-        ("max_entries", ctypes.c_uint32),
-        ("map_flags", ctypes.c_uint32),
-        ("name", ctypes.c_char * 16),
-    ]
 
 
 def map_info(path: pathlib.Path) -> MapInfo | None:
@@ -52,15 +37,7 @@ def map_info(path: pathlib.Path) -> MapInfo | None:
             return None
         raise
     try:
-        info = MapInfo()
-        size = ctypes.c_uint32(ctypes.sizeof(info))
-        lib = libbpf()
-        lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        lib.bpf_obj_get_info_by_fd.restype = ctypes.c_int
-        rc = lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
-        if rc < 0:
-            raise LibbpfError(f"cannot query pinned map {path}", ctypes.get_errno() or -rc)
-        return info
+        return fd_map_info(fd, f"pinned map {path}")
     finally:
         os.close(fd)
 
