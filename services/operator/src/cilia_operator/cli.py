@@ -745,6 +745,30 @@ def _live_conflicts(status: Any) -> list[str]:
     return out
 
 
+def _host_name_error(host: str) -> str:
+    """Why ``host`` cannot be a certificate's subjectAltName, or "" when it can: an IPv4 or
+    IPv6 address, or a DNS name of RFC 1123 labels (letters, digits, '-', 1-63 characters,
+    not starting or ending with '-'; at most 253 characters)."""
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if not host or len(host) > 253:
+        return "not an IP address or a DNS name (1-253 characters)"
+    for label in labels:
+        ok = (
+            0 < len(label) <= 63
+            and label[0] != "-"
+            and label[-1] != "-"
+            and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
+        )
+        if not ok:
+            return f"not an IP address or a DNS name (label {label!r}: letters, digits, '-')"
+    return ""
+
+
 def certs_generate(
     directory: str,
     hosts: list[str],
@@ -779,6 +803,10 @@ def certs_generate(
             # pydantic's text is several lines (model, field, docs link): its message only
             why = exc.errors()[0]["msg"] if isinstance(exc, pydantic.ValidationError) else exc
             raise CommandError(f"{flag}: {name!r}: {why}") from None
+    for host in hosts:
+        why = _host_name_error(host)
+        if why:
+            raise CommandError(f"--hosts: {host!r}: {why}")
     try:
         bundle = generate_bundle(
             directory, server_hosts=hosts, nodes=nodes, admins=admins, days=days,

@@ -147,6 +147,8 @@ def test_certs_generate_refuses_bad_input_in_one_line_and_writes_nothing(
     for argv, want in (
         (["--nodes", "bad name"], "--nodes: 'bad name': Value error, 'bad name' is not a valid"),
         (["--nodes", "a", "--hubble-cluster", "Bad_Cluster"], "--hubble-cluster: 'Bad_Cluster'"),
+        (["--hosts", "127.0.0.1,not an addr!"], "--hosts: 'not an addr!': not an IP address"),
+        (["--hosts=-bad.example"], "--hosts: '-bad.example': not an IP address"),
     ):
         assert main(["certs", "generate", "--dir", str(out), *argv]) == 2
         err = capsys.readouterr().err
