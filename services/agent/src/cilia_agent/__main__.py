@@ -114,10 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             app.run(config)
         except BpfUnavailable as exc:
-            print(
-                f"cilia-agent: cannot start: {exc} (hosts without BPF: --enable-bpf=false)",
-                file=sys.stderr,
-            )
+            hint = " (hosts without BPF: --enable-bpf=false)" if exc.kernel else ""
+            print(f"cilia-agent: cannot start: {exc}{hint}", file=sys.stderr)
             return 1
         except (BindError, DatapathError, StateError, OSError, TLSFileError) as exc:
             print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)

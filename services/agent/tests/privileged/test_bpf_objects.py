@@ -101,3 +101,24 @@ def test_a_pin_of_another_size_is_refused_naming_both_sizes_and_kept(
     ):
         found = eps.lookup(ctypes.c_uint32(5))
         assert found is not None and found.ep_id == 42  # the pins were left as they were
+    assert not err.value.kernel  # a flag fixes it: no --enable-bpf=false hint
+
+
+def test_a_failed_first_load_leaves_no_pin_dir_and_a_verifier_refusal_is_the_kernels(
+    pin_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A garbage object is refused as the build's fault (no --enable-bpf=false hint) and
+    the pin directory this start created is removed again; a pin directory that cannot be
+    created (bpffs) is the host's side, where the hint applies."""
+    garbage = tmp_path / "bpf_lxc.o"
+    garbage.write_bytes(b"\x7fELF not really")
+    fresh = pin_dir / "fresh"
+    with pytest.raises(BpfUnavailable) as err:
+        BpfObject.load(garbage, pin_dir=fresh)
+    assert not err.value.kernel
+    assert not fresh.exists()
+    not_bpffs = tmp_path / "file"
+    not_bpffs.write_text("")
+    with pytest.raises(BpfUnavailable) as err:
+        BpfObject.load(object_path(default_bpf_dir(), "bpf_lxc"), pin_dir=not_bpffs / "pins")
+    assert err.value.kernel and "is bpffs mounted?" in str(err.value)

@@ -48,3 +48,10 @@ class BpfUnavailable(RuntimeError):
     """A compiled BPF object cannot be found or loaded: missing or stale ``.o`` (the message
     names ``make bpf``), bpffs not usable, or libbpf/the verifier refused it (libbpf's
     message and the verifier log's tail in the message)."""
+
+    def __init__(self, message: str, *, kernel: bool = False) -> None:
+        """``kernel``: the host's side failed (bpffs not usable, the kernel or its verifier
+        refused the load), where ``--enable-bpf=false`` is a way to run at all; False for
+        what a build or a flag fixes (a missing or stale object, a pinned map's size)."""
+        super().__init__(message)
+        self.kernel = kernel

@@ -234,10 +234,13 @@ class BpfObject:
         """
         lib = lb.libbpf()
         _install_printer()
+        created = not pin_dir.exists()
         try:
             pin_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise BpfUnavailable(f"cannot create {pin_dir}: is bpffs mounted? ({exc})") from exc
+            raise BpfUnavailable(
+                f"cannot create {pin_dir}: is bpffs mounted? ({exc})", kernel=True
+            ) from exc
         log_buf = ctypes.create_string_buffer(VERIFIER_LOG_SIZE)
         opts = lb.OpenOpts(
             sz=ctypes.sizeof(lb.OpenOpts),
@@ -267,10 +270,15 @@ class BpfObject:
                     cls._write_config(lib, obj, path, config)
                 rc = lib.bpf_object__load(obj)
                 if rc < 0:
-                    raise BpfUnavailable(cls._failure(path, "cannot load", -rc, log_buf.value))
+                    raise BpfUnavailable(
+                        cls._failure(path, "cannot load", -rc, log_buf.value), kernel=True
+                    )
             except BaseException:
                 if obj:
                     lib.bpf_object__close(obj)
+                if created:  # a failed first start leaves no empty pin directory behind
+                    with contextlib.suppress(OSError):
+                        pin_dir.rmdir()
                 raise
             finally:
                 _collect.messages = None
