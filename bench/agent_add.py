@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the agent benchmark needs root (netns, veth, BPF)", file=sys.stderr)
         return 1
-    for stale in netns.list_netns(NETNS_PREFIX):
-        netns.delete_netns(stale)
+    datapath.clear_stale_netns(NETNS_PREFIX)
     try:
         with datapath.stack_running(args) as stack:
             print(f"stack: {datapath.describe(stack)}", flush=True)

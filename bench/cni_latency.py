@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench import datapath
-from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
+from cilia_testkit import ROOT, VENV_BIN, cni, host
 
 DEFAULT_PODS = 50
 DEFAULT_WARMUP = 3
@@ -403,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the CNI benchmark needs root (netns, veth, bridges)", file=sys.stderr)
         return 1
-    for stale in netns.list_netns(NETNS_PREFIX):
-        netns.delete_netns(stale)
+    datapath.clear_stale_netns(NETNS_PREFIX)
     ref: dict[int, dict[str, Any]] = {}
     cil: dict[int, dict[str, Any]] = {}
     cmp: dict[int, dict[str, Any]] = {}

@@ -26,14 +26,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import grpc
-from cluster import POOL, allocate, register
+from cluster import allocate, register, running_operator
 from stores import kube_cilia
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
 from cilia_operator.app import Operator
-from cilia_operator.config import Config
 from cilia_operator.endpoint.slices import CoreEndpoint, Slicer
 from cilia_testkit.kubeapi import KubeAPI, unique_name
 
@@ -52,26 +50,11 @@ GONE = 140
 
 @asynccontextmanager
 async def kube_operator(kube: KubeAPI, **overrides: Any) -> AsyncIterator[tuple[Operator, Any]]:
-    """An in-process operator with ``--store kubernetes`` on ``kube`` and a channel to it."""
-    settings: dict[str, Any] = {
-        "store": "kubernetes",
-        "kubeconfig": str(kube.kubeconfig),
-        "listen": "127.0.0.1:0",
-        "prometheus_serve_addr": "",
-        "auto_create_cilium_pod_ip_pools": [POOL],
-        "shutdown_grace_period": 0.1,
-        "identity_gc_interval": 0,
-        "store_watch_timeout": 5,
-    }
-    settings.update(overrides)
-    op = Operator(Config(**settings))
-    await op.start()
-    channel = grpc.aio.insecure_channel(op.address)
-    try:
-        yield op, channel
-    finally:
-        await channel.close()
-        await op.stop()
+    """An in-process operator with ``--store kubernetes`` on ``kube`` and a channel to it
+    (:func:`cluster.running_operator` with the Kubernetes store)."""
+    settings: dict[str, Any] = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5}
+    async with running_operator("kubernetes", **{**settings, **overrides}) as running:
+        yield running
 
 
 def _get(kube: KubeAPI, *argv: str) -> list[dict[str, Any]]:
