@@ -4,12 +4,13 @@ Start: store (ping) -> metrics endpoint -> gRPC server (health NOT_SERVING; mutu
 and authorisation by client certificate when the TLS files are set, see
 ``controlplane/authz.py``) ->
 auto-create pools (existing ones skipped) -> without leader election: IPAM controller
-restores every node's CIDRs -> identity GC (and CiliumEndpointSlices, and in standalone
-mode the Service controller: default ServiceCIDR, EndpointSlices) start -> health SERVING. With --enable-leader-election: the replica follows the store (allocation streams
+restores every node's CIDRs -> identity and endpoint GC (and CiliumEndpointSlices, and in
+standalone mode the Service controller: default ServiceCIDR, EndpointSlices) start -> health
+SERVING. With --enable-leader-election: the replica follows the store (allocation streams
 served, nothing allocated) and is SERVING at once; when it becomes leader the controller
 restores and allocates, the GC and slices start; when it loses the lock they stop and it
-follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING ->
-gRPC server drains for ``--shutdown-grace-period`` -> identity GC -> controller -> store
+follows again. Stop (SIGTERM/SIGINT): health NOT_SERVING -> gRPC server drains for
+``--shutdown-grace-period`` -> endpoint and identity GC -> controller -> store
 -> metrics endpoint. Tasks still running after that (a Redis watch cancelled inside its
 connect may never return) get ``--shutdown-timeout`` seconds, then the process exits without
 them (``__main__`` runs :func:`run` through ``cilia_common.runtime.run_bounded``).
@@ -48,6 +49,7 @@ from .controlplane.policy import PolicyServicer
 from .controlplane.resources import ResourceServicer
 from .controlplane.resources import add_to_server as add_resource_service
 from .controlplane.service import ServiceServicer
+from .endpoint.gc import EndpointGC
 from .endpoint.slices import SliceController
 from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
@@ -134,6 +136,13 @@ class Operator:
             heartbeat_timeout=config.identity_heartbeat_timeout,
             rate_interval=config.identity_gc_rate_interval,
             rate_limit=config.identity_gc_rate_limit,
+            metrics=self.metrics,
+        )
+        self.endpoint_gc = EndpointGC(
+            self.store,
+            interval=config.cilium_endpoint_gc_interval,
+            check_pods=config.store == "kubernetes",
+            max_per_run=config.cilium_endpoint_gc_max_per_run,
             metrics=self.metrics,
         )
         self.elector: LeaderElector | None = None
@@ -431,6 +440,7 @@ class Operator:
         SERVING too: it serves agents, and the leader allocates what they ask for)."""
         await self.controller.start()
         self.identity_gc.start()
+        self.endpoint_gc.start()
         if self.slices is not None:
             await self.slices.start()
         if self.services is not None:
@@ -445,6 +455,7 @@ class Operator:
             await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
+        await self.endpoint_gc.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
         try:
@@ -520,6 +531,7 @@ class Operator:
             await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
+        await self.endpoint_gc.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
         await self.store.close()

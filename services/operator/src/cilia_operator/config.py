@@ -110,6 +110,16 @@ class Config(BaseModel):
         ge=1,
         description="max identities deleted per --identity-gc-rate-interval",
     )
+    cilium_endpoint_gc_interval: Duration = Field(
+        default=300.0,
+        ge=0,
+        description="CiliumEndpoint GC period (Go duration or seconds): records whose node has no CiliumNode, or in Kubernetes mode whose Pod is gone, are deleted; 0 disables",
+    )
+    cilium_endpoint_gc_max_per_run: int = Field(
+        default=1000,
+        ge=1,
+        description="max CiliumEndpoints the endpoint GC deletes in one run (the rest wait for the next)",
+    )
     enable_cilium_endpoint_slice: bool = Field(
         default=False,
         description="batch CiliumEndpoints into CiliumEndpointSlices (cilium.io/v2alpha1), "

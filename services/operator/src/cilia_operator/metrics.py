@@ -11,6 +11,8 @@ cilium-upstream.md §9); upstream multi-pool exports none, so these are Cilia's:
   ``alive`` / ``deleted`` by the last identity GC run.
 - ``cilium_operator_identity_gc_runs{outcome}`` (gauge counted up, upstream name and type):
   identity GC runs by ``success``/``failure``.
+- ``cilium_operator_endpoint_gc_objects{outcome}`` (gauge counted up, upstream name):
+  CiliumEndpoints the endpoint GC deleted (``success``) or could not (``failure``).
 - ``cilium_operator_identities_allocated_total`` (counter): identities created by Allocate.
 """
 
@@ -61,6 +63,12 @@ class Metrics:
         self.identity_gc_runs = Gauge(
             "cilium_operator_identity_gc_runs",
             "Identity GC runs by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.endpoint_gc_objects = Gauge(
+            "cilium_operator_endpoint_gc_objects",
+            "CiliumEndpoints garbage-collected, by outcome",
             ["outcome"],
             registry=self.registry,
         )
