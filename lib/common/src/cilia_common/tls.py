@@ -627,12 +627,15 @@ def generate_bundle(
 
     Raises:
         ValueError: no server host, or ``days`` <= 0.
+        NotADirectoryError: ``directory`` exists and is a file (nothing written).
         OSError: the directory cannot be written.
         TLSFileError: an existing CA pair is unusable.
     """
     if days <= 0:
         raise ValueError(f"days: {days} must be > 0")
     out = pathlib.Path(directory)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     ca_cert_path, ca_key_path = out / "ca.crt", out / "ca.key"
     ca_key: Any

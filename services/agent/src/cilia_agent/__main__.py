@@ -18,6 +18,14 @@ DEFAULT_SOCKET = "/var/run/cilia/cilia.sock"
 DEFAULT_PIN_DIR = "/sys/fs/bpf/cilia"
 
 
+def _path(value: str) -> str:
+    """argparse type of the client commands' path flags: "" would be the working directory
+    (``--socket ""`` dialled it), so it is a usage error, as it is for ``serve``."""
+    if value.strip() == "":
+        raise argparse.ArgumentTypeError("is empty: give a path (it is not the working directory)")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cilia-agent", description="Cilia node agent (endpoints, node IPAM, pod plumbing)."
@@ -30,7 +38,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
-        "--socket", default=DEFAULT_SOCKET, help=f"agent socket (default {DEFAULT_SOCKET})"
+        "--socket",
+        type=_path,
+        default=DEFAULT_SOCKET,
+        help=f"agent socket (default {DEFAULT_SOCKET})",
     )
     client.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)"
@@ -43,6 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pins.add_argument(
         "--bpf-pin-dir",
         "--bpf-root",
+        type=_path,
         default=DEFAULT_PIN_DIR,
         help=f"pin directory of the datapath's maps (default {DEFAULT_PIN_DIR})",
     )

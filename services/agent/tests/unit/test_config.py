@@ -240,3 +240,18 @@ def test_relative_path_flags_are_resolved_against_the_cwd_and_logged(
     c = Config.model_validate({"cni_log_file": "cni.log", "cni_conf_dir": "/etc/cni/net.d"})
     assert c.cni_log_file == str(pathlib.Path.cwd() / "cni.log")
     assert c.relative_path_notes({"cni_conf_dir": "/etc/cni/net.d", "cni_log_file": ""}) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["status", "--socket", ""], ["endpoint", "list", "--socket", " "],
+     ["bpf", "ipcache", "list", "--bpf-root", ""], ["service", "list", "--bpf-pin-dir", ""]],
+)  # fmt: skip
+def test_an_empty_path_flag_of_a_client_command_is_a_usage_error(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``status --socket ""`` dialled ``unix:<cwd>``: the client commands refuse "" too."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "is empty: give a path (it is not the working directory)" in capsys.readouterr().err

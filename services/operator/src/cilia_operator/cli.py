@@ -812,6 +812,8 @@ def certs_generate(
             directory, server_hosts=hosts, nodes=nodes, admins=admins, days=days,
             hubble_cluster=hubble_cluster,
         )  # fmt: skip
+    except NotADirectoryError as exc:
+        raise CommandError(f"--dir: {exc}") from None
     except (ValueError, OSError, TLSFileError) as exc:
         raise CommandError(str(exc)) from None
     print(f"CA:       {bundle.ca_cert} (key {bundle.ca_key}: keep it off the nodes)", file=out)

@@ -154,6 +154,11 @@ def test_certs_generate_refuses_bad_input_in_one_line_and_writes_nothing(
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and want in err, err
     assert not out.exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    assert main(["certs", "generate", "--dir", str(a_file)]) == 2  # said "File exists"
+    assert capsys.readouterr().err == f"error: --dir: {a_file}: exists and is not a directory\n"
+    assert a_file.read_text() == "kept" and sorted(tmp_path.iterdir()) == [a_file]
     assert main(["certs", "generate", "--dir", str(out), "--days", "36500"]) == 0
 
 
