@@ -617,16 +617,7 @@ def ipam_plan(
                  draining=tuple(ipaddress.IPv4Network(c) for c in p.draining_cidrs))
         for p in status.pools
     ]  # fmt: skip
-    networks = [
-        NodeNetworks(
-            n.node_name,
-            tuple((ln.interface, ipaddress.IPv4Network(ln.cidr)) for ln in n.local_networks
-                  if ":" not in ln.cidr),
-            tuple(ipaddress.IPv4Network(c) for p in n.allocated for c in p.cidrs)
-            + tuple(ipaddress.IPv4Network(c) for c in n.pod_cidrs),
-        )
-        for n in status.nodes
-    ]  # fmt: skip
+    networks = _node_networks(status)
     problems = [str(e) for e in pool_overlaps(pool, nets, others)]
     problems += [
         str(e) for e in overlap_errors(nets, service_cidrs=services, node_networks=networks)
@@ -725,10 +716,10 @@ def draining_lines(status: Any) -> list[str]:
     return lines or ["draining: none in progress (every CIDR removed from a pool is handed back)"]
 
 
-def _live_conflicts(status: Any) -> list[str]:
-    """Pools overlapping a node network that was registered after the pool was made
-    (``apply`` refuses the other order)."""
-    networks = [
+def _node_networks(status: Any) -> list[NodeNetworks]:
+    """Each node of an ``IpamStatusResponse``: its IPv4 local networks (interface, CIDR)
+    and what it holds (pool CIDRs and cluster-pool podCIDRs)."""
+    return [
         NodeNetworks(
             n.node_name,
             tuple((ln.interface, ipaddress.IPv4Network(ln.cidr)) for ln in n.local_networks
@@ -738,6 +729,12 @@ def _live_conflicts(status: Any) -> list[str]:
         )
         for n in status.nodes
     ]  # fmt: skip
+
+
+def _live_conflicts(status: Any) -> list[str]:
+    """Pools overlapping a node network that was registered after the pool was made
+    (``apply`` refuses the other order)."""
+    networks = _node_networks(status)
     out = []
     for p in status.pools:
         cidrs = [ipaddress.IPv4Network(c) for c in p.cidrs]
