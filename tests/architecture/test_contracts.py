@@ -6,8 +6,8 @@ build the import graph). Three things are shown:
 1. every enforced contract (id without the ``target-`` prefix) is KEPT by today's code;
 2. the contracts really fail on a forbidden import: a copy of ``.importlinter`` is checked
    against a synthetic set of packages named like ours where one service imports another and
-   the CNI plugin imports grpcio, an operator domain imports its servicers, the agent's
-   reserved identities table imports the datapath and the agent's IPAM imports the endpoint
+   the CNI plugin imports grpcio, an operator domain imports its servicers, the shared
+   reserved identities table imports the agent's datapath and the agent's IPAM imports the endpoint
    layer above it; ``lint-imports`` exits 1 and reports those contracts BROKEN;
 3. each ``target-`` contract (a shape that code is being moved into) is checked and its
    broken imports are shown; it is an expected failure until the move lands, and fails the
@@ -93,7 +93,7 @@ _LAYOUT = {
         "__main__", "cli", "app", "api", "status", "enforcement", "endpoint/__init__",
         "hubble/__init__", "policy/__init__", "ipcache/__init__", "node/__init__", "k8s/__init__",
         "loadbalancer/__init__",
-        "identity/__init__", "identity/labels", "identity/reserved", "ipam/__init__",
+        "identity/__init__", "identity/labels", "ipam/__init__",
         "cni/__init__", "controlplane/__init__", "preflight/__init__", "datapath/__init__",
         "metrics", "config",
     ],
@@ -106,7 +106,7 @@ _LAYOUT = {
         "__main__", "app", "web", "live", "relay", "graph", "filters", "config", "metrics",
     ],
     "cilia_safe_agent_updater": ["__main__"],
-    "cilia_common": ["grpcserver"],
+    "cilia_common": ["grpcserver", "reserved_identities"],
     "cilia_kubemock": ["server"],
 }  # fmt: skip
 
@@ -135,8 +135,8 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: pathlib.Path) -> None
             "cilia_cni.agent": "import grpc\n",
             # an operator domain importing its servicers (upward)
             "cilia_operator.ipam/__init__": "from cilia_operator import controlplane\n",
-            # the agent's reserved identities table (a leaf) importing the datapath
-            "cilia_agent.identity/reserved": "import cilia_agent.datapath\n",
+            # the shared reserved identities table importing the agent's datapath
+            "cilia_common.reserved_identities": "import cilia_agent.datapath\n",
             # the agent's IPAM importing the endpoint layer above it
             "cilia_agent.ipam/__init__": "import cilia_agent.endpoint\n",
         },
@@ -149,5 +149,5 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: pathlib.Path) -> None
     assert "cilia_relay.observer -> cilia_agent.hubble" in report, report
     assert "cilia_cni.agent -> grpc" in report, report
     assert "cilia_operator.ipam -> cilia_operator.controlplane" in report, report
-    assert "cilia_agent.identity.reserved -> cilia_agent.datapath" in report, report
+    assert "cilia_common.reserved_identities -> cilia_agent.datapath" in report, report
     assert "cilia_agent.ipam -> cilia_agent.endpoint" in report, report

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cilia_operator.identity import labels, reserved
+from cilia_common import reserved_identities as reserved
+from cilia_operator.identity import labels
 
 
 def test_numbers_and_names_are_upstream_ones() -> None:

@@ -12,9 +12,9 @@ import ctypes
 import ipaddress
 import socket
 
-from cilia_agent.identity import reserved
+from cilia_common import reserved_identities as reserved
 
-# Reserved identities the datapath knows (bpf/lib/common.h; the table: identity.reserved).
+# Reserved identities the datapath knows (bpf/lib/common.h; the table: cilia_common.reserved_identities).
 IDENTITY_HOST = reserved.HOST
 IDENTITY_WORLD = reserved.WORLD
 

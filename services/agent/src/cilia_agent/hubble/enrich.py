@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cilia_agent.identity import reserved
+from cilia_common import reserved_identities as reserved
 
 # Reserved identities and the label Hubble shows for each (``reserved:<name>``).
 RESERVED_IDENTITY_LABELS: dict[int, tuple[str, ...]] = {

@@ -39,8 +39,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-from cilia_agent.identity import reserved
 from cilia_agent.identity.labels import SOURCE_RESERVED, Label, LabelSet
+from cilia_common import reserved_identities as reserved
 
 SOURCE_CIDR: Final = "cidr"
 """Label source of CIDR labels (upstream ``LabelSourceCIDR``)."""

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cilia_agent.identity import reserved
+from cilia_common import reserved_identities as reserved
 
 # Label sources (upstream pkg/labels).
 SOURCE_K8S = "k8s"

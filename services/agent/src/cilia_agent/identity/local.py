@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
-from cilia_agent.identity.reserved import MINIMAL_CLUSTER_IDENTITY
+from cilia_common.reserved_identities import MINIMAL_CLUSTER_IDENTITY
 
 
 class LocalControlPlane:

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cilia_agent.identity.reserved import HOST as IDENTITY_HOST
+from cilia_common.reserved_identities import HOST as IDENTITY_HOST
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from cilia_agent.datapath import layout
 from cilia_agent.hubble import enrich
-from cilia_agent.identity import labels, reserved
+from cilia_agent.identity import labels
+from cilia_common import reserved_identities as reserved
 
 UPSTREAM = {
     "unknown": 0,

@@ -12,11 +12,11 @@ import pytest
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia_agent.hubble.enrich import OwnerResolver
 from cilia_agent.identity.cidr import LOCAL_SCOPE
-from cilia_agent.identity.reserved import WORLD
 from cilia_agent.ipcache import Entry, IPCache
 from cilia_agent.policy.compiler import PolicyEntry, Verdict
 from cilia_agent.policy.engine import PolicyEngine
 from cilia_agent.policy.model import CiliumNetworkPolicy, InvalidPolicy, parse_policy
+from cilia_common.reserved_identities import WORLD
 
 NS = "k8s:io.kubernetes.pod.namespace=prod"
 CLIENT_ID = 300

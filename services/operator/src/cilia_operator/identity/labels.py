@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from . import reserved
+from cilia_common import reserved_identities as reserved
 
 MINIMAL_NUMERIC_IDENTITY = reserved.MINIMAL_CLUSTER_IDENTITY
 """First cluster-allocated identity (upstream ``MinimalNumericIdentity``)."""

@@ -1,4 +1,7 @@
-"""Reserved security identities: the agent's one table of their numbers and names.
+"""Reserved security identities: the one table of their numbers and names, shared by the
+operator (allocation: label sets made only of ``reserved:`` labels resolve to these numbers and
+are never stored) and the agent (ipcache, policy, Hubble, and the datapath, which mirrors
+``IDENTITY_HOST``/``IDENTITY_WORLD`` of ``bpf/lib/common.h`` from it).
 
 Numbers as upstream Cilium (``pkg/identity/numericidentity.go``)::
 
@@ -13,10 +16,7 @@ Cilia is IPv4-only, so ``world`` (2) stands for every address outside the cluste
 upstream cluster without dual stack: 9 and 10 are listed for completeness and are never
 given out or accepted (:data:`LABELLED` are the ones that are).
 
-This module imports nothing of the agent, so every layer may read it (the datapath mirrors
-``IDENTITY_HOST``/``IDENTITY_WORLD`` of ``bpf/lib/common.h`` from it; ``.importlinter``
-contract ``agent-reserved-identities-leaf``). The operator keeps the same table in
-``cilia_operator.identity.reserved``.
+Like all of ``cilia_common`` it imports no service (``.importlinter``).
 """
 
 from __future__ import annotations
@@ -64,4 +64,5 @@ LABELLED: tuple[int, ...] = (
     KUBE_APISERVER,
     INGRESS,
 )
-"""The reserved identities that carry labels and appear in flows and policies (1..8)."""
+"""The reserved identities that carry labels, appear in flows and policies, and that a
+``reserved:<name>`` label set resolves to (1..8)."""
