@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from pyroute2.netlink.exceptions import NetlinkError
 
 from cilia_agent.datapath.layout import (
     DIR_EGRESS,
@@ -138,3 +139,37 @@ def test_reload_replaces_programs_and_keeps_pinned_state(pod: Pod, config: Datap
 def test_port_without_protocol_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a protocol"):
         policy_key(1, 2, DIR_EGRESS, port=80)
+
+
+def filters(host_if: str, hook: str) -> list[str]:
+    """The ``tc filter show`` lines of ``hook`` that name a program (one per filter)."""
+    out = sh("tc", "filter", "show", "dev", host_if, hook).stdout
+    return [line for line in out.splitlines() if "handle" in line]
+
+
+def test_attach_again_replaces_the_filters_in_place_and_detach_removes_them(
+    pod: Pod, config: DatapathConfig
+) -> None:
+    first = Datapath.load(config)
+    first.attach(pod.ifindex)
+    first.close()
+    second = Datapath.load(config)  # a restarted agent: new programs, same maps
+    try:
+        second.attach(pod.ifindex)
+        second.attach(pod.ifindex)
+        ingress, egress = filters(pod.host_if, "ingress"), filters(pod.host_if, "egress")
+        assert len(ingress) == 1 and "cil_from_container" in ingress[0], ingress
+        assert len(egress) == 1 and "cil_to_container" in egress[0], egress
+        assert "pref 1 " in ingress[0] and "direct-action" in ingress[0]
+        second.detach(pod.ifindex)
+        assert "clsact" not in sh("tc", "qdisc", "show", "dev", pod.host_if).stdout
+        second.detach(pod.ifindex)  # nothing attached: not an error
+    finally:
+        second.close()
+    third = Datapath.load(config)
+    try:
+        with pytest.raises(NetlinkError) as err:
+            third.attach(2**31 - 1)  # no such device
+    finally:
+        third.close()
+    assert err.value.code == 19 and "ifindex 2147483647" in str(err.value)  # ENODEV

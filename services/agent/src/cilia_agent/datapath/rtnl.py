@@ -42,6 +42,7 @@ NLM_F_CAPPED = 0x100  # in an NLMSG_ERROR: the request's payload is not echoed
 NLM_F_ACK_TLVS = 0x200  # in an NLMSG_ERROR: extended-ack attributes follow
 NETLINK_CAP_ACK = 10
 NETLINK_EXT_ACK = 11
+NETLINK_GET_STRICT_CHK = 12  # dumps filtered by the kernel on the request's header fields
 NLMSGERR_ATTR_MSG = 1
 SOL_NETLINK = 270
 # linux/rtnetlink.h
@@ -187,11 +188,12 @@ class Rtnl:
         NetnsNotFound, DatapathError: from :func:`~cilia_agent.datapath.netns.socket_in`.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, strict: bool = False) -> None:
         self.sock = sock
         self._seq = 0
-        for opt in (NETLINK_CAP_ACK, NETLINK_EXT_ACK):
-            with contextlib.suppress(OSError):  # older kernels: plain acknowledgements
+        opts = (NETLINK_CAP_ACK, NETLINK_EXT_ACK) + ((NETLINK_GET_STRICT_CHK,) if strict else ())
+        for opt in opts:
+            with contextlib.suppress(OSError):  # older kernels: plain acks, unfiltered dumps
                 sock.setsockopt(SOL_NETLINK, opt, 1)
         sock.bind((0, 0))
 
@@ -202,14 +204,16 @@ class Rtnl:
         )
 
     @classmethod
-    def open(cls) -> Rtnl:
-        """A socket in the calling thread's network namespace."""
-        return cls(cls._socket())
+    def open(cls, *, strict: bool = False) -> Rtnl:
+        """A socket in the calling thread's network namespace; ``strict``: dumps are
+        filtered by the kernel (``NETLINK_GET_STRICT_CHK``, Linux 4.20+; older kernels
+        send everything, so callers filter the result too)."""
+        return cls(cls._socket(), strict=strict)
 
     @classmethod
-    def open_in(cls, netns: str) -> Rtnl:
-        """A socket in the network namespace at path ``netns``."""
-        return cls(socket_in(netns, cls._socket))
+    def open_in(cls, netns: str, *, strict: bool = False) -> Rtnl:
+        """A socket in the network namespace at path ``netns`` (``strict``: see :meth:`open`)."""
+        return cls(socket_in(netns, cls._socket), strict=strict)
 
     def close(self) -> None:
         """Close the socket (idempotent)."""
@@ -381,28 +385,43 @@ def new_route(
     return Request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, payload)
 
 
-def main_routes() -> bytes:
-    """Payload of an IPv4 route dump (``Rtnl.dump(RTM_GETROUTE, ...)``)."""
-    return _RTMSG.pack(socket.AF_INET, 0, 0, 0, 0, 0, 0, 0, 0)
+def main_routes(protocol: int = 0) -> bytes:
+    """Payload of an IPv4 route dump of the main table (``Rtnl.dump(RTM_GETROUTE, ...)``),
+    of routing protocol ``protocol`` only (0 = any) where the socket is strict."""
+    return _RTMSG.pack(socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, protocol, 0, 0, 0)
 
 
 @dataclass(frozen=True)
 class Route:
-    """An IPv4 route of a dump: table, ``dst_len`` and output interface (0 = none)."""
+    """An IPv4 route of a dump: table, destination (``dst``/``dst_len``; "0.0.0.0"/0 for
+    the default route), routing protocol, output interface (0 = none) and gateway ("" =
+    none)."""
 
     table: int
     dst_len: int
     oif: int
+    dst: str = "0.0.0.0"
+    protocol: int = 0
+    gateway: str = ""
 
 
 def parse_route(payload: bytes) -> Route:
     """The :class:`Route` of an ``RTM_NEWROUTE`` payload."""
-    _f, dst_len, _s, _t, table, _p, _sc, _ty, _fl = _RTMSG.unpack_from(payload)
+    _f, dst_len, _s, _t, table, protocol, _sc, _ty, _fl = _RTMSG.unpack_from(payload)
     attrs = parse_attrs(payload, _RTMSG.size)
     if RTA_TABLE in attrs:
         table = struct.unpack("=I", attrs[RTA_TABLE])[0]
     oif = attrs.get(RTA_OIF)
-    return Route(table=table, dst_len=dst_len, oif=struct.unpack("=I", oif)[0] if oif else 0)
+    dst = attrs.get(RTA_DST)
+    gateway = attrs.get(RTA_GATEWAY)
+    return Route(
+        table=table,
+        dst_len=dst_len,
+        oif=struct.unpack("=I", oif)[0] if oif else 0,
+        dst=socket.inet_ntoa(dst) if dst else "0.0.0.0",
+        protocol=protocol,
+        gateway=socket.inet_ntoa(gateway) if gateway else "",
+    )
 
 
 def _tc(index: int, handle: int, parent: int, info: int = 0) -> bytes:
