@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from cilia_agent.datapath.layout import (
@@ -19,7 +20,14 @@ from cilia_agent.datapath.layout import (
     ip_to_map,
     policy_key,
 )
-from cilia_agent.datapath.loader import Datapath, DatapathConfig
+from cilia_agent.datapath.loader import (
+    PARENT_EGRESS,
+    PARENT_INGRESS,
+    PROG_FROM_CONTAINER,
+    PROG_TO_CONTAINER,
+    Datapath,
+    DatapathConfig,
+)
 from cilia_agent.datapath.objects import default_bpf_dir
 from cilia_agent.hubble.metrics import read_counters
 from cilia_testkit import skips
@@ -151,7 +159,25 @@ def test_attach_again_replaces_the_filters_in_place_and_detach_removes_them(
     pod: Pod, config: DatapathConfig
 ) -> None:
     first = Datapath.load(config)
-    first.attach(pod.ifindex)
+    with IPRoute() as ipr:  # what agents before 2026-12-02 attached (priority 0), restarted once
+        ipr.tc("add", "clsact", pod.ifindex)
+        for _ in range(2):
+            for parent, prog in (
+                (PARENT_INGRESS, PROG_FROM_CONTAINER),
+                (PARENT_EGRESS, PROG_TO_CONTAINER),
+            ):
+                ipr.tc(
+                    "replace-filter",
+                    "bpf",
+                    pod.ifindex,
+                    ":1",
+                    fd=first.prog_fd(prog),
+                    name=prog,
+                    parent=parent,
+                    classid=1,
+                    direct_action=True,
+                )
+    assert len(filters(pod.host_if, "ingress")) == 2, "the kernel added one per attach"
     first.close()
     second = Datapath.load(config)  # a restarted agent: new programs, same maps
     try:

@@ -8,8 +8,9 @@ and the tc filters holding the programs, outlive the agent: on restart the new p
 replace the old ones in place (a filter of the same priority and handle replaced) on every
 endpoint while traffic flows (measured here: 0 of 60 pings lost, environment-notes.md), and
 the new object reuses the pins. Filters of agents before 2026-12-02 have the priority the
-kernel chose (49152, and a further one below it per restart); a restore leaves them behind
-the priority-:data:`FILTER_PRIO` filter, which runs first and decides every packet.
+kernel chose (49152, and a further one below it per restart); attaching to a device that
+already has the clsact qdisc (a restore) removes them once the priority-:data:`FILTER_PRIO`
+filters are in place.
 
 Attachment per endpoint, on its host-side veth (``lxc…``), as tc ``clsact``
 direct-action filters:
@@ -210,7 +211,8 @@ class Datapath:
         qdisc (EEXIST: it has one), then ``cil_from_container`` on ingress and
         ``cil_to_container`` on egress as direct-action filters of priority
         :data:`FILTER_PRIO`, handle 1, created or replaced in place (so an agent restart
-        swaps the programs without a second filter).
+        swaps the programs without a second filter). When the qdisc was there already,
+        ``bpf`` filters of other priorities (older agents') are then removed.
 
         Raises:
             pyroute2 NetlinkError: the kernel refused (the message names the step).
@@ -229,10 +231,46 @@ class Datapath:
                     )
                 ),
             )
-        if qdisc.error != _EEXIST:
-            qdisc.check(f"clsact qdisc on ifindex {ifindex}")
-        ingress.check(f"attaching {PROG_FROM_CONTAINER} to ifindex {ifindex}")
-        egress.check(f"attaching {PROG_TO_CONTAINER} to ifindex {ifindex}")
+            if qdisc.error != _EEXIST:
+                qdisc.check(f"clsact qdisc on ifindex {ifindex}")
+            ingress.check(f"attaching {PROG_FROM_CONTAINER} to ifindex {ifindex}")
+            egress.check(f"attaching {PROG_TO_CONTAINER} to ifindex {ifindex}")
+            if qdisc.error == _EEXIST:  # attached before (a restart): older filters go
+                self._remove_older_filters(ipr, ifindex)
+
+    @staticmethod
+    def _remove_older_filters(ipr: rtnl.Rtnl, ifindex: int) -> None:
+        """Delete the ``bpf`` filters of other priorities than :data:`FILTER_PRIO` on both
+        hooks of ``ifindex``: those of agents before 2026-12-02 (the kernel chose their
+        priority, 49152 and one below per restart). The priority-1 filters run first and
+        decide every packet, so removing the others changes no verdict.
+
+        Raises:
+            NetlinkError: a dump or a deletion failed (ENOENT: gone meanwhile, ignored).
+        """
+        for parent in (rtnl.TC_H_INGRESS_CHILD, rtnl.TC_H_EGRESS_CHILD):
+            prios = {
+                f.prio
+                for f in map(
+                    rtnl.parse_filter, ipr.dump(rtnl.RTM_GETTFILTER, rtnl.filters(ifindex, parent))
+                )
+                if f.kind == "bpf" and f.prio not in (0, FILTER_PRIO)
+            }
+            for prio in sorted(prios):
+                reply = ipr.request(rtnl.del_filters(ifindex, parent, prio))[0]
+                if reply.error != _ENOENT:
+                    reply.check(
+                        f"removing the older filters of priority {prio} on ifindex {ifindex}"
+                    )
+            if prios:
+                log.info(
+                    "older endpoint filters removed",
+                    extra={
+                        "ifindex": ifindex,
+                        "parent": f"{parent:x}",
+                        "priorities": sorted(prios),
+                    },
+                )
 
     def detach(self, ifindex: int) -> None:
         """Remove the clsact qdisc (and with it both filters); a missing device is not an error.

@@ -50,7 +50,7 @@ RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK, RTM_SETLINK = 16, 17, 18, 19
 RTM_NEWADDR = 20
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26
 RTM_NEWQDISC, RTM_DELQDISC = 36, 37
-RTM_NEWTFILTER = 44
+RTM_NEWTFILTER, RTM_DELTFILTER, RTM_GETTFILTER = 44, 45, 46
 RTA_DST, RTA_OIF, RTA_GATEWAY, RTA_TABLE = 1, 4, 5, 15
 RTPROT_STATIC = 4
 RTN_UNICAST = 1
@@ -458,6 +458,40 @@ def replace_bpf_filter(
     )
     payload = _tc(index, handle, parent, info) + attr_str(TCA_KIND, "bpf") + options
     return Request(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_REPLACE, payload)
+
+
+def filters(index: int, parent: int) -> bytes:
+    """Payload of a dump of the tc filters under ``parent`` of link ``index``
+    (``Rtnl.dump(RTM_GETTFILTER, ...)``)."""
+    return _tc(index, 0, parent)
+
+
+@dataclass(frozen=True)
+class Filter:
+    """A tc filter of a dump: its priority and kind (``bpf``, ``u32``, ...)."""
+
+    prio: int
+    kind: str
+
+
+def parse_filter(payload: bytes) -> Filter:
+    """The :class:`Filter` of an ``RTM_NEWTFILTER`` payload."""
+    _family, _index, _handle, _parent, info = _TCMSG.unpack_from(payload)
+    kind = parse_attrs(payload, _TCMSG.size).get(TCA_KIND, b"")
+    return Filter(prio=info >> 16, kind=kind.rstrip(b"\0").decode(errors="replace"))
+
+
+def del_filters(index: int, parent: int, prio: int) -> Request:
+    """Delete every ``bpf`` filter of priority ``prio`` under ``parent`` of link ``index``
+    (``tc filter del dev D <parent> prio P bpf``).
+
+    Raises:
+        ValueError: ``prio`` is 0 (the kernel would delete the filters of every priority).
+    """
+    if not 0 < prio <= 0xFFFF:
+        raise ValueError(f"tc priority {prio} is not 1..65535")
+    info = (prio << 16) | socket.htons(ETH_P_ALL)
+    return Request(RTM_DELTFILTER, 0, _tc(index, 0, parent, info) + attr_str(TCA_KIND, "bpf"))
 
 
 def first_error(replies: Sequence[Reply]) -> Reply | None:
