@@ -20,7 +20,8 @@ after the other (concurrency 1, the case of the issue's ADD p50 goal):
   pyroute2, so ``agent / floor`` is the cost of everything else the agent guarantees.
 
 Interleaving agent and floor per pod spreads drift on a shared host over both. Also printed:
-the agent's CPU time per Add+Del (``/proc/<pid>/stat`` utime+stime over the timed pods).
+the agent's CPU time per Add+Del (``/proc/<pid>/stat`` utime+stime over the timed pods), split
+into its event-loop thread and its other threads, user and system (``/proc/<pid>/task``).
 
 Output: a table of p50/p99/mean ms with the ratios, and JSON in ``--results-dir``
 (``agent_add-<UTC time>.json`` and ``agent_add-latest.json``).
@@ -71,10 +72,42 @@ def agent_cpu_ms(stack: datapath.Stack, pid: int) -> float:
     return datapath.process_cpu_seconds(pid) * 1000
 
 
+#: The parts :func:`cpu_split` reports, in ms: the agent's main thread (the asyncio loop: gRPC,
+#: the endpoint manager, regeneration, on-loop netlink) and its other threads (the datapath
+#: worker pool: veth plumbing and deletion; gRPC's and the ring buffer's threads), each user and
+#: system time.
+CPU_PARTS = ("loop_user", "loop_system", "threads_user", "threads_system")
+
+
+def cpu_split(pid: int) -> dict[str, float]:
+    """CPU ms of process ``pid`` by :data:`CPU_PARTS`, from ``/proc/<pid>/task/*/stat``
+    (threads that exited meanwhile are not counted; the total is :func:`agent_cpu_ms`).
+
+    Raises:
+        BenchError: the process is gone.
+    """
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(CPU_PARTS, 0.0)
+    try:
+        tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+    except OSError as exc:
+        raise BenchError(f"agent {pid} is gone: {exc}") from exc
+    for task in tasks:
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        part = "loop" if task.name == str(pid) else "threads"
+        out[f"{part}_user"] += int(fields[11]) * tick_ms
+        out[f"{part}_system"] += int(fields[12]) * tick_ms
+    return out
+
+
 def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
     """Time ``args.pods`` agent Add/Del pairs and as many floor plumb/unplumb pairs,
     interleaved; return ``{"add": [s], "del": [s], "floor_add": [s], "floor_del": [s],
-    "agent_cpu_ms_per_pod": ms}``.
+    "agent_cpu_ms_per_pod": ms, "agent_cpu_split_ms_per_pod": {part: ms}}`` (parts:
+    :data:`CPU_PARTS`).
 
     Raises:
         BenchError: an RPC or the floor's plumbing failed.
@@ -96,12 +129,14 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
     channel = grpc.insecure_channel(f"unix:{stack.agent_socket}")
     stub = agent_pb2_grpc.AttachmentServiceStub(channel)  # type: ignore[no-untyped-call]
     cpu_start = 0.0
+    split_start = dict.fromkeys(CPU_PARTS, 0.0)
     try:
         paths = [netns.create_netns(name) for name in names]
         for i, ns_path in enumerate(paths):
             timed = i >= args.warmup
             if i == args.warmup:
                 cpu_start = agent_cpu_ms(stack, agent_pid)
+                split_start = cpu_split(agent_pid)
             container_id = f"bench-agent-{tag}-{i}"
             request = agent_pb2.AddRequest(
                 container_id=container_id,
@@ -138,6 +173,10 @@ def run(args: argparse.Namespace, stack: datapath.Stack) -> dict[str, Any]:
         out["agent_cpu_ms_per_pod"] = round(
             (agent_cpu_ms(stack, agent_pid) - cpu_start) / args.pods, 1
         )
+        split_end = cpu_split(agent_pid)
+        out["agent_cpu_split_ms_per_pod"] = {
+            part: round((split_end[part] - split_start[part]) / args.pods, 1) for part in CPU_PARTS
+        }
     finally:
         channel.close()
         for name in names:
@@ -222,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     )
-    print(f"agent CPU per Add+Del: {data['agent_cpu_ms_per_pod']} ms")
+    split = data["agent_cpu_split_ms_per_pod"]
+    print(
+        f"agent CPU per Add+Del: {data['agent_cpu_ms_per_pod']} ms (event-loop thread: user "
+        f"{split['loop_user']} + system {split['loop_system']}; other threads: user "
+        f"{split['threads_user']} + system {split['threads_system']})"
+    )
     report = {
         "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -232,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "ratio_p50": {"add": ratio("add"), "del": ratio("del")},
         "agent_cpu_ms_per_pod": data["agent_cpu_ms_per_pod"],
+        "agent_cpu_split_ms_per_pod": split,
     }
     print(f"results: {datapath.write_results('agent_add', report, args.results_dir)}")
     return 0

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from cilia_agent.datapath.layout import (
     DIR_EGRESS,
@@ -18,7 +20,14 @@ from cilia_agent.datapath.layout import (
     ip_to_map,
     policy_key,
 )
-from cilia_agent.datapath.loader import Datapath, DatapathConfig
+from cilia_agent.datapath.loader import (
+    PARENT_EGRESS,
+    PARENT_INGRESS,
+    PROG_FROM_CONTAINER,
+    PROG_TO_CONTAINER,
+    Datapath,
+    DatapathConfig,
+)
 from cilia_agent.datapath.objects import default_bpf_dir
 from cilia_agent.hubble.metrics import read_counters
 from cilia_testkit import skips
@@ -138,3 +147,55 @@ def test_reload_replaces_programs_and_keeps_pinned_state(pod: Pod, config: Datap
 def test_port_without_protocol_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a protocol"):
         policy_key(1, 2, DIR_EGRESS, port=80)
+
+
+def filters(host_if: str, hook: str) -> list[str]:
+    """The ``tc filter show`` lines of ``hook`` that name a program (one per filter)."""
+    out = sh("tc", "filter", "show", "dev", host_if, hook).stdout
+    return [line for line in out.splitlines() if "handle" in line]
+
+
+def test_attach_again_replaces_the_filters_in_place_and_detach_removes_them(
+    pod: Pod, config: DatapathConfig
+) -> None:
+    first = Datapath.load(config)
+    with IPRoute() as ipr:  # what agents before 2026-12-02 attached (priority 0), restarted once
+        ipr.tc("add", "clsact", pod.ifindex)
+        for _ in range(2):
+            for parent, prog in (
+                (PARENT_INGRESS, PROG_FROM_CONTAINER),
+                (PARENT_EGRESS, PROG_TO_CONTAINER),
+            ):
+                ipr.tc(
+                    "replace-filter",
+                    "bpf",
+                    pod.ifindex,
+                    ":1",
+                    fd=first.prog_fd(prog),
+                    name=prog,
+                    parent=parent,
+                    classid=1,
+                    direct_action=True,
+                )
+    assert len(filters(pod.host_if, "ingress")) == 2, "the kernel added one per attach"
+    first.close()
+    second = Datapath.load(config)  # a restarted agent: new programs, same maps
+    try:
+        second.attach(pod.ifindex)
+        second.attach(pod.ifindex)
+        ingress, egress = filters(pod.host_if, "ingress"), filters(pod.host_if, "egress")
+        assert len(ingress) == 1 and "cil_from_container" in ingress[0], ingress
+        assert len(egress) == 1 and "cil_to_container" in egress[0], egress
+        assert "pref 1 " in ingress[0] and "direct-action" in ingress[0]
+        second.detach(pod.ifindex)
+        assert "clsact" not in sh("tc", "qdisc", "show", "dev", pod.host_if).stdout
+        second.detach(pod.ifindex)  # nothing attached: not an error
+    finally:
+        second.close()
+    third = Datapath.load(config)
+    try:
+        with pytest.raises(NetlinkError) as err:
+            third.attach(2**31 - 1)  # no such device
+    finally:
+        third.close()
+    assert err.value.code == 19 and "ifindex 2147483647" in str(err.value)  # ENODEV

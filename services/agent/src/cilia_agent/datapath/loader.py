@@ -5,8 +5,12 @@ The object is compiled ahead of time, once, and configured when the agent loads 
 sizes (``max_entries``) and ``CONFIG`` (monitor aggregation, ring-buffer wakeups) are set
 before load, never per endpoint (DESIGN.md §4). Maps are pinned under ``pin_dir`` so they,
 and the tc filters holding the programs, outlive the agent: on restart the new programs
-replace the old ones with ``replace-filter`` on every endpoint while traffic flows (measured
-here: 0 of 60 pings lost, environment-notes.md), and the new object reuses the pins.
+replace the old ones in place (a filter of the same priority and handle replaced) on every
+endpoint while traffic flows (measured here: 0 of 60 pings lost, environment-notes.md), and
+the new object reuses the pins. Filters of agents before 2026-12-02 have the priority the
+kernel chose (49152, and a further one below it per restart); attaching to a device that
+already has the clsact qdisc (a restore) removes them once the priority-:data:`FILTER_PRIO`
+filters are in place.
 
 Attachment per endpoint, on its host-side veth (``lxc…``), as tc ``clsact``
 direct-action filters:
@@ -24,9 +28,7 @@ import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
+from cilia_agent.datapath import rtnl
 from cilia_agent.datapath.errors import BpfUnavailable
 from cilia_agent.datapath.layout import (
     EndpointInfo,
@@ -55,6 +57,8 @@ PARENT_INGRESS = "ffff:fff2"
 PARENT_EGRESS = "ffff:fff3"
 PROG_FROM_CONTAINER = "cil_from_container"
 PROG_TO_CONTAINER = "cil_to_container"
+#: tc priority of both endpoint filters (handle 1); lower runs first.
+FILTER_PRIO = 1
 OBJECT = "bpf_lxc"
 EVENTS_MAP = "cilia_events"
 EVENTS_COUNTERS_MAP = "cilia_events_counters"
@@ -200,37 +204,85 @@ class Datapath:
     # ----- tc attachment -------------------------------------------------------------------
 
     def attach(self, ifindex: int) -> None:
-        """Attach both programs to the host veth ``ifindex`` (idempotent; replaces older programs)."""
-        with IPRoute() as ipr:
-            try:
-                ipr.tc("add", "clsact", ifindex)
-            except NetlinkError as exc:
-                if exc.code != _EEXIST:
-                    raise
-            for parent, prog in (
-                (PARENT_INGRESS, PROG_FROM_CONTAINER),
-                (PARENT_EGRESS, PROG_TO_CONTAINER),
-            ):
-                ipr.tc(
-                    "replace-filter",
-                    "bpf",
-                    ifindex,
-                    ":1",
-                    fd=self._fds[prog],
-                    name=prog,
-                    parent=parent,
-                    classid=1,
-                    direct_action=True,
+        """Attach both programs to the host veth ``ifindex`` (idempotent; replaces older
+        programs).
+
+        One batch of three rtnetlink requests (:mod:`.rtnl`, one round trip): the clsact
+        qdisc (EEXIST: it has one), then ``cil_from_container`` on ingress and
+        ``cil_to_container`` on egress as direct-action filters of priority
+        :data:`FILTER_PRIO`, handle 1, created or replaced in place (so an agent restart
+        swaps the programs without a second filter). When the qdisc was there already,
+        ``bpf`` filters of other priorities (older agents') are then removed.
+
+        Raises:
+            pyroute2 NetlinkError: the kernel refused (the message names the step).
+            OSError: the netlink socket failed.
+        """
+        with rtnl.Rtnl.open() as ipr:
+            qdisc, ingress, egress = ipr.request(
+                rtnl.new_clsact(ifindex),
+                *(
+                    rtnl.replace_bpf_filter(
+                        ifindex, parent, self._fds[prog], prog, prio=FILTER_PRIO
+                    )
+                    for parent, prog in (
+                        (rtnl.TC_H_INGRESS_CHILD, PROG_FROM_CONTAINER),
+                        (rtnl.TC_H_EGRESS_CHILD, PROG_TO_CONTAINER),
+                    )
+                ),
+            )
+            if qdisc.error != _EEXIST:
+                qdisc.check(f"clsact qdisc on ifindex {ifindex}")
+            ingress.check(f"attaching {PROG_FROM_CONTAINER} to ifindex {ifindex}")
+            egress.check(f"attaching {PROG_TO_CONTAINER} to ifindex {ifindex}")
+            if qdisc.error == _EEXIST:  # attached before (a restart): older filters go
+                self._remove_older_filters(ipr, ifindex)
+
+    @staticmethod
+    def _remove_older_filters(ipr: rtnl.Rtnl, ifindex: int) -> None:
+        """Delete the ``bpf`` filters of other priorities than :data:`FILTER_PRIO` on both
+        hooks of ``ifindex``: those of agents before 2026-12-02 (the kernel chose their
+        priority, 49152 and one below per restart). The priority-1 filters run first and
+        decide every packet, so removing the others changes no verdict.
+
+        Raises:
+            NetlinkError: a dump or a deletion failed (ENOENT: gone meanwhile, ignored).
+        """
+        for parent in (rtnl.TC_H_INGRESS_CHILD, rtnl.TC_H_EGRESS_CHILD):
+            prios = {
+                f.prio
+                for f in map(
+                    rtnl.parse_filter, ipr.dump(rtnl.RTM_GETTFILTER, rtnl.filters(ifindex, parent))
+                )
+                if f.kind == "bpf" and f.prio not in (0, FILTER_PRIO)
+            }
+            for prio in sorted(prios):
+                reply = ipr.request(rtnl.del_filters(ifindex, parent, prio))[0]
+                if reply.error != _ENOENT:
+                    reply.check(
+                        f"removing the older filters of priority {prio} on ifindex {ifindex}"
+                    )
+            if prios:
+                log.info(
+                    "older endpoint filters removed",
+                    extra={
+                        "ifindex": ifindex,
+                        "parent": f"{parent:x}",
+                        "priorities": sorted(prios),
+                    },
                 )
 
     def detach(self, ifindex: int) -> None:
-        """Remove the clsact qdisc (and with it both filters); a missing device is not an error."""
-        with IPRoute() as ipr:
-            try:
-                ipr.tc("del", "clsact", ifindex)
-            except NetlinkError as exc:
-                if exc.code not in (_ENOENT, _EINVAL, 19):
-                    raise
+        """Remove the clsact qdisc (and with it both filters); a missing device is not an error.
+
+        Raises:
+            pyroute2 NetlinkError: the kernel refused for another reason.
+            OSError: the netlink socket failed.
+        """
+        with rtnl.Rtnl.open() as ipr:
+            reply = ipr.request(rtnl.del_clsact(ifindex))[0]
+        if reply.error not in (0, _ENOENT, _EINVAL, 19):
+            reply.check(f"removing the clsact qdisc of ifindex {ifindex}")
 
     # ----- maps ----------------------------------------------------------------------------
 

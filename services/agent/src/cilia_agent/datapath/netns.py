@@ -13,11 +13,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from pyroute2 import IPRoute
 
 from cilia_agent.datapath.errors import DatapathError, NetnsNotFound
 
+T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -28,11 +31,9 @@ def _setns(fd: int) -> int:
     return 0
 
 
-def iproute_in(netns: str) -> IPRoute:
-    """Return an ``IPRoute`` whose socket lives in the namespace at path ``netns``.
-
-    The returned object must be used and closed in the calling thread
-    (pyroute2 keeps per-thread sockets).
+def socket_in(netns: str, create: Callable[[], T]) -> T:
+    """Call ``create`` (which opens a socket) inside the namespace at path ``netns`` and
+    return what it returned; the calling thread is back in its own namespace afterwards.
 
     Raises:
         NetnsNotFound: ``netns`` does not exist or is not a network namespace.
@@ -52,7 +53,7 @@ def iproute_in(netns: str) -> IPRoute:
                 reason = "is not a network namespace" if err == errno.EINVAL else os.strerror(err)
                 raise NetnsNotFound(netns, reason)
             try:
-                return IPRoute()
+                return create()
             finally:
                 err = _setns(home)
                 if err:  # pragma: no cover - the kernel refuses to return home
@@ -61,6 +62,19 @@ def iproute_in(netns: str) -> IPRoute:
             os.close(home)
     finally:
         os.close(target)
+
+
+def iproute_in(netns: str) -> IPRoute:
+    """Return an ``IPRoute`` whose socket lives in the namespace at path ``netns``.
+
+    The returned object must be used and closed in the calling thread
+    (pyroute2 keeps per-thread sockets).
+
+    Raises:
+        NetnsNotFound: ``netns`` does not exist or is not a network namespace.
+        DatapathError: the thread could not return to its own namespace.
+    """
+    return socket_in(netns, IPRoute)
 
 
 def is_netns(path: str) -> bool:

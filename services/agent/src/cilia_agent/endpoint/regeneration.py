@@ -361,10 +361,9 @@ class Regeneration:
                     self._write_endpoint(ep)
             else:
                 self._write_endpoint(ep)
-            undo.append(lambda: self._run(self.datapath.detach, host_index))
-            attach = asyncio.ensure_future(self._run(self.datapath.attach, host_index))
+            undo.append(functools.partial(self.datapath.detach, host_index))
             upsert = asyncio.ensure_future(self.control.upsert_endpoint(self._endpoint_record(ep)))
-            inflight = (attach, upsert)
+            inflight = (upsert,)
 
             def delete_record() -> Awaitable[None] | None:
                 failed = upsert.done() and not upsert.cancelled() and upsert.exception()
@@ -377,9 +376,15 @@ class Regeneration:
                 return self._delete_record_now(rec)
 
             undo.append(delete_record)
-            await asyncio.wait(inflight)
-            upsert.result()  # the operator's error first (UNAVAILABLE to the CNI)
-            attach.result()
+            # attached on the loop while the upsert is in flight: one batch of three
+            # rtnetlink messages (~0.1 ms), cheaper than a hand-off to a worker thread
+            try:
+                self.datapath.attach(host_index)
+            except Exception:
+                await asyncio.wait(inflight)
+                upsert.result()  # the operator's error first (UNAVAILABLE to the CNI)
+                raise
+            await upsert
             return identity
         except BaseException:
             # nothing is undone while a step is still running: the veth being plumbed (the
@@ -478,8 +483,8 @@ class Regeneration:
             with contextlib.suppress(OSError):
                 ifindex = await self._run(socket.if_nametoindex, rec.host_ifname)
         if ifindex:
-            if not veth_deleted_next:
-                await self._run(self.datapath.detach, ifindex)
+            if not veth_deleted_next:  # one rtnetlink message: on the loop
+                self.datapath.detach(ifindex)
             self.datapath.delete_endpoint(ifindex)
         try:
             self.engine.remove_endpoint(rec.id)
