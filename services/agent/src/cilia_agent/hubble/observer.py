@@ -29,6 +29,7 @@ fills: num/max/seen flows, uptime, version and the flows rate (the node counts a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -480,30 +481,28 @@ class FlowStore:
                 out = []
 
 
-SHAPE_VERDICTS_MAX = 4096
-"""Filter results remembered per request, one per flow shape (the cache is emptied when full)."""
+_matcher_ids = itertools.count(1)
 
 
 def _entry_matcher(filters: FilterSet) -> Callable[[RingEntry], bool] | None:
     """A predicate on flow entries for ``filters`` (None: every flow passes). Filters that
     read no per-event field (see :attr:`FilterSet.reads_ports`) are decided once per
-    :class:`~.parser.FlowShape` on its template; others decode the entry's Flow."""
+    :class:`~.parser.FlowShape` on its template, the verdict kept on the shape under this
+    matcher's own number (so it goes away with the shape); others decode the entry's Flow."""
     if filters.empty:
         return None
     matches = filters.matches
     if filters.reads_ports:
         return lambda entry: matches(entry.flow)  # type: ignore[arg-type]  # a flow entry
-    verdicts: dict[FlowShape, bool] = {}
+    token = next(_matcher_ids)
 
     def match(entry: RingEntry) -> bool:
         shape = entry.shape
         if shape is None:
             return matches(entry.flow)  # type: ignore[arg-type]  # a flow entry
-        verdict = verdicts.get(shape)
+        verdict = shape.verdicts.get(token)
         if verdict is None:
-            if len(verdicts) >= SHAPE_VERDICTS_MAX:
-                verdicts.clear()
-            verdict = verdicts[shape] = matches(shape.template)
+            verdict = shape.verdicts[token] = matches(shape.template)
         return verdict
 
     return match

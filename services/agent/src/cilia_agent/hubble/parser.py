@@ -223,6 +223,8 @@ class FlowShape:
         ports: ``response.flow.l4.TCP`` / ``.UDP`` (None for other protocols).
         namespaces: the non-empty namespaces of source and destination.
         stored: set by the flow store once it recorded ``namespaces``.
+        verdicts: filter verdicts on ``template`` kept by the flow store's readers (key: a
+            number each reader's filter set draws), dropped with the shape.
     """
 
     __slots__ = (
@@ -235,6 +237,7 @@ class FlowShape:
         "tail",
         "template",
         "time",
+        "verdicts",
     )  # fmt: skip
 
     def __init__(self, template: flow_pb2.Flow, node_name: str) -> None:
@@ -267,6 +270,7 @@ class FlowShape:
             {ep.namespace: None for ep in (template.source, template.destination) if ep.namespace}
         )
         self.stored = False
+        self.verdicts: dict[int, bool] = {}
 
 
 # Fields of a record tuple (events.RECORD) that make its template key: addresses,
