@@ -228,6 +228,7 @@ class FlowShape:
     """
 
     __slots__ = (
+        "_template_ports",
         "flow",
         "flow_time",
         "namespaces",
@@ -271,6 +272,21 @@ class FlowShape:
         )
         self.stored = False
         self.verdicts: dict[int, bool] = {}
+        self._template_ports: flow_pb2.TCP | flow_pb2.UDP | None = None
+        if self.ports is not None:
+            kind = template.l4.WhichOneof("protocol")
+            self._template_ports = template.l4.TCP if kind == "TCP" else template.l4.UDP
+
+    def with_ports(self, sport: int, dport: int) -> flow_pb2.Flow:
+        """:attr:`template` with these L4 ports: an event's Flow but for ``time`` and
+        ``uuid``, for readers that read neither (the Hubble metric handlers). The same
+        object is returned for every event of the shape (its ports overwritten each call),
+        so a handler's per-flow memo of shape-wide labels holds for the whole shape."""
+        ports = self._template_ports
+        if ports is not None:
+            ports.source_port = sport
+            ports.destination_port = dport
+        return self.template
 
 
 # Fields of a record tuple (events.RECORD) that make its template key: addresses,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -285,6 +286,7 @@ class EventReader:
             self.store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, kernel_lost)
         encode = self.parser.encode
         add = self.store.add_encoded
+        ntohs = socket.ntohs
         metrics = self.metrics if self.metrics is not None and self.metrics.enabled else None
         done = 0
         for data, count in batch:
@@ -308,9 +310,9 @@ class EventReader:
                             "hubble: building a flow failed (%d so far)", self.parse_errors
                         )
                     continue
-                entry = add(time_ns, shape, wire)
-                if metrics is not None:
-                    metrics.flow_processed(entry.flow)  # type: ignore[arg-type]  # a flow
+                add(time_ns, shape, wire)
+                if metrics is not None:  # handlers read neither time nor uuid
+                    metrics.flow_processed(shape.with_ports(ntohs(record[3]), ntohs(record[4])))
                 done += 1
                 if done == _YIELD_EVERY:
                     self.processed += done

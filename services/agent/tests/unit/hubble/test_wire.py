@@ -10,6 +10,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
@@ -208,7 +209,7 @@ def test_blocks_become_flows_and_what_the_queue_cannot_hold_is_lost_in_order() -
     """A block of 5 records with room for 3 queues the first 3 and reports 2 lost after
     them (OBSERVER_EVENTS_QUEUE); metrics see decoded flows."""
     store = FlowStore(63, node_name=h.NODE)
-    metrics = HubbleMetrics(handlers=parse_metrics("flow"))
+    metrics = HubbleMetrics(CollectorRegistry(), handlers=parse_metrics("flow"))
     source = BlockSource()
     reader = EventReader(source, h.parser(), store, metrics, queue_size=3)
 
@@ -250,3 +251,25 @@ def test_the_hand_off_queue_counts_records_not_blocks() -> None:
     batch, lost, _ = reader._take()
     assert [count for _, count in batch] == [2, 2] and lost == 1
     assert isinstance(batch, deque)
+
+
+def test_metrics_count_the_same_from_shapes_as_from_decoded_flows() -> None:
+    """The reader hands handlers a shape's template with each event's ports: the counts
+    (ports included) equal those of the decoded flows, many events sharing one shape."""
+    spec = "flow,drop,tcp,port-distribution,flows-to-world:port;any-drop,icmp"
+    evs = [h.event(sport=s, dport=d) for s in (1, 2) for d in (80, 443, 8080)]
+    evs += [h.dropped(dport=d) for d in (22, 23)] + [h.event(proto=1, sport=9)]
+    evs += [h.event(daddr=h.WORLD_IP, dst_identity=2, dport=d, tcp_flags=0x12) for d in (1, 2)]
+    shaped = HubbleMetrics(CollectorRegistry(), handlers=parse_metrics(spec))
+    reader = EventReader(BlockSource(), h.parser(), FlowStore(63, node_name=h.NODE), shaped)
+    asyncio.run(reader._process(deque([(_block(evs), len(evs))]), 0))
+    decoded = HubbleMetrics(CollectorRegistry(), handlers=parse_metrics(spec))
+    p = h.parser()
+    for ev in evs:
+        decoded.flow_processed(p.parse(ev))
+    counts = [dict(handler.counts) for handler in shaped.handlers]
+    assert counts == [dict(handler.counts) for handler in decoded.handlers]
+    assert (counts[3][("TCP", "443")], counts[3][("TCP", "1")]) == (2, 1)  # ports per event
+    assert sum(counts[0].values()) == len(evs)
+    shaped.close()
+    decoded.close()
