@@ -21,6 +21,11 @@ GetFlows semantics follow upstream Hubble's local observer
   source with their sum (each entry carries the store's running loss totals), so every
   loss reaches it with its source instead of counting as one missed entry.
 
+The ring holds each flow as its serialized ``GetFlowsResponse`` (built once by the reader,
+:meth:`.parser.Parser.encode`): FlowBatchService sends those bytes as they are; a Flow object
+is decoded from them only for a filter on ports or a plain GetFlows response, and other
+filters are decided once per flow shape (:func:`_entry_matcher`).
+
 GetAgentEvents and GetDebugEvents stream the agent's :class:`~.eventlog.EventLog` s (same
 window rules, no filters); GetNamespaces lists the namespaces of the last hour's flows
 (:class:`~.eventlog.NamespaceTracker`). ServerStatus fills what upstream's local observer

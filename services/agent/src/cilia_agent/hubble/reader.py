@@ -121,8 +121,9 @@ class LibbpfRingBuffer:
 
     def poll(self, timeout_ms: int) -> None:
         """Wait for data (the GIL is released while waiting) up to ``timeout_ms``, then read
-        everything there: records written without a wakeup are read too. Blocks: ``poll(2)``
-        + :meth:`RingBuffer.drain`; records: ``ring_buffer__poll`` + ``__consume``."""
+        everything there: records written without a wakeup are read too. Blocks:
+        :meth:`RingBuffer.wait` (edge-triggered, for the producer's next wakeup) +
+        :meth:`RingBuffer.drain`; records: ``ring_buffer__poll`` + ``__consume``."""
         if self._rb is None:
             raise RuntimeError("ring buffer not opened")
         if self._blocks is not None:
