@@ -345,6 +345,29 @@ class FlowStore:
             for item in chunk:
                 yield parse(item.wire) if isinstance(item, RingEntry) else item
 
+    def get_flows_wire(self, req: observer_pb2.GetFlowsRequest) -> AsyncIterator[bytes]:
+        """The :meth:`get_flows` stream of ``req`` as serialized responses: a flow's are the
+        bytes the ring holds (nothing decoded, nothing encoded again).
+
+        Raises:
+            InvalidRequest, InvalidFilter: as :meth:`get_flows`, before anything is sent.
+        """
+        since_ns, until_ns = request_window(req)
+        filters = FilterSet(req.whitelist, req.blacklist)
+        return self._stream_wire(req, filters, since_ns, until_ns)
+
+    async def _stream_wire(
+        self,
+        req: observer_pb2.GetFlowsRequest,
+        filters: FilterSet,
+        since_ns: int | None,
+        until_ns: int | None,
+    ) -> AsyncIterator[bytes]:
+        # One item per chunk, as :meth:`_stream`.
+        async for chunk in self._walk(req, filters, since_ns, until_ns, 1):
+            for item in chunk:
+                yield item.wire if isinstance(item, RingEntry) else item.SerializeToString()
+
     def get_flow_batches(
         self, req: observer_pb2.GetFlowsRequest, max_batch: int = DEFAULT_MAX_BATCH
     ) -> AsyncIterator[flowbatch_pb2.GetFlowBatchesResponse]:
@@ -543,9 +566,11 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
 
     async def GetFlows(  # noqa: N802 - gRPC method name
         self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
-        """Stream flows; INVALID_ARGUMENT for bad option combinations or filters."""
-        async for response in _refusing(lambda: self.store.get_flows(request), context):
+    ) -> AsyncIterator[bytes]:
+        """Stream flows as serialized ``GetFlowsResponse`` s (register this servicer with
+        :func:`add_observer_to_server`, whose GetFlows passes bytes through);
+        INVALID_ARGUMENT for bad option combinations or filters."""
+        async for response in _refusing(lambda: self.store.get_flows_wire(request), context):
             yield response
 
     async def ServerStatus(  # noqa: N802 - gRPC method name
@@ -604,6 +629,46 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
     ) -> observer_pb2.GetNamespacesResponse:
         """Namespaces with flows in the last hour, sorted by cluster, then namespace."""
         return observer_pb2.GetNamespacesResponse(namespaces=self.store.namespaces.namespaces())
+
+
+OBSERVER_SERVICE_NAME = "observer.Observer"
+
+
+class _HandlerCapture:
+    """Stands in for a server to catch the method handlers a generated adder registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.handlers = dict(handlers)
+
+
+def _passthrough(response: bytes | observer_pb2.GetFlowsResponse) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_observer_to_server(servicer: ObserverServicer, server: Any) -> None:
+    """Register ``observer.Observer`` as the generated ``add_ObserverServicer_to_server``
+    does, but for GetFlows, whose responses may be already-serialized bytes (the ring's
+    :attr:`RingEntry.wire`) and are sent as they are; the wire is the same."""
+    capture = _HandlerCapture()
+    observer_pb2_grpc.add_ObserverServicer_to_server(servicer, capture)  # type: ignore[no-untyped-call]
+    handlers = capture.handlers
+    handlers["GetFlows"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetFlows,
+        request_deserializer=observer_pb2.GetFlowsRequest.FromString,
+        response_serializer=_passthrough,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(OBSERVER_SERVICE_NAME, handlers),)
+    )
+    server.add_registered_method_handlers(OBSERVER_SERVICE_NAME, handlers)
 
 
 class FlowBatchServicer(flowbatch_pb2_grpc.FlowBatchServiceServicer):
