@@ -1,7 +1,7 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
-NAME: ``cni_latency``, ``agent_add``, ``agent_memory``, ``datapath``, ``flows``, ``ipam``, ``cluster``,
-``k8s_operator``, ``services``
+NAME: ``cni_latency``, ``agent_add``, ``agent_memory``, ``datapath``, ``flows``, ``hubble_agent``,
+``ipam``, ``cluster``, ``k8s_operator``, ``services``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
@@ -18,6 +18,7 @@ from bench import (
     cni_latency,
     datapath,
     flows,
+    hubble_agent,
     ipam,
     k8s_operator,
     services,
@@ -29,6 +30,7 @@ BENCHES = {
     "agent_memory": agent_memory.main,
     "datapath": datapath.main,
     "flows": flows.main,
+    "hubble_agent": hubble_agent.main,
     "ipam": ipam.main,
     "cluster": cluster.main,
     "k8s_operator": k8s_operator.main,

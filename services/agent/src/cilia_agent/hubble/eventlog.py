@@ -195,6 +195,12 @@ class NamespaceTracker:
             if endpoint.namespace:
                 self._last_seen[("", endpoint.namespace)] = now
 
+    def observe_names(self, namespaces: tuple[str, ...]) -> None:
+        """Record namespaces seen now (non-empty names, e.g. a flow shape's)."""
+        now = self._wall()
+        for namespace in namespaces:
+            self._last_seen[("", namespace)] = now
+
     def namespaces(self) -> list[observer_pb2.Namespace]:
         """Namespaces seen within the TTL, sorted by (cluster, namespace); expired ones are
         forgotten."""

@@ -31,15 +31,28 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from cilia_agent.datapath import layout
 from cilia_agent.hubble.errors import EventDecodeError
 
 # "=" = host byte order, standard sizes, no alignment padding (the C struct has none).
-_LAYOUT = struct.Struct("=Q4s4sHHBBBBIIIIIBBBB")
+_FIELDS = "Q4s4sHHBBBBIIIIIBBBB"
+_LAYOUT = struct.Struct("=" + _FIELDS)
 _ntohs = socket.ntohs  # the ports are unpacked in host order, stored in network order
 FLOW_EVENT_SIZE = _LAYOUT.size
 assert FLOW_EVENT_SIZE == 48, FLOW_EVENT_SIZE
+
+RECORD = _LAYOUT
+"""``struct flow_event`` as a :class:`struct.Struct`; ``RECORD.unpack(record)`` gives the
+*record tuple* the fast path works on: the fields in the order of the table above (ports
+still in network byte order, addresses as 4 raw bytes, then ``pad``)."""
+RINGBUF_HEADER_SIZE = 8
+BLOCK_RECORD = struct.Struct(f"={RINGBUF_HEADER_SIZE}x{_FIELDS}")
+"""One record of a ring-buffer block (its 8-byte ring-buffer header skipped, see
+:meth:`cilia_agent.datapath.objects.RingBuffer.drain`): ``BLOCK_RECORD.iter_unpack(block)``
+gives record tuples."""
+assert BLOCK_RECORD.size == FLOW_EVENT_SIZE + RINGBUF_HEADER_SIZE
 
 EVENT_DROP = 1
 EVENT_TRACE = 4
@@ -137,7 +150,15 @@ def decode(record: bytes | bytearray | memoryview) -> FlowEvent:
     """
     if len(record) != FLOW_EVENT_SIZE:
         raise EventDecodeError(len(record), FLOW_EVENT_SIZE)
-    f = _LAYOUT.unpack(record)
+    return from_tuple(_LAYOUT.unpack(record))
+
+
+RecordTuple = tuple[Any, ...]
+"""A record tuple (see :data:`RECORD`): 18 items, ints but for the two addresses (bytes)."""
+
+
+def from_tuple(f: RecordTuple) -> FlowEvent:
+    """The :class:`FlowEvent` of a record tuple (:data:`RECORD`, :data:`BLOCK_RECORD`)."""
     # Positional, in field order (cheaper than keywords for a slotted dataclass).
     return FlowEvent(
         f[0],

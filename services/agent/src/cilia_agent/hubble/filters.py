@@ -464,8 +464,14 @@ class FilterSet:
         whitelist: Iterable[flow_pb2.FlowFilter] = (),
         blacklist: Iterable[flow_pb2.FlowFilter] = (),
     ) -> None:
+        whitelist, blacklist = list(whitelist), list(blacklist)
         self._whitelist = [compile_filter(f) for f in whitelist]
         self._blacklist = [compile_filter(f) for f in blacklist]
+        self.empty = not self._whitelist and not self._blacklist
+        """True when every flow passes (no filter at all)."""
+        self.reads_ports = any(f.source_port or f.destination_port for f in whitelist + blacklist)
+        """True when a filter reads the L4 ports: the only fields a flow does not share with
+        the other flows of its shape (the time and uuid are never filtered on here)."""
 
     def matches(self, flow: flow_pb2.Flow) -> bool:
         """True when the flow is in the whitelist (or it is empty) and not in the blacklist."""

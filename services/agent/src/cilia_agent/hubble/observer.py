@@ -21,6 +21,11 @@ GetFlows semantics follow upstream Hubble's local observer
   source with their sum (each entry carries the store's running loss totals), so every
   loss reaches it with its source instead of counting as one missed entry.
 
+The ring holds each flow as its serialized ``GetFlowsResponse`` (built once by the reader,
+:meth:`.parser.Parser.encode`): FlowBatchService sends those bytes as they are; a Flow object
+is decoded from them only for a filter on ports or a plain GetFlows response, and other
+filters are decided once per flow shape (:func:`_entry_matcher`).
+
 GetAgentEvents and GetDebugEvents stream the agent's :class:`~.eventlog.EventLog` s (same
 window rules, no filters); GetNamespaces lists the namespaces of the last hour's flows
 (:class:`~.eventlog.NamespaceTracker`). ServerStatus fills what upstream's local observer
@@ -29,9 +34,9 @@ fills: num/max/seen flows, uptime, version and the flows rate (the node counts a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -44,7 +49,7 @@ from cilia.hubble.relay import relay_pb2
 from cilia_agent.hubble.errors import InvalidFilter, InvalidRequest
 from cilia_agent.hubble.eventlog import EventLog, NamespaceTracker, request_window
 from cilia_agent.hubble.filters import FilterSet
-from cilia_agent.hubble.parser import timestamp
+from cilia_agent.hubble.parser import FlowShape, timestamp
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
 
 FLOWS_RATE_WINDOW_NS = 60 * 1_000_000_000
@@ -106,15 +111,40 @@ def _add_lost(totals: LostTotals, source: int, count: int) -> LostTotals:
     return tuple(sorted(merged.items()))
 
 
-@dataclass(frozen=True, slots=True)
 class RingEntry:
-    """One slot of the flow ring: a flow or a lost-events notice, with its wall time (ns)
-    and the store's lost-event totals before it was written (shared, not copied)."""
+    """One slot of the flow ring: a flow or a lost-events notice, with its wall time (ns),
+    the store's lost-event totals before it was written (shared, not copied) and, for a
+    flow, its serialized ``GetFlowsResponse`` (``wire``) and :class:`~.parser.FlowShape`
+    (``None`` for flows added as objects). The Flow object is decoded from ``wire`` on first
+    use of :attr:`flow` and kept."""
 
-    time_ns: int
-    flow: flow_pb2.Flow | None = None
-    lost: flow_pb2.LostEvent | None = None
-    lost_before: LostTotals = ()
+    __slots__ = ("_flow", "lost", "lost_before", "shape", "time_ns", "wire")
+
+    def __init__(
+        self,
+        time_ns: int,
+        wire: bytes = b"",
+        shape: FlowShape | None = None,
+        lost: flow_pb2.LostEvent | None = None,
+        lost_before: LostTotals = (),
+        flow: flow_pb2.Flow | None = None,
+    ) -> None:
+        self.time_ns = time_ns
+        self.wire = wire
+        self.shape = shape
+        self.lost = lost
+        self.lost_before = lost_before
+        self._flow = flow
+
+    @property
+    def flow(self) -> flow_pb2.Flow | None:
+        """The flow (None for a lost-events entry), decoded from :attr:`wire` once."""
+        if self.lost is not None:
+            return None
+        flow = self._flow
+        if flow is None:
+            flow = self._flow = observer_pb2.GetFlowsResponse.FromString(self.wire).flow
+        return flow
 
     def lost_after(self) -> LostTotals:
         """The store's lost-event totals once this entry was written."""
@@ -181,12 +211,27 @@ class FlowStore:
         self._wall = wall_clock_ns
         self._started = time.monotonic_ns()
         self.lost_totals: LostTotals = ()
+        self._node_suffix = node_name_wire(node_name)
 
     def add_flow(self, flow: flow_pb2.Flow) -> None:
-        """Append a flow (O(1)); wakes every follower."""
-        self.ring.write(RingEntry(_ts_ns(flow.time), flow=flow, lost_before=self.lost_totals))
+        """Append a flow object (O(1)); wakes every follower."""
+        wire = flow_response_wire(flow, self._node_suffix)
+        self.ring.write(RingEntry(_ts_ns(flow.time), wire, lost_before=self.lost_totals, flow=flow))
         self.seen_flows += 1
         self.namespaces.observe(flow)
+
+    def add_encoded(self, time_ns: int, shape: FlowShape, wire: bytes) -> RingEntry:
+        """Append a flow as :meth:`.parser.Parser.encode` returns it (O(1), no Flow object);
+        wakes every follower. The namespaces of a shape are recorded when the store first
+        sees it (a shape lives at most the parser's template TTL, 1 s by default, so
+        GetNamespaces' last-seen times are at most that old)."""
+        entry = RingEntry(time_ns, wire, shape, None, self.lost_totals)
+        self.ring.write(entry)
+        self.seen_flows += 1
+        if not shape.stored:
+            shape.stored = True
+            self.namespaces.observe_names(shape.namespaces)
+        return entry
 
     def add_lost(
         self, source: flow_pb2.LostEventSource, count: int, cpu: int | None = None
@@ -196,6 +241,7 @@ class FlowStore:
         if cpu is not None:
             lost.cpu.CopyFrom(wrappers_pb2.Int32Value(value=cpu))
         entry = RingEntry(self._wall(), lost=lost, lost_before=self.lost_totals)
+        entry.wire = self._lost_response(entry).SerializeToString()
         self.lost_totals = entry.lost_after()
         self.ring.write(entry)
         if self.on_lost is not None:
@@ -217,7 +263,7 @@ class FlowStore:
         count = 0
         oldest_seen: int | None = None
         for _seq, entry in self.ring.iter_backward():
-            if entry.flow is None:
+            if entry.lost is not None:
                 continue
             if entry.time_ns < since:
                 break
@@ -254,15 +300,16 @@ class FlowStore:
             return ring.oldest
         start = ring.next_seq
         count = 0
+        match = _entry_matcher(filters)
         for seq, entry in ring.iter_backward():
-            if entry.flow is None:
+            if entry.lost is not None:
                 continue
             if since_ns is not None:
                 if entry.time_ns < since_ns:
                     break
                 start = seq
                 continue
-            if not filters.matches(entry.flow):
+            if match is not None and not match(entry):
                 continue
             start = seq
             count += 1
@@ -291,14 +338,35 @@ class FlowStore:
         since_ns: int | None,
         until_ns: int | None,
     ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
-        node_name = self.node_name
-        async for item in self._walk(req, filters, since_ns, until_ns):
-            if item is None:
-                continue
-            if isinstance(item, flow_pb2.Flow):
-                yield observer_pb2.GetFlowsResponse(flow=item, node_name=node_name, time=item.time)
-            else:
-                yield item
+        parse = observer_pb2.GetFlowsResponse.FromString
+        # One item per chunk: the ring is read as the client takes responses, so a slow
+        # client is overtaken by the writer (and told so) rather than served a snapshot.
+        async for chunk in self._walk(req, filters, since_ns, until_ns, 1):
+            for item in chunk:
+                yield parse(item.wire) if isinstance(item, RingEntry) else item
+
+    def get_flows_wire(self, req: observer_pb2.GetFlowsRequest) -> AsyncIterator[bytes]:
+        """The :meth:`get_flows` stream of ``req`` as serialized responses: a flow's are the
+        bytes the ring holds (nothing decoded, nothing encoded again).
+
+        Raises:
+            InvalidRequest, InvalidFilter: as :meth:`get_flows`, before anything is sent.
+        """
+        since_ns, until_ns = request_window(req)
+        filters = FilterSet(req.whitelist, req.blacklist)
+        return self._stream_wire(req, filters, since_ns, until_ns)
+
+    async def _stream_wire(
+        self,
+        req: observer_pb2.GetFlowsRequest,
+        filters: FilterSet,
+        since_ns: int | None,
+        until_ns: int | None,
+    ) -> AsyncIterator[bytes]:
+        # One item per chunk, as :meth:`_stream`.
+        async for chunk in self._walk(req, filters, since_ns, until_ns, 1):
+            for item in chunk:
+                yield item.wire if isinstance(item, RingEntry) else item.SerializeToString()
 
     def get_flow_batches(
         self, req: observer_pb2.GetFlowsRequest, max_batch: int = DEFAULT_MAX_BATCH
@@ -307,8 +375,8 @@ class FlowStore:
 
         A batch holds every response ready when the stream would otherwise wait for new
         flows, or ``max_batch`` of them (>= 1), whichever comes first; an empty batch is
-        never sent. Each response is encoded as ``GetFlowsResponse`` (the flow's own
-        serialization with ``node_name`` and ``time`` appended, see :func:`flow_response_wire`).
+        never sent. A flow's response is the bytes the ring holds (:attr:`RingEntry.wire`:
+        built once when the flow was written, whoever reads it).
 
         Raises:
             InvalidRequest, InvalidFilter: as :meth:`get_flows`, before anything is sent.
@@ -325,31 +393,27 @@ class FlowStore:
         until_ns: int | None,
         max_batch: int,
     ) -> AsyncIterator[flowbatch_pb2.GetFlowBatchesResponse]:
-        node_suffix = node_name_wire(self.node_name)
-        responses: list[bytes] = []
-        times: list[int] = []
-        kinds: list[bool] = []
-        async for item in self._walk(req, filters, since_ns, until_ns):
-            if item is not None:
-                if isinstance(item, flow_pb2.Flow):
-                    responses.append(flow_response_wire(item, node_suffix))
-                    times.append(_ts_ns(item.time))
+        async for chunk in self._walk(req, filters, since_ns, until_ns, max_batch):
+            responses: list[bytes] = []
+            times: list[int] = []
+            kinds: list[bool] = []
+            for item in chunk:
+                if isinstance(item, RingEntry):
+                    responses.append(item.wire)
+                    times.append(item.time_ns)
                     kinds.append(True)
                 else:
                     responses.append(item.SerializeToString())
                     times.append(_ts_ns(item.time))
                     kinds.append(False)
-                if len(responses) < max_batch:
-                    continue
-            if responses:
-                yield flowbatch_pb2.GetFlowBatchesResponse(
-                    responses=responses, times_ns=times, flows=kinds
-                )
-                responses, times, kinds = [], [], []
-        if responses:
             yield flowbatch_pb2.GetFlowBatchesResponse(
                 responses=responses, times_ns=times, flows=kinds
             )
+
+    def _lost_response(self, entry: RingEntry) -> observer_pb2.GetFlowsResponse:
+        return observer_pb2.GetFlowsResponse(
+            lost_events=entry.lost, node_name=self.node_name, time=timestamp(entry.time_ns)
+        )
 
     async def _walk(
         self,
@@ -357,14 +421,18 @@ class FlowStore:
         filters: FilterSet,
         since_ns: int | None,
         until_ns: int | None,
-    ) -> AsyncIterator[flow_pb2.Flow | observer_pb2.GetFlowsResponse | None]:
-        """The stream of one GetFlows request: a Flow that passes, a lost-events
-        response, or ``None`` just before waiting for new entries (a batch boundary)."""
+        chunk_max: int,
+    ) -> AsyncIterator[list[RingEntry | observer_pb2.GetFlowsResponse]]:
+        """The stream of one GetFlows request in chunks of at most ``chunk_max`` items (a
+        flow entry that passes, or a lost-events response); a chunk also ends where the
+        stream waits for new entries (a batch boundary). No chunk is empty."""
         ring = self.ring
         seq = self._start_seq(req, filters, since_ns)
         end = ring.next_seq
         limit = 0 if req.follow else req.number
         sent = 0
+        match = _entry_matcher(filters)
+        out: list[RingEntry | observer_pb2.GetFlowsResponse] = []
         # The store's lost-event totals up to the entry before ``seq``.
         seen = ring.get(seq).lost_before if ring.oldest <= seq < ring.next_seq else self.lost_totals
         while True:
@@ -378,55 +446,94 @@ class FlowStore:
                 now = timestamp(self._wall())
                 for source, count in missed.items():  # losses inside the missed entries
                     if count > 0:
-                        yield observer_pb2.GetFlowsResponse(
-                            lost_events=flow_pb2.LostEvent(
-                                source=source,  # type: ignore[arg-type]  # a LostEventSource
-                                num_events_lost=count,
-                            ),
-                            node_name=self.node_name,
-                            time=now,
+                        out.append(
+                            observer_pb2.GetFlowsResponse(
+                                lost_events=flow_pb2.LostEvent(
+                                    source=source,  # type: ignore[arg-type]  # a LostEventSource
+                                    num_events_lost=count,
+                                ),
+                                node_name=self.node_name,
+                                time=now,
+                            )
                         )
                 if oldest - seq - entries > 0:
                     if self.on_lost is not None:
                         self.on_lost(flow_pb2.HUBBLE_RING_BUFFER, 1)
-                    yield observer_pb2.GetFlowsResponse(
-                        lost_events=flow_pb2.LostEvent(
-                            source=flow_pb2.HUBBLE_RING_BUFFER,
-                            num_events_lost=oldest - seq - entries,
-                        ),
-                        node_name=self.node_name,
-                        time=now,
+                    out.append(
+                        observer_pb2.GetFlowsResponse(
+                            lost_events=flow_pb2.LostEvent(
+                                source=flow_pb2.HUBBLE_RING_BUFFER,
+                                num_events_lost=oldest - seq - entries,
+                            ),
+                            node_name=self.node_name,
+                            time=now,
+                        )
                     )
                 seq, seen = oldest, before
+                if len(out) >= chunk_max:
+                    yield out
+                    out = []
                 continue
-            if seq >= (ring.next_seq if req.follow else end):
+            stop = ring.next_seq if req.follow else end
+            if seq >= stop:
+                if out:
+                    yield out
+                    out = []
                 if not req.follow:
                     return
-                yield None
                 await ring.wait_beyond(seq)
                 continue
-            entry = ring.get(seq)
-            seq += 1
-            if entry.lost is not None:
-                seen = entry.lost_after()
-                yield observer_pb2.GetFlowsResponse(
-                    lost_events=entry.lost,
-                    node_name=self.node_name,
-                    time=timestamp(entry.time_ns),
-                )
-                continue
-            flow = entry.flow
-            assert flow is not None
-            if until_ns is not None and entry.time_ns > until_ns:
-                return
-            if since_ns is not None and entry.time_ns < since_ns:
-                continue
-            if not filters.matches(flow):
-                continue
-            yield flow
-            sent += 1
-            if limit and sent >= limit:
-                return
+            # Entries [seq, stop) are read without suspending, so none is overwritten
+            # meanwhile; the chunk is handed over when full.
+            for entry in ring.items(seq, min(stop, seq + chunk_max - len(out))):
+                seq += 1
+                if entry.lost is not None:
+                    seen = entry.lost_after()
+                    out.append(self._lost_response(entry))
+                    continue
+                if until_ns is not None and entry.time_ns > until_ns:
+                    if out:
+                        yield out
+                    return
+                if since_ns is not None and entry.time_ns < since_ns:
+                    continue
+                if match is not None and not match(entry):
+                    continue
+                out.append(entry)
+                sent += 1
+                if limit and sent >= limit:
+                    yield out
+                    return
+            if len(out) >= chunk_max:
+                yield out
+                out = []
+
+
+_matcher_ids = itertools.count(1)
+
+
+def _entry_matcher(filters: FilterSet) -> Callable[[RingEntry], bool] | None:
+    """A predicate on flow entries for ``filters`` (None: every flow passes). Filters that
+    read no per-event field (see :attr:`FilterSet.reads_ports`) are decided once per
+    :class:`~.parser.FlowShape` on its template, the verdict kept on the shape under this
+    matcher's own number (so it goes away with the shape); others decode the entry's Flow."""
+    if filters.empty:
+        return None
+    matches = filters.matches
+    if filters.reads_ports:
+        return lambda entry: matches(entry.flow)  # type: ignore[arg-type]  # a flow entry
+    token = next(_matcher_ids)
+
+    def match(entry: RingEntry) -> bool:
+        shape = entry.shape
+        if shape is None:
+            return matches(entry.flow)  # type: ignore[arg-type]  # a flow entry
+        verdict = shape.verdicts.get(token)
+        if verdict is None:
+            verdict = shape.verdicts[token] = matches(shape.template)
+        return verdict
+
+    return match
 
 
 class ObserverServicer(observer_pb2_grpc.ObserverServicer):
@@ -459,9 +566,11 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
 
     async def GetFlows(  # noqa: N802 - gRPC method name
         self, request: observer_pb2.GetFlowsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
-        """Stream flows; INVALID_ARGUMENT for bad option combinations or filters."""
-        async for response in _refusing(lambda: self.store.get_flows(request), context):
+    ) -> AsyncIterator[bytes]:
+        """Stream flows as serialized ``GetFlowsResponse`` s (register this servicer with
+        :func:`add_observer_to_server`, whose GetFlows passes bytes through);
+        INVALID_ARGUMENT for bad option combinations or filters."""
+        async for response in _refusing(lambda: self.store.get_flows_wire(request), context):
             yield response
 
     async def ServerStatus(  # noqa: N802 - gRPC method name
@@ -520,6 +629,46 @@ class ObserverServicer(observer_pb2_grpc.ObserverServicer):
     ) -> observer_pb2.GetNamespacesResponse:
         """Namespaces with flows in the last hour, sorted by cluster, then namespace."""
         return observer_pb2.GetNamespacesResponse(namespaces=self.store.namespaces.namespaces())
+
+
+OBSERVER_SERVICE_NAME = "observer.Observer"
+
+
+class _HandlerCapture:
+    """Stands in for a server to catch the method handlers a generated adder registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.handlers = dict(handlers)
+
+
+def _passthrough(response: bytes | observer_pb2.GetFlowsResponse) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_observer_to_server(servicer: ObserverServicer, server: Any) -> None:
+    """Register ``observer.Observer`` as the generated ``add_ObserverServicer_to_server``
+    does, but for GetFlows, whose responses may be already-serialized bytes (the ring's
+    :attr:`RingEntry.wire`) and are sent as they are; the wire is the same."""
+    capture = _HandlerCapture()
+    observer_pb2_grpc.add_ObserverServicer_to_server(servicer, capture)  # type: ignore[no-untyped-call]
+    handlers = capture.handlers
+    handlers["GetFlows"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetFlows,
+        request_deserializer=observer_pb2.GetFlowsRequest.FromString,
+        response_serializer=_passthrough,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(OBSERVER_SERVICE_NAME, handlers),)
+    )
+    server.add_registered_method_handlers(OBSERVER_SERVICE_NAME, handlers)
 
 
 class FlowBatchServicer(flowbatch_pb2_grpc.FlowBatchServiceServicer):

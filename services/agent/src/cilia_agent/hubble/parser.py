@@ -29,6 +29,25 @@ once into a template Flow, kept for at most ``template_ttl_s`` (default 1 s, so 
 is at most that stale; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
 event copies its template and sets the rest (about 5 µs instead of 25 µs per flow).
 
+Wire first (:meth:`Parser.encode`, the reader's path): what leaves the agent is the serialized
+``GetFlowsResponse`` (the relay forwards it undecoded), so the reader builds those bytes once per
+event and builds no Flow object. The rule it relies on is the protobuf encoding's: a message's
+wire form is the concatenation of its fields' encodings, in any order, and when an embedded
+message field (here ``GetFlowsResponse.flow``) occurs more than once the parser merges the
+occurrences (as ``MergeFrom``; proto3 and the Go, C++ and Python runtimes all do). Per event
+shape (the template key above) a :class:`FlowShape` keeps
+
+- ``tail``: ``GetFlowsResponse(flow=<the flow without time, uuid and l4>, node_name=...)``
+  serialized once by the protobuf library;
+- ``response``: a reusable ``GetFlowsResponse`` holding only ``time`` and
+  ``flow.{time, uuid, l4}``; per event the reader sets the time, uuid and ports on it and
+  serializes it (the protobuf library again), then appends ``tail``.
+
+``response bytes + tail`` parses to exactly the ``GetFlowsResponse(flow=parse(event),
+node_name, time)`` of the object path (the unit tests check it over generated events). A Flow
+object is decoded from those bytes only when a reader needs one (a filter on ports, Hubble
+metrics, a plain GetFlows); other filters are decided once per shape on its ``template``.
+
 - ``Summary`` (deprecated upstream, still filled there and printed by the ``hubble`` CLI):
   ``TCP Flags: SYN, ACK`` (flags in upstream's order SYN, ACK, RST, FIN, PSH, URG, ECE, CWR),
   ``UDP``, ``ICMPv4 EchoRequest`` / ``ICMPv4 EchoReply`` (``ICMPv4`` when the type is
@@ -37,13 +56,16 @@ event copies its template and sets the rest (about 5 µs instead of 25 µs per f
 
 from __future__ import annotations
 
+import operator
 import os
+import socket
 import time
 from typing import Any
 
 from google.protobuf import timestamp_pb2, wrappers_pb2
 
 from cilia.hubble.flow import flow_pb2
+from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.enrich import EndpointRef, Resolver
 
@@ -59,22 +81,32 @@ TEMPLATES_MAX = 4096
 """Templates kept at most; the cache is emptied when it is full (or older than the TTL)."""
 
 
-_ENTROPY_CHUNK = 16 * 256
-_entropy = memoryview(b"")
+UUIDS_PER_DRAW = 256
+"""UUIDs made from one ``os.urandom`` read (4 KiB)."""
+# Byte 6 of a version-4 UUID is 0x4? (version), byte 8 is 0b10?????? (RFC 4122 variant).
+_VERSION_4 = bytes((b & 0x0F) | 0x40 for b in range(256))
+_VARIANT_RFC4122 = bytes((b & 0x3F) | 0x80 for b in range(256))
+_uuids: list[str] = []
+
+
+def _draw_uuids(n: int) -> list[str]:
+    """``n`` random version-4 UUID strings from one ``os.urandom`` read: the version and
+    variant bits of every 16-byte group are set with two strided translations, the hex text
+    has a ``-`` every 2 bytes (8 groups of 4 digits per UUID) and each UUID keeps the dashes
+    of the 8-4-4-4-12 form."""
+    raw = bytearray(os.urandom(16 * n))
+    raw[6::16] = raw[6::16].translate(_VERSION_4)
+    raw[8::16] = raw[8::16].translate(_VARIANT_RFC4122)
+    h = raw.hex("-", 2)  # 40 characters per UUID: 8 groups and their separators
+    return [h[o : o + 4] + h[o + 5 : o + 29] + h[o + 30 : o + 34] + h[o + 35 : o + 39] for o in range(0, 40 * n, 40)]  # fmt: skip
 
 
 def random_uuid() -> str:
     """A random RFC 4122 version-4 UUID string (as ``str(uuid.uuid4())``, from the same
-    ``os.urandom`` entropy, read 4 KiB at a time instead of 16 bytes per flow)."""
-    global _entropy
-    if len(_entropy) < 16:
-        _entropy = memoryview(os.urandom(_ENTROPY_CHUNK))
-    b = bytearray(_entropy[:16])
-    _entropy = _entropy[16:]
-    b[6] = (b[6] & 0x0F) | 0x40
-    b[8] = (b[8] & 0x3F) | 0x80
-    h = b.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    ``os.urandom`` entropy, drawn :data:`UUIDS_PER_DRAW` at a time)."""
+    if not _uuids:
+        _uuids.extend(_draw_uuids(UUIDS_PER_DRAW))
+    return _uuids.pop()
 
 
 class BootClock:
@@ -179,6 +211,90 @@ def _layer4(ev: events.FlowEvent) -> flow_pb2.Layer4 | None:
     return None
 
 
+class FlowShape:
+    """What every event of one template key shares (module docstring, "Wire first").
+
+    Attributes:
+        template: the Flow of the first event without ``time`` and ``uuid`` (its ports are
+            that event's); filters that do not read ports are decided on it.
+        tail: serialized ``GetFlowsResponse(flow=template minus l4, node_name)``.
+        response: the reusable per-event ``GetFlowsResponse`` (``time``, ``flow.time``,
+            ``flow.uuid``, ``flow.l4``); only :meth:`Parser.encode` writes it.
+        ports: ``response.flow.l4.TCP`` / ``.UDP`` (None for other protocols).
+        namespaces: the non-empty namespaces of source and destination.
+        stored: set by the flow store once it recorded ``namespaces``.
+        verdicts: filter verdicts on ``template`` kept by the flow store's readers (key: a
+            number each reader's filter set draws), dropped with the shape.
+    """
+
+    __slots__ = (
+        "_template_ports",
+        "flow",
+        "flow_time",
+        "namespaces",
+        "ports",
+        "response",
+        "stored",
+        "tail",
+        "template",
+        "time",
+        "verdicts",
+    )  # fmt: skip
+
+    def __init__(self, template: flow_pb2.Flow, node_name: str) -> None:
+        self.template = template
+        static = flow_pb2.Flow()
+        static.CopyFrom(template)
+        static.ClearField("l4")
+        self.tail = observer_pb2.GetFlowsResponse(
+            flow=static, node_name=node_name
+        ).SerializeToString()
+        response = observer_pb2.GetFlowsResponse()
+        # Every field the events write is made present once, so the references below stay
+        # the parent's own sub-messages.
+        response.time.seconds = 1
+        response.flow.time.seconds = 1
+        response.flow.uuid = "-"
+        self.ports: flow_pb2.TCP | flow_pb2.UDP | None = None
+        if template.HasField("l4"):
+            response.flow.l4.CopyFrom(template.l4)
+            kind = template.l4.WhichOneof("protocol")
+            if kind == "TCP":
+                self.ports = response.flow.l4.TCP
+            elif kind == "UDP":
+                self.ports = response.flow.l4.UDP
+        self.response = response
+        self.time = response.time
+        self.flow = response.flow
+        self.flow_time = response.flow.time
+        self.namespaces = tuple(
+            {ep.namespace: None for ep in (template.source, template.destination) if ep.namespace}
+        )
+        self.stored = False
+        self.verdicts: dict[int, bool] = {}
+        self._template_ports: flow_pb2.TCP | flow_pb2.UDP | None = None
+        if self.ports is not None:
+            kind = template.l4.WhichOneof("protocol")
+            self._template_ports = template.l4.TCP if kind == "TCP" else template.l4.UDP
+
+    def with_ports(self, sport: int, dport: int) -> flow_pb2.Flow:
+        """:attr:`template` with these L4 ports: an event's Flow but for ``time`` and
+        ``uuid``, for readers that read neither (the Hubble metric handlers). The same
+        object is returned for every event of the shape (its ports overwritten each call),
+        so a handler's per-flow memo of shape-wide labels holds for the whole shape."""
+        ports = self._template_ports
+        if ports is not None:
+            ports.source_port = sport
+            ports.destination_port = dport
+        return self.template
+
+
+# Fields of a record tuple (events.RECORD) that make its template key: addresses,
+# protocol .. local endpoint and interface, direction, reply, TCP flags.
+_shape_key = operator.itemgetter(1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15, 16)
+_ntohs = socket.ntohs
+
+
 class Parser:
     """Builds enriched ``flow.Flow`` messages from datapath events.
 
@@ -204,6 +320,46 @@ class Parser:
         self.template_ttl_ns = int(template_ttl_s * 1e9)
         self._templates: dict[tuple[Any, ...], flow_pb2.Flow] = {}
         self._templates_since = time.monotonic_ns()
+        self._shapes: dict[tuple[Any, ...], FlowShape] = {}
+        self._shapes_since = self._templates_since
+
+    def encode(self, f: events.RecordTuple) -> tuple[int, FlowShape, bytes]:
+        """The wire-first path (module docstring) for one record tuple (:data:`events.RECORD`).
+
+        Returns:
+            ``(wall-clock ns, shape, serialized GetFlowsResponse)``; the bytes parse to
+            ``GetFlowsResponse(flow=self.parse(event), node_name=self.node_name,
+            time=<the flow's time>)`` with a uuid of its own.
+        """
+        ttl = self.template_ttl_ns
+        if ttl:
+            now = time.monotonic_ns()
+            shapes = self._shapes
+            if now - self._shapes_since > ttl or len(shapes) >= TEMPLATES_MAX:
+                shapes.clear()
+                self._shapes_since = now
+            key = _shape_key(f)
+            if f[5] == events.IPPROTO_ICMP:  # echo or not: the ICMP type depends on it
+                key = (*key, f[3] != 0)
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = FlowShape(self._build(events.from_tuple(f)), self.node_name)
+        else:
+            shape = FlowShape(self._build(events.from_tuple(f)), self.node_name)
+        wall = self.clock.to_wall_ns(f[0])
+        seconds, nanos = divmod(wall, 1_000_000_000)
+        stamp = shape.time
+        stamp.seconds = seconds
+        stamp.nanos = nanos
+        stamp = shape.flow_time
+        stamp.seconds = seconds
+        stamp.nanos = nanos
+        shape.flow.uuid = random_uuid()
+        ports = shape.ports
+        if ports is not None:
+            ports.source_port = _ntohs(f[3])
+            ports.destination_port = _ntohs(f[4])
+        return wall, shape, shape.response.SerializeToString() + shape.tail
 
     def _endpoint(self, ip: str, identity: int, local_ep_id: int | None) -> flow_pb2.Endpoint:
         ref: EndpointRef | None = None

@@ -1,12 +1,16 @@
 """The ring-buffer consumer: kernel events → Flow → flow ring.
 
-A poll thread calls libbpf's ``ring_buffer__poll`` on the datapath's ``cilia_events`` ring
-buffer, then ``ring_buffer__consume``: the datapath wakes the reader only for every
-``--bpf-events-wakeup-events``-th event of a CPU, so each poll timeout also drains what was
-written without a wakeup (many records per wakeup; at most ``poll_timeout_ms`` late). Each
-record is copied into a bounded hand-off queue. The agent's event loop drains the queue,
-decodes (:mod:`.events`), enriches (:mod:`.parser`) and writes flows into the
-:class:`~.observer.FlowStore`, counting them in ``hubble_flows_processed_total``.
+A poll thread waits on the datapath's ``cilia_events`` ring buffer, then drains it: the
+datapath wakes the reader only for every ``--bpf-events-wakeup-events``-th event of a CPU, so
+each poll timeout also drains what was written without a wakeup (many records per wakeup; at
+most ``poll_timeout_ms`` late). On x86-64 the records are read from the mapped ring directly
+(:meth:`~cilia_agent.datapath.objects.RingBuffer.drain`): a run of records is copied as one
+block, with no Python call per record; elsewhere libbpf's ``ring_buffer__poll`` and
+``ring_buffer__consume`` hand over one record per callback. Blocks and records go into a
+bounded hand-off queue (its size counts records). The agent's event loop drains the queue,
+unpacks the records (:mod:`.events`), builds each flow's serialized response
+(:meth:`.parser.Parser.encode`; no Flow object unless Hubble metrics need one) and writes it
+into the :class:`~.observer.FlowStore`, counting flows in ``hubble_flows_processed_total``.
 
 Every loss becomes one ``LostEvent`` in the ring, with its source:
 
@@ -31,12 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from cilia.hubble.flow import flow_pb2
+from cilia_agent.datapath.objects import DIRECT_READ_SUPPORTED
 from cilia_agent.hubble import events
 from cilia_agent.hubble.errors import EventDecodeError
 from cilia_agent.hubble.metrics import HubbleMetrics
@@ -53,6 +59,9 @@ DEFAULT_POLL_TIMEOUT_MS = 100
 _YIELD_EVERY = 256
 
 RecordCallback = Callable[[bytes], None]
+BlockCallback = Callable[[bytes, int], None]
+"""``(block, count)``: ``count`` records of ``struct flow_event``, each after its 8-byte
+ring-buffer header (stride :data:`events.BLOCK_RECORD` ``.size``)."""
 
 
 class RecordSource(Protocol):
@@ -65,7 +74,9 @@ class RecordSource(Protocol):
         """Wait up to ``timeout_ms`` for records and deliver them (runs in the poll thread).
 
         A source may also have ``kernel_lost() -> int``: events its producer could not
-        write so far (cumulative); the reader reports the increase as a LostEvent.
+        write so far (cumulative); the reader reports the increase as a LostEvent; and
+        ``open_blocks(on_block, on_record) -> bool``: like :meth:`open`, delivering runs of
+        records as blocks (:data:`BlockCallback`) when it returns True.
         """
 
 
@@ -92,16 +103,33 @@ class LibbpfRingBuffer:
     def __init__(self, datapath: EventsMap) -> None:
         self._datapath = datapath
         self._rb: RingBuffer | None = None
+        self._blocks: tuple[BlockCallback, RecordCallback] | None = None
 
     def open(self, on_record: RecordCallback) -> None:
         """Open a consumer whose callback gets a copy of each record."""
         self._rb = self._datapath.ring_buffer(on_record)
 
+    def open_blocks(self, on_block: BlockCallback, on_record: RecordCallback) -> bool:
+        """Open a consumer that reads the mapped ring itself (x86-64 only; False elsewhere,
+        then call :meth:`open`): runs of ``struct flow_event`` records go to ``on_block``,
+        any other record to ``on_record``."""
+        if not DIRECT_READ_SUPPORTED:
+            return False
+        self._rb = self._datapath.ring_buffer(on_record)
+        self._blocks = (on_block, on_record)
+        return True
+
     def poll(self, timeout_ms: int) -> None:
-        """``ring_buffer__poll`` (the GIL is released while waiting), then
-        ``ring_buffer__consume``: records written without a wakeup are read too."""
+        """Wait for data (the GIL is released while waiting) up to ``timeout_ms``, then read
+        everything there: records written without a wakeup are read too. Blocks:
+        :meth:`RingBuffer.wait` (edge-triggered, for the producer's next wakeup) +
+        :meth:`RingBuffer.drain`; records: ``ring_buffer__poll`` + ``__consume``."""
         if self._rb is None:
             raise RuntimeError("ring buffer not opened")
+        if self._blocks is not None:
+            self._rb.wait(timeout_ms)
+            self._rb.drain(events.FLOW_EVENT_SIZE, *self._blocks)
+            return
         self._rb.poll(timeout_ms)
         self._rb.consume()
 
@@ -160,7 +188,9 @@ class EventReader:
         self.parse_errors = 0
         self.processed = 0
         self._lock = threading.Lock()
-        self._pending: deque[bytes] = deque()
+        # Hand-off items: (record, 0) for one record, (block, count) for a block.
+        self._pending: deque[tuple[bytes, int]] = deque()
+        self._pending_records = 0
         self._pending_lost = 0
         self._kernel_lost_seen = 0
         self._pending_kernel_lost = 0
@@ -177,11 +207,29 @@ class EventReader:
     def _on_record(self, record: bytes) -> None:
         with self._lock:
             self.received += 1
-            if len(self._pending) >= self.queue_size:
+            if self._pending_records >= self.queue_size:
                 self._pending_lost += 1
                 self.lost += 1
             else:
-                self._pending.append(record)
+                self._pending.append((record, 0))
+                self._pending_records += 1
+
+    def _on_block(self, block: bytes, count: int) -> None:
+        """A block of ``count`` records: as many as the queue has room for are queued, in
+        order; the rest are dropped and counted."""
+        with self._lock:
+            self.received += count
+            room = self.queue_size - self._pending_records
+            if room < count:
+                dropped = count - max(room, 0)
+                self._pending_lost += dropped
+                self.lost += dropped
+                if room <= 0:
+                    return
+                block = block[: room * events.BLOCK_RECORD.size]
+                count = room
+            self._pending.append((block, count))
+            self._pending_records += count
 
     def _poll_loop(self) -> None:
         assert self._loop is not None and self._wake is not None
@@ -222,39 +270,56 @@ class EventReader:
 
     # -- event loop ----------------------------------------------------------------
 
-    def _take(self) -> tuple[deque[bytes], int, int]:
+    def _take(self) -> tuple[deque[tuple[bytes, int]], int, int]:
         with self._lock:
             batch, self._pending = self._pending, deque()
+            self._pending_records = 0
             lost, self._pending_lost = self._pending_lost, 0
             kernel_lost, self._pending_kernel_lost = self._pending_kernel_lost, 0
             self._notified = False
         return batch, lost, kernel_lost
 
-    async def _process(self, batch: deque[bytes], lost: int, kernel_lost: int = 0) -> None:
+    async def _process(
+        self, batch: deque[tuple[bytes, int]], lost: int, kernel_lost: int = 0
+    ) -> None:
         if kernel_lost:  # written before the records of this batch could be
             self.kernel_lost += kernel_lost
             self.store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, kernel_lost)
-        for i, record in enumerate(batch, 1):
-            try:
-                event = events.decode(record)
-            except EventDecodeError as exc:
+        encode = self.parser.encode
+        add = self.store.add_encoded
+        ntohs = socket.ntohs
+        metrics = self.metrics if self.metrics is not None and self.metrics.enabled else None
+        done = 0
+        for data, count in batch:
+            if count:
+                records: Iterable[events.RecordTuple] = events.BLOCK_RECORD.iter_unpack(data)
+            elif len(data) == events.FLOW_EVENT_SIZE:
+                records = (events.RECORD.unpack(data),)
+            else:
                 self.decode_errors += 1
                 if self.decode_errors == 1 or self.decode_errors % 1000 == 0:
+                    exc = EventDecodeError(len(data), events.FLOW_EVENT_SIZE)
                     log.error("hubble: %s (%d undecodable records so far)", exc, self.decode_errors)
                 continue
-            try:
-                flow = self.parser.parse(event)
-            except Exception:  # a broken Resolver must not stop the reader
-                self.parse_errors += 1
-                if self.parse_errors == 1 or self.parse_errors % 1000 == 0:
-                    log.exception("hubble: building a flow failed (%d so far)", self.parse_errors)
-                continue
-            self.store.add_flow(flow)
-            if self.metrics is not None:
-                self.metrics.flow_processed(flow)
-            self.processed += 1
-            if i % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+            for record in records:
+                try:
+                    time_ns, shape, wire = encode(record)
+                except Exception:  # a broken Resolver must not stop the reader
+                    self.parse_errors += 1
+                    if self.parse_errors == 1 or self.parse_errors % 1000 == 0:
+                        log.exception(
+                            "hubble: building a flow failed (%d so far)", self.parse_errors
+                        )
+                    continue
+                add(time_ns, shape, wire)
+                if metrics is not None:  # handlers read neither time nor uuid
+                    metrics.flow_processed(shape.with_ports(ntohs(record[3]), ntohs(record[4])))
+                done += 1
+                if done == _YIELD_EVERY:
+                    self.processed += done
+                    done = 0
+                    await asyncio.sleep(0)
+        self.processed += done
         if lost:  # the dropped records came after the queued ones
             self.store.add_lost(flow_pb2.OBSERVER_EVENTS_QUEUE, lost)
 
@@ -277,7 +342,9 @@ class EventReader:
             raise RuntimeError("EventReader already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.source.open(self._on_record)
+        open_blocks = getattr(self.source, "open_blocks", None)
+        if open_blocks is None or not open_blocks(self._on_block, self._on_record):
+            self.source.open(self._on_record)
         self._stop.clear()
         self._closing = False
         self._task = asyncio.create_task(self._consume(), name="hubble-event-consumer")

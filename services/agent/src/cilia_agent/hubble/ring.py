@@ -114,6 +114,22 @@ class Ring(Generic[T]):
         assert item is not None
         return item
 
+    def items(self, start: int, stop: int) -> list[T]:
+        """Items with sequences in ``[start, stop)`` as a list (at most two slices of the
+        slots: no Python work per item), oldest first.
+
+        Raises:
+            IndexError: part of the range was overwritten or not written yet.
+        """
+        if stop <= start:
+            return []
+        if not self.oldest <= start or stop > self._next:
+            raise IndexError(f"sequences [{start}, {stop}) outside [{self.oldest}, {self._next})")
+        first, last = start & self._mask, (stop - 1) & self._mask
+        if first <= last:
+            return self._slots[first : last + 1]  # type: ignore[return-value]  # written slots
+        return self._slots[first:] + self._slots[: last + 1]  # type: ignore[return-value]
+
     def iter_range(self, start: int, stop: int | None = None) -> Iterator[T]:
         """Items with sequences in ``[max(start, oldest), min(stop, next_seq))``, oldest first."""
         end = self._next if stop is None else min(stop, self._next)

@@ -34,13 +34,17 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from cilia.flowbatch.v1 import flowbatch_pb2_grpc
 from cilia.hubble.flow import flow_pb2
-from cilia.hubble.observer import observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2_grpc
 from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
 from cilia_agent.hubble.eventlog import EventLog, agent_started_event
 from cilia_agent.hubble.metrics import HandlerSpec, HubbleMetrics, parse_metrics, read_counters
-from cilia_agent.hubble.observer import FlowBatchServicer, FlowStore, ObserverServicer
+from cilia_agent.hubble.observer import (
+    FlowBatchServicer,
+    FlowStore,
+    ObserverServicer,
+    add_observer_to_server,
+)
 from cilia_agent.hubble.parser import BootClock, Parser
 from cilia_agent.hubble.peer import (
     DEFAULT_PEER_BUFFER,
@@ -157,7 +161,7 @@ class Hubble:
         :func:`cilia_common.grpcserver.start_server`."""
         return [
             grpcserver.Service(
-                observer_pb2_grpc.add_ObserverServicer_to_server,
+                add_observer_to_server,  # GetFlows sends the ring's bytes as they are
                 self.observer_servicer,
                 OBSERVER_SERVICE,
             ),

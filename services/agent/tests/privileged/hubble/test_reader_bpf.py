@@ -165,3 +165,67 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
         hubble.metrics.flow_registry.get_sample_value("hubble_flows_processed_total", processed)
         == 1
     )
+
+
+def test_direct_ring_buffer_reads_keep_order_across_wraps_and_share_the_position_with_libbpf() -> (
+    None
+):
+    """A one-page ring (73 records of 56 bytes): drops written in rounds of 50 are read by
+    :meth:`RingBuffer.drain` in order while the ring wraps several times; a round of 100
+    fills it (what did not fit is counted by the programs as lost); libbpf's consume then
+    reads on from the position the direct reads left, and they from its position."""
+    from cilia_agent.datapath.objects import DIRECT_READ_SUPPORTED
+    from cilia_agent.hubble import events
+
+    skips.require_bpf("BPF_PROG_TEST_RUN")
+    if not DIRECT_READ_SUPPORTED:
+        pytest.skip("direct ring-buffer reads are implemented for x86-64 only")
+    pin_dir = pathlib.Path("/sys/fs/bpf") / f"cilia-test-{uuid.uuid4().hex[:8]}"
+    config = DatapathConfig(
+        bpf_dir=BPF_DIR, pin_dir=pin_dir, ipcache_max=1024, ct_max=1024, events_pages=1
+    )
+    try:
+        agent = Datapath.load(config)
+        try:
+            dp = Loaded(agent, {name: agent.prog_fd(name) for name in (FROM, TO)})
+            program_datapath(dp)
+            by_callback: list[bytes] = []
+            rb = agent.ring_buffer(by_callback.append)
+            got: list[int] = []
+
+            def on_block(block: bytes, count: int) -> None:
+                records = list(events.BLOCK_RECORD.iter_unpack(block))
+                assert len(records) == count
+                got.extend(events.from_tuple(r).dport for r in records)
+
+            def drops(first: int, n: int) -> list[int]:
+                for port in range(first, first + n):
+                    frame = harness.packet(POD, PEER, dport=port)
+                    assert dp.run(FROM, frame) == harness.TC_ACT_SHOT
+                return list(range(first, first + n))
+
+            want: list[int] = []
+            for round_ in range(6):  # 300 records through a ring of 73
+                want += drops(10000 + 50 * round_, 50)
+                assert rb.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 50
+            assert got == want and by_callback == []
+
+            lost_before = agent.events_lost()
+            drops(20000, 100)
+            assert rb.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 73
+            assert got[-73:] == list(range(20000, 20073))
+            assert agent.events_lost() - lost_before == 27
+
+            drops(30000, 5)
+            assert rb.consume() == 5  # libbpf reads from where the direct reads stopped
+            assert [events.decode(r).dport for r in by_callback] == list(range(30000, 30005))
+            drops(31000, 5)
+            assert rb.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 5
+            assert got[-5:] == list(range(31000, 31005))
+            assert rb.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 0
+            assert not rb.wait(10)  # nothing written: no wakeup
+            rb.close()
+        finally:
+            agent.close()
+    finally:
+        remove_pins(pin_dir)

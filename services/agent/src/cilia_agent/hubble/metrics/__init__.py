@@ -142,7 +142,11 @@ class HubbleMetrics:
         return bool(self.handlers)
 
     def flow_processed(self, flow: flow_pb2.Flow) -> None:
-        """Hand one decoded flow to every enabled handler (no-op with none)."""
+        """Hand one decoded flow to every enabled handler (no-op with none).
+
+        Handlers must not read ``time`` or ``uuid``: the reader passes the flow shape's
+        template with the event's ports (:meth:`~cilia_agent.hubble.parser.FlowShape.with_ports`),
+        one object for every event of a shape."""
         if not self._process:
             return
         # read once here what most handlers need (each protobuf field read costs)
