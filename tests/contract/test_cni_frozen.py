@@ -219,13 +219,16 @@ def _maps_once_loaded(pid: int) -> str:
 
 def _c_libraries(bundle: pathlib.Path) -> set[str]:
     """Host libraries (absolute paths) the bundle needs: everything the executable (the
-    bootloader, loaded before the support directory is on any search path) links, and what the
-    bundle's shared objects link that the bundle does not carry: glibc, its loader and zlib."""
+    launcher) links from outside the bundle (its libpython comes from the support directory,
+    through its RPATH), and what the bundle's shared objects link that the bundle does not
+    carry: glibc and its loader."""
     carried = {p.name for p in bundle.rglob("*.so*")}
     found: set[str] = set()
     for obj in [bundle / "cilia-cni", *bundle.rglob("*.so*")]:
         out = subprocess.run(["ldd", str(obj)], capture_output=True, text=True).stdout
         for path in re.findall(r"(/\S+) \(0x", out):
+            if pathlib.Path(path).is_relative_to(bundle):
+                continue
             if obj.name == "cilia-cni" or pathlib.Path(path).name not in carried:
                 found.add(path)
     return found
