@@ -19,7 +19,8 @@ when a watched hash changed meanwhile, none; the transaction then starts over.
 Every write is one Lua script: check the current version, write the JSON, INCR the
 counter, trim and XADD the event -- atomic, so the object, its version and the event
 stream never disagree. A watch reads the stream with an atomic "history complete? then
-XRANGE" script and waits for new entries with ``XREAD BLOCK``.
+XRANGE" script, then waits for new entries with ``XREAD BLOCK`` pipelined with a read of
+the trimmed marker (one round trip per wake-up; :meth:`RedisStore.watch`).
 
 Source: the design mirrors Cilium's etcd kvstore mode and Kubernetes' resourceVersion /
 410 Gone watch semantics (reference: DESIGN.md §3).
@@ -358,24 +359,52 @@ class RedisStore(Store):
             return out
         raise Contention(", ".join(kinds), "", "(transaction)")
 
+    async def _wait_events(
+        self, k: dict[str, str], last: str
+    ) -> tuple[builtins.list[tuple[str, dict[str, str]]], str]:
+        """One round trip: ``XREAD BLOCK`` of the entries after ``last`` (up to the batch
+        size; none after ``watch_block_timeout``), then ``GET`` of the trimmed marker,
+        pipelined on one connection, so Redis reads the marker after the entries.
+        Returns ``([(entry id, fields)], marker)``."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.xread({k["events"]: f"{last}-0"}, count=self._batch, block=self._block_ms)
+        pipe.get(k["trimmed"])
+        reply, trimmed = await self._call(pipe.execute())
+        return (list(reply[0][1]) if reply else []), str(trimmed or "0")
+
     async def watch(self, kind: str, since: str) -> AsyncIterator[WatchEvent]:
+        """See :meth:`Store.watch`. The history after ``since`` is read with the atomic
+        "complete? then XRANGE" script (and again after a full batch); then each wait
+        for new entries is one pipelined round trip (:meth:`_wait_events`) whose entries
+        are used as they are: the trimmed marker read after them only grows, so when it
+        is still <= ``last`` nothing after ``last`` was trimmed before the entries were
+        read, and when it is not the watch raises :class:`Expired` (an entry trimmed
+        between the two reads makes it relist once more than needed: never a lost
+        event). Before, every event cost each watch three round trips (the wake-up
+        ``XREAD``, the script's read, the script's empty read) -- with three watches of
+        CiliumEndpoint in the operator, nine per endpoint change.
+        """
         k = self._keys(kind)
         last = str(int(since or "0"))
+        catch_up = True
         while True:
-            reply = await self._call(
-                self._read_events(keys=[k["events"], k["trimmed"]], args=[last, self._batch])
-            )
-            if reply[0] == "expired":
-                raise Expired(kind, last, str(reply[1]))
-            entries = reply[1]
-            if not entries:
-                # Wake-up only: the data is read by the atomic script above.
-                await self._call(
-                    self._r.xread({k["events"]: f"{last}-0"}, count=1, block=self._block_ms)
+            if catch_up:
+                reply = await self._call(
+                    self._read_events(keys=[k["events"], k["trimmed"]], args=[last, self._batch])
                 )
-                continue
-            for entry_id, flat in entries:
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                if reply[0] == "expired":
+                    raise Expired(kind, last, str(reply[1]))
+                entries = [
+                    (entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+                    for entry_id, flat in reply[1]
+                ]
+            else:
+                entries, trimmed = await self._wait_events(k, last)
+                if int(trimmed) > int(last):
+                    raise Expired(kind, last, trimmed)
+            # a full batch may have more behind it: read on with the script
+            catch_up = len(entries) >= self._batch
+            for entry_id, fields in entries:
                 last = entry_id.split("-", 1)[0]
                 yield WatchEvent(
                     type=fields["type"],
