@@ -135,10 +135,29 @@ def _loaded(body: str | bytes, rv: str) -> Resource:
     return obj
 
 
-def _dump(obj: Resource) -> str:
-    body = json.loads(json.dumps(obj))
+def _copied(obj: Resource) -> Resource:
+    """A deep copy of ``obj`` through JSON (what will be stored), without
+    ``metadata.resourceVersion`` (the versions hash holds it)."""
+    body: Resource = json.loads(json.dumps(obj))
     body.get("metadata", {}).pop("resourceVersion", None)
+    return body
+
+
+def _serialized(body: Resource) -> str:
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+def _for_create(obj: Resource) -> tuple[Resource, str]:
+    """``(object as stored, its JSON)`` for a create: a copy of ``obj`` with ``uid`` and
+    ``creationTimestamp`` set unless given and an empty namespace left out. One JSON copy
+    and one serialisation (it was three and two, plus a deep copy of the result)."""
+    stored = _copied(obj)
+    meta = stored.setdefault("metadata", {})
+    meta.setdefault("uid", str(uuid.uuid4()))
+    meta.setdefault("creationTimestamp", _now())
+    if not meta.get("namespace"):
+        meta.pop("namespace", None)
+    return stored, _serialized(stored)
 
 
 class RedisStore(Store):
@@ -265,20 +284,18 @@ class RedisStore(Store):
 
     async def create(self, obj: Resource) -> Resource:
         kind, namespace, name = object_key(obj)
-        meta = obj.get("metadata") or {}
-        stored = json.loads(_dump(obj))
-        stored["metadata"].setdefault("uid", str(uuid.uuid4()))
-        stored["metadata"].setdefault("creationTimestamp", _now())
-        if not meta.get("namespace"):
-            stored["metadata"].pop("namespace", None)
-        rv, _ = await self._run_write("create", kind, namespace, name, _dump(stored), "")
-        return with_resource_version(stored, rv)
+        stored, body = _for_create(obj)
+        rv, _ = await self._run_write("create", kind, namespace, name, body, "")
+        stored["metadata"]["resourceVersion"] = rv  # our own copy: returned, never kept
+        return stored
 
     async def update(self, obj: Resource) -> Resource:
         kind, namespace, name = object_key(obj)
-        body = _dump(obj)
+        stored = _copied(obj)
+        body = _serialized(stored)
         rv, _ = await self._run_write("update", kind, namespace, name, body, resource_version(obj))
-        return _loaded(body, rv)
+        stored.setdefault("metadata", {})["resourceVersion"] = rv
+        return stored
 
     async def delete(
         self, kind: str, name: str, namespace: str = "", resource_version: str = ""
@@ -292,16 +309,12 @@ class RedisStore(Store):
         k = self._keys(kind)
         keys = [k["rv"], k["objects"], k["versions"], k["events"], k["trimmed"]]
         if write.op == "create":
-            stored = json.loads(_dump(write.obj))
-            stored["metadata"].setdefault("uid", str(uuid.uuid4()))
-            stored["metadata"].setdefault("creationTimestamp", _now())
-            if not (write.obj.get("metadata") or {}).get("namespace"):
-                stored["metadata"].pop("namespace", None)
-            args = ["create", _field(namespace, name), _dump(stored), "", self._history]
+            stored, body = _for_create(write.obj)
+            args = ["create", _field(namespace, name), body, "", self._history]
         else:
-            stored = json.loads(_dump(write.obj))
+            stored = _copied(write.obj)
             args = [
-                "update", _field(namespace, name), _dump(write.obj),
+                "update", _field(namespace, name), _serialized(stored),
                 resource_version(write.obj), self._history,
             ]  # fmt: skip
         return keys, args, stored
