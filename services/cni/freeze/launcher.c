@@ -26,6 +26,9 @@
  * only, sys.argv = this process's argv; locale handling as `python3 -I` (a C locale is
  * coerced to UTF-8, PEP 538/540), so the plugin's JSON is written alike.
  *
+ * A stdin that is a directory is closed and the plugin gets --stdin-is-a-directory (see
+ * main()), so such a start is the plugin's spec error too.
+ *
  * Exit status: the plugin's; 1 with a CNI spec error JSON (code 999) on stdout when the
  * interpreter cannot start (a damaged bundle), like any other plugin failure.
  */
@@ -35,6 +38,7 @@
 
 #include <dlfcn.h>
 #include <limits.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,9 +186,23 @@ main(int argc, char **argv)
 {
     char dir[PATH_MAX];
     char home[PATH_MAX];
+    char *dir_argv[3];
+    struct stat in;
     PyConfig config;
     PyStatus status;
 
+    /* CPython aborts before any plugin code runs when stdin is a directory ("init_sys_streams:
+     * <stdin> is a directory"): start it with stdin closed and --stdin-is-a-directory, as the
+     * host wrapper of cilia-cni-install does, so the plugin answers with the spec error (code
+     * 5) whichever way it is started. */
+    if (fstat(0, &in) == 0 && S_ISDIR(in.st_mode)) {
+        close(0);
+        dir_argv[0] = argc > 0 ? argv[0] : "cilia-cni";
+        dir_argv[1] = "--stdin-is-a-directory";
+        dir_argv[2] = NULL;
+        argc = 2;
+        argv = dir_argv;
+    }
     if (own_dir(argc > 0 ? argv[0] : NULL, dir) < 0) {
         return cannot_start("it cannot find its own path (/proc/self/exe, argv[0])", NULL);
     }
