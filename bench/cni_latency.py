@@ -16,8 +16,8 @@ per exec: interpreter start + imports, no agent round trip), the floor under any
 Plugin sets, all against the same stack in the same run:
 
 - ``cilia-cni``: the venv launcher (``.venv/bin/cilia-cni``: sh + the venv's python3);
-- ``frozen``: the self-contained build (services/cni/freeze: PyInstaller onedir bundle, no
-  Python needed on the host), installed by ``deploy/images/cni-install.sh`` into a temporary
+- ``frozen``: the self-contained build (services/cni/freeze: PyInstaller-collected onedir
+  bundle started by its own launcher, no Python needed on the host), installed by ``deploy/images/cni-install.sh`` into a temporary
   ``/opt/cni``-like tree and exec'd through the wrapper it writes, as a host runs it
   (``--frozen-cni PATH`` to measure another executable, ``--no-frozen`` to skip it);
 - ``--compare-cni PATH``: another build of cilia-cni (e.g. an older checkout's, through a
@@ -127,9 +127,11 @@ def run_pods(
 ) -> dict[str, Any]:
     """ADD ``pods`` pods on ``concurrency`` workers, then DEL them (after ``warmup``
     untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s,
-    "add_cpu_ms": {"plugin": ms per pod, <name>: ms per pod, ...}, "del_cpu_ms": {...}}``:
-    the CPU per pod of the plugin execs and of each of ``processes`` (name → pid, e.g. the
-    stack's agent, operator and redis) over the timed phase.
+    "add_cpu_ms": {"plugin": ms per pod, <name>: ms per pod, ...}, "del_cpu_ms": {...},
+    "add_loadavg": 1-minute load average before the phase, "del_loadavg": ...}``: the CPU
+    per pod of the plugin execs and of each of ``processes`` (name → pid, e.g. the stack's
+    agent, operator and redis) over the timed phase. The load average says how much else
+    the (shared) host ran: sets measured at different loads compare badly.
 
     Raises:
         BenchError: an ADD or DEL failed (its CNI error is included).
@@ -151,6 +153,7 @@ def run_pods(
 
         for name, op in (("add", add), ("del", delete)):
             _timed_phase(created[:warmup], op, concurrency)
+            out[f"{name}_loadavg"] = round(os.getloadavg()[0], 2)  # the host, before the phase
             before = {k: datapath.process_cpu_seconds(v) for k, v in (processes or {}).items()}
             plugin_before = children_cpu_seconds()
             outcomes, wall = _timed_phase(created[warmup:], op, concurrency)
@@ -446,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             s: dict[str, Any] = dict(summarize(data[op]))
             s["pods_per_s"] = round(len(data[op]) / data[f"{op}_wall"], 2)
             s["cpu_ms_per_pod"] = data[f"{op}_cpu_ms"]
+            s["loadavg_1m_before"] = data[f"{op}_loadavg"]
             out[op] = s
         return out
 
@@ -520,15 +524,19 @@ def main(argv: list[str] | None = None) -> int:
         "\nCPU per VERSION exec, ms (user + system, mean): "
         + ", ".join(f"{k} {v:.1f}" for k, v in version_cpu.items())
     )
-    print("\nCPU per pod, ms (user + system; plugin: its execs; the stack's processes beside it):")
+    print(
+        "\nCPU per pod, ms (user + system; plugin: its execs; the stack's processes beside it;"
+        " load: the host's 1-minute load average before the phase):"
+    )
     for conc in levels:
         for name, key in sets_of(conc):
             for op in ("add", "del"):
                 cpu = summary[key][str(conc)][op]["cpu_ms_per_pod"]
                 parts = "  ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                load = summary[key][str(conc)][op]["loadavg_1m_before"]
                 print(
                     f"  {name:<28} {op.upper():<4} c={conc:<3} total {sum(cpu.values()):6.1f}  "
-                    f"{parts}"
+                    f"{parts}  (load {load:.1f})"
                 )
 
     breakdowns = [("cilia-cni", "cilia_add_breakdown_median")]

@@ -11,8 +11,10 @@ installation (no ``.venv``, pyenv, ``/usr/lib/python3*`` or ``/usr/bin/python*``
 bundle's own libpython and modules and the system's C libraries.
 
 Last, a root filesystem with nothing but the bundle and the C libraries it links (no
-``python3``, no ``sh``, no libpython but the bundle's) runs it through ``chroot``: VERSION,
-a spec error, and ADD + DEL against the real agent, whose socket is hard-linked into it.
+``python3``, no ``sh``, no libpython but the bundle's, no ``/proc``) runs it through
+``chroot``: VERSION, spec errors (6; 5 for a stdin that is a directory, which the launcher
+handles itself there), and ADD + DEL against the real agent, whose socket is hard-linked
+into it.
 """
 
 from __future__ import annotations
@@ -219,13 +221,16 @@ def _maps_once_loaded(pid: int) -> str:
 
 def _c_libraries(bundle: pathlib.Path) -> set[str]:
     """Host libraries (absolute paths) the bundle needs: everything the executable (the
-    bootloader, loaded before the support directory is on any search path) links, and what the
-    bundle's shared objects link that the bundle does not carry: glibc, its loader and zlib."""
+    launcher) links from outside the bundle (its libpython comes from the support directory,
+    through its RPATH), and what the bundle's shared objects link that the bundle does not
+    carry: glibc and its loader."""
     carried = {p.name for p in bundle.rglob("*.so*")}
     found: set[str] = set()
     for obj in [bundle / "cilia-cni", *bundle.rglob("*.so*")]:
         out = subprocess.run(["ldd", str(obj)], capture_output=True, text=True).stdout
         for path in re.findall(r"(/\S+) \(0x", out):
+            if pathlib.Path(path).is_relative_to(bundle):
+                continue
             if obj.name == "cilia-cni" or pathlib.Path(path).name not in carried:
                 found.add(path)
     return found
@@ -267,6 +272,22 @@ def test_runs_in_a_root_filesystem_without_python(
     assert (rc, out["cniVersion"]) == (0, "1.1.0"), out
     rc, out = run(_env("ADD", CNI_CONTAINERID="c", CNI_NETNS="/n", CNI_IFNAME="eth0"), b"[]")
     _spec_error(6, out, rc, "object")
+    # stdin a directory and no sh here to close it: the launcher itself starts the plugin
+    # with stdin closed and --stdin-is-a-directory (the embedded interpreter would abort)
+    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        proc = subprocess.run(
+            [chroot, str(root), "/cilia-cni/cilia-cni"],
+            env=_env("VERSION"),
+            stdin=directory,
+            capture_output=True,
+            timeout=EXEC_TIMEOUT_SECONDS,
+            check=False,
+        )
+    finally:
+        os.close(directory)
+    assert b"Traceback" not in proc.stdout + proc.stderr, proc
+    _spec_error(5, json.loads(proc.stdout), proc.returncode, "stdin is a directory")
 
     ns = netns.add()
     cni = {"CNI_CONTAINERID": "frozen-chroot", "CNI_NETNS": ns, "CNI_IFNAME": "eth0"}

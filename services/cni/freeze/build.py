@@ -1,14 +1,15 @@
 """Build the self-contained ``cilia-cni`` (no Python needed on the host) and cache it.
 
-The plugin stays Python; PyInstaller (pinned in constraints.txt) freezes it in **onedir**
+The plugin stays Python; PyInstaller (pinned in constraints.txt) collects it in **onedir**
 mode: one executable plus its support directory, which a host runs without any
 interpreter, library or package of its own (the bundle carries libpython, the extension
-modules and the pure-Python modules the plugin imports; it needs the host's glibc, 2.36 or
-newer for a bundle built on Debian 12, and ``libz.so.1``, which the bootloader links).
-Layout of a bundle::
+modules, the libraries they link and the pure-Python modules the plugin imports; it needs
+the host's glibc, 2.36 or newer for a bundle built on Debian 12). The executable is then
+replaced by ``launcher.c``, compiled here: it dlopens the bundle's libpython and runs the
+plugin's ``main()`` in its own process (see that file). Layout of a bundle::
 
-    <bundle>/cilia-cni            the executable (PyInstaller's bootloader + the plugin)
-    <bundle>/.cilia-cni/          libpython3.11.so, extension modules, the modules' .pyc,
+    <bundle>/cilia-cni            the executable (launcher.c)
+    <bundle>/.cilia-cni/          libpython3.11.so.1.0, extension modules, the modules' .pyc,
                                   cilia-cni.version (the plugin's version, one line)
 
 ``cilia-cni-install`` (deploy/images/cni-install.sh) copies a bundle onto a host and points
@@ -28,7 +29,13 @@ Why onedir and these options (measured, services/cni/README.md "Frozen binary"):
   zlib-compressed PYZ archive and ``base_library.zip``, so the interpreter's own path
   finder loads them, as in a venv, without PyInstaller's pure-Python importer decompressing
   each one (CPU of an ADD up to the agent call, n=40: PYZ bundle p50 94.2 ms, noarchive
-  83.1, venv launcher 85.5).
+  83.1, venv launcher 85.5). The launcher depends on it: it runs no PyInstaller importer;
+- the launcher instead of PyInstaller's bootloader: on Linux the bootloader re-executes
+  itself once per start (to put the support directory on ``LD_LIBRARY_PATH``) and runs its
+  bootstrap (its importer, run-time hooks) before the plugin. VERSION CPU per exec
+  (medians of 30, interleaved, ``env -i``): bootloader 21.4 ms, launcher 15.3 ms; with the
+  restart skipped by setting the bootloader's internal ``_PYI_*`` variables in the host
+  wrapper: ~1 ms saved only, and it would depend on PyInstaller internals, so not used.
 
 What start-up costs now, and what was tried (2026-12-02, CPU = user + system per exec,
 interleaved, medians of n=20-30 on a loaded 2-core host; services/cni/tests/integration/
@@ -49,12 +56,14 @@ measure_startup.py and ``python -m bench cni_latency``):
   against PyInstaller's 13-25 s: not adopted;
 - ``--optimize 2`` (no docstrings or asserts) and ``--python-option "X frozen_modules=on"``:
   no measurable change (VERSION 20.1 vs 20.3 and 19.1 vs 19.0 ms CPU), not used;
-- what is left above the bare interpreter (~5 ms): the bootloader's restart of itself
-  (once per exec, to put the support directory on ``LD_LIBRARY_PATH``), PyInstaller's
-  bootstrap modules and the stdlib modules it loads from ``.pyc`` files.
+- what was left above the bare interpreter (~5 ms): the bootloader's restart of itself
+  and PyInstaller's bootstrap modules; gone with the launcher (the plugin's VERSION through
+  it costs what ``python3 -I -S`` running the same code costs, ~15-16 ms here, of which
+  ~10-12 ms is the interpreter's own start).
 
 Cache: ``${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/cni-bin/<cilia-cni version>-pyinstaller<version>-
-<16 hex>/cilia-cni/``, the hex a sha256 over every input (this file, entry.py, the plugin's
+<16 hex>/cilia-cni/``, the hex a sha256 over every input (this file, entry.py, launcher.c,
+the plugin's
 sources, the versions of the frozen distributions and of
 PyInstaller, the interpreter's version and platform). A present bundle is reused, so
 ``scripts/setup.sh`` and CI pay the build (~10-20 s) once per change of the plugin. Bundles
@@ -65,8 +74,10 @@ Usage (with the project's ``.venv/bin/python``, which has PyInstaller and the pl
     python services/cni/freeze/build.py          # build when missing; print the executable
     python services/cni/freeze/build.py --path   # print where it is (or would be); build nothing
 
-Exit status: 0 built or cached (the executable's path on stdout); 2 the build or its smoke
-test (VERSION with an empty environment) failed, the reason on stderr.
+Exit status: 0 built or cached (the executable's path on stdout); 2 the build, the
+launcher's compilation (``$CC``, ``cc`` or ``clang-14`` and the interpreter's ``Python.h``
+are needed) or the smoke test (VERSION with an empty environment) failed, the reason on
+stderr.
 """
 
 from __future__ import annotations
@@ -79,6 +90,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -100,6 +112,10 @@ FROZEN_DISTRIBUTIONS = (
     "pyinstaller",
     "pyinstaller-hooks-contrib",
 )
+#: The executable's C source (replaces PyInstaller's bootloader; see the module docstring).
+LAUNCHER = HERE / "launcher.c"
+#: The shared CPython library PyInstaller collects into the support directory.
+LIBPYTHON = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
 #: The plugin's version, written into the support directory for cilia-cni-install.
 VERSION_FILE = "cilia-cni.version"
 DEFAULT_PRUNE_DAYS = 14
@@ -179,6 +195,51 @@ def smoke_test(executable: Path) -> None:
         )
 
 
+def compiler() -> str:
+    """The C compiler for the launcher: ``$CC``, else ``cc``, else ``clang-14`` (which
+    scripts/setup.sh installs for the eBPF programs).
+
+    Raises:
+        FreezeError: none of them is installed.
+    """
+    for candidate in (os.environ.get("CC", ""), "cc", "clang-14"):
+        found = shutil.which(candidate) if candidate else None
+        if found:
+            return found
+    raise FreezeError("no C compiler for the launcher ($CC, cc or clang-14); run scripts/setup.sh")
+
+
+def compile_launcher(executable: Path, contents: Path, work: Path, timeout: float) -> None:
+    """Replace PyInstaller's bootloader ``executable`` with :data:`LAUNCHER` compiled
+    against this interpreter's headers (it dlopens the bundle's own ``libpython`` at run
+    time; RPATH ``$ORIGIN/<support dir>`` for the libraries extension modules link);
+    written beside it first, then renamed over it.
+
+    Raises:
+        FreezeError: no compiler, no ``Python.h``, no ``libpython`` in the bundle, or the
+            compiler failed.
+    """
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        raise FreezeError(f"no Python.h in {include}: the interpreter's headers are needed")
+    libpython = contents / LIBPYTHON
+    if not libpython.is_file():
+        raise FreezeError(f"PyInstaller collected no {LIBPYTHON} into {contents}")
+    tmp = work / f"{NAME}.launcher"
+    cmd = [
+        compiler(), "-O2", "-Wall", "-Werror", f"-I{include}", "-o", str(tmp), str(LAUNCHER),
+        f"-Wl,--disable-new-dtags,-rpath,$ORIGIN/{CONTENTS_DIR}",
+    ]  # fmt: skip
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise FreezeError(f"compiling the launcher took more than {timeout:.0f} s") from exc
+    if res.returncode != 0:
+        raise FreezeError(f"compiling the launcher failed: {' '.join(cmd)}\n{res.stderr[-4000:]}")
+    tmp.chmod(0o755)
+    os.replace(tmp, executable)
+
+
 def build(target: Path, timeout: float = DEFAULT_BUILD_TIMEOUT_SECONDS) -> Path:
     """Run PyInstaller into a temporary directory beside ``target``, smoke-test the result and
     rename it to ``target`` (a concurrent build of the same key loses the rename and keeps
@@ -223,6 +284,7 @@ def build(target: Path, timeout: float = DEFAULT_BUILD_TIMEOUT_SECONDS) -> Path:
         if res.returncode != 0:
             raise FreezeError(f"PyInstaller failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
         built = work / "dist" / NAME
+        compile_launcher(built / NAME, built / CONTENTS_DIR, work, timeout)
         (built / CONTENTS_DIR / VERSION_FILE).write_text(
             importlib.metadata.version("cilia-cni") + "\n"
         )

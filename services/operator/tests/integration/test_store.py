@@ -372,3 +372,50 @@ async def test_redis_store_ping_of_a_server_that_is_not_redis_is_store_unavailab
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_redis_watch_waiting_at_the_head_gets_each_write_or_expired_when_trimmed_past(
+    redis_server: str,
+) -> None:
+    """A redis watch that waits for new entries (the pipelined XREAD BLOCK + trimmed-marker
+    read) yields every later write in order with its version; when one atomic batch of
+    writes trims the history past where it waits, it raises Expired instead of skipping
+    the trimmed events."""
+    from cilia_operator.store import Write
+    from cilia_operator.store.redis import RedisStore
+
+    store = RedisStore(redis_server, prefix="watchhead/", event_history=3)
+    try:
+        start = (await store.create(obj("n0")))["metadata"]["resourceVersion"]
+        seen: list[tuple[str, str]] = []
+
+        async def follow(count: int) -> None:
+            async for event in store.watch("Thing", start):
+                seen.append((event.object["metadata"]["name"], event.resource_version))
+                if len(seen) == count:
+                    return
+
+        task = asyncio.create_task(follow(2))
+        await asyncio.sleep(0.3)  # the watch is waiting at the head
+        first = await store.create(obj("n1"))
+        await asyncio.sleep(0.1)
+        second = await store.update({**first, "spec": {"v": 2}})
+        await asyncio.wait_for(task, 10)
+        assert seen == [
+            ("n1", first["metadata"]["resourceVersion"]),
+            ("n1", second["metadata"]["resourceVersion"]),
+        ]
+
+        start = second["metadata"]["resourceVersion"]
+        task = asyncio.create_task(follow(100))
+        await asyncio.sleep(0.3)
+
+        async def six(_: Any) -> list[Write]:
+            return [Write("create", obj(f"m{i}")) for i in range(6)]
+
+        await store.transact(["Thing"], six)  # 6 events at once; 3 are kept
+        with pytest.raises(Expired):
+            await asyncio.wait_for(task, 10)
+        assert len(seen) == 2
+    finally:
+        await store.close()

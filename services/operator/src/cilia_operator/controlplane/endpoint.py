@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -98,28 +97,40 @@ class EndpointServicer:
             container_id=ep.container_id,
         )
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+        # A pod's first upsert finds no record: create it at once (one store round trip,
+        # not a get that misses and then a create). A record that exists -- a restored or
+        # relabelled endpoint, a reused name -- makes the create fail with AlreadyExists
+        # and nothing written; the loop below then reads it and applies every rule.
+        if await self._create(desired, ep):
+            return pb.UpsertEndpointResponse()
         for _ in range(self.conflict_retries):
             try:
                 current = await self.store.get(records.KIND, name, namespace)
             except NotFound:
-                try:
-                    await self.store.create(desired)
-                except AlreadyExists:
-                    continue
-                log.info("endpoint recorded", extra={"endpoint": f"{namespace}/{name}",
-                         "node": ep.node_name, "ipv4": ep.ipv4, "identity": ep.identity})  # fmt: skip
-                return pb.UpsertEndpointResponse()
+                if await self._create(desired, ep):
+                    return pb.UpsertEndpointResponse()
+                continue
             await self._check_owner(context, current, ep.node_name)
             if current.get("status") == desired["status"]:
                 return pb.UpsertEndpointResponse()
-            updated = copy.deepcopy(current)
-            updated["status"] = desired["status"]
+            updated = dict(current, status=desired["status"])  # the store copies what it writes
             try:
                 await self.store.update(updated)
             except (Conflict, NotFound):
                 continue
             return pb.UpsertEndpointResponse()
         raise Contention(records.KIND, namespace, name)
+
+    async def _create(self, desired: dict[str, Any], ep: pb.EndpointRecord) -> bool:
+        """Create the record ``desired``; False when one exists already (nothing written)."""
+        try:
+            await self.store.create(desired)
+        except AlreadyExists:
+            return False
+        meta = desired["metadata"]
+        log.info("endpoint recorded", extra={"endpoint": f"{meta['namespace']}/{meta['name']}",
+                 "node": ep.node_name, "ipv4": ep.ipv4, "identity": ep.identity})  # fmt: skip
+        return True
 
     async def _check_owner(self, context: Any, current: Any, node: str) -> None:
         """Abort with PERMISSION_DENIED when the caller's certificate may not overwrite
