@@ -17,7 +17,8 @@ BPF_PKGS=(clang-14 libbpf-dev libbpf1 linux-libc-dev)
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
           kmod bpftool
-          docker.io docker-compose debootstrap python3-venv containerd runc)
+          docker.io docker-compose debootstrap python3-venv containerd runc
+          python3-dev)  # Python.h + libpython for the frozen cilia-cni's launcher (Debian's python3)
 missing=()
 for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
