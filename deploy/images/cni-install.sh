@@ -9,16 +9,16 @@
 #
 #   1. the bundle (/opt/cilia/cni-bin) is copied to <host lib dir>/<version>-<content hash>
 #      through a temporary directory and rename(2), unless that exact copy exists already;
-#   2. the host's <bin dir>/cilia-cni becomes a two-line sh wrapper exec'ing that copy's
-#      executable, written to a temporary file in the same directory and renamed over the
-#      old one: a runtime that execs cilia-cni meanwhile gets either the old or the new
-#      plugin, never half a file, and never a bundle whose executable and support directory
-#      come from two versions (they are swapped together, as one directory). The wrapper
-#      also answers a stdin that is a directory (the embedded interpreter cannot start with
-#      one) by passing --stdin-is-a-directory with stdin closed: the plugin prints the spec
-#      error, code 5; it costs one sh exec (~1 ms);
-#   3. copies other than the new one and the one the previous wrapper used are removed
-#      (a runtime may still be exec'ing through the previous wrapper).
+#   2. the host's <bin dir>/cilia-cni becomes a symbolic link to that copy's executable,
+#      made under a temporary name in the same directory and renamed over the old one: a
+#      runtime that execs cilia-cni meanwhile gets either the old or the new plugin, never
+#      half a file, and never a bundle whose executable and support directory come from two
+#      versions (they are swapped together, as one directory). The link is resolved by the
+#      kernel at exec (no shell in between; the launcher finds its bundle through
+#      /proc/self/exe, and answers a stdin that is a directory itself). Earlier versions
+#      installed a two-line sh wrapper here, which cost one sh exec (~1.4 ms) per call.
+#   3. copies other than the new one and the one the previous link (or wrapper) named are
+#      removed (a runtime may still be exec'ing the previous one).
 #
 # Environment (defaults in brackets):
 #   CILIA_CNI_BIN_DIR   bin dir as mounted here [/host/opt/cni/bin]
@@ -51,19 +51,19 @@ if [ ! -d "$lib_dir/$id" ]; then
   trap - EXIT
   say "copied the plugin to $host_lib/$id"
 fi
-# The copy the current wrapper runs (venv-era wrappers: `exec <copy>/bin/cilia-cni` or
-# `exec <copy>/bin/python <copy>/bin/cilia-cni`; frozen ones: `exec <copy>/cilia-cni`; all
-# name <copy> as the first path under .../cilia/ on a line starting with `exec`).
-previous=$(sed -n 's|^exec [^ ]*/cilia/\([^/ ]*\)/.*|\1|p' "$bin_dir/cilia-cni" 2>/dev/null | head -n 1 || true)
-wrapper=$(mktemp "$bin_dir/.cilia-cni.XXXXXX")
-cat > "$wrapper" <<WRAPPER
-#!/bin/sh
-# cilia-cni $version (frozen: no Python needed), installed by cilia-cni-install ($id).
-if [ -d /dev/stdin ]; then exec $host_lib/$id/cilia-cni --stdin-is-a-directory <&-; fi
-exec $host_lib/$id/cilia-cni "\$@"
-WRAPPER
-chmod 0755 "$wrapper"
-mv -f "$wrapper" "$bin_dir/cilia-cni"
+# The copy the current plugin runs: a link's target <copy>/cilia-cni, or (wrappers of
+# earlier versions: venv-era `exec <copy>/bin/cilia-cni`, `exec <copy>/bin/python
+# <copy>/bin/cilia-cni`, frozen `exec <copy>/cilia-cni`) the first path under .../cilia/ on a
+# line starting with `exec`.
+if [ -L "$bin_dir/cilia-cni" ]; then
+  previous=$(readlink "$bin_dir/cilia-cni" | sed -n 's|.*/cilia/\([^/]*\)/cilia-cni$|\1|p')
+else
+  previous=$(sed -n 's|^exec [^ ]*/cilia/\([^/ ]*\)/.*|\1|p' "$bin_dir/cilia-cni" 2>/dev/null | head -n 1 || true)
+fi
+link="$bin_dir/.cilia-cni.$$"
+rm -f "$link"
+ln -s "$host_lib/$id/cilia-cni" "$link"
+mv -fT "$link" "$bin_dir/cilia-cni"
 say "installed $bin_dir/cilia-cni -> $host_lib/$id/cilia-cni"
 for old in "$lib_dir"/*; do
   name=${old##*/}

@@ -70,10 +70,27 @@ def installed(bundle: pathlib.Path, short_tmp: str) -> pathlib.Path:
         "CILIA_CNI_LIB_DIR": str(host / "cilia"),
         "CILIA_CNI_HOST_LIB_DIR": str(host / "cilia"),
     }
+    # an earlier version's install: a sh wrapper exec'ing its copy, which a runtime may
+    # still be running; the new install keeps that copy and removes the older one
+    (host / "bin").mkdir(parents=True)
+    for name in ("0.0.9-old", "0.0.8-older"):
+        (host / "cilia" / name).mkdir(parents=True)
+    wrapper = host / "bin" / "cilia-cni"
+    wrapper.write_text(f"#!/bin/sh\nexec {host}/cilia/0.0.9-old/cilia-cni \"$@\"\n")
     res = subprocess.run(["sh", str(INSTALLER)], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+    assert {p.name for p in (host / "cilia").iterdir()} >= {"0.0.9-old"}
+    assert not (host / "cilia" / "0.0.8-older").exists()
+    # the plugin is a symbolic link to the new copy (no sh exec per call); installing again
+    # replaces the link and removes the copy no link names any more
+    link = host / "bin" / "cilia-cni"
+    assert link.is_symlink(), "the plugin is a link to its copy"
+    res = subprocess.run(["sh", str(INSTALLER)], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert not list((host / "bin").glob(".cilia-cni*")), "temporary link left behind"
     copies = list((host / "cilia").iterdir())
     assert len(copies) == 1 and not copies[0].name.startswith("."), copies
+    assert os.readlink(link) == f"{copies[0]}/cilia-cni"
     assert not [p for p in copies[0].rglob("*") if p.name in ("python", "python3")], (
         "the bundle must carry no python executable"
     )
@@ -136,7 +153,7 @@ def test_version_and_bad_config_give_the_spec_json_without_python(installed: pat
     _spec_error(7, out, rc, "`name`")
     rc, out = _exec(installed, _env("ADD", CNI_NETNS="/x", CNI_IFNAME="eth0"), b"{}")
     _spec_error(4, out, rc, "CNI_CONTAINERID")
-    # stdin a directory: the embedded interpreter cannot start with one; the wrapper hands
+    # stdin a directory: the embedded interpreter cannot start with one; the launcher hands
     # the plugin --stdin-is-a-directory and the plugin answers code 5 (I/O failure).
     root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
     try:
