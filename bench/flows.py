@@ -3,7 +3,7 @@
 Set-up (shared with ``bench.datapath``, see there): a private stack of this checkout for
 the run (``--stack private``, default) or ``scripts/stack.sh``'s (``--stack shared``), two
 pods made by the real ``cilia-cni`` ADD — netns
-``cilia-bench-fl-client`` (``app=flows-client``) and ``cilia-bench-fl-server``
+``cilia-bench-fl-<pid>-client`` (``app=flows-client``) and ``cilia-bench-fl-<pid>-server``
 (``app=flows-server``), namespace ``bench`` — and a CiliumNetworkPolicy with
 ``egressDeny`` from the client to the server (L3, any port). Every UDP packet the client
 sends to the server is then dropped by ``cil_from_container`` on the client's host veth
@@ -21,7 +21,7 @@ Counted, per offered rate (``--rates`` packets/s, 0 = as fast as one Python send
   from any pod of the node);
 * ``sent/s``: packets per second the sender reached (on a loaded host below the asked rate);
 * ``received``: flows printed by the upstream ``hubble observe --follow -o compact
-  --from-pod bench/cilia-bench-fl-client`` (Go, built by ``scripts/hubble-cli.sh``;
+  --from-pod bench/cilia-bench-fl-<pid>-client`` (Go, built by ``scripts/hubble-cli.sh``;
   ``--output json|jsonpb`` for the JSON printers) through the relay (``--via relay``,
   default; or straight from the agent's Hubble socket, ``--via agent``), counted once the
   stream is quiet for ``--drain`` s; ``--client cilia`` runs ``cilia-relay observe``
@@ -82,7 +82,7 @@ from bench.datapath import (
     stack_running,
     write_results,
 )
-from cilia_testkit import ROOT, VENV_BIN, cni, host
+from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
 
 DEFAULT_RATES = "5000,10000,20000,40000"
 DEFAULT_DURATION_SECONDS = 5
@@ -227,6 +227,16 @@ class ObserveReader:
                 self.proc.wait()
 
 
+def clear_dead_runs_netns() -> None:
+    """Delete the netns of earlier runs whose process is gone (``cilia-bench-fl-<pid>-…``,
+    and the older ``cilia-bench-fl-client``/``-server``), leaving a concurrent run's alone."""
+    for name in netns.list_netns(NETNS_PREFIX):
+        pid = name[len(NETNS_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and pathlib.Path(f"/proc/{pid}").exists():
+            continue
+        clear_stale_netns(name)
+
+
 def seen_flows(hubble_socket: pathlib.Path) -> int:
     """The agent's ServerStatus.seen_flows over its Hubble unix socket.
 
@@ -333,8 +343,9 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
         stack.callback(datapath.close)
         pods = PodSet(cni.load_conflist(cilia.conflist))
         stack.callback(pods.close)
-        client = pods.add(f"{NETNS_PREFIX}client", {"app": "flows-client"})
-        server = pods.add(f"{NETNS_PREFIX}server", {"app": "flows-server"})
+        prefix = f"{NETNS_PREFIX}{os.getpid()}-"  # concurrent runs (other checkouts) differ
+        client = pods.add(f"{prefix}client", {"app": "flows-client"})
+        server = pods.add(f"{prefix}server", {"app": "flows-server"})
         pods.wait_endpoints(datapath.endpoints, args.policy_wait)
         stack.enter_context(
             policy_applied(
@@ -525,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the flows benchmark needs root (netns, bpf)", file=sys.stderr)
         return 1
-    clear_stale_netns(NETNS_PREFIX)
+    clear_dead_runs_netns()
     started = time.perf_counter()
     try:
         out = run(args, rates)

@@ -307,12 +307,17 @@ class _Call:
         out += len(message).to_bytes(4, "big")
         out += message
         self.drained.clear()
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+        self.schedule_flush()
         if len(out) >= self.limit:
             self.space.clear()
             await self.space.wait()
+
+    def schedule_flush(self) -> None:
+        """Flush once the event loop is done with what is ready now: messages queued and
+        window updates received in the same loop iteration go out in the same writes."""
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         """Send what is buffered as far as the flow-control windows and the socket allow."""
@@ -516,7 +521,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         for call in list(self.calls.values()):
             if call.out:
-                call.flush()
+                call.schedule_flush()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -556,11 +561,11 @@ class _Connection(asyncio.Protocol):
             )
             for call in list(targets):
                 if call is not None and call.out:
-                    call.flush()
+                    call.schedule_flush()
         elif isinstance(event, h2.events.RemoteSettingsChanged):
             for call in list(self.calls.values()):
                 if call.out:
-                    call.flush()
+                    call.schedule_flush()
 
     def _request(self, event: h2.events.RequestReceived) -> None:
         sid = event.stream_id
