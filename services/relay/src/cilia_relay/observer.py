@@ -368,9 +368,12 @@ class _FlowsCall:
             if errors.flush_at is not None:
                 deadline = min(deadline, errors.flush_at)
             try:
-                item = await asyncio.wait_for(
-                    self.queue.get(), timeout=max(0.0, deadline - loop.time())
-                )
+                if self.queue.empty():
+                    item = await asyncio.wait_for(
+                        self.queue.get(), timeout=max(0.0, deadline - loop.time())
+                    )
+                else:  # under load: no timer and no task per item (wait_for makes both)
+                    item = self.queue.get_nowait()
             except TimeoutError:
                 now = loop.time()
                 for response in errors.due(now):
