@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import h2.config
 import h2.connection
 import h2.events
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cilia_common import grpcserver, h2grpc
@@ -297,3 +299,33 @@ def test_grpc_timeout_and_message_encoding() -> None:
     assert h2grpc.parse_timeout("123456789S") is None  # at most 8 digits
     assert h2grpc.parse_timeout("5x") is None
     assert h2grpc.encode_grpc_message("a 100% ü") == b"a 100%25 %C3%BC"
+
+
+def test_tls_negotiates_h2_and_serves_renewed_files_at_the_next_handshake(
+    tmp_path: pathlib.Path,
+) -> None:
+    tls_dir = tmp_path / "tls"
+    bundle = generate_bundle(tls_dir, server_hosts=["127.0.0.1"])
+    tls = ServerTLS(bundle.server_cert, bundle.server_key, ())
+    reloading = h2grpc.server_ssl_context(tls)
+
+    async def handshake(address: str) -> tuple[str | None, int]:
+        host, port = address.rsplit(":", 1)
+        client = ssl.create_default_context(cafile=bundle.ca_cert)
+        client.set_alpn_protocols(["h2"])
+        _, writer = await asyncio.open_connection(host, int(port), ssl=client)
+        sslobj = writer.get_extra_info("ssl_object")
+        der = sslobj.getpeercert(binary_form=True)
+        writer.close()
+        return sslobj.selected_alpn_protocol(), x509.load_der_x509_certificate(der).serial_number
+
+    async def body(address: str, rec: Recorder) -> tuple[Any, Any]:
+        first = await handshake(address)
+        generate_bundle(tls_dir, server_hosts=["127.0.0.1"])  # same CA, new server pair
+        second = await handshake(address)
+        return first, second
+
+    first, second = asyncio.run(_with_server(tmp_path, body, ssl_context=reloading.context))
+    assert first[0] == second[0] == "h2"
+    assert first[1] != second[1]
+    assert reloading.reloads == 1
