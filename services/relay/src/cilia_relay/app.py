@@ -215,10 +215,11 @@ class Relay:
         then the peer manager (so clients never see their agents vanish) and metrics."""
         for _, health in self._servers:
             await grpcserver.set_serving(health, HEALTH_NAMES, serving=False)
-        if self._front is not None:
-            await self._front.stop(grace)
-            self._front = None
-        await asyncio.gather(*(server.stop(grace) for server, _ in self._servers))
+        front, self._front = self._front, None
+        stops = [server.stop(grace) for server, _ in self._servers]
+        if front is not None:  # together: one grace period for every listener, not two
+            stops.append(front.stop(grace))
+        await asyncio.gather(*stops)
         self._servers = []
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
