@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -611,6 +612,24 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _bound_socket(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)``; IPv6 ones take IPv4 too (V6ONLY off).
+
+    Raises:
+        OSError: it cannot be made or bound.
+    """
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _peer_name(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
     sock = transport.get_extra_info("socket")
@@ -703,15 +722,14 @@ class GrpcH2Server:
             raise ValueError(f"{address!r} is not host:port or unix:/path")
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind((host, int(port_text)))
-        except OSError:
-            sock.close()
-            raise
+            sock = _bound_socket(family, host, int(port_text))
+        except OSError as exc:
+            if host != "::" or exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            # a host without IPv6: all interfaces means all IPv4 ones (as grpcio does)
+            family, host = socket.AF_INET, "0.0.0.0"
+            sock = _bound_socket(family, host, int(port_text))
         server = await loop.create_server(
             lambda: _Connection(self), sock=sock, ssl=self.ssl_context
         )
