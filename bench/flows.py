@@ -3,7 +3,7 @@
 Set-up (shared with ``bench.datapath``, see there): a private stack of this checkout for
 the run (``--stack private``, default) or ``scripts/stack.sh``'s (``--stack shared``), two
 pods made by the real ``cilia-cni`` ADD — netns
-``cilia-bench-fl-client`` (``app=flows-client``) and ``cilia-bench-fl-server``
+``cilia-bench-fl-<pid>-client`` (``app=flows-client``) and ``cilia-bench-fl-<pid>-server``
 (``app=flows-server``), namespace ``bench`` — and a CiliumNetworkPolicy with
 ``egressDeny`` from the client to the server (L3, any port). Every UDP packet the client
 sends to the server is then dropped by ``cil_from_container`` on the client's host veth
@@ -19,12 +19,14 @@ Counted, per offered rate (``--rates`` packets/s, 0 = as fast as one Python send
   endpoint only, exact) = drop events the programs tried to emit;
 * ``agent seen``: the agent's ``ServerStatus.seen_flows`` delta (every flow it decoded,
   from any pod of the node);
+* ``sent/s``: packets per second the sender reached (on a loaded host below the asked rate);
 * ``received``: flows printed by the upstream ``hubble observe --follow -o compact
-  --from-pod bench/cilia-bench-fl-client`` (Go, built by ``scripts/hubble-cli.sh``;
+  --from-pod bench/cilia-bench-fl-<pid>-client`` (Go, built by ``scripts/hubble-cli.sh``;
   ``--output json|jsonpb`` for the JSON printers) through the relay (``--via relay``,
   default; or straight from the agent's Hubble socket, ``--via agent``), counted once the
   stream is quiet for ``--drain`` s; ``--client cilia`` runs ``cilia-relay observe``
-  instead;
+  instead; the CLI's stdout goes to a file that is read once the rate is over (a reader
+  parsing it live would take CPU from the processes measured);
 * ``LostEvent``: ``lost_events`` records the stream carried (by source);
 * ``lost`` = kernel - received, split into: ``ringbuf`` (LostEvent PERF_EVENT_RING_BUFFER:
   the BPF ring buffer was full and ``bpf_ringbuf_output`` failed; the datapath counts them),
@@ -37,6 +39,8 @@ Counted, per offered rate (``--rates`` packets/s, 0 = as fast as one Python send
   during the rate (sending and draining) / received, in microseconds.
 
 Baseline = the kernel's count in the same run: the table shows ``received / kernel``.
+
+Run it niced (``nice -n 10``) on a shared host: the processes it starts inherit that.
 
 Output: a table, and JSON in ``--results-dir`` (``flows-<UTC time>.json`` and
 ``flows-latest.json``).
@@ -51,7 +55,7 @@ import os
 import pathlib
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -78,7 +82,7 @@ from bench.datapath import (
     stack_running,
     write_results,
 )
-from cilia_testkit import ROOT, VENV_BIN, cni, host
+from cilia_testkit import ROOT, VENV_BIN, cni, host, netns
 
 DEFAULT_RATES = "5000,10000,20000,40000"
 DEFAULT_DURATION_SECONDS = 5
@@ -144,76 +148,65 @@ print(json.dumps({"sent": sent, "seconds": clock() - start, "errors": errors}))
 
 
 class ObserveReader:
-    """Runs the observe CLI and counts its output lines in a thread.
+    """Runs the observe CLI with its stdout and stderr going to files, and counts afterwards.
+
+    The CLI's output is not read while a rate runs (a Python reader parsing every line would
+    take a share of the 2 cores from the processes measured): the bench only stats the file
+    (size, mtime) to see when the stream went quiet and reads the new part once a rate is
+    over.
 
     ``output``: the CLI's ``-o``: ``json``/``jsonpb`` (one JSON object per line: a
     ``{"flow": ...}`` or a ``{"lost_events": ...}`` response) or ``compact`` (a flow per
     line; a lost event as ``<time> EVENTS LOST: <SOURCE> CPU(<n>) <count>``, upstream's
-    printer; node status goes to stderr). ``flows``: flow lines; ``lost``:
-    num_events_lost summed by LostEvent source; ``last_flow``: perf_counter time of the
-    latest flow line.
+    printer; node status goes to stderr).
     """
 
-    def __init__(self, argv: list[str], output: str = "json") -> None:
+    def __init__(self, argv: list[str], output: str, directory: pathlib.Path) -> None:
         self.argv = argv
         self.output = output
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
-        )
-        self.lock = threading.Lock()
+        self.out_path = directory / "observe.out"
+        self.err_path = directory / "observe.err"
+        with self.out_path.open("wb") as out, self.err_path.open("wb") as err:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err)
+        self.offset = 0
         self.flows = 0
         self.lost: Counter[str] = Counter()
-        self.last_flow = 0.0
-        self.last_line = time.perf_counter()
         self.other = 0
-        self.stderr_tail: list[str] = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-        self.stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
-        self.stderr_thread.start()
 
-    def _read_stderr(self) -> None:
-        # drained so node-status lines can never fill the pipe and stall the CLI
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr_tail = [*self.stderr_tail[-20:], line]
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
+    def _count(self, data: bytes) -> None:
         compact = self.output == "compact"
-        for line in self.proc.stdout:
-            now = time.perf_counter()
-            with self.lock:
-                self.last_line = now
-                if compact:
-                    _, sep, tail = line.partition(" EVENTS LOST: ")
-                    if sep:
-                        words = tail.split()
-                        self.lost[words[0]] += int(words[-1]) if words[-1].isdigit() else 0
-                    elif line.strip():
-                        self.flows += 1
-                        self.last_flow = now
-                    continue
-                if line[:16].startswith('{"flow"'):
+        for raw in data.splitlines():
+            line = raw.decode("utf-8", "replace")
+            if compact:
+                _, sep, tail = line.partition(" EVENTS LOST: ")
+                if sep:
+                    words = tail.split()
+                    self.lost[words[0]] += int(words[-1]) if words[-1].isdigit() else 0
+                elif line.strip():
                     self.flows += 1
-                    self.last_flow = now
-                elif '"lost_events"' in line:
-                    lost = json.loads(line)["lost_events"]
-                    self.lost[str(lost.get("source", "UNKNOWN"))] += int(
-                        lost.get("num_events_lost", 0)
-                    )
-                else:
-                    self.other += 1
+                continue
+            if line[:16].startswith('{"flow"'):
+                self.flows += 1
+            elif '"lost_events"' in line:
+                lost = json.loads(line)["lost_events"]
+                self.lost[str(lost.get("source", "UNKNOWN"))] += int(lost.get("num_events_lost", 0))
+            else:
+                self.other += 1
 
     def snapshot(self) -> tuple[int, Counter[str], float]:
-        """(flows, lost by source, last flow time) right now."""
-        with self.lock:
-            return self.flows, Counter(self.lost), self.last_flow
+        """(flows, lost by source, wall time of the output's last write): reads the complete
+        lines written since the last call."""
+        with self.out_path.open("rb") as out:
+            out.seek(self.offset)
+            data = out.read()
+        end = data.rfind(b"\n") + 1
+        self._count(data[:end])
+        self.offset += end
+        return self.flows, Counter(self.lost), self.out_path.stat().st_mtime
 
     def quiet_for(self) -> float:
-        """Seconds since the last line."""
-        with self.lock:
-            return time.perf_counter() - self.last_line
+        """Seconds since the CLI last wrote to its stdout."""
+        return time.time() - self.out_path.stat().st_mtime
 
     def alive(self) -> bool:
         """True while the CLI runs."""
@@ -221,7 +214,7 @@ class ObserveReader:
 
     def stderr(self) -> str:
         """The last lines the CLI wrote to stderr."""
-        return "".join(self.stderr_tail)
+        return "".join(self.err_path.read_text(errors="replace").splitlines(True)[-20:])
 
     def close(self) -> None:
         """Stop the CLI (SIGTERM, then SIGKILL)."""
@@ -232,7 +225,16 @@ class ObserveReader:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.thread.join(timeout=5)
+
+
+def clear_dead_runs_netns() -> None:
+    """Delete the netns of earlier runs whose process is gone (``cilia-bench-fl-<pid>-…``,
+    and the older ``cilia-bench-fl-client``/``-server``), leaving a concurrent run's alone."""
+    for name in netns.list_netns(NETNS_PREFIX):
+        pid = name[len(NETNS_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and pathlib.Path(f"/proc/{pid}").exists():
+            continue
+        clear_stale_netns(name)
 
 
 def seen_flows(hubble_socket: pathlib.Path) -> int:
@@ -322,11 +324,12 @@ def observing(args: argparse.Namespace, stack: Stack, client: BenchPod) -> Itera
         "--from-pod",
         f"{POD_NAMESPACE}/{client.name}",
     ]
-    reader = ObserveReader(argv, args.output)
-    try:
-        yield reader
-    finally:
-        reader.close()
+    with tempfile.TemporaryDirectory(prefix="cilia-bench-flows-") as directory:
+        reader = ObserveReader(argv, args.output, pathlib.Path(directory))
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
 def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
@@ -340,8 +343,9 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
         stack.callback(datapath.close)
         pods = PodSet(cni.load_conflist(cilia.conflist))
         stack.callback(pods.close)
-        client = pods.add(f"{NETNS_PREFIX}client", {"app": "flows-client"})
-        server = pods.add(f"{NETNS_PREFIX}server", {"app": "flows-server"})
+        prefix = f"{NETNS_PREFIX}{os.getpid()}-"  # concurrent runs (other checkouts) differ
+        client = pods.add(f"{prefix}client", {"app": "flows-client"})
+        server = pods.add(f"{prefix}server", {"app": "flows-server"})
         pods.wait_endpoints(datapath.endpoints, args.policy_wait)
         stack.enter_context(
             policy_applied(
@@ -393,7 +397,7 @@ def run(args: argparse.Namespace, rates: list[int]) -> dict[str, Any]:
                 process_cpu_seconds(relay),
                 process_cpu_seconds(reader.proc.pid),
             )
-            t0 = time.perf_counter()
+            t0 = time.time()
             sent = send_udp(client, server.ip, rate, args.duration, (1024, 65535))
             wait_quiet(reader, args.drain, args.drain_max)
             flows1, lost1, last_flow = reader.snapshot()
@@ -532,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the flows benchmark needs root (netns, bpf)", file=sys.stderr)
         return 1
-    clear_stale_netns(NETNS_PREFIX)
+    clear_dead_runs_netns()
     started = time.perf_counter()
     try:
         out = run(args, rates)
@@ -540,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbenchmark failed: {exc}", file=sys.stderr)
         return 1
     head = (
-        f"{'offered':>12} {'kernel':>8} {'agent':>7} {'received':>8} {'lost':>7} "
+        f"{'offered':>12} {'sent/s':>7} {'kernel':>8} {'agent':>7} {'received':>8} {'lost':>7} "
         f"{'ringbuf':>7} {'queue':>6} {'ring':>6} {'unrep':>6} {'deliv/s':>8} {'recv/kern':>9} "
         f"{'CPU agent/relay/cli s':>21} {'us/flow agent/relay/cli':>23}"
     )
@@ -562,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = f"{r['agent_cpu_s']:.1f}/{r['relay_cpu_s']:.1f}/{r['observe_cli_cpu_s']:.1f}"
         per = "/".join("-" if v is None else f"{v:.0f}" for v in r["cpu_us_per_flow"].values())
         print(
-            f"{offered:>12} {r['kernel_events']:>8} {r['agent_seen']:>7} {r['received']:>8} "
+            f"{offered:>12} {r['offered_per_s']:>7.0f} {r['kernel_events']:>8} {r['agent_seen']:>7} {r['received']:>8} "
             f"{r['lost']:>7} {r['lost_bpf_ringbuf']:>7} {r['lost_agent_queue']:>6} "
             f"{r['lost_hubble_ring']:>6} {r['lost_unreported']:>6} {r['delivered_per_s']:>8.0f} "
             f"{r['received_over_kernel'] or 0:>8.3f}x {cpu:>21} {per:>23}"

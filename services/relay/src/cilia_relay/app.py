@@ -2,6 +2,13 @@
 
 Start order: the Observer server on ``--listen-address`` and the health server on
 ``--health-listen-address`` (both report NOT_SERVING), metrics, then the peer manager.
+
+The Observer listener is :class:`cilia_common.h2grpc.GrpcH2Server`: ``GetFlows`` is served
+there directly (many flows per HTTP/2 DATA frame: a few µs of CPU per flow instead of
+grpcio's 70-110 µs per message), every other method (ServerStatus, GetNodes, GetNamespaces,
+GetAgentEvents, GetDebugEvents, health, reflection) is forwarded to a grpcio server on a
+root-only unix socket in a private directory that only the relay uses. TLS
+(``--tls-relay-server-*``) is the h2 listener's (ALPN ``h2``).
 Health turns SERVING once the ``peer.Peer/Notify`` stream is established and back to
 NOT_SERVING while it is lost. Both listeners serve ``grpc.health.v1`` for the overall
 status (""), ``observer.Observer`` and ``hubble.server.Observer`` (the name upstream's relay
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,13 +32,17 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cilia.hubble.observer import observer_pb2
-from cilia_common import grpcserver
+from cilia_common import grpcserver, h2grpc
 from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
-from cilia_common.tls import server_credentials
 from cilia_relay import __version__
 from cilia_relay.config import Config, grpc_address
-from cilia_relay.observer import ObserverOptions, RelayObserver, add_relay_observer_to_server
+from cilia_relay.observer import (
+    ObserverOptions,
+    RelayObserver,
+    add_relay_observer_to_server,
+    serialize_response,
+)
 from cilia_relay.peers import PeerManager
 
 log = logging.getLogger("cilia_relay")
@@ -104,6 +117,8 @@ class Relay:
         )
         self._servers: list[tuple[grpc.aio.Server, Any]] = []
         self._metrics_server: MetricsServer | None = None
+        self._front: h2grpc.GrpcH2Server | None = None
+        self._private_dir: str | None = None
         self.addresses: dict[str, str] = {}
 
     async def _on_peer_service(self, connected: bool) -> None:
@@ -111,7 +126,7 @@ class Relay:
             await grpcserver.set_serving(health, HEALTH_NAMES, serving=connected)
         log.info("health", extra={"serving": connected})
 
-    def _server_credentials(self) -> grpc.ServerCredentials | None:
+    def _server_tls(self) -> h2grpc.ReloadingSSLContext | None:
         """The observer API's TLS (``--tls-relay-server-*``; mutual with client CAs), or
         None (plaintext, with a warning unless ``--disable-server-tls``).
 
@@ -126,12 +141,42 @@ class Relay:
                     "--tls-relay-server-key-file (or --disable-server-tls to mean it)"
                 )
             return None
-        credentials, reloader = server_credentials(tls)
-        log.info(
-            "observer API uses TLS",
-            extra={"mutual": bool(tls.client_ca_files), "serial": f"{reloader.serial:x}"},
+        context = h2grpc.server_ssl_context(tls)
+        log.info("observer API uses TLS", extra={"mutual": bool(tls.client_ca_files)})
+        return context
+
+    async def _start_observer(self) -> str:
+        """The grpcio server behind a private unix socket, then the h2 front on
+        ``--listen-address``; returns the front's bound address.
+
+        Raises:
+            cilia_common.grpcserver.BindError: the address cannot be bound.
+        """
+        tls = self._server_tls()
+        self._private_dir = tempfile.mkdtemp(prefix="cilia-relay-")  # mode 0700
+        backend = f"unix:{self._private_dir}/observer.sock"
+        service = grpcserver.Service(add_relay_observer_to_server, self.observer, OBSERVER_SERVICE)
+        server, health, _ = await grpcserver.start_server_with_ports([service], [backend])
+        self._servers.append((server, health))
+        front = h2grpc.GrpcH2Server(
+            forward_to=backend,
+            ssl_context=None if tls is None else tls.context,
+            max_concurrent_streams=self.config.observer_max_concurrent_streams,
+            send_buffer_bytes=self.config.observer_send_buffer_bytes,
         )
-        return credentials
+        front.add_unary_stream(
+            f"/{OBSERVER_SERVICE}/GetFlows",
+            self.observer.GetFlows,
+            observer_pb2.GetFlowsRequest.FromString,
+            serialize_response,
+        )
+        target = grpc_address(self.config.listen_address)
+        try:
+            bound = await front.start(target)
+        except (OSError, ValueError) as exc:
+            raise grpcserver.BindError(f"cannot listen on {target}: {exc}") from exc
+        self._front = front
+        return bound
 
     async def start(self) -> None:
         """Bind both gRPC servers, start metrics (if enabled) and the peer manager.
@@ -140,21 +185,13 @@ class Relay:
             cilia_common.grpcserver.BindError: an address cannot be bound (nothing is
                 left running).
         """
-        service = grpcserver.Service(add_relay_observer_to_server, self.observer, OBSERVER_SERVICE)
-        listeners: tuple[tuple[str, list[grpcserver.Service], str], ...] = (
-            ("observer", [service], self.config.listen_address),
-            ("health", [], self.config.health_listen_address),
-        )
-        credentials = self._server_credentials()
         try:
-            for name, services, address in listeners:
-                target = grpc_address(address)
-                server, health, ports = await grpcserver.start_server_with_ports(
-                    services, [target], credentials=credentials if name == "observer" else None
-                )
-                self._servers.append((server, health))
-                bound = grpcserver.bound_port(target, ports[target]) if target in ports else target
-                self.addresses[name] = bound
+            self.addresses["observer"] = await self._start_observer()
+            target = grpc_address(self.config.health_listen_address)
+            server, health, ports = await grpcserver.start_server_with_ports([], [target])
+            self._servers.append((server, health))
+            bound = grpcserver.bound_port(target, ports[target]) if target in ports else target
+            self.addresses["health"] = bound
             if self.config.prometheus_serve_addr:
                 registry = CollectorRegistry()
                 registry.register(PeerConnectionCollector(self.peers))
@@ -178,8 +215,15 @@ class Relay:
         then the peer manager (so clients never see their agents vanish) and metrics."""
         for _, health in self._servers:
             await grpcserver.set_serving(health, HEALTH_NAMES, serving=False)
-        await asyncio.gather(*(server.stop(grace) for server, _ in self._servers))
+        front, self._front = self._front, None
+        stops = [server.stop(grace) for server, _ in self._servers]
+        if front is not None:  # together: one grace period for every listener, not two
+            stops.append(front.stop(grace))
+        await asyncio.gather(*stops)
         self._servers = []
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
         await self.peers.stop()
         if self._metrics_server is not None:
             self._metrics_server.close()

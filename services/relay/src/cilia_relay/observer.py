@@ -368,9 +368,11 @@ class _FlowsCall:
             if errors.flush_at is not None:
                 deadline = min(deadline, errors.flush_at)
             try:
-                item = await asyncio.wait_for(
-                    self.queue.get(), timeout=max(0.0, deadline - loop.time())
-                )
+                if self.queue.empty():  # asyncio.timeout: no task per wait (wait_for makes one)
+                    async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                        item = await self.queue.get()
+                else:  # under load: no timer either
+                    item = self.queue.get_nowait()
             except TimeoutError:
                 now = loop.time()
                 for response in errors.due(now):

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -26,7 +27,7 @@ from relay_fakes import NS, FakeAgent, agents, make_flow
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
-from cilia_testkit import procs
+from cilia_testkit import procs, skips
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -308,3 +309,64 @@ def test_observe_refuses_bad_flags_with_exit_2_and_one_line(args: list[str], mes
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert message in lines[0]
+
+
+def _upstream_hubble() -> pathlib.Path:
+    """The upstream CLI built by ``scripts/hubble-cli.sh`` (skip — in CI fail — when missing)."""
+    root = pathlib.Path(__file__).resolve().parents[4]
+    out = subprocess.run(
+        [str(root / "scripts" / "hubble-cli.sh"), "--path"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    path = pathlib.Path(out.stdout.strip())
+    if not os.access(path, os.X_OK):
+        skips.unsupported(f"the upstream hubble CLI is not built at {path} (make setup builds it)")
+    return path
+
+
+def test_upstream_hubble_reads_thousands_of_batched_flows_packed_per_frame_then_ok(
+    sockdir: pathlib.Path,
+) -> None:
+    """Two batching agents x 3,000 flows through the relay's h2 listener (many flows per
+    HTTP/2 DATA frame) to the unmodified Go client: every flow exactly once, exit 0."""
+    hubble = _upstream_hubble()
+    per_agent = 3000
+
+    async def main() -> list[str]:
+        base = time.time_ns() - 600 * NS
+        a_sock, b_sock = sockdir / "a.sock", sockdir / "b.sock"
+        a = FakeAgent(
+            "node-a",
+            a_sock,
+            [make_flow(base + 2 * i, "node-a", src=("default", "fe", i % 60000, 1)) for i in range(per_agent)],
+            peers={"node-a": f"unix:{a_sock}", "node-b": f"unix:{b_sock}"},
+            batches=True,
+        )  # fmt: skip
+        b = FakeAgent(
+            "node-b",
+            b_sock,
+            [make_flow(base + 2 * i + 1, "node-b", src=("default", "fe", i % 60000, 1)) for i in range(per_agent)],
+            batches=True,
+        )  # fmt: skip
+        async with agents(a, b):
+            relay, listening = await start_relay(a.address, expect_connected=2)
+            try:
+                proc = await procs.spawn_async(
+                    [str(hubble), "observe", "--server", listening["observer"],
+                     "--last", str(per_agent), "-o", "jsonpb", "--print-node-name"],
+                    env={**ENV, "HUBBLE_CONFIG": "/dev/null"},
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                out, err = await asyncio.wait_for(proc.communicate(), 60)
+                assert proc.returncode == 0, err.decode()
+                return [line for line in out.decode().splitlines() if line.startswith('{"flow"')]
+            finally:
+                await stop_relay(relay)
+
+    lines = asyncio.run(main())
+    flows = [json.loads(line)["flow"] for line in lines]
+    assert len(flows) == 2 * per_agent
+    keys = {(f["node_name"], f["l4"]["TCP"].get("source_port", 0), f["time"]) for f in flows}
+    assert len(keys) == 2 * per_agent  # none twice
+    assert {f["node_name"] for f in flows} == {"node-a", "node-b"}
