@@ -76,7 +76,7 @@ def installed(bundle: pathlib.Path, short_tmp: str) -> pathlib.Path:
     for name in ("0.0.9-old", "0.0.8-older"):
         (host / "cilia" / name).mkdir(parents=True)
     wrapper = host / "bin" / "cilia-cni"
-    wrapper.write_text(f"#!/bin/sh\nexec {host}/cilia/0.0.9-old/cilia-cni \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\nexec {host}/cilia/0.0.9-old/cilia-cni "$@"\n')
     res = subprocess.run(["sh", str(INSTALLER)], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert {p.name for p in (host / "cilia").iterdir()} >= {"0.0.9-old"}
