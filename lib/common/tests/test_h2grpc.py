@@ -329,3 +329,55 @@ def test_tls_negotiates_h2_and_serves_renewed_files_at_the_next_handshake(
     assert first[0] == second[0] == "h2"
     assert first[1] != second[1]
     assert reloading.reloads == 1
+
+
+def test_forwarded_calls_with_a_far_deadline_or_a_truncated_request(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A raw h2 client calls the forwarded ECHO: ``grpc-timeout: 9999999H`` (valid, ~1,141
+    years; past grpcio's int64-nanosecond deadline) is served, not DEADLINE_EXCEEDED at once;
+    a request that ends inside a message answers INTERNAL with the reason (as the fast path
+    does), not a bare RST_STREAM(CANCEL)."""
+
+    async def call(address: str, headers: list[tuple[str, str]], body: bytes) -> dict[str, str]:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        )
+        conn.initiate_connection()
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(
+            sid,
+            [(":method", "POST"), (":scheme", "http"), (":authority", address),
+             (":path", ECHO), ("content-type", "application/grpc"), ("te", "trailers"),
+             *headers],
+        )  # fmt: skip
+        conn.send_data(sid, body, end_stream=True)
+        writer.write(conn.data_to_send())
+        seen: dict[str, str] = {}
+        try:
+            while "grpc-status" not in seen and "reset" not in seen:
+                data = await asyncio.wait_for(reader.read(65536), 5)
+                if not data:
+                    break
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        seen.update(dict(event.headers))  # type: ignore[arg-type]
+                    elif isinstance(event, h2.events.StreamReset):
+                        seen["reset"] = str(int(event.error_code))
+                writer.write(conn.data_to_send())
+        finally:
+            writer.close()
+        return seen
+
+    async def body(address: str, rec: Recorder) -> tuple[dict[str, str], dict[str, str]]:
+        framed = b"\x00" + (2).to_bytes(4, "big") + b"hi"
+        far = await call(address, [("grpc-timeout", "9999999H")], framed)
+        truncated = await call(address, [], b"\x00\x00\x00")
+        return far, truncated
+
+    far, truncated = asyncio.run(_with_server(tmp_path, body))
+    assert far.get("grpc-status") == "0", far
+    assert truncated.get("grpc-status") == str(grpc.StatusCode.INTERNAL.value[0]), truncated
+    assert truncated.get("grpc-message") == "request ended inside a message"

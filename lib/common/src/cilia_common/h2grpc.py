@@ -87,6 +87,10 @@ DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest request message accepted (grpcio's default)."""
 WRITE_BUFFER_HIGH_BYTES = 256 * 1024
 """A connection's socket write buffer past which its calls stop sending until it drains."""
+MAX_FORWARD_TIMEOUT_S = 10.0**9
+"""Longest timeout a forwarded call is given (~31.7 years). ``grpc-timeout`` allows up to
+99,999,999 hours; grpcio keeps deadlines in int64 nanoseconds (~292 years) and ends a call
+whose deadline overflows that at once with DEADLINE_EXCEEDED, so farther ones are capped."""
 
 _PREFIX_LEN = 5
 _TIMEOUT = re.compile(r"^(\d{1,8})([HMSmun])$")
@@ -455,9 +459,23 @@ class _Call:
 
     async def _forward(self) -> None:
         channel = self.conn.server.channel()
-        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        timeout = None
+        if self.deadline is not None:
+            timeout = min(max(0.0, self.deadline - time.monotonic()), MAX_FORWARD_TIMEOUT_S)
+        aborted: list[AbortError] = []
+
+        async def requests() -> AsyncIterator[bytes]:
+            # A malformed request (see requests()) cancels the forwarded call; its status is
+            # then this call's, not a bare RST_STREAM.
+            try:
+                async for message in self.requests():
+                    yield message
+            except AbortError as exc:
+                aborted.append(exc)
+                call.cancel()
+
         call = channel.stream_stream(self.path)(
-            self.requests(), metadata=self.metadata(for_forwarding=True), timeout=timeout
+            requests(), metadata=self.metadata(for_forwarding=True), timeout=timeout
         )
         try:
             first = True
@@ -471,10 +489,15 @@ class _Call:
             details = await call.details()
             trailing = tuple(await call.trailing_metadata() or ())
         except grpc.aio.AioRpcError as exc:
+            if aborted:
+                raise aborted[0] from None
             code, details = exc.code(), exc.details() or ""
             trailing = tuple(exc.trailing_metadata() or ())
         except asyncio.CancelledError:
             call.cancel()
+            task = asyncio.current_task()
+            if aborted and task is not None and not task.cancelling():
+                raise aborted[0] from None
             raise
         await self.finish(code, details or "", trailing)
 
