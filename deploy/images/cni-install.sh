@@ -51,12 +51,15 @@ if [ ! -d "$lib_dir/$id" ]; then
   trap - EXIT
   say "copied the plugin to $host_lib/$id"
 fi
-# The copy the current plugin runs: a link's target <copy>/cilia-cni, or (wrappers of
+# The copy the current plugin runs: the directory of a link's target <copy>/cilia-cni, or (wrappers of
 # earlier versions: venv-era `exec <copy>/bin/cilia-cni`, `exec <copy>/bin/python
 # <copy>/bin/cilia-cni`, frozen `exec <copy>/cilia-cni`) the first path under .../cilia/ on a
 # line starting with `exec`.
 if [ -L "$bin_dir/cilia-cni" ]; then
-  previous=$(readlink "$bin_dir/cilia-cni" | sed -n 's|.*/cilia/\([^/]*\)/cilia-cni$|\1|p')
+  # <host lib dir>/<copy>/cilia-cni, whatever the lib dir is called: <copy> is the parent's name
+  previous=$(readlink "$bin_dir/cilia-cni")
+  previous=${previous%/cilia-cni}
+  previous=${previous##*/}
 else
   previous=$(sed -n 's|^exec [^ ]*/cilia/\([^/ ]*\)/.*|\1|p' "$bin_dir/cilia-cni" 2>/dev/null | head -n 1 || true)
 fi

@@ -319,3 +319,38 @@ def test_runs_in_a_root_filesystem_without_python(
     rc, out = run(_env("DEL", CNI_PATH="/cilia-cni", **cni), json.dumps(conf).encode())
     assert (rc, out) == (0, {})
     assert real_agent.endpoints() == []
+
+
+def test_install_keeps_the_copy_the_previous_link_names_whatever_the_lib_dir_is_called(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Two installs of different bundles into a lib dir not named ``cilia``
+    (``CILIA_CNI_HOST_LIB_DIR=/opt/cni/plugins-lib``): the second keeps the first copy, which
+    the old link named and a runtime may still be exec'ing, beside its own. (A stand-in
+    bundle: a sh script answering VERSION, so no freeze build is needed.)"""
+    lib = tmp_path / "plugins-lib"
+    env = {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        "CILIA_CNI_BIN_DIR": str(tmp_path / "bin"),
+        "CILIA_CNI_LIB_DIR": str(lib),
+        "CILIA_CNI_HOST_LIB_DIR": str(lib),
+    }
+    for name in ("a", "b"):
+        src = tmp_path / f"bundle-{name}"
+        (src / ".cilia-cni").mkdir(parents=True)
+        (src / ".cilia-cni" / "cilia-cni.version").write_text("0.1.0\n")
+        plugin = src / "cilia-cni"
+        plugin.write_text(f'#!/bin/sh\necho \'{{"cniVersion": "1.0.0", "build": "{name}"}}\'\n')
+        plugin.chmod(0o755)
+        res = subprocess.run(
+            ["sh", str(INSTALLER)],
+            env={**env, "CILIA_CNI_BUNDLE": str(src)},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert res.returncode == 0, res.stderr
+    copies = sorted(p.name for p in lib.iterdir())
+    link = os.readlink(tmp_path / "bin" / "cilia-cni")
+    assert len(copies) == 2, f"the previous copy was removed: {copies}"
+    assert link.startswith(f"{lib}/") and link.split("/")[-2] in copies, (link, copies)
