@@ -140,6 +140,8 @@ def test_backoff_doubles_and_is_capped() -> None:
         (AddParams("", "eth0", "/x"), "container_id"),
         (AddParams("c", "", "/x"), "ifname"),
         (AddParams("c", "a/b", "/x"), "ifname"),
+        (AddParams("c", "eth%d", "/x"), "ifname"),  # a kernel name template, not a name
+        (AddParams("c", "\u00e9" * 8, "/x"), "ifname"),  # 8 characters but 16 bytes
         (AddParams("c", "eth0", "rel"), "netns"),
         (AddParams("c", "eth0", "/x", pool="Bad_Pool"), "pool"),
         (AddParams("c", "eth0", "/x", mtu=70000), "mtu"),

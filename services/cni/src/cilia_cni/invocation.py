@@ -162,10 +162,11 @@ def _check_ifname(ifname: str) -> None:
         raise InvalidEnvironment(
             f"CNI_IFNAME {show(ifname)} is longer than {MAX_IFNAME_BYTES} bytes (Linux IFNAMSIZ)"
         )
-    if ifname in (".", "..") or any(c in "/:" or c.isspace() for c in ifname):
+    # '%' too: the kernel takes "eth%d" as a template and names the link eth0, eth1, ...
+    if ifname in (".", "..") or any(c in "/:%" or c.isspace() for c in ifname):
         raise InvalidEnvironment(
             f"CNI_IFNAME {show(ifname)} is not a valid interface name "
-            "(no '/', ':' or whitespace; not '.' or '..')"
+            "(no '/', ':', '%' or whitespace; not '.' or '..')"
         )
 
 

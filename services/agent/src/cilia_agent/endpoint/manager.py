@@ -60,7 +60,9 @@ Keys = list[Key]
 Lines = list[str]
 
 _CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$")
-_IFNAME_BAD = re.compile(r"[/\s:]")
+# Characters the kernel refuses in a name ('/', ':', whitespace: dev_valid_name) or takes as a
+# name template ('%': "eth%d" becomes eth0, eth1, ...; dev_alloc_name).
+_IFNAME_BAD = re.compile(r"[/\s:%]")
 _POOL = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
@@ -123,10 +125,11 @@ def _shown(value: str) -> str:
 
 
 def validate_ifname(value: str, field_name: str = "ifname") -> None:
-    """Raise InvalidRequest unless ``value`` is a Linux interface name (1-15 chars)."""
+    """Raise InvalidRequest unless ``value`` is a Linux interface name: 1-15 bytes of UTF-8
+    (IFNAMSIZ 16 with its NUL), not ``.``/``..``, without ``/``, ``:``, whitespace or ``%``."""
     if not value:
         raise InvalidRequest(field_name, "must not be empty")
-    if len(value) > 15 or value in (".", "..") or _IFNAME_BAD.search(value):
+    if len(value.encode()) > 15 or value in (".", "..") or _IFNAME_BAD.search(value):
         raise InvalidRequest(field_name, f"{_shown(value)} is not a valid interface name")
 
 
