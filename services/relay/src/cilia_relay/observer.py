@@ -135,6 +135,37 @@ class _PeerDone:
     name: str
 
 
+class FlowQueue(asyncio.Queue[Any]):
+    """The queue from a call's peer streams to its merge, bounded in flows, not items.
+
+    A peer's FlowBatchService message is queued as one item of up to
+    ``--peer-flow-batch-size`` (256) flows; bounded in items, a call whose client reads
+    slowly held ``--sort-buffer-len-max`` batches (25,600 flows at the defaults, ~12 MB per
+    such client, measured) where the flag promises that many flows. Here a list counts its
+    length and anything else 1; a put waits while ``maxsize`` flows are queued, so at most
+    ``maxsize`` + one batch are held (a batch larger than ``maxsize`` still goes into an
+    empty queue). Relies on ``asyncio.Queue``'s ``_put``/``_get`` hooks (as its
+    ``PriorityQueue`` subclass does) and on ``full()`` reading :meth:`qsize`.
+    """
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self._flows = 0
+
+    def _put(self, item: Any) -> None:
+        self._flows += len(item) if isinstance(item, list) else 1
+        super()._put(item)
+
+    def _get(self) -> Any:
+        item = super()._get()
+        self._flows -= len(item) if isinstance(item, list) else 1
+        return item
+
+    def qsize(self) -> int:
+        """Flows queued (a batch counts its length)."""
+        return self._flows
+
+
 Outgoing = observer_pb2.GetFlowsResponse | bytes
 """What the relay's GetFlows yields: a response message, or one already serialized (a
 peer's, forwarded as it came); :func:`serialize_response` writes either."""
@@ -208,7 +239,7 @@ class _FlowsCall:
         self.opts = opts
         self.active: dict[str, asyncio.Task[None]] = {}
         self.last_flow_ns: dict[str, int] = {}
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.queue: asyncio.Queue[_Item] = FlowQueue()
         self.running = 0
 
     async def run(self) -> AsyncIterator[Outgoing]:
@@ -216,7 +247,7 @@ class _FlowsCall:
         capacity = sort_buffer_len(
             self.opts.sort_buffer_len_max, int(self.request.number), len(peers)
         )
-        self.queue = asyncio.Queue(maxsize=capacity)
+        self.queue = FlowQueue(maxsize=capacity)
         connected = [p for p in peers if p.available]
         unavailable = [p.name for p in peers if not p.available and not p.error]
         if connected:
