@@ -381,3 +381,25 @@ def test_forwarded_calls_with_a_far_deadline_or_a_truncated_request(
     assert far.get("grpc-status") == "0", far
     assert truncated.get("grpc-status") == str(grpc.StatusCode.INTERNAL.value[0]), truncated
     assert truncated.get("grpc-message") == "request ended inside a message"
+
+
+def test_an_http1_client_gets_a_readable_505_and_grpc_clients_still_work(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``curl http://relay:4245/`` (HTTP/1.1) got the server's binary SETTINGS frame and a
+    close ("Received HTTP/0.9 when not allowed"); now an HTTP/1.1 505 naming gRPC."""
+
+    async def body(address: str, rec: Recorder) -> tuple[bytes, list[bytes]]:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)  # until the server closes
+        writer.close()
+        async with grpc.aio.insecure_channel(address) as ch:
+            got = [m async for m in _stream(ch)(b"2", timeout=5)]
+        return answer, got
+
+    answer, got = asyncio.run(_with_server(tmp_path, body))
+    assert answer.startswith(b"HTTP/1.1 505 "), answer[:60]
+    assert b"gRPC" in answer
+    assert got == [b"msg-0", b"msg-1"]

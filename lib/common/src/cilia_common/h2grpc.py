@@ -93,6 +93,13 @@ MAX_FORWARD_TIMEOUT_S = 10.0**9
 whose deadline overflows that at once with DEADLINE_EXCEEDED, so farther ones are capped."""
 
 _PREFIX_LEN = 5
+_CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HTTP1_REQUEST = re.compile(rb"^[A-Z]{3,10} ")
+_HTTP1_BODY = b"cilia: this port serves gRPC (HTTP/2 only); use a gRPC client such as hubble\n"
+_HTTP1_ANSWER = (
+    b"HTTP/1.1 505 HTTP Version Not Supported\r\nContent-Type: text/plain\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_HTTP1_BODY) + _HTTP1_BODY
+)
 _TIMEOUT = re.compile(r"^(\d{1,8})([HMSmun])$")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 # Headers that are the transport's, never metadata (the gRPC HTTP/2 spec's reserved names).
@@ -514,6 +521,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.paused = False
         self.peer = "unknown"
+        self.greeted = False  # the client's first bytes were seen (and were not HTTP/1)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -524,8 +532,7 @@ class _Connection(asyncio.Protocol):
         self.h2.update_settings(
             {h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_concurrent_streams}
         )
-        self.h2.initiate_connection()
-        self.write()
+        self.h2.initiate_connection()  # sent with the first answer: see data_received
 
     def write(self) -> None:
         data = self.h2.data_to_send()
@@ -548,6 +555,18 @@ class _Connection(asyncio.Protocol):
                 call.schedule_flush()
 
     def data_received(self, data: bytes) -> None:
+        if not self.greeted:
+            # Our SETTINGS wait for the client's first bytes, so an HTTP/1.x client (curl,
+            # a browser, a probe) gets a readable 505 instead of a binary frame and a close.
+            self.greeted = True
+            if not _CLIENT_PREFACE.startswith(data[: len(_CLIENT_PREFACE)]) and (
+                _HTTP1_REQUEST.match(data)
+            ):
+                log.info("HTTP/1 request on the gRPC port: 505", extra={"peer": self.peer})
+                if self.transport is not None:
+                    self.transport.write(_HTTP1_ANSWER)
+                    self.transport.close()
+                return
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
