@@ -90,6 +90,7 @@ async def _with_server(
     *,
     ssl_context: Any = None,
     send_buffer: int = h2grpc.DEFAULT_SEND_BUFFER_BYTES,
+    max_streams: int = h2grpc.DEFAULT_MAX_CONCURRENT_STREAMS,
 ) -> Any:
     backend = f"unix:{tmp}/backend.sock"
     server, health, _ = await grpcserver.start_server_with_ports(
@@ -98,7 +99,10 @@ async def _with_server(
     await grpcserver.set_serving(health, ["test.Slow"])
     rec = Recorder()
     front = h2grpc.GrpcH2Server(
-        forward_to=backend, ssl_context=ssl_context, send_buffer_bytes=send_buffer
+        forward_to=backend,
+        ssl_context=ssl_context,
+        send_buffer_bytes=send_buffer,
+        max_concurrent_streams=max_streams,
     )
     front.add_unary_stream(STREAM, fast_handler(rec), _parse, bytes)
     address = await front.start("127.0.0.1:0")
@@ -403,3 +407,52 @@ def test_an_http1_client_gets_a_readable_505_and_grpc_clients_still_work(
     assert answer.startswith(b"HTTP/1.1 505 "), answer[:60]
     assert b"gRPC" in answer
     assert got == [b"msg-0", b"msg-1"]
+
+
+def test_a_stream_past_the_concurrency_limit_is_refused_alone(tmp_path: pathlib.Path) -> None:
+    """A raw h2 client opens 101 streams at once (before it could read the server's
+    SETTINGS; h2's limit before the ACK is 100): stream 101 gets RST_STREAM(REFUSED_STREAM)
+    and the other 100 calls end OK; the connection stays (it was a GOAWAY that failed all)."""
+
+    async def body(address: str, rec: Recorder) -> tuple[dict[int, str], bool]:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        )
+        conn.initiate_connection()
+        ids = []
+        for _ in range(101):
+            sid = conn.get_next_available_stream_id()
+            conn.send_headers(
+                sid,
+                [(":method", "POST"), (":scheme", "http"), (":authority", address),
+                 (":path", STREAM), ("content-type", "application/grpc"), ("te", "trailers")],
+            )  # fmt: skip
+            conn.send_data(sid, b"\x00" + (1).to_bytes(4, "big") + b"1", end_stream=True)
+            ids.append(sid)
+        writer.write(conn.data_to_send())
+        outcome: dict[int, str] = {}
+        terminated = False
+        try:
+            while len(outcome) < len(ids) and not terminated:
+                data = await asyncio.wait_for(reader.read(65536), 5)
+                if not data:
+                    break
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.TrailersReceived):
+                        trailers = {str(k): str(v) for k, v in event.headers or ()}
+                        outcome[event.stream_id] = trailers["grpc-status"]
+                    elif isinstance(event, h2.events.StreamReset):
+                        outcome[event.stream_id] = f"reset {int(event.error_code)}"
+                    elif isinstance(event, h2.events.ConnectionTerminated):
+                        terminated = True
+                writer.write(conn.data_to_send())
+        finally:
+            writer.close()
+        return outcome, terminated
+
+    outcome, terminated = asyncio.run(_with_server(tmp_path, body, max_streams=100))
+    assert not terminated
+    assert outcome.pop(201) == "reset 7"  # REFUSED_STREAM
+    assert sorted(outcome.values()) == ["0"] * 100

@@ -509,13 +509,50 @@ class _Call:
         await self.finish(code, details or "", trailing)
 
 
+class _H2Connection(h2.connection.H2Connection):
+    """h2's server connection, except for a HEADERS frame that opens one stream more than
+    our SETTINGS_MAX_CONCURRENT_STREAMS: RFC 9113 section 5.1.2 makes that a stream error
+    (PROTOCOL_ERROR or REFUSED_STREAM), but h2 4.x raises TooManyStreamsError, a connection
+    error (GOAWAY), which failed every other call of the connection. Such a frame is taken
+    as usual (its header block must still pass the connection's HPACK decoder) and its
+    stream id put in :attr:`refused`; the server resets it with REFUSED_STREAM.
+
+    Attributes:
+        refused: ids of streams opened past the limit, not answered yet.
+    """
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config=config)
+        self.refused: set[int] = set()
+        self._admitting = False
+
+    @property
+    def open_inbound_streams(self) -> int:
+        """h2's count of open inbound streams (0 while an over-limit stream is taken)."""
+        count = super().open_inbound_streams
+        return 0 if self._admitting else count
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        if (
+            frame.stream_id not in self.streams
+            and self.open_inbound_streams + 1 > self.local_settings.max_concurrent_streams
+        ):
+            self.refused.add(frame.stream_id)
+            self._admitting = True
+            try:
+                return super()._receive_headers_frame(frame)
+            finally:
+                self._admitting = False
+        return super()._receive_headers_frame(frame)
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: the h2 state machine and its calls."""
 
     def __init__(self, server: GrpcH2Server) -> None:
         self.server = server
         config = h2.config.H2Configuration(client_side=False, header_encoding=None)
-        self.h2 = h2.connection.H2Connection(config=config)
+        self.h2 = _H2Connection(config=config)
         self.calls: dict[int, _Call] = {}
         self.raw_headers: dict[int, list[tuple[bytes, bytes]]] = {}
         self.transport: asyncio.Transport | None = None
@@ -614,7 +651,8 @@ class _Connection(asyncio.Protocol):
         sid = event.stream_id
         raw = [(bytes(k), bytes(v)) for k, v in event.headers or ()]
         headers = {k.decode("latin-1"): v for k, v in raw}
-        if self.server.stopping:
+        if self.server.stopping or sid in self.h2.refused:
+            self.h2.refused.discard(sid)
             self.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         if headers.get(":method") != b"POST":
