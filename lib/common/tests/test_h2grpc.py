@@ -456,3 +456,52 @@ def test_a_stream_past_the_concurrency_limit_is_refused_alone(tmp_path: pathlib.
     assert not terminated
     assert outcome.pop(201) == "reset 7"  # REFUSED_STREAM
     assert sorted(outcome.values()) == ["0"] * 100
+
+
+def test_a_malformed_grpc_timeout_ends_the_call_internal(tmp_path: pathlib.Path) -> None:
+    """``grpc-timeout: abc`` (or 9 digits) was ignored and the call ran without a deadline;
+    grpc-go's server answers INTERNAL "malformed grpc-timeout", and so does this one, on the
+    fast path and when forwarding."""
+
+    async def call(address: str, path: str, value: str) -> dict[str, str]:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        )
+        conn.initiate_connection()
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(
+            sid,
+            [(":method", "POST"), (":scheme", "http"), (":authority", address),
+             (":path", path), ("content-type", "application/grpc"), ("te", "trailers"),
+             ("grpc-timeout", value)],
+        )  # fmt: skip
+        conn.send_data(sid, b"\x00" + (1).to_bytes(4, "big") + b"1", end_stream=True)
+        writer.write(conn.data_to_send())
+        seen: dict[str, str] = {}
+        try:
+            while "grpc-status" not in seen:
+                data = await asyncio.wait_for(reader.read(65536), 5)
+                if not data:
+                    break
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        seen.update({str(k): str(v) for k, v in event.headers or ()})
+                writer.write(conn.data_to_send())
+        finally:
+            writer.close()
+        return seen
+
+    async def body(address: str, rec: Recorder) -> list[dict[str, str]]:
+        return [
+            await call(address, STREAM, "abc"),
+            await call(address, ECHO, "123456789S"),
+            await call(address, STREAM, "5S"),
+        ]
+
+    fast, forwarded, good = asyncio.run(_with_server(tmp_path, body))
+    internal = str(grpc.StatusCode.INTERNAL.value[0])
+    assert fast["grpc-status"] == internal and "malformed grpc-timeout" in fast["grpc-message"]
+    assert forwarded["grpc-status"] == internal, forwarded
+    assert good["grpc-status"] == "0", good

@@ -22,7 +22,8 @@ gRPC over HTTP/2 rules implemented (the gRPC project's PROTOCOL-HTTP2 document):
 
 * Requests: ``:method`` must be POST (else HTTP 405), ``content-type`` ``application/grpc``
   or ``application/grpc+...`` (else HTTP 415); ``:path`` = ``/service/method``;
-  ``grpc-timeout`` (``\\d{1,8}[HMSmun]``) sets the call's deadline; custom metadata are
+  ``grpc-timeout`` (``\\d{1,8}[HMSmun]``) sets the call's deadline (a malformed one ends
+  the call INTERNAL, as grpc-go's server does); custom metadata are
   every other non-reserved header, ``-bin`` values base64 (padded or not) decoded.
 * Messages: 1 byte compressed-flag + 4 bytes big-endian length + payload. Compressed
   requests are refused (UNIMPLEMENTED: no ``grpc-encoding`` is supported, and
@@ -224,8 +225,12 @@ class _Call:
         self.closed = False
         self.partial = False  # part of a message was sent and the rest is still buffered
         self.task: asyncio.Task[None] | None = None
-        timeout = parse_timeout(headers.get("grpc-timeout", b"").decode("latin-1"))
+        raw_timeout = headers.get("grpc-timeout")
+        timeout = None if raw_timeout is None else parse_timeout(raw_timeout.decode("latin-1"))
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        # a grpc-timeout that does not parse ends the call INTERNAL, as grpc-go's server
+        # does ("malformed grpc-timeout"), rather than running it without a deadline
+        self.bad_timeout = raw_timeout if raw_timeout is not None and timeout is None else None
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -417,6 +422,12 @@ class _Call:
             timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
             try:
                 async with asyncio.timeout(timeout):
+                    if self.bad_timeout is not None:
+                        shown = self.bad_timeout[:40].decode("latin-1")
+                        raise AbortError(
+                            grpc.StatusCode.INTERNAL,
+                            f"malformed grpc-timeout {shown!r} (1-8 digits and one of HMSmun)",
+                        )
                     if method is not None:
                         await self._serve(method)
                     elif server.forward_to:
