@@ -24,6 +24,7 @@ from cilia_agent.controlplane import OperatorRejected, OperatorUnavailable
 from cilia_agent.datapath import (
     DatapathError,
     DefaultRouteExists,
+    HostNetns,
     InterfaceExists,
     NetnsNotFound,
 )
@@ -59,6 +60,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
     (InvalidLabels, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_LABELS"),
     (DefaultRouteExists, grpc.StatusCode.INVALID_ARGUMENT, "DEFAULT_ROUTE_EXISTS"),
+    (HostNetns, grpc.StatusCode.INVALID_ARGUMENT, "HOST_NETNS"),
     (PolicyMapFull, grpc.StatusCode.RESOURCE_EXHAUSTED, "POLICY_MAP_FULL"),
     (OperatorRejected, grpc.StatusCode.INVALID_ARGUMENT, "OPERATOR_REJECTED"),
     (OperatorUnavailable, grpc.StatusCode.UNAVAILABLE, "OPERATOR_UNAVAILABLE"),

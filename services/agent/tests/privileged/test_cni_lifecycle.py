@@ -495,3 +495,20 @@ def test_a_second_interface_in_a_netns_with_our_eth0_is_refused_cleanly(env: Env
     assert "net1" not in links and "eth0" in links
     assert held_ips(a) == before
     a.attach.Check(agent_pb2.CheckRequest(container_id="two-if", ifname="eth0", netns=ns))
+
+
+def test_the_agents_own_network_namespace_is_refused_before_anything_is_created(
+    env: Env,
+) -> None:
+    """CNI_NETNS naming the agent's own namespace (/proc/self/ns/net here, the agent runs in
+    this process; /proc/1/ns/net on a node) was plumbed like a pod's: only a default route
+    already there stopped it ("already has a default route via eth0"); on a host without
+    one the pod's address and default route would have gone onto the host."""
+    a = env.start_agent()
+    before = held_ips(a)
+    with pytest.raises(grpc.RpcError) as err:
+        a.attach.Add(add_req("/proc/self/ns/net", "hostns"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is the agent's own (the host's), not a pod's" in str(err.value.details())
+    assert not link_exists(host_ifname("hostns", "eth0"))
+    assert held_ips(a) == before

@@ -8,6 +8,7 @@ Everything here is synchronous and is run by the endpoint layer in worker thread
 from cilia_agent.datapath.errors import (
     DatapathError,
     DefaultRouteExists,
+    HostNetns,
     InterfaceExists,
     NetnsNotFound,
 )
@@ -16,6 +17,7 @@ from cilia_agent.datapath.linux import LinuxDatapath, PlumbRequest, PlumbResult,
 __all__ = [
     "DatapathError",
     "DefaultRouteExists",
+    "HostNetns",
     "InterfaceExists",
     "LinuxDatapath",
     "NetnsNotFound",

@@ -40,6 +40,18 @@ class DefaultRouteExists(DatapathError):
         )
 
 
+class HostNetns(DatapathError):
+    """``netns`` is the agent's own network namespace (the host's, e.g. ``/proc/1/ns/net``
+    or ``/proc/<agent pid>/ns/net``): the pod end, its address and a default route would be
+    put on the host. Refused before anything is created. gRPC INVALID_ARGUMENT."""
+
+    def __init__(self, netns: str) -> None:
+        self.netns = netns
+        super().__init__(
+            f"network namespace {netns!r} is the agent's own (the host's), not a pod's"
+        )
+
+
 class IptablesError(DatapathError):
     """An iptables command failed (command line and stderr in the message)."""
 

@@ -28,11 +28,12 @@ from cilia_agent.datapath import rtnl
 from cilia_agent.datapath.errors import (
     DatapathError,
     DefaultRouteExists,
+    HostNetns,
     InterfaceExists,
     NetnsNotFound,
 )
 from cilia_agent.datapath.iptables import Iptables
-from cilia_agent.datapath.netns import iproute_in, is_netns
+from cilia_agent.datapath.netns import iproute_in, is_netns, is_own_netns
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +233,11 @@ class LinuxDatapath:
             InterfaceExists: ``req.ifname`` already exists in the netns.
             DefaultRouteExists: the netns already has an IPv4 default route (e.g. our
                 ``eth0`` when this is ``net1``); nothing is created.
+            HostNetns: ``req.netns`` is the agent's own namespace; nothing is created.
             DatapathError: any other netlink failure.
         """
+        if is_own_netns(req.netns):
+            raise HostNetns(req.netns)
         host = host_ifname(req.container_id, req.ifname)
         try:
             ns = rtnl.Rtnl.open_in(req.netns)

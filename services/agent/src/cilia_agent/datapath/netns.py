@@ -77,6 +77,17 @@ def iproute_in(netns: str) -> IPRoute:
     return socket_in(netns, IPRoute)
 
 
+def is_own_netns(path: str) -> bool:
+    """True when ``path`` is the network namespace of the calling thread (same device and
+    inode as ``/proc/thread-self/ns/net``); False when either cannot be read."""
+    try:
+        target = os.stat(path)
+        own = os.stat("/proc/thread-self/ns/net")
+    except OSError:
+        return False
+    return (target.st_dev, target.st_ino) == (own.st_dev, own.st_ino)
+
+
 def is_netns(path: str) -> bool:
     """True when ``path`` exists (a bind-mounted namespace file or /proc link)."""
     return bool(path) and os.path.exists(path)
