@@ -76,7 +76,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from .tls import ServerTLS, TLSFileError, read_ca_bundle, read_key_pair
+from .tls import ServerTLS, TLSFileError, file_stamp, read_ca_bundle, read_key_pair
 
 log = logging.getLogger(__name__)
 
@@ -852,17 +852,6 @@ class GrpcH2Server:
             self._channel = None
 
 
-def _file_stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
-    out = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            out.append((-1, -1, -1))
-    return tuple(out)
-
-
 def _context(tls: ServerTLS) -> ssl.SSLContext:
     cert_pem, key_pem = read_key_pair(tls.cert_file, tls.key_file)  # checked to match
     del cert_pem, key_pem
@@ -892,7 +881,7 @@ class ReloadingSSLContext:
     def __init__(self, tls: ServerTLS) -> None:
         self.tls = tls
         self._paths = (tls.cert_file, tls.key_file, *tls.client_ca_files)
-        self._stamp = _file_stamp(self._paths)
+        self._stamp = file_stamp(self._paths)
         self.context = _context(tls)
         self._current = self.context
         self.reloads = 0
@@ -901,7 +890,7 @@ class ReloadingSSLContext:
     def _on_hello(
         self, sslobj: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext
     ) -> None:
-        stamp = _file_stamp(self._paths)
+        stamp = file_stamp(self._paths)
         if stamp != self._stamp:
             try:
                 fresh = _context(self.tls)

@@ -184,7 +184,7 @@ def read_key_pair(cert_file: str, key_file: str) -> tuple[bytes, bytes]:
     return cert_pem, key_pem
 
 
-def _stamp(paths: Iterable[str]) -> tuple[tuple[int, int, int], ...]:
+def file_stamp(paths: Iterable[str]) -> tuple[tuple[int, int, int], ...]:
     """(mtime_ns, size, inode) of each path; (-1, -1, -1) for one that cannot be stat'ed."""
     out = []
     for path in paths:
@@ -210,7 +210,7 @@ class CertificateReloader:
     def __init__(self, tls: ServerTLS) -> None:
         self.tls = tls
         self._lock = threading.Lock()
-        self._stamp = _stamp(self._paths())
+        self._stamp = file_stamp(self._paths())
         self.serial = 0
         self.reloads = 0
         self.initial = self._configuration()
@@ -229,7 +229,7 @@ class CertificateReloader:
     def __call__(self) -> Any:
         """None (keep the current pair) or the configuration of the changed files."""
         with self._lock:
-            stamp = _stamp(self._paths())
+            stamp = file_stamp(self._paths())
             if stamp == self._stamp:
                 return None
             try:
@@ -308,7 +308,7 @@ class RotatingChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no st
         self._target = target
         self._tls = tls
         self._options = [*options, *channel_options(tls)]
-        self._stamp = _stamp(tls.paths())
+        self._stamp = file_stamp(tls.paths())
         self._current = self._dial()
         self._retired: list[grpc.aio.Channel] = []
         self.generation = 0
@@ -320,7 +320,7 @@ class RotatingChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no st
 
     def current(self) -> grpc.aio.Channel:
         """The channel for a new call (a new one when the files changed and are usable)."""
-        stamp = _stamp(self._tls.paths())
+        stamp = file_stamp(self._tls.paths())
         if stamp != self._stamp:
             try:
                 fresh = self._dial()
