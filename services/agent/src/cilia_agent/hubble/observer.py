@@ -327,23 +327,7 @@ class FlowStore:
                 raised before anything is sent.
             InvalidFilter: a whitelist/blacklist filter is invalid or unsupported.
         """
-        since_ns, until_ns = request_window(req)
-        filters = FilterSet(req.whitelist, req.blacklist)
-        return self._stream(req, filters, since_ns, until_ns)
-
-    async def _stream(
-        self,
-        req: observer_pb2.GetFlowsRequest,
-        filters: FilterSet,
-        since_ns: int | None,
-        until_ns: int | None,
-    ) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
-        parse = observer_pb2.GetFlowsResponse.FromString
-        # One item per chunk: the ring is read as the client takes responses, so a slow
-        # client is overtaken by the writer (and told so) rather than served a snapshot.
-        async for chunk in self._walk(req, filters, since_ns, until_ns, 1):
-            for item in chunk:
-                yield parse(item.wire) if isinstance(item, RingEntry) else item
+        return _decoded(self.get_flows_wire(req))
 
     def get_flows_wire(self, req: observer_pb2.GetFlowsRequest) -> AsyncIterator[bytes]:
         """The :meth:`get_flows` stream of ``req`` as serialized responses: a flow's are the
@@ -363,7 +347,8 @@ class FlowStore:
         since_ns: int | None,
         until_ns: int | None,
     ) -> AsyncIterator[bytes]:
-        # One item per chunk, as :meth:`_stream`.
+        # One item per chunk: the ring is read as the client takes responses, so a slow
+        # client is overtaken by the writer (and told so) rather than served a snapshot.
         async for chunk in self._walk(req, filters, since_ns, until_ns, 1):
             for item in chunk:
                 yield item.wire if isinstance(item, RingEntry) else item.SerializeToString()
@@ -534,6 +519,12 @@ def _entry_matcher(filters: FilterSet) -> Callable[[RingEntry], bool] | None:
         return verdict
 
     return match
+
+
+async def _decoded(wire: AsyncIterator[bytes]) -> AsyncIterator[observer_pb2.GetFlowsResponse]:
+    """Each serialized response of ``wire`` as a message."""
+    async for data in wire:
+        yield observer_pb2.GetFlowsResponse.FromString(data)
 
 
 class ObserverServicer(observer_pb2_grpc.ObserverServicer):
