@@ -121,13 +121,12 @@ class EndpointGC:
                 self._count("failure")
                 continue
             self._count("success")
-            reason = "node gone" if owner not in nodes else "pod gone"
+            node_left = owner not in nodes
+            node_gone += node_left
+            pod_gone += not node_left
             log.info("endpoint garbage-collected", extra={
-                "endpoint": records.owner_of(record), "node": owner, "reason": reason})  # fmt: skip
-            if owner not in nodes:
-                node_gone += 1
-            else:
-                pod_gone += 1
+                "endpoint": records.owner_of(record), "node": owner,
+                "reason": "node gone" if node_left else "pod gone"})  # fmt: skip
         return EndpointGCResult(kept, node_gone, pod_gone, skipped)
 
     def _count(self, outcome: str) -> None:
