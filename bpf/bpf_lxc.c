@@ -5,7 +5,8 @@
  *
  * Per packet: resolve the peer's security identity through the ipcache
  * (unknown addresses are "world"), pass established flows and replies through
- * conntrack, otherwise look the (endpoint, peer identity, direction, protocol,
+ * conntrack (a SYN on the entry of a connection closed by FIN or RST is a new flow),
+ * otherwise look the (endpoint, peer identity, direction, protocol,
  * port) up in the policy map: an explicit deny drops with POLICY_DENY (181),
  * an allow forwards and creates a conntrack entry, no match drops with
  * POLICY_DENIED (133) when the direction is enforced. Every drop emits an event on the
@@ -344,6 +345,15 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		ct = bpf_map_lookup_elem(&cilia_ct, &rev);
 		if (ct)
 			is_reply = 1;
+	}
+	/* A SYN without ACK on the entry of a connection that saw FIN or RST starts a new
+	 * connection on a reused tuple (upstream CT_REOPENED): the stale entry goes and the
+	 * packet is a new flow, so policy is decided again and the SYN reported. */
+	if (ct && (p.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN &&
+	    (ct->tcp_flags_seen & (TCP_FLAG_FIN | TCP_FLAG_RST))) {
+		bpf_map_delete_elem(&cilia_ct, is_reply ? &rev : &fwd);
+		ct = NULL;
+		is_reply = 0;
 	}
 	__u8 report = 0;
 	if (ct) {

@@ -300,3 +300,36 @@ def test_events_beyond_the_ring_buffer_are_counted_lost_and_late_wakeup_loses_no
     assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=100) == TC_ACT_SHOT
     assert len(dp.events) == 50 + 73
     assert dp.agent.events_lost() == 100 - 73
+
+
+@pytest.mark.parametrize("close", [TCP_RST, TCP_FIN | TCP_ACK], ids=["rst", "fin"])
+def test_syn_on_the_tuple_of_a_closed_connection_is_a_new_flow(
+    dp: harness.Datapath, close: int
+) -> None:
+    # A connection closed (RST, or FIN), then a new one on the same 5-tuple (a client
+    # reusing its source port): its SYN is reported as a new flow and decided by policy
+    # again, so a rule removed in between drops it instead of the closed connection's
+    # conntrack entry letting it through.
+    setup_endpoint(dp, egress=True)
+    rule(dp, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+    out = dict(sport=40000, dport=8080)
+    back = dict(sport=8080, dport=40000)
+    assert dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, **out)) == TC_ACT_OK
+    assert dp.run(TO, packet(PEER, POD, flags=TCP_SYN | TCP_ACK, **back)) == TC_ACT_OK
+    assert dp.run(FROM, packet(POD, PEER, flags=close, **out)) == TC_ACT_OK
+    # A retransmitted SYN of a connection that is not closed stays a conntrack hit.
+    assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_SYN)) == TC_ACT_OK
+    assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_SYN)) == TC_ACT_OK
+    before = len(dp.events)
+
+    assert dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, **out)) == TC_ACT_OK
+    (reopened,) = dp.events[before:]
+    assert (reopened.verdict, reopened.direction, reopened.tcp_flags) == (1, DIR_EGRESS, TCP_SYN)
+    assert reopened.is_reply == 0
+
+    assert dp.run(FROM, packet(POD, PEER, flags=close, **out)) == TC_ACT_OK
+    del dp.agent.policy_map[policy_key(EP_ID, PEER_ID, DIR_EGRESS, 6, 8080)]
+    assert dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, **out)) == TC_ACT_SHOT
+    assert (dp.events[-1].verdict, dp.events[-1].drop_reason) == (2, 133)
+    # The open connection on port 40001 keeps passing: only closed entries are reopened.
+    assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_ACK)) == TC_ACT_OK
