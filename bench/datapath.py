@@ -300,9 +300,11 @@ def add_stack_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def netns_argv(netns: str, *argv: str) -> list[str]:
-    """``ip netns exec NETNS ARGV…``."""
-    return ["ip", "netns", "exec", netns, *argv]
+def netns_argv(netns: str, *argv: str, cpu: str = "") -> list[str]:
+    """``ip netns exec NETNS ARGV…``; with ``cpu`` (a ``taskset -c`` list such as ``0`` or
+    ``0,1``) the command runs bound to those CPUs, as netperf's ``-T`` binds its ends."""
+    pin = ["taskset", "-c", cpu] if cpu else []
+    return ["ip", "netns", "exec", netns, *pin, *argv]
 
 
 @dataclass
@@ -591,14 +593,16 @@ def connect_probe(client: BenchPod, ip: str, port: int, timeout: float) -> str:
     return out.stdout.strip() or f"error: {out.stderr.strip()[-200:]}"
 
 
-def iperf_stream(client: BenchPod, server_ip: str, port: int, seconds: int) -> dict[str, float]:
+def iperf_stream(
+    client: BenchPod, server_ip: str, port: int, seconds: int, cpu: str = ""
+) -> dict[str, float]:
     """``iperf3 -c`` for ``seconds``; Gbit/s received by the server, sender retransmits.
 
     Raises:
         BenchError: iperf3 failed or printed no summary.
     """
     argv = netns_argv(
-        client.name, "iperf3", "-c", server_ip, "-p", str(port), "-t", str(seconds), "-J"
+        client.name, "iperf3", "-c", server_ip, "-p", str(port), "-t", str(seconds), "-J", cpu=cpu
     )
     out = host.sh(*argv, check=False, timeout=seconds + 30)
     try:
@@ -615,14 +619,24 @@ def iperf_stream(client: BenchPod, server_ip: str, port: int, seconds: int) -> d
     }
 
 
-def pingpong(client: BenchPod, server_ip: str, port: int, mode: str, seconds: int) -> float:
+def pingpong(
+    client: BenchPod, server_ip: str, port: int, mode: str, seconds: int, cpu: str = ""
+) -> float:
     """Run the RR or CRR client for ``seconds``; transactions (or connections) per second.
 
     Raises:
         BenchError: the client failed.
     """
     argv = netns_argv(
-        client.name, sys.executable, "-c", PINGPONG_CLIENT, mode, server_ip, str(port), str(seconds)
+        client.name,
+        sys.executable,
+        "-c",
+        PINGPONG_CLIENT,
+        mode,
+        server_ip,
+        str(port),
+        str(seconds),
+        cpu=cpu,
     )
     out = host.sh(*argv, check=False, timeout=seconds + 30)
     try:
@@ -883,21 +897,64 @@ class Configurations:
             self.large, self.small = [], []
 
 
+@contextlib.contextmanager
+def bpf_stats_enabled() -> Iterator[None]:
+    """``kernel.bpf_stats_enabled`` = 1 meanwhile (the kernel then counts each program's
+    runs and run time, ~20 ns per run), the earlier value restored afterwards."""
+    knob = pathlib.Path("/proc/sys/kernel/bpf_stats_enabled")
+    before = knob.read_text().strip()
+    knob.write_text("1")
+    try:
+        yield
+    finally:
+        knob.write_text(before)
+
+
+def prog_stats(ids: Iterator[int] | list[int]) -> dict[str, tuple[int, int]]:
+    """``{program name: (runs, run time ns)}`` of these program ids (``bpftool prog show``;
+    0 while ``kernel.bpf_stats_enabled`` is off)."""
+    stats: dict[str, tuple[int, int]] = {}
+    for prog_id in ids:
+        out = host.sh("bpftool", "-j", "prog", "show", "id", str(prog_id), check=False)
+        if out.returncode != 0:
+            continue
+        info = json.loads(out.stdout)
+        stats[info.get("name", str(prog_id))] = (
+            int(info.get("run_cnt", 0)),
+            int(info.get("run_time_ns", 0)),
+        )
+    return stats
+
+
 def measure_one(
-    stack: Stack, client: BenchPod, server: BenchPod, args: argparse.Namespace, metric: str
+    stack: Stack,
+    client: BenchPod,
+    server: BenchPod,
+    args: argparse.Namespace,
+    metric: str,
+    prog_ids: list[int] | None = None,
 ) -> tuple[float, dict[str, Any]]:
-    """One measurement: (value, extra details incl. the agent's CPU seconds meanwhile)."""
+    """One measurement: (value, extra details incl. the agent's CPU seconds meanwhile and,
+    with ``prog_ids``, each program's runs and ns per run meanwhile)."""
     agent = stack.pid("agent")
     cpu = process_cpu_seconds(agent)
+    progs = prog_stats(prog_ids or [])
     extra: dict[str, Any] = {}
     if metric == "stream_gbit_per_s":
-        stream = iperf_stream(client, server.ip, args.iperf_port, args.duration)
+        stream = iperf_stream(client, server.ip, args.iperf_port, args.duration, args.client_cpu)
         value = stream["gbit_per_s"]
         extra["retransmits"] = stream["retransmits"]
     else:
         mode = "rr" if metric == "rr_per_s" else "crr"
-        value = pingpong(client, server.ip, args.rr_port, mode, args.duration)
+        value = pingpong(client, server.ip, args.rr_port, mode, args.duration, args.client_cpu)
     extra["agent_cpu_s"] = round(process_cpu_seconds(agent) - cpu, 2)
+    for name, (runs, ns) in prog_stats(prog_ids or []).items():
+        runs0, ns0 = progs.get(name, (0, 0))
+        if runs > runs0:
+            extra.setdefault("programs", {})[name] = {
+                "runs": runs - runs0,
+                "ns_per_run": round((ns - ns0) / (runs - runs0)),
+            }
     check_same_agent(stack, agent)
     return value, extra
 
@@ -958,7 +1015,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ([sys.executable, "-c", ECHO_SERVER, str(args.rr_port)], args.rr_port),
         ):
             proc = subprocess.Popen(
-                netns_argv(server.name, *argv),
+                netns_argv(server.name, *argv, cpu=args.server_cpu),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -968,16 +1025,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         configs = Configurations(datapath, client, server, args)
         stack.callback(configs.close)
+        prog_ids = sorted({i for ids in configs.ids.values() for i in ids.values()})
+        if shutil.which("bpftool"):
+            stack.enter_context(bpf_stats_enabled())
         for round_no in range(args.rounds):
             for metric, title, unit in selected_metrics(args):
                 for config in CONFIGS:
                     configs.set(config)
-                    value, extra = measure_one(cilia, client, server, args, metric)
+                    value, extra = measure_one(cilia, client, server, args, metric, prog_ids)
                     samples[config][metric].append(value)
                     details[config][metric].append(extra)
                     print(
                         f"  round {round_no + 1} {title:<10} {config:<8} {value:>10.2f} {unit:<8}"
-                        f" agent CPU {extra['agent_cpu_s']:.1f} s",
+                        f" agent CPU {extra['agent_cpu_s']:.1f} s"
+                        + "".join(
+                            f"  {n} {v['ns_per_run']} ns/run"
+                            for n, v in extra.get("programs", {}).items()
+                        ),
                         flush=True,
                     )
         configs.close()
@@ -1101,6 +1165,14 @@ def main(argv: list[str] | None = None) -> int:
         default="stream,rr,crr",
         help="which of stream, rr, crr to measure, comma-separated (default all three)",
     )
+    for end in ("client", "server"):
+        parser.add_argument(
+            f"--{end}-cpu",
+            default="",
+            metavar="CPUS",
+            help=f"bind the {end} end to these CPUs (a taskset -c list, e.g. 0; netperf's -T); "
+            "default: unbound",
+        )
     add_stack_flags(parser)
     args = parser.parse_args(argv)
     if not selected_metrics(args):
