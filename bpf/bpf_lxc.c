@@ -55,8 +55,7 @@ const volatile struct lxc_config CONFIG = {
 
 /* Maps. max_entries here are defaults; the agent sets the configured sizes at load
  * (ipcache 512000, endpoints 65535, policy 16384, conntrack 262144 as upstream). Pinned maps
- * keep their names, types, sizes and flags, so an agent restart reuses them (the
- * conntrack map's flags changed once: the loader migrates it, see cilia_ct). */
+ * keep their names, types, sizes and flags, so an agent restart reuses them. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__type(key, struct ipcache_key);
@@ -88,12 +87,6 @@ struct {
 	__type(key, struct ct_key);
 	__type(value, struct ct_value);
 	__uint(max_entries, 262144);
-	/* Per-CPU LRU lists: measured here (kernel 6.18, 2 CPUs, TCP_CRR between two pods),
-	 * an insert into the common LRU cost cil_to_container 1.2-23 us per run as the map
-	 * churned, per-CPU lists 0.7 us flat. Each CPU evicts from its own share
-	 * (max_entries / CPUs). Agents before 2026-12-02 pinned the map without the flag:
-	 * the loader makes it again and copies the entries (datapath/objects.py). */
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } cilia_ct SEC(".maps");
 
@@ -359,8 +352,8 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	/* A SYN without ACK on the entry of a connection that saw FIN or RST starts a new
 	 * connection on a reused tuple (upstream CT_REOPENED): the packet is a new flow, so
 	 * policy is decided again and the SYN reported. The entry is reused in place when
-	 * the tuple is the same way round (no delete and insert: on a busy node those cost
-	 * the LRU's free-list work twice per connection), deleted otherwise. */
+	 * the tuple is the same way round (no delete and insert: the LRU's free-list work
+	 * twice per connection), deleted otherwise. */
 	struct ct_value *reopen = 0;
 	if (ct && (p.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN &&
 	    (ct->tcp_flags_seen & (TCP_FLAG_FIN | TCP_FLAG_RST))) {

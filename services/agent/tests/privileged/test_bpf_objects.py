@@ -4,23 +4,18 @@ a second load reuses the pins (an agent restart keeps the maps' contents)."""
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
-import subprocess
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from cilia_agent.datapath import libbpf as lb
 from cilia_agent.datapath.layout import EndpointInfo, LxcConfig
-from cilia_agent.datapath.libbpf import PinnedMap
 from cilia_agent.datapath.objects import BpfObject, BpfUnavailable, default_bpf_dir, object_path
 from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
 
-BPF_F_NO_COMMON_LRU = 2  # linux/bpf.h
 PINNED = {"cilia_ipcache", "cilia_endpoints", "cilia_policy", "cilia_ct", "cilia_metrics"}
 
 
@@ -127,57 +122,3 @@ def test_a_failed_first_load_leaves_no_pin_dir_and_a_verifier_refusal_is_the_ker
     with pytest.raises(BpfUnavailable) as err:
         BpfObject.load(object_path(default_bpf_dir(), "bpf_lxc"), pin_dir=not_bpffs / "pins")
     assert err.value.kernel and "is bpffs mounted?" in str(err.value)
-
-
-def test_a_conntrack_pin_of_an_earlier_release_is_made_again_with_its_entries(
-    pin_dir: pathlib.Path,
-) -> None:
-    """Agents before 2026-12-02 pinned cilia_ct as a common-LRU map; the object now asks for
-    per-CPU LRU lists (BPF_F_NO_COMMON_LRU), which libbpf would refuse as "parameter
-    mismatch": the loader makes the map again and copies the connections over."""
-    path = object_path(default_bpf_dir(), "bpf_lxc")
-    sizes = {"cilia_ipcache": 64, "cilia_endpoints": 32, "cilia_ct": 128}
-    pin_dir.mkdir()
-    pin = pin_dir / "cilia_ct"
-    subprocess.run(
-        ["bpftool", "map", "create", str(pin), "type", "lru_hash", "key", "16", "value", "32",
-         "entries", "128", "name", "cilia_ct"],
-        check=True,
-    )  # fmt: skip
-    key_t, value_t = ctypes.c_uint8 * 16, ctypes.c_uint8 * 32
-    entries = {bytes(key_t(i, 7)): bytes(value_t(*[i] * 32)) for i in range(1, 4)}
-    with PinnedMap(pin, key_t, value_t) as old:
-        for k, v in entries.items():
-            old.update(key_t.from_buffer_copy(k), value_t.from_buffer_copy(v))
-
-    for _ in range(2):  # the second start finds the new map and keeps it as it is
-        with BpfObject.load(path, pin_dir=pin_dir, max_entries=sizes, migrate=("cilia_ct",)):
-            pass
-        fd = lb.obj_get(pin, "map")
-        try:
-            assert lb.map_info(fd, "ct").map_flags == BPF_F_NO_COMMON_LRU
-        finally:
-            os.close(fd)
-        with PinnedMap(pin, key_t, value_t) as ct:
-            assert {bytes(k): bytes(v) for k, v in ct.items()} == entries
-        assert {p.name for p in pin_dir.iterdir()} == PINNED
-
-
-def test_without_migrate_an_earlier_conntrack_pin_is_refused_and_kept(
-    pin_dir: pathlib.Path,
-) -> None:
-    path = object_path(default_bpf_dir(), "bpf_lxc")
-    pin_dir.mkdir()
-    pin = pin_dir / "cilia_ct"
-    subprocess.run(
-        ["bpftool", "map", "create", str(pin), "type", "lru_hash", "key", "16", "value", "32",
-         "entries", "128", "name", "cilia_ct"],
-        check=True,
-    )  # fmt: skip
-    with pytest.raises(BpfUnavailable, match="cilia_ct"):
-        BpfObject.load(path, pin_dir=pin_dir, max_entries={"cilia_ct": 128})
-    fd = lb.obj_get(pin, "map")
-    try:
-        assert lb.map_info(fd, "ct").map_flags == 0
-    finally:
-        os.close(fd)

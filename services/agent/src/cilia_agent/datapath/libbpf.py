@@ -154,7 +154,6 @@ def _object_prototypes(lib: ctypes.CDLL) -> None:
         "bpf_map__is_internal": ([vp], ctypes.c_bool),
         "bpf_map__set_max_entries": ([vp, ctypes.c_uint32], i),
         "bpf_map__max_entries": ([vp], ctypes.c_uint32),
-        "bpf_map__map_flags": ([vp], ctypes.c_uint32),
         "bpf_map__key_size": ([vp], ctypes.c_uint32),
         "bpf_map__value_size": ([vp], ctypes.c_uint32),
         "bpf_map__pin_path": ([vp], cp),

@@ -60,9 +60,6 @@ PROG_TO_CONTAINER = "cil_to_container"
 #: tc priority of both endpoint filters (handle 1); lower runs first.
 FILTER_PRIO = 1
 OBJECT = "bpf_lxc"
-MIGRATED_MAPS = ("cilia_ct",)
-"""Pinned maps made again, entries copied, when a release changes their map flags (the
-conntrack map became per-CPU LRU on 2026-12-02: ``BPF_F_NO_COMMON_LRU``)."""
 EVENTS_MAP = "cilia_events"
 EVENTS_COUNTERS_MAP = "cilia_events_counters"
 EVENTS_LOST = 0  # index of the ring-buffer-full counter (bpf_lxc.c EVENTS_LOST)
@@ -176,7 +173,6 @@ class Datapath:
             pin_dir=config.pin_dir,
             config=config.lxc_config(),
             max_entries=config.max_entries(),
-            migrate=MIGRATED_MAPS,
         )
         try:
             dp = cls(config, obj)

@@ -32,7 +32,7 @@ import platform
 import select
 import struct
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from cilia_agent.datapath import libbpf as lb
@@ -202,70 +202,6 @@ def _check_pinned_size(pin: pathlib.Path, entries: int) -> None:
         )
 
 
-MIGRATING_SUFFIX = "-migrating"
-"""A pin set aside by :func:`_set_aside` while its map is made again (``<pin>-migrating``; bpffs refuses names with a dot)."""
-
-
-def _set_aside(pin: pathlib.Path, flags: int) -> pathlib.Path | None:
-    """When the map pinned at ``pin`` has other map flags than ``flags`` (an agent of an
-    earlier release made it), rename the pin to ``<pin>-migrating`` so libbpf makes the map
-    anew at load, and return that path (:func:`_copy_back` then copies the entries over);
-    None when the pin is missing, not a map or already has ``flags``."""
-    if not pin.exists():
-        return None
-    try:
-        fd = lb.obj_get(pin, "map")
-    except LibbpfError:
-        return None
-    try:
-        pinned = int(lb.map_info(fd, str(pin)).map_flags)
-    except LibbpfError:
-        return None
-    finally:
-        os.close(fd)
-    if pinned == flags:
-        return None
-    aside = pin.with_name(pin.name + MIGRATING_SUFFIX)
-    os.replace(pin, aside)
-    log.warning(
-        "pinned map made again with new map flags; its entries are copied over",
-        extra={"pin": str(pin), "map_flags": f"{pinned:#x} -> {flags:#x}"},
-    )
-    return aside
-
-
-def _copy_back(aside: pathlib.Path, fd: int) -> int:
-    """Copy every entry of the map pinned at ``aside`` into the map ``fd`` (same key and
-    value sizes; other sizes: nothing is copied), then remove the ``aside`` pin. Returns the
-    entries copied. Entries the old map's programs write meanwhile are not copied: they are
-    lost (the programs are attached again right after the load)."""
-    try:
-        old = lb.obj_get(aside, "map")
-    except LibbpfError:
-        return 0
-    copied = 0
-    try:
-        before, after = lb.map_info(old, str(aside)), lb.map_info(fd, "the new map")
-        if (before.key_size, before.value_size) == (after.key_size, after.value_size):
-            lib = lb.libbpf()
-            key = ctypes.create_string_buffer(before.key_size)
-            nxt = ctypes.create_string_buffer(before.key_size)
-            value = ctypes.create_string_buffer(before.value_size)
-            first = True
-            while lib.bpf_map_get_next_key(old, None if first else key, nxt) == 0:
-                first = False
-                ctypes.memmove(key, nxt, before.key_size)
-                if lib.bpf_map_lookup_elem(old, key, value) != 0:
-                    continue  # deleted meanwhile
-                if lib.bpf_map_update_elem(fd, key, value, lb.BPF_ANY) == 0:
-                    copied += 1
-    finally:
-        os.close(old)
-    aside.unlink(missing_ok=True)
-    log.info("pinned map entries copied", extra={"pin": str(aside), "entries": copied})
-    return copied
-
-
 class BpfObject:
     """One loaded ELF object (its programs and maps), created with :meth:`load`.
 
@@ -285,7 +221,6 @@ class BpfObject:
         pin_dir: pathlib.Path,
         config: ctypes.Structure | None = None,
         max_entries: Mapping[str, int] | None = None,
-        migrate: Collection[str] = (),
     ) -> BpfObject:
         """Open ``path``, configure it and load it into the kernel.
 
@@ -295,9 +230,6 @@ class BpfObject:
             config: the program's ``CONFIG`` (a ctypes mirror of the same size), written
                 into ``.rodata`` before load; None keeps the defaults compiled in.
             max_entries: map name → entries, set before load (the C default otherwise).
-            migrate: maps whose pin is made again when its map flags differ from the
-                object's (a release changed them), the entries copied over
-                (:func:`_set_aside`, :func:`_copy_back`); any other pin must match.
 
         Raises:
             BpfUnavailable: the file cannot be opened, a named map or ``CONFIG`` is
@@ -322,7 +254,6 @@ class BpfObject:
             kernel_log_buf=ctypes.cast(log_buf, ctypes.c_void_p),
             kernel_log_size=VERIFIER_LOG_SIZE,
         )
-        set_aside: list[tuple[str, pathlib.Path]] = []
         with _load_lock:
             _collect.messages = []
             obj = 0
@@ -343,29 +274,12 @@ class BpfObject:
                         raise BpfUnavailable(cls._failure(path, f"max_entries of {name}", -rc))
                 if config is not None:
                     cls._write_config(lib, obj, path, config)
-                for name in migrate:
-                    try:
-                        m = _find(lib, "bpf_object__find_map_by_name", obj, name)
-                    except KeyError:
-                        raise BpfUnavailable(f"{path} has no map {name}") from None
-                    pin = pin_dir / name
-                    aside = pin.with_name(name + MIGRATING_SUFFIX)
-                    if _set_aside(pin, int(lib.bpf_map__map_flags(m))) or aside.exists():
-                        set_aside.append((name, aside))
                 rc = lib.bpf_object__load(obj)
                 if rc < 0:
                     raise BpfUnavailable(
                         cls._failure(path, "cannot load", -rc, log_buf.value), kernel=True
                     )
-                for name, aside in set_aside:
-                    m = _find(lib, "bpf_object__find_map_by_name", obj, name)
-                    _copy_back(aside, int(lib.bpf_map__fd(m)))
             except BaseException:
-                for name, aside in set_aside:  # the old map stays in use, as it was
-                    pin = pin_dir / name
-                    if aside.exists() and not pin.exists():
-                        with contextlib.suppress(OSError):
-                            os.replace(aside, pin)
                 if obj:
                     lib.bpf_object__close(obj)
                 if created:  # a failed first start leaves no empty pin directory behind
