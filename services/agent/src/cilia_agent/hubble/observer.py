@@ -114,27 +114,44 @@ def _add_lost(totals: LostTotals, source: int, count: int) -> LostTotals:
 class RingEntry:
     """One slot of the flow ring: a flow or a lost-events notice, with its wall time (ns),
     the store's lost-event totals before it was written (shared, not copied) and, for a
-    flow, its serialized ``GetFlowsResponse`` (``wire``) and :class:`~.parser.FlowShape`
-    (``None`` for flows added as objects). The Flow object is decoded from ``wire`` on first
-    use of :attr:`flow` and kept."""
+    flow, its serialized ``GetFlowsResponse`` (:attr:`wire`) and
+    :class:`~.parser.FlowShape` (``None`` for flows added as objects). A flow added with its
+    shape and ports (:meth:`FlowStore.add_shape`) is serialized on the first read of
+    :attr:`wire` (most flows of a busy node are overwritten unread, and never are); the
+    Flow object is decoded from :attr:`wire` on first use of :attr:`flow`. Both are kept."""
 
-    __slots__ = ("_flow", "lost", "lost_before", "shape", "time_ns", "wire")
+    __slots__ = ("_flow", "_ports", "_wire", "lost", "lost_before", "shape", "time_ns")
 
     def __init__(
         self,
         time_ns: int,
-        wire: bytes = b"",
+        wire: bytes | None = b"",
         shape: FlowShape | None = None,
         lost: flow_pb2.LostEvent | None = None,
         lost_before: LostTotals = (),
         flow: flow_pb2.Flow | None = None,
+        ports: tuple[int, int] = (0, 0),
     ) -> None:
         self.time_ns = time_ns
-        self.wire = wire
+        self._wire = wire
+        self._ports = ports
         self.shape = shape
         self.lost = lost
         self.lost_before = lost_before
         self._flow = flow
+
+    @property
+    def wire(self) -> bytes:
+        """The serialized ``GetFlowsResponse`` (made on first read for a lazy entry)."""
+        wire = self._wire
+        if wire is None:
+            assert self.shape is not None  # lazy entries have one
+            wire = self._wire = self.shape.encode(self.time_ns, *self._ports)
+        return wire
+
+    @wire.setter
+    def wire(self, value: bytes) -> None:
+        self._wire = value
 
     @property
     def flow(self) -> flow_pb2.Flow | None:
@@ -226,6 +243,18 @@ class FlowStore:
         sees it (a shape lives at most the parser's template TTL, 1 s by default, so
         GetNamespaces' last-seen times are at most that old)."""
         entry = RingEntry(time_ns, wire, shape, None, self.lost_totals)
+        self.ring.write(entry)
+        self.seen_flows += 1
+        if not shape.stored:
+            shape.stored = True
+            self.namespaces.observe_names(shape.namespaces)
+        return entry
+
+    def add_shape(self, time_ns: int, shape: FlowShape, sport: int, dport: int) -> RingEntry:
+        """Append a flow as :meth:`.parser.Parser.shape_of` returns it, with its L4 ports
+        (host byte order), to be serialized when first read (:attr:`RingEntry.wire`); O(1),
+        wakes every follower. Namespaces as :meth:`add_encoded`."""
+        entry = RingEntry(time_ns, None, shape, None, self.lost_totals, None, (sport, dport))
         self.ring.write(entry)
         self.seen_flows += 1
         if not shape.stored:

@@ -277,6 +277,26 @@ class FlowShape:
             kind = template.l4.WhichOneof("protocol")
             self._template_ports = template.l4.TCP if kind == "TCP" else template.l4.UDP
 
+    def encode(self, wall_ns: int, sport: int, dport: int) -> bytes:
+        """The serialized ``GetFlowsResponse`` of one event of this shape: its wall-clock
+        time (ns since the epoch, on the response and the flow), a new random uuid and its L4
+        ports (host byte order), then :attr:`tail`; the bytes parse to the template with
+        those fields set (the protobuf encoding merges the embedded ``flow`` that occurs
+        twice)."""
+        seconds, nanos = divmod(wall_ns, 1_000_000_000)
+        stamp = self.time
+        stamp.seconds = seconds
+        stamp.nanos = nanos
+        stamp = self.flow_time
+        stamp.seconds = seconds
+        stamp.nanos = nanos
+        self.flow.uuid = random_uuid()
+        ports = self.ports
+        if ports is not None:
+            ports.source_port = sport
+            ports.destination_port = dport
+        return self.response.SerializeToString() + self.tail
+
     def with_ports(self, sport: int, dport: int) -> flow_pb2.Flow:
         """:attr:`template` with these L4 ports: an event's Flow but for ``time`` and
         ``uuid``, for readers that read neither (the Hubble metric handlers). The same
@@ -331,6 +351,13 @@ class Parser:
             ``GetFlowsResponse(flow=self.parse(event), node_name=self.node_name,
             time=<the flow's time>)`` with a uuid of its own.
         """
+        wall, shape = self.shape_of(f)
+        return wall, shape, shape.encode(wall, _ntohs(f[3]), _ntohs(f[4]))
+
+    def shape_of(self, f: events.RecordTuple) -> tuple[int, FlowShape]:
+        """``(wall-clock ns, shape)`` of one record tuple: everything of its flow that reads
+        the agent's state (enrichment) is decided here, at the time of the event; what is
+        left (:meth:`FlowShape.encode`: time, uuid, ports) can be done later, or never."""
         ttl = self.template_ttl_ns
         if ttl:
             now = time.monotonic_ns()
@@ -346,20 +373,7 @@ class Parser:
                 shape = shapes[key] = FlowShape(self._build(events.from_tuple(f)), self.node_name)
         else:
             shape = FlowShape(self._build(events.from_tuple(f)), self.node_name)
-        wall = self.clock.to_wall_ns(f[0])
-        seconds, nanos = divmod(wall, 1_000_000_000)
-        stamp = shape.time
-        stamp.seconds = seconds
-        stamp.nanos = nanos
-        stamp = shape.flow_time
-        stamp.seconds = seconds
-        stamp.nanos = nanos
-        shape.flow.uuid = random_uuid()
-        ports = shape.ports
-        if ports is not None:
-            ports.source_port = _ntohs(f[3])
-            ports.destination_port = _ntohs(f[4])
-        return wall, shape, shape.response.SerializeToString() + shape.tail
+        return self.clock.to_wall_ns(f[0]), shape
 
     def _endpoint(self, ip: str, identity: int, local_ep_id: int | None) -> flow_pb2.Endpoint:
         ref: EndpointRef | None = None

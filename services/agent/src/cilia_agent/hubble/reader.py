@@ -8,9 +8,10 @@ most ``poll_timeout_ms`` late). On x86-64 the records are read from the mapped r
 block, with no Python call per record; elsewhere libbpf's ``ring_buffer__poll`` and
 ``ring_buffer__consume`` hand over one record per callback. Blocks and records go into a
 bounded hand-off queue (its size counts records). The agent's event loop drains the queue,
-unpacks the records (:mod:`.events`), builds each flow's serialized response
-(:meth:`.parser.Parser.encode`; no Flow object unless Hubble metrics need one) and writes it
-into the :class:`~.observer.FlowStore`, counting flows in ``hubble_flows_processed_total``.
+unpacks the records (:mod:`.events`), finds each flow's shape (:meth:`.parser.Parser.shape_of`:
+the enrichment, decided at the time of the event) and writes shape, time and ports into the
+:class:`~.observer.FlowStore`, whose entries are serialized when first read (no Flow object
+unless Hubble metrics need one), counting flows in ``hubble_flows_processed_total``.
 
 Every loss becomes one ``LostEvent`` in the ring, with its source:
 
@@ -285,8 +286,8 @@ class EventReader:
         if kernel_lost:  # written before the records of this batch could be
             self.kernel_lost += kernel_lost
             self.store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, kernel_lost)
-        encode = self.parser.encode
-        add = self.store.add_encoded
+        shape_of = self.parser.shape_of
+        add = self.store.add_shape
         ntohs = socket.ntohs
         metrics = self.metrics if self.metrics is not None and self.metrics.enabled else None
         done = 0
@@ -303,7 +304,7 @@ class EventReader:
                 continue
             for record in records:
                 try:
-                    time_ns, shape, wire = encode(record)
+                    time_ns, shape = shape_of(record)
                 except Exception:  # a broken Resolver must not stop the reader
                     self.parse_errors += 1
                     if self.parse_errors == 1 or self.parse_errors % 1000 == 0:
@@ -311,9 +312,10 @@ class EventReader:
                             "hubble: building a flow failed (%d so far)", self.parse_errors
                         )
                     continue
-                add(time_ns, shape, wire)
+                sport, dport = ntohs(record[3]), ntohs(record[4])
+                add(time_ns, shape, sport, dport)
                 if metrics is not None:  # handlers read neither time nor uuid
-                    metrics.flow_processed(shape.with_ports(ntohs(record[3]), ntohs(record[4])))
+                    metrics.flow_processed(shape.with_ports(sport, dport))
                 done += 1
                 if done == _YIELD_EVERY:
                     self.processed += done

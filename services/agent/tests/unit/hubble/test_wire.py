@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
+from cilia_agent.hubble.enrich import MemoryResolver
 from cilia_agent.hubble.metrics import HubbleMetrics, parse_metrics
 from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.parser import Parser, random_uuid
@@ -78,6 +79,30 @@ def test_encoded_bytes_parse_to_exactly_the_response_of_the_object_path(
         assert (uuid_.version, uuid_.variant) == (4, uuid.RFC_4122)
 
 
+@settings(max_examples=60, deadline=None)
+@given(evs=st.lists(flow_events(), min_size=1, max_size=6))
+def test_a_stored_shape_is_serialized_on_first_read_only_as_the_object_path_builds_it(
+    evs: list[events.FlowEvent],
+) -> None:
+    """The reader stores shape, time and ports (:meth:`FlowStore.add_shape`); an entry
+    nobody reads is never serialized, one that is read gives the object path's response
+    (its enrichment as of the event: the resolver changing afterwards changes nothing)."""
+    p = Parser(h.resolver(), h.NODE, h.parser().clock)
+    store = FlowStore(63, node_name=h.NODE)
+    entries = []
+    for ev in evs:
+        wall, shape = p.shape_of(events.RECORD.unpack(ev.pack()))
+        entries.append((ev, store.add_shape(wall, shape, ev.sport, ev.dport)))
+    assert all(entry._wire is None for _, entry in entries)
+    expected = [object_path_response(p, ev, "") for ev, _ in entries]
+    p.resolver = MemoryResolver(kernel_interface_names=False)  # every pod gone
+    for (_, entry), want in zip(entries, expected, strict=True):
+        got = observer_pb2.GetFlowsResponse.FromString(entry.wire)
+        want.flow.uuid = got.flow.uuid
+        assert got == want
+        assert entry.wire is entry.wire  # made once, then kept
+
+
 def test_every_event_gets_its_own_uuid_in_upstreams_text_form() -> None:
     many = [random_uuid() for _ in range(5000)]
     assert len(set(many)) == len(many)
@@ -91,7 +116,8 @@ def _store_both_ways(evs: list[events.FlowEvent]) -> tuple[FlowStore, FlowStore]
     object_store = FlowStore(63, node_name=h.NODE)
     p = h.parser()
     for ev in evs:
-        entry = wire_store.add_encoded(*p.encode(events.RECORD.unpack(ev.pack())))
+        wall, shape = p.shape_of(events.RECORD.unpack(ev.pack()))
+        entry = wire_store.add_shape(wall, shape, ev.sport, ev.dport)
         flow = p.parse(ev)
         flow.uuid = observer_pb2.GetFlowsResponse.FromString(entry.wire).flow.uuid
         object_store.add_flow(flow)
