@@ -40,8 +40,12 @@ shape (the template key above) a :class:`FlowShape` keeps
 - ``tail``: ``GetFlowsResponse(flow=<the flow without time, uuid and l4>, node_name=...)``
   serialized once by the protobuf library;
 - ``response``: a reusable ``GetFlowsResponse`` holding only ``time`` and
-  ``flow.{time, uuid, l4}``; per event the reader sets the time, uuid and ports on it and
-  serializes it (the protobuf library again), then appends ``tail``.
+  ``flow.{time, uuid, l4}``; per event :meth:`FlowShape.encode` sets the time, uuid and
+  ports on it and serializes it (the protobuf library again), then appends ``tail``.
+
+The reader finds the shape at the event (:meth:`Parser.shape_of`: all enrichment is decided
+then) and stores shape, time and ports; the flow store serializes the response when a reader
+first asks for it, so the flows of a busy node that are overwritten unread never are.
 
 ``response bytes + tail`` parses to exactly the ``GetFlowsResponse(flow=parse(event),
 node_name, time)`` of the object path (the unit tests check it over generated events). A Flow
@@ -219,7 +223,7 @@ class FlowShape:
             that event's); filters that do not read ports are decided on it.
         tail: serialized ``GetFlowsResponse(flow=template minus l4, node_name)``.
         response: the reusable per-event ``GetFlowsResponse`` (``time``, ``flow.time``,
-            ``flow.uuid``, ``flow.l4``); only :meth:`Parser.encode` writes it.
+            ``flow.uuid``, ``flow.l4``); only :meth:`encode` writes it.
         ports: ``response.flow.l4.TCP`` / ``.UDP`` (None for other protocols).
         namespaces: the non-empty namespaces of source and destination.
         stored: set by the flow store once it recorded ``namespaces``.
