@@ -14,7 +14,8 @@
  * at the default, medium, a connection's first packet in each direction, its SYN/FIN/RST
  * and one update per interval). An event that does not fit in the ring buffer is counted
  * in cilia_events_counters (the agent reports it as a LostEvent). The reader is woken for
- * every CONFIG.events_wakeup_events-th event of a CPU only (it also drains on a timer). Per-CPU counters count packets
+ * every CONFIG.events_wakeup_events-th event of a CPU, or when half the ring buffer is
+ * unread (it also drains on a timer). Per-CPU counters count packets
  * and bytes by reason and direction.
  *
  * Non-IPv4 traffic (ARP for the router IP, IPv6) is passed untouched.
@@ -32,8 +33,9 @@
  *                                    and direction only: its first packet, a TCP flag of the
  *                                    flags below seen for the first time, and one update per
  *                                    interval. Drops are always reported, each one.
- *   events_wakeup_events             wake the reader for every N-th event of a CPU only
- *                                    (1 = every event; the reader also drains on a timer)
+ *   events_wakeup_events             wake the reader for every N-th event of a CPU, or
+ *                                    when half the ring buffer is unread (1 = every
+ *                                    event; the reader also drains on a timer)
  *   monitor_aggregation_flags        TCP flags reported the first time they are seen, byte 13
  *                                    bits (upstream --monitor-aggregation-flags all =
  *                                    syn,fin,rst = 0x07)
@@ -108,6 +110,7 @@ struct {
  * cilia_events (read by the agent), [EVENTS_PENDING] events since the last wakeup. */
 #define EVENTS_LOST 0
 #define EVENTS_PENDING 1
+#define EVENTS_WAKEUP_MIN 16
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__type(key, __u32);
@@ -266,13 +269,20 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 	ev.dir = dir;
 	ev.is_reply = is_reply;
 	ev.tcp_flags = p->tcp_flags;
-	/* Wake the reader for every CONFIG.events_wakeup_events-th event of a CPU only. */
+	/* Wake the reader for every CONFIG.events_wakeup_events-th event of a CPU only, or
+	 * when half the ring buffer waits to be read (with many CPUs each holding fewer than
+	 * N events, the ring could otherwise fill before any CPU's count is reached), then
+	 * at most every EVENTS_WAKEUP_MIN-th event of a CPU while the reader catches up. A
+	 * wakeup is an irq_work (a self-IPI, tens of microseconds in a VM). */
 	__u32 idx = EVENTS_PENDING;
 	__u64 flags = 0;
 	__u64 *pending = bpf_map_lookup_elem(&cilia_events_counters, &idx);
 	if (CONFIG.events_wakeup_events > 1 && pending) {
 		*pending += 1;
-		if (*pending >= CONFIG.events_wakeup_events) {
+		if (*pending >= CONFIG.events_wakeup_events ||
+		    (*pending >= EVENTS_WAKEUP_MIN &&
+		     bpf_ringbuf_query(&cilia_events, BPF_RB_AVAIL_DATA) * 2 >=
+			     bpf_ringbuf_query(&cilia_events, BPF_RB_RING_SIZE))) {
 			*pending = 0;
 			flags = BPF_RB_FORCE_WAKEUP;
 		} else {

@@ -302,6 +302,24 @@ def test_events_beyond_the_ring_buffer_are_counted_lost_and_late_wakeup_loses_no
     assert dp.agent.events_lost() == 100 - 73
 
 
+def test_a_half_full_ring_buffer_wakes_the_reader_before_the_event_count(
+    loaded: Callable[..., harness.Datapath],
+) -> None:
+    # One page: 4096 bytes, 56 per record; half of it is 2048 bytes, passed by the 37th
+    # unread record. The count alone (2^20) would not wake the reader for a long time.
+    dp = loaded(events_pages=1, events_wakeup_events=1 << 20)
+    setup_endpoint(dp, egress=True)
+    drop = packet(POD, OUTSIDE, dport=9)
+    assert not dp.ring.wait(0)  # the reader's epoll, registered before any event
+
+    assert dp.run(FROM, drop, repeat=30, consume=False) == TC_ACT_SHOT
+    assert not dp.ring.wait(0)  # 1,680 bytes unread: no wakeup
+    assert dp.run(FROM, drop, repeat=20, consume=False) == TC_ACT_SHOT
+    assert dp.ring.wait(0)  # past half: woken
+    dp.ring.consume()
+    assert len(dp.events) == 50 and dp.agent.events_lost() == 0
+
+
 @pytest.mark.parametrize("close", [TCP_RST, TCP_FIN | TCP_ACK], ids=["rst", "fin"])
 def test_syn_on_the_tuple_of_a_closed_connection_is_a_new_flow(
     dp: harness.Datapath, close: int

@@ -123,9 +123,10 @@ class Datapath:
     events: list[FlowEvent]
     ring: RingBuffer
 
-    def run(self, prog: str, frame: bytes, repeat: int = 1) -> int:
-        """Run one frame through ``prog`` (``repeat`` times), then read the ring buffer
-        whether or not the programs woke its reader; returns the tc verdict (TC_ACT_*)."""
+    def run(self, prog: str, frame: bytes, repeat: int = 1, *, consume: bool = True) -> int:
+        """Run one frame through ``prog`` (``repeat`` times), then (``consume``) read the ring
+        buffer whether or not the programs woke its reader; returns the tc verdict
+        (TC_ACT_*)."""
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = _TestRunOpts(
             sz=ctypes.sizeof(_TestRunOpts),
@@ -136,7 +137,8 @@ class Datapath:
         rc = _test_run(self.progs[prog], ctypes.byref(opts))
         if rc != 0:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
-        self.ring.consume()
+        if consume:
+            self.ring.consume()
         return int(opts.retval)
 
 

@@ -293,11 +293,12 @@ class Config(BaseModel):
         description="pages of the datapath event ring buffer, a power of two",
     )
     bpf_events_wakeup_events: int = Field(
-        default=128,
+        default=1024,
         ge=1,
         le=1 << 20,
-        description="the datapath wakes Hubble's reader for every N-th event of a CPU only "
-        "(1 = every event); the reader also drains the ring buffer every 100 ms",
+        description="the datapath wakes Hubble's reader for every N-th event of a CPU, or "
+        "when half the ring buffer is unread (1 = every event); the reader also drains the "
+        "ring buffer every 100 ms",
     )
     monitor_aggregation: Literal["none", "lowest", "low", "medium", "maximum"] = Field(
         default="medium",

@@ -89,6 +89,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("helper", "bpf_map_delete_elem", 3, _TC, (4, 1), "conntrack entries", "bpf"),
     Feature("helper", "bpf_ktime_get_ns", 5, _TC, (4, 1), "event timestamps", "bpf"),
     Feature("helper", "bpf_ringbuf_output", 130, _TC, (5, 8), "flow events", "bpf"),
+    Feature("helper", "bpf_ringbuf_query", 134, _TC, (5, 8), "event wakeups", "bpf"),
     Feature(
         "program type", "cgroup_sock_addr", _SOCK, 0, (4, 17), "socket-LB connect hooks", "socklb"
     ),
