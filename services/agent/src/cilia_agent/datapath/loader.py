@@ -84,8 +84,9 @@ class DatapathConfig:
         ct_max: conntrack entries, LRU (``--bpf-ct-global-max``, default 262144).
         endpoints_max: local endpoints (default 65535).
         events_pages: ring buffer pages, a power of two (``--bpf-events-ringbuf-pages``, 64).
-        events_wakeup_events: the reader is woken for every N-th event of a CPU only
-            (1 = every event, as the packet tests read; the agent passes
+        events_wakeup_events: the reader is woken for every N-th event of a CPU, or when
+            half the ring buffer is unread (1 = every event, as the packet tests read; the
+            agent passes
             ``--bpf-events-wakeup-events`` and drains the buffer on a timer as well).
         monitor_aggregation: 0 none, 1 lowest, 2 low, 3 medium, 4 maximum
             (``--monitor-aggregation``, upstream default medium; see bpf/bpf_lxc.c CONFIG).

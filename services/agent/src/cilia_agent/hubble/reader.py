@@ -1,8 +1,8 @@
 """The ring-buffer consumer: kernel events → Flow → flow ring.
 
 A poll thread waits on the datapath's ``cilia_events`` ring buffer, then drains it: the
-datapath wakes the reader only for every ``--bpf-events-wakeup-events``-th event of a CPU, so
-each poll timeout also drains what was written without a wakeup (many records per wakeup; at
+datapath wakes the reader only for every ``--bpf-events-wakeup-events``-th event of a CPU (or
+when half the ring buffer is unread), so each poll timeout also drains what was written without a wakeup (many records per wakeup; at
 most ``poll_timeout_ms`` late). On x86-64 the records are read from the mapped ring directly
 (:meth:`~cilia_agent.datapath.objects.RingBuffer.drain`): a run of records is copied as one
 block, with no Python call per record; elsewhere libbpf's ``ring_buffer__poll`` and
