@@ -3,10 +3,10 @@
  *   cil_from_container  tc ingress of lxc… = packets the pod sends   (policy direction egress)
  *   cil_to_container    tc egress  of lxc… = packets sent to the pod (policy direction ingress)
  *
- * Per packet: resolve the peer's security identity through the ipcache
- * (unknown addresses are "world"), pass established flows and replies through
- * conntrack (a SYN on the entry of a connection closed by FIN or RST is a new flow),
- * otherwise look the (endpoint, peer identity, direction, protocol,
+ * Per packet: pass established flows and replies through conntrack (a SYN on the entry
+ * of a connection closed by FIN or RST is a new flow); otherwise resolve the peer's
+ * security identity through the ipcache (unknown addresses are "world"; it is also
+ * resolved for every event) and look the (endpoint, peer identity, direction, protocol,
  * port) up in the policy map: an explicit deny drops with POLICY_DENY (181),
  * an allow forwards and creates a conntrack entry, no match drops with
  * POLICY_DENIED (133) when the direction is enforced. Every drop emits an event on the
@@ -283,17 +283,19 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 		    (*pending >= EVENTS_WAKEUP_MIN &&
 		     bpf_ringbuf_query(&cilia_events, BPF_RB_AVAIL_DATA) * 2 >=
 			     bpf_ringbuf_query(&cilia_events, BPF_RB_RING_SIZE))) {
-			*pending = 0;
 			flags = BPF_RB_FORCE_WAKEUP;
 		} else {
 			flags = BPF_RB_NO_WAKEUP;
 		}
 	}
 	if (bpf_ringbuf_output(&cilia_events, &ev, sizeof(ev), flags) < 0) {
+		/* Nothing written, no wakeup sent: the count stays, so the next event wakes. */
 		idx = EVENTS_LOST;
 		__u64 *lost = bpf_map_lookup_elem(&cilia_events_counters, &idx);
 		if (lost)
 			*lost += 1;
+	} else if (flags == BPF_RB_FORCE_WAKEUP && pending) {
+		*pending = 0;
 	}
 }
 
@@ -365,8 +367,8 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	 * the tuple is the same way round (no delete and insert: the LRU's free-list work
 	 * twice per connection), deleted otherwise. */
 	struct ct_value *reopen = 0;
-	if (ct && (p.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN &&
-	    (ct->tcp_flags_seen & (TCP_FLAG_FIN | TCP_FLAG_RST))) {
+	if (ct && (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN &&
+	    (ct->tcp_flags_seen & (TH_FIN | TH_RST))) {
 		if (is_reply)
 			bpf_map_delete_elem(&cilia_ct, &rev);
 		else
@@ -392,6 +394,9 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 				.tx_flags_reported = p.tcp_flags & CONFIG.monitor_aggregation_flags,
 				.tx_report = now >> CT_REPORT_SHIFT,
 			};
+			/* In place, not atomically: an entry the LRU evicted and reused
+			 * meanwhile is overwritten whole (the hit path writes through the
+			 * same kind of pointer). */
 			if (reopen)
 				*reopen = entry;
 			else

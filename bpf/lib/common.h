@@ -45,11 +45,12 @@ struct icmphdr {
 #define AGGREGATION_LOW 2
 #define AGGREGATION_MEDIUM 3
 
-/* TCP header byte 13 flags. */
-#define TCP_FLAG_FIN 0x01
-#define TCP_FLAG_SYN 0x02
-#define TCP_FLAG_RST 0x04
-#define TCP_FLAG_ACK 0x10
+/* TCP header byte 13 flags (named as upstream; not linux/tcp.h's TCP_FLAG_*, which are
+ * big-endian masks of the 32-bit word). */
+#define TH_FIN 0x01
+#define TH_SYN 0x02
+#define TH_RST 0x04
+#define TH_ACK 0x10
 
 /* Report times in the conntrack entry: nanoseconds >> 26 (67 ms units) in 16 bits,
  * compared with wrapping arithmetic (an entry idle for a multiple of 73 minutes may skip

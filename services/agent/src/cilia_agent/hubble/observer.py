@@ -21,8 +21,9 @@ GetFlows semantics follow upstream Hubble's local observer
   source with their sum (each entry carries the store's running loss totals), so every
   loss reaches it with its source instead of counting as one missed entry.
 
-The ring holds each flow as its serialized ``GetFlowsResponse`` (built once by the reader,
-:meth:`.parser.Parser.encode`): FlowBatchService sends those bytes as they are; a Flow object
+The ring holds each flow as its serialized ``GetFlowsResponse``, built on the first read
+(:attr:`RingEntry.wire`, :meth:`.parser.FlowShape.encode`) and kept: FlowBatchService sends
+those bytes as they are; a Flow object
 is decoded from them only for a filter on ports or a plain GetFlows response, and other
 filters are decided once per flow shape (:func:`_entry_matcher`).
 
@@ -390,7 +391,7 @@ class FlowStore:
         A batch holds every response ready when the stream would otherwise wait for new
         flows, or ``max_batch`` of them (>= 1), whichever comes first; an empty batch is
         never sent. A flow's response is the bytes the ring holds (:attr:`RingEntry.wire`:
-        built once when the flow was written, whoever reads it).
+        built on the first read and kept, whoever reads it).
 
         Raises:
             InvalidRequest, InvalidFilter: as :meth:`get_flows`, before anything is sent.

@@ -29,9 +29,10 @@ once into a template Flow, kept for at most ``template_ttl_s`` (default 1 s, so 
 is at most that stale; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
 event copies its template and sets the rest (about 5 µs instead of 25 µs per flow).
 
-Wire first (:meth:`Parser.encode`, the reader's path): what leaves the agent is the serialized
-``GetFlowsResponse`` (the relay forwards it undecoded), so the reader builds those bytes once per
-event and builds no Flow object. The rule it relies on is the protobuf encoding's: a message's
+Wire first (:meth:`Parser.shape_of` + :meth:`FlowShape.encode`, the reader's path;
+:meth:`Parser.encode` does both at once): what leaves the agent is the serialized
+``GetFlowsResponse`` (the relay forwards it undecoded), so those bytes are built once per
+event and no Flow object is. The rule it relies on is the protobuf encoding's: a message's
 wire form is the concatenation of its fields' encodings, in any order, and when an embedded
 message field (here ``GetFlowsResponse.flow``) occurs more than once the parser merges the
 occurrences (as ``MergeFrom``; proto3 and the Go, C++ and Python runtimes all do). Per event

@@ -8,10 +8,10 @@ most ``poll_timeout_ms`` late). On x86-64 the records are read from the mapped r
 block, with no Python call per record; elsewhere libbpf's ``ring_buffer__poll`` and
 ``ring_buffer__consume`` hand over one record per callback. Blocks and records go into a
 bounded hand-off queue (its size counts records). The agent's event loop drains the queue,
-unpacks the records (:mod:`.events`), finds each flow's shape (:meth:`.parser.Parser.shape_of`:
-the enrichment, decided at the time of the event) and writes shape, time and ports into the
-:class:`~.observer.FlowStore`, whose entries are serialized when first read (no Flow object
-unless Hubble metrics need one), counting flows in ``hubble_flows_processed_total``.
+unpacks the records (:mod:`.events`), finds each flow's shape
+(:meth:`.parser.Parser.shape_of`: the enrichment, decided at the time of the event) and writes
+shape, time and ports into the :class:`~.observer.FlowStore`, whose entries are serialized
+when first read (no Flow object unless Hubble metrics need one), counting flows in ``hubble_flows_processed_total``.
 
 Every loss becomes one ``LostEvent`` in the ring, with its source:
 
