@@ -269,7 +269,7 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 	ev.dir = dir;
 	ev.is_reply = is_reply;
 	ev.tcp_flags = p->tcp_flags;
-	/* Wake the reader for every CONFIG.events_wakeup_events-th event of a CPU only, or
+	/* Wake the reader for every CONFIG.events_wakeup_events-th event of a CPU, or
 	 * when half the ring buffer waits to be read (with many CPUs each holding fewer than
 	 * N events, the ring could otherwise fill before any CPU's count is reached), then
 	 * at most every EVENTS_WAKEUP_MIN-th event of a CPU while the reader catches up. A

@@ -23,9 +23,9 @@ GetFlows semantics follow upstream Hubble's local observer
 
 The ring holds each flow as its serialized ``GetFlowsResponse``, built on the first read
 (:attr:`RingEntry.wire`, :meth:`.parser.FlowShape.encode`) and kept: FlowBatchService sends
-those bytes as they are; a Flow object
-is decoded from them only for a filter on ports or a plain GetFlows response, and other
-filters are decided once per flow shape (:func:`_entry_matcher`).
+those bytes as they are; a Flow object is decoded from them only for a filter on ports or a
+plain GetFlows response, and other filters are decided once per flow shape
+(:func:`_entry_matcher`).
 
 GetAgentEvents and GetDebugEvents stream the agent's :class:`~.eventlog.EventLog` s (same
 window rules, no filters); GetNamespaces lists the namespaces of the last hour's flows

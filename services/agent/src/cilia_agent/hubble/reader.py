@@ -2,8 +2,8 @@
 
 A poll thread waits on the datapath's ``cilia_events`` ring buffer, then drains it: the
 datapath wakes the reader only for every ``--bpf-events-wakeup-events``-th event of a CPU (or
-when half the ring buffer is unread), so each poll timeout also drains what was written without a wakeup (many records per wakeup; at
-most ``poll_timeout_ms`` late). On x86-64 the records are read from the mapped ring directly
+when half the ring buffer is unread), so each poll timeout also drains what was written
+without a wakeup (many records per wakeup; at most ``poll_timeout_ms`` late). On x86-64 the records are read from the mapped ring directly
 (:meth:`~cilia_agent.datapath.objects.RingBuffer.drain`): a run of records is copied as one
 block, with no Python call per record; elsewhere libbpf's ``ring_buffer__poll`` and
 ``ring_buffer__consume`` hand over one record per callback. Blocks and records go into a
@@ -11,7 +11,8 @@ bounded hand-off queue (its size counts records). The agent's event loop drains 
 unpacks the records (:mod:`.events`), finds each flow's shape
 (:meth:`.parser.Parser.shape_of`: the enrichment, decided at the time of the event) and writes
 shape, time and ports into the :class:`~.observer.FlowStore`, whose entries are serialized
-when first read (no Flow object unless Hubble metrics need one), counting flows in ``hubble_flows_processed_total``.
+when first read (no Flow object unless Hubble metrics need one), counting flows in
+``hubble_flows_processed_total``.
 
 Every loss becomes one ``LostEvent`` in the ring, with its source:
 
