@@ -8,8 +8,8 @@ run, each ``--rounds`` times (medians reported):
   as objects): ``events.decode`` each record, ``Parser.parse`` it into a ``flow.Flow`` (from
   a template), ``FlowStore.add_flow`` (which now serializes the response once, at ingest,
   where the old path serialized it for each batch reader; filters run on each Flow);
-* eager wire-first (the reader's path until 2026-12-02): ``Parser.encode`` each record
-  (shape + serialized response at ingest) + ``FlowStore.add_encoded``;
+* eager wire-first (the reader's path until 2026-12-02): ``Parser.shape_of`` +
+  ``FlowStore.add_shape`` each record, its response serialized at once (``entry.wire``);
 * lazy wire-first, the reader's path: the records as one ring-buffer block
   (``events.BLOCK_RECORD``), ``EventReader._process`` (``Parser.shape_of`` +
   ``FlowStore.add_shape``: the response is serialized when first read, so its cost moves
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pathlib
+import socket
 import statistics
 import time
 from collections import deque
@@ -118,8 +119,8 @@ async def one_round(raw: list[bytes]) -> dict[str, float]:
     p = parser()
     tuples = [events.RECORD.unpack(record) for record in raw]
     t0 = cpu()
-    for record_tuple in tuples:
-        eager.add_encoded(*p.encode(record_tuple))
+    for f in tuples:
+        _ = eager.add_shape(*p.shape_of(f), socket.ntohs(f[3]), socket.ntohs(f[4])).wire
     out["eager_ingest"] = (cpu() - t0) / n * 1e6
     t0 = cpu()
     assert await read_batches(eager, n) == n

@@ -238,24 +238,13 @@ class FlowStore:
         self.seen_flows += 1
         self.namespaces.observe(flow)
 
-    def add_encoded(self, time_ns: int, shape: FlowShape, wire: bytes) -> RingEntry:
-        """Append a flow as :meth:`.parser.Parser.encode` returns it (O(1), no Flow object);
-        wakes every follower. The namespaces of a shape are recorded when the store first
-        sees it (a shape lives at most the parser's template TTL, 1 s by default, so
-        GetNamespaces' last-seen times are at most that old)."""
-        return self._append_shaped(RingEntry(time_ns, wire, shape, None, self.lost_totals))
-
     def add_shape(self, time_ns: int, shape: FlowShape, sport: int, dport: int) -> RingEntry:
         """Append a flow as :meth:`.parser.Parser.shape_of` returns it, with its L4 ports
         (host byte order), to be serialized when first read (:attr:`RingEntry.wire`); O(1),
-        wakes every follower. Namespaces as :meth:`add_encoded`."""
-        return self._append_shaped(
-            RingEntry(time_ns, None, shape, None, self.lost_totals, None, (sport, dport))
-        )
-
-    def _append_shaped(self, entry: RingEntry) -> RingEntry:
-        shape = entry.shape
-        assert shape is not None
+        no Flow object, wakes every follower. The namespaces of a shape are recorded when
+        the store first sees it (a shape lives at most the parser's template TTL, 1 s by
+        default, so GetNamespaces' last-seen times are at most that old)."""
+        entry = RingEntry(time_ns, None, shape, None, self.lost_totals, None, (sport, dport))
         self.ring.write(entry)
         self.seen_flows += 1
         if not shape.stored:
