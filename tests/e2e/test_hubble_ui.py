@@ -8,8 +8,9 @@ driven by Playwright (pointed at ``/usr/bin/chromium``: no browser download), op
 filtered to the namespace and the test checks what it shows against the flows the relay gives
 ``cilia-relay observe``: the same pods and endpoints as nodes, exactly one dropped edge (other →
 backend, labelled with its drop reason, drawn dashed and red), then the same in the screenshot's
-pixels along each edge. Filtering by verdict FORWARDED through the page's form hides the
-dropped edge. A malformed filter in the URL is a 400 and the page keeps being served.
+pixels along each edge (labels hidden for that shot). Filtering by verdict FORWARDED through
+the page's form hides the dropped edge. A malformed filter in the URL is a 400 and the page
+keeps being served.
 
 Screenshots are kept under ``$CILIA_E2E_ARTIFACTS`` (default ``build/e2e-artifacts``).
 """
@@ -208,6 +209,35 @@ def _edge_pixels(page: Any, png: bytes, edge: dict[str, Any]) -> list[list[list[
     return result
 
 
+_EDGE_LABELS = """show => {
+  window.hubbleMap.cy.style().selector('edge').style('label', show ? 'data(label)' : '').update();
+  return new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)));
+}"""
+
+
+def _line_screenshot(page: Any, attempts: int = 5) -> tuple[dict[str, Any], bytes]:
+    """The map's state and a screenshot of its element taken with the edge labels hidden, so
+    each edge's line is sampled where it runs (a long label such as ``dropped · POLICY_DENIED
+    · TCP/8080`` on a short edge covers most of its line with its white outline); retried
+    while the state read before and after the screenshot differ (a flow that adds an element
+    re-runs the layout, moving every edge). Labels are shown again before returning.
+
+    Raises:
+        AssertionError: the layout moved in each of ``attempts`` screenshots.
+    """
+    page.evaluate(_EDGE_LABELS, False)
+    try:
+        for _ in range(attempts):
+            before: dict[str, Any] = page.evaluate(_MAP_STATE)
+            png: bytes = page.locator("#map").screenshot()
+            if page.evaluate(_MAP_STATE) == before:
+                return before, png
+            page.wait_for_timeout(300)
+        raise AssertionError(f"the map's layout kept moving over {attempts} screenshots")
+    finally:
+        page.evaluate(_EDGE_LABELS, True)
+
+
 def _wait_map(page: Any, nodes: int) -> dict[str, Any]:
     """Wait until the map drew at least ``nodes`` nodes (the first, empty graph comes before
     the relay answered); the map's state."""
@@ -267,19 +297,23 @@ def test_the_service_map_shows_the_pods_and_the_dropped_edge_the_flows_show(
             (drop,) = drops
             assert drop["label"] == "dropped · POLICY_DENIED · TCP/8080", drop
             assert (drop["color"], drop["lineStyle"]) == ("rgb(220,38,38)", "dashed"), drop
+            forwarded_pair = (f"pod:{NS}/{front.name}", f"pod:{NS}/{back.name}")
             forwarded = [
                 e
                 for e in state["edges"]
-                if e["verdict"] == "FORWARDED"
-                and (e["source"], e["target"])
-                == (f"pod:{NS}/{front.name}", f"pod:{NS}/{back.name}")
+                if e["verdict"] == "FORWARDED" and (e["source"], e["target"]) == forwarded_pair
             ]
             assert len(forwarded) == 1, state["edges"]
             assert page.locator("#flows tbody tr[data-verdict='DROPPED']").count() >= 1
 
             # ... and so is what the screenshot shows: red along the dropped edge, green along
-            # the forwarded one.
-            png = map_el.screenshot(path=str(ARTIFACTS / "hubble-ui-map.png"))
+            # the forwarded one (sampled with the labels hidden, from the state of that moment).
+            map_el.screenshot(path=str(ARTIFACTS / "hubble-ui-map.png"))
+            shot, png = _line_screenshot(page)
+            (drop,) = [e for e in shot["edges"] if e["verdict"] == "DROPPED"]
+            forwarded = [e for e in shot["edges"] if (e["verdict"], e["source"], e["target"])
+                         == ("FORWARDED", *forwarded_pair)]  # fmt: skip
+            assert len(forwarded) == 1, shot["edges"]
             red = sum(_near(p, RED) for patch in _edge_pixels(page, png, drop) for p in patch)
             green = sum(
                 _near(p, GREEN) for patch in _edge_pixels(page, png, forwarded[0]) for p in patch
