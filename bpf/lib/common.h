@@ -134,8 +134,8 @@ struct ct_key {
 };
 
 struct ct_value {
-	__u64 created_ns;
-	__u64 last_seen_ns;
+	__u64 created_ns;   /* bpf_ktime_get_coarse_ns() */
+	__u64 last_seen_ns; /* the same */
 	__u64 packets;
 	__u8 tcp_flags_seen;
 	__u8 reply_seen;        /* 1 once a reply passed: its first one is reported */

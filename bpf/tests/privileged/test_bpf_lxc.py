@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from cilia_agent.datapath import libbpf as lb
 from cilia_agent.datapath.layout import MetricsKey, policy_key
 from cilia_bpf_testing import harness
 from cilia_bpf_testing.harness import (
@@ -351,3 +352,53 @@ def test_syn_on_the_tuple_of_a_closed_connection_is_a_new_flow(
     assert (dp.events[-1].verdict, dp.events[-1].drop_reason) == (2, 133)
     # The open connection on port 40001 keeps passing: only closed entries are reopened.
     assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_ACK)) == TC_ACT_OK
+
+
+class _CtKey(ctypes.Structure):
+    _fields_ = [
+        ("saddr", ctypes.c_uint32), ("daddr", ctypes.c_uint32), ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16), ("proto", ctypes.c_uint8), ("dir", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]  # fmt: skip
+
+
+class _CtValue(ctypes.Structure):
+    _fields_ = [
+        ("created_ns", ctypes.c_uint64), ("last_seen_ns", ctypes.c_uint64),
+        ("packets", ctypes.c_uint64), ("tcp_flags_seen", ctypes.c_uint8),
+        ("reply_seen", ctypes.c_uint8), ("tx_flags_reported", ctypes.c_uint8),
+        ("rx_flags_reported", ctypes.c_uint8), ("tx_report", ctypes.c_uint16),
+        ("rx_report", ctypes.c_uint16),
+    ]  # fmt: skip
+
+
+CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; Python's time module does not name it
+
+
+def test_conntrack_clock_is_the_coarse_one_and_events_carry_the_precise_one(
+    dp: harness.Datapath,
+) -> None:
+    # The agent probed bpf_ktime_get_coarse_ns (5.11; this kernel has it): a packet of an
+    # established flow stamps its conntrack entry with the coarse clock, which in one
+    # tick reads the same value before and after the packet; the event of a new flow
+    # carries the precise clock, between two precise readings.
+    if not lb.helper_available(lb.PROG_TYPE_SCHED_CLS, lb.FUNC_KTIME_GET_COARSE_NS):
+        pytest.skip("the kernel lacks bpf_ktime_get_coarse_ns (5.11): conntrack uses the other")
+    setup_endpoint(dp, egress=True)
+    rule(dp, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+    start = time.monotonic_ns()
+    assert dp.run(FROM, packet(POD, PEER, sport=40000, dport=8080, flags=TCP_SYN)) == TC_ACT_OK
+    (event,) = dp.events
+    assert start <= event.ts_ns <= time.monotonic_ns()
+    ack = packet(POD, PEER, sport=40000, dport=8080, flags=TCP_ACK)
+    for _ in range(100):
+        before = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE)
+        assert dp.run(FROM, ack, consume=False) == TC_ACT_OK
+        if time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE) == before:
+            break
+    else:
+        pytest.fail("no packet ran within one tick of CLOCK_MONOTONIC_COARSE in 100 tries")
+    with dp.agent.object.map("cilia_ct", _CtKey, _CtValue) as ct:
+        ((_, entry),) = ct.items()
+    assert entry.last_seen_ns == before, (entry.last_seen_ns, before)
+    assert entry.created_ns <= before

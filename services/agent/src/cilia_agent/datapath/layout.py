@@ -163,7 +163,9 @@ class LxcConfig(ctypes.Structure):
 
     Fields: ``monitor_aggregation_interval_ns`` (u64), ``monitor_aggregation`` (0 none …
     4 maximum), ``events_wakeup_events`` (>= 1), ``monitor_aggregation_flags`` (TCP flag bits
-    of byte 13); meanings in :class:`cilia_agent.datapath.loader.DatapathConfig`. 24 bytes.
+    of byte 13), ``ct_clock_coarse`` (1: conntrack timestamps from
+    ``bpf_ktime_get_coarse_ns``, 0: ``bpf_ktime_get_ns``); meanings in
+    :class:`cilia_agent.datapath.loader.DatapathConfig`. 24 bytes.
     """
 
     _fields_ = [
@@ -171,7 +173,8 @@ class LxcConfig(ctypes.Structure):
         ("monitor_aggregation", ctypes.c_uint32),
         ("events_wakeup_events", ctypes.c_uint32),
         ("monitor_aggregation_flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 7),
+        ("ct_clock_coarse", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 6),
     ]
 
 

@@ -225,6 +225,27 @@ def link_update(link_fd: int, prog_fd: int) -> None:
         raise LibbpfError("cannot replace the program of a link", _err(rc))
 
 
+#: ``BPF_PROG_TYPE_SCHED_CLS`` (tc programs) and ``BPF_FUNC_ktime_get_coarse_ns`` (5.11).
+PROG_TYPE_SCHED_CLS = 3
+FUNC_KTIME_GET_COARSE_NS = 160
+
+
+def helper_available(prog_type: int, helper: int) -> bool:
+    """True when programs of ``prog_type`` may call helper number ``helper`` on the running
+    kernel (libbpf's ``libbpf_probe_bpf_helper``: a tiny program is loaded; needs root).
+
+    Raises:
+        LibbpfError: the probe itself failed (not root, libbpf missing).
+    """
+    fn = libbpf().libbpf_probe_bpf_helper
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    rc = int(fn(prog_type, helper, None))
+    if rc < 0 and -rc not in (errno.EOPNOTSUPP, errno.EINVAL):
+        raise LibbpfError(f"cannot probe helper {helper}", -rc)
+    return rc == 1
+
+
 def map_keys(fd: int, key_type: type[K]) -> Iterator[K]:
     """Every key of the map behind ``fd`` (``BPF_MAP_GET_NEXT_KEY`` from the start), in the
     kernel's iteration order, each a fresh ``key_type`` copy; ends at the last key."""

@@ -28,6 +28,7 @@ import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cilia_agent.datapath import libbpf as lb
 from cilia_agent.datapath import rtnl
 from cilia_agent.datapath.errors import BpfUnavailable
 from cilia_agent.datapath.layout import (
@@ -108,13 +109,15 @@ class DatapathConfig:
     monitor_aggregation_interval_ns: int = 5_000_000_000
     monitor_aggregation_flags: int = 0x07
 
-    def lxc_config(self) -> LxcConfig:
-        """``CONFIG`` of ``bpf_lxc.o`` for these options."""
+    def lxc_config(self, coarse_clock: bool = False) -> LxcConfig:
+        """``CONFIG`` of ``bpf_lxc.o`` for these options; ``coarse_clock``: the kernel has
+        ``bpf_ktime_get_coarse_ns`` (:meth:`Datapath.load` probes it), conntrack uses it."""
         return LxcConfig(
             monitor_aggregation_interval_ns=self.monitor_aggregation_interval_ns,
             monitor_aggregation=self.monitor_aggregation,
             events_wakeup_events=self.events_wakeup_events,
             monitor_aggregation_flags=self.monitor_aggregation_flags,
+            ct_clock_coarse=int(coarse_clock),
         )
 
     def max_entries(self) -> dict[str, int]:
@@ -169,10 +172,14 @@ class Datapath:
                 refused a program (libbpf's message and the log's tail).
         """
         path = object_path(config.bpf_dir, OBJECT)
+        try:  # conntrack's clock: the coarse one where the kernel has it (5.11)
+            coarse = lb.helper_available(lb.PROG_TYPE_SCHED_CLS, lb.FUNC_KTIME_GET_COARSE_NS)
+        except lb.LibbpfError as exc:
+            raise BpfUnavailable(f"cannot probe the kernel's BPF helpers: {exc}") from exc
         obj = BpfObject.load(
             path,
             pin_dir=config.pin_dir,
-            config=config.lxc_config(),
+            config=config.lxc_config(coarse_clock=coarse),
             max_entries=config.max_entries(),
         )
         try:
