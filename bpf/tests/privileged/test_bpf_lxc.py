@@ -287,20 +287,24 @@ def test_aggregation_flags_and_interval_are_options(
     ]
 
 
-def test_events_beyond_the_ring_buffer_are_counted_lost_and_late_wakeup_loses_none(
+def test_events_the_ring_refuses_go_to_the_rescue_ring_then_are_counted_lost(
     loaded: Callable[..., harness.Datapath],
 ) -> None:
-    # One page (4096 bytes) holds 73 records of 48 + 8 header bytes.
+    # A main ring of one page (4096 bytes) holds 73 records of 48 + 8 header bytes; what it
+    # refuses goes to the rescue ring (4 pages: 292 records); what neither takes is lost. A
+    # late wakeup (every 64th event) loses none.
     dp = loaded(events_pages=1, events_wakeup_events=64)
     setup_endpoint(dp, egress=True)
 
     assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=50) == TC_ACT_SHOT
     assert len(dp.events) == 50
-    assert dp.agent.events_lost() == 0
+    assert (dp.agent.events_lost(), dp.agent.events_rescued()) == (0, 0)
 
-    assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=100) == TC_ACT_SHOT
-    assert len(dp.events) == 50 + 73
-    assert dp.agent.events_lost() == 100 - 73
+    assert dp.run(FROM, packet(POD, OUTSIDE, dport=9), repeat=400) == TC_ACT_SHOT
+    assert len(dp.events) == 50 + 73 + 292
+    assert dp.agent.events_rescued() == 292
+    assert dp.agent.events_lost() == 400 - 73 - 292
+    assert {e.dport for e in dp.events} == {9}  # rescued records decode like the others
 
 
 def test_a_half_full_ring_buffer_wakes_the_reader_before_the_event_count(

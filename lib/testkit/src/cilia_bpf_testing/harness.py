@@ -115,17 +115,19 @@ def packet(
 @dataclass
 class Datapath:
     """The loaded programs (``agent``: the agent's own :class:`AgentDatapath`, whose typed
-    maps the tests read and write), and the events they emitted."""
+    maps the tests read and write), and the events they emitted (read from ``ring``, then
+    ``rescue``: the ring taking what the main one refused)."""
 
     agent: AgentDatapath
     pin_dir: pathlib.Path
     progs: dict[str, int]
     events: list[FlowEvent]
     ring: RingBuffer
+    rescue: RingBuffer
 
     def run(self, prog: str, frame: bytes, repeat: int = 1, *, consume: bool = True) -> int:
-        """Run one frame through ``prog`` (``repeat`` times), then (``consume``) read the ring
-        buffer whether or not the programs woke its reader; returns the tc verdict
+        """Run one frame through ``prog`` (``repeat`` times), then (``consume``) read both ring
+        buffers whether or not the programs woke the reader; returns the tc verdict
         (TC_ACT_*)."""
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = _TestRunOpts(
@@ -139,6 +141,7 @@ class Datapath:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
         if consume:
             self.ring.consume()
+            self.rescue.consume()
         return int(opts.retval)
 
 
@@ -165,11 +168,15 @@ def load(pin_root: pathlib.Path = pathlib.Path("/sys/fs/bpf"), **options: Any) -
     progs = {name: loaded.prog_fd(name) for name in ("cil_from_container", "cil_to_container")}
     events: list[FlowEvent] = []
     ring = loaded.ring_buffer(lambda record: events.append(decode(record)))
-    return Datapath(agent=loaded, pin_dir=pin_dir, progs=progs, events=events, ring=ring)
+    rescue = loaded.ring_buffer(lambda record: events.append(decode(record)), rescue=True)
+    return Datapath(
+        agent=loaded, pin_dir=pin_dir, progs=progs, events=events, ring=ring, rescue=rescue
+    )
 
 
 def unload(dp: Datapath) -> None:
     """Close the ring buffer and the object, and remove the pins."""
     dp.ring.close()
+    dp.rescue.close()
     dp.agent.close()
     remove_pins(dp.pin_dir)

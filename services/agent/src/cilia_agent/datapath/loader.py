@@ -62,8 +62,10 @@ PROG_TO_CONTAINER = "cil_to_container"
 FILTER_PRIO = 1
 OBJECT = "bpf_lxc"
 EVENTS_MAP = "cilia_events"
+EVENTS_RESCUE_MAP = "cilia_events_rescue"
 EVENTS_COUNTERS_MAP = "cilia_events_counters"
-EVENTS_LOST = 0  # index of the ring-buffer-full counter (bpf_lxc.c EVENTS_LOST)
+EVENTS_LOST = 0  # index of the counter of events no ring took (bpf_lxc.c EVENTS_LOST)
+EVENTS_RESCUED = 2  # index of the counter of events the rescue ring took (EVENTS_RESCUED)
 _ENOENT = 2
 _EEXIST = 17
 _EINVAL = 22
@@ -199,14 +201,24 @@ class Datapath:
         """
         return self._fds[name]
 
-    def ring_buffer(self, callback: Callable[[bytes], None]) -> RingBuffer:
-        """A consumer of ``cilia_events`` calling ``callback`` with each record (close it)."""
-        return self.object.ring_buffer(EVENTS_MAP, callback)
+    def ring_buffer(self, callback: Callable[[bytes], None], rescue: bool = False) -> RingBuffer:
+        """A consumer of ``cilia_events`` (``rescue``: of ``cilia_events_rescue``, the ring
+        that takes what the main one refuses; read it on every pass, it wakes nobody)
+        calling ``callback`` with each record (close it)."""
+        return self.object.ring_buffer(EVENTS_RESCUE_MAP if rescue else EVENTS_MAP, callback)
 
     def events_lost(self) -> int:
-        """Events the programs could not write because the ring buffer was full (sum over
-        CPUs of ``cilia_events_counters[EVENTS_LOST]``)."""
-        per_cpu = self.events_counters.lookup(ctypes.c_uint32(EVENTS_LOST))
+        """Events the programs could write to neither ring buffer (sum over CPUs of
+        ``cilia_events_counters[EVENTS_LOST]``)."""
+        return self._events_counter(EVENTS_LOST)
+
+    def events_rescued(self) -> int:
+        """Events ``cilia_events`` refused and ``cilia_events_rescue`` took (sum over CPUs
+        of ``cilia_events_counters[EVENTS_RESCUED]``)."""
+        return self._events_counter(EVENTS_RESCUED)
+
+    def _events_counter(self, index: int) -> int:
+        per_cpu = self.events_counters.lookup(ctypes.c_uint32(index))
         return sum(int(v.value) for v in per_cpu) if per_cpu else 0
 
     # ----- tc attachment -------------------------------------------------------------------

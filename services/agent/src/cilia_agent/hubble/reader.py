@@ -86,8 +86,9 @@ class EventsMap(Protocol):
     """What :class:`LibbpfRingBuffer` needs of the datapath
     (:class:`cilia_agent.datapath.loader.Datapath`)."""
 
-    def ring_buffer(self, callback: RecordCallback) -> RingBuffer:
-        """A libbpf consumer of the events ring buffer calling ``callback`` per record."""
+    def ring_buffer(self, callback: RecordCallback, rescue: bool = False) -> RingBuffer:
+        """A libbpf consumer of the events ring buffer (``rescue``: of the ring taking what
+        the main one refused) calling ``callback`` per record."""
 
     def events_lost(self) -> int:
         """Events the programs could not write (cumulative, summed over CPUs)."""
@@ -105,11 +106,13 @@ class LibbpfRingBuffer:
     def __init__(self, datapath: EventsMap) -> None:
         self._datapath = datapath
         self._rb: RingBuffer | None = None
+        self._rescue: RingBuffer | None = None
         self._blocks: tuple[BlockCallback, RecordCallback] | None = None
 
     def open(self, on_record: RecordCallback) -> None:
-        """Open a consumer whose callback gets a copy of each record."""
+        """Open consumers of both rings whose callback gets a copy of each record."""
         self._rb = self._datapath.ring_buffer(on_record)
+        self._rescue = self._datapath.ring_buffer(on_record, rescue=True)
 
     def open_blocks(self, on_block: BlockCallback, on_record: RecordCallback) -> bool:
         """Open a consumer that reads the mapped ring itself (x86-64 only; False elsewhere,
@@ -117,7 +120,7 @@ class LibbpfRingBuffer:
         any other record to ``on_record``."""
         if not DIRECT_READ_SUPPORTED:
             return False
-        self._rb = self._datapath.ring_buffer(on_record)
+        self.open(on_record)
         self._blocks = (on_block, on_record)
         return True
 
@@ -125,26 +128,31 @@ class LibbpfRingBuffer:
         """Wait for data (the GIL is released while waiting) up to ``timeout_ms``, then read
         everything there: records written without a wakeup are read too. Blocks:
         :meth:`RingBuffer.wait` (edge-triggered, for the producer's next wakeup) +
-        :meth:`RingBuffer.drain`; records: ``ring_buffer__poll`` + ``__consume``."""
-        if self._rb is None:
+        :meth:`RingBuffer.drain`; records: ``ring_buffer__poll`` + ``__consume``. Then
+        the rescue ring is read (its records, rare, come after the main ring's of the
+        same pass: out of order by at most one pass)."""
+        if self._rb is None or self._rescue is None:
             raise RuntimeError("ring buffer not opened")
         if self._blocks is not None:
             self._rb.wait(timeout_ms)
             self._rb.drain(events.FLOW_EVENT_SIZE, *self._blocks)
+            self._rescue.drain(events.FLOW_EVENT_SIZE, *self._blocks)
             return
         self._rb.poll(timeout_ms)
         self._rb.consume()
+        self._rescue.consume()
 
     def kernel_lost(self) -> int:
         """Sum over CPUs of ``cilia_events_counters[0]``: events ``bpf_ringbuf_output``
-        could not write because the ring buffer was full."""
+        could write to neither ring."""
         return self._datapath.events_lost()
 
     def close(self) -> None:
-        """Free the consumer (idempotent; the reader calls it after its poll thread ends)."""
-        if self._rb is not None:
-            self._rb.close()
-            self._rb = None
+        """Free the consumers (idempotent; the reader calls it after its poll thread ends)."""
+        for rb in (self._rb, self._rescue):
+            if rb is not None:
+                rb.close()
+        self._rb = self._rescue = None
 
 
 class EventReader:

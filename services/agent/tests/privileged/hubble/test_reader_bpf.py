@@ -40,14 +40,15 @@ class Loaded:
         self.agent = agent
         self.progs = progs
 
-    def run(self, prog: str, frame: bytes) -> int:
-        """One BPF_PROG_TEST_RUN (no ring-buffer polling here: the Hubble reader polls)."""
+    def run(self, prog: str, frame: bytes, repeat: int = 1) -> int:
+        """One BPF_PROG_TEST_RUN of ``repeat`` runs (no ring-buffer polling here: the Hubble
+        reader polls)."""
         buf = ctypes.create_string_buffer(frame, len(frame))
         opts = harness._TestRunOpts(
             sz=ctypes.sizeof(harness._TestRunOpts),
             data_in=ctypes.cast(buf, ctypes.c_void_p),
             data_size_in=len(frame),
-            repeat=1,
+            repeat=repeat,
         )
         if harness._test_run(self.progs[prog], ctypes.byref(opts)) != 0:
             raise OSError(ctypes.get_errno(), f"BPF_PROG_TEST_RUN failed for {prog}")
@@ -167,12 +168,57 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
     )
 
 
+def test_the_reader_delivers_what_the_rescue_ring_took_and_reports_no_loss() -> None:
+    """A one-page ring (73 records) and one test run of 100 drops (one syscall: the reader
+    cannot drain in between): 73 land in the main ring, 27 in the rescue ring, and Hubble's
+    reader delivers all 100 flows with no LostEvent."""
+    skips.require_bpf("BPF_PROG_TEST_RUN")
+    pin_dir = pathlib.Path("/sys/fs/bpf") / f"cilia-test-{uuid.uuid4().hex[:8]}"
+    config = DatapathConfig(
+        bpf_dir=BPF_DIR, pin_dir=pin_dir, ipcache_max=1024, ct_max=1024, events_pages=1,
+        events_wakeup_events=1 << 20,
+    )  # fmt: skip
+
+    async def main(dp: Loaded) -> Hubble:
+        hubble = Hubble(
+            HubbleConfig(node_name="node-t", capacity=255, poll_timeout_ms=20),
+            resolver=resolver(),
+            registry=CollectorRegistry(),
+        )
+        await hubble.start_reader(dp.agent)
+        try:
+            drop = harness.packet(POD, PEER, dport=9090)
+            assert dp.run(FROM, drop, repeat=100) == harness.TC_ACT_SHOT
+            deadline = time.monotonic() + 5
+            while hubble.store.seen_flows < 100 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            await hubble.stop()
+        return hubble
+
+    try:
+        agent = Datapath.load(config)
+        try:
+            dp = Loaded(agent, {name: agent.prog_fd(name) for name in (FROM, TO)})
+            program_datapath(dp)
+            hubble = asyncio.run(main(dp))
+            assert (agent.events_rescued(), agent.events_lost()) == (27, 0)
+        finally:
+            agent.close()
+    finally:
+        remove_pins(pin_dir)
+    entries = list(hubble.store.ring.iter_range(0))
+    assert [e.flow is not None for e in entries].count(True) == 100, entries[-3:]
+    assert all(e.flow.verdict == flow_pb2.DROPPED for e in entries if e.flow is not None)
+    assert all(e.lost is None for e in entries), [e for e in entries if e.flow is None]
+
+
 def test_direct_ring_buffer_reads_keep_order_across_wraps_and_share_the_position_with_libbpf() -> (
     None
 ):
     """A one-page ring (73 records of 56 bytes): drops written in rounds of 50 are read by
     :meth:`RingBuffer.drain` in order while the ring wraps several times; a round of 100
-    fills it (what did not fit is counted by the programs as lost); libbpf's consume then
+    fills it (what did not fit is in the rescue ring, in order); libbpf's consume then
     reads on from the position the direct reads left, and they from its position."""
     from cilia_agent.datapath.objects import DIRECT_READ_SUPPORTED
     from cilia_agent.hubble import events
@@ -210,11 +256,17 @@ def test_direct_ring_buffer_reads_keep_order_across_wraps_and_share_the_position
                 assert rb.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 50
             assert got == want and by_callback == []
 
-            lost_before = agent.events_lost()
+            lost_before, rescued_before = agent.events_lost(), agent.events_rescued()
             drops(20000, 100)
             assert rb.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 73
             assert got[-73:] == list(range(20000, 20073))
-            assert agent.events_lost() - lost_before == 27
+            # what the full ring refused is in the rescue ring, none lost
+            assert agent.events_rescued() - rescued_before == 27
+            assert agent.events_lost() == lost_before
+            rescue = agent.ring_buffer(by_callback.append, rescue=True)
+            assert rescue.drain(events.FLOW_EVENT_SIZE, on_block, by_callback.append) == 27
+            assert got[-27:] == list(range(20073, 20100))
+            rescue.close()
 
             drops(30000, 5)
             assert rb.consume() == 5  # libbpf reads from where the direct reads stopped
