@@ -44,6 +44,7 @@ from cilia_agent import enforcement as enforcement_owners
 from cilia_agent.api import serve_api
 from cilia_agent.cni.manager import CNIConfigManager, cni_config
 from cilia_agent.config import Config
+from cilia_agent.conntrack.gc import ConntrackGC
 from cilia_agent.controlplane import (
     ControlPlane,
     OperatorAPI,
@@ -285,6 +286,9 @@ class Agent:
         elif enf is not None:
             enf.streams.local_synced()
         self._spawn("del-queue-replay", self.cni.replay_loop)
+        if enf is not None:
+            gc = ConntrackGC.from_config(cfg, enf.bpf.ct_map, self.metrics, self.executor)
+            self._spawn("conntrack-gc", gc.run)
         if self.iptables_reconciler.interval > 0:
             self._spawn("iptables-reconcile", self.iptables_reconciler.run)
 

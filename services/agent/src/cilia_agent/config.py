@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cilia_common.addresses import TCPAddress
-from cilia_common.flags import Flag, parse_bool, require_all_or_none, split_list
+from cilia_common.flags import Duration, Flag, parse_bool, require_all_or_none, split_list
 from cilia_common.tls import ClientTLS, ServerTLS
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
@@ -282,6 +282,45 @@ class Config(BaseModel):
     )
     bpf_ct_global_max: int = Field(
         default=262144, ge=1024, le=1 << 26, description="conntrack entries, LRU"
+    )
+    bpf_ct_timeout_regular_tcp: Duration = Field(
+        default=21600.0,
+        gt=0,
+        le=10 * 365 * 86400,
+        description="how long an established TCP conntrack entry may stay idle before the "
+        "conntrack GC deletes it (Go duration or seconds)",
+    )
+    bpf_ct_timeout_regular_tcp_fin: Duration = Field(
+        default=10.0,
+        gt=0,
+        le=10 * 365 * 86400,
+        description="how long a TCP conntrack entry that saw FIN or RST may stay idle",
+    )
+    bpf_ct_timeout_regular_tcp_syn: Duration = Field(
+        default=60.0,
+        gt=0,
+        le=10 * 365 * 86400,
+        description="how long a TCP conntrack entry without a reply yet may stay idle",
+    )
+    bpf_ct_timeout_regular_any: Duration = Field(
+        default=60.0,
+        gt=0,
+        le=10 * 365 * 86400,
+        description="how long a non-TCP conntrack entry may stay idle",
+    )
+    conntrack_gc_interval: Duration = Field(
+        default=0.0,
+        ge=0,
+        le=30 * 86400,
+        description="time between conntrack GC passes; 0 = dynamic (starts at 5 min, "
+        "shrinks when a pass deletes over a quarter of the entries, grows when it deletes "
+        "under 5 %, 10 s to --conntrack-gc-max-interval)",
+    )
+    conntrack_gc_max_interval: Duration = Field(
+        default=0.0,
+        ge=0,
+        le=30 * 86400,
+        description="longest dynamic conntrack GC interval; 0 = 12 h",
     )
     bpf_ipcache_map_max: int = Field(
         default=512000, ge=16, le=1 << 24, description="ipcache entries"

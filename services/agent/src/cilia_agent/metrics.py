@@ -85,6 +85,25 @@ class Metrics:
             ["action", "family"],
             registry=self.registry,
         )
+        gc_labels = ["family", "protocol", "status"]
+        self.ct_gc_runs = Counter(
+            "cilium_datapath_conntrack_gc_runs",
+            "Conntrack garbage-collection passes, by outcome",
+            gc_labels,
+            registry=self.registry,
+        )
+        self.ct_gc_entries = Gauge(
+            "cilium_datapath_conntrack_gc_entries",
+            "Conntrack entries the last garbage-collection pass kept (alive) and deleted",
+            gc_labels,
+            registry=self.registry,
+        )
+        self.ct_gc_duration = Histogram(
+            "cilium_datapath_conntrack_gc_duration_seconds",
+            "Seconds one conntrack garbage-collection pass took",
+            gc_labels,
+            registry=self.registry,
+        )
         self.add_duration = Histogram(
             "cilia_endpoint_add_duration_seconds",
             "Time the agent spends on one Add (IPAM + state + plumbing)",

@@ -363,6 +363,9 @@ def test_metrics_count_drops_forwards_policies_endpoints_and_flows(cluster: Clus
     assert metric(text, "cilium_forward_count_total", direction="EGRESS") >= 1
     assert metric(text, "cilium_policy") == 1
     assert metric(text, "cilium_endpoint") == 3
+    # the conntrack GC's first pass runs at start
+    gc_run = dict(family="ipv4", protocol="TCP", status="completed")
+    assert metric(text, "cilium_datapath_conntrack_gc_runs_total", **gc_run) >= 1
     flows = generate_latest(cluster.agent.agent.hubble.metrics.flow_registry).decode()
     assert metric(flows, "hubble_flows_processed_total", verdict="DROPPED") >= 1
     assert metric(flows, "hubble_flows_processed_total", verdict="FORWARDED") >= 1

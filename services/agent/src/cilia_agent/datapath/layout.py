@@ -158,6 +158,32 @@ class MetricsValue(ctypes.Structure):
     _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
 
 
+class CtKey(ctypes.Structure):
+    """``struct ct_key`` of ``cilia_ct``: the tuple as the endpoint first saw it (addresses
+    and ports in network byte order), ``proto`` (IP protocol), ``dir`` (``CT_DIR_*``: which
+    hook of the endpoint made it). 16 bytes."""
+
+    _fields_ = [
+        ("saddr", ctypes.c_uint32), ("daddr", ctypes.c_uint32), ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16), ("proto", ctypes.c_uint8), ("dir", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]  # fmt: skip
+
+
+class CtValue(ctypes.Structure):
+    """``struct ct_value``: ``created_ns``/``last_seen_ns`` (the datapath's conntrack clock,
+    CLOCK_MONOTONIC, coarse where the kernel has it), packets both ways, TCP flags seen
+    both ways, whether a reply passed, and monitor-aggregation report state. 32 bytes."""
+
+    _fields_ = [
+        ("created_ns", ctypes.c_uint64), ("last_seen_ns", ctypes.c_uint64),
+        ("packets", ctypes.c_uint64), ("tcp_flags_seen", ctypes.c_uint8),
+        ("reply_seen", ctypes.c_uint8), ("tx_flags_reported", ctypes.c_uint8),
+        ("rx_flags_reported", ctypes.c_uint8), ("tx_report", ctypes.c_uint16),
+        ("rx_report", ctypes.c_uint16),
+    ]  # fmt: skip
+
+
 class LxcConfig(ctypes.Structure):
     """``struct lxc_config`` (bpf/bpf_lxc.c ``CONFIG``), written into the object before load.
 
@@ -185,9 +211,10 @@ MAP_LAYOUTS: dict[
     "cilia_endpoints": (ctypes.c_uint32, EndpointInfo),
     "cilia_policy": (PolicyKey, PolicyValue),
     "cilia_metrics": (MetricsKey, MetricsValue),
+    "cilia_ct": (CtKey, CtValue),
 }
 """Map name in ``bpf/bpf_lxc.c`` → (key, value) mirrors, for every map the agent reads or
-writes (``cilia_ct`` is only written by the programs and has no mirror)."""
+writes (``cilia_ct``: the programs write it, the agent's conntrack GC reads and deletes)."""
 
 STRUCT_LAYOUTS: dict[str, type[ctypes.Structure]] = {
     "flow_event": FlowEvent,

@@ -32,6 +32,8 @@ from cilia_agent.datapath import libbpf as lb
 from cilia_agent.datapath import rtnl
 from cilia_agent.datapath.errors import BpfUnavailable
 from cilia_agent.datapath.layout import (
+    CtKey,
+    CtValue,
     EndpointInfo,
     IpcacheKey,
     IpcacheValue,
@@ -138,7 +140,8 @@ class Datapath:
     """The loaded programs and typed handles on their maps.
 
     Create with :meth:`load`. Map handles (``ipcache_map``, ``endpoint_map``,
-    ``policy_map``: :class:`~cilia_agent.datapath.libbpf.PinnedMap`, usable as mappings;
+    ``policy_map``, ``ct_map``: :class:`~cilia_agent.datapath.libbpf.PinnedMap`, usable as
+    mappings;
     ``metrics_map``, ``events_counters``: per-CPU) stay valid until :meth:`close`. Methods
     raise :class:`pyroute2.netlink.exceptions.NetlinkError` only for unexpected kernel
     errors; missing devices on detach are ignored.
@@ -160,6 +163,7 @@ class Datapath:
         self.metrics_map: PerCpuMap[MetricsKey, MetricsValue] = obj.percpu_map(
             "cilia_metrics", MetricsKey, MetricsValue
         )
+        self.ct_map: PinnedMap[CtKey, CtValue] = obj.map("cilia_ct", CtKey, CtValue)
         self.events_counters: PerCpuMap[ctypes.c_uint32, ctypes.c_uint64] = obj.percpu_map(
             EVENTS_COUNTERS_MAP, ctypes.c_uint32, ctypes.c_uint64
         )

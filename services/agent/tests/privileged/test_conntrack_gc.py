@@ -1,0 +1,165 @@
+"""The conntrack GC over the real ``cilia_ct`` the loaded programs fill (BPF_PROG_TEST_RUN).
+
+Entries are made by packets through ``cil_from_container``/``cil_to_container``; the passes
+run at chosen clock readings (now plus a timeout) instead of waiting hours.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cilia_agent.conntrack.gc import ConntrackGC, Timeouts, collect
+from cilia_agent.datapath.layout import policy_key
+from cilia_agent.metrics import Metrics
+from cilia_bpf_testing import harness
+from cilia_bpf_testing.harness import (
+    DIR_EGRESS,
+    TC_ACT_OK,
+    TCP_ACK,
+    TCP_SYN,
+    EndpointInfo,
+    IpcacheKey,
+    IpcacheValue,
+    PolicyValue,
+    ip_to_map,
+    packet,
+)
+from cilia_testkit import skips
+
+pytestmark = pytest.mark.privileged
+
+POD, PEER = "10.251.0.10", "10.251.0.20"
+EP_ID, POD_ID, PEER_ID = 42, 1000, 1001
+FROM, TO = "cil_from_container", "cil_to_container"
+TCP_FIN, TCP_RST = 0x01, 0x04
+S = 1_000_000_000
+
+
+@pytest.fixture
+def dp() -> Iterator[harness.Datapath]:
+    """The programs loaded, an endpoint on ifindex 1 whose egress is enforced, and a rule
+    letting it reach PEER on TCP 8080 and UDP 53."""
+    skips.require_bpf("BPF_PROG_TEST_RUN")
+    loaded = harness.load()
+    try:
+        agent = loaded.agent
+        agent.set_endpoint(
+            1, EndpointInfo(ep_id=EP_ID, sec_identity=POD_ID, ipv4=ip_to_map(POD), enforce_egress=1)
+        )
+        agent.ipcache_map[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
+        for proto, port in ((6, 8080), (17, 53)):
+            agent.policy_map[policy_key(EP_ID, PEER_ID, DIR_EGRESS, proto, port)] = PolicyValue(
+                flags=0
+            )
+        yield loaded
+    finally:
+        harness.unload(loaded)
+
+
+def connection(dp: harness.Datapath, sport: int, *flags: int) -> None:
+    """SYN from the pod, SYN-ACK back, then ``flags`` from the pod (each a packet)."""
+    out = dict(sport=sport, dport=8080)
+    assert dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, **out)) == TC_ACT_OK
+    back = packet(PEER, POD, sport=8080, dport=sport, flags=TCP_SYN | TCP_ACK)
+    assert dp.run(TO, back) == TC_ACT_OK
+    for f in flags:
+        assert dp.run(FROM, packet(POD, PEER, flags=f, **out)) == TC_ACT_OK
+
+
+def ports(dp: harness.Datapath) -> set[tuple[int, int]]:
+    """(protocol, pod-side source port in host order) of every conntrack entry."""
+    return {(k.proto, socket.ntohs(k.sport)) for k, _ in dp.agent.ct_map.items()}
+
+
+def test_each_state_is_deleted_after_its_own_idle_timeout(dp: harness.Datapath) -> None:
+    connection(dp, 40001, TCP_ACK)  # established
+    connection(dp, 40002, TCP_ACK, TCP_FIN | TCP_ACK)  # closing
+    connection(dp, 40003, TCP_RST)  # reset
+    assert dp.run(FROM, packet(POD, PEER, sport=40004, dport=8080, flags=TCP_SYN)) == TC_ACT_OK
+    assert dp.run(FROM, packet(POD, PEER, proto="udp", sport=40005, dport=53)) == TC_ACT_OK
+    everything = {(6, 40001), (6, 40002), (6, 40003), (6, 40004), (17, 40005)}
+    assert ports(dp) == everything
+    now = time.monotonic_ns()
+    t = Timeouts()
+
+    # Nothing idle long enough yet.
+    first = collect(dp.agent.ct_map, now + 9 * S, t)
+    assert (sum(first.deleted.values()), ports(dp)) == (0, everything)
+
+    # Past the FIN timeout (10 s): the closed connections go.
+    after_fin = collect(dp.agent.ct_map, now + 11 * S, t)
+    assert after_fin.deleted == {"TCP": 2, "non-TCP": 0}
+    assert ports(dp) == {(6, 40001), (6, 40004), (17, 40005)}
+
+    # Past the SYN and any timeouts (60 s): the unanswered SYN and the UDP flow go.
+    after_syn = collect(dp.agent.ct_map, now + 61 * S, t)
+    assert after_syn.deleted == {"TCP": 1, "non-TCP": 1}
+    assert after_syn.alive == {"TCP": 1, "non-TCP": 0}
+    assert ports(dp) == {(6, 40001)}
+
+    # The established connection stays for 6 h of silence, then goes too.
+    assert sum(collect(dp.agent.ct_map, now + 21599 * S, t).deleted.values()) == 0
+    assert sum(collect(dp.agent.ct_map, now + 21601 * S, t).deleted.values()) == 1
+    assert ports(dp) == set()
+
+
+def test_a_packet_after_the_pass_is_a_new_flow_decided_by_policy_again(
+    dp: harness.Datapath,
+) -> None:
+    connection(dp, 40001, TCP_ACK)
+    before = len(dp.events)
+    assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_ACK)) == TC_ACT_OK
+    assert len(dp.events) == before  # established: no event under medium aggregation
+
+    now = time.monotonic_ns()
+    assert collect(dp.agent.ct_map, now + 21601 * S, Timeouts()).deleted["TCP"] == 1
+    # The next packet finds no entry: policy decides it (allowed: a new entry, reported).
+    assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_ACK)) == TC_ACT_OK
+    assert len(dp.events) == before + 1
+    assert ports(dp) == {(6, 40001)}
+    # With the rule gone, the same packet after another pass is dropped.
+    del dp.agent.policy_map[policy_key(EP_ID, PEER_ID, DIR_EGRESS, 6, 8080)]
+    assert collect(dp.agent.ct_map, time.monotonic_ns() + 21601 * S, Timeouts()).deleted["TCP"] == 1
+    frame = packet(POD, PEER, sport=40001, dport=8080, flags=TCP_ACK)
+    assert dp.run(FROM, frame) == harness.TC_ACT_SHOT
+
+
+def test_passes_are_counted_with_upstreams_metric_names_and_shorten_the_interval(
+    dp: harness.Datapath,
+) -> None:
+    for sport in range(41000, 41004):
+        connection(dp, sport, TCP_RST)
+    connection(dp, 42000, TCP_ACK)
+    offset = [0]
+    metrics = Metrics()
+    gc = ConntrackGC(
+        dp.agent.ct_map,
+        Timeouts(),
+        metrics=metrics,
+        clock=lambda: time.monotonic_ns() + offset[0],
+    )
+    assert gc.next_wait == 300.0  # upstream's starting interval
+    gc.run_once()  # nothing expired: 0 deleted keeps the interval
+    assert gc.next_wait == 300.0
+    offset[0] = 11 * S
+    result = gc.run_once()  # 4 of 5 deleted: ratio 0.8 > 0.25, interval x 0.2
+    assert (result.deleted["TCP"], result.alive["TCP"]) == (4, 1)
+    assert gc.next_wait == 60.0
+
+    samples = {
+        (s.name, s.labels["protocol"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+        if s.name.startswith("cilium_datapath_conntrack_gc")
+    }
+    assert samples[("cilium_datapath_conntrack_gc_runs_total", "TCP", "completed")] == 2
+    assert samples[("cilium_datapath_conntrack_gc_entries", "TCP", "deleted")] == 4
+    assert samples[("cilium_datapath_conntrack_gc_entries", "TCP", "alive")] == 1
+    assert samples[("cilium_datapath_conntrack_gc_entries", "non-TCP", "alive")] == 0
+    assert samples[("cilium_datapath_conntrack_gc_duration_seconds_count", "TCP", "completed")] == 2
