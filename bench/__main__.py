@@ -1,7 +1,7 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
 NAME: ``cni_latency``, ``agent_add``, ``agent_memory``, ``datapath``, ``flows``, ``hubble_agent``,
-``ipam``, ``cluster``, ``k8s_operator``, ``services``
+``conntrack_gc``, ``ipam``, ``cluster``, ``k8s_operator``, ``services``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
@@ -16,6 +16,7 @@ from bench import (
     agent_memory,
     cluster,
     cni_latency,
+    conntrack_gc,
     datapath,
     flows,
     hubble_agent,
@@ -31,6 +32,7 @@ BENCHES = {
     "datapath": datapath.main,
     "flows": flows.main,
     "hubble_agent": hubble_agent.main,
+    "conntrack_gc": conntrack_gc.main,
     "ipam": ipam.main,
     "cluster": cluster.main,
     "k8s_operator": k8s_operator.main,

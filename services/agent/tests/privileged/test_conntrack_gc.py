@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -163,3 +164,20 @@ def test_passes_are_counted_with_upstreams_metric_names_and_shorten_the_interval
     assert samples[("cilium_datapath_conntrack_gc_entries", "TCP", "alive")] == 1
     assert samples[("cilium_datapath_conntrack_gc_entries", "non-TCP", "alive")] == 0
     assert samples[("cilium_datapath_conntrack_gc_duration_seconds_count", "TCP", "completed")] == 2
+
+
+def test_batched_reads_give_what_one_by_one_reads_give(dp: harness.Datapath) -> None:
+    for sport in range(43000, 43007):
+        connection(dp, sport, TCP_ACK)
+    ct = dp.agent.ct_map
+
+    def entries(pairs: Iterator[tuple[Any, Any]]) -> list[tuple[bytes, bytes]]:
+        return sorted((bytes(k), bytes(v)) for k, v in pairs)
+
+    one_by_one = entries(ct.items())
+    assert len(one_by_one) == 7
+    assert entries(ct.batch_items(batch=2)) == one_by_one  # four batches, the last short
+    assert entries(ct.batch_items()) == one_by_one
+    # An LPM trie has no batch lookups: the one-by-one read answers instead.
+    ipcache = dp.agent.ipcache_map
+    assert entries(ipcache.batch_items()) == entries(ipcache.items()) != []

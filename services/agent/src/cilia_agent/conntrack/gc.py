@@ -64,8 +64,8 @@ class CtMap(Protocol):
     """What the collector needs of ``cilia_ct``
     (:class:`~cilia_agent.datapath.libbpf.PinnedMap`)."""
 
-    def items(self) -> Iterator[tuple[CtKey, CtValue]]:
-        """Every (key, value)."""
+    def batch_items(self) -> Iterator[tuple[CtKey, CtValue]]:
+        """Every (key, value), read in batches."""
 
     def lookup(self, key: CtKey) -> CtValue | None:
         """The value of ``key``, or None."""
@@ -121,7 +121,8 @@ def collect(ct_map: CtMap, now_ns: int, timeouts: Timeouts) -> Pass:
     """Delete the entries of ``ct_map`` idle for longer than their timeout at ``now_ns``
     (CLOCK_MONOTONIC ns, the datapath's clock). Expired keys are gathered first and deleted
     after (deleting while iterating a BPF hash map restarts its iteration); each is read
-    again just before its deletion, so an entry a packet refreshed meanwhile is kept.
+    again just before its deletion, so an entry a packet refreshed meanwhile is kept. The map
+    is read in batches (``BPF_MAP_LOOKUP_BATCH``, 4096 entries per syscall).
 
     Raises:
         LibbpfError: reading the map failed (the pass is incomplete).
@@ -129,7 +130,7 @@ def collect(ct_map: CtMap, now_ns: int, timeouts: Timeouts) -> Pass:
     started = time.perf_counter()
     result = Pass()
     expired: list[CtKey] = []
-    for key, value in ct_map.items():
+    for key, value in ct_map.batch_items():
         if now_ns - value.last_seen_ns > timeouts.of(key, value) * 1e9:
             expired.append(key)
         else:

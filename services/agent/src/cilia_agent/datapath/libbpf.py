@@ -20,7 +20,7 @@ import errno
 import os
 import pathlib
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from cilia_agent.datapath.errors import DatapathError
 
@@ -28,6 +28,7 @@ K = TypeVar("K", bound=ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint16)
 V = TypeVar("V", bound=ctypes.Structure | ctypes.c_uint8 | ctypes.c_uint32 | ctypes.c_uint64)
 
 BPF_ANY = 0
+_ENOTSUPP = 524  # the kernel's internal ENOTSUPP, as bpf(2) returns it
 
 
 LIBBPF_ERRNO_START = 4000  # libbpf.h LIBBPF_ERRNO__START: libbpf's own error numbers
@@ -430,6 +431,44 @@ class PinnedMap(Generic[K, V]):
             out = self.key_type()
             ctypes.memmove(ctypes.byref(out), ctypes.byref(key), ctypes.sizeof(key))
             yield out, value
+
+    def batch_items(self, batch: int = 4096) -> Iterator[tuple[K, V]]:
+        """Every (key, value) (copies), read ``batch`` entries per ``BPF_MAP_LOOKUP_BATCH``
+        (hash and LRU maps, kernel 5.6) instead of two syscalls per entry; a map or kernel
+        without batch lookups (an LPM trie: EINVAL; ENOTSUPP) falls back to :meth:`items`.
+        The kernel walks a hash map by bucket, so entries deleted meanwhile do not restart
+        the walk.
+
+        Raises:
+            LibbpfError: a batch failed for another reason (ENOSPC: one bucket holds more
+                than ``batch`` entries).
+        """
+        fn = libbpf().bpf_map_lookup_batch
+        fn.argtypes = [ctypes.c_int, *(ctypes.c_void_p,) * 5, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        keys = (self.key_type * batch)()
+        values = (self.value_type * batch)()
+        key_size, value_size = ctypes.sizeof(self.key_type), ctypes.sizeof(self.value_type)
+        token_in, token_out = ctypes.c_uint64(), ctypes.c_uint64()  # the kernel's u32 bucket
+        first = True
+        while True:
+            count = ctypes.c_uint32(batch)
+            rc = fn(self.fd, None if first else ctypes.byref(token_in), ctypes.byref(token_out),
+                    keys, values, ctypes.byref(count), None)  # fmt: skip
+            err = _err(rc) if rc < 0 else 0
+            if first and err in (errno.EINVAL, _ENOTSUPP, errno.EOPNOTSUPP):
+                yield from self.items()
+                return
+            if err not in (0, errno.ENOENT):
+                raise LibbpfError(f"cannot read {self.path.name} in batches", err)
+            for i in range(count.value):
+                key = self.key_type.from_buffer_copy(keys, i * key_size)
+                value = self.value_type.from_buffer_copy(values, i * value_size)
+                yield cast(K, key), cast(V, value)
+            if err == errno.ENOENT:
+                return
+            token_in.value = token_out.value
+            first = False
 
     def close(self) -> None:
         """Close the map's file descriptor (idempotent)."""
