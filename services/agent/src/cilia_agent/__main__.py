@@ -1,5 +1,5 @@
-"""``cilia-agent``: argument parsing only (serve, status, endpoint list, bpf policy|ipcache list,
-service list, init <step>)."""
+"""``cilia-agent``: argument parsing only (serve, status, endpoint list, bpf policy|ipcache|ct
+list, bpf ct flush, service list, init <step>)."""
 
 from __future__ import annotations
 
@@ -62,10 +62,16 @@ def _build_parser() -> argparse.ArgumentParser:
     esub.add_parser("list", parents=[client, pins], help="list endpoints")
     bpf = sub.add_parser("bpf", help="read the datapath's pinned maps (root)")
     bsub = bpf.add_subparsers(dest="bpf_map", required=True)
-    for name, text in (("policy", "policy map entries"), ("ipcache", "ipcache entries")):
+    for name, text in (
+        ("policy", "policy map entries"),
+        ("ipcache", "ipcache entries"),
+        ("ct", "conntrack entries"),
+    ):
         mp = bsub.add_parser(name, help=text)
         msub = mp.add_subparsers(dest="bpf_command", required=True)
         msub.add_parser("list", parents=[pins], help=f"list {text}")
+        if name == "ct":
+            msub.add_parser("flush", parents=[pins], help="delete every conntrack entry")
     service = sub.add_parser("service", help="load-balancer commands (root)")
     ssub = service.add_subparsers(dest="service_command", required=True)
     ssub.add_parser("list", parents=[pins], help="list Service frontends and their backends")
@@ -146,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.bpf_map == "policy":
                 return cli.bpf_policy_list(pin_dir, args.output)
+            if args.bpf_map == "ct":
+                if args.bpf_command == "flush":
+                    return cli.bpf_ct_flush(pin_dir)
+                return cli.bpf_ct_list(pin_dir, args.output)
             return cli.bpf_ipcache_list(pin_dir, args.output)
         except PinnedMapError as exc:
             print(f"cilia-agent: {exc}", file=sys.stderr)

@@ -301,6 +301,70 @@ def bpf_ipcache_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdou
 
 
 @quiet_on_broken_pipe
+def bpf_ct_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
+    """Print the pinned conntrack map (upstream ``cilium bpf ct list global``): per entry the
+    hook that made it (``OUT`` = from the pod, ``IN`` = to the pod), protocol, source and
+    destination as that hook saw the first packet, state (``conntrack.gc.state``), seconds
+    since its last packet and since it was made, packets both ways.
+
+    Raises:
+        cilia_agent.datapath.bpffs.PinnedMapError: the map cannot be opened.
+    """
+    import time
+
+    from cilia_agent.conntrack.gc import state
+    from cilia_agent.datapath.bpffs import PinnedMap
+    from cilia_agent.datapath.layout import CtKey, CtValue, ip_from_map
+
+    now = time.monotonic_ns()
+    entries = []
+    with PinnedMap(pin_dir / "cilia_ct", CtKey, CtValue) as m:
+        for key, value in m.batch_items():
+            entries.append(
+                {
+                    "direction": "OUT" if key.dir == 1 else "IN",
+                    "protocol": _PROTO.get(int(key.proto), str(int(key.proto))),
+                    "source": f"{ip_from_map(int(key.saddr))}:{socketlib.ntohs(key.sport)}",
+                    "destination": f"{ip_from_map(int(key.daddr))}:{socketlib.ntohs(key.dport)}",
+                    "state": state(key, value),
+                    "idle_seconds": max(0, (now - int(value.last_seen_ns)) // 10**9),
+                    "age_seconds": max(0, (now - int(value.created_ns)) // 10**9),
+                    "packets": int(value.packets),
+                }
+            )
+    entries.sort(key=lambda e: (e["idle_seconds"], e["source"], e["destination"]))
+    if output == "json":
+        json.dump(entries, out, indent=2)
+        out.write("\n")
+        return 0
+    rows = [("DIR", "PROTO", "SOURCE", "DESTINATION", "STATE", "IDLE", "AGE", "PACKETS")]
+    rows += [
+        (str(e["direction"]), str(e["protocol"]), str(e["source"]), str(e["destination"]),
+         str(e["state"]), f"{e['idle_seconds']}s", f"{e['age_seconds']}s", str(e["packets"]))
+        for e in entries
+    ]  # fmt: skip
+    _table(rows, out)
+    return 0
+
+
+def bpf_ct_flush(pin_dir: pathlib.Path, out: TextIO = sys.stdout) -> int:
+    """Delete every entry of the pinned conntrack map (upstream ``cilium bpf ct flush
+    global``); the next packet of each connection is decided by policy again.
+
+    Raises:
+        cilia_agent.datapath.bpffs.PinnedMapError: the map cannot be opened or written.
+    """
+    from cilia_agent.datapath.bpffs import PinnedMap
+    from cilia_agent.datapath.layout import CtKey, CtValue
+
+    path = pin_dir / "cilia_ct"
+    with PinnedMap(path, CtKey, CtValue) as m:
+        flushed = sum(m.delete(key) for key, _ in list(m.batch_items()))
+    out.write(f"Flushed {flushed} entries from {path}\n")
+    return 0
+
+
+@quiet_on_broken_pipe
 def service_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
     """Print the load balancer's frontends and backends from the pinned maps (upstream
     ``cilium service list``): ID (rev-NAT index), frontend, type, backends with state.

@@ -6,7 +6,11 @@ run at chosen clock readings (now plus a timeout) instead of waiting hours.
 
 from __future__ import annotations
 
+import json
+import pathlib
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +44,7 @@ EP_ID, POD_ID, PEER_ID = 42, 1000, 1001
 FROM, TO = "cil_from_container", "cil_to_container"
 TCP_FIN, TCP_RST = 0x01, 0x04
 S = 1_000_000_000
+BIN = pathlib.Path(sys.executable).parent / "cilia-agent"
 
 
 @pytest.fixture
@@ -181,3 +186,37 @@ def test_batched_reads_give_what_one_by_one_reads_give(dp: harness.Datapath) -> 
     # An LPM trie has no batch lookups: the one-by-one read answers instead.
     ipcache = dp.agent.ipcache_map
     assert entries(ipcache.batch_items()) == entries(ipcache.items()) != []
+
+
+def test_cli_lists_and_flushes_the_conntrack_map(dp: harness.Datapath) -> None:
+    connection(dp, 44001, TCP_ACK)
+    connection(dp, 44002, TCP_RST)
+    assert dp.run(FROM, packet(POD, PEER, proto="udp", sport=44003, dport=53)) == TC_ACT_OK
+    pin = ["--bpf-pin-dir", str(dp.pin_dir)]
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    listed = json.loads(cli("bpf", "ct", "list", "-o", "json", *pin))
+    got = {
+        (e["direction"], e["protocol"], e["source"], e["destination"], e["state"]) for e in listed
+    }
+    assert got == {
+        ("OUT", "TCP", f"{POD}:44001", f"{PEER}:8080", "established"),
+        ("OUT", "TCP", f"{POD}:44002", f"{PEER}:8080", "closing"),
+        ("OUT", "UDP", f"{POD}:44003", f"{PEER}:53", "other"),
+    }
+    assert all(e["idle_seconds"] < 60 and e["packets"] >= 1 for e in listed)
+    assert "DESTINATION" in cli("bpf", "ct", "list", *pin)
+
+    assert cli("bpf", "ct", "flush", *pin) == f"Flushed 3 entries from {dp.pin_dir}/cilia_ct\n"
+    assert ports(dp) == set()
+    assert json.loads(cli("bpf", "ct", "list", "-o", "json", *pin)) == []
+    # A wrong pin directory is a clear error, exit 1.
+    bad = subprocess.run(
+        [str(BIN), "bpf", "ct", "flush", "--bpf-pin-dir", str(dp.pin_dir / "nowhere")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "cilia_ct" in bad.stderr, bad.stderr

@@ -86,13 +86,24 @@ class Timeouts:
 
     def of(self, key: CtKey, value: CtValue) -> float:
         """The timeout (s) of the entry ``key``/``value`` in its present state."""
-        if key.proto != IPPROTO_TCP:
-            return self.regular_any
-        if value.tcp_flags_seen & (TH_FIN | TH_RST):
-            return self.regular_tcp_fin
-        if not value.reply_seen:
-            return self.regular_tcp_syn
-        return self.regular_tcp
+        return {
+            "closing": self.regular_tcp_fin,
+            "opening": self.regular_tcp_syn,
+            "established": self.regular_tcp,
+        }.get(state(key, value), self.regular_any)
+
+
+def state(key: CtKey, value: CtValue) -> str:
+    """The entry's state as the timeouts see it: ``closing`` (TCP, FIN or RST seen),
+    ``opening`` (TCP, no reply yet), ``established`` (TCP) or ``other`` (any other
+    protocol)."""
+    if key.proto != IPPROTO_TCP:
+        return "other"
+    if value.tcp_flags_seen & (TH_FIN | TH_RST):
+        return "closing"
+    if not value.reply_seen:
+        return "opening"
+    return "established"
 
 
 def protocol_label(key: CtKey) -> str:
