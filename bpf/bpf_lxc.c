@@ -117,8 +117,9 @@ struct {
  * ring held 448 unread bytes of 262,144 (bpf_ringbuf_query at the failure), so the
  * reservation itself failed (its lock), not the space; a second ring has its own lock.
  * The agent drains it on every pass of its reader (a rescued event arrives at most one
- * timer period late, out of order by that much). Its size is fixed: it only takes what
- * the main ring refuses, and when both are full the event is counted lost. */
+ * timer period late, out of order by that much). Its size is fixed at 4 pages (the agent
+ * sets it in bytes for the running kernel's page size): it only takes what the main ring
+ * refuses, and when both are full the event is counted lost. */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 4 * 4096);
@@ -335,9 +336,9 @@ static __always_inline int ct_report(struct ct_value *ct, __u8 is_reply, __u8 tc
 		interval = 1;
 
 	if (is_reply) {
-		if (!ct->reply_seen || (seen & ~ct->rx_flags_reported) ||
+		if (!(ct->ct_flags & CT_REPLY_SEEN) || (seen & ~ct->rx_flags_reported) ||
 		    (__u16)(t - ct->rx_report) >= interval) {
-			ct->reply_seen = 1;
+			ct->ct_flags |= CT_REPLY_SEEN;
 			ct->rx_flags_reported |= seen;
 			ct->rx_report = t;
 			return 1;
@@ -409,6 +410,11 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		ct->last_seen_ns = now;
 		__sync_fetch_and_add(&ct->packets, 1);
 		ct->tcp_flags_seen |= p.tcp_flags;
+		/* Which way closed: the conntrack GC gives an entry the close timeout once
+		 * both ways sent FIN (or one RST), as upstream; a half-closed connection
+		 * keeps the established one. */
+		if (p.tcp_flags & TH_FIN)
+			ct->ct_flags |= is_reply ? CT_RX_FIN : CT_TX_FIN;
 		report = ct_report(ct, is_reply, p.tcp_flags, now);
 	} else {
 		peer = identity_of(peer_addr);
@@ -419,6 +425,7 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 				.last_seen_ns = now,
 				.packets = 1,
 				.tcp_flags_seen = p.tcp_flags,
+				.ct_flags = (p.tcp_flags & TH_FIN) ? CT_TX_FIN : 0,
 				.tx_flags_reported = p.tcp_flags & CONFIG.monitor_aggregation_flags,
 				.tx_report = now >> CT_REPORT_SHIFT,
 			};

@@ -133,12 +133,17 @@ struct ct_key {
 	__u16 pad;
 };
 
+/* ct_value.ct_flags (bit 0 was the whole byte "reply_seen" before 2026-12-02: entries
+ * made by older programs read the same). */
+#define CT_REPLY_SEEN 0x01 /* a reply passed (its first one is reported) */
+#define CT_TX_FIN 0x02     /* FIN seen in the original direction */
+#define CT_RX_FIN 0x04     /* FIN seen in the reply direction */
 struct ct_value {
-	__u64 created_ns;   /* bpf_ktime_get_coarse_ns() */
-	__u64 last_seen_ns; /* the same */
+	__u64 created_ns;   /* conntrack's clock: bpf_ktime_get_coarse_ns() where the */
+	__u64 last_seen_ns; /* kernel has it (CONFIG.ct_clock_coarse), else _get_ns() */
 	__u64 packets;
-	__u8 tcp_flags_seen;
-	__u8 reply_seen;        /* 1 once a reply passed: its first one is reported */
+	__u8 tcp_flags_seen;    /* TCP flags of both directions */
+	__u8 ct_flags;          /* CT_REPLY_SEEN | CT_TX_FIN | CT_RX_FIN */
 	__u8 tx_flags_reported; /* aggregation flags already reported, original direction */
 	__u8 rx_flags_reported; /* the same, reply direction */
 	__u16 tx_report;        /* last report, original direction (CT_REPORT_SHIFT units) */

@@ -320,7 +320,7 @@ class Config(BaseModel):
         default=0.0,
         ge=0,
         le=30 * 86400,
-        description="longest dynamic conntrack GC interval; 0 = 12 h",
+        description="longest dynamic conntrack GC interval; 0 = 12 h, also the most it may be",
     )
     bpf_ipcache_map_max: int = Field(
         default=512000, ge=16, le=1 << 24, description="ipcache entries"
@@ -536,6 +536,15 @@ class Config(BaseModel):
     @classmethod
     def _absolute_log(cls, value: str) -> str:
         return str(pathlib.Path(value).absolute()) if value else ""
+
+    @field_validator("conntrack_gc_interval", "conntrack_gc_max_interval")
+    @classmethod
+    def _gc_interval(cls, value: float) -> float:
+        if 0 < value < 1:
+            raise ValueError(
+                f"must be 0 or at least 1s (a GC pass reads the whole map), got {value}"
+            )
+        return value
 
     @field_validator("bpf_events_ringbuf_pages")
     @classmethod

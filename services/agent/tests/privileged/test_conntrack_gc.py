@@ -85,7 +85,9 @@ def ports(dp: harness.Datapath) -> set[tuple[int, int]]:
 
 def test_each_state_is_deleted_after_its_own_idle_timeout(dp: harness.Datapath) -> None:
     connection(dp, 40001, TCP_ACK)  # established
-    connection(dp, 40002, TCP_ACK, TCP_FIN | TCP_ACK)  # closing
+    connection(dp, 40002, TCP_ACK, TCP_FIN | TCP_ACK)  # closing once the peer's FIN comes
+    fin_back = packet(PEER, POD, sport=8080, dport=40002, flags=TCP_FIN | TCP_ACK)
+    assert dp.run(TO, fin_back) == TC_ACT_OK
     connection(dp, 40003, TCP_RST)  # reset
     assert dp.run(FROM, packet(POD, PEER, sport=40004, dport=8080, flags=TCP_SYN)) == TC_ACT_OK
     assert dp.run(FROM, packet(POD, PEER, proto="udp", sport=40005, dport=53)) == TC_ACT_OK
@@ -113,6 +115,27 @@ def test_each_state_is_deleted_after_its_own_idle_timeout(dp: harness.Datapath) 
     assert sum(collect(dp.agent.ct_map, now + 21599 * S, t).deleted.values()) == 0
     assert sum(collect(dp.agent.ct_map, now + 21601 * S, t).deleted.values()) == 1
     assert ports(dp) == set()
+
+
+def test_a_half_closed_connection_keeps_its_entry_and_its_replies_pass(
+    dp: harness.Datapath,
+) -> None:
+    # The pod sends FIN, the peer goes on sending (half-close); the pod's ingress is
+    # enforced with no rule for the peer, so only the entry lets the peer's packets in.
+    ingress = dp.agent.endpoints()[1]
+    ingress.enforce_ingress = 1
+    dp.agent.set_endpoint(1, ingress)
+    connection(dp, 40010, TCP_ACK, TCP_FIN | TCP_ACK)
+    data = packet(PEER, POD, sport=8080, dport=40010, flags=TCP_ACK)
+    assert dp.run(TO, data) == TC_ACT_OK
+    t = Timeouts()
+    assert sum(collect(dp.agent.ct_map, time.monotonic_ns() + 11 * S, t).deleted.values()) == 0
+    assert dp.run(TO, data) == TC_ACT_OK  # 11 s of silence later: still the connection's
+    # The peer's FIN closes the other way: now the close timeout applies.
+    fin = packet(PEER, POD, sport=8080, dport=40010, flags=TCP_FIN | TCP_ACK)
+    assert dp.run(TO, fin) == TC_ACT_OK
+    assert collect(dp.agent.ct_map, time.monotonic_ns() + 11 * S, t).deleted["TCP"] == 1
+    assert dp.run(TO, data) == harness.TC_ACT_SHOT  # no entry: ingress policy drops it
 
 
 def test_a_packet_after_the_pass_is_a_new_flow_decided_by_policy_again(
@@ -147,6 +170,7 @@ def test_passes_are_counted_with_upstreams_metric_names_and_shorten_the_interval
     gc = ConntrackGC(
         dp.agent.ct_map,
         Timeouts(),
+        max_entries=8,  # the ratio's denominator, as upstream: the map's size
         metrics=metrics,
         clock=lambda: time.monotonic_ns() + offset[0],
     )
@@ -154,9 +178,9 @@ def test_passes_are_counted_with_upstreams_metric_names_and_shorten_the_interval
     gc.run_once()  # nothing expired: 0 deleted keeps the interval
     assert gc.next_wait == 300.0
     offset[0] = 11 * S
-    result = gc.run_once()  # 4 of 5 deleted: ratio 0.8 > 0.25, interval x 0.2
+    result = gc.run_once()  # 4 deleted of a map of 8: ratio 0.5 > 0.25, interval x 0.5
     assert (result.deleted["TCP"], result.alive["TCP"]) == (4, 1)
-    assert gc.next_wait == 60.0
+    assert gc.next_wait == 150.0
 
     samples = {
         (s.name, s.labels["protocol"], s.labels["status"]): s.value

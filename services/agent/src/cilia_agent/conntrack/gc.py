@@ -6,27 +6,29 @@ never deletes the entry of a closed connection: the LRU map evicts only when ful
 on a closed tuple reopens the entry. The collector deletes entries idle for longer than
 their state's timeout (upstream's flags and defaults):
 
-============================  =======  ====================================
-state of the entry            timeout  flag
-============================  =======  ====================================
-TCP, FIN or RST seen          10 s     ``--bpf-ct-timeout-regular-tcp-fin``
-TCP, no reply yet             60 s     ``--bpf-ct-timeout-regular-tcp-syn``
-TCP, established              6 h      ``--bpf-ct-timeout-regular-tcp``
-any other protocol            60 s     ``--bpf-ct-timeout-regular-any``
-============================  =======  ====================================
+==================================  =======  ====================================
+state of the entry                  timeout  flag
+==================================  =======  ====================================
+TCP, FIN seen both ways, or an RST  10 s     ``--bpf-ct-timeout-regular-tcp-fin``
+TCP, no reply yet                   60 s     ``--bpf-ct-timeout-regular-tcp-syn``
+TCP, established (or half-closed)   6 h      ``--bpf-ct-timeout-regular-tcp``
+any other protocol                  60 s     ``--bpf-ct-timeout-regular-any``
+==================================  =======  ====================================
 
 Upstream's datapath writes a lifetime into each entry on every packet; here the same rule is
-applied by the collector from ``last_seen_ns`` and the flags, so the per-packet path writes
-nothing more. One difference: the flags of both directions are recorded together, so a
-half-closed connection (FIN one way only) counts as closing after 10 s idle, where upstream
-waits for FIN both ways.
+applied by the collector from ``last_seen_ns`` and the flags the datapath keeps (the TCP
+flags of both ways, whether a reply passed, which ways sent FIN), so the per-packet path
+writes nothing more. A half-closed connection (FIN one way) keeps the established timeout:
+deleting its entry would make the other side's next packet a new flow in the reverse
+direction, which ingress policy may drop.
 
 Interval (upstream's dynamic rule): ``--conntrack-gc-interval`` when > 0. Otherwise the first
 pass runs at start and the interval starts at 5 min; after each pass, with ``ratio`` =
-deleted / entries seen: above 0.25 the interval is multiplied by ``1 - ratio`` (ratio capped
-at 0.9), never below 10 s; above 0 and below 0.05 it is multiplied by 1.5, never above
-``--conntrack-gc-max-interval`` (0 = 12 h, upstream's bound for LRU maps); otherwise (0
-deleted among them) it is kept.
+deleted / the map's size (``--bpf-ct-global-max``): above 0.25 the interval is multiplied by
+``1 - ratio`` (ratio capped at 0.9), never below 10 s; above 0 and below 0.05 it is
+multiplied by 1.5; otherwise (nothing deleted, or 5-25 %) it is kept. It never exceeds
+``--conntrack-gc-max-interval`` (0 = 12 h, upstream's bound for LRU maps, also the most it
+may be set to), the starting 5 min included.
 
 Metrics (upstream's names and labels; ``family`` ``ipv4``, ``protocol`` ``TCP`` or
 ``non-TCP``): ``cilium_datapath_conntrack_gc_runs_total{status=completed|uncompleted}``,
@@ -45,14 +47,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cilia_agent.config import Config
-from cilia_agent.datapath.layout import CtKey, CtValue
+from cilia_agent.datapath.layout import CT_REPLY_SEEN, CT_RX_FIN, CT_TX_FIN, CtKey, CtValue
 from cilia_agent.datapath.libbpf import LibbpfError
 from cilia_agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 IPPROTO_TCP = 6
-TH_FIN, TH_RST = 0x01, 0x04  # TCP header byte 13 (bpf/lib/common.h TH_*)
+TH_RST = 0x04  # TCP header byte 13 (bpf/lib/common.h TH_RST)
 PROTOCOLS = ("TCP", "non-TCP")
 #: Upstream's defaults for the dynamic interval (seconds).
 STARTING_INTERVAL = 300.0
@@ -94,14 +96,15 @@ class Timeouts:
 
 
 def state(key: CtKey, value: CtValue) -> str:
-    """The entry's state as the timeouts see it: ``closing`` (TCP, FIN or RST seen),
-    ``opening`` (TCP, no reply yet), ``established`` (TCP) or ``other`` (any other
-    protocol)."""
+    """The entry's state as the timeouts see it: ``closing`` (TCP: FIN seen both ways, or an
+    RST), ``opening`` (TCP, no reply yet), ``established`` (TCP, a half-closed connection
+    included) or ``other`` (any other protocol)."""
     if key.proto != IPPROTO_TCP:
         return "other"
-    if value.tcp_flags_seen & (TH_FIN | TH_RST):
+    both_fin = CT_TX_FIN | CT_RX_FIN
+    if value.tcp_flags_seen & TH_RST or value.ct_flags & both_fin == both_fin:
         return "closing"
-    if not value.reply_seen:
+    if not value.ct_flags & CT_REPLY_SEEN:
         return "opening"
     return "established"
 
@@ -120,12 +123,6 @@ class Pass:
     deleted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROTOCOLS, 0))
     seconds: float = 0.0
     completed: bool = True
-
-    @property
-    def ratio(self) -> float:
-        """Deleted / entries seen (0.0 for an empty map)."""
-        seen = sum(self.alive.values()) + sum(self.deleted.values())
-        return sum(self.deleted.values()) / seen if seen else 0.0
 
 
 def collect(ct_map: CtMap, now_ns: int, timeouts: Timeouts) -> Pass:
@@ -159,16 +156,22 @@ def collect(ct_map: CtMap, now_ns: int, timeouts: Timeouts) -> Pass:
     return result
 
 
+def ceiling(max_interval: float) -> float:
+    """The longest interval (s): ``max_interval``, 12 h when it is <= 0 or longer."""
+    return min(max_interval, MAX_LRU_INTERVAL) if max_interval > 0 else MAX_LRU_INTERVAL
+
+
 def next_interval(previous: float, ratio: float, max_interval: float) -> float:
     """Upstream's dynamic rule (module docstring): the interval (s, whole seconds) after a
-    pass that deleted ``ratio`` of the entries it saw, ``previous`` being the one before it;
-    ``max_interval`` <= 0 means 12 h."""
-    ceiling = max_interval if max_interval > 0 else MAX_LRU_INTERVAL
+    pass that deleted ``ratio`` of the map's size, ``previous`` being the one before it;
+    never above :func:`ceiling` of ``max_interval``."""
     if ratio > 0.25:
-        return float(max(MIN_INTERVAL, round(previous * (1.0 - min(ratio, 0.9)))))
-    if 0.0 < ratio < 0.05:
-        return float(min(ceiling, round(previous * 1.5)))
-    return previous
+        result = max(MIN_INTERVAL, round(previous * (1.0 - min(ratio, 0.9))))
+    elif 0.0 < ratio < 0.05:
+        result = round(previous * 1.5)
+    else:
+        result = previous
+    return float(min(ceiling(max_interval), result))
 
 
 class ConntrackGC:
@@ -177,6 +180,7 @@ class ConntrackGC:
     Args:
         ct_map: the pinned map (``Datapath.ct_map``).
         timeouts: per-state timeouts.
+        max_entries: the map's size (``--bpf-ct-global-max``), the ratio's denominator.
         interval: ``--conntrack-gc-interval`` (s; 0 = dynamic).
         max_interval: ``--conntrack-gc-max-interval`` (s; 0 = 12 h).
         metrics: where passes are counted (None = not counted).
@@ -189,6 +193,7 @@ class ConntrackGC:
         ct_map: CtMap,
         timeouts: Timeouts,
         *,
+        max_entries: int,
         interval: float = 0.0,
         max_interval: float = 0.0,
         metrics: Metrics | None = None,
@@ -197,12 +202,13 @@ class ConntrackGC:
     ) -> None:
         self.ct_map = ct_map
         self.timeouts = timeouts
+        self.max_entries = max(1, max_entries)
         self.interval = interval
         self.max_interval = max_interval
         self.metrics = metrics
         self.executor = executor
         self.clock = clock
-        self.next_wait = interval if interval > 0 else STARTING_INTERVAL
+        self.next_wait = interval if interval > 0 else min(STARTING_INTERVAL, ceiling(max_interval))
         self.passes = 0
 
     @classmethod
@@ -224,6 +230,7 @@ class ConntrackGC:
         return cls(
             ct_map,
             timeouts,
+            max_entries=cfg.bpf_ct_global_max,
             interval=cfg.conntrack_gc_interval,
             max_interval=cfg.conntrack_gc_max_interval,
             metrics=metrics,
@@ -239,7 +246,8 @@ class ConntrackGC:
             result = Pass(completed=False)
         self.passes += 1
         if result.completed and self.interval <= 0:
-            self.next_wait = next_interval(self.next_wait, result.ratio, self.max_interval)
+            ratio = sum(result.deleted.values()) / self.max_entries
+            self.next_wait = next_interval(self.next_wait, ratio, self.max_interval)
         self._count(result)
         log.debug(
             "conntrack GC pass",

@@ -158,6 +158,10 @@ class MetricsValue(ctypes.Structure):
     _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
 
 
+#: ``ct_value.ct_flags`` bits (bpf/lib/common.h).
+CT_REPLY_SEEN, CT_TX_FIN, CT_RX_FIN = 0x01, 0x02, 0x04
+
+
 class CtKey(ctypes.Structure):
     """``struct ct_key`` of ``cilia_ct``: the tuple as the endpoint first saw it (addresses
     and ports in network byte order), ``proto`` (IP protocol), ``dir`` (``CT_DIR_*``: which
@@ -173,12 +177,13 @@ class CtKey(ctypes.Structure):
 class CtValue(ctypes.Structure):
     """``struct ct_value``: ``created_ns``/``last_seen_ns`` (the datapath's conntrack clock,
     CLOCK_MONOTONIC, coarse where the kernel has it), packets both ways, TCP flags seen
-    both ways, whether a reply passed, and monitor-aggregation report state. 32 bytes."""
+    both ways, ``ct_flags`` (:data:`CT_REPLY_SEEN`, :data:`CT_TX_FIN`, :data:`CT_RX_FIN`),
+    and monitor-aggregation report state. 32 bytes."""
 
     _fields_ = [
         ("created_ns", ctypes.c_uint64), ("last_seen_ns", ctypes.c_uint64),
         ("packets", ctypes.c_uint64), ("tcp_flags_seen", ctypes.c_uint8),
-        ("reply_seen", ctypes.c_uint8), ("tx_flags_reported", ctypes.c_uint8),
+        ("ct_flags", ctypes.c_uint8), ("tx_flags_reported", ctypes.c_uint8),
         ("rx_flags_reported", ctypes.c_uint8), ("tx_report", ctypes.c_uint16),
         ("rx_report", ctypes.c_uint16),
     ]  # fmt: skip

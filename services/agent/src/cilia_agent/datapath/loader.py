@@ -65,6 +65,7 @@ FILTER_PRIO = 1
 OBJECT = "bpf_lxc"
 EVENTS_MAP = "cilia_events"
 EVENTS_RESCUE_MAP = "cilia_events_rescue"
+EVENTS_RESCUE_PAGES = 4  # its size: 4 pages (a ring buffer's size is whole pages)
 EVENTS_COUNTERS_MAP = "cilia_events_counters"
 EVENTS_LOST = 0  # index of the counter of events no ring took (bpf_lxc.c EVENTS_LOST)
 EVENTS_RESCUED = 2  # index of the counter of events the rescue ring took (EVENTS_RESCUED)
@@ -125,14 +126,15 @@ class DatapathConfig:
         )
 
     def max_entries(self) -> dict[str, int]:
-        """Map name → ``max_entries`` (the ring buffer's is its size in bytes: pages times the
-        page size)."""
+        """Map name → ``max_entries`` (a ring buffer's is its size in bytes: pages times the
+        page size; the rescue ring's is :data:`EVENTS_RESCUE_PAGES` pages)."""
         return {
             "cilia_ipcache": self.ipcache_max,
             "cilia_endpoints": self.endpoints_max,
             "cilia_policy": self.policy_max,
             "cilia_ct": self.ct_max,
             EVENTS_MAP: self.events_pages * os.sysconf("SC_PAGE_SIZE"),
+            EVENTS_RESCUE_MAP: EVENTS_RESCUE_PAGES * os.sysconf("SC_PAGE_SIZE"),
         }
 
 
@@ -182,12 +184,25 @@ class Datapath:
             coarse = lb.helper_available(lb.PROG_TYPE_SCHED_CLS, lb.FUNC_KTIME_GET_COARSE_NS)
         except lb.LibbpfError as exc:
             raise BpfUnavailable(f"cannot probe the kernel's BPF helpers: {exc}") from exc
-        obj = BpfObject.load(
-            path,
-            pin_dir=config.pin_dir,
-            config=config.lxc_config(coarse_clock=coarse),
-            max_entries=config.max_entries(),
-        )
+
+        def load(coarse_clock: bool) -> BpfObject:
+            return BpfObject.load(
+                path,
+                pin_dir=config.pin_dir,
+                config=config.lxc_config(coarse_clock=coarse_clock),
+                max_entries=config.max_entries(),
+            )
+
+        try:
+            obj = load(coarse)
+        except BpfUnavailable as exc:
+            # libbpf 1.1's helper probe can answer "available" wrongly (preflight/kernel.py
+            # probes helpers itself for that reason): the verifier names the helper it does
+            # not know, and the precise clock serves instead.
+            if not coarse or f"#{lb.FUNC_KTIME_GET_COARSE_NS}" not in str(exc):
+                raise
+            log.warning("bpf_ktime_get_coarse_ns refused by the verifier: precise clock")
+            obj = load(False)
         try:
             dp = cls(config, obj)
         except BaseException:

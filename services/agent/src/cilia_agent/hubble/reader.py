@@ -16,8 +16,9 @@ when first read (no Flow object unless Hubble metrics need one), counting flows 
 
 Every loss becomes one ``LostEvent`` in the ring, with its source:
 
-- the ring buffer was full and the datapath could not write an event: the programs count it
-  in ``cilia_events_counters``; the poll thread reads the count after each drain and the
+- the datapath could write an event to neither ring buffer (``cilia_events``, then the
+  small ``cilia_events_rescue`` the reader also drains): the programs count it in
+  ``cilia_events_counters``; the poll thread reads the count after each drain and the
   increase is reported with source PERF_EVENT_RING_BUFFER (upstream's source for the
   kernel's event buffer);
 - the hand-off queue was full (the loop does not keep up): new records are dropped and
