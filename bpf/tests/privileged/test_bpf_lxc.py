@@ -358,24 +358,6 @@ def test_syn_on_the_tuple_of_a_closed_connection_is_a_new_flow(
     assert dp.run(FROM, packet(POD, PEER, sport=40001, dport=8080, flags=TCP_ACK)) == TC_ACT_OK
 
 
-class _CtKey(ctypes.Structure):
-    _fields_ = [
-        ("saddr", ctypes.c_uint32), ("daddr", ctypes.c_uint32), ("sport", ctypes.c_uint16),
-        ("dport", ctypes.c_uint16), ("proto", ctypes.c_uint8), ("dir", ctypes.c_uint8),
-        ("pad", ctypes.c_uint16),
-    ]  # fmt: skip
-
-
-class _CtValue(ctypes.Structure):
-    _fields_ = [
-        ("created_ns", ctypes.c_uint64), ("last_seen_ns", ctypes.c_uint64),
-        ("packets", ctypes.c_uint64), ("tcp_flags_seen", ctypes.c_uint8),
-        ("reply_seen", ctypes.c_uint8), ("tx_flags_reported", ctypes.c_uint8),
-        ("rx_flags_reported", ctypes.c_uint8), ("tx_report", ctypes.c_uint16),
-        ("rx_report", ctypes.c_uint16),
-    ]  # fmt: skip
-
-
 CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; Python's time module does not name it
 
 
@@ -402,7 +384,6 @@ def test_conntrack_clock_is_the_coarse_one_and_events_carry_the_precise_one(
             break
     else:
         pytest.fail("no packet ran within one tick of CLOCK_MONOTONIC_COARSE in 100 tries")
-    with dp.agent.object.map("cilia_ct", _CtKey, _CtValue) as ct:
-        ((_, entry),) = ct.items()
+    ((_, entry),) = dp.agent.ct_map.items()
     assert entry.last_seen_ns == before, (entry.last_seen_ns, before)
     assert entry.created_ns <= before
