@@ -106,3 +106,12 @@ def test_netns_registry_names_carry_prefix_and_pid() -> None:
     first, second = registry.name(), registry.name("x")
     assert first == f"cilia-unit-{registry.pid}-1" and second == f"cilia-unit-{registry.pid}-x"
     assert registry.adopt(first) == first and registry.created == [first]
+
+
+def test_slot_ports_lie_below_the_ephemeral_range() -> None:
+    # A fixed port inside it can be the source port of any outgoing connection when a
+    # stack starts (then "Address already in use").
+    from cilia_testkit.stack import MAX_AGENTS, SLOT_PORT_BASE, SLOTS
+
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert low >= SLOT_PORT_BASE + SLOTS * MAX_AGENTS

@@ -78,8 +78,11 @@ SHARED_POOL = "10.200.0.0/16"
 SLOT_DIR = pathlib.Path(tempfile.gettempdir()) / "cilia-testkit-slots"
 SLOTS = 20
 #: Interim fixed ports of slot N: ``SLOT_PORT_BASE + N * 8 + agent index`` (the agents' Hubble
-#: TCP servers; see :func:`_listen_spec`).
-SLOT_PORT_BASE = 42400
+#: TCP servers; see :func:`_listen_spec`). Below Linux's ephemeral range (32768-60999 by
+#: default): a port in it can be taken meanwhile as the source port of any outgoing
+#: connection (CI run 9a: "127.0.0.1:42400: Address already in use"), one below it only by a
+#: listener.
+SLOT_PORT_BASE = 24400
 MAX_AGENTS = 8
 #: Seconds a component may take to get ready.
 READY_SECONDS = 90.0
