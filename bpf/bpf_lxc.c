@@ -113,9 +113,10 @@ struct {
 } cilia_events SEC(".maps");
 
 /* Where an event goes when cilia_events refuses it although it has room. Measured on this
- * project's 6.18 VM: about one event in 100,000 at 20,000 events/s was refused while the
- * ring held 448 unread bytes of 262,144 (bpf_ringbuf_query at the failure), so the
- * reservation itself failed (its lock), not the space; a second ring has its own lock.
+ * project's 6.18 VM: one event in 100,000 to 800,000 at 20,000 events/s was refused, one
+ * of them while the ring held 448 unread bytes of 262,144 (bpf_ringbuf_query at the
+ * failure): the reservation failed (its lock, presumably), not the space. A second ring
+ * has its own lock.
  * The agent drains it on every pass of its reader (a rescued event arrives at most one
  * timer period late, out of order by that much). Its size is fixed at 4 pages (the agent
  * sets it in bytes for the running kernel's page size): it only takes what the main ring
