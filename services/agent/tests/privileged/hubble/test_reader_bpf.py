@@ -169,9 +169,9 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
 
 
 def test_the_reader_delivers_what_the_rescue_ring_took_and_reports_no_loss() -> None:
-    """A one-page ring (73 records) and one test run of 100 drops (one syscall: the reader
-    cannot drain in between): 73 land in the main ring, 27 in the rescue ring, and Hubble's
-    reader delivers all 100 flows with no LostEvent."""
+    """A one-page ring (73 records) and a burst of 100 drops before any reader runs: 73 land
+    in the main ring, 27 in the rescue ring; Hubble's reader, started then, delivers all 100
+    flows with no LostEvent."""
     skips.require_bpf("BPF_PROG_TEST_RUN")
     pin_dir = pathlib.Path("/sys/fs/bpf") / f"cilia-test-{uuid.uuid4().hex[:8]}"
     config = DatapathConfig(
@@ -179,7 +179,7 @@ def test_the_reader_delivers_what_the_rescue_ring_took_and_reports_no_loss() -> 
         events_wakeup_events=1 << 20,
     )  # fmt: skip
 
-    async def main(dp: Loaded) -> Hubble:
+    async def read_all(dp: Loaded) -> Hubble:
         hubble = Hubble(
             HubbleConfig(node_name="node-t", capacity=255, poll_timeout_ms=20),
             resolver=resolver(),
@@ -187,8 +187,6 @@ def test_the_reader_delivers_what_the_rescue_ring_took_and_reports_no_loss() -> 
         )
         await hubble.start_reader(dp.agent)
         try:
-            drop = harness.packet(POD, PEER, dport=9090)
-            assert dp.run(FROM, drop, repeat=100) == harness.TC_ACT_SHOT
             deadline = time.monotonic() + 5
             while hubble.store.seen_flows < 100 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -201,8 +199,10 @@ def test_the_reader_delivers_what_the_rescue_ring_took_and_reports_no_loss() -> 
         try:
             dp = Loaded(agent, {name: agent.prog_fd(name) for name in (FROM, TO)})
             program_datapath(dp)
-            hubble = asyncio.run(main(dp))
+            drop = harness.packet(POD, PEER, dport=9090)
+            assert dp.run(FROM, drop, repeat=100) == harness.TC_ACT_SHOT
             assert (agent.events_rescued(), agent.events_lost()) == (27, 0)
+            hubble = asyncio.run(read_all(dp))
         finally:
             agent.close()
     finally:
