@@ -88,11 +88,14 @@ class Timeouts:
 
     def of(self, key: CtKey, value: CtValue) -> float:
         """The timeout (s) of the entry ``key``/``value`` in its present state."""
-        return {
-            "closing": self.regular_tcp_fin,
-            "opening": self.regular_tcp_syn,
-            "established": self.regular_tcp,
-        }.get(state(key, value), self.regular_any)
+        now = state(key, value)
+        if now == "established":
+            return self.regular_tcp
+        if now == "closing":
+            return self.regular_tcp_fin
+        if now == "opening":
+            return self.regular_tcp_syn
+        return self.regular_any
 
 
 def state(key: CtKey, value: CtValue) -> str:

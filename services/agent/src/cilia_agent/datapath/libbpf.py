@@ -374,8 +374,9 @@ class PinnedMap(Generic[K, V]):
         return map_keys(self.fd, self.key_type)
 
     def clear(self) -> int:
-        """Delete every entry; returns how many were deleted."""
-        return sum(self.delete(key) for key in list(self.keys()))
+        """Delete every entry (the keys read first, in batches where the map allows);
+        returns how many were deleted."""
+        return sum(self.delete(key) for key in [k for k, _ in self.batch_items()])
 
     def __len__(self) -> int:
         return sum(1 for _ in self.keys())
