@@ -11,8 +11,8 @@ run, each ``--rounds`` times (medians reported):
 * eager wire-first (the reader's path until 2026-12-02): ``Parser.shape_of`` +
   ``FlowStore.add_shape`` each record, its response serialized at once (``entry.wire``);
 * lazy wire-first, the reader's path: the records as one ring-buffer block
-  (``events.BLOCK_RECORD``), ``EventReader._process`` (``Parser.shape_of`` +
-  ``FlowStore.add_shape``: the response is serialized when first read, so its cost moves
+  (``events.BLOCK_KEYED``), ``EventReader._process`` (``Parser.shaper`` +
+  ``FlowStore.add_shape_net``: the response is serialized when first read, so its cost moves
   from ingest to the batches row, and a flow never read never pays it).
 
 Then, for each store, ``FlowBatchService``'s stream of the whole ring with the ``flows``

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,30 @@ BLOCK_RECORD = struct.Struct(f"={RINGBUF_HEADER_SIZE}x{_FIELDS}")
 :meth:`cilia_agent.datapath.objects.RingBuffer.drain`): ``BLOCK_RECORD.iter_unpack(block)``
 gives record tuples."""
 assert BLOCK_RECORD.size == FLOW_EVENT_SIZE + RINGBUF_HEADER_SIZE
+
+# The same 48 bytes as 10 native integers, the reader's fast path: a flow's template key is
+# (addresses, bytes 20-28, bytes 28-36, ifindex, dir+is_reply, tcp_flags) - six integers,
+# cheap to hash and compare, where the record tuple's 13 key fields include two fresh
+# ``bytes`` objects (measured: 523 → ~150 ns per record for the key and its lookup).
+_KEYED_FIELDS = "QQHHQQIIHBx"
+KEYED = struct.Struct("=" + _KEYED_FIELDS)
+"""``struct flow_event`` as a *keyed tuple*: ``(ts_ns, addresses, sport, dport, w20, w28,
+ifindex, len, dir_reply, tcp_flags)``; ``addresses`` is saddr and daddr as one native
+integer, ``w20`` the bytes 20-28 (proto, event_type, verdict, drop_reason, src_identity),
+``w28`` the bytes 28-36 (dst_identity, ep_id), ``dir_reply`` the bytes 44-45; ports stay in
+network byte order. :func:`record_of_keyed` gives back the record tuple."""
+BLOCK_KEYED = struct.Struct(f"={RINGBUF_HEADER_SIZE}x{_KEYED_FIELDS}")
+""":data:`KEYED` after a ring-buffer record header, as :data:`BLOCK_RECORD`."""
+assert KEYED.size == FLOW_EVENT_SIZE and BLOCK_KEYED.size == BLOCK_RECORD.size
+#: Shift of the protocol byte (offset 20) within a keyed tuple's ``w20``.
+KEYED_PROTO_SHIFT = 0 if sys.byteorder == "little" else 56
+
+
+def record_of_keyed(k: tuple[int, ...]) -> tuple[Any, ...]:
+    """The record tuple (:data:`RECORD`) of a keyed tuple (:data:`KEYED`): the same bytes
+    (``pad`` zero) read the other way."""
+    return _LAYOUT.unpack(KEYED.pack(*k))
+
 
 EVENT_DROP = 1
 EVENT_TRACE = 4

@@ -36,6 +36,7 @@ fills: num/max/seen flows, uptime, version and the flows rate (the node counts a
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -52,6 +53,8 @@ from cilia_agent.hubble.eventlog import EventLog, NamespaceTracker, request_wind
 from cilia_agent.hubble.filters import FilterSet
 from cilia_agent.hubble.parser import FlowShape, timestamp
 from cilia_agent.hubble.ring import DEFAULT_CAPACITY, Ring
+
+_ntohs, _htons = socket.ntohs, socket.htons
 
 FLOWS_RATE_WINDOW_NS = 60 * 1_000_000_000
 
@@ -117,7 +120,8 @@ class RingEntry:
     the store's lost-event totals before it was written (shared, not copied) and, for a
     flow, its serialized ``GetFlowsResponse`` (:attr:`wire`) and
     :class:`~.parser.FlowShape` (``None`` for flows added as objects). A flow added with its
-    shape and ports (:meth:`FlowStore.add_shape`) is serialized on the first read of
+    shape and ports (:meth:`FlowStore.add_shape`; ``ports`` are kept in network byte order)
+    is serialized on the first read of
     :attr:`wire` (most flows of a busy node are overwritten unread, and never are); the
     Flow object is decoded from :attr:`wire` on first use of :attr:`flow`. Both are kept."""
 
@@ -147,7 +151,8 @@ class RingEntry:
         wire = self._wire
         if wire is None:
             assert self.shape is not None  # lazy entries have one
-            wire = self._wire = self.shape.encode(self.time_ns, *self._ports)
+            sport, dport = self._ports
+            wire = self._wire = self.shape.encode(self.time_ns, _ntohs(sport), _ntohs(dport))
         return wire
 
     @wire.setter
@@ -244,7 +249,16 @@ class FlowStore:
         no Flow object, wakes every follower. The namespaces of a shape are recorded when
         the store first sees it (a shape lives at most the parser's template TTL, 1 s by
         default, so GetNamespaces' last-seen times are at most that old)."""
-        entry = RingEntry(time_ns, None, shape, None, self.lost_totals, None, (sport, dport))
+        return self.add_shape_net(time_ns, shape, _htons(sport), _htons(dport))
+
+    def add_shape_net(
+        self, time_ns: int, shape: FlowShape, sport_net: int, dport_net: int
+    ) -> RingEntry:
+        """:meth:`add_shape` with the ports in network byte order, as the datapath's records
+        carry them (the reader's path: they are swapped only if the flow is ever read)."""
+        entry = RingEntry(
+            time_ns, None, shape, None, self.lost_totals, None, (sport_net, dport_net)
+        )
         self.ring.write(entry)
         self.seen_flows += 1
         if not shape.stored:

@@ -29,7 +29,8 @@ once into a template Flow, kept for at most ``template_ttl_s`` (default 1 s, so 
 is at most that stale; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
 event copies its template and sets the rest (about 5 µs instead of 25 µs per flow).
 
-Wire first (:meth:`Parser.shape_of` + :meth:`FlowShape.encode`, the reader's path;
+Wire first (:meth:`Parser.shape_of` or, the reader's path, :meth:`Parser.shaper` +
+:meth:`FlowShape.encode`;
 :meth:`Parser.encode` does both at once): what leaves the agent is the serialized
 ``GetFlowsResponse`` (the relay forwards it undecoded), so those bytes are built once per
 event and no Flow object is. The rule it relies on is the protobuf encoding's: a message's
@@ -44,8 +45,10 @@ shape (the template key above) a :class:`FlowShape` keeps
   ``flow.{time, uuid, l4}``; per event :meth:`FlowShape.encode` sets the time, uuid and
   ports on it and serializes it (the protobuf library again), then appends ``tail``.
 
-The reader finds the shape at the event (:meth:`Parser.shape_of`: all enrichment is decided
-then) and stores shape, time and ports; the flow store serializes the response when a reader
+The reader finds the shape at the event (:meth:`Parser.shaper`: all enrichment is decided
+then; it reads records as :data:`.events.KEYED` tuples, whose six-integer template key is
+cheaper to hash and compare than the record tuple's thirteen fields) and stores shape, time
+and ports; the flow store serializes the response when a reader
 first asks for it, so the flows of a busy node that are overwritten unread never are.
 
 ``response bytes + tail`` parses to exactly the ``GetFlowsResponse(flow=parse(event),
@@ -65,6 +68,7 @@ import operator
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import timestamp_pb2, wrappers_pb2
@@ -142,12 +146,17 @@ class BootClock:
 
     def to_wall_ns(self, monotonic_ns: int) -> int:
         """Wall-clock nanoseconds since the epoch for a CLOCK_MONOTONIC stamp."""
+        return monotonic_ns + self.current_offset_ns()
+
+    def current_offset_ns(self) -> int:
+        """The offset to add to CLOCK_MONOTONIC nanoseconds for wall-clock ones, re-measured
+        first when ``refresh_s`` has passed (a batch of stamps reads it once)."""
         if not self._fixed:
             now = time.monotonic_ns()
             if now - self._measured_at >= self._refresh_ns:
                 self._offset = self._measure()
                 self._measured_at = now
-        return monotonic_ns + self._offset
+        return self._offset
 
 
 def timestamp(wall_ns: int) -> timestamp_pb2.Timestamp:
@@ -317,6 +326,10 @@ class FlowShape:
 # Fields of a record tuple (events.RECORD) that make its template key: addresses,
 # protocol .. local endpoint and interface, direction, reply, TCP flags.
 _shape_key = operator.itemgetter(1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15, 16)
+# The same fields of a keyed tuple (events.KEYED): addresses, bytes 20-36, ifindex,
+# direction and reply, TCP flags (the key of :meth:`Parser.shaper`; a key of either kind lives
+# in the same dict, they cannot be equal: 13 items against 6).
+_keyed_shape_key = operator.itemgetter(1, 4, 5, 6, 8, 9)
 _ntohs = socket.ntohs
 
 
@@ -358,6 +371,43 @@ class Parser:
         """
         wall, shape = self.shape_of(f)
         return wall, shape, shape.encode(wall, _ntohs(f[3]), _ntohs(f[4]))
+
+    def shaper(self) -> Callable[[tuple[int, ...]], FlowShape]:
+        """The shape of a *keyed tuple* (:data:`.events.KEYED`, the reader's fast path), for
+        one batch of records: the templates' age is checked once, here (so a template is at
+        most the TTL plus one batch old); the returned function looks the record's template
+        up (building it on a miss, and starting over when :data:`TEMPLATES_MAX` are held).
+        The records' wall times: their ``ts_ns`` plus ``clock.current_offset_ns()`` read once
+        per batch. With a TTL of 0 every call builds its shape from scratch."""
+        ttl = self.template_ttl_ns
+
+        def build(f: tuple[int, ...]) -> FlowShape:
+            event = events.from_tuple(events.record_of_keyed(f))
+            return FlowShape(self._build(event), self.node_name)
+
+        if not ttl:
+            return build
+        now = time.monotonic_ns()
+        shapes = self._shapes
+        if now - self._shapes_since > ttl:
+            shapes.clear()
+            self._shapes_since = now
+        key_of, get = _keyed_shape_key, shapes.get
+        shift, icmp = events.KEYED_PROTO_SHIFT, events.IPPROTO_ICMP
+
+        def shape_for(f: tuple[int, ...]) -> FlowShape:
+            key = key_of(f)
+            if (f[4] >> shift) & 0xFF == icmp:  # echo or not: the ICMP type depends on it
+                key = (*key, f[2] != 0)
+            shape = get(key)
+            if shape is None:
+                if len(shapes) >= TEMPLATES_MAX:
+                    shapes.clear()
+                    self._shapes_since = time.monotonic_ns()
+                shape = shapes[key] = build(f)
+            return shape
+
+        return shape_for
 
     def shape_of(self, f: events.RecordTuple) -> tuple[int, FlowShape]:
         """``(wall-clock ns, shape)`` of one record tuple: everything of its flow that reads

@@ -8,9 +8,10 @@ without a wakeup (many records per wakeup; at most ``poll_timeout_ms`` late). On
 block, with no Python call per record; elsewhere libbpf's ``ring_buffer__poll`` and
 ``ring_buffer__consume`` hand over one record per callback. Blocks and records go into a
 bounded hand-off queue (its size counts records). The agent's event loop drains the queue,
-unpacks the records (:mod:`.events`), finds each flow's shape
-(:meth:`.parser.Parser.shape_of`: the enrichment, decided at the time of the event) and writes
-shape, time and ports into the :class:`~.observer.FlowStore`, whose entries are serialized
+unpacks the records as keyed tuples (:data:`.events.KEYED`: ten integers, the template key
+among them), finds each flow's shape (:meth:`.parser.Parser.shaper`: the enrichment, decided
+at the time of the event) and writes shape, time and ports (network byte order) into the
+:class:`~.observer.FlowStore`, whose entries are serialized
 when first read (no Flow object unless Hubble metrics need one), counting flows in
 ``hubble_flows_processed_total``.
 
@@ -296,16 +297,17 @@ class EventReader:
         if kernel_lost:  # written before the records of this batch could be
             self.kernel_lost += kernel_lost
             self.store.add_lost(flow_pb2.PERF_EVENT_RING_BUFFER, kernel_lost)
-        shape_of = self.parser.shape_of
-        add = self.store.add_shape
+        shape_for = self.parser.shaper()
+        offset = self.parser.clock.current_offset_ns()
+        add = self.store.add_shape_net
         ntohs = socket.ntohs
         metrics = self.metrics if self.metrics is not None and self.metrics.enabled else None
         done = 0
         for data, count in batch:
             if count:
-                records: Iterable[events.RecordTuple] = events.BLOCK_RECORD.iter_unpack(data)
+                records: Iterable[tuple[int, ...]] = events.BLOCK_KEYED.iter_unpack(data)
             elif len(data) == events.FLOW_EVENT_SIZE:
-                records = (events.RECORD.unpack(data),)
+                records = (events.KEYED.unpack(data),)
             else:
                 self.decode_errors += 1
                 if self.decode_errors == 1 or self.decode_errors % 1000 == 0:
@@ -314,7 +316,7 @@ class EventReader:
                 continue
             for record in records:
                 try:
-                    time_ns, shape = shape_of(record)
+                    shape = shape_for(record)
                 except Exception:  # a broken Resolver must not stop the reader
                     self.parse_errors += 1
                     if self.parse_errors == 1 or self.parse_errors % 1000 == 0:
@@ -322,10 +324,11 @@ class EventReader:
                             "hubble: building a flow failed (%d so far)", self.parse_errors
                         )
                     continue
-                sport, dport = ntohs(record[3]), ntohs(record[4])
-                add(time_ns, shape, sport, dport)
+                # Keyed tuples (events.KEYED): ports in network byte order, swapped only
+                # for a flow that is read or counted.
+                add(record[0] + offset, shape, record[2], record[3])
                 if metrics is not None:  # handlers read neither time nor uuid
-                    metrics.flow_processed(shape.with_ports(sport, dport))
+                    metrics.flow_processed(shape.with_ports(ntohs(record[2]), ntohs(record[3])))
                 done += 1
                 if done == _YIELD_EVERY:
                     self.processed += done

@@ -103,6 +103,55 @@ def test_a_stored_shape_is_serialized_on_first_read_only_as_the_object_path_buil
         assert entry.wire is entry.wire  # made once, then kept
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    evs=st.lists(flow_events(), min_size=1, max_size=8),
+    ttl=st.sampled_from((1.0, 0.0)),
+    blocks=st.booleans(),
+)
+def test_the_readers_keyed_records_give_exactly_the_object_paths_flows(
+    evs: list[events.FlowEvent], ttl: float, blocks: bool
+) -> None:
+    """The reader unpacks records as keyed tuples (:data:`events.KEYED`, its template key six
+    integers) and keeps ports in network order: each repeated event (shapes reused with
+    other ports, lengths and times; ICMP echo or not) read back from the store equals the
+    object path's response but for its uuid, from a block or record by record."""
+    p = Parser(h.resolver(), h.NODE, h.parser().clock, template_ttl_s=ttl)
+    store = FlowStore(63, node_name=h.NODE)
+    reader = EventReader(BlockSource(), p, store)
+    batch = (
+        deque([(_block(evs + evs), 2 * len(evs))])
+        if blocks
+        else deque((ev.pack(), 0) for ev in evs + evs)
+    )
+    asyncio.run(reader._process(batch, 0))
+    entries = list(store.ring.iter_range(0))
+    assert len(entries) == 2 * len(evs) and reader.parse_errors == 0
+    for ev, entry in zip(evs + evs, entries, strict=True):
+        got = observer_pb2.GetFlowsResponse.FromString(entry.wire)
+        assert got == object_path_response(p, ev, got.flow.uuid)
+
+
+def test_icmp_echo_and_other_icmp_of_one_pair_get_their_own_shapes() -> None:
+    """ICMP records that differ only in their id field (0: not an echo) are different
+    flows to the reader, as to the object path."""
+    evs = [h.event(proto=1, sport=s, dport=s) for s in (9, 0, 9, 0)]
+    p = h.parser()
+    store = FlowStore(63, node_name=h.NODE)
+    asyncio.run(EventReader(BlockSource(), p, store)._process(deque([(_block(evs), 4)]), 0))
+    for ev, entry in zip(evs, store.ring.iter_range(0), strict=True):
+        got = observer_pb2.GetFlowsResponse.FromString(entry.wire)
+        assert got == object_path_response(p, ev, got.flow.uuid)
+
+
+def test_a_keyed_tuple_is_the_record_read_the_other_way() -> None:
+    ev = h.event(proto=1, sport=9, dport=77, tcp_flags=0x12)
+    keyed = events.KEYED.unpack(ev.pack())
+    assert events.record_of_keyed(keyed) == events.RECORD.unpack(ev.pack())
+    assert (keyed[4] >> events.KEYED_PROTO_SHIFT) & 0xFF == 1
+    assert (keyed[2], keyed[3]) == events.RECORD.unpack(ev.pack())[3:5]  # network order
+
+
 def test_every_event_gets_its_own_uuid_in_upstreams_text_form() -> None:
     many = [random_uuid() for _ in range(5000)]
     assert len(set(many)) == len(many)
