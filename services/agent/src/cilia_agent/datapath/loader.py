@@ -196,9 +196,9 @@ class Datapath:
         try:
             obj = load(coarse)
         except BpfUnavailable as exc:
-            # libbpf 1.1's helper probe can answer "available" wrongly (preflight/kernel.py
-            # probes helpers itself for that reason): the verifier names the helper it does
-            # not know, and the precise clock serves instead.
+            # The probe (lb.helper_available, the verifier's own answer) should have said
+            # so; should the object's verifier still refuse the helper (a kernel wording the
+            # probe does not know), it names the helper, and the precise clock serves.
             if not coarse or f"#{lb.FUNC_KTIME_GET_COARSE_NS}" not in str(exc):
                 raise
             log.warning("bpf_ktime_get_coarse_ns refused by the verifier: precise clock")

@@ -12,25 +12,26 @@ release against a constraint; the agent itself probes features at start):
    helpers and attach types by loading a three-instruction program through libbpf's
    ``bpf_prog_load`` and reading the verifier's answer.
 
-Why not ``bpftool feature probe`` or ``libbpf_probe_bpf_helper``: Debian 12's bpftool 7.1
-and libbpf 1.1 recognise an unavailable helper only by the verifier's old wording
-("unknown func" / "invalid func"); newer kernels say "program of this type cannot use
-helper", so both report *every* helper as available to *every* program type (measured on
-6.18: all 206 helpers for sched_cls, including the kprobe-only ``bpf_override_return``). The
-helper probe here is the same idea (upstream Cilium's ``bpf/probes`` emit a call and read the
-verdict) with the newer wording recognised; the syscall still goes through libbpf.
+Helpers and attach types are probed by :func:`cilia_agent.datapath.libbpf.helper_available`
+and :func:`~cilia_agent.datapath.libbpf.attach_type_available` (the loader probes its
+optional helpers with the same function); why not ``bpftool feature probe`` or
+``libbpf_probe_bpf_helper`` is written there.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import re
 from dataclasses import dataclass
 from typing import Literal
 
-from cilia_agent.datapath.libbpf import LibbpfError, libbpf
+from cilia_agent.datapath.libbpf import (
+    LibbpfError,
+    attach_type_available,
+    helper_available,
+    libbpf,
+)
 
 # enum bpf_prog_type / bpf_map_type / bpf_func_id / bpf_attach_type (include/uapi/linux/bpf.h)
 PROG_SCHED_CLS = 3
@@ -181,75 +182,6 @@ def check_version(release: str, minimum: str, needs: set[str]) -> str:
 
 # --- probes ---------------------------------------------------------------------------
 
-_CALL = 0x85  # BPF_JMP | BPF_CALL
-_MOV64_IMM = 0xB7  # BPF_ALU64 | BPF_MOV | BPF_K
-_EXIT = 0x95  # BPF_JMP | BPF_EXIT
-_LOG_SIZE = 4096
-_UNSUPPORTED_HELPER = ("unknown func", "invalid func", "cannot use helper", "cannot call")
-
-
-class _Insn(ctypes.Structure):
-    """``struct bpf_insn`` (8 bytes)."""
-
-    _fields_ = [
-        ("code", ctypes.c_uint8),
-        ("regs", ctypes.c_uint8),
-        ("off", ctypes.c_int16),
-        ("imm", ctypes.c_int32),
-    ]
-
-
-class _LoadOpts(ctypes.Structure):
-    """libbpf 1.x ``struct bpf_prog_load_opts`` up to ``log_buf`` (``sz`` says how far)."""
-
-    _fields_ = [
-        ("sz", ctypes.c_size_t),
-        ("attempts", ctypes.c_int),
-        ("expected_attach_type", ctypes.c_int),
-        ("prog_btf_fd", ctypes.c_uint32),
-        ("prog_flags", ctypes.c_uint32),
-        ("prog_ifindex", ctypes.c_uint32),
-        ("kern_version", ctypes.c_uint32),
-        ("attach_btf_id", ctypes.c_uint32),
-        ("attach_prog_fd", ctypes.c_uint32),
-        ("attach_btf_obj_fd", ctypes.c_uint32),
-        ("fd_array", ctypes.c_void_p),
-        ("func_info", ctypes.c_void_p),
-        ("func_info_cnt", ctypes.c_uint32),
-        ("func_info_rec_size", ctypes.c_uint32),
-        ("line_info", ctypes.c_void_p),
-        ("line_info_cnt", ctypes.c_uint32),
-        ("line_info_rec_size", ctypes.c_uint32),
-        ("log_level", ctypes.c_uint32),
-        ("log_size", ctypes.c_uint32),
-        ("log_buf", ctypes.c_char_p),
-    ]
-
-
-def _prog_load(prog_type: int, insns: list[tuple[int, int]], attach_type: int) -> tuple[int, str]:
-    """Load ``insns`` (``(code, imm)``, registers 0) with the verifier log on.
-
-    Returns ``(errno, log)``: errno 0 = loaded (the program is closed again at once).
-    """
-    lib = libbpf()
-    fn = lib.bpf_prog_load
-    fn.argtypes = [
-        ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
-        ctypes.POINTER(_LoadOpts),
-    ]  # fmt: skip
-    fn.restype = ctypes.c_int
-    prog = (_Insn * len(insns))(*[_Insn(code, 0, 0, imm) for code, imm in insns])
-    log = ctypes.create_string_buffer(_LOG_SIZE)
-    opts = _LoadOpts(sz=ctypes.sizeof(_LoadOpts), expected_attach_type=attach_type)
-    opts.log_level, opts.log_size = 1, _LOG_SIZE
-    opts.log_buf = ctypes.cast(log, ctypes.c_char_p)
-    ctypes.set_errno(0)
-    fd = fn(prog_type, b"cilia_probe", b"GPL", ctypes.byref(prog), len(insns), ctypes.byref(opts))
-    if fd >= 0:
-        os.close(fd)
-        return 0, ""
-    return ctypes.get_errno() or -fd or errno.EINVAL, log.value.decode(errors="replace")
-
 
 def _attach_for(prog_type: int) -> int:
     # cgroup_sock_addr programs need an expected attach type; connect4 allows every helper
@@ -277,19 +209,8 @@ def probe(feature: Feature) -> bool:
             raise LibbpfError(f"cannot probe {feature.kind} {feature.name}", -rc)
         return rc == 1
     if feature.kind == "attach type":
-        err, _ = _prog_load(feature.prog_type, [(_MOV64_IMM, 1), (_EXIT, 0)], feature.number)
-        if err == errno.EPERM:
-            raise LibbpfError(f"cannot probe attach type {feature.name}", err)
-        return err == 0
-    err, log = _prog_load(
-        feature.prog_type,
-        [(_CALL, feature.number), (_MOV64_IMM, 1), (_EXIT, 0)],
-        _attach_for(feature.prog_type),
-    )
-    if err == errno.EPERM:
-        raise LibbpfError(f"cannot probe helper {feature.name}", err)
-    # loaded, or refused past the helper lookup (its arguments): the helper exists
-    return err == 0 or not any(s in log for s in _UNSUPPORTED_HELPER)
+        return attach_type_available(feature.prog_type, feature.number)
+    return helper_available(feature.prog_type, feature.number, _attach_for(feature.prog_type))
 
 
 def missing_features(needs: set[str]) -> list[Feature]:
