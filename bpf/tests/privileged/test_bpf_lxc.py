@@ -6,7 +6,6 @@ run, so the endpoint under test is registered for ifindex 1.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,10 +23,8 @@ from cilia_bpf_testing.harness import (
     TC_ACT_SHOT,
     TCP_ACK,
     TCP_SYN,
-    EndpointInfo,
     IpcacheKey,
     IpcacheValue,
-    PolicyValue,
     ip_to_map,
     packet,
 )
@@ -43,16 +40,8 @@ FROM, TO = "cil_from_container", "cil_to_container"
 
 
 def setup_endpoint(dp: harness.Datapath, ingress: bool = False, egress: bool = False) -> None:
-    dp.agent.endpoint_map[ctypes.c_uint32(1)] = EndpointInfo(
-        ep_id=EP_ID,
-        sec_identity=POD_ID,
-        ipv4=ip_to_map(POD),
-        enforce_ingress=int(ingress),
-        enforce_egress=int(egress),
-    )
-    ipcache = dp.agent.ipcache_map
-    ipcache[IpcacheKey(32, ip_to_map(POD))] = IpcacheValue(POD_ID, 0)
-    ipcache[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
+    harness.endpoint(dp, EP_ID, POD_ID, POD, ingress=ingress, egress=egress)
+    dp.agent.ipcache_map[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
 
 
 def rule(
@@ -63,8 +52,7 @@ def rule(
     port: int = 0,
     deny: bool = False,
 ) -> None:
-    key = policy_key(EP_ID, peer, direction, proto, port)
-    dp.agent.policy_map[key] = PolicyValue(flags=1 if deny else 0)
+    harness.rule(dp, EP_ID, peer, direction, proto, port, deny=deny)
 
 
 def test_allowed_flow_is_forwarded_with_both_identities(dp: harness.Datapath) -> None:

@@ -33,6 +33,7 @@ from cilia_agent.datapath.layout import (  # noqa: F401  (re-exported for the te
     PolicyValue,
     ip_from_map,
     ip_to_map,
+    policy_key,
     port_to_map,
 )
 from cilia_agent.datapath.libbpf import libbpf
@@ -143,6 +144,49 @@ class Datapath:
             self.ring.consume()
             self.rescue.consume()
         return int(opts.retval)
+
+
+def endpoint(
+    dp: Datapath,
+    ep_id: int,
+    identity: int,
+    ip: str,
+    *,
+    ifindex: int = 1,
+    ingress: bool = False,
+    egress: bool = False,
+) -> None:
+    """Program a local endpoint as the agent does: behind host veth ``ifindex`` (under
+    BPF_PROG_TEST_RUN the packet's ifindex is 1), with policy enforced on ``ingress`` /
+    ``egress``, and its address in the ipcache."""
+    dp.agent.set_endpoint(
+        ifindex,
+        EndpointInfo(
+            ep_id=ep_id,
+            sec_identity=identity,
+            ipv4=ip_to_map(ip),
+            enforce_ingress=int(ingress),
+            enforce_egress=int(egress),
+        ),
+    )
+    dp.agent.ipcache_map[IpcacheKey(32, ip_to_map(ip))] = IpcacheValue(identity, 0)
+
+
+def rule(
+    dp: Datapath,
+    ep_id: int,
+    peer: int,
+    direction: int,
+    proto: int = 0,
+    port: int = 0,
+    *,
+    deny: bool = False,
+) -> None:
+    """A policy entry of endpoint ``ep_id`` for identity ``peer`` (0: any) in ``direction``
+    (DIR_INGRESS / DIR_EGRESS), ``proto`` and ``port`` (0: any), allowing or denying."""
+    dp.agent.policy_map[policy_key(ep_id, peer, direction, proto, port)] = PolicyValue(
+        flags=1 if deny else 0
+    )
 
 
 def _test_run(prog_fd: int, opts: Any) -> int:

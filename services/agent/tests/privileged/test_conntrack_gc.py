@@ -28,10 +28,8 @@ from cilia_bpf_testing.harness import (
     TC_ACT_OK,
     TCP_ACK,
     TCP_SYN,
-    EndpointInfo,
     IpcacheKey,
     IpcacheValue,
-    PolicyValue,
     ip_to_map,
     packet,
 )
@@ -54,15 +52,10 @@ def dp() -> Iterator[harness.Datapath]:
     skips.require_bpf("BPF_PROG_TEST_RUN")
     loaded = harness.load()
     try:
-        agent = loaded.agent
-        agent.set_endpoint(
-            1, EndpointInfo(ep_id=EP_ID, sec_identity=POD_ID, ipv4=ip_to_map(POD), enforce_egress=1)
-        )
-        agent.ipcache_map[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
+        harness.endpoint(loaded, EP_ID, POD_ID, POD, egress=True)
+        loaded.agent.ipcache_map[IpcacheKey(32, ip_to_map(PEER))] = IpcacheValue(PEER_ID, 0)
         for proto, port in ((6, 8080), (17, 53)):
-            agent.policy_map[policy_key(EP_ID, PEER_ID, DIR_EGRESS, proto, port)] = PolicyValue(
-                flags=0
-            )
+            harness.rule(loaded, EP_ID, PEER_ID, DIR_EGRESS, proto, port)
         yield loaded
     finally:
         harness.unload(loaded)
