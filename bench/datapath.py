@@ -103,6 +103,7 @@ DEFAULT_ENTRIES = 10_000
 DEFAULT_ROUNDS = 1
 DEFAULT_WARMUP_SECONDS = 5
 DEFAULT_STATS_SECONDS = 1
+BPF_STATS_KNOB = pathlib.Path("/proc/sys/kernel/bpf_stats_enabled")
 DEFAULT_BASE_ENTRIES = 10
 DEFAULT_IPERF_PORT = 5201
 DEFAULT_RR_PORT = 5202
@@ -911,13 +912,15 @@ class Configurations:
 
 
 @contextlib.contextmanager
-def bpf_stats_enabled() -> Iterator[None]:
-    """``kernel.bpf_stats_enabled`` = 1 meanwhile (the kernel then counts each program's
-    runs and run time: two scheduler-clock reads per run, ~80 ns on this VM), the earlier
-    value restored afterwards."""
-    knob = pathlib.Path("/proc/sys/kernel/bpf_stats_enabled")
+def bpf_stats(enabled: bool) -> Iterator[None]:
+    """``kernel.bpf_stats_enabled`` set to ``enabled`` meanwhile (on, the kernel counts each
+    program's runs and run time: two scheduler-clock reads per run, ~80 ns on this VM), the
+    earlier value restored afterwards. The run holds it off (a value left on by a killed
+    run would otherwise tax every measurement); only the ``--stats-seconds`` windows turn it
+    on. Stats enabled by another process through ``BPF_ENABLE_STATS`` are not visible here."""
+    knob = BPF_STATS_KNOB
     before = knob.read_text().strip()
-    knob.write_text("1")
+    knob.write_text("1" if enabled else "0")
     try:
         yield
     finally:
@@ -974,7 +977,7 @@ def measure_one(
     value, extra = traffic(client, server, args, metric, args.duration)
     extra["agent_cpu_s"] = round(process_cpu_seconds(agent) - cpu, 2)
     if prog_ids and args.stats_seconds and shutil.which("bpftool"):
-        with bpf_stats_enabled():
+        with bpf_stats(True):
             progs = prog_stats(prog_ids)
             traffic(client, server, args, metric, args.stats_seconds)
             after = prog_stats(prog_ids)
@@ -1056,6 +1059,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         configs = Configurations(datapath, client, server, args)
         stack.callback(configs.close)
         prog_ids = sorted({i for ids in configs.ids.values() for i in ids.values()})
+        if BPF_STATS_KNOB.exists():
+            stack.enter_context(bpf_stats(False))
         if args.warmup and any(m == "crr_per_s" for m, _, _ in selected_metrics(args)):
             # Short connections between the same two pods reuse the client's ports within
             # seconds, and a reused tuple's conntrack entries are reset in place: after a
@@ -1068,7 +1073,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for metric, title, unit in selected_metrics(args):
                 for config in CONFIGS:
                     configs.set(config)
-                    value, extra = measure_one(cilia, client, server, args, metric, prog_ids)
+                    value, extra = measure_one(
+                        cilia,
+                        client,
+                        server,
+                        args,
+                        metric,
+                        None if config == "no-bpf" else prog_ids,
+                    )
                     samples[config][metric].append(value)
                     details[config][metric].append(extra)
                     print(

@@ -58,7 +58,7 @@ assert BLOCK_RECORD.size == FLOW_EVENT_SIZE + RINGBUF_HEADER_SIZE
 # The same 48 bytes as 10 native integers, the reader's fast path: a flow's template key is
 # (addresses, bytes 20-28, bytes 28-36, ifindex, dir+is_reply, tcp_flags) - six integers,
 # cheap to hash and compare, where the record tuple's 13 key fields include two fresh
-# ``bytes`` objects (measured: 523 → ~150 ns per record for the key and its lookup).
+# ``bytes`` objects (measured with timeit: 523 → 258 ns per record for the shape lookup).
 _KEYED_FIELDS = "QQHHQQIIHBx"
 KEYED = struct.Struct("=" + _KEYED_FIELDS)
 """``struct flow_event`` as a *keyed tuple*: ``(ts_ns, addresses, sport, dport, w20, w28,

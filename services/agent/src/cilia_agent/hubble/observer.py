@@ -248,7 +248,8 @@ class FlowStore:
         (host byte order), to be serialized when first read (:attr:`RingEntry.wire`); O(1),
         no Flow object, wakes every follower. The namespaces of a shape are recorded when
         the store first sees it (a shape lives at most the parser's template TTL, 1 s by
-        default, so GetNamespaces' last-seen times are at most that old)."""
+        default, plus one batch of records, so GetNamespaces' last-seen times are at most
+        that old)."""
         return self.add_shape_net(time_ns, shape, _htons(sport), _htons(dport))
 
     def add_shape_net(

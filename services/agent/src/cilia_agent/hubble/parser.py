@@ -26,7 +26,7 @@ Cost: a flow's fields other than ``time``, ``uuid`` and the ports are the same f
 event of the same (addresses, identities, endpoint, interface, hook, verdict, reason, reply,
 protocol, TCP flags) — e.g. every packet a deny rule drops between two pods. They are built
 once into a template Flow, kept for at most ``template_ttl_s`` (default 1 s, so enrichment
-is at most that stale; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
+is at most that stale, plus one batch of records on the reader's path; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
 event copies its template and sets the rest (about 5 µs instead of 25 µs per flow).
 
 Wire first (:meth:`Parser.shape_of` or, the reader's path, :meth:`Parser.shaper` +
@@ -377,8 +377,9 @@ class Parser:
         one batch of records: the templates' age is checked once, here (so a template is at
         most the TTL plus one batch old); the returned function looks the record's template
         up (building it on a miss, and starting over when :data:`TEMPLATES_MAX` are held).
-        The records' wall times: their ``ts_ns`` plus ``clock.current_offset_ns()`` read once
-        per batch. With a TTL of 0 every call builds its shape from scratch."""
+        It computes no time: the caller adds ``clock.current_offset_ns()``, read once per
+        batch, to each record's ``ts_ns``. With a TTL of 0 every call builds its shape from
+        scratch."""
         ttl = self.template_ttl_ns
 
         def build(f: tuple[int, ...]) -> FlowShape:
