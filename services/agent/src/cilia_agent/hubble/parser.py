@@ -26,8 +26,9 @@ Cost: a flow's fields other than ``time``, ``uuid`` and the ports are the same f
 event of the same (addresses, identities, endpoint, interface, hook, verdict, reason, reply,
 protocol, TCP flags) — e.g. every packet a deny rule drops between two pods. They are built
 once into a template Flow, kept for at most ``template_ttl_s`` (default 1 s, so enrichment
-is at most that stale, plus one batch of records on the reader's path; 0 = no templates) and at most :data:`TEMPLATES_MAX` of them; each
-event copies its template and sets the rest (about 5 µs instead of 25 µs per flow).
+is at most that stale, plus one batch of records on the reader's path; 0 = no templates)
+and at most :data:`TEMPLATES_MAX` of them; each event copies its template and sets the rest
+(about 5 µs instead of 25 µs per flow).
 
 Wire first (:meth:`Parser.shape_of` or, the reader's path, :meth:`Parser.shaper` +
 :meth:`FlowShape.encode`;
