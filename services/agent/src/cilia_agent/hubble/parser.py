@@ -324,12 +324,8 @@ class FlowShape:
         return self.template
 
 
-# Fields of a record tuple (events.RECORD) that make its template key: addresses,
-# protocol .. local endpoint and interface, direction, reply, TCP flags.
-_shape_key = operator.itemgetter(1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15, 16)
-# The same fields of a keyed tuple (events.KEYED): addresses, bytes 20-36, ifindex,
-# direction and reply, TCP flags (the key of :meth:`Parser.shaper`; a key of either kind lives
-# in the same dict, they cannot be equal: 13 items against 6).
+# The fields of a keyed tuple (events.KEYED) that make its template key: addresses, bytes
+# 20-36 (protocol .. local endpoint), ifindex, direction and reply, TCP flags.
 _keyed_shape_key = operator.itemgetter(1, 4, 5, 6, 8, 9)
 _ntohs = socket.ntohs
 
@@ -414,23 +410,11 @@ class Parser:
     def shape_of(self, f: events.RecordTuple) -> tuple[int, FlowShape]:
         """``(wall-clock ns, shape)`` of one record tuple: everything of its flow that reads
         the agent's state (enrichment) is decided here, at the time of the event; what is
-        left (:meth:`FlowShape.encode`: time, uuid, ports) can be done later, or never."""
-        ttl = self.template_ttl_ns
-        if ttl:
-            now = time.monotonic_ns()
-            shapes = self._shapes
-            if now - self._shapes_since > ttl or len(shapes) >= TEMPLATES_MAX:
-                shapes.clear()
-                self._shapes_since = now
-            key = _shape_key(f)
-            if f[5] == events.IPPROTO_ICMP:  # echo or not: the ICMP type depends on it
-                key = (*key, f[3] != 0)
-            shape = shapes.get(key)
-            if shape is None:
-                shape = shapes[key] = FlowShape(self._build(events.from_tuple(f)), self.node_name)
-        else:
-            shape = FlowShape(self._build(events.from_tuple(f)), self.node_name)
-        return self.clock.to_wall_ns(f[0]), shape
+        left (:meth:`FlowShape.encode`: time, uuid, ports) can be done later, or never.
+        One record through :meth:`shaper` (the same templates), for callers holding record
+        tuples."""
+        keyed = events.KEYED.unpack(events.RECORD.pack(*f))
+        return self.clock.to_wall_ns(f[0]), self.shaper()(keyed)
 
     def _endpoint(self, ip: str, identity: int, local_ep_id: int | None) -> flow_pb2.Endpoint:
         ref: EndpointRef | None = None
