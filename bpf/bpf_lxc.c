@@ -12,7 +12,8 @@
  * POLICY_DENIED (133) when the direction is enforced. Every drop emits an event on the
  * ring buffer; forwarded packets emit one as CONFIG.monitor_aggregation says (below:
  * at the default, medium, a connection's first packet in each direction, its SYN/FIN/RST
- * and one update per interval). An event the ring buffer refuses goes to a small rescue
+ * and one update per interval, reported where the packet goes: to-container of a local
+ * pod, to-stack otherwise). An event the ring buffer refuses goes to a small rescue
  * ring; one that fits in neither is counted in cilia_events_counters (the agent reports
  * it as a LostEvent). The reader is woken for
  * every CONFIG.events_wakeup_events-th event of a CPU, or when half the ring buffer is
@@ -28,9 +29,9 @@
  *   monitor_aggregation_interval_ns  periodic update of an active connection
  *                                    (upstream --monitor-aggregation-interval, 5 s)
  *   monitor_aggregation              trace events of forwarded packets (upstream
- *                                    --monitor-aggregation): 0 none = every packet; 1 lowest,
- *                                    2 low = every packet entering a pod, the medium rule for
- *                                    packets leaving it; 3 medium, 4 maximum = per connection
+ *                                    --monitor-aggregation): 0 none = every packet at every
+ *                                    observation point; 1 lowest, 2 low = every packet, but not
+ *                                    as from-container; 3 medium, 4 maximum = per connection
  *                                    and direction only: its first packet, a TCP flag of the
  *                                    flags below seen for the first time, and one update per
  *                                    interval. Drops are always reported, each one.
@@ -80,6 +81,17 @@ struct {
 	__uint(max_entries, 65535);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } cilia_endpoints SEC(".maps");
+
+/* Local endpoints by IPv4 address (network byte order) -> host-side veth ifindex
+ * (upstream cilium_lxc, keyed by address). The programs read it only to decide where a
+ * forwarded packet leaving a pod is reported (handle, below). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(max_entries, 65535);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_lxc SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
@@ -270,7 +282,7 @@ static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, _
 }
 
 static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct endpoint_info *ep,
-				 __u32 peer, __u8 dir, __u8 reason, __u8 is_reply)
+				 __u32 peer, __u8 dir, __u8 reason, __u8 is_reply, __u8 obs_point)
 {
 	struct flow_event ev = {};
 
@@ -291,6 +303,7 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 	ev.dir = dir;
 	ev.is_reply = is_reply;
 	ev.tcp_flags = p->tcp_flags;
+	ev.obs_point = obs_point;
 	/* Wake the reader for every CONFIG.events_wakeup_events-th event of a CPU, or
 	 * when half the ring buffer waits to be read (with many CPUs each holding fewer than
 	 * N events, the ring could otherwise fill before any CPU's count is reached), then
@@ -445,16 +458,30 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 
 	count(reason, dir, p.len);
 	if (reason) {
-		emit(skb, &p, ep, peer, dir, reason, is_reply);
+		emit(skb, &p, ep, peer, dir, reason, is_reply, 0);
 		return TC_ACT_SHOT;
 	}
-	if (CONFIG.monitor_aggregation == AGGREGATION_NONE ||
-	    (CONFIG.monitor_aggregation <= AGGREGATION_LOW && dir == DIR_INGRESS) || is_new ||
-	    report) {
-		if (ct)
-			peer = identity_of(peer_addr);
-		emit(skb, &p, ep, peer, dir, 0, is_reply);
+	/* Trace events of a forwarded packet, by observation point as upstream's
+	 * emit_trace_notify: with aggregation none every packet is reported where it is seen
+	 * (from-container, to-container) and once more as handed to the stack when it leaves
+	 * for something other than a local pod; from low on nothing is reported as
+	 * from-container (the packet is reported where it goes: the destination pod's
+	 * to-container, or to-stack here when that is not a local pod), and from medium on
+	 * only the packets conntrack reports (is_new, ct_report). A connection between two
+	 * pods of the node is therefore reported once per reported packet, not twice. */
+	__u32 aggregation = CONFIG.monitor_aggregation;
+	if (aggregation > AGGREGATION_LOW && !is_new && !report)
+		return TC_ACT_OK;
+	if (ct)
+		peer = identity_of(peer_addr);
+	if (dir == DIR_INGRESS) {
+		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_LXC);
+		return TC_ACT_OK;
 	}
+	if (aggregation == AGGREGATION_NONE)
+		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_FROM_LXC);
+	if (!bpf_map_lookup_elem(&cilia_lxc, &p.daddr))
+		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
 	return TC_ACT_OK;
 }
 

@@ -165,6 +165,11 @@ struct metrics_value {
 /* One ring-buffer event per trace or drop (layout mirrored in Python). */
 #define EVENT_TRACE 4  /* upstream monitor message type: trace */
 #define EVENT_DROP 1   /* upstream monitor message type: drop */
+
+/* A trace event's observation point (upstream monitor/api trace observation points). */
+#define TRACE_TO_LXC 0   /* delivered to the endpoint (to-container) */
+#define TRACE_TO_STACK 3 /* handed from the endpoint to the host's stack (not a local pod) */
+#define TRACE_FROM_LXC 5 /* sent by the endpoint (from-container) */
 struct flow_event {
 	__u64 ts_ns;        /* bpf_ktime_get_ns() (monotonic) */
 	__u32 saddr;        /* network byte order */
@@ -183,7 +188,7 @@ struct flow_event {
 	__u8 dir;           /* DIR_INGRESS | DIR_EGRESS, seen from the endpoint */
 	__u8 is_reply;
 	__u8 tcp_flags;
-	__u8 pad;
+	__u8 obs_point;     /* TRACE_TO_LXC, TRACE_TO_STACK, TRACE_FROM_LXC (drops: 0) */
 };
 
 #endif /* CILIA_COMMON_H */

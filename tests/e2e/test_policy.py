@@ -192,8 +192,11 @@ def test_relay_shows_frontend_forwarded_and_other_dropped_policy_denied_with_pod
     text = traffic.summary(flows)
     forwarded = _match(flows, front, back, ALLOWED, verdict="FORWARDED", is_reply=False)
     assert forwarded, f"no FORWARDED frontend -> backend:{ALLOWED}:\n{text}"
-    assert {f["traffic_direction"] for f in forwarded} == {"EGRESS", "INGRESS"}, text
-    ingress = next(f for f in forwarded if f["traffic_direction"] == "INGRESS")
+    # Two pods of one node: each packet is reported once, where it arrives (backend's
+    # to-endpoint), as upstream at its default aggregation; not also as it left frontend.
+    points = {(f["traffic_direction"], f["trace_observation_point"]) for f in forwarded}
+    assert points == {("INGRESS", "TO_ENDPOINT")}, text
+    ingress = forwarded[0]
     assert ingress["IP"] == {"source": pods["frontend"].ip, "destination": pods["backend"].ip} | {
         "ipVersion": "IPv4"
     }
@@ -209,9 +212,12 @@ def test_relay_shows_frontend_forwarded_and_other_dropped_policy_denied_with_pod
         assert "k8s:app=other" in f["source"]["labels"], f
     wrong_port = _match(flows, front, back, OTHER_PORT, verdict="DROPPED")
     assert [f["drop_reason_desc"] for f in wrong_port][:1] == ["POLICY_DENIED"], text
-    # The backend's answers reached frontend's default-deny ingress as replies.
+    # The backend's answers reached frontend's default-deny ingress as replies (of
+    # frontend's connection: EGRESS), reported at frontend's to-endpoint.
     replies = _match(flows, back, front, None, verdict="FORWARDED", is_reply=True)
-    assert any(f["traffic_direction"] == "INGRESS" for f in replies), text
+    assert replies, text
+    points = {(f["traffic_direction"], f["trace_observation_point"]) for f in replies}
+    assert points == {("EGRESS", "TO_ENDPOINT")}, text
     assert not _match(flows, back, front, None, verdict="DROPPED"), text
 
 

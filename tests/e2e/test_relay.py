@@ -159,7 +159,9 @@ def test_relay_merges_flows_of_both_nodes_in_time_order(nodes: Nodes) -> None:
         # Each node only reports flows at its own endpoints.
         own = nodes.a.name if f["node_name"] == nodes.node1 else nodes.b.name
         point = f["trace_observation_point"]
-        side = {"FROM_ENDPOINT": "source", "TO_ENDPOINT": "destination"}[point]
+        # leaving for the other node: to-stack at the source (medium aggregation reports
+        # nothing as from-endpoint, as upstream); arriving: to-endpoint at the destination
+        side = {"TO_STACK": "source", "TO_ENDPOINT": "destination"}[point]
         assert traffic.pod_of(f, side) == own, text
         assert {traffic.pod_of(f, "source"), traffic.pod_of(f, "destination")} == {
             nodes.a.name,

@@ -7,6 +7,7 @@ run, so the endpoint under test is registered for ifindex 1.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,9 @@ from cilia_bpf_testing.harness import (
     TC_ACT_SHOT,
     TCP_ACK,
     TCP_SYN,
+    TRACE_FROM_LXC,
+    TRACE_TO_LXC,
+    TRACE_TO_STACK,
     IpcacheKey,
     IpcacheValue,
     ip_to_map,
@@ -237,20 +241,46 @@ def test_medium_aggregation_reports_first_packet_and_new_flags_per_direction(
     ]
 
 
-def test_aggregation_none_reports_every_packet_and_low_every_packet_into_the_pod(
+def test_aggregation_none_reports_every_packet_at_every_point_and_low_not_from_the_pod(
     loaded: Callable[..., harness.Datapath],
 ) -> None:
+    # The connection of connection(): 6 packets from the pod (SYN, 3 ACKs, FIN, RST) to
+    # PEER, which is not a pod of this node, and 5 into it (SYN-ACK, 3 ACKs, FIN).
     none = loaded(monitor_aggregation=0)
     setup_endpoint(none, egress=True)
     rule(none, PEER_ID, DIR_EGRESS, proto=6, port=8080)
-    assert len(connection(none, acks=3)) == 2 + 3 * 2 + 2 + 1
+    connection(none, acks=3)
+    points = Counter(ev.obs_point for ev in none.events)
+    assert points == {TRACE_FROM_LXC: 6, TRACE_TO_STACK: 6, TRACE_TO_LXC: 5}
 
     low = loaded(monitor_aggregation=2)
     setup_endpoint(low, egress=True)
     rule(low, PEER_ID, DIR_EGRESS, proto=6, port=8080)
-    directions = [d for d, _ in connection(low, acks=3)]
-    assert directions.count(DIR_INGRESS) == 1 + 3 + 1  # SYN-ACK, each ACK, FIN
-    assert directions.count(DIR_EGRESS) == 3  # SYN, FIN, RST
+    connection(low, acks=3)
+    points = Counter(ev.obs_point for ev in low.events)
+    assert points == {TRACE_TO_STACK: 6, TRACE_TO_LXC: 5}
+
+
+def test_a_packet_to_a_local_pod_is_reported_at_its_to_container_only(
+    loaded: Callable[..., harness.Datapath],
+) -> None:
+    # PEER becomes a pod of this node (behind ifindex 2): what POD sends it is reported
+    # where it arrives (PEER's to-container, another run of the program), not as it leaves;
+    # with aggregation none it is still reported as it leaves, as from-container only.
+    for aggregation, leaving in ((3, []), (2, []), (0, [TRACE_FROM_LXC])):
+        dp = loaded(monitor_aggregation=aggregation)
+        setup_endpoint(dp, egress=True)
+        harness.endpoint(dp, EP_ID + 1, PEER_ID, PEER, ifindex=2)
+        rule(dp, PEER_ID, DIR_EGRESS, proto=6, port=8080)
+        assert dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, dport=8080)) == TC_ACT_OK
+        assert [ev.obs_point for ev in dp.events] == leaving, aggregation
+        # a drop is reported where it happens, local destination or not
+        assert dp.run(FROM, packet(POD, PEER, dport=9)) == TC_ACT_SHOT
+        assert [(ev.verdict, ev.obs_point) for ev in dp.events[len(leaving) :]] == [(2, 0)]
+        # once PEER is gone from the node, its address is no local pod's
+        dp.agent.delete_endpoint(2)
+        assert dp.run(FROM, packet(POD, PEER, flags=TCP_SYN, sport=40001, dport=8080)) == 0
+        assert dp.events[-1].obs_point == TRACE_TO_STACK
 
 
 def test_aggregation_flags_and_interval_are_options(

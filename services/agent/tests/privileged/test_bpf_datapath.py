@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 import subprocess
 import uuid
@@ -199,3 +200,32 @@ def test_attach_again_replaces_the_filters_in_place_and_detach_removes_them(
     finally:
         third.close()
     assert err.value.code == 19 and "ifindex 2147483647" in str(err.value)  # ENODEV
+
+
+def test_cilia_lxc_indexes_the_endpoints_by_address_and_is_rebuilt_at_load(
+    config: DatapathConfig,
+) -> None:
+    skips.require_bpf("BPF maps")
+    first = Datapath.load(config)
+    try:
+        a, b = ip_to_map("10.251.201.1"), ip_to_map("10.251.201.2")
+        first.set_endpoint(11, EndpointInfo(ep_id=1, sec_identity=1000, ipv4=a))
+        first.set_endpoint(12, EndpointInfo(ep_id=2, sec_identity=1000, ipv4=b))
+        assert {k.value: v.value for k, v in first.lxc_map.items()} == {a: 11, b: 12}
+        # a new address for endpoint 12 replaces its old one; a deleted endpoint's goes
+        c = ip_to_map("10.251.201.3")
+        first.set_endpoint(12, EndpointInfo(ep_id=2, sec_identity=1000, ipv4=c))
+        first.delete_endpoint(11)
+        assert {k.value: v.value for k, v in first.lxc_map.items()} == {c: 12}
+        # pins as an agent before cilia_lxc (or a crash between the two writes) left them:
+        # an endpoint missing from the index, an address of no endpoint in it
+        first.lxc_map.delete(ctypes.c_uint32(c))
+        first.lxc_map.update(ctypes.c_uint32(a), ctypes.c_uint32(11))
+    finally:
+        first.close()
+
+    second = Datapath.load(config)
+    try:
+        assert {k.value: v.value for k, v in second.lxc_map.items()} == {c: 12}
+    finally:
+        second.close()

@@ -21,6 +21,12 @@ IDENTITY_WORLD = reserved.WORLD
 DIR_INGRESS = 0  # to the pod (tc egress of the host veth)
 DIR_EGRESS = 1  # from the pod (tc ingress of the host veth)
 
+# A trace event's observation point (flow_event.obs_point; upstream monitor/api trace
+# observation points, which are also the Hubble event sub_type of a trace).
+TRACE_TO_LXC = 0  # delivered to the endpoint: Hubble's TO_ENDPOINT
+TRACE_TO_STACK = 3  # handed by the endpoint's program to the host stack, not to a local pod
+TRACE_FROM_LXC = 5  # sent by the endpoint: Hubble's FROM_ENDPOINT
+
 # Upstream drop reasons used by the datapath (flow.DropReason).
 DROP_POLICY_DENIED = 133
 DROP_POLICY_DENY = 181
@@ -142,7 +148,7 @@ class FlowEvent(ctypes.Structure):
         ("dir", ctypes.c_uint8),
         ("is_reply", ctypes.c_uint8),
         ("tcp_flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8),
+        ("obs_point", ctypes.c_uint8),
     ]
 
 
@@ -210,10 +216,15 @@ class LxcConfig(ctypes.Structure):
 
 
 MAP_LAYOUTS: dict[
-    str, tuple[type[ctypes.Structure] | type[ctypes.c_uint32], type[ctypes.Structure]]
+    str,
+    tuple[
+        type[ctypes.Structure] | type[ctypes.c_uint32],
+        type[ctypes.Structure] | type[ctypes.c_uint32],
+    ],
 ] = {
     "cilia_ipcache": (IpcacheKey, IpcacheValue),
     "cilia_endpoints": (ctypes.c_uint32, EndpointInfo),
+    "cilia_lxc": (ctypes.c_uint32, ctypes.c_uint32),
     "cilia_policy": (PolicyKey, PolicyValue),
     "cilia_metrics": (MetricsKey, MetricsValue),
     "cilia_ct": (CtKey, CtValue),

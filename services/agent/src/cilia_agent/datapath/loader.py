@@ -63,6 +63,9 @@ PROG_TO_CONTAINER = "cil_to_container"
 #: tc priority of both endpoint filters (handle 1); lower runs first.
 FILTER_PRIO = 1
 OBJECT = "bpf_lxc"
+#: Local endpoints by address (IPv4, network order) → host veth ifindex; sized as
+#: ``cilia_endpoints`` (upstream ``cilium_lxc``).
+LXC_MAP = "cilia_lxc"
 EVENTS_MAP = "cilia_events"
 EVENTS_RESCUE_MAP = "cilia_events_rescue"
 EVENTS_RESCUE_PAGES = 4  # its size: 4 pages (a ring buffer's size is whole pages)
@@ -131,6 +134,7 @@ class DatapathConfig:
         return {
             "cilia_ipcache": self.ipcache_max,
             "cilia_endpoints": self.endpoints_max,
+            LXC_MAP: self.endpoints_max,
             "cilia_policy": self.policy_max,
             "cilia_ct": self.ct_max,
             EVENTS_MAP: self.events_pages * os.sysconf("SC_PAGE_SIZE"),
@@ -158,6 +162,9 @@ class Datapath:
         )
         self.endpoint_map: PinnedMap[ctypes.c_uint32, EndpointInfo] = obj.map(
             "cilia_endpoints", ctypes.c_uint32, EndpointInfo
+        )
+        self.lxc_map: PinnedMap[ctypes.c_uint32, ctypes.c_uint32] = obj.map(
+            LXC_MAP, ctypes.c_uint32, ctypes.c_uint32
         )
         self.policy_map: PinnedMap[PolicyKey, PolicyValue] = obj.map(
             "cilia_policy", PolicyKey, PolicyValue
@@ -205,6 +212,7 @@ class Datapath:
             obj = load(False)
         try:
             dp = cls(config, obj)
+            dp._index_endpoints()
         except BaseException:
             obj.close()
             raise
@@ -326,12 +334,44 @@ class Datapath:
     # ----- maps ----------------------------------------------------------------------------
 
     def set_endpoint(self, ifindex: int, info: EndpointInfo) -> None:
-        """Register (or update) the endpoint behind host veth ``ifindex``."""
-        self.endpoint_map.update(ctypes.c_uint32(ifindex), info)
+        """Register (or update) the endpoint behind host veth ``ifindex``, and its address
+        in ``cilia_lxc`` (a changed address replaces the old one there)."""
+        key = ctypes.c_uint32(ifindex)
+        old = self.endpoint_map.lookup(key)
+        self.endpoint_map.update(key, info)
+        if old is not None and old.ipv4 != info.ipv4:
+            self._unindex(old.ipv4, ifindex)
+        if info.ipv4:
+            self.lxc_map.update(ctypes.c_uint32(info.ipv4), ctypes.c_uint32(ifindex))
 
     def delete_endpoint(self, ifindex: int) -> None:
-        """Forget the endpoint behind ``ifindex`` (absent is fine)."""
-        self.endpoint_map.delete(ctypes.c_uint32(ifindex))
+        """Forget the endpoint behind ``ifindex`` and its address (absent is fine)."""
+        key = ctypes.c_uint32(ifindex)
+        old = self.endpoint_map.lookup(key)
+        self.endpoint_map.delete(key)
+        if old is not None:
+            self._unindex(old.ipv4, ifindex)
+
+    def _unindex(self, ipv4: int, ifindex: int) -> None:
+        """Drop ``ipv4`` from ``cilia_lxc`` if it still names ``ifindex`` (an address
+        handed to another endpoint since stays with that one)."""
+        current = self.lxc_map.lookup(ctypes.c_uint32(ipv4))
+        if current is not None and current.value == ifindex:
+            self.lxc_map.delete(ctypes.c_uint32(ipv4))
+
+    def _index_endpoints(self) -> None:
+        """Make ``cilia_lxc`` the address index of ``cilia_endpoints``: the endpoints'
+        addresses added, addresses of no endpoint removed. At load, so that pins written
+        by an agent that predates ``cilia_lxc`` (or an index left behind by a crash
+        between the two maps' writes) are made whole."""
+        wanted = {
+            int(info.ipv4): int(k.value) for k, info in self.endpoint_map.items() if info.ipv4
+        }
+        for key in list(self.lxc_map.keys()):
+            if int(key.value) not in wanted:
+                self.lxc_map.delete(key)
+        for ipv4, ifindex in wanted.items():
+            self.lxc_map.update(ctypes.c_uint32(ipv4), ctypes.c_uint32(ifindex))
 
     def endpoints(self) -> dict[int, EndpointInfo]:
         """Current endpoint map: ifindex → info."""
@@ -359,6 +399,7 @@ class Datapath:
         for handle in (
             self.ipcache_map,
             self.endpoint_map,
+            self.lxc_map,
             self.policy_map,
             self.metrics_map,
             self.events_counters,

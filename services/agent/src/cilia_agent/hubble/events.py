@@ -20,7 +20,8 @@ Layout (48 bytes, host byte order except where noted, no implicit padding)::
         44    1 dir            0 ingress (to the pod), 1 egress (from the pod)
         45    1 is_reply       1 = packet of the reverse direction of a tracked connection
         46    1 tcp_flags      byte 13 of the TCP header
-        47    1 pad
+        47    1 obs_point      a trace's observation point: 0 to-endpoint, 3 to-stack,
+                               5 from-endpoint (upstream monitor/api numbers); drops 0
 
 Change this module together with ``struct flow_event``; the size check below
 catches a layout change that alters the size.
@@ -47,7 +48,7 @@ assert FLOW_EVENT_SIZE == 48, FLOW_EVENT_SIZE
 RECORD = _LAYOUT
 """``struct flow_event`` as a :class:`struct.Struct`; ``RECORD.unpack(record)`` gives the
 *record tuple* the fast path works on: the fields in the order of the table above (ports
-still in network byte order, addresses as 4 raw bytes, then ``pad``)."""
+still in network byte order, addresses as 4 raw bytes, ``obs_point`` last)."""
 RINGBUF_HEADER_SIZE = 8
 BLOCK_RECORD = struct.Struct(f"={RINGBUF_HEADER_SIZE}x{_FIELDS}")
 """One record of a ring-buffer block (its 8-byte ring-buffer header skipped, see
@@ -56,16 +57,17 @@ gives record tuples."""
 assert BLOCK_RECORD.size == FLOW_EVENT_SIZE + RINGBUF_HEADER_SIZE
 
 # The same 48 bytes as 10 native integers, the reader's fast path: a flow's template key is
-# (addresses, bytes 20-28, bytes 28-36, ifindex, dir+is_reply, tcp_flags) - six integers,
-# cheap to hash and compare, where the record tuple's 13 key fields include two fresh
-# ``bytes`` objects (measured with timeit: 523 → 258 ns per record for the shape lookup).
-_KEYED_FIELDS = "QQHHQQIIHBx"
+# (addresses, bytes 20-28, bytes 28-36, ifindex, dir+is_reply, tcp_flags+obs_point) - six
+# integers, cheap to hash and compare, where the record tuple's 14 key fields include two
+# fresh ``bytes`` objects (measured with timeit: 523 → 258 ns per record for the shape lookup).
+_KEYED_FIELDS = "QQHHQQIIHH"
 KEYED = struct.Struct("=" + _KEYED_FIELDS)
 """``struct flow_event`` as a *keyed tuple*: ``(ts_ns, addresses, sport, dport, w20, w28,
-ifindex, len, dir_reply, tcp_flags)``; ``addresses`` is saddr and daddr as one native
+ifindex, len, dir_reply, flags_point)``; ``addresses`` is saddr and daddr as one native
 integer, ``w20`` the bytes 20-28 (proto, event_type, verdict, drop_reason, src_identity),
-``w28`` the bytes 28-36 (dst_identity, ep_id), ``dir_reply`` the bytes 44-45; ports stay in
-network byte order. :func:`record_of_keyed` gives back the record tuple."""
+``w28`` the bytes 28-36 (dst_identity, ep_id), ``dir_reply`` the bytes 44-45,
+``flags_point`` the bytes 46-47 (tcp_flags, obs_point); ports stay in network byte order.
+:func:`record_of_keyed` gives back the record tuple."""
 BLOCK_KEYED = struct.Struct(f"={RINGBUF_HEADER_SIZE}x{_KEYED_FIELDS}")
 """:data:`KEYED` after a ring-buffer record header, as :data:`BLOCK_RECORD`."""
 assert KEYED.size == FLOW_EVENT_SIZE and BLOCK_KEYED.size == BLOCK_RECORD.size
@@ -75,7 +77,7 @@ KEYED_PROTO_SHIFT = 0 if sys.byteorder == "little" else 56
 
 def record_of_keyed(k: tuple[int, ...]) -> tuple[Any, ...]:
     """The record tuple (:data:`RECORD`) of a keyed tuple (:data:`KEYED`): the same bytes
-    (``pad`` zero) read the other way."""
+    read the other way."""
     return _LAYOUT.unpack(KEYED.pack(*k))
 
 
@@ -83,6 +85,9 @@ EVENT_DROP = 1
 EVENT_TRACE = 4
 DIR_INGRESS = layout.DIR_INGRESS
 DIR_EGRESS = layout.DIR_EGRESS
+TRACE_TO_LXC = layout.TRACE_TO_LXC
+TRACE_TO_STACK = layout.TRACE_TO_STACK
+TRACE_FROM_LXC = layout.TRACE_FROM_LXC
 VERDICT_FORWARDED = 1
 VERDICT_DROPPED = 2
 DROP_POLICY_DENIED = layout.DROP_POLICY_DENIED
@@ -105,7 +110,9 @@ TCP_CWR = 0x80
 @dataclass(slots=True)
 class FlowEvent:
     """One decoded ``struct flow_event``; ports are host-order ints, addresses dotted quads
-    (not frozen: building it is on the per-event path, and no one mutates it)."""
+    (not frozen: building it is on the per-event path, and no one mutates it).
+    ``obs_point`` None (only in events built by hand) stands for the hook's own point:
+    :data:`TRACE_FROM_LXC` at egress, :data:`TRACE_TO_LXC` at ingress; a drop's is 0."""
 
     ts_ns: int
     saddr: str
@@ -124,6 +131,7 @@ class FlowEvent:
     direction: int
     is_reply: bool
     tcp_flags: int
+    obs_point: int | None = None
 
     def pack(self) -> bytes:
         """Encode back to the exact 48 bytes the datapath writes (used by tests and tools)."""
@@ -145,8 +153,16 @@ class FlowEvent:
             self.direction,
             int(self.is_reply),
             self.tcp_flags,
-            0,
+            self.point(),
         )
+
+    def point(self) -> int:
+        """The observation point the record carries (``obs_point``, or the hook's own)."""
+        if self.obs_point is not None:
+            return self.obs_point
+        if self.event_type != EVENT_TRACE:
+            return 0
+        return TRACE_FROM_LXC if self.direction == DIR_EGRESS else TRACE_TO_LXC
 
 
 _ADDRESSES_MAX = 65536
@@ -203,4 +219,5 @@ def from_tuple(f: RecordTuple) -> FlowEvent:
         f[14],
         bool(f[15]),
         f[16],
+        f[17],
     )

@@ -7,12 +7,15 @@ Field semantics follow upstream Hubble's L3/L4 parser
 - ``verdict``; ``drop_reason`` (deprecated number) and ``drop_reason_desc`` for drops.
 - ``event_type``: ``{type: 4 trace | 1 drop, sub_type}`` where, as upstream, a drop's
   sub_type is its drop reason and a trace's sub_type is its observation point
-  (0 to-endpoint, 5 from-endpoint; monitor/api TraceToLxc/TraceFromLxc).
+  (0 to-endpoint, 3 to-stack, 5 from-endpoint; monitor/api TraceToLxc/TraceToStack/
+  TraceFromLxc), which the datapath writes in the event (``obs_point``).
 - ``traffic_direction``: drops: EGRESS when the hook is the pod's egress (from-container),
   else INGRESS. Traces: the direction of the *connection*, so a reply seen leaving the pod
   is INGRESS and a reply entering it is EGRESS (upstream inverts for replies).
-- ``trace_observation_point``: FROM_ENDPOINT (from-container) / TO_ENDPOINT
-  (to-container) for traces; unset for drops, as upstream drop notifications carry none.
+- ``trace_observation_point``: TO_ENDPOINT (to-container), TO_STACK (from-container, the
+  packet handed to the host stack: its destination is not a pod of this node) or
+  FROM_ENDPOINT (from-container, only with ``--monitor-aggregation none``) for traces;
+  unset for drops, as upstream drop notifications carry none.
 - ``is_reply`` and the deprecated ``reply`` from the conntrack result of the datapath.
 - source/destination ``Endpoint``: the local side from its endpoint id, the other side by
   IP (local endpoint or ipcache owner), identities from the event, labels from the
@@ -78,10 +81,6 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.enrich import EndpointRef, Resolver
-
-# Monitor trace observation points used as a trace's event sub_type (upstream monitor/api).
-TRACE_TO_LXC = 0
-TRACE_FROM_LXC = 5
 
 _ICMP_ECHO_REQUEST = 8
 _ICMP_ECHO_REPLY = 0
@@ -447,7 +446,7 @@ class Parser:
             key = (
                 ev.saddr, ev.daddr, ev.src_identity, ev.dst_identity, ev.ep_id, ev.ifindex,
                 ev.direction, ev.event_type, ev.verdict, ev.drop_reason, ev.is_reply, ev.proto,
-                ev.tcp_flags, ev.proto == events.IPPROTO_ICMP and ev.sport != 0,
+                ev.tcp_flags, ev.point(), ev.proto == events.IPPROTO_ICMP and ev.sport != 0,
             )  # fmt: skip
             template = self._templates.get(key)
             if template is None:
@@ -493,10 +492,12 @@ class Parser:
             flow.event_type.sub_type = ev.drop_reason
             flow.traffic_direction = flow_pb2.EGRESS if egress_hook else flow_pb2.INGRESS
         else:
+            point = ev.point()
             flow.event_type.type = ev.event_type
-            flow.event_type.sub_type = TRACE_FROM_LXC if egress_hook else TRACE_TO_LXC
+            flow.event_type.sub_type = point
+            # Hubble's enum numbers the points as monitor/api does, but for to-endpoint.
             flow.trace_observation_point = (
-                flow_pb2.FROM_ENDPOINT if egress_hook else flow_pb2.TO_ENDPOINT
+                flow_pb2.TO_ENDPOINT if point == events.TRACE_TO_LXC else point  # type: ignore[assignment]
             )
             connection_egress = egress_hook != ev.is_reply
             flow.traffic_direction = flow_pb2.EGRESS if connection_egress else flow_pb2.INGRESS

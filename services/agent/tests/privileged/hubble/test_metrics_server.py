@@ -166,8 +166,13 @@ def test_metrics_on_9965_count_real_allowed_dropped_icmp_and_world_traffic_exact
     assert select(scraped, "hubble_drop_total", reason="POLICY_DENIED", protocol="TCP",
                   source=src, destination=dst) >= 2, scraped  # fmt: skip
     assert select(scraped, "hubble_flows_processed_total", type="Drop", verdict="DROPPED") >= 2
+    # pod to pod on one node: reported where the packets arrive (medium aggregation, as
+    # upstream), never as they leave; to the world: as handed to the stack
     assert select(scraped, "hubble_flows_processed_total", protocol="TCP", type="Trace",
-                  subtype="from-endpoint", verdict="FORWARDED") >= 4  # fmt: skip
+                  subtype="to-endpoint", verdict="FORWARDED") >= 4  # fmt: skip
+    assert select(scraped, "hubble_flows_processed_total", subtype="from-endpoint") == 0
+    assert select(scraped, "hubble_flows_processed_total", protocol="TCP", type="Trace",
+                  subtype="to-stack", verdict="FORWARDED") >= 1  # fmt: skip
     assert select(scraped, "hubble_port_distribution_total", protocol="TCP", port=str(PORT)) >= 4
     assert select(scraped, "hubble_tcp_flags_total", flag="SYN", family="IPv4") >= 4
     assert select(scraped, "hubble_tcp_flags_total", flag="SYN-ACK", family="IPv4") >= 4

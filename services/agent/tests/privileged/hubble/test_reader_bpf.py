@@ -139,7 +139,7 @@ def test_ring_buffer_events_become_enriched_flows_with_verdicts(datapath: Loaded
     assert allowed.destination.identity == PEER_ID
     assert allowed.l4.TCP.destination_port == 8080 and allowed.l4.TCP.flags.SYN
     assert allowed.traffic_direction == flow_pb2.EGRESS
-    assert allowed.trace_observation_point == flow_pb2.FROM_ENDPOINT
+    assert allowed.trace_observation_point == flow_pb2.TO_STACK  # PEER is no pod of this node
     assert (allowed.interface.index, allowed.interface.name) == (1, "lo")
     # the monotonic kernel stamp became wall-clock time of this test run
     assert before - 1_000_000_000 < allowed.time.ToNanoseconds() < time.time_ns() + 1_000_000_000

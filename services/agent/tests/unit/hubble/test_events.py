@@ -36,7 +36,7 @@ class CFlowEvent(ctypes.Structure):
         ("dir", ctypes.c_uint8),
         ("is_reply", ctypes.c_uint8),
         ("tcp_flags", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8),
+        ("obs_point", ctypes.c_uint8),
     ]
 
 
@@ -92,7 +92,22 @@ def test_decode_reads_every_field_with_network_order_addresses_and_ports() -> No
         direction=1,
         is_reply=False,
         tcp_flags=0x12,
+        obs_point=0,
     )
+
+
+def test_a_trace_carries_its_observation_point_and_a_hand_built_one_gets_its_hooks() -> None:
+    raw = bytearray(crafted())
+    raw[21], raw[47] = events.EVENT_TRACE, events.TRACE_TO_STACK  # event_type, obs_point
+    ev = events.decode(bytes(raw))
+    assert (ev.obs_point, ev.point()) == (events.TRACE_TO_STACK, events.TRACE_TO_STACK)
+    assert ev.pack() == bytes(raw)
+    ev.obs_point = None  # built by hand: the hook's own point
+    assert ev.point() == events.TRACE_FROM_LXC  # direction 1 = egress
+    ev.direction = events.DIR_INGRESS
+    assert ev.point() == events.TRACE_TO_LXC
+    ev.event_type = events.EVENT_DROP
+    assert ev.point() == 0
 
 
 def test_pack_round_trips_to_the_same_bytes() -> None:

@@ -106,6 +106,24 @@ def test_to_endpoint_trace_is_ingress_at_to_endpoint() -> None:
     assert flow.destination.ID == h.BACKEND_EP
 
 
+def test_to_stack_trace_is_the_egress_of_a_packet_leaving_for_no_local_pod() -> None:
+    ev = h.event(daddr=h.REMOTE_IP, dst_identity=h.REMOTE_ID, obs_point=events.TRACE_TO_STACK)
+    flow = parse_bytes(ev.pack())
+    assert flow.trace_observation_point == flow_pb2.TO_STACK
+    assert (flow.event_type.type, flow.event_type.sub_type) == (events.EVENT_TRACE, 3)
+    assert flow.traffic_direction == flow_pb2.EGRESS and flow.source.ID == h.FRONTEND_EP
+    # the wire path keys its shapes on the point too: the same packet as from-endpoint
+    # (aggregation none reports both) is a flow of its own
+    parser = Parser(h.resolver(), h.NODE, BootClock(offset_ns=h.BOOT_OFFSET_NS))
+    shape_for = parser.shaper()
+    keyed = [
+        events.KEYED.unpack(h.event(obs_point=point).pack())
+        for point in (events.TRACE_TO_STACK, events.TRACE_FROM_LXC)
+    ]
+    points = [shape_for(k).template.trace_observation_point for k in keyed]
+    assert points == [flow_pb2.TO_STACK, flow_pb2.FROM_ENDPOINT]
+
+
 def test_remote_pod_is_named_from_the_ipcache_owner_and_world_gets_reserved_label() -> None:
     to_remote = parse_bytes(h.event(daddr=h.REMOTE_IP, dst_identity=h.REMOTE_ID).pack())
     assert to_remote.destination.namespace == "prod"
