@@ -472,6 +472,11 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	__u32 aggregation = CONFIG.monitor_aggregation;
 	if (aggregation > AGGREGATION_LOW && !is_new && !report)
 		return TC_ACT_OK;
+	/* Decided before the peer's identity is looked up (a hash lookup, not the LPM
+	 * trie's), so a packet left to the local pod's to-container costs no more. */
+	__u8 to_stack = dir == DIR_EGRESS && !bpf_map_lookup_elem(&cilia_lxc, &p.daddr);
+	if (dir == DIR_EGRESS && !to_stack && aggregation != AGGREGATION_NONE)
+		return TC_ACT_OK;
 	if (ct)
 		peer = identity_of(peer_addr);
 	if (dir == DIR_INGRESS) {
@@ -480,7 +485,7 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	}
 	if (aggregation == AGGREGATION_NONE)
 		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_FROM_LXC);
-	if (!bpf_map_lookup_elem(&cilia_lxc, &p.daddr))
+	if (to_stack)
 		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
 	return TC_ACT_OK;
 }
