@@ -16,7 +16,14 @@ from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
 
-PINNED = {"cilia_ipcache", "cilia_endpoints", "cilia_policy", "cilia_ct", "cilia_metrics"}
+PINNED = {
+    "cilia_ipcache",
+    "cilia_endpoints",
+    "cilia_policy",
+    "cilia_ct",
+    "cilia_metrics",
+    "cilia_lxc",
+}
 
 
 @pytest.fixture
