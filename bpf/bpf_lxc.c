@@ -472,17 +472,20 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	__u32 aggregation = CONFIG.monitor_aggregation;
 	if (aggregation > AGGREGATION_LOW && !is_new && !report)
 		return TC_ACT_OK;
-	/* Decided before the peer's identity is looked up (a hash lookup, not the LPM
-	 * trie's), so a packet left to the local pod's to-container costs no more. */
-	__u8 to_stack = dir == DIR_EGRESS && !bpf_map_lookup_elem(&cilia_lxc, &p.daddr);
-	if (dir == DIR_EGRESS && !to_stack && aggregation != AGGREGATION_NONE)
-		return TC_ACT_OK;
-	if (ct)
-		peer = identity_of(peer_addr);
 	if (dir == DIR_INGRESS) {
+		if (ct)
+			peer = identity_of(peer_addr);
 		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_LXC);
 		return TC_ACT_OK;
 	}
+	/* Leaving the pod. Whether for a local pod is decided before the peer's identity is
+	 * looked up (a hash lookup, not the ipcache's LPM trie), so a packet left to that
+	 * pod's to-container costs no more. */
+	__u8 to_stack = !bpf_map_lookup_elem(&cilia_lxc, &p.daddr);
+	if (!to_stack && aggregation != AGGREGATION_NONE)
+		return TC_ACT_OK;
+	if (ct)
+		peer = identity_of(peer_addr);
 	if (aggregation == AGGREGATION_NONE)
 		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_FROM_LXC);
 	if (to_stack)
