@@ -22,7 +22,10 @@
  *
  * Non-IPv4 traffic (ARP for the router IP, IPv6) is passed untouched.
  */
+#include <stddef.h>
 #include "lib/common.h"
+
+#define AF_INET 2
 
 /* Load-time configuration (the agent writes it before load; mirrored by
  * cilia_agent.datapath.layout.LxcConfig):
@@ -45,6 +48,11 @@
  *                                    the agent sets it when the kernel has the helper, as
  *                                    upstream's bpf_mono_now picks jiffies when it can);
  *                                    0: bpf_ktime_get_ns. Events always carry the latter.
+ *   host_legacy_routing              0: a forwarded packet from a pod to another pod of this
+ *                                    node is delivered by the program (local_delivery,
+ *                                    below), not through the host's IP stack; 1: every
+ *                                    packet goes up the stack (upstream
+ *                                    --enable-host-legacy-routing).
  */
 struct lxc_config {
 	__u64 monitor_aggregation_interval_ns;
@@ -52,7 +60,8 @@ struct lxc_config {
 	__u32 events_wakeup_events;
 	__u8 monitor_aggregation_flags;
 	__u8 ct_clock_coarse;
-	__u8 pad[6];
+	__u8 host_legacy_routing;
+	__u8 pad[5];
 };
 
 const volatile struct lxc_config CONFIG = {
@@ -83,8 +92,9 @@ struct {
 } cilia_endpoints SEC(".maps");
 
 /* Local endpoints by IPv4 address (network byte order) -> host-side veth ifindex
- * (upstream cilium_lxc, keyed by address). The programs read it only to decide where a
- * forwarded packet leaving a pod is reported (handle, below). */
+ * (upstream cilium_lxc, keyed by address). The programs read it for a forwarded packet
+ * leaving a pod: to deliver it to a local pod (local_delivery) and to decide where it is
+ * reported (handle, below). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, __u32);
@@ -367,6 +377,57 @@ static __always_inline int ct_report(struct ct_value *ct, __u8 is_reply, __u8 tc
 	return 0;
 }
 
+/* Deliver a forwarded packet from a pod to a pod of this node without the host's IP stack
+ * (upstream bpf_lxc's local delivery, ipv4_local_delivery: what --enable-host-legacy-routing
+ * false gives): the TTL decremented as a router would (the IP checksum updated), MACs from
+ * the kernel's FIB and neighbour table (bpf_fib_lookup: source = the destination's host
+ * veth, destination = the pod's eth0), then redirected to the egress of that host veth,
+ * where cil_to_container decides and reports the packet as for any other. The host's
+ * routing, netfilter (the FORWARD chain, its conntrack) and forwarding counters are
+ * skipped, as upstream's are. ifindex: the destination's host veth from cilia_lxc.
+ * Returns TC_ACT_REDIRECT, or TC_ACT_OK (the stack forwards it) when the route does not
+ * lead to that veth (the FIB answers otherwise, or has no route) or the TTL would expire
+ * (the stack answers with ICMP time exceeded); TC_ACT_SHOT when the header cannot be
+ * rewritten. */
+static __always_inline int local_delivery(struct __sk_buff *skb, __u32 ifindex)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	struct iphdr *ip = data + ETH_HLEN;
+
+	if ((void *)(ip + 1) > data_end || ip->ttl <= 1)
+		return TC_ACT_OK;
+	struct bpf_fib_lookup f = {
+		.family = AF_INET,
+		.l4_protocol = ip->protocol,
+		.tot_len = bpf_ntohs(ip->tot_len),
+		.ipv4_src = ip->saddr,
+		.ipv4_dst = ip->daddr,
+		.ifindex = skb->ifindex,
+	};
+	/* The TTL and the protocol are one 16-bit word of the header (offset 8), as the
+	 * checksum sums it. */
+	__u8 word[2] = {ip->ttl - 1, ip->protocol};
+	__be16 old = *(__be16 *)&ip->ttl;
+	__be16 new;
+	__builtin_memcpy(&new, word, sizeof(new));
+	int rc = bpf_fib_lookup(skb, &f, sizeof(f), 0);
+
+	if ((rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) ||
+	    f.ifindex != ifindex)
+		return TC_ACT_OK;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), word, 1, 0) < 0)
+		return TC_ACT_SHOT;
+	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, new, 2) < 0)
+		return TC_ACT_SHOT;
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
+		return bpf_redirect_neigh(ifindex, NULL, 0, 0);
+	if (bpf_skb_store_bytes(skb, 0, f.dmac, ETH_ALEN, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, f.smac, ETH_ALEN, 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(ifindex, 0);
+}
+
 static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 {
 	struct packet p = {};
@@ -470,26 +531,32 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	 * only the packets conntrack reports (is_new, ct_report). A connection between two
 	 * pods of the node is therefore reported once per reported packet, not twice. */
 	__u32 aggregation = CONFIG.monitor_aggregation;
-	if (aggregation > AGGREGATION_LOW && !is_new && !report)
-		return TC_ACT_OK;
+	__u8 reported = aggregation <= AGGREGATION_LOW || is_new || report;
 	if (dir == DIR_INGRESS) {
-		if (ct)
-			peer = identity_of(peer_addr);
-		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_LXC);
+		if (reported) {
+			if (ct)
+				peer = identity_of(peer_addr);
+			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_LXC);
+		}
 		return TC_ACT_OK;
 	}
-	/* Leaving the pod. Whether for a local pod is decided before the peer's identity is
-	 * looked up (a hash lookup, not the ipcache's LPM trie), so a packet left to that
-	 * pod's to-container costs no more. */
-	__u8 to_stack = !bpf_map_lookup_elem(&cilia_lxc, &p.daddr);
-	if (!to_stack && aggregation != AGGREGATION_NONE)
+	/* Leaving the pod: is it for a local pod? A hash lookup, needed for delivery and,
+	 * for a reported packet, to decide before the peer's identity is looked up (the
+	 * ipcache's LPM trie) whether it is reported here at all: a packet for a local pod is
+	 * left to that pod's to-container, so it costs no more. */
+	if (!reported && CONFIG.host_legacy_routing)
 		return TC_ACT_OK;
-	if (ct)
-		peer = identity_of(peer_addr);
-	if (aggregation == AGGREGATION_NONE)
-		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_FROM_LXC);
-	if (to_stack)
-		emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
+	__u32 *lxc = bpf_map_lookup_elem(&cilia_lxc, &p.daddr);
+	if (reported && (!lxc || aggregation == AGGREGATION_NONE)) {
+		if (ct)
+			peer = identity_of(peer_addr);
+		if (aggregation == AGGREGATION_NONE)
+			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_FROM_LXC);
+		if (!lxc)
+			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
+	}
+	if (lxc && !CONFIG.host_legacy_routing)
+		return local_delivery(skb, *lxc);
 	return TC_ACT_OK;
 }
 

@@ -357,6 +357,10 @@ class Config(BaseModel):
         description="TCP flags reported the first time a connection shows them in a direction,"
         " comma-separated of syn,fin,rst,psh,ack,urg,ece,cwr; all = syn,fin,rst",
     )
+    enable_host_legacy_routing: bool = Field(
+        default=False,
+        description="false: a packet from a pod to another pod of this node is delivered by the endpoint program (TTL decremented, redirected to the destination's host veth), skipping the host's routing and netfilter; true: it is forwarded by the host's IP stack, through iptables (upstream enable-host-legacy-routing)",
+    )
     hubble_event_buffer_capacity: int = Field(
         default=4095, description="flows kept by Hubble, 2^n-1 in 1..65535"
     )
@@ -480,6 +484,7 @@ class Config(BaseModel):
         "cni_uninstall",
         "bpf_lb_sock",
         "enable_node_port",
+        "enable_host_legacy_routing",
         mode="before",
     )
     @classmethod

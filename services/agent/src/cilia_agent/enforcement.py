@@ -84,6 +84,7 @@ async def load(
         monitor_aggregation=MONITOR_AGGREGATION_LEVELS[cfg.monitor_aggregation],
         monitor_aggregation_interval_ns=int(cfg.monitor_aggregation_interval * 1e9),
         monitor_aggregation_flags=cfg.monitor_aggregation_mask(),
+        host_legacy_routing=cfg.enable_host_legacy_routing,
     )
     started = time.perf_counter()
     bpf = await loop.run_in_executor(executor, Datapath.load, dp_config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import pathlib
 import subprocess
 import uuid
@@ -15,6 +16,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from cilia_agent.datapath.layout import (
     DIR_EGRESS,
+    DIR_INGRESS,
     IDENTITY_WORLD,
     EndpointInfo,
     PolicyValue,
@@ -229,3 +231,133 @@ def test_cilia_lxc_indexes_the_endpoints_by_address_and_is_rebuilt_at_load(
         assert {k.value: v.value for k, v in second.lxc_map.items()} == {c: 12}
     finally:
         second.close()
+
+
+ROUTER_IP = "10.251.202.1"
+
+
+@dataclass
+class LocalPods:
+    a: Pod
+    b: Pod
+    ip_a: str
+    ip_b: str
+
+
+@pytest.fixture
+def local_pods() -> Iterator[LocalPods]:
+    """Two pods of one node as the agent plumbs them: a /32 on each pod's eth0, a default
+    route via the router IP ``onlink``, a /32 route on the host to each pod via its veth."""
+    skips.require_bpf("netns, tc, BPF")
+    tag = uuid.uuid4().hex[:6]
+    ips = ("10.251.202.2", "10.251.202.3")
+    pods: list[Pod] = []
+    try:
+        for i, ip in enumerate(ips):
+            netns, host_if = f"cilia-t-ld{i}{tag}", f"cilia_ld{i}{tag}"
+            sh("ip", "netns", "add", netns)
+            pods.append(Pod(netns, host_if, 0))
+            sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", netns)
+            sh("ip", "addr", "add", f"{ROUTER_IP}/32", "dev", host_if)
+            sh("ip", "link", "set", host_if, "up")
+            sh("ip", "route", "add", f"{ip}/32", "dev", host_if)
+            sh("ip", "-n", netns, "addr", "add", f"{ip}/32", "dev", "eth0")
+            sh("ip", "-n", netns, "link", "set", "eth0", "up")
+            sh("ip", "-n", netns, "route", "add", "default", "via", ROUTER_IP, "dev", "eth0",
+               "onlink")  # fmt: skip
+            ifindex = int(pathlib.Path(f"/sys/class/net/{host_if}/ifindex").read_text())
+            pods[-1] = Pod(netns, host_if, ifindex)
+        sh("sysctl", "-qw", "net.ipv4.ip_forward=1")
+        yield LocalPods(pods[0], pods[1], *ips)
+    finally:
+        for pod in pods:
+            subprocess.run(["ip", "link", "del", pod.host_if], capture_output=True)
+            subprocess.run(["ip", "netns", "del", pod.netns], capture_output=True)
+
+
+def ping_ttl(netns: str, address: str) -> int | None:
+    """The TTL of the echo reply to one ping, None when none came back."""
+    result = subprocess.run(
+        ["ip", "netns", "exec", netns, "ping", "-c", "1", "-W", "1", address],
+        capture_output=True,
+        text=True,
+    )
+    for word in result.stdout.split():
+        if word.startswith("ttl="):
+            return int(word[4:])
+    return None
+
+
+def forward_drop_packets(rule: list[str]) -> int:
+    """Packets the host's FORWARD rule ``rule`` (as given to ``iptables -A``: ``-s A -d B
+    -j DROP``) matched; ``iptables -S -v`` puts the counters (``-c PACKETS BYTES``) before
+    the target."""
+    out = sh("iptables", "-w", "-S", "FORWARD", "-v").stdout
+    match, target = " ".join(rule[:4]), " ".join(rule[4:])
+    for line in out.splitlines():
+        if match in line and line.endswith(target):
+            return int(line.split(" -c ")[1].split()[0])
+    raise AssertionError(f"rule {rule} not in FORWARD:\n{out}")
+
+
+def test_local_delivery_skips_the_host_stack_and_keeps_the_destinations_policy(
+    local_pods: LocalPods, config: DatapathConfig
+) -> None:
+    pods = local_pods
+    # Drops everything the host forwards from pod a to pod b: only a packet that goes
+    # through the host's IP stack can meet it.
+    rule = ["-s", f"{pods.ip_a}/32", "-d", f"{pods.ip_b}/32", "-j", "DROP"]
+    sh("iptables", "-w", "-I", "FORWARD", "1", *rule)
+    try:
+        dp = Datapath.load(config)
+        try:
+            assert ping_ttl(pods.a.netns, pods.ip_b) is None, (
+                "baseline: the host forwards it, the rule drops it"
+            )
+            dropped = forward_drop_packets(rule)
+            assert dropped >= 1
+            for n, (pod, ip) in enumerate(((pods.a, pods.ip_a), (pods.b, pods.ip_b))):
+                dp.attach(pod.ifindex)
+                dp.set_endpoint(
+                    pod.ifindex,
+                    EndpointInfo(ep_id=20 + n, sec_identity=1000 + n, ipv4=ip_to_map(ip)),
+                )
+                dp.upsert_ipcache(ip, 32, 1000 + n)
+
+            # Delivered by the program: the rule never sees it; each way one hop (64 - 1).
+            assert ping_ttl(pods.a.netns, pods.ip_b) == 63
+            assert forward_drop_packets(rule) == dropped
+
+            # The destination's to-container still decides: b enforces ingress, nothing allows.
+            dp.set_endpoint(
+                pods.b.ifindex,
+                EndpointInfo(
+                    ep_id=21, sec_identity=1001, ipv4=ip_to_map(pods.ip_b), enforce_ingress=1
+                ),
+            )
+            assert ping_ttl(pods.a.netns, pods.ip_b) is None
+            drops = {
+                (c.reason, c.direction): sum(c.packets)
+                for c in read_counters(dp.metrics_map)
+                if c.reason
+            }
+            assert drops[(133, DIR_INGRESS)] >= 1
+            dp.policy_map[policy_key(21, 1000, DIR_INGRESS, protocol=1)] = PolicyValue(flags=0)
+            assert ping_ttl(pods.a.netns, pods.ip_b) == 63
+            assert forward_drop_packets(rule) == dropped
+        finally:
+            dp.close()
+
+        # --enable-host-legacy-routing: the same programs hand it to the host's stack.
+        legacy = Datapath.load(dataclasses.replace(config, host_legacy_routing=True))
+        try:
+            legacy.attach(pods.a.ifindex)
+            legacy.attach(pods.b.ifindex)
+            assert ping_ttl(pods.a.netns, pods.ip_b) is None
+            assert forward_drop_packets(rule) > dropped
+        finally:
+            legacy.detach(pods.a.ifindex)
+            legacy.detach(pods.b.ifindex)
+            legacy.close()
+    finally:
+        sh("iptables", "-w", "-D", "FORWARD", *rule)

@@ -201,7 +201,9 @@ class LxcConfig(ctypes.Structure):
     Fields: ``monitor_aggregation_interval_ns`` (u64), ``monitor_aggregation`` (0 none …
     4 maximum), ``events_wakeup_events`` (>= 1), ``monitor_aggregation_flags`` (TCP flag bits
     of byte 13), ``ct_clock_coarse`` (1: conntrack timestamps from
-    ``bpf_ktime_get_coarse_ns``, 0: ``bpf_ktime_get_ns``); meanings in
+    ``bpf_ktime_get_coarse_ns``, 0: ``bpf_ktime_get_ns``), ``host_legacy_routing`` (1: a
+    packet between two local pods goes through the host's IP stack, 0: the program delivers
+    it); meanings in
     :class:`cilia_agent.datapath.loader.DatapathConfig`. 24 bytes.
     """
 
@@ -211,7 +213,8 @@ class LxcConfig(ctypes.Structure):
         ("events_wakeup_events", ctypes.c_uint32),
         ("monitor_aggregation_flags", ctypes.c_uint8),
         ("ct_clock_coarse", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 6),
+        ("host_legacy_routing", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 5),
     ]
 
 

@@ -103,6 +103,11 @@ class DatapathConfig:
             (``--monitor-aggregation-interval``, 5 s).
         monitor_aggregation_flags: TCP flag bits (byte 13) reported when first seen in a
             direction (``--monitor-aggregation-flags``, default SYN|FIN|RST = 0x07).
+        host_legacy_routing: False (default): a forwarded packet from a pod to another pod
+            of this node is delivered by ``cil_from_container`` (TTL decremented, MACs from
+            the FIB, redirected to the destination's host veth), skipping the host's
+            routing and netfilter, as upstream; True: it goes up the host's IP stack
+            (``--enable-host-legacy-routing``).
     """
 
     bpf_dir: pathlib.Path
@@ -116,6 +121,7 @@ class DatapathConfig:
     monitor_aggregation: int = 3
     monitor_aggregation_interval_ns: int = 5_000_000_000
     monitor_aggregation_flags: int = 0x07
+    host_legacy_routing: bool = False
 
     def lxc_config(self, coarse_clock: bool = False) -> LxcConfig:
         """``CONFIG`` of ``bpf_lxc.o`` for these options; ``coarse_clock``: the kernel has
@@ -126,6 +132,7 @@ class DatapathConfig:
             events_wakeup_events=self.events_wakeup_events,
             monitor_aggregation_flags=self.monitor_aggregation_flags,
             ct_clock_coarse=int(coarse_clock),
+            host_legacy_routing=int(self.host_legacy_routing),
         )
 
     def max_entries(self) -> dict[str, int]:
