@@ -400,7 +400,9 @@ static __always_inline int local_delivery(struct __sk_buff *skb, __u32 ifindex)
 	struct bpf_fib_lookup f = {
 		.family = AF_INET,
 		.l4_protocol = ip->protocol,
-		.tot_len = bpf_ntohs(ip->tot_len),
+		/* tot_len 0: no MTU check. A TCP sender's GSO packet is up to 64 KiB, which
+		 * the check would refuse (FRAG_NEEDED), sending every bulk-transfer packet
+		 * through the stack; both pods' MTUs are the node's. */
 		.ipv4_src = ip->saddr,
 		.ipv4_dst = ip->daddr,
 		.ifindex = skb->ifindex,

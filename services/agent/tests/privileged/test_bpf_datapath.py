@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import pathlib
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -300,6 +301,44 @@ def forward_drop_packets(rule: list[str]) -> int:
     raise AssertionError(f"rule {rule} not in FORWARD:\n{out}")
 
 
+TRANSFER_SERVER = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 5201))
+print("listening", flush=True)
+conn, _ = srv.accept()
+total = 0
+while chunk := conn.recv(1 << 16):
+    total += len(chunk)
+print(total, flush=True)
+"""
+
+
+def tcp_transfer(src: Pod, dst: Pod, dst_ip: str, size: int) -> int:
+    """Send ``size`` bytes over one TCP connection from ``src`` to ``dst_ip:5201`` in
+    ``dst`` (a bulk transfer: the sender's stack hands the veth GSO packets of up to 64 KiB);
+    returns the bytes the receiver counted."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", dst.netns, sys.executable, "-c", TRANSFER_SERVER, dst_ip],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "listening"
+        client = (
+            "import socket, sys\n"
+            "c = socket.create_connection((sys.argv[1], 5201), timeout=10)\n"
+            "c.sendall(bytes(int(sys.argv[2])))\n"
+            "c.close()\n"
+        )
+        sh("ip", "netns", "exec", src.netns, sys.executable, "-c", client, dst_ip, str(size))
+        out, _ = server.communicate(timeout=15)
+        return int(out.strip())
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_local_delivery_skips_the_host_stack_and_keeps_the_destinations_policy(
     local_pods: LocalPods, config: DatapathConfig
 ) -> None:
@@ -326,6 +365,10 @@ def test_local_delivery_skips_the_host_stack_and_keeps_the_destinations_policy(
 
             # Delivered by the program: the rule never sees it; each way one hop (64 - 1).
             assert ping_ttl(pods.a.netns, pods.ip_b) == 63
+            assert forward_drop_packets(rule) == dropped
+            # A bulk transfer too: its GSO packets exceed the MTU, which the FIB's MTU
+            # check would refuse (FRAG_NEEDED), handing them to the stack and the rule.
+            assert tcp_transfer(pods.a, pods.b, pods.ip_b, 8 << 20) == 8 << 20
             assert forward_drop_packets(rule) == dropped
 
             # The destination's to-container still decides: b enforces ingress, nothing allows.
