@@ -557,9 +557,20 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		if (!lxc)
 			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
 	}
-	if (lxc && !CONFIG.host_legacy_routing)
-		return local_delivery(skb, *lxc);
-	return TC_ACT_OK;
+	if (!lxc || CONFIG.host_legacy_routing)
+		return TC_ACT_OK;
+	/* A reply is delivered here only when the peer pod sent the original to this pod's
+	 * address itself: then its from-container made the egress entry of that tuple. A
+	 * connection whose original the host translated (a hostPort's DNAT by portmap, a
+	 * kube-proxy Service) has no such entry; its replies go up the stack, whose conntrack
+	 * translates them back. */
+	if (is_reply) {
+		struct ct_key orig = {.saddr = p.daddr, .daddr = p.saddr, .sport = p.dport,
+				      .dport = p.sport, .proto = p.proto, .dir = CT_DIR_EGRESS};
+		if (!bpf_map_lookup_elem(&cilia_ct, &orig))
+			return TC_ACT_OK;
+	}
+	return local_delivery(skb, *lxc);
 }
 
 SEC("tc")

@@ -313,10 +313,13 @@ print(total, flush=True)
 """
 
 
-def tcp_transfer(src: Pod, dst: Pod, dst_ip: str, size: int) -> int:
+def tcp_transfer(
+    src: Pod, dst: Pod, dst_ip: str, size: int, via: tuple[str, int] | None = None
+) -> int:
     """Send ``size`` bytes over one TCP connection from ``src`` to ``dst_ip:5201`` in
-    ``dst`` (a bulk transfer: the sender's stack hands the veth GSO packets of up to 64 KiB);
-    returns the bytes the receiver counted."""
+    ``dst`` (a bulk transfer: the sender's stack hands the veth GSO packets of up to 64 KiB),
+    connecting to ``via`` (address, port) instead when given; returns the bytes the receiver
+    counted."""
     server = subprocess.Popen(
         ["ip", "netns", "exec", dst.netns, sys.executable, "-c", TRANSFER_SERVER, dst_ip],
         stdout=subprocess.PIPE,
@@ -327,11 +330,13 @@ def tcp_transfer(src: Pod, dst: Pod, dst_ip: str, size: int) -> int:
         assert server.stdout.readline().strip() == "listening"
         client = (
             "import socket, sys\n"
-            "c = socket.create_connection((sys.argv[1], 5201), timeout=10)\n"
-            "c.sendall(bytes(int(sys.argv[2])))\n"
+            "c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)\n"
+            "c.sendall(bytes(int(sys.argv[3])))\n"
             "c.close()\n"
         )
-        sh("ip", "netns", "exec", src.netns, sys.executable, "-c", client, dst_ip, str(size))
+        address, port = via or (dst_ip, 5201)
+        sh("ip", "netns", "exec", src.netns, sys.executable, "-c", client, address, str(port),
+           str(size))  # fmt: skip
         out, _ = server.communicate(timeout=15)
         return int(out.strip())
     finally:
@@ -370,6 +375,23 @@ def test_local_delivery_skips_the_host_stack_and_keeps_the_destinations_policy(
             # check would refuse (FRAG_NEEDED), handing them to the stack and the rule.
             assert tcp_transfer(pods.a, pods.b, pods.ip_b, 8 << 20) == 8 << 20
             assert forward_drop_packets(rule) == dropped
+
+            # A connection the host translated (a hostPort: DNAT of the router's address to
+            # b) is not pod to pod for the programs: its original goes up the stack, and so
+            # must its replies (b -> a), for the host's conntrack to translate them back.
+            dnat = ["-d", f"{ROUTER_IP}/32", "-p", "tcp", "--dport", "5202", "-j", "DNAT",
+                    "--to-destination", f"{pods.ip_b}:5201"]  # fmt: skip
+            # the host forwards both ways (its FORWARD policy may be DROP, as Docker's)
+            accept = ["-s", "10.251.202.0/24", "-d", "10.251.202.0/24", "-j", "ACCEPT"]
+            sh("iptables", "-w", "-t", "nat", "-I", "PREROUTING", "1", *dnat)
+            sh("iptables", "-w", "-I", "FORWARD", "1", *accept)
+            try:
+                assert tcp_transfer(pods.a, pods.b, pods.ip_b, 1 << 20, via=(ROUTER_IP, 5202)) == (
+                    1 << 20
+                )
+            finally:
+                sh("iptables", "-w", "-D", "FORWARD", *accept)
+                sh("iptables", "-w", "-t", "nat", "-D", "PREROUTING", *dnat)
 
             # The destination's to-container still decides: b enforces ingress, nothing allows.
             dp.set_endpoint(
