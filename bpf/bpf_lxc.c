@@ -18,7 +18,9 @@
  * it as a LostEvent). The reader is woken for
  * every CONFIG.events_wakeup_events-th event of a CPU, or when half the ring buffer is
  * unread (it also drains on a timer). Per-CPU counters count packets
- * and bytes by reason and direction.
+ * and bytes by reason and direction. A forwarded packet from the pod to another pod of
+ * this node is redirected to that pod's host veth (local_delivery), where
+ * cil_to_container decides it, instead of going up the host's IP stack.
  *
  * Non-IPv4 traffic (ARP for the router IP, IPv6) is passed untouched.
  */
