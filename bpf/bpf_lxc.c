@@ -559,7 +559,9 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		if (!lxc)
 			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
 	}
-	if (!lxc || CONFIG.host_legacy_routing)
+	/* Only a packet with the pod's own source address: one it forged goes up the stack
+	 * (its rp_filter, the host's firewall) as before, not straight into a local pod. */
+	if (!lxc || CONFIG.host_legacy_routing || p.saddr != ep->ipv4)
 		return TC_ACT_OK;
 	/* A reply is delivered here only when the peer pod sent the original to this pod's
 	 * address itself: then its from-container made the egress entry of that tuple. A

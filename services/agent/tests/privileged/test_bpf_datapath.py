@@ -371,6 +371,22 @@ def test_local_delivery_skips_the_host_stack_and_keeps_the_destinations_policy(
             # Delivered by the program: the rule never sees it; each way one hop (64 - 1).
             assert ping_ttl(pods.a.netns, pods.ip_b) == 63
             assert forward_drop_packets(rule) == dropped
+            # A source address that is not the pod's own goes up the stack, to the rule.
+            spoofed = "10.251.202.9"
+            sh("ip", "-n", pods.a.netns, "addr", "add", f"{spoofed}/32", "dev", "eth0")
+            spoof_rule = ["-s", f"{spoofed}/32", "-d", f"{pods.ip_b}/32", "-j", "DROP"]
+            sh("iptables", "-w", "-I", "FORWARD", "1", *spoof_rule)
+            try:
+                subprocess.run(
+                    ["ip", "netns", "exec", pods.a.netns, "ping", "-c", "1", "-W", "1", "-I",
+                     spoofed, pods.ip_b],
+                    capture_output=True,
+                )  # fmt: skip
+                assert forward_drop_packets(spoof_rule) == 1
+            finally:
+                sh("iptables", "-w", "-D", "FORWARD", *spoof_rule)
+                sh("ip", "-n", pods.a.netns, "addr", "del", f"{spoofed}/32", "dev", "eth0")
+
             # A bulk transfer too: its GSO packets exceed the MTU, which the FIB's MTU
             # check would refuse (FRAG_NEEDED), handing them to the stack and the rule.
             assert tcp_transfer(pods.a, pods.b, pods.ip_b, 8 << 20) == 8 << 20
