@@ -569,9 +569,8 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	 * kube-proxy Service) has no such entry; its replies go up the stack, whose conntrack
 	 * translates them back. */
 	if (is_reply) {
-		struct ct_key orig = {.saddr = p.daddr, .daddr = p.saddr, .sport = p.dport,
-				      .dport = p.sport, .proto = p.proto, .dir = CT_DIR_EGRESS};
-		if (!bpf_map_lookup_elem(&cilia_ct, &orig))
+		rev.dir = CT_DIR_EGRESS; /* the original's tuple, as the peer's egress keyed it */
+		if (!bpf_map_lookup_elem(&cilia_ct, &rev))
 			return TC_ACT_OK;
 	}
 	return local_delivery(skb, *lxc);
