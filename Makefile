@@ -3,10 +3,16 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup bpf test up down cluster-up cluster-down demo bench images lint types clean
+.PHONY: setup test-setup bpf test up down cluster-up cluster-down demo bench images lint types clean
 
+# setup: what the demo and the local stacks need (minutes on a fresh machine);
+# test-setup: that plus the tools only the tests use (Go builds, cached by version).
 setup:
 	@scripts/setup.sh
+	@$(MAKE) --no-print-directory bpf
+
+test-setup:
+	@scripts/setup.sh --test-tools
 	@$(MAKE) --no-print-directory bpf
 
 # The eBPF programs, compiled ahead of time (the agent loads build/bpf/*.o with libbpf and
@@ -22,10 +28,10 @@ build/bpf/%.o: bpf/%.c $(wildcard bpf/lib/*.h)
 	@mkdir -p $(@D)
 	$(BPF_CC) $(BPF_CFLAGS) -c $< -o $@.tmp && mv $@.tmp $@
 
-test: setup
+test: test-setup
 	$(TOX) run
 
-lint: setup
+lint: test-setup
 	$(TOX) run -e lint,types,proto
 
 up: setup
@@ -46,10 +52,10 @@ cluster-down:
 demo: setup
 	@scripts/demo.sh
 
-bench: setup
+bench: test-setup
 	$(VENV)/bin/python -m bench
 
-images: setup
+images: test-setup
 	@scripts/images.sh
 
 clean: down

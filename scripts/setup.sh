@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# Install what Cilia needs on a fresh Debian 12 machine (DESIGN.md §6), idempotently:
-#   system packages (Redis, iproute2, ping, reference CNI plugins, iptables, clang-14 and
-#   libbpf for the eBPF objects, bpftool for the e2e tests' map checks),
-#   the .venv with every service's console script, buf for the proto checks, and the
-#   upstream hubble CLI for its e2e test (scripts/hubble-cli.sh).
+# Install what Cilia needs on a fresh Debian 12 machine (DESIGN.md §6), idempotently.
+#   scripts/setup.sh               (make setup; what `make demo`, `make up` and `make cluster-up`
+#                                  need): Debian packages (Redis, iproute2, ping, the reference
+#                                  CNI plugins, iptables, clang-14 and libbpf for the eBPF
+#                                  objects, bpftool) and the .venv with every service's command.
+#   scripts/setup.sh --test-tools  (make test-setup; what `make test` needs on top): the Docker
+#                                  engine and containerd, and the tools built or fetched once and
+#                                  cached by version: the Kubernetes control plane and kubelet
+#                                  (Go), the upstream hubble CLI, kube-rbac-proxy, the frozen
+#                                  cilia-cni, buf, cytoscape.js and Debian's chromium.
 # Safe to re-run; each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_TEST_TOOLS=0
+case ${1:-} in
+  --test-tools) WITH_TEST_TOOLS=1 ;;
+  "") ;;
+  *) printf '[setup] unknown argument %s (usage: scripts/setup.sh [--test-tools])\n' "$1" >&2; exit 2 ;;
+esac
 ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
@@ -15,10 +26,13 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # linux-libc-dev's uapi headers); the agent loads the objects with libbpf1.
 BPF_PKGS=(clang-14 libbpf-dev libbpf1 linux-libc-dev)
 
-APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables iperf3
-          kmod bpftool
-          docker.io docker-compose debootstrap python3-venv containerd runc
-          python3-dev)  # Python.h + libpython for the frozen cilia-cni's launcher (Debian's python3)
+APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables
+          kmod bpftool python3-venv)
+# only for the tests: the Docker engine (images, kind-style nodes), containerd + runc (the
+# kubelet test node), iperf3 (benches), python3-dev (Python.h + libpython for the frozen
+# cilia-cni's launcher, Debian's python3)
+TEST_APT_PKGS=(docker.io docker-compose debootstrap containerd runc iperf3 python3-dev)
+if [[ $WITH_TEST_TOOLS == 1 ]]; then APT_PKGS+=("${TEST_APT_PKGS[@]}"); fi
 missing=()
 for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -35,7 +49,7 @@ fi
 # kubectl renders deploy/kubernetes (kustomize) in the deploy tests. The current kubectl comes
 # from the Kubernetes/Google Cloud apt repository when the machine has one configured; otherwise
 # Debian's kubernetes-client (kubectl 1.20, whose built-in `kubectl kustomize` is enough).
-if ! command -v kubectl >/dev/null && [[ $(id -u) -eq 0 ]]; then
+if [[ $WITH_TEST_TOOLS == 1 ]] && ! command -v kubectl >/dev/null && [[ $(id -u) -eq 0 ]]; then
   kubectl_pkg=kubernetes-client
   if apt-cache policy kubectl 2>/dev/null | grep -q 'Candidate: [0-9]'; then kubectl_pkg=kubectl; fi
   log "installing kubectl ($kubectl_pkg)"
@@ -46,7 +60,7 @@ fi
 # A Docker engine for the image tests (make images, tests of services/*/Dockerfile, the
 # safe-agent-updater's Docker mode): Debian's docker.io. There is no systemd here, so start
 # dockerd in the background (log: /var/log/cilia-dockerd.log) unless the socket answers.
-if [[ $(id -u) -eq 0 ]] && command -v dockerd >/dev/null \
+if [[ $WITH_TEST_TOOLS == 1 && $(id -u) -eq 0 ]] && command -v dockerd >/dev/null \
    && ! /usr/bin/docker info >/dev/null 2>&1; then
   log "starting dockerd (log /var/log/cilia-dockerd.log)"
   setsid nohup dockerd >>/var/log/cilia-dockerd.log 2>&1 < /dev/null &
@@ -83,6 +97,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
   echo "$inputs" > "$stamp"
 fi
 
+setup_test_tools() {
 # buf (proto lint + breaking-change check) from the npm registry.
 if [[ ! -x $ROOT/.venv/buf/node_modules/.bin/buf ]] && command -v npm >/dev/null; then
   log "installing buf from npm (@bufbuild/buf)"
@@ -194,4 +209,11 @@ install_chromium() {
 }
 install_chromium
 
+}
+
+if [[ $WITH_TEST_TOOLS == 1 ]]; then
+  setup_test_tools
+else
+  log "test tools skipped (the Go-built Kubernetes tools, hubble CLI, kube-rbac-proxy, frozen cilia-cni, buf, cytoscape, chromium): scripts/setup.sh --test-tools (make test-setup) installs them"
+fi
 log "ready: $VENV/bin holds cilia-operator, cilia-agent, cilia-cni, cilia-relay, cilia-safe-agent-updater, cilia-hubble-ui"

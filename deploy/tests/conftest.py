@@ -1,4 +1,4 @@
-"""Fixtures of the deploy tests: the test-only tools ``make setup`` builds or fetches for the
+"""Fixtures of the deploy tests: the test-only tools ``make test-setup`` builds or fetches for the
 metrics-behind-RBAC checks (scripts/kube-rbac-proxy.sh, scripts/monitoring-crds.sh).
 
 Each fixture skips with the script's own reason when its tool is missing (through
@@ -57,7 +57,7 @@ def kube_rbac_proxy_bin() -> Path:
         skips.require(
             marker.read_text().strip()
             if marker.exists()
-            else f"{path} is missing: run scripts/kube-rbac-proxy.sh (make setup builds it)"
+            else f"{path} is missing: run scripts/kube-rbac-proxy.sh (make test-setup builds it)"
         )
     return path
 

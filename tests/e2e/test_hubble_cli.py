@@ -78,7 +78,7 @@ def hubble_binary() -> pathlib.Path:
     if not os.access(path, os.X_OK):
         skips.unsupported(
             f"the upstream hubble CLI is not built at {path}: run scripts/hubble-cli.sh "
-            "(make setup runs it)"
+            "(make test-setup runs it)"
         )
     return path
 

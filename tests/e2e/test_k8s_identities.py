@@ -1,6 +1,6 @@
 """Kubernetes mode against a real kube-apiserver: endpoint identities come from Pod objects.
 
-A real etcd + kube-apiserver (``kube_apiserver``, built by ``make setup``) holds the CRDs of
+A real etcd + kube-apiserver (``kube_apiserver``, built by ``make test-setup``) holds the CRDs of
 ``deploy/kubernetes/crds``, a Namespace with labels, its ServiceAccounts and three Pods
 (``app=frontend``, ``app=backend``, ``app=other``) bound to the stack's node. The operator
 runs with ``--store kubernetes``; the agent learns the node's Pods from the operator's
