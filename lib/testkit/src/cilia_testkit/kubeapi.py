@@ -158,12 +158,20 @@ def _tail(path: pathlib.Path, lines: int = 25) -> str:
         return f"(no log at {path})"
 
 
-class _Certs:
+class ClusterCerts:
     """The PKI of one server: a CA, the serving certificate (127.0.0.1, localhost,
-    kubernetes.default.svc), the admin client certificate (O=system:masters) and the
-    service-account signing key; ECDSA P-256 keys, PEM files in ``directory``."""
+    kubernetes.default.svc, plus ``extra_ips`` and ``extra_dns``), the admin client
+    certificate (O=system:masters) and the service-account signing key; ECDSA P-256 keys,
+    PEM files in ``directory`` (ca.crt/ca.key, apiserver.crt/.key, admin.crt/.key,
+    sa.key/sa.pub). Also used by :mod:`cilia_testkit.kind` (the API server's node address
+    and the ``kubernetes`` Service ClusterIP as extra SANs)."""
 
-    def __init__(self, directory: pathlib.Path) -> None:
+    def __init__(
+        self,
+        directory: pathlib.Path,
+        extra_ips: tuple[str, ...] = (),
+        extra_dns: tuple[str, ...] = (),
+    ) -> None:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -242,6 +250,9 @@ class _Certs:
                 x509.DNSName("kubernetes"),
                 x509.DNSName("kubernetes.default"),
                 x509.DNSName("kubernetes.default.svc"),
+                x509.DNSName("kubernetes.default.svc.cluster.local"),
+                *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
+                *(x509.DNSName(name) for name in extra_dns),
             ],
         )
         admin, admin_key = leaf(
@@ -305,7 +316,7 @@ class KubeAPI:
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         #: The API server's audit log (one JSON event per request, see :meth:`requests`).
         self.audit_log = self.workdir / "audit.log"
-        self._certs: _Certs | None = None
+        self._certs: ClusterCerts | None = None
 
     # ----------------------------------------------------------------- attributes
     @property
@@ -348,7 +359,7 @@ class KubeAPI:
             if reason:
                 raise FileNotFoundError(reason)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._certs = _Certs(self.workdir / "pki")
+        self._certs = ClusterCerts(self.workdir / "pki")
         try:
             etcd_url = self._start_etcd()
             for attempt in range(1, START_ATTEMPTS + 1):
