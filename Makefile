@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test-setup bpf test up down cluster-up cluster-down demo bench images lint types clean
+.PHONY: setup test-setup bpf test up down cluster-up cluster-down k8s-up k8s-down k8s-status demo bench images lint types clean
 
 # setup: what the demo and the local stacks need (minutes on a fresh machine);
 # test-setup: that plus the tools only the tests use (Go builds, cached by version).
@@ -49,6 +49,21 @@ cluster-up: setup
 cluster-down:
 	@scripts/cluster.sh down
 
+# A real Kubernetes cluster, kind-style: each node a container of the node image (containerd +
+# kubelet; the control plane in the first), no kube-proxy, CoreDNS, an "outside" host.
+# NODES=3 NAME=cilia CNI=none|reference (none: nodes stay NotReady until a CNI is installed).
+# State and kubeconfig in .run/k8s/$(NAME)/ (see lib/testkit: cilia_testkit.kind).
+NAME ?= cilia
+CNI  ?= none
+k8s-up: test-setup
+	@$(VENV)/bin/python -m cilia_testkit.kind up --name $(NAME) --nodes $(NODES) --cni $(CNI)
+
+k8s-down:
+	@$(VENV)/bin/python -m cilia_testkit.kind down --name $(NAME)
+
+k8s-status:
+	@$(VENV)/bin/python -m cilia_testkit.kind status --name $(NAME)
+
 demo: setup
 	@scripts/demo.sh
 
@@ -58,5 +73,5 @@ bench: test-setup
 images: test-setup
 	@scripts/images.sh
 
-clean: down
+clean: down k8s-down
 	rm -rf .tox .run build proto/build

@@ -113,6 +113,9 @@ scripts/kube-tools.sh >/dev/null
 # testpod program of the test image, same cache (scripts/kubelet-tools.sh; containerd, runc
 # and the loopback CNI plugin are the Debian packages above).
 scripts/kubelet-tools.sh >/dev/null
+# CoreDNS, the cluster DNS of the kind-style test cluster (cilia_testkit.kind), from the Go module
+# proxy, cached by version (scripts/coredns.sh; tools/coredns pins it).
+scripts/coredns.sh >/dev/null || log "coredns could not be built (see its coredns.unavailable); the kind cluster tests will say so"
 # The unmodified upstream hubble CLI (tests/e2e/test_hubble_cli.py runs it against the relay
 # and the agents), built once with Go from the Go module proxy and cached by version under
 # ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/hubble/<version>/ (scripts/hubble-cli.sh pins it).

@@ -11,6 +11,11 @@
   (:class:`~cilia_testkit.kubeapi.KubeAPI`) for the whole test session; tests share it and
   use names of their own (see :mod:`cilia_testkit.kubeapi`). Skips with the build's reason
   when scripts/kube-tools.sh could not build a binary (fails in CI).
+- ``kind_cluster`` (module): a factory ``kind_cluster(nodes=3, cni=None, **kw)`` returning a
+  started :class:`~cilia_testkit.kind.KindCluster` (a real multi-node Kubernetes cluster of
+  node containers, named ``kt-<8 hex>``); every cluster it made is removed at the end of the
+  module (also when the test fails; SIGTERM unwinds the session through it). Skips with the
+  reason when the Docker engine or a built tool is missing (fails in CI).
 """
 
 from __future__ import annotations
@@ -88,6 +93,40 @@ def cluster() -> Iterator[Callable[..., Cluster]]:
     finally:
         for c in reversed(made):
             c.stop()
+
+
+@pytest.fixture(scope="module")
+def kind_cluster() -> Iterator[Callable[..., Any]]:
+    """Factory of kind-style clusters (see the module docstring)."""
+    import signal
+    import threading
+    import uuid
+
+    from cilia_testkit import kind
+
+    made: list[kind.KindCluster] = []
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        # pytest dies on SIGTERM without running teardowns: stop the session as Ctrl-C does
+        # (pytest then tears down every fixture), so the clusters below are removed
+        def _unwind(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        old = signal.signal(signal.SIGTERM, _unwind)
+
+    def make(nodes: int = 3, **kw: Any) -> kind.KindCluster:
+        skips.require(kind.missing())
+        c = kind.KindCluster(f"kt-{uuid.uuid4().hex[:8]}", nodes, **kw)
+        made.append(c)
+        return c.up()
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.down()
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 @pytest.fixture(scope="session")

@@ -35,12 +35,12 @@ pytest: the ``kind_cluster`` fixture factory (:mod:`cilia_testkit.plugin`).
 
 from __future__ import annotations
 
+from cilia_testkit.kind.api import KindError
 from cilia_testkit.kind.cluster import (
     DEFAULT_POD_CIDR,
     DEFAULT_SERVICE_CIDR,
     STATE_ROOT,
     KindCluster,
-    KindError,
     missing,
 )
 from cilia_testkit.kind.controlplane import API_PORT

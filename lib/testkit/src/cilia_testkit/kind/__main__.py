@@ -18,12 +18,12 @@ import json
 import signal
 import sys
 
+from cilia_testkit.kind.api import KindError
 from cilia_testkit.kind.cluster import (
     DEFAULT_POD_CIDR,
     DEFAULT_SERVICE_CIDR,
     STATE_ROOT,
     KindCluster,
-    KindError,
 )
 from cilia_testkit.kind.docker import DockerError, inspect
 
@@ -57,13 +57,17 @@ def _status(cluster: KindCluster) -> dict[str, object]:
 
 
 def _print_status(status: dict[str, object]) -> None:
-    print(f"cluster     {status['name']}  (subnet {status['subnet']}, pods {status['pod_cidr']},"
-          f" services {status['service_cidr']}, cni {status['cni'] or 'none'})")
+    print(
+        f"cluster     {status['name']}  (subnet {status['subnet']}, pods {status['pod_cidr']},"
+        f" services {status['service_cidr']}, cni {status['cni'] or 'none'})"
+    )
     print(f"kubeconfig  {status['kubeconfig']}")
     print(f"api server  {status['api_server']}")
     for n in status["nodes"]:  # type: ignore[attr-defined]
-        print(f"node        {n['name']:<28} {n['ip']:<15} {n['role']:<14} {n['container']}"
-              f" {n['container_state']}/{n['node']}")
+        print(
+            f"node        {n['name']:<28} {n['ip']:<15} {n['role']:<14} {n['container']}"
+            f" {n['container_state']}/{n['node']}"
+        )
     o = status["outside"]
     if o:
         print(f"outside     {o['name']:<28} {o['ip']:<15} {o['container_state']}")  # type: ignore[index]
@@ -71,15 +75,24 @@ def _print_status(status: dict[str, object]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; the exit status."""
-    ap = argparse.ArgumentParser(prog="python -m cilia_testkit.kind", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["up", "down", "status", "add-node", "restart-node",
-                                        "delete-node", "load"])
+    ap = argparse.ArgumentParser(
+        prog="python -m cilia_testkit.kind",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "command",
+        choices=["up", "down", "status", "add-node", "restart-node", "delete-node", "load"],
+    )
     ap.add_argument("args", nargs="*", help="NODE (restart-node, delete-node) or IMAGE... (load)")
     ap.add_argument("--name", default="cilia", help="cluster name (default: cilia)")
     ap.add_argument("--nodes", type=int, default=3, help="nodes at up (default: 3)")
-    ap.add_argument("--cni", choices=["none", "reference"], default="none",
-                    help="CNI to install at up (default: none — nodes stay NotReady)")
+    ap.add_argument(
+        "--cni",
+        choices=["none", "reference"],
+        default="none",
+        help="CNI to install at up (default: none — nodes stay NotReady)",
+    )
     ap.add_argument("--no-dns", action="store_true", help="do not deploy CoreDNS")
     ap.add_argument("--pod-cidr", default=DEFAULT_POD_CIDR)
     ap.add_argument("--service-cidr", default=DEFAULT_SERVICE_CIDR)
@@ -87,9 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.command == "up":
-            cluster = KindCluster(a.name, a.nodes, pod_cidr=a.pod_cidr,
-                                  service_cidr=a.service_cidr,
-                                  cni=None if a.cni == "none" else a.cni, dns=not a.no_dns)
+            cluster = KindCluster(
+                a.name,
+                a.nodes,
+                pod_cidr=a.pod_cidr,
+                service_cidr=a.service_cidr,
+                cni=None if a.cni == "none" else a.cni,
+                dns=not a.no_dns,
+            )
             signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(143)))
             cluster.up()
             _print_status(_status(cluster))
@@ -111,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         elif a.command in ("restart-node", "delete-node"):
             if len(a.args) != 1:
                 ap.error(f"{a.command} takes one NODE")
-            (cluster.restart_node if a.command == "restart-node" else cluster.delete_node)(a.args[0])
+            (cluster.restart_node if a.command == "restart-node" else cluster.delete_node)(
+                a.args[0]
+            )
         elif a.command == "load":
             cluster.load_images(a.args)
         return 0

@@ -17,7 +17,6 @@ import pathlib
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,13 +26,13 @@ from typing import Any
 
 from cilia_testkit import ROOT
 from cilia_testkit.kind import coredns, image, refcni
+from cilia_testkit.kind.api import ClusterAPI, KindError
 from cilia_testkit.kind.controlplane import API_PORT, kubernetes_service_ip, write_control_plane
-from cilia_testkit.kind.docker import docker, docker_missing, inspect
+from cilia_testkit.kind.docker import docker, docker_missing
+from cilia_testkit.kind.network import OUTSIDE_HOST, NetworkError, create_network, start_outside
 from cilia_testkit.kind.node import (
-    CLUSTER_LABEL,
     Node,
     import_image,
-    log_tail,
     node_exec,
     run_args,
     wait_containerd,
@@ -50,30 +49,8 @@ DEFAULT_POD_CIDR = "10.244.0.0/16"
 DEFAULT_SERVICE_CIDR = "10.96.0.0/16"
 #: Prefix length of each node's podCIDR.
 DEFAULT_NODE_CIDR_MASK = 24
-#: The cluster network is the first free /24 of this range (no route or Docker network of
-#: the machine overlapping it).
-NETWORK_POOL = "172.30.0.0/16"
-#: Host number of the outside host in the cluster network (nodes count up from 2).
-OUTSIDE_HOST = 250
-#: Seconds the API server may take to answer /readyz after its node starts.
-API_READY_SECONDS = 120.0
-#: Seconds until every node's kubelet has registered its Node.
-NODE_REGISTER_SECONDS = 120.0
-#: Seconds until the Nodes are Ready once a CNI is configured.
-NODE_READY_SECONDS = 120.0
-#: Seconds until kube-controller-manager has given each Node a podCIDR.
-POD_CIDR_SECONDS = 60.0
-#: Seconds one ``kubectl`` call may take.
-KUBECTL_SECONDS = 60.0
-#: The label of the outside host container (value: the cluster name) besides CLUSTER_LABEL.
-ROLE_LABEL = "io.cilia.kind.role"
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
-
-
-class KindError(RuntimeError):
-    """The cluster could not be created or changed as asked (the message says why, with log
-    tails of the node services involved)."""
 
 
 def _say(msg: str) -> None:
@@ -92,12 +69,16 @@ def missing() -> str | None:
         reason = binary_missing(name)
         if reason:
             return reason
-    if not os.access(image.coredns_bin_dir() / "coredns", os.X_OK):
+    coredns_bin = image.coredns_bin_dir() / "coredns"
+    if not os.access(coredns_bin, os.X_OK):
+        marker = coredns_bin.with_name("coredns.unavailable")
+        if marker.exists():
+            return marker.read_text().strip()
         return "coredns is not built: run scripts/coredns.sh (make test-setup does)"
     return None
 
 
-class KindCluster:
+class KindCluster(ClusterAPI):
     """A multi-node Kubernetes cluster of node containers; a context manager (``up`` on
     enter, ``down`` on exit, also on SIGTERM while entered in the main thread).
 
@@ -144,7 +125,11 @@ class KindCluster:
             raise ValueError(f"cni={cni!r}: None or 'reference'")
         self.name = name
         self.initial_nodes = nodes
-        self.pod_cidr, self.service_cidr, self.node_cidr_mask = pod_cidr, service_cidr, node_cidr_mask
+        self.pod_cidr, self.service_cidr, self.node_cidr_mask = (
+            pod_cidr,
+            service_cidr,
+            node_cidr_mask,
+        )
         self.cni, self.dns = cni, dns
         self.state_dir = state_root / name
         self.progress = progress
@@ -214,8 +199,12 @@ class KindCluster:
         tmp.replace(self.state_dir / "state.json")
 
     @classmethod
-    def load(cls, name: str = "cilia", state_root: pathlib.Path = STATE_ROOT,
-             progress: Callable[[str], None] = _say) -> KindCluster:
+    def load(
+        cls,
+        name: str = "cilia",
+        state_root: pathlib.Path = STATE_ROOT,
+        progress: Callable[[str], None] = _say,
+    ) -> KindCluster:
         """The cluster recorded in ``<state_root>/<name>/state.json`` (made by another process,
         e.g. ``make k8s-up``).
 
@@ -312,34 +301,19 @@ class KindCluster:
         )
 
     def _create_network(self) -> None:
-        taken = [ipaddress.ip_network(r["dst"]) for r in _routes() if r.get("dst") not in
-                 (None, "default")]  # fmt: skip
-        for net in docker("network", "ls", "--quiet").stdout.split():
-            for cfg in (((inspect("network", net) or {}).get("IPAM") or {}).get("Config") or []):
-                if cfg.get("Subnet") and ":" not in cfg["Subnet"]:
-                    taken.append(ipaddress.ip_network(cfg["Subnet"]))
-        avoid = [ipaddress.ip_network(self.pod_cidr), ipaddress.ip_network(self.service_cidr)]
-        for candidate in ipaddress.ip_network(NETWORK_POOL).subnets(new_prefix=24):
-            if any(candidate.overlaps(n) for n in taken + avoid):
-                continue
-            got = docker(
-                "network", "create", "--driver=bridge", f"--subnet={candidate}",
-                f"--gateway={candidate[1]}", f"--label={CLUSTER_LABEL}={self.name}",
-                "--opt=com.docker.network.driver.mtu=1500", self.name, check=False,
-            )  # fmt: skip
-            if got.returncode == 0:
-                self.network_id, self.subnet = got.stdout.strip(), str(candidate)
-                self._save()
-                self.progress(f"network {self.name} {self.subnet}")
-                return
-            if "overlap" not in got.stderr:
-                raise KindError(f"docker network create {self.name}: {got.stderr.strip()}")
-        raise KindError(f"no free /24 in {NETWORK_POOL} for the cluster network")
+        try:
+            self.network_id, self.subnet = create_network(
+                self.name, [self.pod_cidr, self.service_cidr]
+            )
+        except NetworkError as exc:
+            raise KindError(str(exc)) from exc
+        self._save()
+        self.progress(f"network {self.name} {self.subnet}")
 
     def _next_node(self) -> Node:
         used = {n.ip for n in self.nodes}
         hosts = list(ipaddress.ip_network(self.subnet).hosts())
-        ip = next(str(h) for h in hosts[1:OUTSIDE_HOST - 1] if str(h) not in used)
+        ip = next(str(h) for h in hosts[1 : OUTSIDE_HOST - 1] if str(h) not in used)
         names = {n.name for n in self.nodes}
         n = 1
         while (name := f"{self.name}-worker{'' if n == 1 else n}") in names:
@@ -366,20 +340,12 @@ class KindCluster:
             self.nodes.append(node)
         node.container_id = docker(*args).stdout.strip()
         self._save()
-        self.progress(f"node {node.name} {node.ip} ({node.role}) container {node.container_id[:12]}")
+        self.progress(
+            f"node {node.name} {node.ip} ({node.role}) container {node.container_id[:12]}"
+        )
 
     def _start_outside(self) -> None:
-        hosts = list(ipaddress.ip_network(self.subnet).hosts())
-        outside = Node(f"{self.name}-outside", str(hosts[OUTSIDE_HOST - 1]), role="outside")
-        script = pathlib.Path(__file__).with_name("outside_echo.py")
-        self.outside = outside
-        outside.container_id = docker(
-            "run", "--detach", f"--name={outside.name}", f"--hostname={outside.name}",
-            f"--label={CLUSTER_LABEL}={self.name}", f"--label={ROLE_LABEL}=outside",
-            f"--network={self.name}", f"--ip={outside.ip}", "--cap-add=NET_ADMIN",
-            f"--volume={script}:/opt/outside_echo.py:ro", "--stop-timeout=2",
-            image.BASE_IMAGE, "python3", "-u", "/opt/outside_echo.py",
-        ).stdout.strip()  # fmt: skip
+        self.outside = start_outside(self.name, self.subnet)
         self._save()
 
     def _prepare_node(self, node: Node) -> None:
@@ -394,100 +360,27 @@ class KindCluster:
             for future in [pool.submit(fn, n) for n in nodes]:
                 future.result()
 
-    def _wait_api(self, timeout: float = API_READY_SECONDS) -> None:
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            got = self.kubectl("get", "--raw=/readyz", check=False, timeout=10)
-            if got.returncode == 0 and got.stdout.strip() == "ok":
-                return
-            last = (got.stdout + got.stderr).strip()[-300:]
-            time.sleep(0.5)
-        cp = self.control_plane.name
-        raise KindError(
-            f"API server {self.api_server} not ready in {timeout:g}s ({last});\n"
-            f"kube-apiserver:\n{log_tail(self.state_dir, cp, 'kube-apiserver')}\n"
-            f"etcd:\n{log_tail(self.state_dir, cp, 'etcd')}\n"
-            f"entrypoint:\n{log_tail(self.state_dir, cp, 'entrypoint')}"
-        )
-
-    # ------------------------------------------------------------------ queries
-    def kubectl(self, *argv: str, input: str | None = None, check: bool = True,
-                timeout: float = KUBECTL_SECONDS) -> subprocess.CompletedProcess[str]:
-        """kubectl with the host kubeconfig (the cached build, else the one on PATH).
-
-        Raises:
-            KindError: non-zero exit with ``check`` (kubectl's stderr).
-        """
-        binary = default_bin_dir() / "kubectl"
-        path = str(binary) if os.access(binary, os.X_OK) else (shutil.which("kubectl") or "kubectl")
-        got = subprocess.run(
-            [path, f"--kubeconfig={self.kubeconfig}", *argv], input=input, capture_output=True,
-            text=True, timeout=timeout, check=False,
-        )  # fmt: skip
-        if check and got.returncode != 0:
-            raise KindError(f"kubectl {' '.join(argv)}: {got.stderr.strip()}")
-        return got
-
-    def get(self, *argv: str) -> dict[str, Any]:
-        """``kubectl get ARGV -o json`` parsed.
-
-        Raises:
-            KindError: kubectl failed.
-        """
-        out: dict[str, Any] = json.loads(self.kubectl("get", *argv, "-o", "json").stdout)
-        return out
-
-    def exec(self, node: str | Node, *argv: str, check: bool = True, input: str | None = None,
-             timeout: float = 60.0) -> str:
+    # ------------------------------------------------------------------ queries (more: ClusterAPI)
+    def exec(
+        self,
+        node: str | Node,
+        *argv: str,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = 60.0,
+    ) -> str:
         """Run ``argv`` in a node container (or the outside host, by its name); its stdout.
 
         Raises:
             KeyError: unknown node. DockerError: non-zero exit with ``check``.
         """
-        target = node if isinstance(node, Node) else (
-            self.outside if self.outside and node == self.outside.name else self.node(node))
+        target = (
+            node
+            if isinstance(node, Node)
+            else (self.outside if self.outside and node == self.outside.name else self.node(node))
+        )
         assert target is not None
         return node_exec(target, *argv, check=check, input=input, timeout=timeout)
-
-    def node_objects(self) -> dict[str, dict[str, Any]]:
-        """The Node objects by name."""
-        return {n["metadata"]["name"]: n for n in self.get("nodes")["items"]}
-
-    def wait_registered(self, names: Iterable[str] | None = None,
-                        timeout: float = NODE_REGISTER_SECONDS) -> None:
-        """Wait until the Nodes ``names`` (default: all) exist.
-
-        Raises:
-            KindError: not in ``timeout`` seconds (kubelet log tails).
-        """
-        self._wait_nodes(names, timeout, lambda n: True, "registered")
-
-    def wait_ready(self, names: Iterable[str] | None = None,
-                   timeout: float = NODE_READY_SECONDS) -> None:
-        """Wait until the Nodes ``names`` (default: all) are Ready.
-
-        Raises:
-            KindError: not in ``timeout`` seconds (kubelet log tails).
-        """
-        self._wait_nodes(names, timeout, _ready, "Ready")
-
-    def _wait_nodes(self, names: Iterable[str] | None, timeout: float,
-                    ok: Callable[[dict[str, Any]], bool], what: str) -> None:
-        want = set(names) if names is not None else {n.name for n in self.nodes}
-        deadline = time.monotonic() + timeout
-        pending = want
-        while time.monotonic() < deadline:
-            got = self.kubectl("get", "nodes", "-o", "json", check=False, timeout=15)
-            if got.returncode == 0:
-                objects = {n["metadata"]["name"]: n for n in json.loads(got.stdout)["items"]}
-                pending = {n for n in want if n not in objects or not ok(objects[n])}
-                if not pending:
-                    return
-            time.sleep(0.5)
-        tails = "\n".join(f"{n} kubelet:\n{log_tail(self.state_dir, n, 'kubelet', 15)}"
-                          for n in sorted(pending))  # fmt: skip
-        raise KindError(f"nodes {sorted(pending)} not {what} in {timeout:g}s\n{tails}")
 
     def memory(self) -> dict[str, int]:
         """Memory in use by each container of the cluster (``docker stats``), bytes by name."""
@@ -523,37 +416,18 @@ class KindCluster:
         self._save()
 
     def install_reference_cni(self, nodes: Iterable[Node] | None = None) -> None:
-        """Write the reference conflist on ``nodes`` (default: all) and the pod-CIDR routes
-        on every node (:mod:`cilia_testkit.kind.refcni`); waits for the podCIDRs.
+        """Install the reference CNI on ``nodes`` (default: all) and the pod-CIDR routes on
+        every node: :func:`cilia_testkit.kind.refcni.install`.
 
         Raises:
-            KindError: a Node got no podCIDR in :data:`POD_CIDR_SECONDS`.
+            KindError: a Node got no podCIDR in time.
         """
-        cidrs = self._pod_cidrs()
-        for node in list(nodes) if nodes is not None else self.nodes:
-            self.exec(node, "sh", "-c", f"cat > /etc/cni/net.d/{refcni.CONFLIST}",
-                      input=refcni.conflist(cidrs[node.name]))  # fmt: skip
-        self.apply_routes(cidrs)
+        refcni.install(self, list(nodes) if nodes is not None else self.nodes)
 
-    def apply_routes(self, cidrs: dict[str, str] | None = None) -> None:
-        """On every node, a route to each other node's podCIDR via that node (reference CNI)."""
-        cidrs = cidrs or self._pod_cidrs()
-        for node in self.nodes:
-            routes = {cidrs[o.name]: o.ip for o in self.nodes if o is not node and o.name in cidrs}
-            if routes:
-                self.exec(node, "sh", "-ec", refcni.route_script(routes))
-
-    def _pod_cidrs(self) -> dict[str, str]:
-        deadline = time.monotonic() + POD_CIDR_SECONDS
-        while True:
-            objects = self.node_objects()
-            cidrs = {n: (o.get("spec") or {}).get("podCIDR") for n, o in objects.items()}
-            if all(cidrs.get(n.name) for n in self.nodes):
-                return {k: v for k, v in cidrs.items() if v}
-            if time.monotonic() > deadline:
-                raise KindError(f"podCIDRs not allocated in {POD_CIDR_SECONDS:g}s: {cidrs}\n"
-                                f"{log_tail(self.state_dir, self.control_plane.name, 'kube-controller-manager')}")
-            time.sleep(0.5)
+    def apply_routes(self) -> None:
+        """On every node, a route to each other node's podCIDR via that node (reference CNI):
+        :func:`cilia_testkit.kind.refcni.apply_routes`."""
+        refcni.apply_routes(self, refcni.pod_cidrs(self))
 
     # ------------------------------------------------------------------ lifecycle
     def add_node(self) -> Node:
@@ -603,24 +477,6 @@ class KindCluster:
         sandboxes recreated by the kubelet); see :meth:`start_node`."""
         self.stop_node(name)
         self.start_node(name, wait=wait)
-
-    def _lease_renewed(self, name: str) -> str:
-        """``spec.renewTime`` of the node's Lease in kube-node-lease (the kubelet's
-        heartbeat, renewed every 10 s), or ""."""
-        got = self.kubectl("get", "lease", "-n", "kube-node-lease", name, "-o",
-                           "jsonpath={.spec.renewTime}", check=False, timeout=15)  # fmt: skip
-        return got.stdout.strip() if got.returncode == 0 else ""
-
-    def _wait_heartbeat(self, name: str, before: str, timeout: float = NODE_READY_SECONDS) -> None:
-        """Until the kubelet has renewed its Lease after ``before`` (its renewTime then): it
-        runs again and reaches the API server."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._lease_renewed(name) > before:
-                return
-            time.sleep(0.5)
-        raise KindError(f"kubelet of {name} posted no status in {timeout:g}s:\n"
-                        f"{log_tail(self.state_dir, name, 'kubelet')}")
 
     def delete_node(self, name: str) -> None:
         """Remove a worker: its Node object, its container (and anonymous volume), its routes
@@ -682,19 +538,3 @@ class KindCluster:
 def _sigterm(signum: int, frame: FrameType | None) -> None:
     """SIGTERM while a cluster is entered: unwind (``__exit__`` removes the cluster)."""
     raise SystemExit(128 + signum)
-
-
-def _ready(node: dict[str, Any]) -> bool:
-    conditions = (node.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def _routes() -> list[dict[str, Any]]:
-    got = subprocess.run(["ip", "-j", "-4", "route", "show", "table", "all"], capture_output=True,
-                         text=True, check=False)  # fmt: skip
-    try:
-        routes: list[dict[str, Any]] = json.loads(got.stdout or "[]")
-    except ValueError:
-        return []
-    return [r for r in routes if r.get("type", "unicast") == "unicast"]
-

@@ -138,8 +138,14 @@ def ensure_base_image(progress: Progress = _say) -> str:
     return BASE_IMAGE
 
 
-def _build(name: str, dockerfile: str, files: dict[str, pathlib.Path], inputs: str,
-           build_args: dict[str, str], progress: Progress) -> str:
+def _build(
+    name: str,
+    dockerfile: str,
+    files: dict[str, pathlib.Path],
+    inputs: str,
+    build_args: dict[str, str],
+    progress: Progress,
+) -> str:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cilia-kind-image.") as tmp:
         ctx = pathlib.Path(tmp)

@@ -45,13 +45,46 @@ STOP_SECONDS = 10
 #: The label every object of a cluster carries (value: the cluster name).
 CLUSTER_LABEL = "io.cilia.kind.cluster"
 #: Capabilities by bit number (Linux uapi/linux/capability.h) that ``--cap-add ALL`` may name.
-_CAP_NAMES = (
-    "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
-    "LINUX_IMMUTABLE NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER "
-    "SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE "
-    "SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
-    "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ"
-).split()
+_CAP_NAMES = [
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+]
 
 
 @dataclasses.dataclass
@@ -207,8 +240,9 @@ def run_args(
     return [*args, image]
 
 
-def node_exec(node: Node, *argv: str, check: bool = True, input: str | None = None,
-              timeout: float = 60.0) -> str:
+def node_exec(
+    node: Node, *argv: str, check: bool = True, input: str | None = None, timeout: float = 60.0
+) -> str:
     """Run ``argv`` in the node container (``docker exec``); its stdout.
 
     Raises:
@@ -229,8 +263,9 @@ def log_tail(state_dir: pathlib.Path, node: str, service: str, lines: int = 25) 
         return f"(no {path})"
 
 
-def wait_containerd(node: Node, state_dir: pathlib.Path,
-                    timeout: float = CONTAINERD_START_SECONDS) -> None:
+def wait_containerd(
+    node: Node, state_dir: pathlib.Path, timeout: float = CONTAINERD_START_SECONDS
+) -> None:
     """Return once the node's containerd answers ``ctr version``.
 
     Raises:

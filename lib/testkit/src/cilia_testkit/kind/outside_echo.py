@@ -23,7 +23,7 @@ UDP_PORT = 9000
 
 
 class _Http(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_GET(self) -> None:
         body = f"{self.client_address[0]} {self.client_address[1]}\n".encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
@@ -60,8 +60,10 @@ def main() -> None:
     ]
     for server in servers[1:]:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(f"echo: http :{HTTP_PORT}, tcp :{TCP_PORT}, udp :{UDP_PORT} on {socket.gethostname()}",
-          flush=True)
+    print(
+        f"echo: http :{HTTP_PORT}, tcp :{TCP_PORT}, udp :{UDP_PORT} on {socket.gethostname()}",
+        flush=True,
+    )
     servers[0].serve_forever()
 
 

@@ -35,7 +35,10 @@ class ClusterPKI:
     """
 
     def __init__(
-        self, directory: pathlib.Path, api_ips: tuple[str, ...] = (), api_names: tuple[str, ...] = ()
+        self,
+        directory: pathlib.Path,
+        api_ips: tuple[str, ...] = (),
+        api_names: tuple[str, ...] = (),
     ) -> None:
         self.directory = directory
         if not (directory / "ca.crt").exists():
@@ -49,7 +52,9 @@ class ClusterPKI:
         self.sa_key = directory / "sa.key"
         self.sa_pub = directory / "sa.pub"
 
-    def client_cert(self, common_name: str, organization: str, stem: str) -> tuple[pathlib.Path, pathlib.Path]:
+    def client_cert(
+        self, common_name: str, organization: str, stem: str
+    ) -> tuple[pathlib.Path, pathlib.Path]:
         """A client certificate (ECDSA P-256, valid ``CERT_DAYS`` days) for ``common_name`` in
         group ``organization``, signed by the CA, written as ``<stem>.crt``/``<stem>.key``
         (reused when present); returns (cert, key) paths."""

@@ -12,9 +12,20 @@ route: pod traffic to it is not masqueraded, so its replies are lost (by design)
 from __future__ import annotations
 
 import json
+import time
+from typing import TYPE_CHECKING
+
+from cilia_testkit.kind.api import KindError
+from cilia_testkit.kind.node import log_tail
+
+if TYPE_CHECKING:
+    from cilia_testkit.kind.cluster import KindCluster
+    from cilia_testkit.kind.node import Node
 
 #: The conflist's file name in /etc/cni/net.d (the only one: containerd reads one).
 CONFLIST = "10-reference.conflist"
+#: Seconds until kube-controller-manager has given each Node a podCIDR.
+POD_CIDR_SECONDS = 60.0
 
 
 def conflist(pod_cidr: str) -> str:
@@ -46,3 +57,39 @@ def conflist(pod_cidr: str) -> str:
 def route_script(routes: dict[str, str]) -> str:
     """A shell script adding ``ip route replace CIDR via IP`` for each pod CIDR → node IP."""
     return "".join(f"ip route replace {cidr} via {ip}\n" for cidr, ip in sorted(routes.items()))
+
+
+def pod_cidrs(cluster: KindCluster, timeout: float = POD_CIDR_SECONDS) -> dict[str, str]:
+    """Node name → ``spec.podCIDR`` once every node of ``cluster`` has one.
+
+    Raises:
+        cilia_testkit.kind.KindError: not in ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        objects = cluster.node_objects()
+        cidrs = {n: (o.get("spec") or {}).get("podCIDR") or "" for n, o in objects.items()}
+        if all(cidrs.get(n.name) for n in cluster.nodes):
+            return {k: v for k, v in cidrs.items() if v}
+        if time.monotonic() > deadline:
+            cm = log_tail(cluster.state_dir, cluster.control_plane.name, "kube-controller-manager")
+            raise KindError(f"podCIDRs not allocated in {timeout:g}s: {cidrs}\n{cm}")
+        time.sleep(0.5)
+
+
+def apply_routes(cluster: KindCluster, cidrs: dict[str, str]) -> None:
+    """On every node, ``ip route replace`` each other node's podCIDR via that node."""
+    for node in cluster.nodes:
+        routes = {cidrs[o.name]: o.ip for o in cluster.nodes if o is not node and o.name in cidrs}
+        if routes:
+            cluster.exec(node, "sh", "-ec", route_script(routes))
+
+
+def install(cluster: KindCluster, nodes: list[Node]) -> None:
+    """Write the conflist (the node's own podCIDR) on ``nodes``, then every node's routes."""
+    cidrs = pod_cidrs(cluster)
+    for node in nodes:
+        cluster.exec(
+            node, "sh", "-c", f"cat > /etc/cni/net.d/{CONFLIST}", input=conflist(cidrs[node.name])
+        )
+    apply_routes(cluster, cidrs)
