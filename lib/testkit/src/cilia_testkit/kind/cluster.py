@@ -29,8 +29,15 @@ from cilia_testkit.kind import coredns, image, refcni
 from cilia_testkit.kind.api import ClusterAPI, KindError
 from cilia_testkit.kind.controlplane import API_PORT, kubernetes_service_ip, write_control_plane
 from cilia_testkit.kind.docker import docker, docker_missing
-from cilia_testkit.kind.network import OUTSIDE_HOST, NetworkError, create_network, start_outside
+from cilia_testkit.kind.network import (
+    OUTSIDE_HOST,
+    NetworkError,
+    create_network,
+    outside_node,
+    start_outside,
+)
 from cilia_testkit.kind.node import (
+    CLUSTER_LABEL,
     Node,
     import_image,
     node_exec,
@@ -136,6 +143,8 @@ class KindCluster(ClusterAPI):
         self.nodes: list[Node] = []
         self.outside: Node | None = None
         self.network_id = ""
+        #: a network was asked for (its id may not have reached us: see down())
+        self.network_requested = False
         self.subnet = ""
         self.loaded_images: list[str] = []
         #: Seconds each phase of :meth:`up` took (``images``, ``nodes``, ``api``, ``registered``,
@@ -189,7 +198,8 @@ class KindCluster(ClusterAPI):
         state = {
             "name": self.name, "pod_cidr": self.pod_cidr, "service_cidr": self.service_cidr,
             "node_cidr_mask": self.node_cidr_mask, "cni": self.cni, "dns": self.dns,
-            "network_id": self.network_id, "subnet": self.subnet,
+            "network_id": self.network_id, "network_requested": self.network_requested,
+            "subnet": self.subnet,
             "nodes": [vars(n) for n in self.nodes],
             "outside": vars(self.outside) if self.outside else None,
             "loaded_images": self.loaded_images, "timings": self.timings,
@@ -218,6 +228,7 @@ class KindCluster(ClusterAPI):
             cni=state["cni"], dns=state["dns"], state_root=state_root, progress=progress,
         )  # fmt: skip
         cluster.network_id, cluster.subnet = state["network_id"], state["subnet"]
+        cluster.network_requested = state.get("network_requested", bool(state["network_id"]))
         cluster.nodes = [Node(**n) for n in state["nodes"]]
         cluster.outside = Node(**state["outside"]) if state["outside"] else None
         cluster.loaded_images = state["loaded_images"]
@@ -240,6 +251,12 @@ class KindCluster(ClusterAPI):
             raise KindError(
                 f"cluster {self.name} exists ({self.state_dir}); remove it first "
                 f"(make k8s-down NAME={self.name})"
+            )
+        stale = _labelled("ps", "--all", "", self.name) + _labelled("network", "ls", "", self.name)
+        if stale:
+            raise KindError(
+                f"containers/networks of an earlier cluster {self.name} are left (no state to "
+                f"remove them by): {stale}; remove them with docker rm -f / docker network rm"
             )
         started = time.monotonic()
         try:
@@ -301,6 +318,8 @@ class KindCluster(ClusterAPI):
         )
 
     def _create_network(self) -> None:
+        self.network_requested = True
+        self._save()
         try:
             self.network_id, self.subnet = create_network(
                 self.name, [self.pod_cidr, self.service_cidr]
@@ -338,6 +357,7 @@ class KindCluster(ClusterAPI):
         )  # fmt: skip
         with self._lock:
             self.nodes.append(node)
+        self._save()  # before the run: a start cut short is still found by down()
         node.container_id = docker(*args).stdout.strip()
         self._save()
         self.progress(
@@ -345,7 +365,9 @@ class KindCluster(ClusterAPI):
         )
 
     def _start_outside(self) -> None:
-        self.outside = start_outside(self.name, self.subnet)
+        self.outside = outside_node(self.name, self.subnet)
+        self._save()
+        start_outside(self.outside, self.name)
         self._save()
 
     def _prepare_node(self, node: Node) -> None:
@@ -502,16 +524,22 @@ class KindCluster(ClusterAPI):
     def down(self) -> None:
         """Remove every container (with its anonymous volumes) and the network recorded for
         this cluster, then its state directory. Idempotent; never raises for what is gone."""
-        ids = [n.container_id for n in self.nodes if n.container_id]
-        if self.outside and self.outside.container_id:
-            ids.append(self.outside.container_id)
+        ids = []
+        for node in [*self.nodes, *([self.outside] if self.outside else [])]:
+            # a start cut short (SIGTERM during `docker run`): the engine may have made the
+            # container without the id reaching us; it has the recorded name and our label
+            ids += [node.container_id] if node.container_id else _labelled(
+                "ps", "--all", node.name, self.name)  # fmt: skip
         if ids:
             docker("rm", "--force", "--volumes", *ids, check=False, timeout=120)
-        if self.network_id:
-            docker("network", "rm", self.network_id, check=False)
+        networks = [self.network_id] if self.network_id else []
+        if not networks and self.network_requested:
+            networks = _labelled("network", "ls", self.name, self.name)
+        for network in networks:
+            docker("network", "rm", network, check=False)
         # node services wrote root-owned files into bind-mounted directories: plain removal
         shutil.rmtree(self.state_dir, ignore_errors=True)
-        self.nodes, self.outside, self.network_id = [], None, ""
+        self.nodes, self.outside, self.network_id, self.network_requested = [], None, "", False
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> KindCluster:
@@ -538,3 +566,13 @@ class KindCluster(ClusterAPI):
 def _sigterm(signum: int, frame: FrameType | None) -> None:
     """SIGTERM while a cluster is entered: unwind (``__exit__`` removes the cluster)."""
     raise SystemExit(128 + signum)
+
+
+def _labelled(kind: str, verb: str, name: str, cluster: str) -> list[str]:
+    """Ids of containers (``ps --all``) or networks (``network ls``) carrying this cluster's
+    label, named exactly ``name`` when given."""
+    filters = [f"--filter=label={CLUSTER_LABEL}={cluster}"]
+    if name:
+        filters.append(f"--filter=name=^/?{re.escape(name)}$")
+    got = docker(kind, verb, "--quiet", *filters, check=False)
+    return got.stdout.split() if got.returncode == 0 else []

@@ -3,6 +3,7 @@ standard library and pytest). One job: run a docker command and say clearly why 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,8 @@ from typing import Any
 #: Seconds one docker CLI call may take (an image build or ``docker save`` of a large image
 #: takes longer: those calls pass their own timeout).
 DOCKER_TIMEOUT = 120.0
+#: Seconds an interrupted docker command is given to finish (see :func:`docker`).
+INTERRUPTED_GRACE = 30.0
 
 
 class DockerError(RuntimeError):
@@ -47,13 +50,26 @@ def docker(
         subprocess.TimeoutExpired: after ``timeout`` seconds.
     """
     data = input.encode() if isinstance(input, str) else input
-    got = subprocess.run(
-        ["docker", *argv], input=data, capture_output=True, timeout=timeout, check=False,
-        env={**os.environ, **(env or {})},
+    proc = subprocess.Popen(
+        ["docker", *argv], stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
     )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(data, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    except BaseException:
+        # interrupted (SIGTERM/Ctrl-C unwinding the caller): let the CLI get the engine's
+        # answer first, so a container or network it asked for exists before the caller's
+        # cleanup looks for it (killing the CLI would not stop the engine making it)
+        with contextlib.suppress(Exception):
+            proc.communicate(timeout=INTERRUPTED_GRACE)
+        raise
     out = subprocess.CompletedProcess(
-        got.args, got.returncode, got.stdout.decode(errors="replace"),
-        got.stderr.decode(errors="replace"),
+        proc.args, proc.returncode or 0, stdout.decode(errors="replace"),
+        stderr.decode(errors="replace"),
     )  # fmt: skip
     if check and out.returncode != 0:
         raise DockerError(f"docker {' '.join(argv)[:300]}: {out.stderr.strip()[-2000:]}")

@@ -77,11 +77,15 @@ def create_network(name: str, avoid: list[str]) -> tuple[str, str]:
     raise NetworkError(f"no free /24 in {NETWORK_POOL} for the cluster network")
 
 
-def start_outside(cluster: str, subnet: str) -> Node:
-    """Start the outside host of ``cluster`` at host :data:`OUTSIDE_HOST` of ``subnet``; its
-    Node record (role ``outside``, container id set)."""
+def outside_node(cluster: str, subnet: str) -> Node:
+    """The outside host's record: ``<cluster>-outside`` at host :data:`OUTSIDE_HOST` of
+    ``subnet`` (no container yet)."""
     ip = str(list(ipaddress.IPv4Network(subnet).hosts())[OUTSIDE_HOST - 1])
-    outside = Node(f"{cluster}-outside", ip, role="outside")
+    return Node(f"{cluster}-outside", ip, role="outside")
+
+
+def start_outside(outside: Node, cluster: str) -> None:
+    """Run the outside host's container on ``cluster``'s network; sets its container id."""
     script = pathlib.Path(__file__).with_name("outside_echo.py")
     outside.container_id = docker(
         "run", "--detach", f"--name={outside.name}", f"--hostname={outside.name}",
@@ -90,4 +94,3 @@ def start_outside(cluster: str, subnet: str) -> Node:
         f"--volume={script}:/opt/outside_echo.py:ro", "--stop-timeout=2",
         BASE_IMAGE, "python3", "-u", "/opt/outside_echo.py",
     ).stdout.strip()  # fmt: skip
-    return outside
