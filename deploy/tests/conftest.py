@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
+from helmrender import documents, helm_missing, helm_path, template
 
 from cilia_testkit import skips
-from helmrender import documents, helm_missing, helm_path, template
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The Go module that pins kube-rbac-proxy's version (scripts/kube-rbac-proxy.sh reads it too).
@@ -93,6 +93,7 @@ def helm() -> Path:
 
 @pytest.fixture(scope="session")
 def rendered(helm: Path) -> list[dict[str, object]]:
-    """The chart rendered with its default values into cilia-system (hooks left out: they are
-    not part of the release's manifest)."""
-    return documents(template(helm))
+    """The chart rendered with its default values into cilia-system, plus the prometheus-operator
+    monitors (prometheus.serviceMonitor.enabled, off by default) so they are checked too; hooks
+    left out (not part of the release's manifest)."""
+    return documents(template(helm, values={"prometheus": {"serviceMonitor": {"enabled": True}}}))

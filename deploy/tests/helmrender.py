@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,11 @@ def helm_missing() -> str | None:
 
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``helm ARGS`` with a private HOME-less config (no repositories, no plugins)."""
+    """``helm ARGS`` with a private home (no repositories, no plugins; the Kubernetes client's
+    discovery cache under it, not in the working directory)."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": "/tmp/cilia-helm-test",
         "HELM_CACHE_HOME": "/tmp/cilia-helm-test/cache",
         "HELM_CONFIG_HOME": "/tmp/cilia-helm-test/config",
         "HELM_DATA_HOME": "/tmp/cilia-helm-test/data",
@@ -78,18 +81,17 @@ def template(
     values_file: Path | None = None,
     namespace: str = NAMESPACE,
 ) -> subprocess.CompletedProcess[str]:
-    """``helm template cilia deploy/helm/cilia -n NAMESPACE`` with ``values`` (nested, passed
-    as a values file on stdin so types stay YAML's) and/or ``values_file``."""
+    """``helm template cilia deploy/helm/cilia -n NAMESPACE`` with ``values`` (nested, written to
+    a temporary values file so types stay YAML's, removed after) and/or ``values_file``."""
     args = ["template", RELEASE, str(CHART), "--namespace", namespace]
     if values_file is not None:
         args += ["--values", str(values_file)]
-    if values:
-        tmp = Path("/tmp/cilia-helm-test")
-        tmp.mkdir(parents=True, exist_ok=True)
-        path = tmp / f"values-{os.getpid()}-{abs(hash(repr(values)))}.yaml"
-        path.write_text(yaml.safe_dump(values))
-        args += ["--values", str(path)]
-    return run_helm(helm, *args)
+    if not values:
+        return run_helm(helm, *args)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="cilia-values-") as f:
+        yaml.safe_dump(values, f)
+        f.flush()
+        return run_helm(helm, *args, "--values", f.name)
 
 
 def documents(
@@ -119,7 +121,9 @@ def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     raise AssertionError(f"{kind}/{name} not rendered")
 
 
-def container(docs: list[dict[str, Any]], kind: str, name: str, container_name: str) -> dict[str, Any]:
+def container(
+    docs: list[dict[str, Any]], kind: str, name: str, container_name: str
+) -> dict[str, Any]:
     """A container (init or app) of a workload's pod template."""
     spec = find(docs, kind, name)["spec"]["template"]["spec"]
     for c in [*spec.get("initContainers", []), *spec["containers"]]:

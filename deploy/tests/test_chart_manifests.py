@@ -113,7 +113,9 @@ def test_all_namespaced_objects_land_in_the_release_namespace(helm: Path) -> Non
             assert d["metadata"].get("namespace") == "kube-system", d["metadata"]["name"]
         for subject in d.get("subjects", []):
             assert subject["namespace"] == "kube-system", d["metadata"]["name"]
-    args = _find(docs, "DaemonSet", "cilia-agent")["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = _find(docs, "DaemonSet", "cilia-agent")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
     assert "--operator=k8s:kube-system/cilia-operator" in args
 
 
@@ -496,7 +498,9 @@ def test_every_secret_a_pod_mounts_is_rendered(docs: list[dict[str, Any]]) -> No
 def test_k8s_service_host_reaches_every_cilia_container(helm: Path) -> None:
     """k8sServiceHost/Port set: every container of every workload (init containers too) gets
     KUBERNETES_SERVICE_HOST/PORT; unset: none does."""
-    docs = documents(template(helm, values={"k8sServiceHost": "192.0.2.10", "k8sServicePort": 6445}))
+    docs = documents(
+        template(helm, values={"k8sServiceHost": "192.0.2.10", "k8sServicePort": 6445})
+    )
     seen = 0
     for d in docs:
         pod = d.get("spec", {}).get("template", {}).get("spec")
@@ -504,7 +508,10 @@ def test_k8s_service_host_reaches_every_cilia_container(helm: Path) -> None:
             continue
         for c in [*pod.get("initContainers", []), *pod["containers"]]:
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            assert env.get("KUBERNETES_SERVICE_HOST") == "192.0.2.10", (d["metadata"]["name"], c["name"])
+            assert env.get("KUBERNETES_SERVICE_HOST") == "192.0.2.10", (
+                d["metadata"]["name"],
+                c["name"],
+            )
             assert env.get("KUBERNETES_SERVICE_PORT") == "6445", (d["metadata"]["name"], c["name"])
             seen += 1
     assert seen >= 15

@@ -15,7 +15,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from helmrender import CHART, container, documents, run_helm, template
+from helmrender import CHART, container, documents, find, run_helm, template
 from test_chart_manifests import KUBERNETES_VERSION, check_flags
 
 BAD_VALUES = Path(__file__).with_name("bad-values")
@@ -45,36 +45,97 @@ def test_helm_lint_fails_on_a_bad_value(helm: Path) -> None:
 
 MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
     # (id, values, agent args expected, operator args expected)
-    ("defaults", {}, ["--ipam=kubernetes", "--routing-mode=native",
-                      "--auto-direct-node-routes=false", "--enable-ipv4-masquerade=true",
-                      "--enable-bpf-masquerade=false", "--kube-proxy-replacement=false"],
-     ["--ipam=kubernetes"]),
-    ("cluster-pool-native-routes",
-     {"ipam": {"mode": "cluster-pool", "operator": {
-         "clusterPoolIPv4PodCIDRList": ["10.8.0.0/16", "10.9.0.0/16"],
-         "clusterPoolIPv4MaskSize": 26}},
-      "autoDirectNodeRoutes": True, "ipv4NativeRoutingCIDR": "10.8.0.0/15"},
-     ["--ipam=cluster-pool", "--auto-direct-node-routes=true",
-      "--ipv4-native-routing-cidr=10.8.0.0/15"],
-     ["--ipam=cluster-pool", "--cluster-pool-ipv4-cidr=10.8.0.0/16,10.9.0.0/16",
-      "--cluster-pool-ipv4-mask-size=26"]),
-    ("multi-pool-tunnel-bpf-masq",
-     {"ipam": {"mode": "multi-pool", "operator": {"autoCreateCiliumPodIPPools": {
-         "default": {"ipv4": {"cidrs": ["10.10.0.0/16"], "maskSize": 24}},
-         "blue": {"ipv4": {"cidrs": ["10.20.0.0/16", "10.21.0.0/16"], "maskSize": 27}}}}},
-      "routingMode": "tunnel", "bpf": {"masquerade": True}, "MTU": 1450},
-     ["--ipam=multi-pool", "--routing-mode=tunnel", "--tunnel-protocol=vxlan",
-      "--enable-bpf-masquerade=true", "--mtu=1450", "--ipam-default-ip-pool=default"],
-     ["--ipam=multi-pool", "--auto-create-cilium-pod-ip-pools=blue=ipv4-cidrs:10.20.0.0/16,"
-      "10.21.0.0/16;ipv4-mask-size:27 default=ipv4-cidrs:10.10.0.0/16;ipv4-mask-size:24"]),
-    ("no-masquerade-kpr",
-     {"enableIPv4Masquerade": False, "kubeProxyReplacement": True,
-      "k8sServiceHost": "192.0.2.1", "k8sServicePort": 6445, "cluster": {"name": "blue"},
-      "policyEnforcementMode": "always", "cni": {"exclusive": False, "uninstall": True}},
-     ["--enable-ipv4-masquerade=false", "--enable-bpf-masquerade=false",
-      "--kube-proxy-replacement=true", "--cluster-name=blue", "--enable-policy=always",
-      "--cni-exclusive=false", "--cni-uninstall=true"],
-     ["--ipam=kubernetes"]),
+    (
+        "defaults",
+        {},
+        [
+            "--ipam=kubernetes",
+            "--routing-mode=native",
+            "--auto-direct-node-routes=false",
+            "--enable-ipv4-masquerade=true",
+            "--enable-bpf-masquerade=false",
+            "--kube-proxy-replacement=false",
+        ],
+        ["--ipam=kubernetes"],
+    ),
+    (
+        "cluster-pool-native-routes",
+        {
+            "ipam": {
+                "mode": "cluster-pool",
+                "operator": {
+                    "clusterPoolIPv4PodCIDRList": ["10.8.0.0/16", "10.9.0.0/16"],
+                    "clusterPoolIPv4MaskSize": 26,
+                },
+            },
+            "autoDirectNodeRoutes": True,
+            "ipv4NativeRoutingCIDR": "10.8.0.0/15",
+        },
+        [
+            "--ipam=cluster-pool",
+            "--auto-direct-node-routes=true",
+            "--ipv4-native-routing-cidr=10.8.0.0/15",
+        ],
+        [
+            "--ipam=cluster-pool",
+            "--cluster-pool-ipv4-cidr=10.8.0.0/16,10.9.0.0/16",
+            "--cluster-pool-ipv4-mask-size=26",
+        ],
+    ),
+    (
+        "multi-pool-tunnel-bpf-masq",
+        {
+            "ipam": {
+                "mode": "multi-pool",
+                "operator": {
+                    "autoCreateCiliumPodIPPools": {
+                        "default": {"ipv4": {"cidrs": ["10.10.0.0/16"], "maskSize": 24}},
+                        "blue": {
+                            "ipv4": {"cidrs": ["10.20.0.0/16", "10.21.0.0/16"], "maskSize": 27}
+                        },
+                    }
+                },
+            },
+            "routingMode": "tunnel",
+            "bpf": {"masquerade": True},
+            "MTU": 1450,
+        },
+        [
+            "--ipam=multi-pool",
+            "--routing-mode=tunnel",
+            "--tunnel-protocol=vxlan",
+            "--enable-bpf-masquerade=true",
+            "--mtu=1450",
+            "--ipam-default-ip-pool=default",
+        ],
+        [
+            "--ipam=multi-pool",
+            "--auto-create-cilium-pod-ip-pools=blue=ipv4-cidrs:10.20.0.0/16,"
+            "10.21.0.0/16;ipv4-mask-size:27 default=ipv4-cidrs:10.10.0.0/16;ipv4-mask-size:24",
+        ],
+    ),
+    (
+        "no-masquerade-kpr",
+        {
+            "enableIPv4Masquerade": False,
+            "kubeProxyReplacement": True,
+            "k8sServiceHost": "192.0.2.1",
+            "k8sServicePort": 6445,
+            "cluster": {"name": "blue"},
+            "policyEnforcementMode": "always",
+            "cni": {"exclusive": False, "uninstall": True},
+        },
+        [
+            "--enable-ipv4-masquerade=false",
+            "--enable-bpf-masquerade=false",
+            "--kube-proxy-replacement=true",
+            "--cluster-name=blue",
+            "--enable-policy=always",
+            "--cni-exclusive=false",
+            "--cni-uninstall=true",
+        ],
+        ["--ipam=kubernetes"],
+    ),
 ]
 
 
@@ -115,20 +176,22 @@ def test_cni_paths_and_images_follow_their_values(helm: Path) -> None:
         "operator": {"image": {"repository": "registry.example/op", "tag": "3"}, "replicas": 3},
     }))  # fmt: skip
     pod = documents(template(helm))  # defaults, for contrast
-    spec = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cilia-agent"][0]
+    spec = find(docs, "DaemonSet", "cilia-agent")
     volumes = {v["name"]: v for v in spec["spec"]["template"]["spec"]["volumes"]}
     assert volumes["cni-path"]["hostPath"]["path"] == "/usr/libexec/cni"
     assert volumes["etc-cni-netd"]["hostPath"]["path"] == "/etc/kubernetes/cni/net.d"
     agent = container(docs, "DaemonSet", "cilia-agent", "agent")
-    assert (agent["image"], agent["imagePullPolicy"]) == ("registry.example/cilia-agent:1.2", "Always")
+    assert (agent["image"], agent["imagePullPolicy"]) == (
+        "registry.example/cilia-agent:1.2",
+        "Always",
+    )
     assert container(docs, "DaemonSet", "cilia-agent", "install-cni-binaries")["image"] == (
         "registry.example/cilia-cni:9.9"
     )
-    prepulled = {c["image"] for c in
-                 [d for d in docs if d["metadata"]["name"] == "cilia-safe-agent-updater"
-                  and d["kind"] == "DaemonSet"][0]["spec"]["template"]["spec"]["initContainers"]}  # fmt: skip
+    updater = find(docs, "DaemonSet", "cilia-safe-agent-updater")["spec"]["template"]["spec"]
+    prepulled = {c["image"] for c in updater["initContainers"]}
     assert {"registry.example/cilia-agent:1.2", "registry.example/cilia-cni:9.9"} <= prepulled
-    op = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "cilia-operator"][0]
+    op = find(docs, "Deployment", "cilia-operator")
     assert op["spec"]["replicas"] == 3
     assert container(pod, "DaemonSet", "cilia-agent", "agent")["image"] == "cilia-agent:0.1.0"
 
@@ -162,9 +225,25 @@ def test_bad_values_are_refused_with_one_clear_line(helm: Path, path: Path) -> N
 def test_the_cidr_arithmetic_tells_neighbours_from_overlaps(helm: Path) -> None:
     """Adjacent blocks pass, a one-address overlap is refused (the helpers compute ranges,
     not string prefixes)."""
-    ok = template(helm, values={"nodeCIDRs": ["10.1.0.0/16"], "ipam": {
-        "mode": "cluster-pool", "operator": {"clusterPoolIPv4PodCIDRList": ["10.0.0.0/16"]}}})
+    ok = template(
+        helm,
+        values={
+            "nodeCIDRs": ["10.1.0.0/16"],
+            "ipam": {
+                "mode": "cluster-pool",
+                "operator": {"clusterPoolIPv4PodCIDRList": ["10.0.0.0/16"]},
+            },
+        },
+    )
     assert ok.returncode == 0, ok.stderr
-    bad = template(helm, values={"nodeCIDRs": ["10.0.255.255/32"], "ipam": {
-        "mode": "cluster-pool", "operator": {"clusterPoolIPv4PodCIDRList": ["10.0.0.0/16"]}}})
+    bad = template(
+        helm,
+        values={
+            "nodeCIDRs": ["10.0.255.255/32"],
+            "ipam": {
+                "mode": "cluster-pool",
+                "operator": {"clusterPoolIPv4PodCIDRList": ["10.0.0.0/16"]},
+            },
+        },
+    )
     assert bad.returncode != 0 and "overlaps node network 10.0.255.255/32" in bad.stderr

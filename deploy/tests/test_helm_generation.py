@@ -29,11 +29,11 @@ from typing import Any
 
 import pytest
 import yaml
+from helmrender import documents, find, template
 
 from cilia_safe_agent_updater.__main__ import main
 from cilia_safe_agent_updater.exitcodes import Exit
 from cilia_testkit.kubeapi import KubeAPI, unique_name
-from helmrender import documents, find, template
 
 ANNOTATION = "safe-agent-updater-daemonset-generation"
 

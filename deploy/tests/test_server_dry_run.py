@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import yaml
+from helmrender import CHART, NAMESPACE, documents, template
 
 from cilia_testkit.kubeapi import KubeAPI, unique_name
-from helmrender import CHART, NAMESPACE, documents, template
 
 CRD_DIR = CHART / "files" / "crds"
 #: Seconds the CRDs may take to become Established.
@@ -43,7 +43,8 @@ def _apply(
 @pytest.fixture(scope="module")
 def rendered(helm: Path) -> list[dict[str, Any]]:
     """The release's objects and its hooks (the node-cleanup DaemonSet is validated too)."""
-    return documents(template(helm), hooks=True)
+    return documents(template(helm, values={"prometheus": {"serviceMonitor": {"enabled": True}}}),
+                     hooks=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

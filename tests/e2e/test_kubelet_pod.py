@@ -205,7 +205,9 @@ def _helm() -> pathlib.Path:
     (fails in CI) when it is missing."""
     gomod = (ROOT / "tools" / "helm" / "go.mod").read_text()
     version = next(w.split()[-1] for w in gomod.splitlines() if "helm.sh/helm/v4 " in w)
-    cache = pathlib.Path(os.environ.get("CILIA_CACHE_DIR") or pathlib.Path.home() / ".cache" / "cilia")
+    cache = pathlib.Path(
+        os.environ.get("CILIA_CACHE_DIR") or pathlib.Path.home() / ".cache" / "cilia"
+    )
     path = cache / "helm" / version / "bin" / "helm"
     if not os.access(path, os.X_OK):
         skips.require(f"{path} is missing: run scripts/helm-cli.sh (make test-setup builds it)")
@@ -223,6 +225,8 @@ def _render(template: str, directory: pathlib.Path) -> pathlib.Path:
     path = directory / template.replace("/", "_")
     path.write_text(out.stdout)
     return path
+
+
 #: Seconds a rollout (kubectl rollout status) or the updater's replacement may take.
 ROLLOUT_SECONDS = 120
 #: The pod-template annotation the updater compares (cilia_safe_agent_updater.generation).

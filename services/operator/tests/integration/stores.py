@@ -196,7 +196,9 @@ OPERATOR_KINDS = (
     "ciliaidentitykeys.cilia.io",
     "ciliaipamblocks.cilia.io",
 )
-CRD_DIR = pathlib.Path(__file__).resolve().parents[4] / "deploy" / "helm" / "cilia" / "files" / "crds"
+CRD_DIR = (
+    pathlib.Path(__file__).resolve().parents[4] / "deploy" / "helm" / "cilia" / "files" / "crds"
+)
 _crds_on: set[str] = set()
 
 

@@ -15,7 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cilia_common.tls import ClientTLS, ServerTLS, channel_credentials, server_credentials
 
-UI_SERVER_NAME = "ui.hubble-relay.cilium.io"  # deploy/helm/cilia/templates/hubble-ui --tls-relay-server-name
+UI_SERVER_NAME = (
+    "ui.hubble-relay.cilium.io"  # deploy/helm/cilia/templates/hubble-ui --tls-relay-server-name
+)
 
 
 async def _health_over_tls(server_tls: ServerTLS, client_tls: ClientTLS) -> int:

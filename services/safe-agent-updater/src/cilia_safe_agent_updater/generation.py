@@ -39,7 +39,13 @@ ANNOTATION = "safe-agent-updater-daemonset-generation"
 
 #: Characters Go's encoding/json escapes inside strings though JSON does not require it
 #: (HTML safety and the JavaScript line terminators), with their escapes.
-_GO_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_GO_ESCAPES = {
+    "<": "\\u003c",
+    ">": "\\u003e",
+    "&": "\\u0026",
+    "\u2028": "\\u2028",
+    "\u2029": "\\u2029",
+}
 
 
 def canonical_json(obj: Any) -> str:
