@@ -3,7 +3,7 @@
 ``python -m bench k8s_operator [--nodes 500] [--pods 5000] [--apps 50]``
 
 Set-up: etcd + kube-apiserver (:class:`cilia_testkit.kubeapi.KubeAPI`, built by ``make
-setup``) with the CRDs of ``deploy/kubernetes/crds``; ``cilia-operator serve --store
+setup``) with the CRDs of ``deploy/helm/cilia/files/crds``; ``cilia-operator serve --store
 kubernetes --enable-cilium-endpoint-slice`` as its own process (RSS measurable). ``--nodes``
 simulated agents register over gRPC and each holds a ``PodService.WatchPods`` stream;
 ``--pods`` Pods (``--apps`` distinct ``app`` labels, spread round-robin over the nodes) are
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="cilia-bench-k8s-") as tmp,
         KubeAPI(pathlib.Path(tmp)) as kube,
     ):
-        kube.install_crds(ROOT / "deploy" / "kubernetes" / "crds")
+        kube.install_crds(ROOT / "deploy" / "helm" / "cilia" / "files" / "crds")
         objects = {
             "apiVersion": "v1",
             "kind": "List",

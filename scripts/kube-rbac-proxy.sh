@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build kube-rbac-proxy (github.com/brancz/kube-rbac-proxy) — the sidecar that guards the agent's
-# and the operator's metrics in deploy/kubernetes — for the test that scrapes through it
+# and the operator's metrics in the chart deploy/helm/cilia — for the test that scrapes through it
 # (deploy/tests/test_metrics_rbac.py). Test tooling only: the manifests use the upstream image.
 #
-# The version is pinned once, in tools/kube-rbac-proxy/go.mod (the image tag in deploy/kubernetes
+# The version is pinned once, in tools/kube-rbac-proxy/go.mod (the image tag in the chart's values.yaml
 # names the same release); the source comes from the Go module proxy. Built once with
 # `nice -n 10 go build -trimpath -ldflags='-s -w'` into
 # ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/kube-rbac-proxy/<version>/bin/kube-rbac-proxy and reused

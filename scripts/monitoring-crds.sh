@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prometheus-operator CRDs (monitoring.coreos.com PodMonitor and ServiceMonitor) that
-# deploy/kubernetes/monitoring.yaml's objects are checked against: the deploy tests install them
-# on the test kube-apiserver before `kubectl apply --dry-run=server -k deploy/kubernetes`.
+# deploy/helm/cilia/templates/monitoring.yaml's objects are checked against: the deploy tests install them
+# on the test kube-apiserver before `kubectl apply --dry-run=server` of the chart's render.
 # Test data only: a cluster gets these CRDs from its own prometheus-operator.
 #
 # Taken from the prometheus-operator Go module (its example/prometheus-operator-crd/ holds the

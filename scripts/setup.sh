@@ -46,7 +46,7 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# kubectl renders deploy/kubernetes (kustomize) in the deploy tests. The current kubectl comes
+# kubectl applies the chart's render (deploy/helm/cilia) in the deploy tests. The current kubectl comes
 # from the Kubernetes/Google Cloud apt repository when the machine has one configured; otherwise
 # Debian's kubernetes-client (kubectl 1.20, whose built-in `kubectl kustomize` is enough).
 if [[ $WITH_TEST_TOOLS == 1 ]] && ! command -v kubectl >/dev/null && [[ $(id -u) -eq 0 ]]; then
@@ -131,7 +131,7 @@ install_hubble_cli() {
 }
 install_hubble_cli
 
-# kube-rbac-proxy (the metrics sidecar of deploy/kubernetes; deploy/tests/test_metrics_rbac.py
+# kube-rbac-proxy (the metrics sidecar of the chart deploy/helm/cilia; deploy/tests/test_metrics_rbac.py
 # scrapes through the real one) built once with Go from the Go module proxy, cached by version
 # under ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/kube-rbac-proxy/<version>/ (version pinned in
 # tools/kube-rbac-proxy/go.mod; the first build took 12.6 min wall, 4.6 CPU-min, on this busy
@@ -144,6 +144,13 @@ install_metrics_rbac_tools() {
   scripts/monitoring-crds.sh >/dev/null || { log "the prometheus-operator CRDs could not be fetched (required in CI)"; exit 2; }
 }
 install_metrics_rbac_tools
+
+# The upstream helm CLI (helm.sh/helm/v4, version pinned in tools/helm/go.mod) built once with Go
+# from the Go module proxy, cached by version under ${CILIA_CACHE_DIR:-$HOME/.cache/cilia}/helm/
+# <version>/ (scripts/helm-cli.sh; first build 291 s wall on this busy 2-core machine, later runs
+# only hash the inputs): the deploy tests lint, render and refuse bad values of deploy/helm/cilia
+# with it. Fails setup in CI (CILIA_REQUIRE_PRIVILEGED=1); elsewhere the tests skip with the reason.
+scripts/helm-cli.sh >/dev/null || { log "helm could not be built (required in CI)"; exit 2; }
 
 # The self-contained cilia-cni (PyInstaller onedir bundle: runs on a host without Python; the
 # cni image ships it and cilia-cni-install puts it on hosts), built once per change of the

@@ -1,6 +1,6 @@
 #!/bin/sh
 # cilia-cni-install: copy the frozen cilia-cni plugin from this image onto the host, atomically.
-# Run by the agent DaemonSet's `install-cni-binaries` init container (deploy/kubernetes) with
+# Run by the agent DaemonSet's `install-cni-binaries` init container (deploy/helm/cilia) with
 # the host's /opt/cni mounted at /host/opt/cni; works the same with `docker run -v`.
 #
 # The plugin is a PyInstaller onedir bundle (services/cni/freeze/build.py): the executable

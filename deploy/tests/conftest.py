@@ -1,5 +1,7 @@
-"""Fixtures of the deploy tests: the test-only tools ``make test-setup`` builds or fetches for the
-metrics-behind-RBAC checks (scripts/kube-rbac-proxy.sh, scripts/monitoring-crds.sh).
+"""Fixtures of the deploy tests: the test-only tools ``make test-setup`` builds or fetches — the
+upstream helm CLI that renders the chart (scripts/helm-cli.sh) and, for the
+metrics-behind-RBAC checks, kube-rbac-proxy and the monitoring CRDs (scripts/kube-rbac-proxy.sh,
+scripts/monitoring-crds.sh).
 
 Each fixture skips with the script's own reason when its tool is missing (through
 ``cilia_testkit.skips``, so in CI, ``CILIA_REQUIRE_PRIVILEGED=1``, a missing tool fails).
@@ -12,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helmrender import documents, helm_missing, helm_path, template
 
 from cilia_testkit import skips
 
@@ -20,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBE_RBAC_PROXY_GOMOD = ROOT / "tools" / "kube-rbac-proxy" / "go.mod"
 #: scripts/monitoring-crds.sh's pinned prometheus-operator release (its VERSION=).
 MONITORING_CRDS_SCRIPT = ROOT / "scripts" / "monitoring-crds.sh"
-#: The prometheus-operator CRDs of the kinds deploy/kubernetes/monitoring.yaml uses.
+#: The prometheus-operator CRDs of the kinds the chart's monitoring.yaml uses.
 MONITORING_CRD_FILES = (
     "monitoring.coreos.com_podmonitors.yaml",
     "monitoring.coreos.com_servicemonitors.yaml",
@@ -78,3 +81,19 @@ def monitoring_crds() -> list[Path]:
             else f"{directory} lacks {MONITORING_CRD_FILES}: run scripts/monitoring-crds.sh"
         )
     return paths
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The upstream helm binary scripts/helm-cli.sh built; skips with the build's reason when
+    it is missing (fails in CI)."""
+    skips.require(helm_missing())
+    return helm_path()
+
+
+@pytest.fixture(scope="session")
+def rendered(helm: Path) -> list[dict[str, object]]:
+    """The chart rendered with its default values into cilia-system, plus the prometheus-operator
+    monitors (prometheus.serviceMonitor.enabled, off by default) so they are checked too; hooks
+    left out (not part of the release's manifest)."""
+    return documents(template(helm, values={"prometheus": {"serviceMonitor": {"enabled": True}}}))

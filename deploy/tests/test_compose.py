@@ -16,7 +16,7 @@ import yaml
 
 # Both imports resolve through pytest's rootdir handling (rootdir conftest.py and this test
 # directory are on the import path): no edits of the import path.
-from test_kubernetes import _parsers
+from test_chart_manifests import _parsers
 
 from scripts import images
 

@@ -1,8 +1,8 @@
 """Metrics behind RBAC, end to end with the real pieces: the REAL kube-rbac-proxy (built by
 scripts/kube-rbac-proxy.sh at the release the manifests' image names) in front of a REAL
 cilia-operator metrics endpoint on loopback, authenticating scrapers against the REAL test
-kube-apiserver (the testkit's ``kube_apiserver``) with the RBAC objects of deploy/kubernetes
-applied for real.
+kube-apiserver (the testkit's ``kube_apiserver``) with the RBAC objects of the chart
+deploy/helm/cilia (rendered by the real helm into cilia-system) applied for real.
 
 What is taken from the rendered manifests, not restated here: each sidecar's resource
 attributes (ConfigMap ``cilia-kube-rbac-proxy``, keys ``agent.yaml``/``operator.yaml``), the
@@ -52,8 +52,6 @@ from cilia_testkit.kubeapi import KubeAPI, unique_name
 from cilia_testkit.redis import RedisServer
 from cilia_testkit.stack import read_listeners
 
-ROOT = Path(__file__).resolve().parents[2]
-KUSTOMIZE_DIR = ROOT / "deploy" / "kubernetes"
 NAMESPACE = "cilia-system"
 #: Seconds a process (operator, kube-rbac-proxy) may take to listen.
 START_TIMEOUT = 60.0
@@ -68,12 +66,6 @@ OPERATOR_METRIC = "cilium_operator_identities_allocated"
 def _proxy_container(pod: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in pod["spec"]["template"]["spec"]["containers"]
                 if c["name"] == "kube-rbac-proxy")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def rendered(kube_apiserver: KubeAPI) -> list[dict[str, Any]]:
-    out = kube_apiserver.kubectl("kustomize", str(KUSTOMIZE_DIR))
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -96,13 +88,13 @@ def _token(kube: KubeAPI, sa: str, namespace: str = NAMESPACE) -> str:
 
 @pytest.fixture(scope="module")
 def rbac(kube_apiserver: KubeAPI, rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The manifests' Namespace and RBAC objects applied for real (the same objects
+    """The release namespace and the chart's RBAC objects applied for real (the same objects
     test_server_dry_run applies: apply is idempotent on the shared server)."""
-    kinds = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-             "RoleBinding")  # fmt: skip
+    kinds = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
     docs = [d for d in rendered if d["kind"] in kinds]
-    _apply(kube_apiserver, [d for d in docs if d["kind"] == "Namespace"])
-    _apply(kube_apiserver, [d for d in docs if d["kind"] != "Namespace"])
+    _apply(kube_apiserver, [{"apiVersion": "v1", "kind": "Namespace",
+                             "metadata": {"name": NAMESPACE}}])  # fmt: skip
+    _apply(kube_apiserver, docs)
     return docs
 
 

@@ -1,11 +1,13 @@
-"""deploy/kubernetes against a REAL kube-apiserver (the testkit's ``kube_apiserver``: etcd +
+"""The chart deploy/helm/cilia (rendered by the real helm into cilia-system, the post-delete
+cleanup hook included) against a REAL kube-apiserver (the testkit's ``kube_apiserver``: etcd +
 kube-apiserver built by scripts/kube-tools.sh): what the offline schema check cannot see —
 admission, the API server's own validation (e.g. a pod's container names are unique across
 init and app containers), CRD structural-schema rules — is checked by the server itself.
 
-The CustomResourceDefinitions and the Namespace are applied for real (a dry run of namespaced
-objects needs the namespace, and of custom resources their CRD); everything else is applied
-with ``kubectl apply --dry-run=server``. The session's server is shared: this module only
+The CustomResourceDefinitions and the release Namespace (which `helm install -n NS
+--create-namespace` makes; the chart renders none) are applied for real (a dry run of
+namespaced objects needs the namespace, and of custom resources their CRD); everything else is
+applied with ``kubectl apply --dry-run=server``. The session's server is shared: this module only
 creates cluster objects of its own kinds and names (the cilia CRDs, namespace cilia-system,
 the prometheus-operator's PodMonitor and ServiceMonitor CRDs).
 """
@@ -19,12 +21,11 @@ from typing import Any
 
 import pytest
 import yaml
+from helmrender import CHART, NAMESPACE, documents, template
 
 from cilia_testkit.kubeapi import KubeAPI, unique_name
 
-ROOT = Path(__file__).resolve().parents[2]
-KUSTOMIZE_DIR = ROOT / "deploy" / "kubernetes"
-CRD_DIR = KUSTOMIZE_DIR / "crds"
+CRD_DIR = CHART / "files" / "crds"
 #: Seconds the CRDs may take to become Established.
 ESTABLISH_TIMEOUT = "60s"
 
@@ -40,10 +41,10 @@ def _apply(
 
 
 @pytest.fixture(scope="module")
-def rendered(kube_apiserver: KubeAPI) -> list[dict[str, Any]]:
-    out = kube_apiserver.kubectl("kustomize", str(KUSTOMIZE_DIR), check=False)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+def rendered(helm: Path) -> list[dict[str, Any]]:
+    """The release's objects and its hooks (the node-cleanup DaemonSet is validated too)."""
+    return documents(template(helm, values={"prometheus": {"serviceMonitor": {"enabled": True}}}),
+                     hooks=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,9 @@ def installed(
     upstream files, see deploy/tests/conftest.py) are installed first, as a cluster's
     prometheus-operator would have them, so monitoring.yaml's monitors are validated too."""
     kube_apiserver.install_crds(*monitoring_crds)
-    base = [d for d in rendered if d["kind"] in ("CustomResourceDefinition", "Namespace")]
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE,
+                 "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}}  # fmt: skip
+    base = [namespace, *(d for d in rendered if d["kind"] == "CustomResourceDefinition")]
     out = _apply(kube_apiserver, base, "--server-side", "--force-conflicts")
     assert out.returncode == 0, out.stderr
     crds = [f"crd/{d['metadata']['name']}" for d in base if d["kind"] == "CustomResourceDefinition"]

@@ -1,7 +1,7 @@
 """Kubernetes mode against a real kube-apiserver: endpoint identities come from Pod objects.
 
 A real etcd + kube-apiserver (``kube_apiserver``, built by ``make test-setup``) holds the CRDs of
-``deploy/kubernetes/crds``, a Namespace with labels, its ServiceAccounts and three Pods
+``deploy/helm/cilia/files/crds``, a Namespace with labels, its ServiceAccounts and three Pods
 (``app=frontend``, ``app=backend``, ``app=other``) bound to the stack's node. The operator
 runs with ``--store kubernetes``; the agent learns the node's Pods from the operator's
 ``PodService``. Each pod's CNI ADD carries only ``K8S_POD_NAMESPACE``/``K8S_POD_NAME`` in
@@ -64,7 +64,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(kube_apiserver: KubeAPI, pods_registry: Any) -> Iterator[World]:
     kube = kube_apiserver
-    kube.install_crds(ROOT / "deploy" / "kubernetes" / "crds")
+    kube.install_crds(ROOT / "deploy" / "helm" / "cilia" / "files" / "crds")
     namespace = unique_name("idn")
     stack = Stack(
         "e2e-k8s",

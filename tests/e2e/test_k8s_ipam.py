@@ -30,7 +30,7 @@ def test_ipam_kubernetes_takes_the_nodes_pod_cidrs_and_reports_a_node_without_an
     kube_apiserver: KubeAPI, pods_registry: Any
 ) -> None:
     kube = kube_apiserver
-    kube.install_crds(ROOT / "deploy" / "kubernetes" / "crds")
+    kube.install_crds(ROOT / "deploy" / "helm" / "cilia" / "files" / "crds")
     node, bare, namespace = unique_name("ipam"), unique_name("bare"), unique_name("ipamns")
     pod_cidr = "10.251.7.0/24"  # no other test's pool is near it
     objects = {

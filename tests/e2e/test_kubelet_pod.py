@@ -97,7 +97,7 @@ class World:
 def world(kube_apiserver: KubeAPI) -> Iterator[World]:
     skips.require(kubelet.missing())
     kube = kube_apiserver
-    kube.install_crds(ROOT / "deploy" / "kubernetes" / "crds")
+    kube.install_crds(ROOT / "deploy" / "helm" / "cilia" / "files" / "crds")
     node_name = f"cilia-kl-{os.getpid()}"
     namespace = unique_name("kl")
     stack = Stack(
@@ -194,8 +194,39 @@ def test_a_kubelet_runs_pods_networked_by_cilia_cni_and_a_cnp_applies(world: Wor
     assert not os.path.exists(w.netns["other"]), "its network namespace stayed"
 
 
-OPERATOR_DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "operator" / "deployment.yaml"
-AGENT_DAEMONSET = ROOT / "deploy" / "kubernetes" / "agent" / "daemonset.yaml"
+CHART = ROOT / "deploy" / "helm" / "cilia"
+#: The chart's templates of the two workloads these tests reshape.
+OPERATOR_DEPLOYMENT = "templates/operator/deployment.yaml"
+AGENT_DAEMONSET = "templates/agent/daemonset.yaml"
+
+
+def _helm() -> pathlib.Path:
+    """The upstream helm scripts/helm-cli.sh built (version from tools/helm/go.mod); skips
+    (fails in CI) when it is missing."""
+    gomod = (ROOT / "tools" / "helm" / "go.mod").read_text()
+    version = next(w.split()[-1] for w in gomod.splitlines() if "helm.sh/helm/v4 " in w)
+    cache = pathlib.Path(
+        os.environ.get("CILIA_CACHE_DIR") or pathlib.Path.home() / ".cache" / "cilia"
+    )
+    path = cache / "helm" / version / "bin" / "helm"
+    if not os.access(path, os.X_OK):
+        skips.require(f"{path} is missing: run scripts/helm-cli.sh (make test-setup builds it)")
+    return path
+
+
+def _render(template: str, directory: pathlib.Path) -> pathlib.Path:
+    """One template of the chart rendered by the real helm (default values) into a file."""
+    out = subprocess.run(
+        [str(_helm()), "template", "cilia", str(CHART), "--namespace", "cilia-system",
+         "--show-only", template],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    path = directory / template.replace("/", "_")
+    path.write_text(out.stdout)
+    return path
+
+
 #: Seconds a rollout (kubectl rollout status) or the updater's replacement may take.
 ROLLOUT_SECONDS = 120
 #: The pod-template annotation the updater compares (cilia_safe_agent_updater.generation).
@@ -218,7 +249,7 @@ def _documents(kube: KubeAPI, path: pathlib.Path, kind: str) -> list[dict[str, A
 
 
 def _operator_like(kube: KubeAPI, namespace: str) -> dict[str, Any]:
-    """deploy/kubernetes' operator Deployment with what this node cannot run swapped out.
+    """The chart's operator Deployment (rendered by helm) with what this node cannot run swapped out.
 
     Kept: replicas (2), the RollingUpdate strategy (maxSurge 0, maxUnavailable 1), the
     tolerations, the operator container's ports, env, resources, securityContext and its
@@ -228,7 +259,7 @@ def _operator_like(kube: KubeAPI, namespace: str) -> dict[str, Any]:
     replicas share this one node, and a ``make up`` operator may hold 4250 on the host;
     pod networking is cilia-cni's instead), the required anti-affinity (one node) and the
     priority class."""
-    [deployment] = _documents(kube, OPERATOR_DEPLOYMENT, "Deployment")
+    [deployment] = _documents(kube, _render(OPERATOR_DEPLOYMENT, kube.workdir), "Deployment")
     deployment["metadata"]["namespace"] = namespace
     spec = deployment["spec"]["template"]["spec"]
     for key in ("hostNetwork", "dnsPolicy", "priorityClassName", "affinity", "volumes"):
@@ -242,10 +273,10 @@ def _operator_like(kube: KubeAPI, namespace: str) -> dict[str, Any]:
 
 
 def _agent_like(kube: KubeAPI, namespace: str, generation: str) -> dict[str, Any]:
-    """deploy/kubernetes' agent DaemonSet reduced to what the updater reads: its name,
+    """The chart's agent DaemonSet (rendered by helm) reduced to what the updater reads: its name,
     selector, OnDelete strategy, tolerations and the generation annotation, with one
     container of the test image (Ready once it answers TCP)."""
-    [source] = _documents(kube, AGENT_DAEMONSET, "DaemonSet")
+    [source] = _documents(kube, _render(AGENT_DAEMONSET, kube.workdir), "DaemonSet")
     template = source["spec"]["template"]
     return {
         "apiVersion": "apps/v1",

@@ -13,7 +13,7 @@ into ``${CILIA_CACHE_DIR:-~/.cache/cilia}/kube/<k8s-version>/bin`` (versions pin
         with kube.client() as api:          # an official ``kubernetes.client.ApiClient``
             kubernetes.client.CoreV1Api(api).list_namespace()
         kube.kubectl("get", "ns")           # CompletedProcess of kubectl with that kubeconfig
-        kube.install_crds("deploy/kubernetes/crds")  # apply CRDs for real, wait Established
+        kube.install_crds("deploy/helm/cilia/files/crds")  # apply CRDs for real, wait Established
         kube.requests("delete", "pods", ns)  # completed requests, from the audit log
         kube.controller_manager()           # optional: kube-controller-manager with
                                             # --allocate-node-cidrs --cluster-cidr=...

@@ -182,7 +182,7 @@ def make_numbered_store(request: pytest.FixtureRequest) -> Iterator[StoreFactory
         mock.stop()
 
 
-#: Every custom kind the operator's Kubernetes store writes (deploy/kubernetes/crds), as
+#: Every custom kind the operator's Kubernetes store writes (deploy/helm/cilia/files/crds), as
 #: kubectl names them; emptied by ``kube_cilia`` before each test.
 OPERATOR_KINDS = (
     "ciliumpodippools.cilium.io",
@@ -196,7 +196,9 @@ OPERATOR_KINDS = (
     "ciliaidentitykeys.cilia.io",
     "ciliaipamblocks.cilia.io",
 )
-CRD_DIR = pathlib.Path(__file__).resolve().parents[4] / "deploy" / "kubernetes" / "crds"
+CRD_DIR = (
+    pathlib.Path(__file__).resolve().parents[4] / "deploy" / "helm" / "cilia" / "files" / "crds"
+)
 _crds_on: set[str] = set()
 
 
@@ -208,7 +210,7 @@ def empty_operator_kinds(kube: KubeAPI) -> None:
 @pytest.fixture
 def kube_cilia(kube_apiserver: KubeAPI) -> KubeAPI:
     """The session's real kube-apiserver (testkit ``kube_apiserver``) serving Cilia's CRDs
-    (deploy/kubernetes/crds, installed once) with every object of OPERATOR_KINDS deleted:
+    (deploy/helm/cilia/files/crds, installed once) with every object of OPERATOR_KINDS deleted:
     an operator started on it finds an empty cluster. Tests use namespaces of their own for
     namespaced built-in kinds (Leases). Import it: ``from stores import kube_cilia``."""
     if kube_apiserver.server not in _crds_on:

@@ -1,5 +1,5 @@
 """``certs generate --hubble-cluster`` also writes hubble-ui's client pair (Secret
-``hubble-ui-client-certs`` of deploy/kubernetes/hubble-ui), and the relay's mutual TLS
+``hubble-ui-client-certs`` of deploy/helm/cilia/templates/hubble-ui), and the relay's mutual TLS
 accepts it under the name the UI checks (a real gRPC handshake on loopback)."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cilia_common.tls import ClientTLS, ServerTLS, channel_credentials, server_credentials
 
-UI_SERVER_NAME = "ui.hubble-relay.cilium.io"  # deploy/kubernetes/hubble-ui --tls-relay-server-name
+UI_SERVER_NAME = (
+    "ui.hubble-relay.cilium.io"  # deploy/helm/cilia/templates/hubble-ui --tls-relay-server-name
+)
 
 
 async def _health_over_tls(server_tls: ServerTLS, client_tls: ClientTLS) -> int:

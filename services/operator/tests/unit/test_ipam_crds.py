@@ -1,4 +1,4 @@
-"""deploy/kubernetes/crds for IPAM agree with the operator's validation models."""
+"""deploy/helm/cilia/files/crds for IPAM agree with the operator's validation models."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cilia_operator.ipam.pool import validate_pool
 from cilia_operator.kinds import IPAM_BLOCK, NODE, POOL
 
 REPO = pathlib.Path(__file__).resolve().parents[4]
-CRDS = REPO / "deploy/kubernetes/crds"
+CRDS = REPO / "deploy/helm/cilia/files/crds"
 
 
 def crd(name: str) -> dict[str, Any]:

@@ -10,7 +10,11 @@ import yaml
 from cilia_kubemock.resources import types_from_crd
 from cilia_operator.store.kubernetes import KINDS
 
-CRDS = sorted((pathlib.Path(__file__).parents[4] / "deploy" / "kubernetes" / "crds").glob("*.yaml"))
+CRDS = sorted(
+    (pathlib.Path(__file__).parents[4] / "deploy" / "helm" / "cilia" / "files" / "crds").glob(
+        "*.yaml"
+    )
+)
 
 
 @pytest.mark.parametrize("path", CRDS, ids=[p.stem for p in CRDS])

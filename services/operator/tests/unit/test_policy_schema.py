@@ -36,7 +36,7 @@ def errors_of(doc: dict[str, Any], validate: Any = validate_cnp) -> list[str]:
 
 
 def test_deploy_copy_of_the_crd_is_byte_identical_to_the_packaged_schema_source() -> None:
-    deployed = (REPO / "deploy/kubernetes/crds/ciliumnetworkpolicies.yaml").read_text()
+    deployed = (REPO / "deploy/helm/cilia/files/crds/ciliumnetworkpolicies.yaml").read_text()
     assert deployed == resource_text(CRD_RESOURCE)
     crd = yaml.safe_load(deployed)
     assert crd["spec"]["names"]["shortNames"] == ["cnp", "ciliumnp"]

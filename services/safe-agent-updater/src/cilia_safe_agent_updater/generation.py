@@ -6,8 +6,14 @@ Definition (README.md, "The generation hash"):
                             with metadata.annotations["safe-agent-updater-daemonset-generation"]
                             removed, and metadata.annotations removed when it becomes empty ) )
 
-``canonical_json`` is ``json.dumps(obj, sort_keys=True, separators=(",", ":"),
-ensure_ascii=False)`` encoded as UTF-8; the hash is lower-case hex (64 characters).
+``canonical_json`` is Go's ``encoding/json`` encoding of the parsed object, which is what the
+Helm chart's ``toJson`` produces (deploy/helm/cilia, ``cilia.agent.generation``: ``include``
+the pod template, ``fromYaml | toJson | sha256sum``): keys sorted by code point, no spaces,
+non-ASCII kept as UTF-8, and ``<`` ``>`` ``&`` U+2028 U+2029 written as ``\u003c`` ``\u003e``
+``\u0026`` ``\u2028`` ``\u2029`` (Go's HTML-safe escaping). The hash is lower-case hex (64
+characters). So the chart, which computes the hash itself while rendering (no Python on the
+admin's host), and ``cilia-safe-agent-updater hash`` of the same render agree; a test renders
+the chart with the real helm and checks both (deploy/tests/test_helm_generation.py).
 
 Upstream (Deckhouse ``cni-cilium``, M/templates/agent/daemonset.yaml) hashes the whole
 rendered DaemonSet text rendered with a placeholder. Hashing the parsed pod template instead
@@ -15,9 +21,9 @@ makes the value independent of YAML formatting and key order, and still covers t
 flags, env and any config-checksum annotation in the template; a change of the DaemonSet's
 own metadata (labels of the DaemonSet object) rightly does not restart agents.
 
-The hash is computed at render time (``cilia-safe-agent-updater hash``) and written into the
-agent DaemonSet's pod template and the updater DaemonSet (object and pod template), so any
-agent change also rolls the updater. The running updater compares strings only: the API
+The hash is computed at render time (the chart, or ``cilia-safe-agent-updater hash`` for any
+other renderer) and written into the agent DaemonSet's pod template and the updater DaemonSet
+(object and pod template), so any agent change also rolls the updater. The running updater compares strings only: the API
 server adds defaults to stored templates, so a hash recomputed from a live object would differ.
 """
 
@@ -31,6 +37,31 @@ from typing import Any
 
 ANNOTATION = "safe-agent-updater-daemonset-generation"
 
+#: Characters Go's encoding/json escapes inside strings though JSON does not require it
+#: (HTML safety and the JavaScript line terminators), with their escapes.
+_GO_ESCAPES = {
+    "<": "\\u003c",
+    ">": "\\u003e",
+    "&": "\\u0026",
+    "\u2028": "\\u2028",
+    "\u2029": "\\u2029",
+}
+
+
+def canonical_json(obj: Any) -> str:
+    """``obj`` as Go's ``encoding/json`` (Helm's ``toJson``) writes a parsed YAML document:
+    sorted keys, no spaces, UTF-8 kept, ``<>&`` and U+2028/U+2029 as ``\\uXXXX``.
+
+    Those characters can only occur inside JSON strings, so replacing them in the output
+    escapes exactly the string contents. Raises TypeError when ``obj`` is not
+    JSON-serialisable. Integers are written as integers; a YAML float with a zero fraction
+    (``1.0``) would be ``1`` in Go and ``1.0`` here — no Kubernetes pod field is such a float.
+    """
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for char, escape in _GO_ESCAPES.items():
+        text = text.replace(char, escape)
+    return text
+
 
 def template_hash(pod_template: dict[str, Any]) -> str:
     """Return the generation hash (64 hex chars) of a DaemonSet's ``spec.template`` dict.
@@ -43,8 +74,7 @@ def template_hash(pod_template: dict[str, Any]) -> str:
         annotations.pop(ANNOTATION, None)
         if not annotations:
             del template["metadata"]["annotations"]
-    canonical = json.dumps(template, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    return hashlib.sha256(canonical_json(template).encode("utf-8")).hexdigest()
 
 
 def stamp(documents: Iterable[dict[str, Any]], agent_name: str, updater_name: str) -> str:

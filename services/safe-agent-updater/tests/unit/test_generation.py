@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from cilia_safe_agent_updater.__main__ import main
-from cilia_safe_agent_updater.generation import ANNOTATION, stamp, template_hash
+from cilia_safe_agent_updater.generation import ANNOTATION, canonical_json, stamp, template_hash
 
 TEMPLATE = {
     "metadata": {"labels": {"app": "cilia-agent"}, "annotations": {"checksum/config": "abc"}},
@@ -35,6 +35,18 @@ def test_hash_ignores_key_order_but_not_content() -> None:
     changed = json.loads(json.dumps(TEMPLATE))
     changed["spec"]["containers"][0]["image"] = "cilia-agent:0.3.0"
     assert template_hash(changed) != template_hash(TEMPLATE)
+
+
+def test_canonical_json_escapes_as_go_encoding_json_does() -> None:
+    """Helm's toJson (Go's encoding/json) writes <, >, & and U+2028/2029 as \\uXXXX and keeps
+    other non-ASCII text as UTF-8; the chart's hash is the sha256 of that text."""
+    obj = {"b": "a<b>&c\u2028\u2029", "a": ["é", 1, True, None]}
+    assert canonical_json(obj) == (
+        '{"a":["é",1,true,null],"b":"a\\u003cb\\u003e\\u0026c\\u2028\\u2029"}'
+    )
+    template = {"spec": {"containers": [{"args": ["sh", "-c", "a > b && c < d"]}]}}
+    want = '{"spec":{"containers":[{"args":["sh","-c","a \\u003e b \\u0026\\u0026 c \\u003c d"]}]}}'
+    assert template_hash(template) == hashlib.sha256(want.encode()).hexdigest()
 
 
 def test_only_annotation_present_hashes_like_no_annotations() -> None:
