@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from cilia.agent.v1 import agent_pb2
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
 from cilia_agent.config import Config
@@ -39,6 +40,7 @@ from cilia_agent.controlplane.discovery import (
 from cilia_agent.controlplane.kubeapi import HOST_ENV, PORT_ENV, KubeClient, resolve_access
 from cilia_testkit.kubeapi import KubeAPI, unique_name
 
+from .conftest import Env
 from .fake_operator import FakeOperator
 
 SERVICE = "cilia-operator"
@@ -240,3 +242,29 @@ def test_the_config_of_k8s_operator_builds_a_channel_from_a_kubeconfig(
         assert [r.node_name for r in live.registrations] == ["node-k"]
     finally:
         live.stop()
+
+
+def test_an_agent_with_operator_k8s_registers_and_becomes_ready(
+    kube_apiserver: KubeAPI, namespace: str, operator_addresses: None, env: Env
+) -> None:
+    """The whole agent (``--operator k8s:NS/SVC --k8s-kubeconfig-path``): its session
+    registers with the operator the slice names and its node gets ready (allocation)."""
+    kube = kube_apiserver
+    op = FakeOperator(env.cidr, host=LIVE)
+    try:
+        _apply(kube, _slice(namespace, op.port, [(DEAD, True), (LIVE, True)]))
+        agent = env.start_agent(
+            static={},
+            operator=f"k8s:{namespace}/{SERVICE}",
+            k8s_kubeconfig_path=str(kube.kubeconfig),
+            operator_reconnect_min_backoff=0.1,
+            operator_reconnect_max_backoff=0.5,
+        )
+        deadline = time.monotonic() + REGISTER_SECONDS
+        while not agent.debug.Status(agent_pb2.StatusRequest()).ready:
+            assert time.monotonic() < deadline, "the agent did not get ready"
+            time.sleep(0.1)
+        assert env.config().node_name in {r.node_name for r in op.registrations}
+    finally:
+        env.cleanup()
+        op.stop()
