@@ -151,7 +151,10 @@ def test_the_agent_finds_the_live_operator_through_endpoint_slices_and_follows_a
         _apply(kube, _slice(namespace, first.port,
                             [(DEAD, True), (LIVE, True), (NOT_READY, False)]))  # fmt: skip
         access = resolve_access(
-            "", "", env=_in_cluster_env(kube), sa_dir=_service_account_dir(kube, namespace, tmp_path)
+            "",
+            "",
+            env=_in_cluster_env(kube),
+            sa_dir=_service_account_dir(kube, namespace, tmp_path),
         )
         assert access.server == f"https://127.0.0.1:{kube.port}" and access.token_file
         endpoints = OperatorEndpoints(KubeClient(access, timeout=5), namespace, SERVICE)
