@@ -18,8 +18,9 @@ Order of operations:
    addresses in turn and keeps the first that connects, so a dead address in the list costs
    one failed connect, not the session;
 4. the list is taken again every ``--operator-discovery-interval`` seconds and at once when
-   the channel is in ``TRANSIENT_FAILURE`` (no address answers: the operator moved), at most
-   once per ``--operator-reconnect-min-backoff``; a new address set gives a new channel for
+   the channel is in ``TRANSIENT_FAILURE`` (no address answers: the operator moved), first
+   after ``--operator-reconnect-min-backoff``, the gap doubling up to the interval while the
+   failure lasts; a new address set gives a new channel for
    new calls (:class:`DiscoveredChannel`), running calls finish on theirs, and the sessions'
    own reconnects land on the new one.
 
@@ -216,16 +217,24 @@ class DiscoveredChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no 
         return bool(state == grpc.ChannelConnectivity.TRANSIENT_FAILURE)
 
     async def run(self) -> None:
-        """Re-list every :attr:`interval` s, and after :attr:`min_gap` s whenever the channel
-        is failing or no address is known yet; until cancelled."""
+        """Re-list every :attr:`interval` s, and sooner whenever the channel is failing or no
+        address is known yet: after :attr:`min_gap` s, the gap doubling (up to
+        :attr:`interval`) while the failure lasts, so an operator outage on a large cluster
+        does not become a stream of LISTs at the API server; until cancelled."""
         loop = asyncio.get_running_loop()
         last = loop.time()
+        gap = self.min_gap
         while True:
             await asyncio.sleep(min(self.min_gap, self.interval))
             now = loop.time()
-            if now - last >= self.interval or self._failing():
+            failing = self._failing()
+            if not failing:
+                gap = self.min_gap
+            if now - last >= self.interval or (failing and now - last >= gap):
                 last = now
                 await self.refresh()
+                if failing:
+                    gap = min(gap * 2, self.interval)
 
     # -- grpc.aio.Channel -----------------------------------------------------------------
 
