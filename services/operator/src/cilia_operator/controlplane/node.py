@@ -30,7 +30,9 @@ HUBBLE_ANNOTATION = "cilia.io/hubble-address"
 
 
 def node_message(record: Resource) -> pb.Node:
-    """A CiliumNode record as ``cilia.controlplane.v1.Node``."""
+    """A CiliumNode record as ``cilia.controlplane.v1.Node``: its InternalIP addresses in
+    record order, the node's own first (Kubernetes: the Node's InternalIP; standalone: the
+    address the agent registered first), which peers use as next hop and tunnel endpoint."""
     meta = record.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     return pb.Node(
