@@ -405,11 +405,16 @@ def test_a_node_whose_address_is_not_on_the_lan_gets_no_route_and_is_reported(wo
     c = w.cluster
     others = list(c.nodes.values())
     before = {n.name: n.pod_routes() for n in others}
-    # its first (registered) address is off the LAN; the second lets its agent reach the
-    # operator (a node whose first interface faces another network)
+    # its registered node address (--ipv4-node) is off the LAN; the second lets its agent
+    # reach the operator (a node told to use an address on a network the others cannot
+    # reach; without the flag the agent would pick the default route's source, on the LAN)
     off_lan = f"203.0.113.{10 + len(c.nodes)}/24"
     on_lan = f"{c.lan.network_address + 100}/{c.lan.prefixlen}"
-    x = c.add_node("node-x", interfaces=(off_lan, on_lan))
+    x = c.add_node(
+        "node-x",
+        interfaces=(off_lan, on_lan),
+        extra_args=("--ipv4-node", off_lan.split("/")[0]),
+    )
     try:
         cidrs = c.pod_cidrs()["node-x"]
         assert cidrs, "the operator gave node-x no CIDR"

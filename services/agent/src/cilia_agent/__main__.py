@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except MetricsConfigError as exc:
             print(f"cilia-agent: --hubble-metrics: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        from cilia_agent.controlplane.kubeapi import KubeConfigError
         from cilia_agent.datapath import DatapathError
         from cilia_agent.datapath.loader import BpfUnavailable
         from cilia_agent.endpoint import StateError
@@ -135,7 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = " (hosts without BPF: --enable-bpf=false)" if exc.kernel else ""
             print(f"cilia-agent: cannot start: {exc}{hint}", file=sys.stderr)
             return 1
-        except (BindError, DatapathError, StateError, OSError, TLSFileError) as exc:
+        except (
+            BindError,
+            DatapathError,
+            StateError,
+            OSError,
+            TLSFileError,
+            KubeConfigError,
+        ) as exc:
             print(f"cilia-agent: cannot start: {exc}", file=sys.stderr)
             return 1
         return 0

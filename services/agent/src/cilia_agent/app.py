@@ -46,6 +46,7 @@ from cilia_agent.cni.manager import CNIConfigManager, cni_config
 from cilia_agent.config import Config
 from cilia_agent.conntrack.gc import ConntrackGC
 from cilia_agent.controlplane import (
+    AGENT_DEVICE_PREFIXES,
     ControlPlane,
     OperatorAPI,
     OperatorClient,
@@ -54,6 +55,7 @@ from cilia_agent.controlplane import (
     RetryQueue,
     operator_channel,
     read_node_networks,
+    reconnect_options,
     run_watch,
 )
 from cilia_agent.datapath import LinuxDatapath
@@ -144,6 +146,7 @@ class Agent:
         self.status: StatusCollector
         self.routes: RouteSync
         self.nodes: NodeManager
+        self.pod_mtu = cfg.pod_mtu()
 
     @property
     def bpf(self) -> Datapath | None:
@@ -169,21 +172,17 @@ class Agent:
         self.node.restore(self.static_allocation)
         await loop.run_in_executor(self.executor, self.datapath.setup_node, self.node.router_ip)
         nets = await loop.run_in_executor(
-            self.executor, read_node_networks, (cfg.host_device_name,)
-        )
+            self.executor, read_node_networks, (cfg.host_device_name,), AGENT_DEVICE_PREFIXES,
+            cfg.ipv4_node,
+        )  # fmt: skip
         self.node.addresses = nets.addresses
-        channel = (
-            operator_channel(
-                cfg.operator,
-                cfg.operator_reconnect_min_backoff,
-                cfg.operator_reconnect_max_backoff,
-                tls=cfg.operator_tls,
-            )
-            if cfg.operator
-            else None
-        )
-        if channel is not None:
-            self._stops.append(channel.close)  # closed last, also after a failed start
+        self.pod_mtu = cfg.pod_mtu(nets.mtu)
+        log.info(
+            "node address and MTU",
+            extra={"address": nets.addresses[0] if nets.addresses else "", "device": nets.device,
+                   "device_mtu": nets.mtu, "mtu_flag": cfg.mtu, "pod_mtu": self.pod_mtu},
+        )  # fmt: skip
+        channel = await self._operator_channel(cfg)
         control: ControlPlane = (
             OperatorAPI.from_config(cfg, channel) if channel is not None else LocalControlPlane()
         )
@@ -199,7 +198,7 @@ class Agent:
             )
         self.lb = await loadbalancer.start(cfg, self.executor, self.metrics.registry)
         self.routes = RouteSync(
-            node_routes(cfg, nets.addresses, self.node.pod_cidrs), self.executor
+            node_routes(cfg, nets.addresses, self.node.pod_cidrs, self.pod_mtu), self.executor
         )
         await self.routes.setup()
         enf = self.enforcement
@@ -229,7 +228,7 @@ class Agent:
             store=self.store,
             metrics=self.metrics,
             executor=self.executor,
-            mtu=cfg.pod_mtu(),
+            mtu=self.pod_mtu,
             node=self.node,
             pools=PoolSelector(
                 cfg.ipam,
@@ -292,6 +291,30 @@ class Agent:
         if self.iptables_reconciler.interval > 0:
             self._spawn("iptables-reconcile", self.iptables_reconciler.run)
 
+    async def _operator_channel(self, cfg: Config) -> Any:
+        """The one operator channel (None without ``--operator``): to ``host:port``, or to
+        the addresses ``k8s:NAMESPACE/SERVICE`` lists (listed once now, then by the
+        ``operator-discovery`` task; see ``controlplane/discovery``). Closed last on stop.
+
+        Raises:
+            KubeConfigError: ``k8s:`` without a usable API server configuration.
+            TLSFileError: a TLS file is unusable.
+        """
+        if not cfg.operator:
+            return None
+        lo, hi = cfg.operator_reconnect_min_backoff, cfg.operator_reconnect_max_backoff
+        if not cfg.operator.startswith("k8s:"):
+            channel = operator_channel(cfg.operator, lo, hi, tls=cfg.operator_tls)
+            self._stops.append(channel.close)  # closed last, also after a failed start
+            return channel
+        from cilia_agent.controlplane.discovery import discovered_channel
+
+        found = discovered_channel(cfg, reconnect_options(lo, hi))
+        self._stops.append(found.close)
+        await found.refresh()  # a failure is logged; the task below lists again
+        self._spawn("operator-discovery", found.run)
+        return found
+
     async def _registered(self, resp: cp.RegisterResponse) -> None:
         """The operator accepted the node: Kubernetes mode or not, then the node's part."""
         self.pods.set_enabled(resp.pods_from_api)
@@ -327,6 +350,7 @@ class Agent:
             on_demand_sent=self.ipam_manager.demand_sent,
             channel=channel,
             alias_uses=self.lb.usage.uses if self.lb is not None and self.lb.usage else None,
+            ipv4_node=cfg.ipv4_node,
         )
         self.ipam_manager.on_demand_changed(operator.demand_changed)
         self._spawn("operator-session", operator.run)
@@ -393,8 +417,9 @@ class Agent:
             if self.nodes.synced:  # repairs routes the kernel or an admin removed
                 await self.routes.nodes_changed(self.nodes.nodes)
             nets = await loop.run_in_executor(
-                self.executor, read_node_networks, (cfg.host_device_name,)
-            )
+                self.executor, read_node_networks, (cfg.host_device_name,),
+                AGENT_DEVICE_PREFIXES, cfg.ipv4_node,
+            )  # fmt: skip
             if nets.addresses == self.node.addresses:
                 continue
             log.warning(

@@ -48,7 +48,7 @@ class FakeOperator(
     cp_grpc.EndpointServiceServicer,  # type: ignore[misc]
     cp_grpc.PolicyServiceServicer,  # type: ignore[misc]
 ):
-    def __init__(self, cidr: str) -> None:
+    def __init__(self, cidr: str, host: str = "127.0.0.1") -> None:
         self.cidr = cidr
         self.lock = threading.RLock()
         self.registrations: list[cp.RegisterRequest] = []
@@ -69,8 +69,8 @@ class FakeOperator(
             cp_grpc.add_PolicyServiceServicer_to_server,
         ):
             add(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.address = f"127.0.0.1:{self.port}"
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        self.address = f"{host}:{self.port}"
         self.server.start()
 
     def stop(self) -> None:

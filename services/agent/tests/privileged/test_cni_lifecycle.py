@@ -142,7 +142,7 @@ def test_check_fails_on_a_changed_mtu_and_on_addresses_without_the_assigned_one(
     assert f"address {ip} assigned at Add is not in the request's addresses" in (
         err.value.details() or ""
     )
-    configured = a.config.mtu
+    configured = a.agent.pod_mtu  # --mtu 0: the MTU detected from the host
     sh("ip", "-n", name, "link", "set", "eth0", "mtu", str(configured - 100))
     with pytest.raises(grpc.RpcError) as err:
         a.attach.Check(agent_pb2.CheckRequest(container_id="chkmtu", ifname="eth0", netns=ns))

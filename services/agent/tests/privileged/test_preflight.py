@@ -282,3 +282,52 @@ def test_iptables_backend_follows_the_kubelet_hint_and_clears_the_other(netns: s
     ]
     nft_rules = _sh(*ex, "iptables-nft-save")
     assert "CILIA_FORWARD" not in nft_rules and nft_rules.count("-A INPUT -j ACCEPT") == 3
+
+
+_OFFLOAD_PROBE = """
+import json, sys
+from pyroute2.ethtool import Ethtool
+f = Ethtool().get_features(sys.argv[1]).features
+print(json.dumps({n: f[n].enable for n in ("tx-udp_tnl-segmentation",
+                                           "tx-udp_tnl-csum-segmentation")}))
+"""
+
+
+def _tunnel_offload(netns: str, ifname: str) -> dict[str, bool]:
+    import json
+
+    out = _sh("ip", "netns", "exec", netns, sys.executable, "-c", _OFFLOAD_PROBE, ifname)
+    result: dict[str, bool] = json.loads(out)
+    return result
+
+
+def test_handle_vxlan_offload_turns_tunnel_segmentation_off_only_for_a_listed_driver(
+    netns: str,
+) -> None:
+    ns = ("ip", "-n", netns)
+    _sh(*ns, "link", "add", "eth0", "type", "veth", "peer", "name", "eth1")
+    _sh(*ns, "addr", "add", "192.0.2.10/24", "dev", "eth0")
+    _sh(*ns, "link", "set", "eth0", "up")
+    both_on = dict.fromkeys(("tx-udp_tnl-segmentation", "tx-udp_tnl-csum-segmentation"), True)
+    assert _tunnel_offload(netns, "eth0") == both_on
+
+    # the module's default: only vmxnet3 NICs are touched; a veth is left alone
+    left = _cli("init", "handle-vxlan-offload", env={"NODE_IP": "192.0.2.10"}, netns=netns)
+    assert left.returncode == 0, left
+    assert "eth0 (driver veth): not one of vmxnet3; left alone" in left.stdout
+    assert _tunnel_offload(netns, "eth0") == both_on
+
+    done = _cli("init", "handle-vxlan-offload", "--node-ip", "192.0.2.10", "--drivers",
+                "vmxnet3,veth", netns=netns)  # fmt: skip
+    assert done.returncode == 0, done
+    assert "turned off tx-udp_tnl-segmentation, tx-udp_tnl-csum-segmentation" in done.stdout
+    assert _tunnel_offload(netns, "eth0") == dict.fromkeys(both_on, False)
+    assert _tunnel_offload(netns, "eth1") == both_on  # the other end is another NIC
+
+    missing = _cli("init", "handle-vxlan-offload", "--node-ip", "192.0.2.99", netns=netns)
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == (
+        "cilia-agent init handle-vxlan-offload: no interface holds the node IP 192.0.2.99"
+    )
+    unset = _cli("init", "handle-vxlan-offload", env={"NODE_IP": ""}, netns=netns)
+    assert unset.returncode == 2 and "set NODE_IP or --node-ip" in unset.stderr

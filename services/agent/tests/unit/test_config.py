@@ -22,7 +22,8 @@ def test_defaults_match_the_brief() -> None:
     assert c.socket == pathlib.Path("/var/run/cilia/cilia.sock")
     assert c.cni_conf_dir == pathlib.Path("/etc/cni/net.d")
     assert c.cni_conf_name == "05-cilia.conflist"
-    assert (c.cni_log_file, c.mtu, c.host_device_name) == ("", 1500, "cilia_host")
+    assert (c.cni_log_file, c.mtu, c.host_device_name) == ("", 0, "cilia_host")  # 0 = detect
+    assert (c.ipv4_node, c.k8s_api_server, c.k8s_kubeconfig_path) == ("auto", "", "")
     assert c.ipam_multi_pool_pre_allocation == {"default": 8}
     assert (c.prometheus_serve_addr, c.install_iptables_rules, c.log_level) == (
         ":9962",
@@ -36,6 +37,13 @@ def test_defaults_match_the_brief() -> None:
     ("field", "value"),
     [
         ("mtu", 10),
+        ("mtu", 67),
+        ("operator", "k8s:kube-system"),
+        ("operator", "k8s:Kube_System/cilia-operator"),
+        ("operator", "k8s:/cilia-operator"),
+        ("ipv4_node", "eth0"),
+        ("ipv4_node", "2001:db8::1"),
+        ("operator_discovery_interval", 0),
         ("host_device_name", "much_too_long_name"),
         ("ipam_multi_pool_pre_allocation", "default=x"),
         ("install_iptables_rules", "maybe"),

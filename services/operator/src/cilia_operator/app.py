@@ -55,6 +55,7 @@ from .identity.allocator import IdentityAllocator
 from .identity.gc import IdentityGC
 from .ipam.changes import overlap_errors
 from .ipam.controller import IPAMController
+from .ipam.nodegc import NodeGC
 from .ipam.pool import pool_manifest, pool_overlaps, pool_specs
 from .kinds import POOL, SERVICE_CIDR
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
@@ -99,6 +100,7 @@ class Operator:
         if config.store == "kubernetes":
             self.store = KubernetesStore(
                 kubeconfig=config.kubeconfig,
+                api_server=config.k8s_api_server,
                 request_timeout=config.store_request_timeout,
                 watch_timeout=config.store_watch_timeout,
             )
@@ -144,6 +146,19 @@ class Operator:
             check_pods=config.store == "kubernetes",
             max_per_run=config.cilium_endpoint_gc_max_per_run,
             metrics=self.metrics,
+        )
+        # --store kubernetes: a CiliumNode follows its Node (ownerReference, Node-deletion GC)
+        self.node_gc = (
+            NodeGC(
+                self.store,
+                interval=config.nodes_gc_interval,
+                release=self.controller.node_gone,
+                on_gone=[self._node_endpoints_gone],
+                retry_interval=config.store_retry_interval,
+                conflict_retries=config.store_conflict_retries,
+            )
+            if config.store == "kubernetes"
+            else None
         )
         self.elector: LeaderElector | None = None
         self.slices = (
@@ -238,6 +253,7 @@ class Operator:
                     conflict_retries,
                     pods_from_api=config.store == "kubernetes",
                     record_alias_use=config.store != "kubernetes",
+                    nodes_from_api=config.store == "kubernetes",
                 ),
                 SERVICE_NAMES[0],
             ),
@@ -441,6 +457,8 @@ class Operator:
         await self.controller.start()
         self.identity_gc.start()
         self.endpoint_gc.start()
+        if self.node_gc is not None:
+            self.node_gc.start()
         if self.slices is not None:
             await self.slices.start()
         if self.services is not None:
@@ -455,6 +473,8 @@ class Operator:
             await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
+        if self.node_gc is not None:
+            await self.node_gc.stop()
         await self.endpoint_gc.stop()
         await self.identity_gc.stop()
         await self.controller.stop()
@@ -464,6 +484,14 @@ class Operator:
             log.error("follower cannot follow the store", extra={"error": str(exc)})
             if self._health is not None:
                 await set_serving(self._health, SERVICE_NAMES, serving=False)
+
+    async def _node_endpoints_gone(self, name: str) -> None:
+        """A node's Node and CiliumNode are gone: one endpoint GC pass now deletes its
+        CiliumEndpoints, so their addresses leave every agent's ipcache at once instead of
+        at the next ``--cilium-endpoint-gc-interval``."""
+        result = await self.endpoint_gc.run_once()
+        log.info("endpoints of a deleted node collected",
+                 extra={"node": name, "deleted": result.node_gone})  # fmt: skip
 
     async def _auto_create_pools(self) -> None:
         """Create the ``--auto-create-cilium-pod-ip-pools`` pools that do not exist (an
@@ -531,6 +559,8 @@ class Operator:
             await self.services.stop()
         if self.slices is not None:
             await self.slices.stop()
+        if self.node_gc is not None:
+            await self.node_gc.stop()
         await self.endpoint_gc.stop()
         await self.identity_gc.stop()
         await self.controller.stop()

@@ -205,10 +205,23 @@ class Config(BaseModel):
         description="standalone: endpoints in one EndpointSlice the operator keeps at most "
         "(kube-controller-manager's --max-endpoints-per-slice)",
     )
-    kubeconfig: str = Field(
+    kubeconfig: Annotated[str, Flag(aliases=("--k8s-kubeconfig-path",))] = Field(
         default="",
-        description="--store kubernetes: kubeconfig file; '' = in-cluster config, else "
-        "$KUBECONFIG / ~/.kube/config",
+        description="--store kubernetes: kubeconfig file, alias --k8s-kubeconfig-path "
+        "(upstream's name); '' = in-cluster config (env KUBERNETES_SERVICE_HOST/"
+        "KUBERNETES_SERVICE_PORT, which the chart sets to k8sServiceHost/k8sServicePort, and "
+        "the service-account token), else $KUBECONFIG / ~/.kube/config",
+    )
+    k8s_api_server: str = Field(
+        default="",
+        description="--store kubernetes: API server URL https://HOST:PORT replacing the "
+        "server of the kubeconfig or of the in-cluster env (upstream k8s-api-server); alone "
+        "(no kubeconfig, no env) it is used without credentials",
+    )
+    nodes_gc_interval: Duration = Field(
+        default=300.0,
+        ge=0,
+        description="--store kubernetes: period of the CiliumNode GC (upstream nodes-gc-interval, 5m0s): a CiliumNode whose Node is gone is deleted (one with an ownerReference at once, one without after a second pass); a Node deletion is acted on at once besides; 0 disables the periodic pass",
     )
     store_watch_timeout: int = Field(
         default=300,

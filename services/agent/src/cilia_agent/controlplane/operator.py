@@ -45,6 +45,7 @@ from pyroute2 import IPRoute
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
 from cilia_agent.config import Config
+from cilia_agent.datapath.nodeaddress import DEFAULT_MTU, detect_node_address, node_first
 from cilia_common.tls import ClientTLS, RotatingChannel, TLSFileError, certificate_identity
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,13 @@ def backoff_delay(attempt: int, minimum: float, maximum: float) -> float:
 
 @dataclass(frozen=True)
 class NodeNetworks:
-    """The node's InternalIP addresses and the subnets of its interfaces."""
+    """The node's addresses (its own address first, :mod:`cilia_agent.datapath.nodeaddress`),
+    the subnets of its interfaces, and the device carrying the node address with its MTU."""
 
     addresses: list[str]
     local_networks: list[tuple[str, str]]  # (interface, cidr)
+    device: str = ""
+    mtu: int = DEFAULT_MTU
 
 
 #: Interface name prefixes never reported: pod veths (``lxc…``) and the host devices of
@@ -90,12 +94,16 @@ AGENT_DEVICE_PREFIXES = ("lxc", "cilia_")
 
 
 def read_node_networks(
-    exclude: tuple[str, ...] = (), exclude_prefixes: tuple[str, ...] = AGENT_DEVICE_PREFIXES
+    exclude: tuple[str, ...] = (),
+    exclude_prefixes: tuple[str, ...] = AGENT_DEVICE_PREFIXES,
+    ipv4_node: str = "auto",
 ) -> NodeNetworks:
     """Read every global IPv4 address of the host and its subnet with pyroute2.
 
-    Returns the addresses (node InternalIPs) and ``(interface, subnet)`` of every
-    interface with a global IPv4 address. Loopback, the agent's own devices (``exclude``,
+    Returns the addresses, this node's own address first (``ipv4_node``, ``--ipv4-node``:
+    :func:`~cilia_agent.datapath.nodeaddress.detect_node_address`; never merely the first
+    the kernel lists), ``(interface, subnet)`` of every interface with a global IPv4 address,
+    and the node address's device and MTU. Loopback, the agent's own devices (``exclude``,
     e.g. ``--host-device-name``) and devices named with ``exclude_prefixes`` (pod veths,
     agents' host devices) are skipped. Blocking; run it in a thread.
     """
@@ -124,13 +132,24 @@ def read_node_networks(
             cidr = str(iface.network)
             if (ifname, cidr) not in networks:
                 networks.append((ifname, cidr))
-    return NodeNetworks(addresses, networks)
+    node = detect_node_address(ipv4_node, exclude, exclude_prefixes)
+    return NodeNetworks(node_first(addresses, node.address), networks, node.device, node.mtu)
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def reconnect_options(min_backoff: float, max_backoff: float) -> list[tuple[str, int]]:
+    """gRPC channel options capping its reconnect backoff to ``min``..``max`` seconds."""
+    ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
+    return [
+        ("grpc.initial_reconnect_backoff_ms", ms_min),
+        ("grpc.min_reconnect_backoff_ms", ms_min),
+        ("grpc.max_reconnect_backoff_ms", ms_max),
+    ]
 
 
 def operator_channel(
@@ -144,12 +163,7 @@ def operator_channel(
     Raises:
         TLSFileError: a TLS file is unusable at start.
     """
-    ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
-    options = [
-        ("grpc.initial_reconnect_backoff_ms", ms_min),
-        ("grpc.min_reconnect_backoff_ms", ms_min),
-        ("grpc.max_reconnect_backoff_ms", ms_max),
-    ]
+    options = reconnect_options(min_backoff, max_backoff)
     if tls is not None:
         return RotatingChannel(address, tls, options)
     return grpc.aio.insecure_channel(address, options=options)
@@ -201,6 +215,7 @@ class OperatorClient:
         alias_uses: returns the alias VIPs' uses (``loadbalancer.usage``), sent with every
             Register (``reports_alias_use``) and by :meth:`report_alias_use`; None: not
             reported (no load balancer).
+        ipv4_node: ``--ipv4-node``: the node address registered first.
     """
 
     def __init__(
@@ -221,7 +236,9 @@ class OperatorClient:
         channel: grpc.aio.Channel | None = None,
         tls: ClientTLS | None = None,
         alias_uses: Callable[[], list[cp.AliasUse]] | None = None,
+        ipv4_node: str = "auto",
     ) -> None:
+        self.ipv4_node = ipv4_node
         self._alias_uses = alias_uses
         # an older operator (no ReportAliasUse): alias uses ride on Register this session
         self._reports_by_register = False
@@ -347,7 +364,9 @@ class OperatorClient:
 
     async def _session(self) -> bool:
         self._reports_by_register = False  # the operator may have been upgraded meanwhile
-        nets = await asyncio.to_thread(read_node_networks, self.exclude_devices)
+        nets = await asyncio.to_thread(
+            read_node_networks, self.exclude_devices, AGENT_DEVICE_PREFIXES, self.ipv4_node
+        )
         delivered = False
         own = self._channel is None
         channel = self._channel or operator_channel(

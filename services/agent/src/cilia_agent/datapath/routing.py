@@ -396,9 +396,12 @@ class VxlanTunnel:
         log.info("tunnel peer removed", extra={"node": address})
 
 
-def node_routes(cfg: Config, addresses: Sequence[str], local_cidrs: _LocalCidrs) -> NodeRoutes:
+def node_routes(
+    cfg: Config, addresses: Sequence[str], local_cidrs: _LocalCidrs, mtu: int = 0
+) -> NodeRoutes:
     """The :class:`NodeRoutes` of ``--routing-mode`` (``addresses``: this node's, the first is
-    the tunnel source).
+    the node address and the tunnel source; ``mtu``: the pods' MTU, already minus the VXLAN
+    overhead in tunnel mode, which the tunnel device gets; 0 = :meth:`Config.pod_mtu`).
 
     Raises:
         DatapathError: tunnel mode on a node without an IPv4 address.
@@ -414,6 +417,6 @@ def node_routes(cfg: Config, addresses: Sequence[str], local_cidrs: _LocalCidrs)
         port=cfg.tunnel_port,
         vni=cfg.tunnel_vni,
         local_address=addresses[0],
-        mtu=cfg.pod_mtu(),
+        mtu=mtu or cfg.pod_mtu(),
         local_cidrs=local_cidrs,
     )

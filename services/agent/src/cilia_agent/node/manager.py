@@ -6,7 +6,7 @@ later events apply one by one) and tells its listeners the whole set after every
 the routes to other nodes' pod CIDRs (:class:`RouteSync`) and Hubble's peer registry.
 
 :class:`RouteSync` turns the set into :class:`~cilia_agent.datapath.routing.RemoteNode`
-entries (first IPv4 address, every pod CIDR) and has the routing mode
+entries (the node's own address, listed first: see :func:`remote_node`; every pod CIDR) and has the routing mode
 (``datapath.routing``) install exactly those routes; the netlink work runs in the worker
 pool, one sync at a time, always with the latest set. Problems (a node without a reachable
 address) are logged when they change and kept for ``cilia-agent status``.
@@ -94,7 +94,12 @@ class NodeManager:
 
 
 def remote_node(node: cp.Node) -> RemoteNode:
-    """The routing view of a node: its first IPv4 address ("" when none) and pod CIDRs."""
+    """The routing view of a node: its first IPv4 address ("" when none) and pod CIDRs.
+
+    The first address is the node's own: its Kubernetes Node's ``InternalIP`` (the operator
+    writes it first, ``ipam/nodegc``), or in standalone mode the address its agent
+    registered first (``--ipv4-node``, ``datapath/nodeaddress``) -- never merely the first
+    address the remote kernel listed (a ``docker0``)."""
     address = ""
     for candidate in node.addresses:
         try:

@@ -14,7 +14,7 @@ import sys
 from typing import TextIO
 
 from cilia_agent import preflight
-from cilia_agent.preflight import PreflightError, cleanup, iptables_backend, sysctl
+from cilia_agent.preflight import PreflightError, cleanup, iptables_backend, sysctl, vxlan_offload
 from cilia_common.flags import parse_bool
 
 DEFAULT_CGROUP_ROOT = "/run/cilia/cgroupv2"
@@ -118,6 +118,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         f"(default {sysctl.DEFAULT_CONF_FILE}; empty = none)",
     )  # fmt: skip
 
+    v = steps.add_parser(
+        "handle-vxlan-offload",
+        help="VXLAN mode: UDP-tunnel segmentation offload off on the node IP's NIC when its "
+        "driver needs it (vmxnet3), as the Deckhouse module's init step",
+    )  # fmt: skip
+    v.add_argument("--node-ip", default=os.environ.get("NODE_IP", ""),
+                   help="the node's IP; its interface is the one changed (default $NODE_IP)")  # fmt: skip
+    v.add_argument("--drivers", default=",".join(vxlan_offload.DEFAULT_DRIVERS),
+                   help="comma-separated NIC drivers that get the offload turned off "
+                   "(default vmxnet3)")  # fmt: skip
+
     x = steps.add_parser(
         "clean-state", parents=[ipt_timeout],
         help="on request remove BPF pins (--bpf-state) or all the agent's node state (--all-state)",
@@ -152,7 +163,21 @@ def _run(args: argparse.Namespace) -> list[str]:
         return _iptables(args)
     if step == "sysctl":
         return _sysctl(args)
+    if step == "handle-vxlan-offload":
+        return _vxlan_offload(args)
     return _clean(args)
+
+
+def _vxlan_offload(args: argparse.Namespace) -> list[str]:
+    if not args.node_ip:
+        raise PreflightError(
+            "handle-vxlan-offload", "no node IP: set NODE_IP or --node-ip", preflight.EXIT_USAGE
+        )
+    drivers = tuple(d.strip() for d in args.drivers.split(",") if d.strip())
+    try:
+        return vxlan_offload.handle(args.node_ip, drivers)
+    except vxlan_offload.OffloadError as exc:
+        raise PreflightError("handle-vxlan-offload", str(exc)) from exc
 
 
 def _iptables(args: argparse.Namespace) -> list[str]:

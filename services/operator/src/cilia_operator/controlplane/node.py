@@ -14,6 +14,7 @@ import grpc
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 
 from ..ipam import node as nodes
+from ..ipam import nodegc
 from ..ipam.controller import IPAMController
 from ..ipam.pool import ObjectMeta
 from ..kinds import NODE
@@ -29,7 +30,9 @@ HUBBLE_ANNOTATION = "cilia.io/hubble-address"
 
 
 def node_message(record: Resource) -> pb.Node:
-    """A CiliumNode record as ``cilia.controlplane.v1.Node``."""
+    """A CiliumNode record as ``cilia.controlplane.v1.Node``: its InternalIP addresses in
+    record order, the node's own first (Kubernetes: the Node's InternalIP; standalone: the
+    address the agent registered first), which peers use as next hop and tunnel endpoint."""
     meta = record.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     return pb.Node(
@@ -85,7 +88,10 @@ class NodeServicer:
         *,
         pods_from_api: bool = False,
         record_alias_use: bool = False,
+        nodes_from_api: bool = False,
     ) -> None:
+        # Kubernetes mode: the CiliumNode is owned by its Node and leads with its InternalIP
+        self.nodes_from_api = nodes_from_api
         self.pods_from_api = pods_from_api
         # standalone: alias-use reports feed the ServiceCIDR migration (service.aliases)
         self.record_alias_use = record_alias_use
@@ -98,8 +104,11 @@ class NodeServicer:
     async def Register(  # noqa: N802 (gRPC method name)
         self, request: pb.RegisterRequest, context: Any
     ) -> pb.RegisterResponse:
-        """Create or update the CiliumNode with the node's addresses and local networks;
-        with ``reports_alias_use`` (standalone), record the node's alias-VIP uses
+        """Create or update the CiliumNode with the node's addresses (the agent sends its
+        node address first) and local networks; in Kubernetes mode the Node's InternalIPs
+        lead the addresses and the record gets the Node as ownerReference
+        (:mod:`cilia_operator.ipam.nodegc`); with ``reports_alias_use`` (standalone), record
+        the node's alias-VIP uses
         (:func:`cilia_operator.service.aliases.store_report`).
 
         Errors: INVALID_ARGUMENT (bad name/address/CIDR), ALREADY_EXISTS (an agent at
@@ -124,6 +133,7 @@ class NodeServicer:
         networks = [{"interface": n.interface,
                      "cidr": str(ipaddress.ip_network(n.cidr, strict=False))}
                     for n in request.local_networks]  # fmt: skip
+        k8s_node = await self._k8s_node(name)
         for _ in range(self.conflict_retries):
             try:
                 current = await self.store.get(NODE.kind, name)
@@ -131,6 +141,7 @@ class NodeServicer:
                 current = nodes.new_node(name)
             desired = copy.deepcopy(current)
             desired.setdefault("spec", {})["addresses"] = addresses
+            desired = nodegc.adopted(desired, k8s_node)
             desired.setdefault("status", {})["localNetworks"] = networks
             for key, value in ((VERSION_ANNOTATION, request.version),
                                (HUBBLE_ANNOTATION, request.hubble_address)):  # fmt: skip
@@ -161,6 +172,16 @@ class NodeServicer:
             ipam_mode=self.controller.mode,
             pods_from_api=self.pods_from_api,
         )
+
+    async def _k8s_node(self, name: str) -> Resource | None:
+        """Kubernetes mode: the Node ``name`` (None when absent, or in standalone mode)."""
+        if not self.nodes_from_api:
+            return None
+        try:
+            return await self.store.get(nodegc.K8S_NODE_KIND, name)
+        except NotFound:
+            log.info("registering node has no Node object (yet)", extra={"node": name})
+            return None
 
     @unary
     async def ReportAliasUse(  # noqa: N802 (gRPC method name)

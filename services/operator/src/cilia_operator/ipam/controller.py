@@ -195,6 +195,8 @@ class IPAMController:
         self.release_grace = release_grace
         # node -> event-loop time its record was found deleted (blocks held until + grace)
         self._deleted_at: dict[str, float] = {}
+        # nodes whose Kubernetes Node was deleted: no grace, their blocks go at once
+        self._gone: set[str] = set()
         self.metrics = metrics
         self.mode = mode
         self.default_pool = default_pool
@@ -596,6 +598,8 @@ class IPAMController:
             self._known.discard(name)
         else:
             self._known.add(name)
+            if event.type == "ADDED":
+                self._gone.discard(name)
         self._node_networks(name, None if event.type == "DELETED" else event.object)
         self.enqueue(name)
         self._notify_node(name, event.object, deleted=event.type == "DELETED")
@@ -678,6 +682,10 @@ class IPAMController:
         stream); only the addresses wait, so pods the node may still run are not duplicated."""
         if self.release_grace <= 0 or not self.allocator.node_blocks(name):
             return False
+        if name in self._gone:
+            log.info("node's Kubernetes Node deleted; its CIDRs are released at once",
+                     extra={"node": name})  # fmt: skip
+            return False
         loop = asyncio.get_running_loop()
         deleted = self._deleted_at.setdefault(name, loop.time())
         left = deleted + self.release_grace - loop.time()
@@ -690,6 +698,15 @@ class IPAMController:
             )
         loop.call_later(left, self.enqueue, name)
         return True
+
+    def node_gone(self, name: str) -> None:
+        """Node ``name``'s Kubernetes Node was deleted (``ipam.nodegc``): once its CiliumNode
+        is gone too, its blocks are released at once, without
+        ``--node-cidr-release-grace-period`` (upstream: a node deletion releases its CIDRs;
+        the grace covers a CiliumNode deleted while its Node, and maybe its pods, still
+        exist). A node registering again under that name clears the mark."""
+        self._gone.add(name)
+        self.enqueue(name)
 
     def enqueue(self, name: str) -> None:
         """Schedule a reconcile of node ``name`` (deduplicated while queued)."""

@@ -168,6 +168,10 @@ class KubernetesStore(Store):
         watch_timeout: seconds one watch request lasts on the server (``timeoutSeconds``)
             before it is reopened from the last seen version (>= 1).
         kinds: extra/overriding kind mappings on top of :data:`KINDS`.
+        api_server: ``--k8s-api-server``: replaces the server of the loaded configuration
+            (in-cluster config reads ``KUBERNETES_SERVICE_HOST``/``_PORT``, which the chart
+            sets to ``k8sServiceHost``/``k8sServicePort``: no ClusterIP is needed); alone it
+            is used without credentials.
 
     Raises (from every method):
         StoreUnavailable: the API server cannot be reached, times out, or answers 5xx.
@@ -184,7 +188,9 @@ class KubernetesStore(Store):
         request_timeout: float = 10.0,
         watch_timeout: int = 300,
         kinds: dict[str, KubeKind] | None = None,
+        api_server: str = "",
     ) -> None:
+        self.api_server = api_server.rstrip("/")
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         if watch_timeout < 1:
@@ -216,6 +222,8 @@ class KubernetesStore(Store):
                 try:
                     if not self.kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
                         config.load_incluster_config(client_configuration=cfg)
+                    elif not self.kubeconfig and self.api_server:
+                        pass  # --k8s-api-server alone: that URL, no credentials
                     else:
                         await config.load_kube_config(
                             config_file=self.kubeconfig or None,
@@ -226,6 +234,8 @@ class KubernetesStore(Store):
                 except Exception as exc:
                     where = self.kubeconfig or "in-cluster/default kubeconfig"
                     raise StoreUnavailable(f"kubernetes store: cannot load {where}: {exc}") from exc
+            if self.api_server and self._configuration is None:
+                cfg.host = self.api_server
             self.url = str(cfg.host)
             self._client = client.ApiClient(cfg)
             return self._client

@@ -1,0 +1,174 @@
+"""A Kubernetes Node that goes takes its CiliumNode, its block, its routes and its ipcache
+entries with it (``ipam/nodegc.py``), on the session's REAL kube-apiserver.
+
+No kube-controller-manager runs in this test (the test kit starts one only on request), so
+the API server's garbage collector never acts on the ownerReference: the operator's own Node
+watch is what deletes the CiliumNode here. The test plays two agents over gRPC (Register,
+UpdateDemand, WatchNodes, WatchIPCache) against an in-process operator with
+``--store kubernetes`` and the default release grace (30 s): the block of a node whose Node
+was deleted must be free long before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from cluster import running_operator
+from stores import kube_cilia
+
+from cilia.controlplane.v1 import controlplane_pb2 as pb
+from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_testkit.kubeapi import KubeAPI, unique_name
+
+__all__ = ["kube_cilia"]
+
+#: The target of issue 27: a deleted Node is gone everywhere within this many seconds.
+GONE_SECONDS = 10.0
+DOCKER0 = "172.17.0.1"
+
+
+def _node(kube: KubeAPI, name: str, internal_ip: str) -> str:
+    """Create core Node ``name`` with ``InternalIP`` ``internal_ip``; returns its uid."""
+    doc = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+    kube.kubectl("create", "-f", "-", input=json.dumps(doc))
+    status = {"status": {"addresses": [{"type": "InternalIP", "address": internal_ip},
+                                       {"type": "Hostname", "address": name}]}}  # fmt: skip
+    kube.kubectl("patch", "node", name, "--subresource=status", "--type=merge",
+                 "-p", json.dumps(status))  # fmt: skip
+    got = json.loads(kube.kubectl("get", "node", name, "-o", "json").stdout)
+    return str(got["metadata"]["uid"])
+
+
+def _cilium_node(kube: KubeAPI, name: str) -> dict[str, Any] | None:
+    out = kube.kubectl("get", "ciliumnode", name, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def _claimed_by(kube: KubeAPI, node: str) -> list[str]:
+    out = kube.kubectl("get", "ciliaipamblocks", "-o", "json")
+    return [
+        str(b["metadata"]["name"])
+        for b in json.loads(out.stdout)["items"]
+        if json.dumps(b).find(f'"{node}"') >= 0
+    ]
+
+
+async def _until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+def test_a_deleted_node_loses_its_ciliumnode_block_routes_and_ipcache_entry_within_10s(
+    kube_cilia: KubeAPI,
+) -> None:
+    kube = kube_cilia
+    gone, stays = unique_name("nl-gone"), unique_name("nl-stays")
+    gone_uid = _node(kube, gone, "192.0.2.21")
+    _node(kube, stays, "192.0.2.22")
+    try:
+
+        async def scenario() -> dict[str, float]:
+            settings = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5}
+            async with running_operator("kubernetes", **settings) as (_op, channel):
+                node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+                ipam = pb_grpc.IPAMServiceStub(channel)  # type: ignore[no-untyped-call]
+                # the agent of `gone` lists docker0 first, as netlink may
+                await node.Register(pb.RegisterRequest(node_name=gone,
+                                                       addresses=[DOCKER0, "192.0.2.21"]))  # fmt: skip
+                await node.Register(pb.RegisterRequest(node_name=stays, addresses=["192.0.2.22"]))
+                await ipam.UpdateDemand(pb.UpdateDemandRequest(
+                    node_name=gone, demands=[pb.PoolDemand(pool="default", needed_ipv4=8)]))  # fmt: skip
+                assert await _until(lambda: bool(_claimed_by(kube, gone)), 10), "no block"
+
+                record = _cilium_node(kube, gone)
+                assert record is not None
+                assert record["metadata"]["ownerReferences"] == [
+                    {"apiVersion": "v1", "kind": "Node", "name": gone, "uid": gone_uid}
+                ]
+                # the Node's InternalIP leads: peers route to it, not to docker0
+                assert [a["ip"] for a in record["spec"]["addresses"]] == ["192.0.2.21", DOCKER0]
+
+                # a peer's view: the node stream and the ipcache stream
+                nodes_stream = node.WatchNodes(pb.WatchNodesRequest())
+                first = await nodes_stream.read()
+                listed = {e.node.name: list(e.node.addresses) for e in first.events}
+                assert listed[gone][0] == "192.0.2.21"
+                ipcache = pb_grpc.EndpointServiceStub(channel).WatchIPCache(  # type: ignore[no-untyped-call]
+                    pb.WatchIPCacheRequest()
+                )
+                entries: set[str] = set()
+                while True:
+                    msg = await ipcache.read()
+                    entries |= {e.entry.cidr for e in msg.events}
+                    if msg.synced:
+                        break
+                assert "192.0.2.21/32" in entries
+
+                t0 = time.monotonic()
+                await asyncio.to_thread(kube.kubectl, "delete", "node", gone)
+                took: dict[str, float] = {}
+
+                async def node_deleted() -> None:
+                    while True:
+                        msg = await nodes_stream.read()
+                        if any(e.type == pb.EVENT_TYPE_DELETE and e.node.name == gone
+                               for e in msg.events):  # fmt: skip
+                            took["node stream"] = time.monotonic() - t0
+                            return
+
+                async def ipcache_deleted() -> None:
+                    while True:
+                        msg = await ipcache.read()
+                        if any(e.type == pb.EVENT_TYPE_DELETE and e.entry.cidr == "192.0.2.21/32"
+                               for e in msg.events):  # fmt: skip
+                            took["ipcache"] = time.monotonic() - t0
+                            return
+
+                await asyncio.wait_for(
+                    asyncio.gather(node_deleted(), ipcache_deleted()), GONE_SECONDS
+                )
+                assert await _until(lambda: _cilium_node(kube, gone) is None, GONE_SECONDS)
+                took["ciliumnode"] = time.monotonic() - t0
+                assert await _until(lambda: not _claimed_by(kube, gone), GONE_SECONDS), (
+                    "the block is still claimed: held for the release grace?"
+                )
+                took["block"] = time.monotonic() - t0
+                nodes_stream.cancel()
+                ipcache.cancel()
+                # the other node is untouched
+                assert _cilium_node(kube, stays) is not None
+                return took
+
+        took = asyncio.run(scenario())
+        assert max(took.values()) < GONE_SECONDS, took
+        print("deleted Node gone in", {k: round(v, 2) for k, v in took.items()})
+    finally:
+        kube.kubectl("delete", "node", gone, stays, "--ignore-not-found")
+
+
+def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia: KubeAPI) -> None:
+    kube = kube_cilia
+    orphan = unique_name("nl-orphan")
+
+    async def scenario() -> tuple[list[str], list[str], bool]:
+        settings = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5,
+                    "nodes_gc_interval": 0}  # fmt: skip
+        async with running_operator("kubernetes", **settings) as (op, channel):
+            node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+            await node.Register(pb.RegisterRequest(node_name=orphan, addresses=["192.0.2.31"]))
+            assert op.node_gc is not None
+            first = await op.node_gc.run_once()
+            kept = _cilium_node(kube, orphan) is not None
+            second = await op.node_gc.run_once()
+            return first, second, kept
+
+    first, second, kept_after_first = asyncio.run(scenario())
+    assert orphan not in first and kept_after_first
+    assert orphan in second and _cilium_node(kube, orphan) is None
