@@ -12,6 +12,9 @@ so clusters and stacks coexist on one host)::
                    │                    metrics :9962, its own socket/state/pins/CNI conf dir
     pods:        netns cilia-cl<S>-<pod>, plumbed by the real ``cilia-cni`` with their node's
                  conflist (the plugin talks to that node's agent socket)
+    outside:     netns cilia-cl<S>-outside (:meth:`Cluster.add_outside_host`), 198.18.<S>.250/24
+                 on the bridge, no default route and no route to any pod CIDR: the internet
+                 of masquerade tests (agents run with --enable-ipv4-masquerade=true)
 
 Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking networks), one /24 per slot;
 pods from the stack's pool ``10.<210+S>.0.0/16`` (a /24 block per node). Order of
