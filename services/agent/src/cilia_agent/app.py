@@ -227,6 +227,8 @@ class Agent:
             listeners.append(self.masquerade)
             self.ipam_manager.on_demand_changed(self.masquerade.poke)
         self.nodes = NodeManager(cfg.node_name, listeners, synced=not cfg.operator)
+        if self.masquerade is not None and not cfg.operator:
+            await self.masquerade.nodes_changed({})  # no operator: this node is alone
         resolver = (
             PoolResolver.from_config(cfg, channel) if channel and cfg.ipam == "multi-pool" else None
         )

@@ -189,3 +189,17 @@ def test_remove_deletes_the_jump_and_the_chain_and_nothing_else(net: Net) -> Non
     proc = subprocess.run(["ip", "netns", "exec", net.node, "iptables", "-t", "nat", "-S",
                            "CILIA_POST_nat"], capture_output=True, text=True, check=False)  # fmt: skip
     assert proc.returncode != 0
+
+
+def test_a_restarting_agent_keeps_other_nodes_exclusions_until_the_node_stream_says(
+    net: Net,
+) -> None:
+    first = _manager(net)
+    asyncio.run(first.nodes_changed({"b": cp.Node(name="b", pod_cidrs=["10.253.0.0/24"])}))
+    asyncio.run(first.start())
+    assert "-A CILIA_POST_nat -d 10.253.0.0/24" in _nat_rules(net)
+    second = _manager(net)  # the restarted agent, before its node stream synced
+    asyncio.run(second.start())
+    assert "-A CILIA_POST_nat -d 10.253.0.0/24" in _nat_rules(net)
+    asyncio.run(second.nodes_changed({}))  # node b is gone
+    assert "10.253.0.0/24" not in _nat_rules(net)

@@ -122,6 +122,7 @@ class Masquerade:
         self.only_default_pool = only_default_pool
         self.interval = interval
         self.remote_cidrs: tuple[str, ...] = ()
+        self._nodes_known = False
         self.applied: Plan | None = None
         self._ipmasq: ipmasq.IPMasqConfig | None = None
         self._ipmasq_error = ""
@@ -203,16 +204,26 @@ class Masquerade:
             self.applied = await loop.run_in_executor(self.executor, self._apply, check)
 
     async def start(self) -> None:
-        """The first sync, before pods are served.
+        """The first sync, before pods are served. Until the node stream delivers the other
+        nodes (the first :meth:`nodes_changed`), the exclusions a previous agent left in the
+        chain stay: a restarting agent must not masquerade new connections to other nodes'
+        pods in the moment before it knows them again.
 
         Raises:
             IptablesError: the chain cannot be written (the agent does not start: pods
                 without masquerade would reach nothing outside).
         """
+        loop = asyncio.get_running_loop()
+        existing = await loop.run_in_executor(self.executor, self.chain.read) or []
+        if not self._nodes_known:
+            self.remote_cidrs = tuple(
+                rule[1] for rule in existing if rule[:1] == ["-d"] and rule[-2:] == ["-j", "RETURN"]
+            )
         await self.sync(check=True)
 
     async def nodes_changed(self, nodes: Mapping[str, cp.Node]) -> None:
         """:class:`~cilia_agent.node.manager.NodeListener`: other nodes' pod CIDRs."""
+        self._nodes_known = True
         self.remote_cidrs = tuple(sorted({c for n in nodes.values() for c in n.pod_cidrs}))
         await self.sync()
 
