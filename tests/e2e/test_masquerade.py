@@ -20,6 +20,7 @@ from __future__ import annotations
 import pathlib
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 
 from cilia_testkit import VENV_BIN, cni, peer
-from cilia_testkit.cluster import ROUTING_MODES, Cluster, OutsideHost
+from cilia_testkit.cluster import METRICS_PORT, ROUTING_MODES, Cluster, OutsideHost
 from cilia_testkit.host import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
@@ -42,6 +43,7 @@ LATENCY_ROUNDS = 4
 CT_TIMEOUT_SECONDS = 3
 CT_EXPIRE_WAIT_SECONDS = 20.0
 IP_MASQ_DEFAULT = "nonMasqueradeCIDRs:\n- 192.0.2.0/24\n"
+SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
 
 
 @dataclass
@@ -109,6 +111,10 @@ def test_pods_reach_the_outside_host_as_their_node_never_as_a_pod(world: World) 
     nat = node.exec("iptables", "-t", "nat", "-S").stdout
     assert "-A POSTROUTING -j CILIA_POST_nat" in nat
     assert "-j MASQUERADE --random-fully" in nat and "-o eth0" in nat
+    # ... and its metrics, among them the kernel's conntrack failures (NAT port shortage)
+    metrics = node.exec(sys.executable, "-c", SCRAPE, f"http://127.0.0.1:{METRICS_PORT}/metrics")
+    assert 'cilia_masquerade_rules{kind="masquerade"} 1.0' in metrics.stdout
+    assert "cilia_nf_conntrack_insert_failed_total " in metrics.stdout
 
 
 def test_pod_to_pod_across_nodes_keeps_pod_addresses(world: World) -> None:
@@ -131,8 +137,10 @@ def test_outside_host_without_masquerade_cannot_answer_and_the_jump_comes_back(
     answer = peer.ask(pod.name, world.outside.address, PORT, timeout=0.5)[0]
     assert answer is None or answer.ip == node.address
     assert wait_for(
-        lambda: "-A POSTROUTING -j CILIA_POST_nat"
-        in node.exec("iptables", "-t", "nat", "-S", "POSTROUTING").stdout,
+        lambda: (
+            "-A POSTROUTING -j CILIA_POST_nat"
+            in node.exec("iptables", "-t", "nat", "-S", "POSTROUTING").stdout
+        ),
         APPLY_SECONDS,
     ), world.cluster.logs(20)
     again = peer.ask(pod.name, world.outside.address, PORT)[0]
@@ -187,8 +195,10 @@ def test_non_masquerade_cidr_keeps_the_pod_address_and_connect_latency_compared(
         world.conf.write_text(IP_MASQ_DEFAULT)
         for n in world.cluster.nodes.values():  # every agent reads the file on its own tick
             assert wait_for(
-                lambda n=n: f"-d {out.address}/32"
-                not in n.exec("iptables", "-t", "nat", "-S", "CILIA_POST_nat").stdout,
+                lambda n=n: (
+                    f"-d {out.address}/32"
+                    not in n.exec("iptables", "-t", "nat", "-S", "CILIA_POST_nat").stdout
+                ),
                 APPLY_SECONDS,
             ), n.name
         for cidr in cidrs:

@@ -71,6 +71,7 @@ from cilia_agent.ipam.node import NodePools
 from cilia_agent.ipam.selection import PoolSelector
 from cilia_agent.ipcache import IPCache
 from cilia_agent.k8s import PodCache
+from cilia_agent.masquerade.ctstats import NfConntrackStats
 from cilia_agent.masquerade.manager import Masquerade
 from cilia_agent.masquerade.rules import NatChain
 from cilia_agent.metrics import Metrics
@@ -208,6 +209,7 @@ class Agent:
         if cfg.enable_ipv4_masquerade:
             self.masquerade = self._masquerade(cfg, nets.local_networks)
             await self.masquerade.start()
+            self.metrics.registry.register(NfConntrackStats())
         enf = self.enforcement
         self.hubble = Hubble(
             hubble_config(cfg, __version__, nets.addresses),

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from cilia_agent.config import Config
-from cilia_agent.masquerade import ipmasq
+from cilia_agent.masquerade import ctstats, ipmasq
 from cilia_agent.masquerade.rules import chain_rules, make_plan, restore_input
 
 
@@ -108,3 +108,28 @@ def test_ip_masq_agent_file_errors_name_the_problem(
     path.write_text(text)
     with pytest.raises(ipmasq.IPMasqConfigError, match=words):
         ipmasq.load(path)
+
+
+STAT = """entries  clashres found new invalid ignore delete chainlength insert insert_failed drop early_drop icmp_error  expect_new expect_create expect_delete search_restart
+000003fa  00000000 00000000 00000000 00000001 00000000 00000000 00000000 00000000 0000000a 00000003 00000001 00000000  00000000 00000000 00000000 00000000
+000003fa  00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000010 00000002 00000000 00000000  00000000 00000000 00000000 00000000
+"""
+
+
+def test_conntrack_failure_counters_sum_the_cpus_and_a_missing_file_gives_none(
+    tmp_path: pathlib.Path,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    totals = ctstats.parse(STAT)
+    assert (totals["insert_failed"], totals["drop"], totals["early_drop"]) == (26, 5, 1)
+    path = tmp_path / "nf_conntrack"
+    path.write_text(STAT)
+    registry = CollectorRegistry()
+    registry.register(ctstats.NfConntrackStats(path))
+    assert registry.get_sample_value("cilia_nf_conntrack_insert_failed_total") == 26
+    assert registry.get_sample_value("cilia_nf_conntrack_drop_total") == 5
+    path.unlink()
+    assert registry.get_sample_value("cilia_nf_conntrack_drop_total") is None
+    with pytest.raises(ValueError, match="entries"):
+        ctstats.parse("garbage 1 2\n")
