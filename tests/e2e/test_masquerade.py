@@ -8,7 +8,9 @@ default ``--enable-ipv4-masquerade=true`` (iptables mode), ``--enable-ip-masq-ag
 file the tests rewrite and ``--iptables-reconcile-interval`` 1 s.
 
 Shown: a pod's connect to the outside host succeeds and the outside host sees the node's
-LAN address, never a pod's; pod↔pod across nodes keeps pod addresses; a destination listed
+LAN address, never a pod's; ICMP echo and UDP get their replies; the agent's metrics; an
+agent killed and restarted leaves the chain as it was (pods keep reaching out while it is
+down); pod↔pod across nodes keeps pod addresses; a removed jump comes back; a destination listed
 in nonMasqueradeCIDRs keeps the pod address; the node's conntrack entry of a translated
 connection expires (the kernel's timeouts, shortened in the node's netns); connect latency
 through SNAT against the same path without it, in interleaved rounds (printed).
@@ -27,13 +29,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from cilia_testkit import VENV_BIN, cni, peer
+from cilia_testkit import VENV_BIN, cni, peer, probe
 from cilia_testkit.cluster import METRICS_PORT, ROUTING_MODES, Cluster, OutsideHost
 from cilia_testkit.host import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
 PORT = 9200
+#: The outside host's probe server (TCP and UDP greeting, cilia_testkit.probe).
+PROBE_PORT = 9300
 #: Seconds the agents take at most to apply a changed ip-masq-agent file (1 s interval).
 APPLY_SECONDS = 10.0
 #: Connects per round and rounds of the latency comparison.
@@ -86,6 +90,7 @@ def world(
     outside = c.add_outside_host()
     server = peer.start(outside.netns, PORT)
     w = World(mode, c, outside, server, conf, {}, {})
+    greeter = probe.start_server(outside.netns, "outside", (PROBE_PORT,))
     try:
         for node in ("node-a", "node-b"):
             pod = c.add_pod(node, f"{mode}-{node[-1]}1", {"app": "masq"})
@@ -93,6 +98,7 @@ def world(
             w.pod_servers[node] = peer.start(pod.name, PORT)
         yield w
     finally:
+        probe.stop(greeter)
         for s in [server, *w.pod_servers.values()]:
             peer.stop(s)
         c.stop()
@@ -115,6 +121,27 @@ def test_pods_reach_the_outside_host_as_their_node_never_as_a_pod(world: World) 
     metrics = node.exec(sys.executable, "-c", SCRAPE, f"http://127.0.0.1:{METRICS_PORT}/metrics")
     assert 'cilia_masquerade_rules{kind="masquerade"} 1.0' in metrics.stdout
     assert "cilia_nf_conntrack_insert_failed_total " in metrics.stdout
+
+
+def test_icmp_echo_and_udp_to_the_outside_host_get_their_replies(world: World) -> None:
+    """The outside host has no route to a pod: every reply proves the translation."""
+    out = world.outside.address
+    for pod in world.pods.values():
+        results = probe.check_from(pod.name, f"icmp:{out}", f"udp:{out}:{PROBE_PORT}")
+        assert all(r.ok for r in results), [(r.target, r.detail) for r in results]
+
+
+def test_an_agent_killed_and_restarted_leaves_masquerade_in_place(world: World) -> None:
+    node = world.cluster.node("node-a")
+    pod = world.pods["node-a"]
+    before = node.exec("iptables", "-t", "nat", "-S", "CILIA_POST_nat").stdout
+    world.cluster.kill_agent("node-a")
+    answer = peer.ask(pod.name, world.outside.address, PORT)[0]  # while no agent runs
+    assert answer is not None and answer.ip == node.address
+    world.cluster.restart_agent("node-a")
+    assert node.exec("iptables", "-t", "nat", "-S", "CILIA_POST_nat").stdout == before
+    answer = peer.ask(pod.name, world.outside.address, PORT)[0]
+    assert answer is not None and answer.ip == node.address
 
 
 def test_pod_to_pod_across_nodes_keeps_pod_addresses(world: World) -> None:
