@@ -90,6 +90,7 @@ class RealAgent:
                 "hubble_listen_address": "",
                 "enable_bpf": False,
                 "install_iptables_rules": False,
+                "enable_ipv4_masquerade": False,
                 "bpf_pin_dir": f"/sys/fs/bpf/cilia-cnitest-{self.tag}",
                 "ipam_multi_pool_pre_allocation": {"default": 8},
             },

@@ -43,6 +43,7 @@ def test_tunnel_clusters_pass_vxlan_and_the_mtu_to_every_agent() -> None:
         "--mtu",
         "9000",
         "--enable-node-port=true",
+        "--enable-ipv4-masquerade=true",
         "--tunnel-protocol",
         "vxlan",
     ]

@@ -12,6 +12,9 @@ so clusters and stacks coexist on one host)::
                    │                    metrics :9962, its own socket/state/pins/CNI conf dir
     pods:        netns cilia-cl<S>-<pod>, plumbed by the real ``cilia-cni`` with their node's
                  conflist (the plugin talks to that node's agent socket)
+    outside:     netns cilia-cl<S>-outside (:meth:`Cluster.add_outside_host`), 198.18.<S>.250/24
+                 on the bridge, no default route and no route to any pod CIDR: the internet
+                 of masquerade tests (agents run with --enable-ipv4-masquerade=true)
 
 Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking networks), one /24 per slot;
 pods from the stack's pool ``10.<210+S>.0.0/16`` (a /24 block per node). Order of
@@ -61,6 +64,8 @@ NODE_HOST_BASE = 10
 #: node has a network namespace of its own).
 HUBBLE_PORT = 4244
 METRICS_PORT = 9962
+#: Host part of the outside host's address (:meth:`Cluster.add_outside_host`).
+OUTSIDE_HOST = 250
 #: Routing protocol of the routes an agent installs to other nodes' pod CIDRs (``proto 0xc1``).
 RTPROT_CILIA = 0xC1
 #: Seconds a single ``cilia-operator``/``ip`` command of the cluster may take.
@@ -166,6 +171,23 @@ class Node:
         if out.returncode != 0:
             return 0
         return int(json.loads(out.stdout)[0]["mtu"])
+
+
+@dataclasses.dataclass(frozen=True)
+class OutsideHost:
+    """The cluster's "internet" (:meth:`Cluster.add_outside_host`).
+
+    Attributes:
+        name: its short name.
+        netns: its network namespace.
+        address: its LAN address (no route back to any pod CIDR).
+        veth: the host end of its LAN veth (a port of the bridge).
+    """
+
+    name: str
+    netns: str
+    address: str
+    veth: str
 
 
 class Cluster:
@@ -285,9 +307,11 @@ class Cluster:
     def agent_args(self) -> list[str]:
         """The routing flags every agent of this cluster gets, then the extra ones.
 
-        NodePort programs are on (the Stack turns them off for host-netns agents): each
-        node's agent has its own netns, whose default-route device is its LAN veth."""
-        args = ["--routing-mode", self.routing, "--mtu", str(self.mtu), "--enable-node-port=true"]
+        NodePort programs and masquerade are on (the Stack turns them off for host-netns
+        agents): each node's agent has its own netns, whose default-route device is its LAN
+        veth."""
+        args = ["--routing-mode", self.routing, "--mtu", str(self.mtu), "--enable-node-port=true",
+                "--enable-ipv4-masquerade=true"]  # fmt: skip
         if self.routing == "tunnel":
             args += ["--tunnel-protocol", "vxlan"]
         return [*args, *self.extra_agent_args]
@@ -392,6 +416,35 @@ class Cluster:
         if pathlib.Path(f"/sys/class/net/{bridge}").exists():
             sh("ip", "link", "del", bridge, check=False)
         self._lan_ready = False
+
+    # -- the outside host -----------------------------------------------------------------
+
+    def add_outside_host(self, name: str = "outside") -> OutsideHost:
+        """A host on the LAN standing for the internet: netns ``<prefix><name>``, address
+        ``198.18.<slot>.<OUTSIDE_HOST>`` on its ``eth0`` (a port of the bridge), the LAN's
+        connected route only: no default route and no route to any pod CIDR, so a packet
+        with a pod source address cannot be answered. Deleted by :meth:`stop` with every
+        netns of the cluster.
+
+        Raises:
+            ClusterError: the LAN does not exist, or the host exists already.
+        """
+        if not self._lan_ready:
+            raise ClusterError("the cluster's LAN does not exist: call prepare() or start()")
+        netns = f"{self.prefix}{name}"
+        if netns in list_netns(self.prefix):
+            raise ClusterError(f"outside host {name!r} exists already")
+        address = str(self.lan.network_address + OUTSIDE_HOST)
+        veth = f"cl{self.slot}o{len(name)}{name[:4]}"[:15]
+        create_netns(netns)
+        sh("ip", "link", "del", veth, check=False)
+        sh("ip", "link", "add", veth, "mtu", str(self.mtu), "type", "veth", "peer", "name",
+           "eth0", "mtu", str(self.mtu), "netns", netns)  # fmt: skip
+        sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        sh("ip", "-n", netns, "addr", "add", f"{address}/{self.lan.prefixlen}", "dev", "eth0")
+        sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        sh("ip", "-n", netns, "link", "set", "lo", "up")
+        return OutsideHost(name, netns, address, veth)
 
     # -- nodes ----------------------------------------------------------------------------
 

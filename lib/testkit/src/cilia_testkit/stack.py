@@ -34,6 +34,8 @@ a later command finds the processes an earlier one started; its pins, device and
 What two stacks still share on one host: the iptables chain ``CILIA_FORWARD`` and its jump
 from FORWARD (each agent installs the same two ``lxc+`` rules and repairs them; neither
 removes them on exit, so they coexist) and the host's routing table (disjoint pool CIDRs).
+Their agents run with ``--enable-ipv4-masquerade=false`` (the nat chain ``CILIA_POST_nat``
+would be one per host, rebuilt by each agent with its own CIDRs).
 Processes start in their own session (``start_new_session``; no ``preexec_fn``) and are
 stopped with SIGTERM, then SIGKILL, and reaped.
 """
@@ -333,6 +335,10 @@ class Agent:
             # the machine's own default-route device; a test wanting them passes
             # --enable-node-port=true in agent_args (later flags win)
             "--enable-node-port=false",
+            # ... and masquerade would write the host's nat table, which several stacks
+            # share (each agent rebuilds CILIA_POST_nat with its own CIDRs); the Cluster's
+            # agents, each in a netns of its own, pass --enable-ipv4-masquerade=true
+            "--enable-ipv4-masquerade=false",
             *s.agent_args,
             *extra,
         ]

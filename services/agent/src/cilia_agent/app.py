@@ -73,9 +73,12 @@ from cilia_agent.ipam.node import NodePools
 from cilia_agent.ipam.selection import PoolSelector
 from cilia_agent.ipcache import IPCache
 from cilia_agent.k8s import PodCache
+from cilia_agent.masquerade.ctstats import NfConntrackStats
+from cilia_agent.masquerade.manager import Masquerade
+from cilia_agent.masquerade.rules import NatChain
 from cilia_agent.metrics import Metrics
 from cilia_agent.node import LocalNode
-from cilia_agent.node.manager import NodeManager, RouteSync
+from cilia_agent.node.manager import NodeListener, NodeManager, RouteSync
 from cilia_agent.preflight import iptables_binary
 from cilia_agent.status import Enforced, StatusCollector
 from cilia_common.metrics import start_metrics_server
@@ -147,6 +150,7 @@ class Agent:
         self.routes: RouteSync
         self.nodes: NodeManager
         self.pod_mtu = cfg.pod_mtu()
+        self.masquerade: Masquerade | None = None
 
     @property
     def bpf(self) -> Datapath | None:
@@ -201,6 +205,10 @@ class Agent:
             node_routes(cfg, nets.addresses, self.node.pod_cidrs, self.pod_mtu), self.executor
         )
         await self.routes.setup()
+        if cfg.enable_ipv4_masquerade:
+            self.masquerade = self._masquerade(cfg, nets.local_networks)
+            await self.masquerade.start()
+            self.metrics.registry.register(NfConntrackStats())
         enf = self.enforcement
         self.hubble = Hubble(
             hubble_config(cfg, __version__, nets.addresses),
@@ -215,9 +223,13 @@ class Agent:
         if enf is not None:
             await self.hubble.start_reader(enf.bpf)
             self.metrics.scrape_hook.refresh = self.hubble.refresh_datapath_counters
-        self.nodes = NodeManager(
-            cfg.node_name, [self.routes, self.hubble.peers], synced=not cfg.operator
-        )
+        listeners: list[NodeListener] = [self.routes, self.hubble.peers]
+        if self.masquerade is not None:
+            listeners.append(self.masquerade)
+            self.ipam_manager.on_demand_changed(self.masquerade.poke)
+        self.nodes = NodeManager(cfg.node_name, listeners, synced=not cfg.operator)
+        if self.masquerade is not None and not cfg.operator:
+            await self.masquerade.nodes_changed({})  # no operator: this node is alone
         resolver = (
             PoolResolver.from_config(cfg, channel) if channel and cfg.ipam == "multi-pool" else None
         )
@@ -290,6 +302,24 @@ class Agent:
             self._spawn("conntrack-gc", gc.run)
         if self.iptables_reconciler.interval > 0:
             self._spawn("iptables-reconcile", self.iptables_reconciler.run)
+        if self.masquerade is not None:
+            self._spawn("masquerade", self.masquerade.run)
+
+    def _masquerade(self, cfg: Config, networks: Sequence[tuple[str, str]]) -> Masquerade:
+        """The iptables masquerade (``--enable-ipv4-masquerade``; masquerade/)."""
+        return Masquerade(
+            NatChain(iptables_binary(cfg), cfg.iptables_timeout),
+            self.ipam.cidrs,
+            lambda: self.node.default_pool,
+            lambda: networks,
+            self.executor,
+            self.metrics.registry,
+            native_routing_cidr=cfg.ipv4_native_routing_cidr,
+            devices=cfg.egress_masquerade_interfaces,
+            ip_masq_agent=cfg.ip_masq_agent_config_path if cfg.enable_ip_masq_agent else None,
+            only_default_pool=cfg.only_masquerade_default_pool,
+            interval=cfg.iptables_reconcile_interval,
+        )
 
     async def _operator_channel(self, cfg: Config) -> Any:
         """The one operator channel (None without ``--operator``): to ``host:port``, or to

@@ -497,6 +497,35 @@ class Config(BaseModel):
         default=pathlib.Path("/run/cilia/cgroupv2"),
         description="cgroup v2 mount whose root cgroup the socket-LB programs attach to (upstream cgroup-root, there /run/cilium/cgroupv2); cgroup2 is mounted there when it is not",
     )
+    # --- masquerade (masquerade/; agent README "Masquerade") ---------------------------
+    enable_ipv4_masquerade: bool = Field(
+        default=True,
+        description="SNAT pod traffic leaving the cluster to this node's address on the egress device (upstream enable-ipv4-masquerade): from this node's pod CIDRs to anything outside every pod CIDR of the cluster, --ipv4-native-routing-cidr and the ip-masq-agent's nonMasqueradeCIDRs",
+    )
+    enable_bpf_masquerade: bool = Field(
+        default=False,
+        description="masquerade in eBPF on the egress devices instead of iptables (upstream enable-bpf-masquerade; the Deckhouse module turns it on); refused: not implemented, use the iptables mode (false)",
+    )
+    ipv4_native_routing_cidr: Annotated[str, Flag(metavar="CIDR")] = Field(
+        default="",
+        description="CIDR reachable without masquerade, e.g. the cluster's whole pod network (upstream ipv4-native-routing-cidr); never masqueraded; empty = none (every pod CIDR of the cluster is excluded anyway, from the node stream)",
+    )
+    egress_masquerade_interfaces: Annotated[list[str], Flag(metavar="IFNAME")] = Field(
+        default_factory=list,
+        description="devices pod traffic is masqueraded on (upstream egress-masquerade-interfaces); repeat or comma-separate; a trailing + matches a prefix (eth+); none = the devices of the IPv4 default routes, else the device carrying the node's first address",
+    )
+    enable_ip_masq_agent: bool = Field(
+        default=False,
+        description="also exclude the nonMasqueradeCIDRs of --ip-masq-agent-config-path from masquerade (upstream enable-ip-masq-agent; there BPF-only); file absent or list empty: upstream's default list (RFC 1918, 100.64.0.0/10, 198.18.0.0/15 …); 169.254.0.0/16 unless masqLinkLocal",
+    )
+    ip_masq_agent_config_path: pathlib.Path = Field(
+        default=pathlib.Path("/etc/config/ip-masq-agent"),
+        description="YAML or JSON file of the ip-masq-agent ConfigMap (nonMasqueradeCIDRs: [CIDR...], masqLinkLocal: bool) (upstream ip-masq-agent-config-path); re-read every --iptables-reconcile-interval",
+    )
+    only_masquerade_default_pool: bool = Field(
+        default=False,
+        description="masquerade only pods of the default pool (--ipam-default-ip-pool); pods of other multi-pool pools keep their address (upstream only-masquerade-default-pool)",
+    )
 
     @field_validator("ipam_multi_pool_pre_allocation", mode="before")
     @classmethod
@@ -514,6 +543,10 @@ class Config(BaseModel):
         "bpf_lb_sock",
         "enable_node_port",
         "enable_host_legacy_routing",
+        "enable_ipv4_masquerade",
+        "enable_bpf_masquerade",
+        "enable_ip_masq_agent",
+        "only_masquerade_default_pool",
         mode="before",
     )
     @classmethod
@@ -696,6 +729,43 @@ class Config(BaseModel):
                 if not isinstance(name, str) or not _IFNAME.match(name):
                     raise ValueError(f"--devices: {name!r} is not an interface name")
         return names
+
+    @field_validator("egress_masquerade_interfaces", mode="before")
+    @classmethod
+    def _masq_devices(cls, value: Any) -> Any:
+        names = split_list([value] if isinstance(value, str) else value)
+        if isinstance(names, list):
+            for name in names:
+                base = name[:-1] if isinstance(name, str) and name.endswith("+") else name
+                if not isinstance(base, str) or not _IFNAME.match(base):
+                    raise ValueError(
+                        f"--egress-masquerade-interfaces: {name!r} is not an interface name "
+                        "(or a prefix ending in +)"
+                    )
+        return names
+
+    @field_validator("ipv4_native_routing_cidr")
+    @classmethod
+    def _native_cidr(cls, value: str) -> str:
+        if not value:
+            return value
+        try:
+            return str(ipaddress.IPv4Network(value.strip(), strict=True))
+        except ValueError as exc:
+            raise ValueError(
+                f"--ipv4-native-routing-cidr: {value!r} is not an IPv4 CIDR ({exc})"
+            ) from None
+
+    @field_validator("enable_bpf_masquerade")
+    @classmethod
+    def _bpf_masquerade(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "BPF masquerade is not implemented: pod traffic is masqueraded with iptables "
+                "(--enable-bpf-masquerade=false, the CILIA_POST_nat chain); refusing rather "
+                "than leaving pods without masquerade"
+            )
+        return value
 
     @field_validator("bpf_lb_mode")
     @classmethod

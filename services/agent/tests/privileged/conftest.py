@@ -101,6 +101,9 @@ class Env:
             "enable_bpf": False,
             "bpf_pin_dir": self.pin_dir,
             "hubble_listen_address": "",
+            # the host's netns is shared by every test (and helper): its nat table is not
+            # ours to write; masquerade tests run in namespaces of their own
+            "enable_ipv4_masquerade": False,
         }
         values.update(overrides)
         return Config(**values)

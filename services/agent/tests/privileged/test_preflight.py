@@ -202,6 +202,10 @@ def test_all_state_removes_devices_routes_chain_and_state_in_a_netns(
     _sh(*nft, "-N", "CILIA_FORWARD")
     _sh(*nft, "-A", "CILIA_FORWARD", "-i", "lxc+", "-j", "ACCEPT")
     _sh(*nft, "-I", "FORWARD", "1", "-j", "CILIA_FORWARD")
+    _sh(*nft, "-t", "nat", "-N", "CILIA_POST_nat")  # the masquerade chain and its jump
+    _sh(*nft, "-t", "nat", "-A", "CILIA_POST_nat", "-s", "10.251.77.0/24", "-j", "MASQUERADE")
+    _sh(*nft, "-t", "nat", "-I", "POSTROUTING", "1", "-j", "CILIA_POST_nat")
+    _sh(*nft, "-t", "nat", "-A", "POSTROUTING", "-s", "10.9.0.0/16", "-j", "MASQUERADE")  # not ours
     state = tmp_path / "state"
     (state / "endpoints").mkdir(parents=True)
     (state / "endpoints" / "1.json").write_text("{}")
@@ -215,14 +219,18 @@ def test_all_state_removes_devices_routes_chain_and_state_in_a_netns(
     assert "ciliat_host" not in links and "ciliat_net" not in links and "eth7" in links
     routes = _sh(*ns, "route", "show")
     assert "10.251.77.0/24" not in routes and "10.251.78.0/24" in routes
-    assert "CILIA_FORWARD" not in _sh(*nft[:-1], "iptables-nft-save")
+    saved = _sh(*nft[:-1], "iptables-nft-save")
+    assert "CILIA_FORWARD" not in saved and "CILIA_POST_nat" not in saved
+    assert "-A POSTROUTING -s 10.9.0.0/16 -j MASQUERADE" in saved
     assert not state.exists()
     # the legacy side was looked at without creating its tables (nothing of ours was there)
     tables = subprocess.run(["ip", "netns", "exec", netns, "cat", "/proc/net/ip_tables_names"],
                             capture_output=True, text=True, check=False).stdout  # fmt: skip
     assert tables == ""
     for what in ("route 10.251.77.0/24", "device ciliat_host",  # its veth peer goes with it
-                 "iptables-nft -A FORWARD -j CILIA_FORWARD", f"state dir {state} (3 entries)"):  # fmt: skip
+                 "iptables-nft -A FORWARD -j CILIA_FORWARD",
+                 "iptables-nft -t nat -A POSTROUTING -j CILIA_POST_nat",
+                 "iptables-nft -t nat -N CILIA_POST_nat", f"state dir {state} (3 entries)"):  # fmt: skip
         assert what in proc.stdout
 
 

@@ -37,6 +37,10 @@ RULES: tuple[tuple[str, ...], ...] = (
     ("-o", "lxc+", "-j", "ACCEPT"),
 )
 JUMP: tuple[str, ...] = ("-j", CHAIN)
+# the masquerade chain of the nat table and the chain jumping to it (masquerade/rules.py;
+# upstream CILIUM_POST_nat); named here so init clean-state removes it too
+NAT_CHAIN = "CILIA_POST_nat"
+NAT_PARENT = "POSTROUTING"
 TERMINAL = ("DROP", "REJECT")
 
 # repair kinds (the ``repair`` label of the repairs counter)

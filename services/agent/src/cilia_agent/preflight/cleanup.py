@@ -11,7 +11,8 @@ with ``--bpf-state`` when ``CILIUM_BPF_STATE`` is "true" (ConfigMap key
   pod veths keep their own references until the restarted agent replaces them.
 * **all state**: the above, plus the host device (``--host-device-name`` and its ``_net``
   peer), the tunnel device (``--tunnel-device``), the routes the agent installed (routing
-  protocol 0xC1 in the main table), its ``CILIA_FORWARD`` chain in both iptables backends,
+  protocol 0xC1 in the main table), its ``CILIA_FORWARD`` chain and its nat chain
+  ``CILIA_POST_nat`` (masquerade) with their jumps in both iptables backends,
   and the state directory (``--state-dir``: endpoint and node records). Pods keep running
   but lose their endpoints until they are created again.
 

@@ -185,7 +185,7 @@ def _iptables(args: argparse.Namespace) -> list[str]:
     lines = [f"{det.backend} ({det.reason}): the agent runs {iptables_backend.binary(det.backend)}"]
     other = "legacy" if det.backend == "nft" else "nft"
     try:
-        removed = iptables_backend.remove_stale_chain(other, args.iptables_timeout)  # type: ignore[arg-type]
+        removed = iptables_backend.remove_agent_chains(other, args.iptables_timeout)  # type: ignore[arg-type]
     except iptables_backend.BackendError as exc:
         raise PreflightError("iptables-backend", str(exc)) from exc
     if removed:
@@ -240,7 +240,7 @@ def _clean(args: argparse.Namespace) -> list[str]:
             devices = cleanup.host_devices(args.host_device_name, args.tunnel_device)
             cleanup.clean_network(devices, report)
             for backend in iptables_backend.BACKENDS:
-                for rule in iptables_backend.remove_stale_chain(backend, args.iptables_timeout):
+                for rule in iptables_backend.remove_agent_chains(backend, args.iptables_timeout):
                     report.removed.append(f"iptables-{backend} {rule}")
             cleanup.clean_state_dir(args.state_dir.absolute(), report)
     except (cleanup.CleanError, iptables_backend.BackendError) as exc:

@@ -19,7 +19,8 @@ looking, after which every ``iptables-nft`` call warns about legacy tables.
 The agent then runs ``iptables-nft`` or ``iptables-legacy`` by name for every command
 (``--iptables-backend``; ``auto`` runs this detection at start, which is what the init step
 runs too, so both reach the same answer). The init step also removes the agent's own chain
-(``CILIA_FORWARD`` and its jump) from the *other* backend — left there when the host moved
+(``CILIA_FORWARD`` and its jump, the nat chain ``CILIA_POST_nat`` and its POSTROUTING
+jump) from the *other* backend — left there when the host moved
 from one to the other — and nothing else (the Deckhouse step flushes every legacy chain and
 unloads the legacy modules; Cilia touches only its own rules).
 """
@@ -32,7 +33,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Literal
 
-from cilia_agent.datapath.iptables import CHAIN, PARENT
+from cilia_agent.datapath.iptables import CHAIN, NAT_CHAIN, NAT_PARENT, PARENT
 
 Backend = Literal["nft", "legacy"]
 BACKENDS: tuple[Backend, Backend] = ("nft", "legacy")
@@ -150,22 +151,48 @@ def _legacy_tables(path: pathlib.Path = LEGACY_TABLES) -> set[str]:
         return set()
 
 
+#: the agent's chains, as (table, chain, parent): what the init steps remove
+AGENT_CHAINS: tuple[tuple[str, str, str], ...] = (
+    ("filter", CHAIN, PARENT),
+    ("nat", NAT_CHAIN, NAT_PARENT),
+)
+
+
+def remove_agent_chains(backend: Backend, timeout: float = 10.0) -> list[str]:
+    """:func:`remove_stale_chain` for every chain of :data:`AGENT_CHAINS`; what was removed,
+    each prefixed with ``-t <table>`` for the nat table.
+
+    Raises:
+        BackendError: as :func:`remove_stale_chain`.
+    """
+    removed = []
+    for table, chain, parent in AGENT_CHAINS:
+        for rule in remove_stale_chain(backend, timeout, chain=chain, parent=parent, table=table):
+            removed.append(rule if table == "filter" else f"-t {table} {rule}")
+    return removed
+
+
 def remove_stale_chain(
-    backend: Backend, timeout: float = 10.0, *, chain: str = CHAIN, parent: str = PARENT
+    backend: Backend,
+    timeout: float = 10.0,
+    *,
+    chain: str = CHAIN,
+    parent: str = PARENT,
+    table: str = "filter",
 ) -> list[str]:
-    """Remove the agent's jump ``parent -j chain`` and ``chain`` itself from ``backend``
-    (the one the agent does *not* use). Returns what was removed (``iptables -S`` form);
-    [] when nothing was there or the binary is missing.
+    """Remove the agent's jump ``parent -j chain`` and ``chain`` itself from ``table`` of
+    ``backend`` (the one the agent does *not* use, or both at clean-state). Returns what
+    was removed (``iptables -S`` form); [] when nothing was there or the binary is missing.
 
     Raises:
         BackendError: a delete failed for another reason than "not there".
     """
     exe = shutil.which(binary(backend))
-    if exe is None or (backend == "legacy" and "filter" not in _legacy_tables()):
-        return []  # no legacy filter table: nothing of ours there (and none is created)
+    if exe is None or (backend == "legacy" and table not in _legacy_tables()):
+        return []  # no such legacy table: nothing of ours there (and none is created)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [exe, "-w", str(max(1, int(timeout))), "-t", "filter", *args]
+        cmd = [exe, "-w", str(max(1, int(timeout))), "-t", table, *args]
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as exc:
