@@ -33,6 +33,8 @@ APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptable
 # cilia-cni's launcher, Debian's python3)
 TEST_APT_PKGS=(docker.io docker-compose debootstrap containerd runc iperf3 python3-dev)
 if [[ $WITH_TEST_TOOLS == 1 ]]; then APT_PKGS+=("${TEST_APT_PKGS[@]}"); fi
+# several checkouts (or a test and a setup) may install at once: wait for dpkg's lock
+APT_WAIT=(-o DPkg::Lock::Timeout=600)
 missing=()
 for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -42,8 +44,8 @@ if ((${#missing[@]})); then
     log "missing Debian packages: ${missing[*]} (run as root or install them)"; exit 2
   fi
   log "installing Debian packages: ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  apt-get "${APT_WAIT[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get "${APT_WAIT[@]}" install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # kubectl applies the chart's render (deploy/helm/cilia) in the deploy tests. The current kubectl comes
@@ -53,7 +55,7 @@ if [[ $WITH_TEST_TOOLS == 1 ]] && ! command -v kubectl >/dev/null && [[ $(id -u)
   kubectl_pkg=kubernetes-client
   if apt-cache policy kubectl 2>/dev/null | grep -q 'Candidate: [0-9]'; then kubectl_pkg=kubectl; fi
   log "installing kubectl ($kubectl_pkg)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$kubectl_pkg" >/dev/null \
+  DEBIAN_FRONTEND=noninteractive apt-get "${APT_WAIT[@]}" install -y -qq "$kubectl_pkg" >/dev/null \
     || log "kubectl could not be installed; the kustomize render test will fail and say so"
 fi
 
@@ -214,8 +216,8 @@ install_chromium() {
     return 0
   fi
   log "installing Debian's chromium (browser test of the hubble-ui page)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 \
-    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+  DEBIAN_FRONTEND=noninteractive apt-get "${APT_WAIT[@]}" install -y -qq chromium >/dev/null 2>&1 \
+    || { apt-get "${APT_WAIT[@]}" update -qq && DEBIAN_FRONTEND=noninteractive apt-get "${APT_WAIT[@]}" install -y -qq chromium >/dev/null; }
 }
 install_chromium
 
