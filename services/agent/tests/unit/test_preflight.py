@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import pathlib
+import subprocess
 
 import pytest
 
@@ -13,7 +14,7 @@ from cilia_agent import preflight
 from cilia_agent.__main__ import _build_parser, main
 from cilia_agent.preflight import cleanup, iptables_backend, kernel, sysctl
 from cilia_agent.preflight.cli import run
-from cilia_agent.preflight.mounts import MountError, ensure_mounted
+from cilia_agent.preflight.mounts import MountError, bind_root, ensure_mounted
 
 MOUNTS = """\
 /dev/root / ext4 rw 0 0
@@ -360,3 +361,38 @@ def test_serve_refuses_a_loopback_or_missing_nodeport_device_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
     assert "(19," not in err and "Errno" not in err
+
+
+MOUNTINFO = """\
+22 1 0:21 / / rw,relatime - overlay overlay rw
+30 22 0:25 / /run rw,nosuid - tmpfs tmpfs rw
+41 22 0:25 /cilia/cgroupv2 /run/cilia/cgroupv2 rw,relatime shared:5 - tmpfs tmpfs rw
+42 22 0:26 / /run/other rw,relatime - tmpfs tmpfs rw
+"""
+
+
+def test_bind_root_names_the_directory_a_bind_mount_shows() -> None:
+    assert bind_root(pathlib.Path("/run/cilia/cgroupv2"), MOUNTINFO) == "/cilia/cgroupv2"
+    assert bind_root(pathlib.Path("/run/other"), MOUNTINFO) == "/"
+    assert bind_root(pathlib.Path("/run/none"), MOUNTINFO) == ""
+
+
+def test_a_host_path_bind_of_another_filesystem_gets_the_mount_on_top(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the init container's own hostPath volume: /run/cilia/cgroupv2 of a host whose /run is tmpfs
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr("cilia_agent.preflight.mounts.subprocess.run", fake_run)
+    monkeypatch.setattr(pathlib.Path, "mkdir", lambda *a, **k: None)
+    path = pathlib.Path("/run/cilia/cgroupv2")
+    assert ensure_mounted(path, "cgroup2", flag="--cgroup-root", mounts=MOUNTS, mountinfo=MOUNTINFO)
+    assert calls == [["mount", "-t", "cgroup2", "none", "/run/cilia/cgroupv2"]]
+    # a tmpfs mounted whole on the path is still refused
+    with pytest.raises(MountError):
+        ensure_mounted(pathlib.Path("/run/other"), "cgroup2", flag="f",
+                       mounts="tmpfs /run/other tmpfs rw 0 0\n", mountinfo=MOUNTINFO)
