@@ -314,6 +314,8 @@ class Cluster:
                 "--enable-ipv4-masquerade=true"]  # fmt: skip
         if self.routing == "tunnel":
             args += ["--tunnel-protocol", "vxlan"]
+        else:  # the nodes share the LAN bridge: direct routes, as upstream's autoDirectNodeRoutes
+            args += ["--auto-direct-node-routes=true"]
         return [*args, *self.extra_agent_args]
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -181,6 +181,10 @@ class Config(BaseModel):
         default="native",
         description="how pods reach other nodes' pods: native (a route to each node's pod CIDRs via its address on the node network) or tunnel (VXLAN to each node) (upstream routing-mode)",
     )
+    auto_direct_node_routes: bool = Field(
+        default=False,
+        description="--routing-mode native: install a route to each other node's pod CIDRs via that node's address (the nodes share an L2 network); false leaves routing pod CIDRs to the network's routers, and routes this agent installed before are withdrawn (upstream auto-direct-node-routes, default false; the Deckhouse module's DirectWithNodeRoutes mode sets it)",
+    )
     tunnel_protocol: Literal["vxlan"] = Field(
         default="vxlan",
         description="encapsulation in --routing-mode tunnel (upstream tunnel-protocol)",

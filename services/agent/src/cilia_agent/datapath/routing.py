@@ -138,10 +138,15 @@ class NativeRouting:
 
     Args:
         local_cidrs: returns this node's own pod CIDRs (never routed elsewhere).
+        direct: ``--auto-direct-node-routes``: route each other node's pod CIDRs via its
+            address; False installs none (the network's routers carry pod CIDRs, as
+            upstream's native routing without direct routes) and withdraws any this agent
+            installed before.
     """
 
-    def __init__(self, local_cidrs: _LocalCidrs) -> None:
+    def __init__(self, local_cidrs: _LocalCidrs, direct: bool = True) -> None:
         self.local_cidrs = local_cidrs
+        self.direct = direct
 
     def setup(self) -> None:
         """Nothing to create: routes use the node's own network."""
@@ -160,7 +165,7 @@ class NativeRouting:
                 have = _routes()
                 want: dict[str, str] = {}
                 names: dict[str, str] = {}
-                for node in nodes:
+                for node in nodes if self.direct else ():
                     cidrs, reason = _valid(node)
                     if reason:
                         problems.append(reason)
@@ -316,7 +321,7 @@ class VxlanTunnel:
                 neighbours, fdb = self._peers(ipr, idx)
                 want: dict[str, str] = {}
                 addresses: set[str] = set()
-                for node in nodes:
+                for node in nodes if self.direct else ():
                     cidrs, reason = _valid(node)
                     if reason:
                         problems.append(reason)
@@ -407,7 +412,7 @@ def node_routes(
         DatapathError: tunnel mode on a node without an IPv4 address.
     """
     if cfg.routing_mode == "native":
-        return NativeRouting(local_cidrs)
+        return NativeRouting(local_cidrs, direct=cfg.auto_direct_node_routes)
     if not addresses:
         raise DatapathError(
             "--routing-mode tunnel: this node has no IPv4 address to send the tunnel from"
