@@ -152,6 +152,11 @@ def write_node_config(
     log.mkdir(parents=True, exist_ok=True)
     (conf / "pki" / "ca.crt").write_bytes(pki.ca_file.read_bytes())
     cert, key = pki.node_cert(node.name)
+    # as kubeadm leaves it: the kubelet's client pair in one file, which Cilia's agent presents
+    # to the operator (mutual TLS with the node's own identity, deploy/README.md)
+    pair = conf / "pki" / "kubelet-client-current.pem"
+    pair.write_bytes(cert.read_bytes() + key.read_bytes())
+    pair.chmod(0o600)
     (conf / "kubelet.kubeconfig").write_text(
         pki.kubeconfig(f"https://{api_server}", cert, key, f"system:node:{node.name}")
     )
@@ -192,6 +197,8 @@ def write_node_config(
         "10-containerd": "exec containerd --log-level=warn\n",
         "50-kubelet": (
             f"while [ ! -S {CONTAINERD_SOCKET} ]; do sleep 0.2; done\n"
+            f"install -D -m 0600 {CONF_MOUNT}/pki/kubelet-client-current.pem"
+            " /var/lib/kubelet/pki/kubelet-client-current.pem\n"
             f"exec kubelet --config={CONF_MOUNT}/kubelet-config.json"
             f" --kubeconfig={CONF_MOUNT}/kubelet.kubeconfig --node-ip={node.ip}"
             f" --hostname-override={node.name} --v=1\n"
