@@ -224,6 +224,16 @@ def test_restarted_node_comes_back_with_its_pods(ref: KindCluster, ns: str) -> N
     assert log.read_text().count("started kubelet") == 2
 
 
+def test_restarted_control_plane_keeps_the_cluster_state(ref: KindCluster, ns: str) -> None:
+    ref.kubectl("create", "configmap", "-n", ns, "kept", "--from-literal=k=v")
+    ref.restart_node(ref.control_plane.name)
+    # etcd's data is in the node's file system: the API server comes back with it
+    got = ref.kubectl("get", "configmap", "-n", ns, "kept", "-o", "jsonpath={.data.k}")
+    assert got.stdout == "v"
+    ref.wait_ready()
+    assert _hello(ref, ns, "echo-2", _ips(ref, ns)["echo-1"]) == f"hello from echo-1 on {PORT}"
+
+
 def test_added_node_joins_and_a_deleted_node_leaves(ref: KindCluster, ns: str) -> None:
     node = ref.add_node()
     obj = ref.node_objects()[node.name]
