@@ -125,6 +125,8 @@ class KindCluster(ClusterAPI):
         if nodes < 1:
             raise ValueError(f"nodes={nodes}: at least 1")
         pods, services = ipaddress.ip_network(pod_cidr), ipaddress.ip_network(service_cidr)
+        if pods.version != 4 or services.version != 4:
+            raise ValueError(f"IPv4 CIDRs only (pods {pod_cidr}, services {service_cidr})")
         if pods.overlaps(services):
             raise ValueError(f"pod CIDR {pod_cidr} overlaps service CIDR {service_cidr}")
         if not pods.prefixlen < node_cidr_mask <= 30:
