@@ -253,7 +253,7 @@ class KindCluster(ClusterAPI):
         if (self.state_dir / "state.json").exists():
             raise KindError(
                 f"cluster {self.name} exists ({self.state_dir}); remove it first "
-                f"(make k8s-down NAME={self.name})"
+                f"(make k8s-down K8S_NAME={self.name})"
             )
         stale = _labelled("ps", "--all", "", self.name) + _labelled("network", "ls", "", self.name)
         if stale:
