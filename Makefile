@@ -51,18 +51,18 @@ cluster-down:
 
 # A real Kubernetes cluster, kind-style: each node a container of the node image (containerd +
 # kubelet; the control plane in the first), no kube-proxy, CoreDNS, an "outside" host.
-# NODES=3 NAME=cilia CNI=none|reference (none: nodes stay NotReady until a CNI is installed).
-# State and kubeconfig in .run/k8s/$(NAME)/ (see lib/testkit: cilia_testkit.kind).
-NAME ?= cilia
-CNI  ?= none
+# NODES=3 K8S_NAME=cilia K8S_CNI=none|reference (none: nodes stay NotReady until a CNI is installed).
+# State and kubeconfig in .run/k8s/$(K8S_NAME)/ (see lib/testkit: cilia_testkit.kind).
+K8S_NAME ?= cilia
+K8S_CNI  ?= none
 k8s-up: test-setup
-	@$(VENV)/bin/python -m cilia_testkit.kind up --name $(NAME) --nodes $(NODES) --cni $(CNI)
+	@$(VENV)/bin/python -m cilia_testkit.kind up --name $(K8S_NAME) --nodes $(NODES) --cni $(K8S_CNI)
 
 k8s-down:
-	@$(VENV)/bin/python -m cilia_testkit.kind down --name $(NAME)
+	@$(VENV)/bin/python -m cilia_testkit.kind down --name $(K8S_NAME)
 
 k8s-status:
-	@$(VENV)/bin/python -m cilia_testkit.kind status --name $(NAME)
+	@$(VENV)/bin/python -m cilia_testkit.kind status --name $(K8S_NAME)
 
 demo: setup
 	@scripts/demo.sh

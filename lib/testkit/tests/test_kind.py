@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from cilia_testkit.kind import DockerError, KindCluster
+from cilia_testkit.kind.api import parse_time
 from cilia_testkit.kind.docker import docker, inspect
 from cilia_testkit.kind.pods import in_pod_netns, pod, wait_pods_ready
 
@@ -77,6 +78,34 @@ def _hello(cluster: KindCluster, namespace: str, client: str, ip: str) -> str:
 def _ips(cluster: KindCluster, namespace: str) -> dict[str, str]:
     items = cluster.get("pods", "-n", namespace, "-l", "app=echo")["items"]
     return {p["metadata"]["name"]: p["status"].get("podIP", "") for p in items}
+
+
+@pytest.mark.parametrize(
+    ("args", "kw"),
+    [
+        (("Bad_Name",), {}),
+        (("x" * 40,), {}),
+        (("ok", 0), {}),
+        (("ok",), {"pod_cidr": "10.96.0.0/12"}),  # overlaps the service CIDR
+        (("ok",), {"pod_cidr": "fd00::/64"}),
+        (("ok",), {"pod_cidr": "10.244.0.0/24", "node_cidr_mask": 24}),
+        (("ok",), {"service_cidr": "not-a-cidr"}),
+        (("ok",), {"cni": "flannel"}),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_made(
+    args: tuple[Any, ...], kw: dict[str, Any], tmp_path: Any
+) -> None:
+    with pytest.raises(ValueError):
+        KindCluster(*args, state_root=tmp_path, **kw)
+    assert not any(tmp_path.iterdir())
+
+
+def test_parse_time_reads_docker_and_kubernetes_timestamps() -> None:
+    docker_time = parse_time("2026-12-07T20:41:01.123456789Z")
+    assert docker_time is not None and docker_time.microsecond == 123456
+    assert parse_time("2026-12-07T20:41:02Z") is not None
+    assert parse_time("soon") is None
 
 
 def test_nodes_registered_with_their_container_address_and_a_pod_cidr(ref: KindCluster) -> None:
@@ -222,6 +251,16 @@ def test_restarted_node_comes_back_with_its_pods(ref: KindCluster, ns: str) -> N
     # the node's own services came back under the entrypoint, not started by the harness
     log = ref.state_dir / "nodes" / worker.name / "log" / "entrypoint.log"
     assert log.read_text().count("started kubelet") == 2
+
+
+def test_restarted_control_plane_keeps_the_cluster_state(ref: KindCluster, ns: str) -> None:
+    ref.kubectl("create", "configmap", "-n", ns, "kept", "--from-literal=k=v")
+    ref.restart_node(ref.control_plane.name)
+    # etcd's data is in the node's file system: the API server comes back with it
+    got = ref.kubectl("get", "configmap", "-n", ns, "kept", "-o", "jsonpath={.data.k}")
+    assert got.stdout == "v"
+    ref.wait_ready()
+    assert _hello(ref, ns, "echo-2", _ips(ref, ns)["echo-1"]) == f"hello from echo-1 on {PORT}"
 
 
 def test_added_node_joins_and_a_deleted_node_leaves(ref: KindCluster, ns: str) -> None:

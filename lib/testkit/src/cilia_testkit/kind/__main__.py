@@ -73,6 +73,10 @@ def _print_status(status: dict[str, object]) -> None:
         print(f"outside     {o['name']:<28} {o['ip']:<15} {o['container_state']}")  # type: ignore[index]
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; the exit status."""
     ap = argparse.ArgumentParser(
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 cni=None if a.cni == "none" else a.cni,
                 dns=not a.no_dns,
             )
-            signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(143)))
+            signal.signal(signal.SIGTERM, _exit_on_signal)  # up() removes what it made
             cluster.up()
             _print_status(_status(cluster))
             return 0

@@ -4,9 +4,11 @@ the API server and on Nodes (registered, Ready, the kubelet's Lease renewed)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import time
@@ -78,15 +80,22 @@ class ClusterAPI:
     ) -> subprocess.CompletedProcess[str]:
         """kubectl with the host kubeconfig (the cached build, else the one on PATH).
 
+        A call that gets no answer in ``timeout`` seconds (``--request-timeout``, and the
+        process is killed 5 s later) fails with exit status 124.
+
         Raises:
             KindError: non-zero exit with ``check`` (kubectl's stderr).
         """
         binary = default_bin_dir() / "kubectl"
         path = str(binary) if os.access(binary, os.X_OK) else (shutil.which("kubectl") or "kubectl")
-        got = subprocess.run(
-            [path, f"--kubeconfig={self.kubeconfig}", *argv], input=input, capture_output=True,
-            text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+        cmd = [path, f"--kubeconfig={self.kubeconfig}", f"--request-timeout={timeout:g}s", *argv]
+        try:
+            got = subprocess.run(
+                cmd, input=input, capture_output=True, text=True, timeout=timeout + 5, check=False
+            )
+        except subprocess.TimeoutExpired:
+            # the API server's address does not answer (its node is stopped): a failed call
+            got = subprocess.CompletedProcess(cmd, 124, "", f"no answer in {timeout:g}s")
         if check and got.returncode != 0:
             raise KindError(f"kubectl {' '.join(argv)}: {got.stderr.strip()}")
         return got
@@ -146,23 +155,31 @@ class ClusterAPI:
                           for n in sorted(pending))  # fmt: skip
         raise KindError(f"nodes {sorted(pending)} not {what} in {timeout:g}s\n{tails}")
 
-    def _lease_renewed(self, name: str) -> str:
+    def _lease_renewed(self, name: str) -> datetime.datetime | None:
         """``spec.renewTime`` of the node's Lease in kube-node-lease (the kubelet's
-        heartbeat, renewed every 10 s), or ""."""
+        heartbeat, renewed every 10 s), or None."""
         got = self.kubectl("get", "lease", "-n", "kube-node-lease", name, "-o",
-                           "jsonpath={.spec.renewTime}", check=False, timeout=15)  # fmt: skip
-        return got.stdout.strip() if got.returncode == 0 else ""
+                           "jsonpath={.spec.renewTime}", check=False, timeout=10)  # fmt: skip
+        return parse_time(got.stdout) if got.returncode == 0 else None
 
-    def _wait_heartbeat(self, name: str, before: str, timeout: float = NODE_READY_SECONDS) -> None:
-        """Until the kubelet has renewed its Lease after ``before`` (its renewTime then): it
-        runs again and reaches the API server."""
+    def _wait_heartbeat(
+        self, name: str, since: datetime.datetime, timeout: float = NODE_READY_SECONDS
+    ) -> None:
+        """Until the kubelet has renewed its Lease at or after ``since`` (when its node
+        container started; the API server and the containers share the machine's clock):
+        it runs again and reaches the API server.
+
+        Raises:
+            KindError: not in ``timeout`` seconds (kubelet log tail).
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._lease_renewed(name) > before:
+            renewed = self._lease_renewed(name)
+            if renewed is not None and renewed >= since:
                 return
             time.sleep(0.5)
         raise KindError(
-            f"kubelet of {name} posted no status in {timeout:g}s:\n"
+            f"kubelet of {name} renewed no Lease in {timeout:g}s:\n"
             f"{log_tail(self.state_dir, name, 'kubelet')}"
         )
 
@@ -170,3 +187,14 @@ class ClusterAPI:
 def _ready(node: dict[str, Any]) -> bool:
     conditions = (node.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def parse_time(text: str) -> datetime.datetime | None:
+    """An RFC 3339 UTC time (``2026-12-07T20:41:02.123456Z``, any number of fraction digits:
+    Docker's have 9), or None."""
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z$", text.strip())
+    if not m:
+        return None
+    micro = int((m.group(2) or "0")[:6].ljust(6, "0"))
+    parsed = datetime.datetime.fromisoformat(m.group(1)).replace(tzinfo=datetime.UTC)
+    return parsed.replace(microsecond=micro)

@@ -10,6 +10,7 @@ containers, anonymous volumes and network recorded there, then the directory.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import ipaddress
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 from cilia_testkit import ROOT
 from cilia_testkit.kind import coredns, image, refcni
-from cilia_testkit.kind.api import ClusterAPI, KindError
+from cilia_testkit.kind.api import ClusterAPI, KindError, parse_time
 from cilia_testkit.kind.controlplane import API_PORT, kubernetes_service_ip, write_control_plane
 from cilia_testkit.kind.docker import docker, docker_missing
 from cilia_testkit.kind.network import (
@@ -124,6 +125,8 @@ class KindCluster(ClusterAPI):
         if nodes < 1:
             raise ValueError(f"nodes={nodes}: at least 1")
         pods, services = ipaddress.ip_network(pod_cidr), ipaddress.ip_network(service_cidr)
+        if pods.version != 4 or services.version != 4:
+            raise ValueError(f"IPv4 CIDRs only (pods {pod_cidr}, services {service_cidr})")
         if pods.overlaps(services):
             raise ValueError(f"pod CIDR {pod_cidr} overlaps service CIDR {service_cidr}")
         if not pods.prefixlen < node_cidr_mask <= 30:
@@ -250,7 +253,7 @@ class KindCluster(ClusterAPI):
         if (self.state_dir / "state.json").exists():
             raise KindError(
                 f"cluster {self.name} exists ({self.state_dir}); remove it first "
-                f"(make k8s-down NAME={self.name})"
+                f"(make k8s-down K8S_NAME={self.name})"
             )
         stale = _labelled("ps", "--all", "", self.name) + _labelled("network", "ls", "", self.name)
         if stale:
@@ -482,17 +485,18 @@ class KindCluster(ClusterAPI):
         (and the control plane) back. With the reference CNI the routes are written again.
         With ``wait``: until containerd answers and (under a CNI) the Node is Ready again."""
         node = self.node(name)
-        before = self._lease_renewed(name) if wait else ""
         docker("start", node.container_id)
         if not wait:
             return
+        started = docker("inspect", "--format={{.State.StartedAt}}", node.container_id).stdout
+        since = parse_time(started) or datetime.datetime.now(datetime.UTC)
         wait_containerd(node, self.state_dir)
         if node.role == "control-plane":
             self._wait_api()
         if self.cni == "reference":
             self.apply_routes()
             self.wait_ready([name])
-        self._wait_heartbeat(name, before)
+        self._wait_heartbeat(name, since)
 
     def restart_node(self, name: str, wait: bool = True) -> None:
         """Stop and start a node container (a node reboot: new network namespace, pods'
