@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helmrender import NAMESPACE, documents, find, template
+from helmrender import HOOK, NAMESPACE, documents, find, template
 
 #: Kubernetes version the manifests are validated against (kubernetes-validate's schemas).
 KUBERNETES_VERSION = "1.32.0"
@@ -540,3 +540,27 @@ def test_disruption_budgets_and_crds_kept_on_uninstall(docs: list[dict[str, Any]
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     assert len(crds) == 10
     assert all(d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for d in crds)
+
+
+def test_the_uninstall_hook_runs_a_command_the_agent_has(helm: Path) -> None:
+    """The post-delete node-cleanup DaemonSet (a hook: not in the release's manifest) runs
+    `cilia-agent init clean-state --all-state` with flags the agent's parser accepts, then its
+    CNI removal; it runs on every node (tolerates everything) in the host's network."""
+    hooks = [
+        d
+        for d in documents(template(helm), hooks=True)
+        if HOOK in (d["metadata"].get("annotations") or {})
+    ]
+    assert [(d["kind"], d["metadata"]["name"]) for d in hooks] == [
+        ("DaemonSet", "cilia-node-cleanup")
+    ]
+    assert hooks[0]["metadata"]["annotations"][HOOK] == "post-delete"
+    images, _ = check_flags(hooks)
+    assert images == {"cilia-agent"}
+    spec = hooks[0]["spec"]["template"]["spec"]
+    assert spec["tolerations"] == [{"operator": "Exists"}] and spec["hostNetwork"] is True
+    script = spec["initContainers"][1]["args"][0]
+    assert "rm -f /host/etc/cni/net.d/05-cilia.conflist" in script
+    assert "rm -f /host/cni-bin/cilia-cni" in script
+    off = documents(template(helm, values={"nodeCleanup": {"enabled": False}}), hooks=True)
+    assert not [d for d in off if d["metadata"]["name"] == "cilia-node-cleanup"]
