@@ -564,3 +564,43 @@ def test_the_uninstall_hook_runs_a_command_the_agent_has(helm: Path) -> None:
     assert "rm -f /host/cni-bin/cilia-cni" in script
     off = documents(template(helm, values={"nodeCleanup": {"enabled": False}}), hooks=True)
     assert not [d for d in off if d["metadata"]["name"] == "cilia-node-cleanup"]
+
+
+def test_the_uninstall_hooks_cni_removal_restores_the_node(helm: Path, tmp_path: Path) -> None:
+    """The hook's remove-cni script, run for real with its /host paths under a temporary
+    directory: Cilia's conflist, plugin wrapper, plugin bundle and sysctl drop-in are gone,
+    the configs cni.exclusive had moved aside are back under their names, nothing else is
+    touched."""
+    import subprocess
+
+    [hook] = [
+        d
+        for d in documents(template(helm), hooks=True)
+        if d["metadata"]["name"] == "cilia-node-cleanup"
+    ]
+    script = hook["spec"]["template"]["spec"]["initContainers"][1]["args"][0]
+    host = tmp_path / "host"
+    netd, cnibin = host / "etc/cni/net.d", host / "cni-bin"
+    lib, sysctl = host / "opt/cni/cilia", host / "etc/sysctl.d"
+    for d in (netd, cnibin, lib / "0.1.0-abc", sysctl):
+        d.mkdir(parents=True)
+    (netd / "05-cilia.conflist").write_text("{}")
+    (netd / "10-flannel.conflist.cilia_bak").write_text('{"name": "flannel"}')
+    (netd / "99-loopback.conf").write_text("{}")
+    (cnibin / "cilia-cni").write_text("#!/bin/sh\n")
+    (cnibin / "loopback").write_text("#!/bin/sh\n")
+    (lib / "0.1.0-abc" / "cilia-cni").write_text("x")
+    (sysctl / "99-zzz-override_cilia.conf").write_text("net.ipv4.ip_forward=1\n")
+    (sysctl / "10-other.conf").write_text("")
+    out = subprocess.run(["sh", "-ec", script.replace("/host/", f"{host}/")],
+                         capture_output=True, text=True, check=False, timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in netd.iterdir()) == ["10-flannel.conflist", "99-loopback.conf"]
+    assert (netd / "10-flannel.conflist").read_text() == '{"name": "flannel"}'
+    assert sorted(p.name for p in cnibin.iterdir()) == ["loopback"]
+    assert not lib.exists()
+    assert sorted(p.name for p in sysctl.iterdir()) == ["10-other.conf"]
+    # a second run (a retried pod) finds nothing to do and still succeeds
+    again = subprocess.run(["sh", "-ec", script.replace("/host/", f"{host}/")],
+                           capture_output=True, text=True, check=False, timeout=30)  # fmt: skip
+    assert again.returncode == 0, again.stderr
