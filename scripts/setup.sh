@@ -50,13 +50,13 @@ fi
 
 # kubectl applies the chart's render (deploy/helm/cilia) in the deploy tests. The current kubectl comes
 # from the Kubernetes/Google Cloud apt repository when the machine has one configured; otherwise
-# Debian's kubernetes-client (kubectl 1.20, whose built-in `kubectl kustomize` is enough).
+# Debian's kubernetes-client.
 if [[ $WITH_TEST_TOOLS == 1 ]] && ! command -v kubectl >/dev/null && [[ $(id -u) -eq 0 ]]; then
   kubectl_pkg=kubernetes-client
   if apt-cache policy kubectl 2>/dev/null | grep -q 'Candidate: [0-9]'; then kubectl_pkg=kubectl; fi
   log "installing kubectl ($kubectl_pkg)"
   DEBIAN_FRONTEND=noninteractive apt-get "${APT_WAIT[@]}" install -y -qq "$kubectl_pkg" >/dev/null \
-    || log "kubectl could not be installed; the kustomize render test will fail and say so"
+    || log "kubectl could not be installed; the deploy and e2e tests that apply manifests will fail and say so"
 fi
 
 # A Docker engine for the image tests (make images, tests of services/*/Dockerfile, the

@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from helmrender import NAMESPACE, documents, find, template
+from helmrender import HOOK, NAMESPACE, documents, find, template
 
 #: Kubernetes version the manifests are validated against (kubernetes-validate's schemas).
 KUBERNETES_VERSION = "1.32.0"
@@ -540,3 +540,67 @@ def test_disruption_budgets_and_crds_kept_on_uninstall(docs: list[dict[str, Any]
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     assert len(crds) == 10
     assert all(d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for d in crds)
+
+
+def test_the_uninstall_hook_runs_a_command_the_agent_has(helm: Path) -> None:
+    """The post-delete node-cleanup DaemonSet (a hook: not in the release's manifest) runs
+    `cilia-agent init clean-state --all-state` with flags the agent's parser accepts, then its
+    CNI removal; it runs on every node (tolerates everything) in the host's network."""
+    hooks = [
+        d
+        for d in documents(template(helm), hooks=True)
+        if HOOK in (d["metadata"].get("annotations") or {})
+    ]
+    assert [(d["kind"], d["metadata"]["name"]) for d in hooks] == [
+        ("DaemonSet", "cilia-node-cleanup")
+    ]
+    assert hooks[0]["metadata"]["annotations"][HOOK] == "post-delete"
+    images, _ = check_flags(hooks)
+    assert images == {"cilia-agent"}
+    spec = hooks[0]["spec"]["template"]["spec"]
+    assert spec["tolerations"] == [{"operator": "Exists"}] and spec["hostNetwork"] is True
+    script = spec["initContainers"][1]["args"][0]
+    assert "rm -f /host/etc/cni/net.d/05-cilia.conflist" in script
+    assert "rm -f /host/cni-bin/cilia-cni" in script
+    off = documents(template(helm, values={"nodeCleanup": {"enabled": False}}), hooks=True)
+    assert not [d for d in off if d["metadata"]["name"] == "cilia-node-cleanup"]
+
+
+def test_the_uninstall_hooks_cni_removal_restores_the_node(helm: Path, tmp_path: Path) -> None:
+    """The hook's remove-cni script, run for real with its /host paths under a temporary
+    directory: Cilia's conflist, plugin wrapper, plugin bundle and sysctl drop-in are gone,
+    the configs cni.exclusive had moved aside are back under their names, nothing else is
+    touched."""
+    import subprocess
+
+    [hook] = [
+        d
+        for d in documents(template(helm), hooks=True)
+        if d["metadata"]["name"] == "cilia-node-cleanup"
+    ]
+    script = hook["spec"]["template"]["spec"]["initContainers"][1]["args"][0]
+    host = tmp_path / "host"
+    netd, cnibin = host / "etc/cni/net.d", host / "cni-bin"
+    lib, sysctl = host / "opt/cni/cilia", host / "etc/sysctl.d"
+    for d in (netd, cnibin, lib / "0.1.0-abc", sysctl):
+        d.mkdir(parents=True)
+    (netd / "05-cilia.conflist").write_text("{}")
+    (netd / "10-flannel.conflist.cilia_bak").write_text('{"name": "flannel"}')
+    (netd / "99-loopback.conf").write_text("{}")
+    (cnibin / "cilia-cni").write_text("#!/bin/sh\n")
+    (cnibin / "loopback").write_text("#!/bin/sh\n")
+    (lib / "0.1.0-abc" / "cilia-cni").write_text("x")
+    (sysctl / "99-zzz-override_cilia.conf").write_text("net.ipv4.ip_forward=1\n")
+    (sysctl / "10-other.conf").write_text("")
+    out = subprocess.run(["sh", "-ec", script.replace("/host/", f"{host}/")],
+                         capture_output=True, text=True, check=False, timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in netd.iterdir()) == ["10-flannel.conflist", "99-loopback.conf"]
+    assert (netd / "10-flannel.conflist").read_text() == '{"name": "flannel"}'
+    assert sorted(p.name for p in cnibin.iterdir()) == ["loopback"]
+    assert not lib.exists()
+    assert sorted(p.name for p in sysctl.iterdir()) == ["10-other.conf"]
+    # a second run (a retried pod) finds nothing to do and still succeeds
+    again = subprocess.run(["sh", "-ec", script.replace("/host/", f"{host}/")],
+                           capture_output=True, text=True, check=False, timeout=30)  # fmt: skip
+    assert again.returncode == 0, again.stderr

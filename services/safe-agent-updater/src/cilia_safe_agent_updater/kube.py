@@ -615,8 +615,9 @@ def _update(
         raise UpdaterError(
             Exit.ANNOTATION_MISSING,
             f"agent DaemonSet {ns}/{settings.agent_daemonset}: spec.template.metadata."
-            f"annotations[{ANNOTATION!r}] is missing or empty (render the manifests with "
-            "`cilia-safe-agent-updater hash --write`)",
+            f"annotations[{ANNOTATION!r}] is missing or empty (install with the chart "
+            "deploy/helm/cilia, which stamps it, or run `cilia-safe-agent-updater hash --write` "
+            "on other manifests)",
         )
     if desired and settings.expected_generation and settings.expected_generation != desired:
         raise UpdaterError(
