@@ -229,6 +229,9 @@ class Host:
             "--cni-conf-dir", str(self.conflist.parent), "--cni-conf-name", self.conflist.name,
             "--host-device-name", self.host_device, "--bpf-pin-dir", self.pin_dir,
             "--prometheus-serve-addr", "", "--hubble-listen-address", "", "--log-level", "info",
+            # host network: the host's nat table is every test's (and a kept chain would
+            # outlive the test), so no masquerade chain here, as the Stack's agents
+            "--enable-ipv4-masquerade=false",
         ]  # fmt: skip
 
     def run_agent(self, image: str) -> None:

@@ -35,6 +35,7 @@ PATH_FLAGS = (
     "bpf_pin_dir",
     "hubble_socket",
     "cgroup_root",
+    "ip_masq_agent_config_path",
 )
 
 # TCP flags by name, as bits of byte 13 of the TCP header (--monitor-aggregation-flags).
@@ -592,7 +593,13 @@ class Config(BaseModel):
         return value
 
     @field_validator(
-        "socket", "state_dir", "cni_conf_dir", "bpf_pin_dir", "cni_del_queue_dir", "cgroup_root"
+        "socket",
+        "state_dir",
+        "cni_conf_dir",
+        "bpf_pin_dir",
+        "cni_del_queue_dir",
+        "cgroup_root",
+        "ip_masq_agent_config_path",
     )
     @classmethod
     def _absolute(cls, value: pathlib.Path) -> pathlib.Path:

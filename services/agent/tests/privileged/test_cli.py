@@ -58,6 +58,7 @@ def test_serve_status_endpoint_list_metrics_and_clean_sigterm(env: Env) -> None:
             "flow",
             "--hubble-metrics-server",
             "127.0.0.1:0",
+            "--enable-ipv4-masquerade=false",  # the host's nat table is not the test's
         ],
         stderr=log,
         text=True,
@@ -174,6 +175,7 @@ def _serve(env: Env, op_address: str, log: Any) -> subprocess.Popen[str]:
             "0.1",
             "--operator-reconnect-max-backoff",
             "0.5",
+            "--enable-ipv4-masquerade=false",  # the host's nat table is not the test's
         ],
         stderr=log,
         text=True,

@@ -36,7 +36,7 @@ def test_output_into_a_closed_pipe_exits_quietly(env: Env) -> None:
          "--state-dir", str(env.state_dir), "--socket", str(sock),
          "--cni-conf-dir", str(env.tmp / "net.d"), "--cni-del-queue-dir", str(env.tmp / "dq"),
          "--host-device-name", env.host_device, "--prometheus-serve-addr", "",
-         "--hubble-listen-address", "", "--enable-bpf=false"],
+         "--hubble-listen-address", "", "--enable-bpf=false", "--enable-ipv4-masquerade=false"],
         stderr=log, text=True,
     )  # fmt: skip
     try:

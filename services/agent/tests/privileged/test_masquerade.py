@@ -98,11 +98,16 @@ def _nat_rules(net: Net) -> str:
 
 
 def test_pod_reaches_outside_as_the_node_and_repairs_and_exclusions_hold(net: Net) -> None:
-    server = peer.start(net.outside, PORT)
+    # one server port per phase: a connection that failed un-NATed leaves a conntrack entry
+    # (SYN_SENT, 120 s) that a later SYN from the same pod port would match, NAT or not
+    ports = {
+        phase: PORT + i for i, phase in enumerate(("before", "masq", "nojump", "back", "excl"))
+    }
+    servers = {phase: peer.start(net.outside, port) for phase, port in ports.items()}
     try:
         # without masquerade the outside host cannot answer the pod's address
-        assert peer.ask(net.pod, OUTSIDE, PORT, timeout=1.0) == [None]
-        assert server.seen() == []  # its SYN-ACK went nowhere: no connection accepted
+        assert peer.ask(net.pod, OUTSIDE, ports["before"], timeout=1.0) == [None]
+        assert servers["before"].seen() == []  # its SYN-ACK went nowhere: nothing accepted
 
         m = _manager(net)
         asyncio.run(m.start())
@@ -110,9 +115,9 @@ def test_pod_reaches_outside_as_the_node_and_repairs_and_exclusions_hold(net: Ne
         assert "-A POSTROUTING -j CILIA_POST_nat" in rules
         assert (f"-A CILIA_POST_nat -s {net.cidr} -o eth0 -m comment --comment \"cilia: "
                 "masquerade\" -j MASQUERADE --random-fully") in rules  # fmt: skip
-        answers = peer.ask(net.pod, OUTSIDE, PORT, rounds=5)
+        answers = peer.ask(net.pod, OUTSIDE, ports["masq"], rounds=5)
         assert all(a is not None and a.ip == NODE_LAN for a in answers), answers
-        assert set(server.seen()) == {NODE_LAN}
+        assert set(servers["masq"].seen()) == {NODE_LAN}
 
         # a second start writes nothing
         asyncio.run(m.sync(check=True))
@@ -120,20 +125,21 @@ def test_pod_reaches_outside_as_the_node_and_repairs_and_exclusions_hold(net: Ne
 
         # someone removes the jump: the periodic check puts it back
         net.node_sh("iptables", "-t", "nat", "-D", "POSTROUTING", "-j", "CILIA_POST_nat")
-        assert peer.ask(net.pod, OUTSIDE, PORT, timeout=1.0) == [None]
+        assert peer.ask(net.pod, OUTSIDE, ports["nojump"], timeout=1.0) == [None]
         asyncio.run(m.sync(check=True))
         assert m.syncs.labels(what="jump_inserted")._value.get() == 2
-        assert peer.ask(net.pod, OUTSIDE, PORT)[0].ip == NODE_LAN  # type: ignore[union-attr]
+        answer = peer.ask(net.pod, OUTSIDE, ports["back"])[0]
+        assert answer is not None and answer.ip == NODE_LAN
 
         # another node's pod CIDR arrives: excluded (the outside address stands for it here)
         node = cp.Node(name="other", pod_cidrs=[f"{OUTSIDE}/32"])
         asyncio.run(m.nodes_changed({"other": node}))
         assert f"-A CILIA_POST_nat -d {OUTSIDE}/32" in _nat_rules(net)
-        seen = len(server.seen())
-        assert peer.ask(net.pod, OUTSIDE, PORT, timeout=1.0) == [None]
-        assert len(server.seen()) == seen
+        assert peer.ask(net.pod, OUTSIDE, ports["excl"], timeout=1.0) == [None]
+        assert servers["excl"].seen() == []
     finally:
-        peer.stop(server)
+        for server in servers.values():
+            peer.stop(server)
 
 
 def test_native_routing_cidr_and_ip_masq_agent_keep_the_pod_address(
@@ -145,24 +151,31 @@ def test_native_routing_cidr_and_ip_masq_agent_keep_the_pod_address(
     conf.write_text("nonMasqueradeCIDRs:\n- 203.0.113.0/24\n")
     # the outside host can answer pods for this test
     sh("ip", "-n", net.outside, "route", "add", net.cidr, "via", NODE_LAN)
-    server = peer.start(net.outside, PORT)
+    ports = {phase: PORT + 10 + i for i, phase in enumerate(("masq", "excl", "broken"))}
+    servers = {phase: peer.start(net.outside, port) for phase, port in ports.items()}
+
+    def seen_as(phase: str) -> str | None:
+        answer = peer.ask(net.pod, OUTSIDE, ports[phase])[0]
+        return answer.ip if answer else None
+
     try:
         m = _manager(net, native_routing_cidr="198.51.100.0/24", ip_masq_agent=conf)
         asyncio.run(m.start())
         rules = _nat_rules(net)
         for cidr in ("198.51.100.0/24", "203.0.113.0/24", "169.254.0.0/16", net.cidr):
             assert f"-A CILIA_POST_nat -d {cidr} " in rules, rules
-        assert peer.ask(net.pod, OUTSIDE, PORT)[0].ip == NODE_LAN  # type: ignore[union-attr]
+        assert seen_as("masq") == NODE_LAN
         conf.write_text(f"nonMasqueradeCIDRs: [{OUTSIDE}/32]\nmasqLinkLocal: true\n")
         asyncio.run(m.sync(check=True))
         assert "169.254.0.0/16" not in _nat_rules(net)
-        assert peer.ask(net.pod, OUTSIDE, PORT)[0].ip == net.pod_ip  # type: ignore[union-attr]
+        assert seen_as("excl") == net.pod_ip
         # a broken file keeps the last good list
         conf.write_text("nonMasqueradeCIDRs: [not-a-cidr]\n")
         asyncio.run(m.sync(check=True))
-        assert peer.ask(net.pod, OUTSIDE, PORT)[0].ip == net.pod_ip  # type: ignore[union-attr]
+        assert seen_as("broken") == net.pod_ip
     finally:
-        peer.stop(server)
+        for server in servers.values():
+            peer.stop(server)
 
 
 def test_only_default_pool_masquerades_only_that_pools_cidrs(net: Net) -> None:
