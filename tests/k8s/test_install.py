@@ -330,7 +330,11 @@ def test_helm_upgrade_to_tunnel_mode_carries_traffic_over_vxlan(
     for n in cluster.nodes:
         links = cluster.exec(n, "ip", "-d", "link", "show", "cilium_vxlan")
         assert "vxlan" in links
-        assert "10.244." not in cluster.exec(n, "ip", "-4", "route", "show", "proto", "0xc1")
+        routes = cluster.exec(n, "ip", "-4", "route", "show", "proto", "0xc1").splitlines()
+        # one route per other node's pod CIDR, each through the tunnel device (none left
+        # of native routing's direct routes)
+        assert len(routes) == len(cluster.nodes) - 1, routes
+        assert all("dev cilium_vxlan" in r for r in routes), routes
     _all_pairs_and_service(cluster, ns)
     installed["values"] = values
 

@@ -321,7 +321,7 @@ class VxlanTunnel:
                 neighbours, fdb = self._peers(ipr, idx)
                 want: dict[str, str] = {}
                 addresses: set[str] = set()
-                for node in nodes if self.direct else ():
+                for node in nodes:
                     cidrs, reason = _valid(node)
                     if reason:
                         problems.append(reason)
