@@ -108,7 +108,6 @@ _LAYOUT = {
     ],
     "cilia_safe_agent_updater": ["__main__"],
     "cilia_common": ["grpcserver", "reserved_identities"],
-    "cilia_kubemock": ["server"],
     "cilia_testkit": ["kubeapi", "stack"],
 }  # fmt: skip
 
