@@ -13,8 +13,8 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.fake import FakeSource
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.metrics import CounterReading, HubbleMetrics, parse_metrics
-from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.reader import EventReader
 
 from . import helpers as h
