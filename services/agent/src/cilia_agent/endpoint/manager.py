@@ -22,17 +22,7 @@ class EndpointManager(EndpointAdds, EndpointChecks, EndpointRestore, EndpointUpd
     """Holds the node's endpoints and drives their lifecycle (Add, Del, Check, GC, restore,
     relabel, gateway moves).
 
-    Args:
-        ipam: the node allocator.
-        datapath: kernel plumbing.
-        store: state files.
-        metrics: the agent's metrics.
-        executor: pool running blocking netlink/file work.
-        mtu: default MTU when a request gives 0.
-        node: the local node (readiness, router IP, default pool).
-        pools: chooses each new pod's pool and waits for the operator's allocation
-            (None: the requested pool or the default pool, no waiting).
-        on_change: called after every successful Add/Del (demand recomputation).
-        hooks: identity/policy/BPF enforcement run after plumbing (None = plumbing only).
-        pods: where an Add's labels come from in Kubernetes mode (None: the CNI call's).
+    Built with the keyword arguments of :class:`~cilia_agent.endpoint.table.EndpointTable`
+    (the allocator, datapath, state store, metrics, worker pool, default MTU, node view, and
+    the optional pool selector, change callback, enforcement hooks and pod cache).
     """
