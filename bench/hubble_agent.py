@@ -41,7 +41,7 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.enrich import MemoryResolver
-from cilia_agent.hubble.observer import FlowStore
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.parser import BootClock, Parser
 from cilia_agent.hubble.reader import EventReader
 from cilia_testkit import ROOT

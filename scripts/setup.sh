@@ -94,7 +94,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$inputs" ]]; then
   uvpip grpcio-tools pytest pytest-timeout hypothesis ruff mypy tox tox-uv types-protobuf \
       types-PyYAML pyinstaller playwright hpack hyperframe
   # --reinstall-package: ./proto is a plain install; rebuild it so changed .proto files count.
-  uvpip --reinstall-package cilia-api ./proto -e lib/common -e lib/kubemock -e lib/testkit \
+  uvpip --reinstall-package cilia-api ./proto -e lib/common -e lib/testkit \
       $(for s in services/*/; do printf -- '-e %s ' "$s"; done)
   echo "$inputs" > "$stamp"
 fi

@@ -7,8 +7,9 @@ build the import graph). Three things are shown:
 2. the contracts really fail on a forbidden import: a copy of ``.importlinter`` is checked
    against a synthetic set of packages named like ours where one service imports another and
    the CNI plugin imports grpcio, an operator domain imports its servicers, the shared
-   reserved identities table imports the agent's datapath and the agent's IPAM imports the endpoint
-   layer above it; ``lint-imports`` exits 1 and reports those contracts BROKEN;
+   reserved identities table imports the agent's datapath, the agent's IPAM imports the endpoint
+   layer above it, the test kit (``lib/``) imports a service and agent code imports the agent's
+   test support; ``lint-imports`` exits 1 and reports those contracts BROKEN;
 3. each ``target-`` contract (a shape that code is being moved into) is checked and its
    broken imports are shown; it is an expected failure until the move lands, and fails the
    run (strict xfail) once it is KEPT, so the prefix is dropped and the contract becomes
@@ -90,7 +91,7 @@ _LAYOUT = {
         "store/kubernetes", "tasks", "errors", "addresses",
     ],
     "cilia_agent": [
-        "__main__", "cli", "app", "api", "status", "enforcement", "endpoint/__init__",
+        "testing/__init__", "__main__", "cli", "app", "api", "status", "enforcement", "endpoint/__init__",
         "hubble/__init__", "policy/__init__", "ipcache/__init__", "node/__init__", "k8s/__init__",
         "loadbalancer/__init__", "conntrack/__init__",
         "identity/__init__", "identity/labels", "ipam/__init__",
@@ -107,7 +108,7 @@ _LAYOUT = {
     ],
     "cilia_safe_agent_updater": ["__main__"],
     "cilia_common": ["grpcserver", "reserved_identities"],
-    "cilia_kubemock": ["server"],
+    "cilia_testkit": ["kubeapi", "stack"],
 }  # fmt: skip
 
 
@@ -139,15 +140,21 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: pathlib.Path) -> None
             "cilia_common.reserved_identities": "import cilia_agent.datapath\n",
             # the agent's IPAM importing the endpoint layer above it
             "cilia_agent.ipam/__init__": "import cilia_agent.endpoint\n",
+            # the test kit (lib/) importing a service
+            "cilia_testkit.stack": "from cilia_operator import app\n",
+            # agent code importing its own test support (the top layer)
+            "cilia_agent.endpoint/__init__": "from cilia_agent.testing import bpf\n",
         },
     )
     broken = lint_imports(*ENFORCED, cwd=tmp_path, env=env)
     assert broken.returncode == 1, broken.stdout + broken.stderr
     report = broken.stdout
-    assert "Contracts: " in report and "5 broken." in report, report
+    assert "Contracts: " in report and "6 broken." in report, report
     assert "services never import each other" in report and "BROKEN" in report, report
     assert "cilia_relay.observer -> cilia_agent.hubble" in report, report
     assert "cilia_cni.agent -> grpc" in report, report
     assert "cilia_operator.ipam -> cilia_operator.controlplane" in report, report
     assert "cilia_common.reserved_identities -> cilia_agent.datapath" in report, report
     assert "cilia_agent.ipam -> cilia_agent.endpoint" in report, report
+    assert "cilia_testkit.stack -> cilia_operator.app" in report, report
+    assert "cilia_agent.endpoint -> cilia_agent.testing" in report, report

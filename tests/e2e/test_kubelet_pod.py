@@ -36,7 +36,8 @@ import traffic
 
 from cilia_testkit import ROOT, VENV_BIN, host, kubelet, skips
 from cilia_testkit.kubeapi import KubeAPI, binary_missing, unique_name
-from cilia_testkit.kubelet import IMAGE, KubeletNode
+from cilia_testkit.kubelet import KubeletNode
+from cilia_testkit.ociimage import IMAGE
 from cilia_testkit.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]

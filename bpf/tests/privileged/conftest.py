@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cilia_bpf_testing import harness
+from cilia_agent.testing import bpf as harness
 from cilia_testkit import skips
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from cilia_agent.datapath import libbpf as lb
 from cilia_agent.datapath.layout import MetricsKey, policy_key
-from cilia_bpf_testing import harness
-from cilia_bpf_testing.harness import (
+from cilia_agent.testing import bpf as harness
+from cilia_agent.testing.bpf import (
     DIR_EGRESS,
     DIR_INGRESS,
     IDENTITY_WORLD,

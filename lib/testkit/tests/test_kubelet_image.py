@@ -1,4 +1,4 @@
-"""The OCI image tarball the kubelet node imports (cilia_testkit.kubelet.write_oci_image):
+"""The OCI image tarball the kubelet node imports (cilia_testkit.ociimage.write_oci_image):
 a valid image layout whose digests and sizes match their blobs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import pathlib
 import tarfile
 
-from cilia_testkit.kubelet import write_oci_image
+from cilia_testkit.ociimage import write_oci_image
 
 
 def test_the_image_layout_is_consistent_and_holds_the_binary(tmp_path: pathlib.Path) -> None:

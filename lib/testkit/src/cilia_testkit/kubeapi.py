@@ -37,8 +37,6 @@ pytest fixture (the testkit plugin): ``kube_apiserver`` — ONE server per test 
 (session scope), skipped with the build's own reason when a binary is missing (failing in CI,
 ``CILIA_REQUIRE_PRIVILEGED=1``). Tests share it: each uses names of its own (a namespace
 named after the test, e.g. :func:`unique_name`) and deletes only objects of kinds it owns.
-The name is not ``kube_api``: that is ``lib/kubemock``'s fixture (a fresh mock per test),
-and both plugins are installed in the same envs.
 """
 
 from __future__ import annotations

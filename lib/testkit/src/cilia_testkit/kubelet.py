@@ -22,7 +22,7 @@ container runtimes:
   work dir; the CNI conf dir is the agent's (``cni_conf_dir``, the conflist the agent
   writes), the CNI bin dir a directory holding only ``cilia-cni``. No registry: the pod image
   ``cilia.test/testpod:1`` (also the sandbox image) is an OCI image tarball made here from
-  the static ``testpod`` program (:func:`write_oci_image`) and imported with ``ctr``.
+  the static ``testpod`` program (:func:`cilia_testkit.ociimage.write_oci_image`) and imported with ``ctr``.
 - **kubelet** (``--fail-cgroupv1=false`` in its config: this host has cgroup v1; cgroupfs;
   ``failSwapOn: false``; no QoS cgroups; eviction thresholds at 1 MiB so a busy shared disk
   does not taint the node; webhook authn/authz off, its ports 0 or a free loopback port)
@@ -51,9 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gzip
-import hashlib
-import io
 import json
 import os
 import pathlib
@@ -61,17 +58,15 @@ import shutil
 import signal
 import socket
 import subprocess
-import tarfile
 import tempfile
 import time
 from typing import Any
 
 from cilia_testkit import VENV_BIN
 from cilia_testkit.kubeapi import CERT_DAYS, KubeAPI, binary_missing, spawn_logged
+from cilia_testkit.ociimage import IMAGE, write_oci_image
 from cilia_testkit.procs import stop as stop_process
 
-#: The image every test pod (and the sandbox) uses, imported into the node's containerd.
-IMAGE = "cilia.test/testpod:1"
 #: The cgroup v1 mount root and containerd's default cgroup parent for CRI containers.
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP_PARENT = "k8s.io"
@@ -145,91 +140,6 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def write_oci_image(binary: pathlib.Path, out: pathlib.Path, name: str = IMAGE) -> pathlib.Path:
-    """Write an OCI image layout tarball (``oci-layout``, ``index.json``, ``blobs/sha256``)
-    of one layer holding ``binary`` as ``/testpod`` (mode 0755), entrypoint ``/testpod``,
-    command ``pause``, linux/amd64; the index entry is annotated with ``name``
-    (``io.containerd.image.name``, what ``ctr images import`` names it). Returns ``out``.
-
-    Shapes: OCI image-spec v1.0 (image layout, manifest, config)."""
-    blobs: dict[str, bytes] = {}
-
-    def blob(data: bytes) -> str:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        blobs[digest] = data
-        return digest
-
-    layer_tar = io.BytesIO()
-    with tarfile.open(fileobj=layer_tar, mode="w") as tar:
-        info = tar.gettarinfo(str(binary), arcname="testpod")
-        info.mode, info.uid, info.gid, info.uname, info.gname, info.mtime = 0o755, 0, 0, "", "", 0
-        with binary.open("rb") as f:
-            tar.addfile(info, f)
-    raw = layer_tar.getvalue()
-    diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
-    layer = gzip.compress(raw, mtime=0)
-    layer_digest = blob(layer)
-    config = json.dumps(
-        {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Entrypoint": ["/testpod"], "Cmd": ["pause"], "WorkingDir": "/"},
-            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        },
-        sort_keys=True,
-    ).encode()
-    config_digest = blob(config)
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {
-                "mediaType": "application/vnd.oci.image.config.v1+json",
-                "digest": config_digest,
-                "size": len(config),
-            },
-            "layers": [
-                {
-                    "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-                    "digest": layer_digest,
-                    "size": len(layer),
-                }
-            ],
-        },
-        sort_keys=True,
-    ).encode()
-    manifest_digest = blob(manifest)
-    index = json.dumps(
-        {
-            "schemaVersion": 2,
-            "manifests": [
-                {
-                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "digest": manifest_digest,
-                    "size": len(manifest),
-                    "platform": {"architecture": "amd64", "os": "linux"},
-                    "annotations": {
-                        "io.containerd.image.name": name,
-                        "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1],
-                    },
-                }
-            ],
-        }
-    ).encode()
-    with tarfile.open(out, "w") as tar:
-
-        def add(path: str, data: bytes) -> None:
-            info = tarfile.TarInfo(path)
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-
-        add("oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
-        add("index.json", index)
-        for digest, data in blobs.items():
-            add(f"blobs/sha256/{digest.split(':', 1)[1]}", data)
-    return out
 
 
 class KubeletNode:

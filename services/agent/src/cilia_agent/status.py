@@ -15,7 +15,7 @@ from cilia_agent import __version__
 from cilia_agent.config import Config
 from cilia_agent.controlplane import RetryQueue
 from cilia_agent.endpoint import EndpointManager
-from cilia_agent.hubble.observer import FlowStore
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.ipam import IPAM
 from cilia_agent.ipam.node import NodePools
 from cilia_agent.ipcache import IPCache

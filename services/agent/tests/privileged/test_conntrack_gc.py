@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cilia_agent.conntrack.gc import ConntrackGC, Timeouts, collect
 from cilia_agent.datapath.layout import policy_key
 from cilia_agent.metrics import Metrics
-from cilia_bpf_testing import harness
-from cilia_bpf_testing.harness import (
+from cilia_agent.testing import bpf as harness
+from cilia_agent.testing.bpf import (
     DIR_EGRESS,
     TC_ACT_OK,
     TCP_ACK,

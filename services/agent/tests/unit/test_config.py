@@ -12,7 +12,8 @@ from cilia_agent.__main__ import main
 from cilia_agent.cni import conflist_document
 from cilia_agent.config import Config, parse_pre_allocation
 from cilia_agent.controlplane import backoff_delay
-from cilia_agent.endpoint.manager import AddParams, InvalidRequest, validate_add
+from cilia_agent.endpoint.errors import InvalidRequest
+from cilia_agent.endpoint.params import AddParams, validate_add
 
 
 def test_defaults_match_the_brief() -> None:

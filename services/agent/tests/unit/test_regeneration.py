@@ -11,9 +11,7 @@ protobufs.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,11 +19,12 @@ import pytest
 
 from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.controlplane import OperatorUnavailable, RetryQueue
+from cilia_agent.datapath.fake import FakeDatapath
 from cilia_agent.endpoint.regeneration import PolicyMode, PolicyNotReady, Regeneration
 from cilia_agent.endpoint.state import EndpointRecord
 from cilia_agent.hubble.enrich import OwnerResolver
 from cilia_agent.identity.allocator import IdentityAllocator
-from cilia_agent.identity.local import LocalControlPlane
+from cilia_agent.identity.fake import FakeControl
 from cilia_agent.identity.watcher import consume_identities
 from cilia_agent.ipcache import IPCache
 from cilia_agent.ipcache.bpf import BPFWriter
@@ -36,86 +35,6 @@ from cilia_agent.policy.maps import PolicyMapError, PolicyMapWriter
 from cilia_agent.policy.watcher import PolicyStreams
 
 NS_LABEL = "k8s:io.kubernetes.pod.namespace=default"
-
-
-class FakeTable:
-    def __init__(self) -> None:
-        self.data: dict[bytes, tuple[Any, Any]] = {}
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.data[bytes(key)] = (key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        del self.data[bytes(key)]
-
-    def items(self) -> Iterator[tuple[Any, Any]]:
-        return iter(list(self.data.values()))
-
-
-class FakeDatapath:
-    def __init__(self) -> None:
-        self.policy = FakeTable()
-        self.eps: dict[int, Any] = {}
-        self.ipcache: dict[str, tuple[int, str]] = {}
-        self.attached: set[int] = set()
-        self.calls: list[str] = []
-        self.fail_attach = False
-
-    def table(self, name: str) -> FakeTable:
-        assert name == "cilia_policy"
-        return self.policy
-
-    def set_endpoint(self, ifindex: int, info: Any) -> None:
-        self.calls.append(f"set_endpoint {ifindex}")
-        copy = type(info)()
-        ctypes.memmove(ctypes.byref(copy), ctypes.byref(info), ctypes.sizeof(info))
-        self.eps[ifindex] = copy
-
-    def delete_endpoint(self, ifindex: int) -> None:
-        self.eps.pop(ifindex, None)
-
-    def endpoints(self) -> dict[int, Any]:
-        return dict(self.eps)
-
-    def upsert_ipcache(self, ip: str, plen: int, identity: int, node_ip: str = "") -> None:
-        self.ipcache[f"{ip}/{plen}"] = (identity, node_ip)
-
-    def delete_ipcache(self, ip: str, plen: int) -> None:
-        self.ipcache.pop(f"{ip}/{plen}", None)
-
-    def attach(self, ifindex: int) -> None:
-        if self.fail_attach:
-            raise OSError("attach failed (test)")
-        self.calls.append(f"attach {ifindex}")
-        self.attached.add(ifindex)
-
-    def detach(self, ifindex: int) -> None:
-        self.attached.discard(ifindex)
-
-
-class FakeControl(LocalControlPlane):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[str, cp.EndpointRecord] = {}
-        self.releases: list[int] = []
-        self.deleted: list[tuple[str, str]] = []
-        self.fail_upsert = False
-        self.allocations = 0
-
-    async def allocate_identity(self, labels: list[str]) -> cp.Identity:
-        self.allocations += 1
-        return await super().allocate_identity(labels)
-
-    async def release_identity(self, identity: int) -> None:
-        self.releases.append(identity)
-
-    async def upsert_endpoint(self, record: cp.EndpointRecord) -> None:
-        if self.fail_upsert:
-            raise OperatorUnavailable("endpoint record at operator failed (test)")
-        self.records[record.name] = record
-
-    async def delete_endpoint(self, namespace: str, name: str, container_id: str = "") -> None:
-        self.deleted.append((namespace, name))
 
 
 def rec(ep_id: int, app: str, ip: str) -> EndpointRecord:

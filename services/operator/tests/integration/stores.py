@@ -7,12 +7,9 @@ Fixture factories (test modules do ``from stores import make_store``):
   test kinds are emptied before each test (only this suite uses them).
 - ``kube_cilia`` — the real server with Cilia's CRDs installed and the operator's kinds
   emptied (for tests that start an operator or a controller on it).
-- ``make_numbered_store`` — params ``redis`` and ``kubemock``: a store whose resourceVersions
-  count from 1 and whose event history can be cut to N events (``event_history``). A real
-  server cannot do either on demand: its resourceVersions are etcd revisions shared by the
-  whole session and its watch history is etcd's, compacted on its own schedule and served
-  from the watch cache's window. So the tests that assert exact versions or a trimmed
-  history (410 Expired) keep the mock (``lib/kubemock``, a fresh one per test).
+
+resourceVersions are opaque (the real server's are etcd revisions shared by the whole
+session): tests compare them for equality with versions their own writes returned.
 """
 
 from __future__ import annotations
@@ -25,13 +22,12 @@ from typing import Any
 import pytest
 import redis
 
-from cilia_kubemock import KubeMock, ResourceType
 from cilia_operator.store import Store
 from cilia_operator.store.kubernetes import KubeKind, KubernetesStore
 from cilia_operator.store.redis import RedisStore
 from cilia_testkit.kubeapi import KubeAPI
 
-# Test-only kinds of the shared suite, served by the mock like any CRD.
+# Test-only kinds of the shared suite, served by the real server as CRDs.
 TEST_KINDS = {
     "Thing": KubeKind("test.cilia.io", "v1", "things", False),
     "Other": KubeKind("test.cilia.io", "v1", "others", False),
@@ -40,31 +36,6 @@ TEST_KINDS = {
 }
 
 StoreFactory = Callable[..., Store]
-
-
-def start_kubemock(**kwargs: Any) -> KubeMock:
-    """A started KubeMock that also serves TEST_KINDS."""
-    mock = KubeMock(**kwargs)
-    for kind, info in TEST_KINDS.items():
-        mock.add_type(
-            ResourceType(
-                info.group, info.version, info.plural, kind.lower(), kind, info.namespaced,
-                status_subresource=info.status_subresource,
-            )
-        )  # fmt: skip
-    mock.start()
-    return mock
-
-
-def kube_store(mock: KubeMock, **kwargs: Any) -> KubernetesStore:
-    """A KubernetesStore on ``mock``; 1 s watch requests, so every watch test also
-    exercises the reconnect from the last seen version."""
-    from kubernetes.aio import client
-
-    cfg = client.Configuration()
-    cfg.host = mock.url
-    kwargs.setdefault("watch_timeout", 1)
-    return KubernetesStore(configuration=cfg, kinds=TEST_KINDS, **kwargs)
 
 
 def _test_kind_crds() -> list[dict[str, Any]]:
@@ -151,35 +122,6 @@ def make_store(
             return real_kube_store(kube)
 
         yield make_kube
-
-
-@pytest.fixture(params=["redis", "kubemock"])
-def make_numbered_store(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
-    """``make_numbered_store(event_history=N)`` -> a fresh, empty Store whose versions count
-    from 1 and which keeps only N events: Redis, or a fresh mock API server (see the module
-    docstring for why not the real one).
-
-    Stores are not closed by the fixture (the test closes them on its own event loop).
-    """
-    mocks: list[KubeMock] = []
-    if request.param == "redis":
-        url = request.getfixturevalue("redis_server")
-        redis.Redis.from_url(url).flushall()
-
-        def make_redis(event_history: int = 10000) -> Store:
-            return RedisStore(url, event_history=event_history, watch_block_timeout=0.5)
-
-        yield make_redis
-    else:
-
-        def make_kube(event_history: int = 10000) -> Store:
-            if not mocks:
-                mocks.append(start_kubemock(event_history=event_history))
-            return kube_store(mocks[0])
-
-        yield make_kube
-    for mock in mocks:
-        mock.stop()
 
 
 #: Every custom kind the operator's Kubernetes store writes (deploy/helm/cilia/files/crds), as

@@ -320,7 +320,9 @@ def _upstream_hubble() -> pathlib.Path:
     )  # fmt: skip
     path = pathlib.Path(out.stdout.strip())
     if not os.access(path, os.X_OK):
-        skips.unsupported(f"the upstream hubble CLI is not built at {path} (make test-setup builds it)")
+        skips.unsupported(
+            f"the upstream hubble CLI is not built at {path} (make test-setup builds it)"
+        )
     return path
 
 

@@ -12,7 +12,7 @@ updater made comes from the server's audit log.
 
 API GETs failing with 503 a given number of times — a fault a real server cannot be made to
 produce on demand — come from a plain-HTTP proxy in front of the real server.
-(``lib/kubemock`` is used only for its kubeconfig writer.)
+(Kubeconfigs for the proxy and for a port nothing listens on: ``cilia_testkit.kubeconfig``.)
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cilia_kubemock import write_kubeconfig
 from cilia_safe_agent_updater.__main__ import main
 from cilia_safe_agent_updater.exitcodes import Exit
 from cilia_safe_agent_updater.generation import ANNOTATION
 from cilia_testkit.kubeapi import KubeAPI, unique_name
+from cilia_testkit.kubeconfig import write_kubeconfig
 
 AGENT_IMAGE = "cilia-agent:0.2.0"
 OLD = "a" * 64

@@ -7,12 +7,9 @@ from cilia_agent.endpoint.errors import (
     InvalidRequest,
     UnknownAttachment,
 )
-from cilia_agent.endpoint.manager import (
-    AddParams,
-    CheckParams,
-    EndpointManager,
-    RestoreReport,
-)
+from cilia_agent.endpoint.manager import EndpointManager
+from cilia_agent.endpoint.params import AddParams, CheckParams
+from cilia_agent.endpoint.restore import RestoreReport
 from cilia_agent.endpoint.state import EndpointRecord, StateError, StateStore
 
 __all__ = [

@@ -11,7 +11,7 @@ bounded hand-off queue (its size counts records). The agent's event loop drains 
 unpacks the records as keyed tuples (:data:`.events.KEYED`: ten integers, the template key
 among them), finds each flow's shape (:meth:`.parser.Parser.shaper`: the enrichment, decided
 at the time of the event) and writes shape, time and ports (network byte order) into the
-:class:`~.observer.FlowStore`, whose entries are serialized
+:class:`~.flowstore.FlowStore`, whose entries are serialized
 when first read (no Flow object unless Hubble metrics need one), counting flows in
 ``hubble_flows_processed_total``.
 
@@ -49,8 +49,8 @@ from cilia.hubble.flow import flow_pb2
 from cilia_agent.datapath.objects import DIRECT_READ_SUPPORTED
 from cilia_agent.hubble import events
 from cilia_agent.hubble.errors import EventDecodeError
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.metrics import HubbleMetrics
-from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.parser import Parser
 
 if TYPE_CHECKING:

@@ -38,10 +38,10 @@ from cilia.hubble.peer import peer_pb2_grpc
 from cilia_agent.config import Config
 from cilia_agent.hubble.enrich import MemoryResolver, Resolver
 from cilia_agent.hubble.eventlog import EventLog, agent_started_event
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.metrics import HandlerSpec, HubbleMetrics, parse_metrics, read_counters
 from cilia_agent.hubble.observer import (
     FlowBatchServicer,
-    FlowStore,
     ObserverServicer,
     add_observer_to_server,
 )

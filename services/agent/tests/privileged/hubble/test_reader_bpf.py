@@ -3,7 +3,7 @@ BPF_PROG_TEST_RUN, ring-buffer events read by the Hubble reader into enriched fl
 
 Maps are pinned under a fresh ``/sys/fs/bpf/cilia-test-<rand>`` and removed afterwards.
 Under test run the programs see the packet on the loopback device (ifindex 1), so the
-endpoint under test is registered for ifindex 1 (cilia_bpf_testing.harness).
+endpoint under test is registered for ifindex 1 (cilia_agent.testing.bpf).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cilia_agent.datapath.loader import Datapath, DatapathConfig, remove_pins
 from cilia_agent.hubble.enrich import MemoryResolver
 from cilia_agent.hubble.metrics import parse_metrics, read_counters
 from cilia_agent.hubble.service import Hubble, HubbleConfig
-from cilia_bpf_testing import harness  # map layouts + packet builder
+from cilia_agent.testing import bpf as harness  # map layouts + packet builder
 from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged

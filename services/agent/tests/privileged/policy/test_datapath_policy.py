@@ -1,7 +1,7 @@
 """A compiled policy written by PolicyMapWriter into the real cilia_policy map of
 bpf/bpf_lxc.c gives the expected verdicts through BPF_PROG_TEST_RUN.
 
-Uses cilia_bpf_testing.harness (bpf_lxc.o loaded with libbpf, maps pinned under
+Uses cilia_agent.testing.bpf (bpf_lxc.o loaded with libbpf, maps pinned under
 /sys/fs/bpf/cilia-test-<rand>, removed afterwards). Under test run the program sees
 ifindex 1, so the endpoint is registered for ifindex 1.
 """
@@ -19,7 +19,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia_agent.policy.compiler import EndpointPolicy, PolicyEntry
 from cilia_agent.policy.engine import PolicyEngine
 from cilia_agent.policy.maps import PolicyMapWriter, encode_key
-from cilia_bpf_testing import harness as bpf_harness
+from cilia_agent.testing import bpf as bpf_harness
 from cilia_testkit import skips
 
 pytestmark = pytest.mark.privileged
@@ -36,7 +36,7 @@ NS = "k8s:io.kubernetes.pod.namespace=prod"
 
 @pytest.fixture
 def harness() -> Any:
-    """:mod:`cilia_bpf_testing.harness`, once root, bpffs and libbpf are there."""
+    """:mod:`cilia_agent.testing.bpf`, once root, bpffs and libbpf are there."""
     skips.require_bpf("BPF_PROG_TEST_RUN")
     return bpf_harness
 

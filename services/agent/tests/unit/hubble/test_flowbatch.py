@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from cilia.flowbatch.v1 import flowbatch_pb2, flowbatch_pb2_grpc
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
-from cilia_agent.hubble.observer import flow_response_wire, node_name_wire
+from cilia_agent.hubble.flowstore import flow_response_wire, node_name_wire
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 
 from . import helpers as h

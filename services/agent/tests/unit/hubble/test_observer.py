@@ -21,7 +21,7 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.relay import relay_pb2
 from cilia_agent.hubble.eventlog import NAMESPACE_TTL_NS, NamespaceTracker
-from cilia_agent.hubble.observer import FlowStore
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.service import Hubble, HubbleConfig
 
 from . import helpers as h

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import queue
 import time
 
 import pytest
@@ -13,31 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
+from cilia_agent.hubble.fake import FakeSource
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.metrics import CounterReading, HubbleMetrics, parse_metrics
-from cilia_agent.hubble.observer import FlowStore
-from cilia_agent.hubble.reader import EventReader, RecordCallback
+from cilia_agent.hubble.reader import EventReader
 
 from . import helpers as h
-
-
-class FakeSource:
-    """RecordSource handing over batches of records from a thread-safe queue."""
-
-    def __init__(self) -> None:
-        self.batches: queue.Queue[list[bytes]] = queue.Queue()
-        self.callback: RecordCallback | None = None
-
-    def open(self, on_record: RecordCallback) -> None:
-        self.callback = on_record
-
-    def poll(self, timeout_ms: int) -> None:
-        try:
-            batch = self.batches.get(timeout=timeout_ms / 1000)
-        except queue.Empty:
-            return
-        assert self.callback is not None
-        for record in batch:
-            self.callback(record)
 
 
 async def wait_until(predicate: object, timeout: float = 2.0) -> None:

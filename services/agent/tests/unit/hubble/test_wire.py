@@ -16,8 +16,8 @@ from cilia.hubble.flow import flow_pb2
 from cilia.hubble.observer import observer_pb2
 from cilia_agent.hubble import events
 from cilia_agent.hubble.enrich import MemoryResolver
+from cilia_agent.hubble.flowstore import FlowStore
 from cilia_agent.hubble.metrics import HubbleMetrics, parse_metrics
-from cilia_agent.hubble.observer import FlowStore
 from cilia_agent.hubble.parser import Parser, random_uuid
 from cilia_agent.hubble.reader import EventReader
 from cilia_agent.hubble.ring import Ring

@@ -17,70 +17,11 @@ from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.controlplane import OperatorUnavailable, RetryQueue
 from cilia_agent.identity.allocator import IdentityAllocator
 from cilia_agent.identity.cache import IdentityCache
+from cilia_agent.identity.fake import FakeOperator
 from cilia_agent.identity.watcher import consume_identities
 
 WEB = ("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default")
 DB = ("k8s:app=db", "k8s:io.kubernetes.pod.namespace=default")
-
-
-class FakeOperator:
-    """IdentityService of one node: numbers per label set, this node's references."""
-
-    def __init__(self) -> None:
-        self.numbers: dict[tuple[str, ...], int] = {}
-        self.referenced: set[int] = set()
-        self.calls: list[tuple[str, Any]] = []
-        self.allocate_gate: asyncio.Event | None = None
-        self.release_gate: asyncio.Event | None = None
-        self.fail_allocate = 0
-        self.fail_release = 0
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self._next = 256
-
-    async def allocate_identity(self, labels: list[str]) -> cp.Identity:
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(0.005)  # a round trip: lets other tasks run meanwhile
-            if self.allocate_gate is not None:
-                await self.allocate_gate.wait()
-            if self.fail_allocate:
-                self.fail_allocate -= 1
-                raise OperatorUnavailable("operator down (test)")
-            key = tuple(labels)
-            if key not in self.numbers:
-                self.numbers[key] = self._next
-                self._next += 1
-            identity = self.numbers[key]
-            self.referenced.add(identity)
-            self.calls.append(("allocate", identity))
-            return cp.Identity(id=identity, labels=labels)
-        finally:
-            self.in_flight -= 1
-
-    async def release_identity(self, identity: int) -> None:
-        await asyncio.sleep(0.005)
-        if self.release_gate is not None:
-            await self.release_gate.wait()
-        if self.fail_release:
-            self.fail_release -= 1
-            raise OperatorUnavailable("operator down (test)")
-        self.referenced.discard(identity)
-        self.calls.append(("release", identity))
-
-    def forget(self, labels: tuple[str, ...]) -> int:
-        """GC (or an admin) deleted the identity and the number went to other labels."""
-        identity = self.numbers.pop(labels)
-        self.referenced.discard(identity)
-        self.numbers[("k8s:app=squatter",)] = identity
-        return identity
-
-    def allocations(self) -> int:
-        return sum(1 for call, _ in self.calls if call == "allocate")
-
-    def releases(self) -> list[int]:
-        return [i for call, i in self.calls if call == "release"]
 
 
 class Sink:

@@ -116,7 +116,7 @@ KINDS: dict[str, KubeKind] = {
     "Service": KubeKind("", "v1", "services", True),
     "EndpointSlice": KubeKind("discovery.k8s.io", "v1", "endpointslices", True),
     "ServiceCIDR": KubeKind("networking.k8s.io", "v1", "servicecidrs", False),
-    # Cilia's own bookkeeping kinds (CRDs in deploy/kubernetes/crds)
+    # Cilia's own bookkeeping kinds (CRDs in deploy/helm/cilia/files/crds)
     "CiliaIdentityKey": KubeKind("cilia.io", "v1alpha1", "ciliaidentitykeys", False),
     "CiliaIPAMBlock": KubeKind("cilia.io", "v1alpha1", "ciliaipamblocks", False),
 }
@@ -133,6 +133,12 @@ class _TooManyRequests(Exception):
 
 #: Seconds waited at most between two attempts after a 429, whatever Retry-After says.
 MAX_RETRY_AFTER = 5.0
+#: Reads and writes an update without resourceVersion (unconditional) or a delete makes at most
+#: when other writes land between its read and its write. The API server refuses a custom
+#: resource's PUT without resourceVersion ("must be specified for an update") and answers a
+#: custom resource's DELETE with a Status, not the object, so both read the object first and
+#: write with its version as the precondition.
+READ_WRITE_ATTEMPTS = 5
 
 
 def _retry_after(state: tenacity.RetryCallState) -> float:
@@ -422,13 +428,28 @@ class KubernetesStore(Store):
             return ""
 
     async def update(self, obj: Resource) -> Resource:
+        expected = resource_version(obj)
+        if expected:
+            return await self._replace(obj, expected)
+        kind, namespace, name = object_key(obj)
+        for _ in range(READ_WRITE_ATTEMPTS):  # unconditional: at the version read just before
+            current = resource_version(await self.get(kind, name, namespace))
+            try:
+                return await self._replace(obj, current)
+            except Conflict:
+                continue
+        raise Conflict(
+            kind, namespace, name, "", await self._current_version(kind, name, namespace)
+        )
+
+    async def _replace(self, obj: Resource, expected: str) -> Resource:
+        """PUT ``obj`` if the stored version is ``expected`` (then its status, see
+        :meth:`_write_status`); raises NotFound, Conflict."""
         kind, namespace, name = object_key(obj)
         info = self._kind(kind)
         body = json.loads(json.dumps(obj))
         body["apiVersion"], body["kind"] = info.api_version, kind
-        expected = resource_version(obj)
-        if not expected:
-            body["metadata"].pop("resourceVersion", None)
+        body["metadata"]["resourceVersion"] = expected
         status, stored = await self._request("PUT", info.item(name, namespace), body=body)
         if status == 404:
             raise NotFound(kind, namespace, name)
@@ -442,22 +463,34 @@ class KubernetesStore(Store):
     async def delete(
         self, kind: str, name: str, namespace: str = "", resource_version: str = ""
     ) -> Resource:
+        # The object is read first and deleted with its version as the precondition: the API
+        # server answers a custom resource's DELETE with a Status, so the last state returned
+        # is the one read, and the precondition makes sure it is the one deleted.
         info = self._kind(kind)
-        options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
-        if resource_version:
-            options["preconditions"] = {"resourceVersion": resource_version}
-        status, body = await self._request("DELETE", info.item(name, namespace), body=options)
-        if status == 404:
-            raise NotFound(kind, namespace, name)
-        if status == 409:
-            current = await self._current_version(kind, name, namespace)
-            raise Conflict(kind, namespace, name, resource_version, current)
-        if status not in (200, 202):
-            raise self._fail(status, body, f"delete {kind} {name}")
-        if isinstance(body, dict) and body.get("kind") == "Status":
-            # some builtin kinds answer a Status: report the name at least
-            body = {"metadata": {"name": name, **({"namespace": namespace} if namespace else {})}}
-        return self._normalise(info, kind, body)
+        for _ in range(READ_WRITE_ATTEMPTS):
+            last = await self.get(kind, name, namespace)
+            version = str(last["metadata"].get("resourceVersion") or "")
+            if resource_version and version != resource_version:
+                raise Conflict(kind, namespace, name, resource_version, version)
+            options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+            if version:
+                options["preconditions"] = {"resourceVersion": version}
+            status, body = await self._request("DELETE", info.item(name, namespace), body=options)
+            if status == 404:
+                raise NotFound(kind, namespace, name)
+            if status == 409 and not resource_version:
+                continue  # written in between: read it again
+            if status == 409:
+                current = await self._current_version(kind, name, namespace)
+                raise Conflict(kind, namespace, name, resource_version, current)
+            if status not in (200, 202):
+                raise self._fail(status, body, f"delete {kind} {name}")
+            if isinstance(body, dict) and body.get("kind") == "Status":
+                return last
+            return self._normalise(info, kind, body)
+        raise Conflict(
+            kind, namespace, name, "", await self._current_version(kind, name, namespace)
+        )
 
     async def watch(self, kind: str, since: str) -> AsyncIterator[WatchEvent]:
         info = self._kind(kind)

@@ -1,5 +1,5 @@
-"""Load bpf_lxc.o (``make bpf``) through the agent's loader and run crafted packets through
-BPF_PROG_TEST_RUN.
+"""The BPF test harness: load bpf_lxc.o (``make bpf``) through the agent's loader and run crafted
+packets through BPF_PROG_TEST_RUN.
 
 Map keys and values come from the agent's own ``cilia_agent.datapath.layout``
 and ring-buffer events are decoded by the agent's ``cilia_agent.hubble.events``
