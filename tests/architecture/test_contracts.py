@@ -93,7 +93,7 @@ _LAYOUT = {
     "cilia_agent": [
         "testing/__init__", "__main__", "cli", "app", "api", "status", "enforcement", "endpoint/__init__",
         "hubble/__init__", "policy/__init__", "ipcache/__init__", "node/__init__", "k8s/__init__",
-        "loadbalancer/__init__", "conntrack/__init__",
+        "loadbalancer/__init__", "conntrack/__init__", "masquerade/__init__",
         "identity/__init__", "identity/labels", "ipam/__init__",
         "cni/__init__", "controlplane/__init__", "preflight/__init__", "datapath/__init__",
         "metrics", "config",

@@ -187,7 +187,7 @@ class Prober:
         script = (
             f"end=$((SECONDS+{int(seconds)})); while ((SECONDS<end)); do s=$(date +%s%N); "
             f"if timeout 1 bash -c 'exec 3<>/dev/tcp/{host}/{port}; read -t 1 l <&3' 2>/dev/null;"
-            " then r=ok; else r=fail; fi; echo \"$r $(( ($(date +%s%N)-s)/1000000 ))\"; "
+            ' then r=ok; else r=fail; fi; echo "$r $(( ($(date +%s%N)-s)/1000000 ))"; '
             f"sleep {gap}; done"
         )
         self.out = ""
@@ -254,7 +254,7 @@ def test_agent_killed_with_sigkill_is_restarted_and_traffic_keeps_flowing(
             break
         assert time.monotonic() < deadline, "the killed agent did not come back Ready"
         time.sleep(1)
-    total, fails, slowest = _report(probers, record_property, "agent_kill")
+    total, fails, _ = _report(probers, record_property, "agent_kill")
     assert total > 50
     assert fails == 0
     _all_pairs_and_service(cluster, ns)

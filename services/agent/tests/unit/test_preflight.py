@@ -394,5 +394,10 @@ def test_a_host_path_bind_of_another_filesystem_gets_the_mount_on_top(
     assert calls == [["mount", "-t", "cgroup2", "none", "/run/cilia/cgroupv2"]]
     # a tmpfs mounted whole on the path is still refused
     with pytest.raises(MountError):
-        ensure_mounted(pathlib.Path("/run/other"), "cgroup2", flag="f",
-                       mounts="tmpfs /run/other tmpfs rw 0 0\n", mountinfo=MOUNTINFO)
+        ensure_mounted(
+            pathlib.Path("/run/other"),
+            "cgroup2",
+            flag="f",
+            mounts="tmpfs /run/other tmpfs rw 0 0\n",
+            mountinfo=MOUNTINFO,
+        )

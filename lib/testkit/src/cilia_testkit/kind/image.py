@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 from cilia_testkit import ROOT
 from cilia_testkit.kind.docker import DockerError, docker, inspect
 from cilia_testkit.kubeapi import binary_missing, default_bin_dir
-from cilia_testkit.kubelet import IMAGE as SANDBOX_IMAGE
-from cilia_testkit.kubelet import write_oci_image
+from cilia_testkit.ociimage import IMAGE as SANDBOX_IMAGE
+from cilia_testkit.ociimage import write_oci_image
 
 TOOLS = ROOT / "tools" / "kind"
 #: The base image of the project's images (scripts/images.py builds it with debootstrap).

@@ -213,7 +213,9 @@ def wait_ready(
 
 
 def uninstall(
-    cluster: KindCluster, namespace: str = "kube-system", release: str = "cilia",
+    cluster: KindCluster,
+    namespace: str = "kube-system",
+    release: str = "cilia",
     timeout: float = READY_TIMEOUT,
 ) -> None:
     """``helm uninstall``, then wait for the post-delete ``cilia-node-cleanup`` DaemonSet to
