@@ -172,3 +172,37 @@ def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia:
     first, second, kept_after_first = asyncio.run(scenario())
     assert orphan not in first and kept_after_first
     assert orphan in second and _cilium_node(kube, orphan) is None
+
+
+#: Seconds kube-controller-manager's garbage collector may take: it discovers the CRDs'
+#: resources (its monitors) before it acts, then follows the owner's deletion event.
+KCM_GC_SECONDS = 90.0
+
+
+def test_the_ownerreference_lets_kube_controller_managers_gc_delete_it_with_no_operator(
+    kube_cilia: KubeAPI,
+) -> None:
+    kube = kube_cilia
+    name = unique_name("nl-owned")
+    _node(kube, name, "192.0.2.41")
+
+    async def register() -> None:
+        settings = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5}
+        async with running_operator("kubernetes", **settings) as (_op, channel):
+            node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+            await node.Register(pb.RegisterRequest(node_name=name, addresses=["192.0.2.41"]))
+
+    try:
+        asyncio.run(register())  # the operator is gone again: only the API server acts now
+        assert (_cilium_node(kube, name) or {}).get("metadata", {}).get("ownerReferences")
+        kube.controller_manager()
+        kube.kubectl("delete", "node", name)
+        t0 = time.monotonic()
+        deadline = t0 + KCM_GC_SECONDS
+        while _cilium_node(kube, name) is not None:
+            assert time.monotonic() < deadline, "kube-controller-manager's GC left it"
+            time.sleep(0.5)
+        print(f"garbage-collected by kube-controller-manager in {time.monotonic() - t0:.1f}s")
+    finally:
+        kube.stop_controller_manager()
+        kube.kubectl("delete", "node", name, "--ignore-not-found")
