@@ -85,6 +85,11 @@ def adopted(record: Resource, k8s_node: Mapping[str, Any] | None) -> Resource:
     return out
 
 
+def _identity(k8s_node: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """What a CiliumNode takes from its Node: the uid and the InternalIPs."""
+    return str((k8s_node.get("metadata") or {}).get("uid") or ""), internal_ips(k8s_node)
+
+
 def _owner_uid(record: Resource) -> str:
     for ref in (record.get("metadata") or {}).get("ownerReferences") or []:
         if isinstance(ref, dict) and ref.get("kind") == "Node":
@@ -175,7 +180,10 @@ class NodeGC:
             self.k8s_nodes.pop(name, None)
             await self._delete(name, str(k8s_node["metadata"].get("uid") or ""), "Node deleted")
             return
+        old = self.k8s_nodes.get(name)
         self.k8s_nodes[name] = k8s_node
+        if old is not None and _identity(old) == _identity(k8s_node):
+            return  # a status heartbeat: neither the uid nor the InternalIPs changed
         await self.adopt(name)
 
     # -- actions ---------------------------------------------------------------------------
