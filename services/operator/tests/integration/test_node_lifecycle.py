@@ -161,9 +161,10 @@ def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia:
         settings = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5,
                     "nodes_gc_interval": 0}  # fmt: skip
         async with running_operator("kubernetes", **settings) as (op, channel):
+            assert op.node_gc is not None
+            await asyncio.wait_for(op.node_gc.listed.wait(), 10)  # its start-up pass is done
             node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
             await node.Register(pb.RegisterRequest(node_name=orphan, addresses=["192.0.2.31"]))
-            assert op.node_gc is not None
             first = await op.node_gc.run_once()
             kept = _cilium_node(kube, orphan) is not None
             second = await op.node_gc.run_once()

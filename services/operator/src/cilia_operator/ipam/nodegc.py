@@ -128,6 +128,9 @@ class NodeGC:
         self.conflict_retries = max(1, conflict_retries)
         self.k8s_nodes: dict[str, Resource] = {}
         self._candidates: set[str] = set()
+        self._pass = asyncio.Lock()  # one pass at a time: each replaces the candidate set
+        #: set once the Nodes were listed and the first (marking) pass ran
+        self.listed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -150,6 +153,7 @@ class NodeGC:
         listed = await self.store.list(K8S_NODE_KIND)
         self.k8s_nodes = {o["metadata"]["name"]: o for o in listed.items}
         await self.run_once(candidates=False)
+        self.listed.set()
         return listed.resource_version
 
     async def _follow(self) -> None:
@@ -242,6 +246,10 @@ class NodeGC:
         Raises:
             StoreError: the store failed.
         """
+        async with self._pass:
+            return await self._pass_once(candidates)
+
+    async def _pass_once(self, candidates: bool) -> list[str]:
         deleted: list[str] = []
         listed = await self.store.list(nodes.KIND)
         orphans: set[str] = set()
