@@ -223,3 +223,42 @@ def test_the_ownerreference_lets_kube_controller_managers_gc_delete_it_with_no_o
     finally:
         kube.stop_controller_manager()
         kube.kubectl("delete", "node", name, "--ignore-not-found")
+
+
+def test_standalone_a_deleted_ciliumnode_takes_its_pods_ipcache_entries_at_once(
+    redis_url: str,
+) -> None:
+    """``cilia-operator delete ciliumnodes`` (standalone node leave): the node's pods leave
+    the ipcache stream at once, not at the next endpoint GC period (5 min by default)."""
+
+    async def scenario() -> float:
+        async with running_operator(redis_url) as (op, channel):
+            node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+            for name, address in (("n1", "192.0.2.51"), ("n2", "192.0.2.52")):
+                await node.Register(pb.RegisterRequest(node_name=name, addresses=[address]))
+            identity = (await pb_grpc.IdentityServiceStub(channel).Allocate(  # type: ignore[no-untyped-call]
+                pb.AllocateRequest(node_name="n2", labels=["k8s:app=web"]))).identity.id  # fmt: skip
+            for pod, ip, owner in (("a", "10.251.0.7", "n1"), ("b", POD_IP, "n2")):
+                await pb_grpc.EndpointServiceStub(channel).UpsertEndpoint(  # type: ignore[no-untyped-call]
+                    pb.UpsertEndpointRequest(endpoint=pb.EndpointRecord(
+                        namespace="default", name=pod, node_name=owner, ipv4=ip,
+                        identity=identity, labels=["k8s:app=web"], endpoint_id=1)))  # fmt: skip
+            ipcache = pb_grpc.EndpointServiceStub(channel).WatchIPCache(  # type: ignore[no-untyped-call]
+                pb.WatchIPCacheRequest()
+            )
+            while not (await ipcache.read()).synced:
+                pass
+            t0 = time.monotonic()
+            await op.store.delete("CiliumNode", "n2")
+            left = {"192.0.2.52/32", f"{POD_IP}/32"}
+            async with asyncio.timeout(GONE_SECONDS):
+                while left:
+                    msg = await ipcache.read()
+                    deleted = {e.entry.cidr for e in msg.events if e.type == pb.EVENT_TYPE_DELETE}
+                    assert "10.251.0.7/32" not in deleted  # n1's pod stays
+                    left -= deleted
+            ipcache.cancel()
+            return time.monotonic() - t0
+
+    took = asyncio.run(scenario())
+    print(f"standalone node's pod left the ipcache in {took:.2f}s")

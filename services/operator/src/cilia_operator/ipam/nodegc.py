@@ -15,9 +15,9 @@ Upstream has two mechanisms and Cilia keeps both:
   candidate rule: an agent may register a moment before its Node is visible).
 
 A Node deletion also tells the IPAM controller (:meth:`IPAMController.node_gone`) to release
-the node's blocks at once instead of after ``--node-cidr-release-grace-period``, and the
-``on_gone`` hooks run (the endpoint GC: the node's CiliumEndpoints, so every peer's ipcache
-drops them). Every peer's routes and tunnel entries go when the CiliumNode leaves the
+the node's blocks at once instead of after ``--node-cidr-release-grace-period``; the IPAM
+controller's node-deleted hook then runs an endpoint GC pass (the node's CiliumEndpoints go,
+so every peer's ipcache drops them). Every peer's routes and tunnel entries go when the CiliumNode leaves the
 operator's node stream. Deletes carry the record's resourceVersion precondition.
 
 The Node's ``InternalIP`` addresses are written first in the CiliumNode's
