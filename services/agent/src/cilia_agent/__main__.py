@@ -119,6 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             except TLSFileError as exc:
                 print(f"cilia-agent: cannot start: Hubble TLS: {exc}", file=sys.stderr)
                 return 1
+        if config.operator.startswith("k8s:"):  # where the API server is: before any change
+            from cilia_agent.controlplane.kubeapi import KubeConfigError, resolve_access
+
+            try:
+                resolve_access(config.k8s_kubeconfig_path, config.k8s_api_server)
+            except KubeConfigError as exc:
+                print(f"cilia-agent: cannot start: --operator {config.operator}: {exc}",
+                      file=sys.stderr)  # fmt: skip
+                return 1
         from cilia_agent.preflight import PreflightError, startup_checks
 
         try:  # the init steps' checks, fast path: before any side effect of the agent

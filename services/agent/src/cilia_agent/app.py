@@ -7,7 +7,10 @@ operator (``ipam/manager``) → the ipcache (``ipcache/``) → the retry queue.
 Start (``Agent.start``):
 
 1. the node's persisted state into IPAM, router IP (``node/``); node plumbing
-   (ip_forward, iptables, host device); the node's networks;
+   (ip_forward, iptables, host device); the node's networks, its own address and the MTU
+   (``datapath/nodeaddress``: ``--ipv4-node``, ``--mtu 0`` = the device's); the operator
+   channel (``--operator k8s:NS/SVC``: its addresses listed once from the Service's
+   EndpointSlices, then by the ``operator-discovery`` task, ``controlplane/discovery``);
 2. the eBPF owners (``enforcement``: programs compiled once, pinned maps, identity
    allocator, policy engine + streams, endpoint regeneration) unless ``--enable-bpf=false``;
    the socket load balancer (``loadbalancer``) unless ``--kube-proxy-replacement=false``;

@@ -48,7 +48,9 @@ class FakeOperator(
     cp_grpc.EndpointServiceServicer,  # type: ignore[misc]
     cp_grpc.PolicyServiceServicer,  # type: ignore[misc]
 ):
-    def __init__(self, cidr: str, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, cidr: str, host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None
+    ) -> None:
         self.cidr = cidr
         self.lock = threading.RLock()
         self.registrations: list[cp.RegisterRequest] = []
@@ -69,7 +71,10 @@ class FakeOperator(
             cp_grpc.add_PolicyServiceServicer_to_server,
         ):
             add(self, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:0")
+        if credentials is not None:  # TLS (mutual when the credentials ask for it)
+            self.port = self.server.add_secure_port(f"{host}:0", credentials)
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:0")
         self.address = f"{host}:{self.port}"
         self.server.start()
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from cilia.agent.v1 import agent_pb2
@@ -38,6 +39,7 @@ from cilia_agent.controlplane.discovery import (
     discovered_channel,
 )
 from cilia_agent.controlplane.kubeapi import HOST_ENV, PORT_ENV, KubeClient, resolve_access
+from cilia_common.tls import ServerTLS, generate_bundle, server_credentials
 from cilia_testkit.kubeapi import KubeAPI, unique_name
 
 from .conftest import Env
@@ -271,3 +273,43 @@ def test_an_agent_with_operator_k8s_registers_and_becomes_ready(
     finally:
         env.cleanup()
         op.stop()
+
+
+def test_mutual_tls_checks_the_service_name_while_dialling_the_discovered_address(
+    kube_apiserver: KubeAPI, namespace: str, operator_addresses: None, tmp_path: pathlib.Path
+) -> None:
+    """The operator's certificate names only ``SERVICE.NAMESPACE.svc`` (no IP SAN): the
+    discovered address is dialled and that name checked by default; another
+    ``--tls-operator-server-name`` is refused."""
+    kube = kube_apiserver
+    bundle = generate_bundle(tmp_path, server_hosts=[f"{SERVICE}.{namespace}.svc"],
+                             nodes=["n1"], days=1)  # fmt: skip
+    credentials, _ = server_credentials(
+        ServerTLS(bundle.server_cert, bundle.server_key, (bundle.ca_cert,))
+    )
+    live = FakeOperator("10.251.203.0/24", host=LIVE, credentials=credentials)
+    cert, key = bundle.clients["node-n1"]
+    tls = {"tls_operator_server_ca_files": [bundle.ca_cert],
+           "tls_operator_client_cert_file": cert, "tls_operator_client_key_file": key}  # fmt: skip
+    try:
+        _apply(kube, _slice(namespace, live.port, [(LIVE, True)]))
+
+        async def register(**overrides: Any) -> None:
+            cfg = Config(node_name="n1", operator=f"k8s:{namespace}/{SERVICE}",
+                         k8s_kubeconfig_path=str(kube.kubeconfig), **tls, **overrides)  # fmt: skip
+            channel = discovered_channel(cfg, [])
+            try:
+                assert await channel.refresh()
+                stub = cp_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+                await stub.Register(cp.RegisterRequest(node_name="n1"), timeout=5)
+            finally:
+                await channel.close()
+
+        asyncio.run(register())
+        assert [r.node_name for r in live.registrations] == ["n1"]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(register(tls_operator_server_name="other.example"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(live.registrations) == 1
+    finally:
+        live.stop()

@@ -99,3 +99,22 @@ def test_a_kubeconfig_gives_server_ca_and_credentials(tmp_path: pathlib.Path) ->
     path.write_text("current-context: missing\n")
     with pytest.raises(KubeConfigError, match="no context named 'missing'"):
         from_kubeconfig(str(path))
+
+
+def test_serve_with_k8s_operator_and_no_api_server_refuses_before_any_change(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    from cilia_agent.__main__ import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    state = tmp_path / "state"
+    code = main(["serve", "--operator", "k8s:cilia-system/cilia-operator",
+                 "--state-dir", str(state)])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "cilia-agent: cannot start: --operator k8s:cilia-system/cilia-operator: the API server "
+        "is unknown: set KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT (the chart's "
+        "k8sServiceHost/k8sServicePort), --k8s-api-server or --k8s-kubeconfig-path"
+    ]
+    assert not state.exists()  # nothing was set up

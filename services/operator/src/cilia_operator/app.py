@@ -153,13 +153,13 @@ class Operator:
                 self.store,
                 interval=config.nodes_gc_interval,
                 release=self.controller.node_gone,
-                on_gone=[self._node_endpoints_gone],
                 retry_interval=config.store_retry_interval,
                 conflict_retries=config.store_conflict_retries,
             )
             if config.store == "kubernetes"
             else None
         )
+        self.controller.on_node_deleted(self._node_endpoints_gone)
         self.elector: LeaderElector | None = None
         self.slices = (
             SliceController(
@@ -486,9 +486,10 @@ class Operator:
                 await set_serving(self._health, SERVICE_NAMES, serving=False)
 
     async def _node_endpoints_gone(self, name: str) -> None:
-        """A node's Node and CiliumNode are gone: one endpoint GC pass now deletes its
-        CiliumEndpoints, so their addresses leave every agent's ipcache at once instead of
-        at the next ``--cilium-endpoint-gc-interval``."""
+        """A CiliumNode was deleted (its Node went, or ``cilia-operator delete ciliumnodes``
+        in standalone mode): one endpoint GC pass now deletes its CiliumEndpoints, so their
+        addresses leave every agent's ipcache at once instead of at the next
+        ``--cilium-endpoint-gc-interval``."""
         result = await self.endpoint_gc.run_once()
         log.info("endpoints of a deleted node collected",
                  extra={"node": name, "deleted": result.node_gone})  # fmt: skip

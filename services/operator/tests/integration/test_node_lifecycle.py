@@ -4,7 +4,7 @@ entries with it (``ipam/nodegc.py``), on the session's REAL kube-apiserver.
 No kube-controller-manager runs in this test (the test kit starts one only on request), so
 the API server's garbage collector never acts on the ownerReference: the operator's own Node
 watch is what deletes the CiliumNode here. The test plays two agents over gRPC (Register,
-UpdateDemand, WatchNodes, WatchIPCache) against an in-process operator with
+UpdateDemand, Allocate, UpsertEndpoint, WatchNodes, WatchIPCache) against an in-process operator with
 ``--store kubernetes`` and the default release grace (30 s): the block of a node whose Node
 was deleted must be free long before that.
 """
@@ -28,6 +28,7 @@ __all__ = ["kube_cilia"]
 #: The target of issue 27: a deleted Node is gone everywhere within this many seconds.
 GONE_SECONDS = 10.0
 DOCKER0 = "172.17.0.1"
+POD_IP = "10.251.0.5"
 
 
 def _node(kube: KubeAPI, name: str, internal_ip: str) -> str:
@@ -72,6 +73,14 @@ def test_a_deleted_node_loses_its_ciliumnode_block_routes_and_ipcache_entry_with
     gone, stays = unique_name("nl-gone"), unique_name("nl-stays")
     gone_uid = _node(kube, gone, "192.0.2.21")
     _node(kube, stays, "192.0.2.22")
+    # a pod the deleted node ran (its Pod object outlives the Node: no pod GC runs here)
+    ns = unique_name("nl")
+    kube.kubectl("create", "namespace", ns)
+    kube.kubectl("create", "serviceaccount", "default", "-n", ns, check=False)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": ns},
+           "spec": {"nodeName": gone,
+                    "containers": [{"name": "c", "image": "registry.invalid/app:1"}]}}  # fmt: skip
+    kube.kubectl("create", "-f", "-", input=json.dumps(pod))
     try:
 
         async def scenario() -> dict[str, float]:
@@ -86,6 +95,12 @@ def test_a_deleted_node_loses_its_ciliumnode_block_routes_and_ipcache_entry_with
                 await ipam.UpdateDemand(pb.UpdateDemandRequest(
                     node_name=gone, demands=[pb.PoolDemand(pool="default", needed_ipv4=8)]))  # fmt: skip
                 assert await _until(lambda: bool(_claimed_by(kube, gone)), 10), "no block"
+                identity = (await pb_grpc.IdentityServiceStub(channel).Allocate(  # type: ignore[no-untyped-call]
+                    pb.AllocateRequest(node_name=gone, labels=["k8s:app=web"]))).identity.id  # fmt: skip
+                await pb_grpc.EndpointServiceStub(channel).UpsertEndpoint(  # type: ignore[no-untyped-call]
+                    pb.UpsertEndpointRequest(endpoint=pb.EndpointRecord(
+                        namespace=ns, name="web", node_name=gone, ipv4=POD_IP,
+                        identity=identity, labels=["k8s:app=web"], endpoint_id=1)))  # fmt: skip
 
                 record = _cilium_node(kube, gone)
                 assert record is not None
@@ -109,7 +124,7 @@ def test_a_deleted_node_loses_its_ciliumnode_block_routes_and_ipcache_entry_with
                     entries |= {e.entry.cidr for e in msg.events}
                     if msg.synced:
                         break
-                assert "192.0.2.21/32" in entries
+                assert {"192.0.2.21/32", f"{POD_IP}/32"} <= entries
 
                 t0 = time.monotonic()
                 await asyncio.to_thread(kube.kubectl, "delete", "node", gone)
@@ -124,12 +139,12 @@ def test_a_deleted_node_loses_its_ciliumnode_block_routes_and_ipcache_entry_with
                             return
 
                 async def ipcache_deleted() -> None:
-                    while True:
+                    left = {"192.0.2.21/32", f"{POD_IP}/32"}  # the node's and its pod's
+                    while left:
                         msg = await ipcache.read()
-                        if any(e.type == pb.EVENT_TYPE_DELETE and e.entry.cidr == "192.0.2.21/32"
-                               for e in msg.events):  # fmt: skip
-                            took["ipcache"] = time.monotonic() - t0
-                            return
+                        left -= {e.entry.cidr for e in msg.events
+                                 if e.type == pb.EVENT_TYPE_DELETE}  # fmt: skip
+                    took["ipcache"] = time.monotonic() - t0
 
                 await asyncio.wait_for(
                     asyncio.gather(node_deleted(), ipcache_deleted()), GONE_SECONDS
@@ -151,6 +166,7 @@ def test_a_deleted_node_loses_its_ciliumnode_block_routes_and_ipcache_entry_with
         print("deleted Node gone in", {k: round(v, 2) for k, v in took.items()})
     finally:
         kube.kubectl("delete", "node", gone, stays, "--ignore-not-found")
+        kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia: KubeAPI) -> None:
@@ -161,9 +177,10 @@ def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia:
         settings = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5,
                     "nodes_gc_interval": 0}  # fmt: skip
         async with running_operator("kubernetes", **settings) as (op, channel):
+            assert op.node_gc is not None
+            await asyncio.wait_for(op.node_gc.listed.wait(), 10)  # its start-up pass is done
             node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
             await node.Register(pb.RegisterRequest(node_name=orphan, addresses=["192.0.2.31"]))
-            assert op.node_gc is not None
             first = await op.node_gc.run_once()
             kept = _cilium_node(kube, orphan) is not None
             second = await op.node_gc.run_once()
@@ -172,3 +189,76 @@ def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia:
     first, second, kept_after_first = asyncio.run(scenario())
     assert orphan not in first and kept_after_first
     assert orphan in second and _cilium_node(kube, orphan) is None
+
+
+#: Seconds kube-controller-manager's garbage collector may take: it discovers the CRDs'
+#: resources (its monitors) before it acts, then follows the owner's deletion event.
+KCM_GC_SECONDS = 90.0
+
+
+def test_the_ownerreference_lets_kube_controller_managers_gc_delete_it_with_no_operator(
+    kube_cilia: KubeAPI,
+) -> None:
+    kube = kube_cilia
+    name = unique_name("nl-owned")
+    _node(kube, name, "192.0.2.41")
+
+    async def register() -> None:
+        settings = {"kubeconfig": str(kube.kubeconfig), "store_watch_timeout": 5}
+        async with running_operator("kubernetes", **settings) as (_op, channel):
+            node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+            await node.Register(pb.RegisterRequest(node_name=name, addresses=["192.0.2.41"]))
+
+    try:
+        asyncio.run(register())  # the operator is gone again: only the API server acts now
+        assert (_cilium_node(kube, name) or {}).get("metadata", {}).get("ownerReferences")
+        kube.controller_manager()
+        kube.kubectl("delete", "node", name)
+        t0 = time.monotonic()
+        deadline = t0 + KCM_GC_SECONDS
+        while _cilium_node(kube, name) is not None:
+            assert time.monotonic() < deadline, "kube-controller-manager's GC left it"
+            time.sleep(0.5)
+        print(f"garbage-collected by kube-controller-manager in {time.monotonic() - t0:.1f}s")
+    finally:
+        kube.stop_controller_manager()
+        kube.kubectl("delete", "node", name, "--ignore-not-found")
+
+
+def test_standalone_a_deleted_ciliumnode_takes_its_pods_ipcache_entries_at_once(
+    redis_url: str,
+) -> None:
+    """``cilia-operator delete ciliumnodes`` (standalone node leave): the node's pods leave
+    the ipcache stream at once, not at the next endpoint GC period (5 min by default)."""
+
+    async def scenario() -> float:
+        async with running_operator(redis_url) as (op, channel):
+            node = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
+            for name, address in (("n1", "192.0.2.51"), ("n2", "192.0.2.52")):
+                await node.Register(pb.RegisterRequest(node_name=name, addresses=[address]))
+            identity = (await pb_grpc.IdentityServiceStub(channel).Allocate(  # type: ignore[no-untyped-call]
+                pb.AllocateRequest(node_name="n2", labels=["k8s:app=web"]))).identity.id  # fmt: skip
+            for pod, ip, owner in (("a", "10.251.0.7", "n1"), ("b", POD_IP, "n2")):
+                await pb_grpc.EndpointServiceStub(channel).UpsertEndpoint(  # type: ignore[no-untyped-call]
+                    pb.UpsertEndpointRequest(endpoint=pb.EndpointRecord(
+                        namespace="default", name=pod, node_name=owner, ipv4=ip,
+                        identity=identity, labels=["k8s:app=web"], endpoint_id=1)))  # fmt: skip
+            ipcache = pb_grpc.EndpointServiceStub(channel).WatchIPCache(  # type: ignore[no-untyped-call]
+                pb.WatchIPCacheRequest()
+            )
+            while not (await ipcache.read()).synced:
+                pass
+            t0 = time.monotonic()
+            await op.store.delete("CiliumNode", "n2")
+            left = {"192.0.2.52/32", f"{POD_IP}/32"}
+            async with asyncio.timeout(GONE_SECONDS):
+                while left:
+                    msg = await ipcache.read()
+                    deleted = {e.entry.cidr for e in msg.events if e.type == pb.EVENT_TYPE_DELETE}
+                    assert "10.251.0.7/32" not in deleted  # n1's pod stays
+                    left -= deleted
+            ipcache.cancel()
+            return time.monotonic() - t0
+
+    took = asyncio.run(scenario())
+    print(f"standalone node's pod left the ipcache in {took:.2f}s")

@@ -197,6 +197,8 @@ class IPAMController:
         self._deleted_at: dict[str, float] = {}
         # nodes whose Kubernetes Node was deleted: no grace, their blocks go at once
         self._gone: set[str] = set()
+        self._deleted_hooks: list[Callable[[str], Awaitable[object]]] = []
+        self._hook_tasks: set[asyncio.Task[None]] = set()
         self.metrics = metrics
         self.mode = mode
         self.default_pool = default_pool
@@ -295,7 +297,7 @@ class IPAMController:
         """Cancel the watches and the worker and wait for them (see :func:`cancel_all`:
         a cancellation the redis client swallowed is repeated)."""
         await self.stop_observing()
-        await cancel_all(self._tasks)
+        await cancel_all([*self._tasks, *self._hook_tasks])
         for task in self._tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.warning("controller task failed", extra={"error": str(task.exception())})
@@ -603,6 +605,8 @@ class IPAMController:
         self._node_networks(name, None if event.type == "DELETED" else event.object)
         self.enqueue(name)
         self._notify_node(name, event.object, deleted=event.type == "DELETED")
+        if event.type == "DELETED":
+            self._run_deleted_hooks(name)
 
     def _notify_node(self, name: str, record: Resource | None, *, deleted: bool) -> None:
         """Wake node ``name``'s WatchAllocations streams with its newest record."""
@@ -698,6 +702,24 @@ class IPAMController:
             )
         loop.call_later(left, self.enqueue, name)
         return True
+
+    def on_node_deleted(self, hook: Callable[[str], Awaitable[object]]) -> None:
+        """Await ``hook(name)`` (in a task of its own, a failure logged) whenever the leader's
+        node watch sees a CiliumNode deleted: the app runs an endpoint GC pass, so the node's
+        CiliumEndpoints leave every agent's ipcache at once (standalone and Kubernetes)."""
+        self._deleted_hooks.append(hook)
+
+    def _run_deleted_hooks(self, name: str) -> None:
+        async def run(hook: Callable[[str], Awaitable[object]]) -> None:
+            try:
+                await hook(name)
+            except Exception as exc:  # a hook's failure must not stop the node watch
+                log.warning("node-deleted hook failed", extra={"node": name, "error": str(exc)})
+
+        for hook in self._deleted_hooks:
+            task = asyncio.create_task(run(hook), name=f"node-deleted-{name}")
+            self._hook_tasks.add(task)
+            task.add_done_callback(self._hook_tasks.discard)
 
     def node_gone(self, name: str) -> None:
         """Node ``name``'s Kubernetes Node was deleted (``ipam.nodegc``): once its CiliumNode

@@ -15,9 +15,9 @@ Upstream has two mechanisms and Cilia keeps both:
   candidate rule: an agent may register a moment before its Node is visible).
 
 A Node deletion also tells the IPAM controller (:meth:`IPAMController.node_gone`) to release
-the node's blocks at once instead of after ``--node-cidr-release-grace-period``, and the
-``on_gone`` hooks run (the endpoint GC: the node's CiliumEndpoints, so every peer's ipcache
-drops them). Every peer's routes and tunnel entries go when the CiliumNode leaves the
+the node's blocks at once instead of after ``--node-cidr-release-grace-period``; the IPAM
+controller's node-deleted hook then runs an endpoint GC pass (the node's CiliumEndpoints go,
+so every peer's ipcache drops them). Every peer's routes and tunnel entries go when the CiliumNode leaves the
 operator's node stream. Deletes carry the record's resourceVersion precondition.
 
 The Node's ``InternalIP`` addresses are written first in the CiliumNode's
@@ -85,6 +85,11 @@ def adopted(record: Resource, k8s_node: Mapping[str, Any] | None) -> Resource:
     return out
 
 
+def _identity(k8s_node: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """What a CiliumNode takes from its Node: the uid and the InternalIPs."""
+    return str((k8s_node.get("metadata") or {}).get("uid") or ""), internal_ips(k8s_node)
+
+
 def _owner_uid(record: Resource) -> str:
     for ref in (record.get("metadata") or {}).get("ownerReferences") or []:
         if isinstance(ref, dict) and ref.get("kind") == "Node":
@@ -123,6 +128,9 @@ class NodeGC:
         self.conflict_retries = max(1, conflict_retries)
         self.k8s_nodes: dict[str, Resource] = {}
         self._candidates: set[str] = set()
+        self._pass = asyncio.Lock()  # one pass at a time: each replaces the candidate set
+        #: set once the Nodes were listed and the first (marking) pass ran
+        self.listed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -145,6 +153,7 @@ class NodeGC:
         listed = await self.store.list(K8S_NODE_KIND)
         self.k8s_nodes = {o["metadata"]["name"]: o for o in listed.items}
         await self.run_once(candidates=False)
+        self.listed.set()
         return listed.resource_version
 
     async def _follow(self) -> None:
@@ -175,7 +184,10 @@ class NodeGC:
             self.k8s_nodes.pop(name, None)
             await self._delete(name, str(k8s_node["metadata"].get("uid") or ""), "Node deleted")
             return
+        old = self.k8s_nodes.get(name)
         self.k8s_nodes[name] = k8s_node
+        if old is not None and _identity(old) == _identity(k8s_node):
+            return  # a status heartbeat: neither the uid nor the InternalIPs changed
         await self.adopt(name)
 
     # -- actions ---------------------------------------------------------------------------
@@ -234,6 +246,10 @@ class NodeGC:
         Raises:
             StoreError: the store failed.
         """
+        async with self._pass:
+            return await self._pass_once(candidates)
+
+    async def _pass_once(self, candidates: bool) -> list[str]:
         deleted: list[str] = []
         listed = await self.store.list(nodes.KIND)
         orphans: set[str] = set()
