@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test-setup bpf test up down cluster-up cluster-down k8s-up k8s-down k8s-status demo bench images lint types clean
+.PHONY: setup test-setup bpf test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e demo bench images lint types clean
 
 # setup: what the demo and the local stacks need (minutes on a fresh machine);
 # test-setup: that plus the tools only the tests use (Go builds, cached by version).
@@ -55,8 +55,21 @@ cluster-down:
 # State and kubeconfig in .run/k8s/$(K8S_NAME)/ (see lib/testkit: cilia_testkit.kind).
 K8S_NAME ?= cilia
 K8S_CNI  ?= none
+# k8s-up also builds Cilia's images and loads them into the nodes (no registry here), then
+# prints the helm install command; k8s-install runs it and waits until everything is Ready.
 k8s-up: test-setup
 	@$(VENV)/bin/python -m cilia_testkit.kind up --name $(K8S_NAME) --nodes $(NODES) --cni $(K8S_CNI)
+	@if [ "$(K8S_CNI)" = none ]; then $(VENV)/bin/python -m cilia_testkit.kind.installctl images --name $(K8S_NAME); fi
+
+k8s-install:
+	@$(VENV)/bin/python -m cilia_testkit.kind.installctl install --name $(K8S_NAME)
+
+k8s-uninstall:
+	@$(VENV)/bin/python -m cilia_testkit.kind.installctl uninstall --name $(K8S_NAME)
+
+# The whole Kubernetes suite (tests/k8s, every test); make test runs the part not marked long.
+k8s-e2e: test-setup
+	$(TOX) run -e k8s -- -m ""
 
 k8s-down:
 	@$(VENV)/bin/python -m cilia_testkit.kind down --name $(K8S_NAME)

@@ -2,7 +2,8 @@
 kube-proxy (cilia_testkit.kind: node containers with containerd + kubelet, the control plane
 in the first, CoreDNS), the shipped images running as pods, judged by real traffic.
 
-In file order, on one cluster (each test builds on the ones before):
+In file order, on one cluster (each test builds on the ones before); ``long`` ones run in
+``make k8s-e2e`` only (``make test`` runs the rest):
 
 1. ``helm install`` with only the API server's address given: every Cilia pod and Node
    Ready, no kube-proxy anywhere;
@@ -11,14 +12,18 @@ In file order, on one cluster (each test builds on the ones before):
    CoreDNS, itself reached through its ClusterIP;
 3. a pod reaching the "outside" host (no route to any pod CIDR) arrives with its node's
    address: masquerade; the outside host never sees a pod address;
-4. ``kill -9`` of one node's agent under traffic from that node's pod: the kubelet restarts
-   it, and requests across nodes keep working;
-5. ``helm upgrade`` to a second agent image: the safe-agent-updater replaces the agent
-   node by node while a pod on every node keeps connecting to a pod on another node and to
-   the Service;
-6. ``helm upgrade`` to ``routingMode=tunnel``: after the roll, the same traffic crosses
-   nodes through VXLAN;
-7. ``helm uninstall``: nothing of Cilia is left on any node.
+4. ``kill -9`` of one node's agent under traffic from every node's pod (to a pod on the
+   next node and to the Service): the kubelet restarts it, not one request fails;
+5. (long) ``helm upgrade`` to a second agent image: the safe-agent-updater replaces the
+   agents node by node (never two down at once) under the same traffic: 0 failed, no connect
+   slower than 1 s; then ``helm rollback``, the same;
+6. (long) ``helm upgrade`` to ``routingMode=tunnel``: after the roll, the same traffic
+   crosses nodes through VXLAN (each route through ``cilium_vxlan``);
+7. (long) a fourth node joins and serves pods within 60 s; a deleted node's CiliumNode and
+   routes leave every peer within 10 s; a restarted node container, then the whole cluster
+   stopped and started, come back with no hand step;
+8. ``helm uninstall``: nothing of Cilia is left on any node (conflist, plugin, pins, devices,
+   routes, iptables chains).
 
 Privileged: needs root and the Docker engine (skipped with the reason otherwise, failing in
 CI). The upgrade/kill numbers are printed (``pytest -s``) and recorded as test properties.
@@ -300,6 +305,7 @@ def _roll(cluster: KindCluster, values: dict[str, Any], image: str) -> tuple[flo
         time.sleep(2)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_helm_upgrade_rolls_the_agents_node_by_node_with_no_failed_request(
     cluster: KindCluster, ns: str, installed: dict[str, Any], record_property: Any
@@ -320,12 +326,37 @@ def test_helm_upgrade_rolls_the_agents_node_by_node_with_no_failed_request(
     installed["values"] = values
 
 
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_helm_rollback_rolls_the_agents_back_with_no_failed_request(
+    cluster: KindCluster, ns: str, installed: dict[str, Any], record_property: Any
+) -> None:
+    history = json.loads(helm(cluster, "history", "cilia", "-n", NS, "-o", "json").stdout)
+    first = min(int(h["revision"]) for h in history)
+    probers = _probers(cluster, ns, seconds=150)
+    started = time.monotonic()
+    helm(cluster, "rollback", "cilia", str(first), "-n", NS)
+    ds = cluster.get("daemonset", "-n", NS, "cilia-agent")
+    want = ("cilia-agent:0.1.0", ds["spec"]["template"]["metadata"]["annotations"][GENERATION])
+    deadline = time.monotonic() + 420
+    while _agents(cluster) != {n.name: want for n in cluster.nodes} or not_ready(cluster):
+        assert time.monotonic() < deadline, f"rollback not done: {_agents(cluster)}"
+        time.sleep(2)
+    print(f"\nrollback of {len(cluster.nodes)} agents: {time.monotonic() - started:.1f} s")
+    total, fails, slowest = _report(probers, record_property, "rollback")
+    assert total > 100
+    assert fails == 0
+    assert slowest < 1000
+    installed["values"] = cluster_values(cluster)
+
+
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_helm_upgrade_to_tunnel_mode_carries_traffic_over_vxlan(
     cluster: KindCluster, ns: str, installed: dict[str, Any]
 ) -> None:
     values = {**installed["values"], "routingMode": "tunnel", "autoDirectNodeRoutes": False}
-    _roll(cluster, values, "cilia-agent:0.1.0-b")
+    _roll(cluster, values, "cilia-agent:0.1.0")
     wait_ready(cluster)
     for n in cluster.nodes:
         links = cluster.exec(n, "ip", "-d", "link", "show", "cilium_vxlan")
@@ -337,6 +368,94 @@ def test_helm_upgrade_to_tunnel_mode_carries_traffic_over_vxlan(
         assert all("dev cilium_vxlan" in r for r in routes), routes
     _all_pairs_and_service(cluster, ns)
     installed["values"] = values
+
+
+def _echo_pod(ns: str, name: str, node: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {"app": "echo-extra"}},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "echo", "image": "cilia.test/testpod:1", "args": ["serve", str(PORT)],
+                "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 1},
+            }],
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.long
+def test_a_fourth_node_joins_and_serves_pods_within_60_s(
+    cluster: KindCluster, ns: str, record_property: Any
+) -> None:
+    started = time.monotonic()
+    node = cluster.add_node()
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(_echo_pod(ns, "joiner", node.name)))
+    wait_pods_ready(cluster, ns, "app=echo-extra", 1, timeout=90)
+    wait_ready(cluster, timeout=90)
+    took = time.monotonic() - started
+    print(f"\nnode {node.name} joined and serves a pod in {took:.1f} s")
+    record_property("join_s", round(took, 1))
+    ips = _ips(cluster, ns)
+    joiner = cluster.get("pod", "-n", ns, "joiner")["status"]["podIP"]
+    for client, ip in ips.items():
+        assert _hello(cluster, ns, client, joiner) == f"hello from joiner on {PORT}", client
+        assert _hello(cluster, ns, "joiner", ip) == f"hello from {client} on {PORT}", client
+    assert took < 60
+
+
+@pytest.mark.long
+def test_a_deleted_node_leaves_every_peer_within_10_s(
+    cluster: KindCluster, ns: str, record_property: Any
+) -> None:
+    gone = cluster.nodes[-1]
+    cidr = cluster.get("node", gone.name)["spec"]["podCIDR"]
+    cluster.kubectl("delete", "pod", "-n", ns, "joiner", "--wait=false", check=False)
+    started = time.monotonic()
+    cluster.delete_node(gone.name)
+    deadline = started + 10
+    while True:
+        left = []
+        if cluster.kubectl("get", "ciliumnode", gone.name, check=False).returncode == 0:
+            left.append("CiliumNode")
+        for n in cluster.nodes:
+            routes = cluster.exec(n, "ip", "-4", "route", "show", "proto", "0xc1")
+            if cidr.split("/")[0] in routes:
+                left.append(f"route on {n.name}")
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"{gone.name} ({cidr}) still has: {left}"
+        time.sleep(0.5)
+    took = time.monotonic() - started
+    print(f"\nnode {gone.name} gone from every peer in {took:.1f} s")
+    record_property("leave_s", round(took, 1))
+    _all_pairs_and_service(cluster, ns)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_restarted_node_containers_and_the_whole_cluster_come_back(
+    cluster: KindCluster, ns: str, record_property: Any
+) -> None:
+    worker = cluster.nodes[1].name
+    started = time.monotonic()
+    cluster.restart_node(worker)
+    wait_ready(cluster)
+    wait_pods_ready(cluster, ns, "app=echo", len(cluster.nodes), timeout=120)
+    record_property("node_restart_s", round(time.monotonic() - started, 1))
+    _all_pairs_and_service(cluster, ns)
+    started = time.monotonic()
+    for n in reversed(cluster.nodes):
+        cluster.stop_node(n.name)
+    for n in cluster.nodes:
+        cluster.start_node(n.name)
+    wait_ready(cluster)
+    wait_pods_ready(cluster, ns, "app=echo", len(cluster.nodes), timeout=180)
+    took = time.monotonic() - started
+    print(f"\nwhole cluster restarted and Ready in {took:.1f} s")
+    record_property("cluster_restart_s", round(took, 1))
+    _all_pairs_and_service(cluster, ns)
 
 
 def test_helm_uninstall_leaves_nothing_on_the_nodes(
