@@ -196,6 +196,25 @@ def test_cni_paths_and_images_follow_their_values(helm: Path) -> None:
     assert container(pod, "DaemonSet", "cilia-agent", "agent")["image"] == "cilia-agent:0.1.0"
 
 
+def test_vxlan_offload_init_step_only_in_tunnel_mode(helm: Path) -> None:
+    def inits(values: dict[str, Any]) -> list[str]:
+        docs = documents(template(helm, values=values))
+        spec = find(docs, "DaemonSet", "cilia-agent")["spec"]["template"]["spec"]
+        return [c["name"] for c in spec["initContainers"]]
+
+    assert "handle-vxlan-offload" not in inits({})
+    tunnel = inits({"routingMode": "tunnel", "autoDirectNodeRoutes": False})
+    assert tunnel.index("clearing-unnecessary-iptables") < tunnel.index("handle-vxlan-offload")
+    assert tunnel.index("handle-vxlan-offload") < tunnel.index("mount-cgroup")
+    docs = documents(
+        template(helm, values={"routingMode": "tunnel", "autoDirectNodeRoutes": False})
+    )
+    step = container(docs, "DaemonSet", "cilia-agent", "handle-vxlan-offload")
+    assert step["args"] == ["init", "handle-vxlan-offload"]
+    node_ip = next(e for e in step["env"] if e["name"] == "NODE_IP")
+    assert node_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
 def _bad_cases() -> list[Path]:
     return sorted(BAD_VALUES.glob("*.yaml"))
 

@@ -65,6 +65,28 @@ spec:
           mountPath: /run/xtables.lock
       resources:
         requests: {cpu: 10m, memory: 10Mi}
+    {{- if eq $v.routingMode "tunnel" }}
+    # VXLAN only, as the module runs it: UDP-tunnel segmentation offload off on the node IP's
+    # NIC when its driver is one that needs it (vmxnet3); a no-op on any other NIC
+    - name: handle-vxlan-offload
+      image: {{ $agentImage }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      env:
+        {{- with $env }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        - name: NODE_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+      args: [init, handle-vxlan-offload]
+      securityContext:
+        capabilities:
+          add: [NET_ADMIN]
+          drop: [ALL]
+      resources:
+        requests: {cpu: 10m, memory: 10Mi}
+    {{- end }}
     # 3. a cgroup2 hierarchy at /run/cilia/cgroupv2 on the host (propagated back)
     - name: mount-cgroup
       image: {{ $agentImage }}
