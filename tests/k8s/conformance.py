@@ -23,7 +23,7 @@ Usage::
 
     python tests/k8s/conformance.py [--name cilia-conf] [--nodes 3]
         [--suite conformance] [--suite netpol] [--suite services] [--out .run/conformance]
-        [--procs N] [--keep]
+        [--focus REGEX] [--procs N] [--keep]
 
 Exit status: 0 if every run spec passed, 1 if one failed, 2 if a step before the specs failed.
 """
@@ -45,6 +45,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from e2e_images import ensure_e2e_images
 
 from cilia_testkit.kind import KindCluster
+from cilia_testkit.kind.cluster import STATE_ROOT
 from cilia_testkit.kind.image import coredns_bin_dir
 from cilia_testkit.kind.install import (
     cluster_values,
@@ -62,10 +63,7 @@ IMAGE_TAG = "0.1.0-conformance"
 SUITE_TIMEOUT = 3 * 3600
 #: Specs never selected: they need a cloud provider, disrupt the cluster, or an SSH/feature
 #: the harness does not offer (upstream's own skip list for kind-style clusters is similar).
-SKIP_ALWAYS = (
-    r"\[Feature:[^\]]+\]|\[Disruptive\]|\[Flaky\]|\[Serial\]|LoadBalancer|ESIPP|"
-    r"\[Feature:SCTPConnectivity\]|GCE|Ingress"
-)
+SKIP_ALWAYS = r"\[Feature:[^\]]+\]|\[Disruptive\]|\[Flaky\]|\[Serial\]|LoadBalancer|ESIPP|GCE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +79,12 @@ SUITES = {
     s.name: s
     for s in (
         Suite("conformance", r"\[sig-network\].*\[Conformance\]", r"\[Disruptive\]|\[Serial\]"),
-        Suite("netpol", r"\[sig-network\] Netpol "),
+        # the netpol specs are all tagged [Feature:NetworkPolicy]; SCTP needs the kernel's sctp
+        Suite(
+            "netpol",
+            r"\[sig-network\] Netpol ",
+            r"\[Feature:SCTPConnectivity\]|\[Disruptive\]|\[Flaky\]|\[Serial\]",
+        ),
         Suite("services", r"\[sig-network\] Services ", SKIP_ALWAYS + r"|\[Conformance\]"),
     )
 }
@@ -228,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     t = time.monotonic()
     binary = build_tools() / "e2e-network.test"
     timings["tools"] = time.monotonic() - t
-    existing = (pathlib.Path(".run/k8s") / args.name / "state.json").exists()
+    existing = (STATE_ROOT / args.name / "state.json").exists()
     cluster = KindCluster.load(args.name) if existing else KindCluster(args.name, args.nodes)
     try:
         if not existing:
@@ -247,14 +250,20 @@ def run(args: argparse.Namespace) -> int:
         results: list[Result] = []
         for name in args.suite or ["conformance"]:
             t = time.monotonic()
-            got = run_suite(SUITES[name], binary, cluster, pathlib.Path(args.out), args.procs)
+            suite = SUITES[name]
+            if args.focus:
+                suite = dataclasses.replace(
+                    suite, name=f"{name}-focused", focus=f"{suite.focus}.*({args.focus})"
+                )
+            got = run_suite(suite, binary, cluster, pathlib.Path(args.out), args.procs)
             timings[f"suite-{name}"] = time.monotonic() - t
             results += got
             failed = sum(1 for r in got if r.status == "failed")
             passed = sum(1 for r in got if r.status == "passed")
             _say(f"suite {name}: {passed} passed, {failed} failed of {len(got)} "
                  f"in {timings[f'suite-{name}']:.0f} s")  # fmt: skip
-            write_doc(results, timings, cluster.name)
+            if not args.focus:  # a focused run leaves the table of the full runs alone
+                write_doc(results, timings, cluster.name)
     finally:
         if not existing and not args.keep:
             cluster.__exit__(None, None, None)
@@ -269,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--suite", action="append", choices=sorted(SUITES))
     p.add_argument("--out", default=str(ROOT / ".run" / "conformance"))
+    p.add_argument(
+        "--focus",
+        default="",
+        help="only the suite's specs also matching this regex (JUnit in "
+        "<out>/<suite>-focused, docs/conformance.md left alone)",
+    )
     p.add_argument("--procs", type=int, default=1, help="parallel ginkgo processes (1: serial)")
     p.add_argument("--keep", action="store_true", help="leave a cluster this run made up")
     args = p.parse_args(argv)
