@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -148,11 +149,16 @@ def run_suite(
                            timeout=SUITE_TIMEOUT, start_new_session=True)  # fmt: skip
         except subprocess.TimeoutExpired:
             _say(f"suite {suite.name} stopped after {SUITE_TIMEOUT} s")
-    return parse_junit(suite.name, report / "junit_01.xml")
+    return [
+        res
+        for res in parse_junit(suite.name, report / "junit_01.xml")
+        if re.search(suite.focus, res.name) and not re.search(suite.skip, res.name)
+    ]
 
 
 def parse_junit(suite: str, path: pathlib.Path) -> list[Result]:
-    """The specs of one JUnit file (the framework's simplified report), setup nodes left out.
+    """The specs of one JUnit file (the framework's simplified report: every spec of the
+    binary, those the focus left out as skipped), setup nodes left out.
 
     Raises:
         FileNotFoundError: no report (the binary died before writing it).
