@@ -31,6 +31,7 @@ Exit status: 0 if every run spec passed, 1 if one failed, 2 if a step before the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -185,9 +186,11 @@ def parse_junit(suite: str, path: pathlib.Path) -> list[Result]:
 
 
 def _one_line(text: str) -> str:
+    """The first line of a failure that says what failed (ginkgo's ``[FAILED]`` prefix and
+    its ``In [It] at: file:line`` location dropped), at most 200 characters."""
     for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("[FAILED]") and not line.startswith("In ["):
+        line = line.strip().removeprefix("[FAILED]").strip()
+        if line and not line.startswith("In ["):
             return line[:200]
     return text.strip()[:200]
 
@@ -218,6 +221,26 @@ def write_doc(results: Iterable[Result], timings: dict[str, float], cluster: str
     DOC.write_text(text)
 
 
+@contextlib.contextmanager
+def service_cidr_unrouted(cluster: KindCluster) -> Iterator[None]:
+    """While entered, the host rejects what the cluster's nodes send to the Service CIDR.
+
+    In a real network an address of the Service CIDR that no Service holds leads nowhere; on
+    this machine the host's egress answers a TCP connection to *any* address (an HTTP proxy:
+    ``HTTP/1.1 404``, ``server: keryx``), so a spec checking that a removed Service port stops
+    answering ("should serve endpoints on same port and different protocols") would see an
+    answer Cilia never gave. One ``DOCKER-USER`` rule (the chain Docker leaves to the host
+    for its own forwarding rules), removed on exit, also on failure.
+    """
+    rule = ["DOCKER-USER", "-s", cluster.subnet, "-d", cluster.service_cidr, "-m", "comment",
+            "--comment", f"cilia-conformance {cluster.name}", "-j", "REJECT"]  # fmt: skip
+    subprocess.run(["iptables", "-w", "-I", *rule], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["iptables", "-w", "-D", *rule], check=False, capture_output=True)
+
+
 def _installed(cluster: KindCluster) -> bool:
     return helm(cluster, "status", "cilia", "-n", "kube-system", check=False).returncode == 0
 
@@ -234,15 +257,21 @@ def _tagged_values(cluster: KindCluster) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     """Steps 1-6 of the module docstring; returns the exit status."""
     timings: dict[str, float] = {}
+    results: list[Result] = []
     t = time.monotonic()
     binary = build_tools() / "e2e-network.test"
     timings["tools"] = time.monotonic() - t
     existing = (STATE_ROOT / args.name / "state.json").exists()
-    cluster = KindCluster.load(args.name) if existing else KindCluster(args.name, args.nodes)
-    try:
-        if not existing:
+    with contextlib.ExitStack() as stack:
+        if existing:
+            cluster = KindCluster.load(args.name)
+        else:
             t = time.monotonic()
-            cluster.__enter__()
+            cluster = KindCluster(args.name, args.nodes)
+            if args.keep:
+                cluster.up()
+            else:  # down() by the recorded ids at the end, also on failure or SIGTERM
+                stack.enter_context(cluster)
             timings["cluster"] = time.monotonic() - t
         if not _installed(cluster):
             t = time.monotonic()
@@ -253,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         names = ensure_e2e_images(binary.parent, coredns_bin_dir() / "coredns", progress=_say)
         cluster.load_images(names)
         timings["e2e-images"] = time.monotonic() - t
-        results: list[Result] = []
+        stack.enter_context(service_cidr_unrouted(cluster))
         for name in args.suite or ["conformance"]:
             t = time.monotonic()
             suite = SUITES[name]
@@ -270,9 +299,6 @@ def run(args: argparse.Namespace) -> int:
                  f"in {timings[f'suite-{name}']:.0f} s")  # fmt: skip
             if not args.focus:  # a focused run leaves the table of the full runs alone
                 write_doc(results, timings, cluster.name)
-    finally:
-        if not existing and not args.keep:
-            cluster.__exit__(None, None, None)
     _say("times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
     return 1 if any(r.status == "failed" for r in results) else 0
 
