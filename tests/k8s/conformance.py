@@ -168,7 +168,7 @@ def parse_junit(suite: str, path: pathlib.Path) -> list[Result]:
     """
     results = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        name = case.get("name", "")
+        name = case.get("name", "").removeprefix("[It] ")
         if name.startswith("[SynchronizedBeforeSuite]") or name.startswith("[ReportAfterSuite]"):
             continue
         status, reason = case.get("status", "passed"), ""
