@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test-setup bpf test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e demo bench images lint types clean
+.PHONY: setup test-setup bpf test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e conformance demo bench images lint types clean
 
 # setup: what the demo and the local stacks need (minutes on a fresh machine);
 # test-setup: that plus the tools only the tests use (Go builds, cached by version).
@@ -70,6 +70,19 @@ k8s-uninstall:
 # The whole Kubernetes suite (tests/k8s, every test); make test runs the part not marked long.
 k8s-e2e: test-setup
 	$(TOX) run -e k8s -- -m ""
+
+# Cilia judged by the upstream Kubernetes network e2e suite (tests/k8s/conformance.py; the
+# table lands in docs/conformance.md, JUnit in .run/conformance/<suite>/). Builds e2e-network.test
+# and agnhost (scripts/e2e-tools.sh) and the images the specs run; a new 3-node cluster
+# "cilia-conf" (torn down at the end), or the recorded cluster K8S_NAME=... given explicitly
+# (kept). CONFORMANCE_SUITES: any of conformance netpol services; CONFORMANCE_PROCS: parallel
+# ginkgo processes (1: serial).
+CONFORMANCE_SUITES ?= conformance
+CONFORMANCE_PROCS  ?= 1
+conformance: test-setup
+	@$(VENV)/bin/python tests/k8s/conformance.py --nodes $(or $(NODES),3) \
+	  --name $(if $(filter command line environment,$(origin K8S_NAME)),$(K8S_NAME),cilia-conf) \
+	  --procs $(CONFORMANCE_PROCS) $(foreach s,$(CONFORMANCE_SUITES),--suite $(s))
 
 k8s-down:
 	@$(VENV)/bin/python -m cilia_testkit.kind down --name $(K8S_NAME)

@@ -123,7 +123,7 @@ MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
             "k8sServicePort": 6445,
             "cluster": {"name": "blue"},
             "policyEnforcementMode": "always",
-            "cni": {"exclusive": False, "uninstall": True},
+            "cni": {"exclusive": False, "uninstall": True, "chainingMode": "portmap"},
         },
         [
             "--enable-ipv4-masquerade=false",
@@ -133,6 +133,7 @@ MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
             "--enable-policy=always",
             "--cni-exclusive=false",
             "--cni-uninstall=true",
+            "--cni-chaining-mode=portmap",
         ],
         ["--ipam=kubernetes"],
     ),

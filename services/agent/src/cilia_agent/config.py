@@ -158,6 +158,10 @@ class Config(BaseModel):
         default=False,
         description="move every other CNI config in --cni-conf-dir aside to <name>.cilia_bak when the conflist is written (upstream cni-exclusive)",
     )
+    cni_chaining_mode: Literal["none", "portmap"] = Field(
+        default="none",
+        description="plugin chained after cilia-cni in the conflist (upstream cni-chaining-mode): none, or portmap (the standard portmap plugin, which must be in the runtime's CNI bin directory, serves pods' hostPort with its DNAT; Cilia has no eBPF hostPort)",
+    )
     cni_uninstall: bool = Field(
         default=False,
         description="on a clean shutdown remove the conflist and restore the configs --cni-exclusive moved aside (upstream cni-uninstall; false: a restarting agent keeps serving its pods)",

@@ -187,3 +187,21 @@ def test_unusable_prev_result_names_the_field(text: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         parse_prev_result(text, "eth0")
     assert err.value.field == "prev_result"
+
+
+def test_portmap_chaining_appends_the_portmap_plugin_with_port_mappings(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = write_conflist(tmp_path, "05-cilia.conflist", tmp_path / "s.sock",
+                          chaining_mode="portmap")  # fmt: skip
+    plugins = json.loads(path.read_text())["plugins"]
+    assert [p["type"] for p in plugins] == ["cilia-cni", "portmap"]
+    assert plugins[1]["capabilities"] == {"portMappings": True}
+    none = conflist_document(tmp_path / "s.sock", chaining_mode="none")
+    assert [p["type"] for p in none["plugins"]] == ["cilia-cni"]
+
+
+def test_unknown_chaining_mode_is_refused_and_nothing_written(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="flannel"):
+        write_conflist(tmp_path, "05-cilia.conflist", tmp_path / "s.sock", chaining_mode="flannel")
+    assert list(tmp_path.iterdir()) == []

@@ -188,6 +188,9 @@ def test_cni_flags_defaults_and_parsing(tmp_path: pathlib.Path) -> None:
         Config(cni_del_queue_replay_interval=0)
     assert "cni_del_queue_replay_interval" in str(err.value)
     assert main(["serve", "--cni-exclusive", "maybe"]) == 2
+    assert Config(node_name="n1").cni_chaining_mode == "none"
+    assert Config.model_validate({"cni_chaining_mode": "portmap"}).cni_chaining_mode == "portmap"
+    assert main(["serve", "--cni-chaining-mode", "flannel"]) == 2
 
 
 @pytest.mark.parametrize(

@@ -244,6 +244,7 @@ spec:
         - --cni-conf-dir=/host/etc/cni/net.d
         - --cni-exclusive={{ $v.cni.exclusive }}
         - --cni-uninstall={{ $v.cni.uninstall }}
+        - --cni-chaining-mode={{ $v.cni.chainingMode }}
         - --prometheus-serve-addr=127.0.0.1:9962
         - --hubble-listen-address=:4244
         # Hubble's TCP server: mutual TLS with the relay, as the Deckhouse module runs it

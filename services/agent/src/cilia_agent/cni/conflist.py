@@ -1,5 +1,5 @@
 """CNI conflist writer (upstream ``write-cni-conf-when-ready``, ``cni-exclusive``,
-``cni-uninstall``).
+``cni-uninstall``, ``cni-chaining-mode``).
 
 The file is written atomically (temporary file, rename) and only once the agent is
 ready, so a runtime never picks up a network whose agent cannot serve ADD yet. It
@@ -10,6 +10,12 @@ directory is renamed to ``<name>.cilia_bak`` when the conflist is written, so th
 runtime uses only cilia (upstream renames to ``*.cilium_bak``). ``cni-uninstall``:
 on a clean shutdown the conflist is removed and every ``*.cilia_bak`` is renamed
 back (one whose original name exists again is left alone).
+
+``cni-chaining-mode``: ``portmap`` appends the standard ``portmap`` plugin with the
+``portMappings`` capability after cilia-cni (upstream's portmap conflist template), so the
+runtime passes a pod's ``hostPort`` mappings to it and it installs their DNAT; cilia-cni's
+result (its ``prevResult``) names the host-side interface portmap needs. ``none``: cilia-cni
+alone.
 """
 
 from __future__ import annotations
@@ -28,22 +34,37 @@ NETWORK_NAME = "cilia"
 PLUGIN_TYPE = "cilia-cni"
 BACKUP_SUFFIX = ".cilia_bak"
 CONFIG_SUFFIXES = (".conf", ".conflist", ".json")
+#: The plugins each ``--cni-chaining-mode`` chains after cilia-cni.
+CHAINED_PLUGINS: dict[str, list[dict[str, Any]]] = {
+    "none": [],
+    "portmap": [{"type": "portmap", "capabilities": {"portMappings": True}}],
+}
 
 
 def conflist_document(
-    socket_path: pathlib.Path, log_file: str = "", del_queue_dir: pathlib.Path | None = None
+    socket_path: pathlib.Path,
+    log_file: str = "",
+    del_queue_dir: pathlib.Path | None = None,
+    chaining_mode: str = "none",
 ) -> dict[str, Any]:
     """Return the conflist as a dict.
 
     Shape: ``{"cniVersion":"1.0.0","name":"cilia","plugins":[{"type":"cilia-cni",
-    "agent-socket":"<abs path>"[, "del-queue-dir": "<abs path>"][, "log-file": "..."]}]}``.
+    "agent-socket":"<abs path>"[, "del-queue-dir": "<abs path>"][, "log-file": "..."]}
+    (, the plugins of :data:`CHAINED_PLUGINS` [chaining_mode])]}``.
+
+    Raises:
+        ValueError: an unknown ``chaining_mode``.
     """
+    if chaining_mode not in CHAINED_PLUGINS:
+        raise ValueError(f"cni chaining mode {chaining_mode!r}: one of {sorted(CHAINED_PLUGINS)}")
     plugin: dict[str, Any] = {"type": PLUGIN_TYPE, "agent-socket": str(socket_path.absolute())}
     if del_queue_dir is not None:
         plugin["del-queue-dir"] = str(del_queue_dir.absolute())
     if log_file:
         plugin["log-file"] = log_file
-    return {"cniVersion": CNI_VERSION, "name": NETWORK_NAME, "plugins": [plugin]}
+    chained = [dict(p) for p in CHAINED_PLUGINS[chaining_mode]]
+    return {"cniVersion": CNI_VERSION, "name": NETWORK_NAME, "plugins": [plugin, *chained]}
 
 
 def write_conflist(
@@ -54,20 +75,23 @@ def write_conflist(
     del_queue_dir: pathlib.Path | None = None,
     *,
     exclusive: bool = False,
+    chaining_mode: str = "none",
 ) -> pathlib.Path:
     """Atomically write the conflist to ``conf_dir/name`` (mode 0644); returns its path.
 
     With ``exclusive`` the other configs are moved aside first (:func:`move_aside`).
 
     Raises:
+        ValueError: an unknown ``chaining_mode`` (nothing written).
         StateError: the directory or file cannot be written.
         OSError: (exclusive) another config cannot be renamed.
     """
+    document = conflist_document(socket_path, log_file, del_queue_dir, chaining_mode)
     conf_dir.mkdir(parents=True, exist_ok=True)
     if exclusive:
         move_aside(conf_dir, name)
     path = conf_dir / name
-    data = json.dumps(conflist_document(socket_path, log_file, del_queue_dir), indent=2) + "\n"
+    data = json.dumps(document, indent=2) + "\n"
     atomic_write(path, data.encode(), mode=0o644)
     return path
 

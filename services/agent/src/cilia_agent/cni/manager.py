@@ -40,6 +40,7 @@ class CNIConfig:
         replay_interval: ``--cni-del-queue-replay-interval`` (s).
         exclusive: ``--cni-exclusive``.
         uninstall: ``--cni-uninstall``.
+        chaining_mode: ``--cni-chaining-mode`` (``none`` or ``portmap``).
     """
 
     conf_dir: pathlib.Path
@@ -50,6 +51,7 @@ class CNIConfig:
     replay_interval: float
     exclusive: bool
     uninstall: bool
+    chaining_mode: str = "none"
 
 
 class CNIConfigManager:
@@ -90,6 +92,7 @@ class CNIConfigManager:
                 cfg.log_file,
                 cfg.del_queue_dir,
                 exclusive=cfg.exclusive,
+                chaining_mode=cfg.chaining_mode,
             ),
         )
         log.info("agent ready, CNI config written", extra={"path": str(path)})
@@ -141,4 +144,5 @@ def cni_config(cfg: Config) -> CNIConfig:
         replay_interval=cfg.cni_del_queue_replay_interval,
         exclusive=cfg.cni_exclusive,
         uninstall=cfg.cni_uninstall,
+        chaining_mode=cfg.cni_chaining_mode,
     )
