@@ -1,4 +1,4 @@
-# Cilia — the commands DESIGN.md §6 promises. Every target installs what it needs first.
+# Cilia — the commands the README promises. Every target installs what it needs first.
 SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox

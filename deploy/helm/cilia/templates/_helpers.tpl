@@ -57,6 +57,17 @@ valid (values.schema.json's pattern); host bits are ignored. Sprig has no CIDR f
 {{- printf "%d %d" $start (add $start $size -1) -}}
 {{- end }}
 
+{{/* "true" when an IPv4 CIDR has host bits set (10.0.0.1/8), else "": the agent and the
+operator refuse such a CIDR at start, so the chart refuses it at install. */}}
+{{- define "cilia.cidrHostBits" -}}
+{{- $parts := splitList "/" . -}}
+{{- $ip := 0 -}}
+{{- range splitList "." (first $parts) }}{{ $ip = add (mul $ip 256) (atoi .) }}{{ end -}}
+{{- if ne (int64 $ip) (int64 (first (splitList " " (include "cilia.cidrRange" .)))) -}}
+true
+{{- end -}}
+{{- end }}
+
 {{/* "true" when two IPv4 CIDRs share an address, else "". Call with (list a b). */}}
 {{- define "cilia.cidrsOverlap" -}}
 {{- $a := splitList " " (include "cilia.cidrRange" (index . 0)) -}}
