@@ -206,13 +206,24 @@ class Operator:
         self.tls_reloader: CertificateReloader | None = None
         self._health_server: Any = None
         self.health_address = ""
+        self._stopped = False
 
     async def start(self) -> None:
-        """Start everything; returns once health is SERVING.
+        """Start everything; returns once health is SERVING. A failed start stops what it had
+        started (gRPC servers, watches) before raising: a gRPC server left running would be
+        shut down by grpc-aio from the garbage collector, where that shutdown can hang the
+        process.
 
         Raises:
             StartupError: with a one-line reason.
         """
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         for net in self.config.cluster_pool_cidrs:
             for name, special in special_ranges(net):
                 # as apply refuses for pools (ipam/pool.py validate_pool), in every mode
@@ -547,7 +558,10 @@ class Operator:
             log.info("pool auto-created", extra={"pool": name})
 
     async def stop(self) -> None:
-        """Stop in reverse order; safe to call once after a (partial) start."""
+        """Stop in reverse order; safe after a (partial) start, and a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._health is not None:
             await set_serving(self._health, SERVICE_NAMES, serving=False)
         if self._server is not None:
