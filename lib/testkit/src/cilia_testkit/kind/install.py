@@ -219,7 +219,8 @@ def uninstall(
     timeout: float = READY_TIMEOUT,
 ) -> None:
     """``helm uninstall``, then wait for the post-delete ``cilia-node-cleanup`` DaemonSet to
-    have run on every node (each pod Ready = its cleanup done) and delete it.
+    have run on every node (each pod Ready = its cleanup done), delete it, and wait until no
+    pod of the release is left (they terminate with their grace periods).
 
     Raises:
         KindError: helm failed, or the cleanup did not finish in ``timeout`` seconds.
@@ -236,3 +237,9 @@ def uninstall(
             raise KindError(f"node cleanup not done on {nodes} nodes in {timeout:g} s\n{pods}")
         time.sleep(1)
     cluster.kubectl("delete", "daemonset", "-n", namespace, "cilia-node-cleanup", "--wait=true")
+    # the release's pods (agents, operators, the cleanup's) terminate with their grace period
+    while _pods(cluster, namespace, "app.kubernetes.io/part-of=cilia"):
+        if time.monotonic() > deadline:
+            pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout
+            raise KindError(f"Cilia's pods still there {timeout:g} s after uninstall\n{pods}")
+        time.sleep(1)
