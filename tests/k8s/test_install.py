@@ -52,7 +52,7 @@ from cilia_testkit.kind.install import (
     uninstall,
     wait_ready,
 )
-from cilia_testkit.kind.pods import container_pid, in_pod_netns, wait_pods_ready
+from cilia_testkit.kind.pods import container_pid, echo_pod, in_pod_netns, wait_pods_ready
 
 pytestmark = pytest.mark.privileged
 
@@ -79,21 +79,7 @@ def installed(cluster: KindCluster) -> dict[str, Any]:
 def ns(cluster: KindCluster, installed: dict[str, Any]) -> str:
     name = f"k8s-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name)
-    items: list[dict[str, Any]] = [
-        {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"echo-{i}", "namespace": name, "labels": {"app": "echo"}},
-            "spec": {
-                "nodeName": n.name,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [{
-                    "name": "echo", "image": "cilia.test/testpod:1", "args": ["serve", str(PORT)],
-                    "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 1},
-                }],
-            },
-        }
-        for i, n in enumerate(cluster.nodes)
-    ]  # fmt: skip
+    items = [echo_pod(f"echo-{i}", name, n.name, port=PORT) for i, n in enumerate(cluster.nodes)]
     items.append({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "echo", "namespace": name},
@@ -388,28 +374,18 @@ def test_helm_upgrade_to_tunnel_mode_carries_traffic_over_vxlan(
     installed["values"] = values
 
 
-def _echo_pod(ns: str, name: str, node: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": ns, "labels": {"app": "echo-extra"}},
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "echo", "image": "cilia.test/testpod:1", "args": ["serve", str(PORT)],
-                "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 1},
-            }],
-        },
-    }  # fmt: skip
-
-
 @pytest.mark.long
 def test_a_fourth_node_joins_and_serves_pods_within_60_s(
     cluster: KindCluster, ns: str, record_property: Any
 ) -> None:
     started = time.monotonic()
     node = cluster.add_node()
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(_echo_pod(ns, "joiner", node.name)))
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(echo_pod("joiner", ns, node.name, port=PORT, app="echo-extra")),
+    )
     wait_pods_ready(cluster, ns, "app=echo-extra", 1, timeout=90)
     wait_ready(cluster, timeout=90)
     took = time.monotonic() - started

@@ -27,7 +27,7 @@ import pytest
 from cilia_testkit.kind import DockerError, KindCluster
 from cilia_testkit.kind.api import parse_time
 from cilia_testkit.kind.docker import docker, inspect
-from cilia_testkit.kind.pods import in_pod_netns, pod, wait_pods_ready
+from cilia_testkit.kind.pods import echo_pod, in_pod_netns, pod, wait_pods_ready
 
 PORT = 8080
 
@@ -52,18 +52,7 @@ def ns(ref: KindCluster) -> str:
 def _server_pod(name: str, namespace: str, node: str) -> dict[str, Any]:
     """A pod of the sandbox image (testpod) pinned to ``node``, answering on PORT with
     "hello from <pod name> on <port>"."""
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": {"app": "echo"}},
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "echo", "image": "cilia.test/testpod:1", "args": ["serve", str(PORT)],
-                "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 1},
-            }],
-        },
-    }  # fmt: skip
+    return echo_pod(name, namespace, node, port=PORT)
 
 
 def _hello(cluster: KindCluster, namespace: str, client: str, ip: str) -> str:

@@ -96,3 +96,23 @@ def in_pod_netns(
     node, pid = container_pid(cluster, namespace, name)
     return cluster.exec(node, "nsenter", "-t", str(pid), "-n", "--", *argv, check=check,
                         timeout=timeout)  # fmt: skip
+
+
+def echo_pod(
+    name: str, namespace: str, node: str, *, port: int = 8080, app: str = "echo"
+) -> dict[str, Any]:
+    """A Pod of the sandbox image (``testpod serve``) pinned to ``node``, labelled
+    ``app=<app>``, answering every TCP connection on ``port`` with
+    ``hello from <pod name> on <port>``; Ready once the port accepts."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": app}},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "echo", "image": "cilia.test/testpod:1", "args": ["serve", str(port)],
+                "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1},
+            }],
+        },
+    }  # fmt: skip
