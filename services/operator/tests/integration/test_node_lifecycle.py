@@ -21,6 +21,8 @@ from stores import kube_cilia
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
 from cilia.controlplane.v1 import controlplane_pb2_grpc as pb_grpc
+from cilia_operator.ipam.nodegc import NodeGC
+from cilia_operator.store.kubernetes import KubernetesStore
 from cilia_testkit.kubeapi import KubeAPI, unique_name
 
 __all__ = ["kube_cilia"]
@@ -189,6 +191,46 @@ def test_a_ciliumnode_without_a_node_goes_only_on_the_second_gc_pass(kube_cilia:
     first, second, kept_after_first = asyncio.run(scenario())
     assert orphan not in first and kept_after_first
     assert orphan in second and _cilium_node(kube, orphan) is None
+
+
+def test_an_orphan_rewritten_between_the_read_and_the_delete_still_goes_on_the_second_pass(
+    kube_cilia: KubeAPI,
+) -> None:
+    """The IPAM controller may write an orphan's CiliumNode (its podCIDRs) between the GC's
+    read and its delete: the API server then answers 409 Conflict. The GC reads it again
+    instead of keeping it for another pass (a CI run once saw the second pass delete none)."""
+    kube = kube_cilia
+    orphan = unique_name("nl-rewritten")
+    doc = {"apiVersion": "cilium.io/v2", "kind": "CiliumNode", "metadata": {"name": orphan},
+           "spec": {"addresses": [{"type": "InternalIP", "ip": "192.0.2.41"}]}}  # fmt: skip
+    kube.kubectl("create", "-f", "-", input=json.dumps(doc))
+
+    class RewritesBeforeFirstDelete(KubernetesStore):
+        rewrites = 0
+
+        async def delete(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
+            if name == orphan and not self.rewrites:
+                self.rewrites += 1
+                record = await self.get(kind, name)
+                record["metadata"].setdefault("labels", {})["rewritten"] = "yes"
+                await self.update(record)  # the resourceVersion the GC read is now stale
+            return await super().delete(kind, name, *args, **kwargs)
+
+    async def scenario() -> tuple[list[str], list[str], int]:
+        store = RewritesBeforeFirstDelete(kubeconfig=str(kube.kubeconfig))
+        gc = NodeGC(store, interval=0)
+        gc.k8s_nodes = {}  # no Node of that name
+        first = await gc.run_once()
+        second = await gc.run_once()
+        return first, second, store.rewrites
+
+    try:
+        first, second, rewrites = asyncio.run(scenario())
+        assert rewrites == 1, "the delete was never raced"
+        assert orphan not in first
+        assert orphan in second and _cilium_node(kube, orphan) is None
+    finally:
+        kube.kubectl("delete", "ciliumnode", orphan, "--ignore-not-found")
 
 
 #: Seconds kube-controller-manager's garbage collector may take: it discovers the CRDs'

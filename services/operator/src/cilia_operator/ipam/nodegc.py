@@ -215,21 +215,35 @@ class NodeGC:
                 continue
 
     async def _delete(self, name: str, uid: str, reason: str) -> bool:
-        """Delete CiliumNode ``name`` unless a Node of another uid owns it now; True when
-        deleted (then the IPAM release and the ``on_gone`` hooks ran)."""
-        try:
-            record = await self.store.get(nodes.KIND, name)
-        except NotFound:
-            return False
-        owner = _owner_uid(record)
-        if owner and uid and owner != uid:
-            return False  # a new Node of that name adopted it meanwhile
-        if self.release is not None:  # before the delete: no grace for these blocks
-            self.release(name)
-        try:
-            await self.store.delete(nodes.KIND, name, "", resource_version(record))
-        except (NotFound, Conflict):
-            return False  # deleted meanwhile, or rewritten: the next pass looks again
+        """Delete CiliumNode ``name`` unless a Node of another uid owns it now (``uid`` empty:
+        an orphan, kept once any Node owns it or a Node of its name appears); True when
+        deleted (then the IPAM release and the ``on_gone`` hooks ran).
+
+        A Conflict (the IPAM controller rewrote the record between the read and the delete,
+        e.g. to write its ``spec.ipam.podCIDRs``) reads it again and retries, up to
+        ``conflict_retries`` times, so a record being written is not kept for another pass.
+        """
+        for _ in range(self.conflict_retries):
+            try:
+                record = await self.store.get(nodes.KIND, name)
+            except NotFound:
+                return False
+            owner = _owner_uid(record)
+            if owner and owner != uid:
+                return False  # a new Node of that name adopted it meanwhile
+            if not uid and name in self.k8s_nodes:
+                return False  # an orphan whose Node appeared meanwhile
+            if self.release is not None:  # before the delete: no grace for these blocks
+                self.release(name)
+            try:
+                await self.store.delete(nodes.KIND, name, "", resource_version(record))
+            except NotFound:
+                return False  # deleted meanwhile
+            except Conflict:
+                continue  # rewritten meanwhile: read it again
+            break
+        else:
+            return False  # rewritten every time: the next pass looks again
         log.info("CiliumNode deleted: its Node is gone", extra={"node": name, "reason": reason})
         for hook in self.on_gone:
             try:
