@@ -160,6 +160,35 @@ def test_run_watch_reconnects_and_a_delivering_stream_resets_the_backoff(
     assert not [r for r in caplog.records if r.exc_info]  # quiet: no tracebacks
 
 
+def test_run_watch_ends_on_a_fatal_error_and_closes_each_generator() -> None:
+    closed: list[int] = []
+
+    async def scenario() -> None:
+        async def stream() -> AsyncIterator[int]:
+            n = len(closed) + 1
+            try:
+                yield n
+                if n == 1:
+                    raise ConnectionError("lost")
+                raise PermissionError("refused")
+            finally:
+                closed.append(n)
+
+        async def consume(items: AsyncIterator[int]) -> bool:
+            async for _ in items:
+                pass
+            return True
+
+        await run_watch(
+            "w", stream, consume, Backoff.fixed(0.01), quiet=(ConnectionError,),
+            fatal=(PermissionError,),
+        )  # fmt: skip
+
+    with pytest.raises(PermissionError):
+        asyncio.run(scenario())
+    assert closed == [1, 2]
+
+
 def test_run_periodic_keeps_running_after_a_failing_tick(caplog: pytest.LogCaptureFixture) -> None:
     ticks: list[int] = []
 

@@ -135,6 +135,7 @@ async def run_watch(
     *,
     logger: logging.Logger | None = None,
     quiet: tuple[type[BaseException], ...] = (),
+    fatal: tuple[type[BaseException], ...] = (),
     describe: Callable[[BaseException], str] = str,
     on_lost: Callable[[str, float], Awaitable[None]] | None = None,
 ) -> None:
@@ -149,12 +150,18 @@ async def run_watch(
         logger: WARNING ``"watch lost, reconnecting"`` per loss (``watch``, ``reason``,
             ``retry_in_s``); an exception outside ``quiet`` also with its traceback.
         quiet: expected failures (e.g. ``grpc.aio.AioRpcError``: the peer went away).
+        fatal: failures that end the watch: re-raised at once, nothing retried (e.g. the
+            peer refused the request itself).
         describe: how an exception reads in ``reason``.
         on_lost: awaited after each loss with ``(reason, retry_in_s)`` before the wait
             (e.g. to mark the peer unavailable).
 
     A stream with a ``cancel()`` method (a gRPC call) is cancelled when its attempt ends, so
-    the channel is kept and the call released.
+    the channel is kept and the call released; an async generator is closed (``aclose``), so
+    its ``finally`` (closing its channel) runs then, not at garbage collection.
+
+    Raises:
+        an exception of ``fatal``; ``asyncio.CancelledError`` when cancelled.
     """
     log = logger or _log
     attempt = 0
@@ -167,14 +174,14 @@ async def run_watch(
             reason = "stream ended"
         except asyncio.CancelledError:
             raise
+        except fatal:
+            raise
         except Exception as exc:  # a watch outlives whatever its peer does
             reason = describe(exc)
             if not isinstance(exc, quiet):
                 log.exception("watch %s: failed", name)
         finally:
-            cancel = getattr(stream, "cancel", None)
-            if cancel is not None:
-                cancel()
+            await _release(stream)
         if delivered:
             attempt = 0
         delay = backoff.delay(attempt)
@@ -186,6 +193,18 @@ async def run_watch(
         if on_lost is not None:
             await on_lost(reason, delay)
         await asyncio.sleep(delay)
+
+
+async def _release(stream: object) -> None:
+    """End an attempt's stream: ``cancel()`` a gRPC call, ``aclose()`` an async generator."""
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+        return
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 async def run_periodic(
