@@ -102,7 +102,9 @@ _LAYOUT = {
         "__main__", "plugin", "agent", "delqueue", "netconf", "result", "log", "h2grpc",
         "invocation", "wire", "hpack", "errors", "jsonio",
     ],
-    "cilia_relay": ["__main__", "app", "cli/__init__", "observer", "merge", "peers", "config"],
+    "cilia_relay": [
+        "__main__", "app", "cli/__init__", "observer", "merge", "peers", "config", "h2server/__init__",
+    ],
     "cilia_hubble_ui": [
         "__main__", "app", "web", "live", "relay", "graph", "filters", "config", "metrics",
     ],

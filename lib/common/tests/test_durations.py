@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from cilia_common.durations import format_seconds, parse_duration
+from cilia_common.durations import duration_arg, format_seconds, go_duration_arg, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -63,3 +65,26 @@ def test_go_strict_grammar_refuses_a_bare_number_except_zero() -> None:
 def test_seconds_format_back_as_the_shortest_duration(seconds: float, text: str) -> None:
     assert format_seconds(seconds) == text
     assert parse_duration(text) == seconds
+
+
+def test_argparse_types_use_the_grammar_and_exit_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser(prog="cilia-x")
+    parser.add_argument("--timeout", type=duration_arg(positive=True), default=10.0)
+    parser.add_argument("--grace", type=duration_arg(bare_seconds=False))
+    parser.add_argument("--alias-grace-period", type=go_duration_arg)
+    args = parser.parse_args(["--timeout", "1m30s", "--grace", "0", "--alias-grace-period", "2h"])
+    assert (args.timeout, args.grace, args.alias_grace_period) == (90.0, 0.0, "2h")
+    assert parser.parse_args(["--timeout", "2.5"]).timeout == 2.5
+    for argv, reason in [
+        (["--timeout", "0s"], "must be a duration > 0"),
+        (["--timeout", "1d"], "is not a duration"),
+        (["--grace", "10"], "is not a duration"),  # Go's grammar: a unit is needed
+        (["--alias-grace-period=-1h"], "is negative"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {argv[0].split('=')[0]}" in err and reason in err, err

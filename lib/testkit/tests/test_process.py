@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from cilia_testkit.host import wait_for
-from cilia_testkit.stack import SLOT_DIR, Process, StackError, _kill_orphans, _slot
+from cilia_testkit.stack import SLOT_DIR, Process, StackError
+from cilia_testkit.stackslots import _kill_orphans, _slot
 
 
 def test_process_logs_a_header_then_output_and_stop_terminates(tmp_path: pathlib.Path) -> None:

@@ -11,10 +11,12 @@ Source: Go ``time.ParseDuration`` (sign, ``[0-9]*(\\.[0-9]*)?`` + unit, repeated
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+from collections.abc import Callable
 
-__all__ = ["format_seconds", "parse_duration"]
+__all__ = ["duration_arg", "format_seconds", "go_duration_arg", "parse_duration"]
 
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_SECONDS = {
@@ -68,6 +70,48 @@ def parse_duration(text: str, *, flag: str = "", bare_seconds: bool = True) -> f
         example = "e.g. 15m, 30s, 500ms, 1h30m" + (" or seconds" if bare_seconds else "")
         raise ValueError(f"{prefix}{text!r} is not a duration ({example})")
     return seconds
+
+
+def duration_arg(*, bare_seconds: bool = True, positive: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=`` for a duration flag of a hand-written parser (flags generated
+    from a config model get the same through :mod:`cilia_common.flags`): the value as seconds
+    by :func:`parse_duration`.
+
+    Args:
+        bare_seconds: accept a plain number as seconds (``"10"``, ``"0.5"``).
+        positive: refuse 0 as well (a timeout that must be able to pass).
+
+    Returns:
+        the converter; it raises ``argparse.ArgumentTypeError`` with the grammar's message
+        (argparse prints it after the flag's name and exits 2).
+    """
+
+    def convert(text: str) -> float:
+        try:
+            seconds = parse_duration(text, bare_seconds=bare_seconds)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if positive and seconds <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a duration > 0")
+        return seconds
+
+    convert.__name__ = "duration"  # argparse names the type in "invalid duration value"
+    return convert
+
+
+def go_duration_arg(text: str) -> str:
+    """An argparse ``type=`` for a value passed on as a Go duration string (an annotation,
+    another program's flag): checked with Go's grammar exactly (:func:`parse_duration` with
+    ``bare_seconds=False``) and returned as given.
+
+    Raises:
+        argparse.ArgumentTypeError: not a Go duration.
+    """
+    try:
+        parse_duration(text, bare_seconds=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def format_seconds(seconds: float) -> str:

@@ -3,8 +3,8 @@
 A service's long-running loops (watch streams, reconcilers, replays) are spawned through one
 :class:`Supervisor`. When a loop raises, the failure is logged once for that attempt and the
 loop is started again after a delay that doubles from ``min_backoff`` up to ``max_backoff``
-(capped exponential backoff, as upstream's controller manager ``pkg/controller`` retries a
-failing controller). An attempt that ran for at least ``max_backoff`` seconds counts as
+(:class:`cilia_common.backoff.Backoff`: capped exponential backoff, as upstream's controller
+manager ``pkg/controller`` retries a failing controller; ``jitter`` spreads the restarts). An attempt that ran for at least ``max_backoff`` seconds counts as
 healthy: the next failure starts from ``min_backoff`` again. A loop that returns normally is
 finished and not restarted. :meth:`Supervisor.stop` cancels every loop (again, while one runs on) and waits
 for them.
@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .backoff import Backoff
 
 __all__ = ["Supervisor", "TaskState", "cancel_all"]
 
@@ -74,6 +76,7 @@ class Supervisor:
         *,
         min_backoff: float = 1.0,
         max_backoff: float = 30.0,
+        jitter: float = 0.0,
     ) -> TaskState:
         """Start ``factory()`` as the task ``name``; restart it when it raises.
 
@@ -82,6 +85,7 @@ class Supervisor:
             factory: returns a NEW coroutine for each attempt.
             min_backoff: seconds before the first restart, > 0.
             max_backoff: cap of the doubling delay, >= ``min_backoff``.
+            jitter: fraction of each delay drawn at random (:class:`Backoff`), in [0, 1).
 
         Returns:
             the task's live :class:`TaskState`.
@@ -98,17 +102,19 @@ class Supervisor:
                 f"task {name!r}: need 0 < min_backoff <= max_backoff, got "
                 f"{min_backoff} and {max_backoff}"
             )
+        try:
+            backoff = Backoff(min_backoff, max_backoff, jitter)
+        except ValueError as exc:
+            raise ValueError(f"task {name!r}: {exc}") from None
         state = TaskState(name=name, next_delay=min_backoff)
         self._tasks[name] = state
         state.task = asyncio.get_running_loop().create_task(
-            self._run(state, factory, min_backoff, max_backoff), name=name
+            self._run(state, factory, backoff), name=name
         )
         return state
 
-    async def _run(
-        self, state: TaskState, factory: Factory, min_backoff: float, max_backoff: float
-    ) -> None:
-        delay = min_backoff
+    async def _run(self, state: TaskState, factory: Factory, backoff: Backoff) -> None:
+        failures_in_a_row = 0
         while True:
             state.attempts += 1
             started = self._clock()
@@ -117,8 +123,10 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if self._clock() - started >= max_backoff:
-                    delay = min_backoff  # it ran healthy for a while: start over
+                if self._clock() - started >= backoff.maximum:
+                    failures_in_a_row = 0  # it ran healthy for a while: start over
+                delay = backoff.delay(failures_in_a_row)
+                failures_in_a_row += 1
                 state.failures += 1
                 state.last_error = repr(exc)
                 state.next_delay = delay
@@ -132,7 +140,6 @@ class Supervisor:
                     },
                 )
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, max_backoff)
             else:
                 state.finished = True
                 self._log.debug("task finished", extra={"task": state.name})

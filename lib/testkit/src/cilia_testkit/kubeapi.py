@@ -41,8 +41,6 @@ named after the test, e.g. :func:`unique_name`) and deletes only objects of kind
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import pathlib
@@ -60,6 +58,8 @@ import uuid
 from typing import Any, BinaryIO
 
 from cilia_testkit import ROOT
+from cilia_testkit.pki import CERT_DAYS as CERT_DAYS  # re-exported: its old home
+from cilia_testkit.pki import ClusterCerts
 from cilia_testkit.procs import stop as stop_process
 
 #: Overrides the directory of the built binaries (etcd, kube-apiserver, ...).
@@ -76,8 +76,6 @@ START_ATTEMPTS = 3
 SERVICE_CIDR = "10.96.0.0/16"
 #: The pod CIDR kube-controller-manager hands node podCIDRs from (data only).
 CLUSTER_CIDR = "10.244.0.0/16"
-#: Days the generated certificates are valid.
-CERT_DAYS = 7
 
 _ADDRESS_IN_USE = re.compile(r"address already in use|bind: address", re.IGNORECASE)
 
@@ -154,129 +152,6 @@ def _tail(path: pathlib.Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return f"(no log at {path})"
-
-
-class ClusterCerts:
-    """The PKI of one server: a CA, the serving certificate (127.0.0.1, localhost,
-    kubernetes.default.svc, plus ``extra_ips`` and ``extra_dns``), the admin client
-    certificate (O=system:masters) and the service-account signing key; ECDSA P-256 keys,
-    PEM files in ``directory`` (ca.crt/ca.key, apiserver.crt/.key, admin.crt/.key,
-    sa.key/sa.pub). Also used by :mod:`cilia_testkit.kind` (the API server's node address
-    and the ``kubernetes`` Service ClusterIP as extra SANs)."""
-
-    def __init__(
-        self,
-        directory: pathlib.Path,
-        extra_ips: tuple[str, ...] = (),
-        extra_dns: tuple[str, ...] = (),
-    ) -> None:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-        directory.mkdir(parents=True, exist_ok=True)
-        now = datetime.datetime.now(datetime.UTC)
-        until = now + datetime.timedelta(days=CERT_DAYS)
-
-        def key() -> ec.EllipticCurvePrivateKey:
-            return ec.generate_private_key(ec.SECP256R1())
-
-        def write_key(k: ec.EllipticCurvePrivateKey, name: str) -> pathlib.Path:
-            path = directory / name
-            path.write_bytes(
-                k.private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-            )
-            path.chmod(0o600)
-            return path
-
-        def write_cert(c: x509.Certificate, name: str) -> pathlib.Path:
-            path = directory / name
-            path.write_bytes(c.public_bytes(serialization.Encoding.PEM))
-            return path
-
-        ca_key = key()
-        ca_usage = dict.fromkeys(
-            ("content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
-             "encipher_only", "decipher_only"),
-            False,
-        )  # fmt: skip
-        ca_usage.update(digital_signature=True, key_cert_sign=True, crl_sign=True)
-        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cilia-test-ca")])
-        ca = (
-            x509.CertificateBuilder()
-            .subject_name(ca_name)
-            .issuer_name(ca_name)
-            .public_key(ca_key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(until)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(**ca_usage), critical=True)
-            .sign(ca_key, hashes.SHA256())
-        )
-
-        def leaf(
-            subject: x509.Name, usage: x509.ObjectIdentifier, san: list[x509.GeneralName] | None
-        ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-            k = key()
-            b = (
-                x509.CertificateBuilder()
-                .subject_name(subject)
-                .issuer_name(ca_name)
-                .public_key(k.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(until)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            )
-            if san:
-                b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-            return b.sign(ca_key, hashes.SHA256()), k
-
-        serving, serving_key = leaf(
-            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
-            ExtendedKeyUsageOID.SERVER_AUTH,
-            [
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                x509.DNSName("localhost"),
-                x509.DNSName("kubernetes"),
-                x509.DNSName("kubernetes.default"),
-                x509.DNSName("kubernetes.default.svc"),
-                x509.DNSName("kubernetes.default.svc.cluster.local"),
-                *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
-                *(x509.DNSName(name) for name in extra_dns),
-            ],
-        )
-        admin, admin_key = leaf(
-            x509.Name(
-                [
-                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
-                    x509.NameAttribute(NameOID.COMMON_NAME, "cilia-test-admin"),
-                ]
-            ),
-            ExtendedKeyUsageOID.CLIENT_AUTH,
-            None,
-        )
-        self.ca_file = write_cert(ca, "ca.crt")
-        self.ca_key_file = write_key(ca_key, "ca.key")
-        self.serving_cert = write_cert(serving, "apiserver.crt")
-        self.serving_key = write_key(serving_key, "apiserver.key")
-        self.admin_cert = write_cert(admin, "admin.crt")
-        self.admin_key = write_key(admin_key, "admin.key")
-        sa = key()
-        self.sa_key = write_key(sa, "sa.key")
-        self.sa_pub = directory / "sa.pub"
-        self.sa_pub.write_bytes(
-            sa.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
 
 
 class KubeAPI:

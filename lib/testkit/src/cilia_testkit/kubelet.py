@@ -50,7 +50,6 @@ removes it when it exits; the directory itself is the system containerd's and is
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import pathlib
@@ -63,13 +62,22 @@ import time
 from typing import Any
 
 from cilia_testkit import VENV_BIN
-from cilia_testkit.kubeapi import CERT_DAYS, KubeAPI, binary_missing, spawn_logged
+from cilia_testkit.kubeapi import KubeAPI, binary_missing, spawn_logged
+from cilia_testkit.kubelethost import (
+    CGROUP_PARENT,
+    CGROUP_ROOT,
+    KERNEL_TUNABLES,
+    LOOPBACK_PLUGINS,
+    kill_shims,
+    loopback_plugin,
+    missing,
+    remove_cgroups,
+    unmount_under,
+)
 from cilia_testkit.ociimage import IMAGE, write_oci_image
+from cilia_testkit.pki import issue_client_cert, kubeconfig_json
 from cilia_testkit.procs import stop as stop_process
 
-#: The cgroup v1 mount root and containerd's default cgroup parent for CRI containers.
-CGROUP_ROOT = "/sys/fs/cgroup"
-CGROUP_PARENT = "k8s.io"
 #: The taint the node registers with (NoSchedule): see :meth:`KubeletNode._start_kubelet`.
 TAINT = "cilia.test/kubelet"
 #: Seconds containerd may take to answer on its socket.
@@ -82,50 +90,10 @@ POD_RUNNING_SECONDS = 90.0
 POD_GONE_SECONDS = 60.0
 #: Seconds a component gets after SIGTERM before SIGKILL.
 STOP_SECONDS = 15.0
-#: The ``/proc/sys`` files the kubelet writes at start (upstream
-#: ``pkg/kubelet/cm/container_manager_linux.go`` ``setupKernelTunables``), given it copies.
-KERNEL_TUNABLES = (
-    "vm/overcommit_memory",
-    "vm/panic_on_oom",
-    "kernel/panic",
-    "kernel/panic_on_oops",
-    "kernel/keys/root_maxkeys",
-    "kernel/keys/root_maxbytes",
-)
 
 
 class KubeletError(RuntimeError):
     """containerd or the kubelet failed to start, or a pod did not run (with log tails)."""
-
-
-def missing() -> str | None:
-    """Why a node cannot run here (a skip reason), or None: a missing binary (kubelet,
-    testpod, containerd, containerd-shim-runc-v2, runc, ctr, unshare, the loopback CNI
-    plugin) or not root."""
-    for name in ("kubelet", "testpod"):
-        reason = binary_missing(name)
-        if reason:
-            return reason
-    for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "unshare", "mount"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (scripts/setup.sh installs containerd and runc)"
-    if not any(p.exists() for p in LOOPBACK_PLUGINS):
-        return "no loopback CNI plugin (Debian containernetworking-plugins; scripts/setup.sh)"
-    if os.geteuid() != 0:
-        return "a kubelet and containerd need root"
-    return None
-
-
-#: Where the ``loopback`` CNI plugin is looked for (containerd's CRI always runs it on the
-#: pod's ``lo``): Debian's containernetworking-plugins, then the usual /opt/cni/bin.
-LOOPBACK_PLUGINS = (pathlib.Path("/usr/lib/cni/loopback"), pathlib.Path("/opt/cni/bin/loopback"))
-
-
-def _loopback() -> pathlib.Path:
-    for path in LOOPBACK_PLUGINS:
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"no loopback CNI plugin in {[str(p) for p in LOOPBACK_PLUGINS]}")
 
 
 def _tail(path: pathlib.Path, lines: int = 30) -> str:
@@ -241,7 +209,7 @@ class KubeletNode:
     def _start_containerd(self) -> None:
         cni_bin = self.workdir / "cni-bin"
         cni_bin.mkdir(parents=True, exist_ok=True)
-        for name, target in (("cilia-cni", self.cni_plugin), ("loopback", _loopback())):
+        for name, target in (("cilia-cni", self.cni_plugin), ("loopback", loopback_plugin())):
             link = cni_bin / name
             if not link.is_symlink():
                 link.symlink_to(target)
@@ -310,76 +278,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     def _node_credentials(self) -> None:
         """A client certificate for ``system:node:<name>`` (group ``system:nodes``) signed by
         the test CA, its kubeconfig, and a ClusterRoleBinding to ClusterRole ``system:node``."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-        ca_cert = x509.load_pem_x509_certificate(self.kube.ca_file.read_bytes())
-        # the KubeAPI writes its CA key beside the CA certificate (pki/ca.key)
-        ca_key: Any = serialization.load_pem_private_key(
-            (self.kube.ca_file.parent / "ca.key").read_bytes(), password=None
-        )
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
         user = f"system:node:{self.node_name}"
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(
-                x509.Name(
-                    [
-                        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
-                        x509.NameAttribute(NameOID.COMMON_NAME, user),
-                    ]
-                )
-            )
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256())
+        cert_file, key_file = issue_client_cert(
+            self.kube.ca_file,
+            self.kube.ca_file.parent / "ca.key",  # the KubeAPI writes its CA key beside it
+            user,
+            "system:nodes",
+            self.workdir / "kubelet.crt",
+            self.workdir / "kubelet.key",
         )
-        cert_file, key_file = self.workdir / "kubelet.crt", self.workdir / "kubelet.key"
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_file.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        key_file.chmod(0o600)
         self.kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "test",
-                            "cluster": {
-                                "server": self.kube.server,
-                                "certificate-authority": str(self.kube.ca_file),
-                            },
-                        }
-                    ],
-                    "users": [
-                        {
-                            "name": user,
-                            "user": {
-                                "client-certificate": str(cert_file),
-                                "client-key": str(key_file),
-                            },
-                        }
-                    ],
-                    "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
-                    "current-context": "test",
-                }
+            kubeconfig_json(
+                self.kube.server, self.kube.ca_file, cert_file, key_file, user,
+                cluster="test", embed=False,
             )
-        )
+        )  # fmt: skip
         binding = {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",
@@ -656,9 +569,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             proc = self._procs.pop(name, None)
             if proc is not None:
                 stop_process(proc, sig=signal.SIGTERM, timeout=STOP_SECONDS, group=True)
-        self._kill_shims()
-        self._unmount()
-        self._remove_cgroups()
+        kill_shims(self.socket)
+        unmount_under(self.workdir)
+        remove_cgroups()
         for path in sorted(self._netns):
             if os.path.exists(path):
                 subprocess.run(["umount", path], capture_output=True, check=False)
@@ -675,51 +588,25 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def _kill_shims(self) -> None:
-        """SIGKILL every containerd-shim of this containerd (``-address <our socket>``) and
-        the processes of its containers (the shim's session)."""
-        needle = str(self.socket).encode()
-        for pid_dir in pathlib.Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
-            try:
-                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and needle in argv:
-                pid = int(pid_dir.name)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(os.getpgid(pid), signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-    def _remove_cgroups(self) -> None:
-        """Remove containerd's default cgroup parent (``/k8s.io``, cgroupfs: the pods'
-        containers go under it when the kubelet makes no QoS cgroups) in every v1 hierarchy
-        where it is left empty; a non-empty one (another runtime's pods) refuses rmdir."""
-        for path in pathlib.Path(CGROUP_ROOT).glob(f"*/{CGROUP_PARENT}"):
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-    def _unmount(self) -> None:
-        """Unmount everything mounted under the work dir (deepest first, lazily if busy)."""
-        prefix = str(self.workdir) + "/"
-        for _ in range(3):
-            points = []
-            with open("/proc/self/mountinfo") as f:
-                for line in f:
-                    point = line.split()[4].replace("\\040", " ")
-                    if point.startswith(prefix) or point == str(self.workdir):
-                        points.append(point)
-            if not points:
-                return
-            for point in sorted(points, key=len, reverse=True):
-                got = subprocess.run(["umount", point], capture_output=True, check=False)
-                if got.returncode != 0:
-                    subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-
     def __enter__(self) -> KubeletNode:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+__all__ = [
+    "CGROUP_PARENT",
+    "CGROUP_ROOT",
+    "CONTAINERD_START_SECONDS",
+    "KERNEL_TUNABLES",
+    "LOOPBACK_PLUGINS",
+    "NODE_READY_SECONDS",
+    "POD_GONE_SECONDS",
+    "POD_RUNNING_SECONDS",
+    "STOP_SECONDS",
+    "TAINT",
+    "KubeletError",
+    "KubeletNode",
+    "missing",
+]

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cilia_common.backoff import Backoff
+from cilia_common.retry import run_watch
 from cilia_hubble_ui.filters import PageFilter
 from cilia_hubble_ui.graph import FlowGraph, summarize
 from cilia_hubble_ui.metrics import Metrics
@@ -75,6 +77,7 @@ class LiveView:
         self.error: RelayRefused | None = None
         self._dirty = True
         self._status_changed = True
+        self._attempts = 0
 
     def _set_status(self, state: str, message: str = "") -> None:
         status = {"state": state, "relay": self.client.address}
@@ -85,39 +88,54 @@ class LiveView:
             self._status_changed = True
 
     async def _pump(self) -> None:
-        while True:
-            try:
-                self._set_status("connecting")
-                async for response in self.client.flows(
-                    self.filter.whitelist, number=self.options.flows_buffer, follow=True
-                ):
-                    self._set_status("live")
-                    kind = response.WhichOneof("response_types")
-                    if kind == "flow":
-                        self.graph.add(summarize(response.flow))
-                        self.metrics.flows_received.inc()
-                        self._dirty = True
-                    elif kind == "lost_events":
-                        self.lost += int(response.lost_events.num_events_lost)
-                        self._dirty = True
-                raise RelayUnavailable(
-                    self.client.address, "CANCELLED", "the relay ended the stream"
-                )
-            except RelayRefused as exc:
-                self.metrics.relay_errors.labels(exc.code).inc()
-                self.error = exc
-                self._set_status("error", str(exc))
-                return
-            except RelayUnavailable as exc:
-                self.metrics.relay_errors.labels(exc.code).inc()
-                self._set_status(
-                    "unavailable", f"{exc}; retrying in {self.options.retry_timeout:g}s"
-                )
-                log.info("relay stream lost", extra={"error": str(exc)})
-            await asyncio.sleep(self.options.retry_timeout)
+        """Follow the relay's flows (:func:`cilia_common.retry.run_watch`): a lost stream is
+        reopened after ``retry_timeout`` with a fresh graph; a refused request ends it."""
+        try:
+            await run_watch(
+                "relay-flows",
+                self._open,
+                self._consume,
+                Backoff.fixed(self.options.retry_timeout),
+                logger=log,
+                quiet=(RelayUnavailable,),
+                fatal=(RelayRefused,),
+            )
+        except RelayRefused as exc:
+            self.metrics.relay_errors.labels(exc.code).inc()
+            self.error = exc
+            self._set_status("error", str(exc))
+
+    def _open(self) -> AsyncIterator[Any]:
+        """One GetFlows attempt; after a loss, on a fresh graph (the relay re-sends the
+        buffer, so nothing is counted twice)."""
+        if self._attempts:
             self.graph = FlowGraph(self.options.flows_buffer)
             self.lost = 0
             self._dirty = True
+        self._attempts += 1
+        self._set_status("connecting")
+        return self.client.flows(
+            self.filter.whitelist, number=self.options.flows_buffer, follow=True
+        )
+
+    async def _consume(self, responses: AsyncIterable[Any]) -> bool:
+        """Feed the graph until the stream ends or fails (both: RelayUnavailable)."""
+        try:
+            async for response in responses:
+                self._set_status("live")
+                kind = response.WhichOneof("response_types")
+                if kind == "flow":
+                    self.graph.add(summarize(response.flow))
+                    self.metrics.flows_received.inc()
+                    self._dirty = True
+                elif kind == "lost_events":
+                    self.lost += int(response.lost_events.num_events_lost)
+                    self._dirty = True
+            raise RelayUnavailable(self.client.address, "CANCELLED", "the relay ended the stream")
+        except RelayUnavailable as exc:
+            self.metrics.relay_errors.labels(exc.code).inc()
+            self._set_status("unavailable", f"{exc}; retrying in {self.options.retry_timeout:g}s")
+            raise
 
     def snapshot(self) -> dict[str, Any]:
         """The ``graph`` event's data: the graph's snapshot plus ``lost`` and ``filters``."""

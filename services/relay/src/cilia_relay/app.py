@@ -3,7 +3,7 @@
 Start order: the Observer server on ``--listen-address`` and the health server on
 ``--health-listen-address`` (both report NOT_SERVING), metrics, then the peer manager.
 
-The Observer listener is :class:`cilia_common.h2grpc.GrpcH2Server`: ``GetFlows`` is served
+The Observer listener is :class:`cilia_common.h2server.GrpcH2Server`: ``GetFlows`` is served
 there directly (many flows per HTTP/2 DATA frame: a few µs of CPU per flow instead of
 grpcio's 70-110 µs per message), every other method (ServerStatus, GetNodes, GetNamespaces,
 GetAgentEvents, GetDebugEvents, health, reflection) is forwarded to a grpcio server on a
@@ -32,7 +32,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cilia.hubble.observer import observer_pb2
-from cilia_common import grpcserver, h2grpc
+from cilia_common import grpcserver
 from cilia_common.metrics import MetricsServer, start_metrics_server
 from cilia_common.runtime import announce_listening, run_until_signal
 from cilia_relay import __version__
@@ -44,6 +44,8 @@ from cilia_relay.observer import (
     serialize_response,
 )
 from cilia_relay.peers import PeerManager
+
+from . import h2server
 
 log = logging.getLogger("cilia_relay")
 
@@ -117,7 +119,7 @@ class Relay:
         )
         self._servers: list[tuple[grpc.aio.Server, Any]] = []
         self._metrics_server: MetricsServer | None = None
-        self._front: h2grpc.GrpcH2Server | None = None
+        self._front: h2server.GrpcH2Server | None = None
         self._private_dir: str | None = None
         self.addresses: dict[str, str] = {}
 
@@ -126,7 +128,7 @@ class Relay:
             await grpcserver.set_serving(health, HEALTH_NAMES, serving=connected)
         log.info("health", extra={"serving": connected})
 
-    def _server_tls(self) -> h2grpc.ReloadingSSLContext | None:
+    def _server_tls(self) -> h2server.ReloadingSSLContext | None:
         """The observer API's TLS (``--tls-relay-server-*``; mutual with client CAs), or
         None (plaintext, with a warning unless ``--disable-server-tls``).
 
@@ -141,7 +143,7 @@ class Relay:
                     "--tls-relay-server-key-file (or --disable-server-tls to mean it)"
                 )
             return None
-        context = h2grpc.server_ssl_context(tls)
+        context = h2server.server_ssl_context(tls)
         log.info("observer API uses TLS", extra={"mutual": bool(tls.client_ca_files)})
         return context
 
@@ -158,7 +160,7 @@ class Relay:
         service = grpcserver.Service(add_relay_observer_to_server, self.observer, OBSERVER_SERVICE)
         server, health, _ = await grpcserver.start_server_with_ports([service], [backend])
         self._servers.append((server, health))
-        front = h2grpc.GrpcH2Server(
+        front = h2server.GrpcH2Server(
             forward_to=backend,
             ssl_context=None if tls is None else tls.context,
             max_concurrent_streams=self.config.observer_max_concurrent_streams,

@@ -15,11 +15,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cilia_common import durations, h2grpc
+from cilia_common import durations
 from cilia_common.addresses import Address, TCPAddress, dial_target
 from cilia_common.addresses import grpc_listen_target as grpc_address
 from cilia_common.flags import Flag, GoDuration, require_all_or_none, split_list
 from cilia_common.tls import ClientTLS, ServerTLS
+
+from . import h2server
 
 
 def parse_duration(text: str) -> float:
@@ -102,14 +104,14 @@ class Config(BaseModel):
         "GetFlows); 0 = one GetFlows message per flow, as upstream",
     )
     observer_max_concurrent_streams: int = Field(
-        default=h2grpc.DEFAULT_MAX_CONCURRENT_STREAMS,
+        default=h2server.DEFAULT_MAX_CONCURRENT_STREAMS,
         ge=1,
         le=100_000,
         description="calls one client connection to the observer API may have open at once "
         "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)",
     )
     observer_send_buffer_bytes: int = Field(
-        default=h2grpc.DEFAULT_SEND_BUFFER_BYTES,
+        default=h2server.DEFAULT_SEND_BUFFER_BYTES,
         ge=1024,
         le=64 * 1024 * 1024,
         description="encoded flows one GetFlows call holds for a slow client before the relay "

@@ -19,13 +19,15 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from cilia.hubble.observer import observer_pb2, observer_pb2_grpc
 from cilia.hubble.peer import peer_pb2, peer_pb2_grpc
+from cilia_common.backoff import Backoff
+from cilia_common.retry import run_periodic, run_watch
 from cilia_common.tls import ClientTLS, TLSFileError, channel_credentials, channel_options
 from cilia_relay.config import dial_target
 
@@ -180,38 +182,53 @@ class PeerManager:
             await self._on_peer_service(connected)
 
     async def _watch_notifications(self) -> None:
-        target = dial_target(self.peer_service)
-        while True:
-            channel = grpc.aio.insecure_channel(target)
-            try:
-                await asyncio.wait_for(channel.channel_ready(), self.dial_timeout)
-                stub = peer_pb2_grpc.PeerStub(channel)  # type: ignore[no-untyped-call]
-                call = stub.Notify(peer_pb2.NotifyRequest())
-                await self._wait_established(call)
-                log.info("peer service connected", extra={"peer_service": self.peer_service})
-                await self._set_peer_service(True)
-                async for change in call:
-                    await self._apply(change)
-                log.warning("peer service stream ended", extra={"peer_service": self.peer_service})
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "peer service unavailable",
-                    extra={
-                        "peer_service": self.peer_service,
-                        "code": exc.code().name,
-                        "details": exc.details(),
-                        "retry_in_seconds": self.retry_timeout,
-                    },
-                )
-            except TimeoutError:
-                log.warning(
-                    "peer service connect timed out",
-                    extra={"peer_service": self.peer_service, "timeout": self.dial_timeout},
-                )
-            finally:
-                await channel.close()
+        """Hold the Notify stream to ``--peer-service`` (:func:`cilia_common.retry.run_watch`):
+        re-opened ``--retry-timeout`` after each loss; known peers are kept meanwhile."""
+
+        async def lost(reason: str, retry_in_s: float) -> None:
             await self._set_peer_service(False)
-            await asyncio.sleep(self.retry_timeout)
+
+        await run_watch(
+            "peer-service",
+            self._notifications,
+            self._consume_notifications,
+            Backoff.fixed(self.retry_timeout),
+            logger=log,
+            quiet=(grpc.aio.AioRpcError, TimeoutError),
+            describe=self._describe_loss,
+            on_lost=lost,
+        )
+
+    async def _notifications(self) -> AsyncIterator[peer_pb2.ChangeNotification]:
+        """One attempt: dial (``--dial-timeout``), open Notify, wait until it is up, yield its
+        changes; the channel is closed when the attempt ends."""
+        channel = grpc.aio.insecure_channel(dial_target(self.peer_service))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.dial_timeout)
+            stub = peer_pb2_grpc.PeerStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.Notify(peer_pb2.NotifyRequest())
+            await self._wait_established(call)
+            log.info("peer service connected", extra={"peer_service": self.peer_service})
+            await self._set_peer_service(True)
+            async for change in call:
+                yield change
+        finally:
+            await channel.close()
+
+    async def _consume_notifications(
+        self, changes: AsyncIterable[peer_pb2.ChangeNotification]
+    ) -> bool:
+        """Apply every change; True once the stream was up (the backoff then starts over)."""
+        async for change in changes:
+            await self._apply(change)
+        return self.peer_service_connected
+
+    def _describe_loss(self, exc: BaseException) -> str:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return f"{self.peer_service}: {exc.code().name}: {exc.details()}"
+        if isinstance(exc, TimeoutError):
+            return f"{self.peer_service}: connect timed out after {self.dial_timeout:g}s"
+        return f"{self.peer_service}: {exc}"
 
     async def _wait_established(self, call: grpc.aio.UnaryStreamCall) -> None:
         """Return once the Notify stream is up: its headers arrived, or it is still open
@@ -346,21 +363,27 @@ class PeerManager:
         return ""
 
     async def _check_connections(self) -> None:
-        interval = min(self.retry_timeout, 1.0)
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            for peer in list(self._peers.values()):
-                if peer.dial_task is not None:
-                    continue
-                state = peer.state()
-                if state == grpc.ChannelConnectivity.IDLE and peer.channel is not None:
-                    # A dropped connection leaves the channel IDLE; probing it keeps the
-                    # state honest so GetFlows skips dead agents.
-                    peer.channel.get_state(try_to_connect=True)
-                    continue
-                if state is not None and state not in UNAVAILABLE_STATES:
-                    continue
-                if now - peer.last_dial >= self.retry_timeout:
-                    log.info("re-dialling peer", extra={"peer": peer.name})
-                    self._start_dial(peer)
+        """Every ``min(--retry-timeout, 1 s)``: :meth:`_check_once`
+        (:func:`cilia_common.retry.run_periodic`: a failing check is logged, the next runs)."""
+        await run_periodic(
+            "relay-peer-check", min(self.retry_timeout, 1.0), self._check_once, logger=log
+        )
+
+    async def _check_once(self) -> None:
+        """Probe IDLE channels and re-dial peers that are unavailable, at most once per
+        ``--retry-timeout`` each."""
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            if peer.dial_task is not None:
+                continue
+            state = peer.state()
+            if state == grpc.ChannelConnectivity.IDLE and peer.channel is not None:
+                # A dropped connection leaves the channel IDLE; probing it keeps the
+                # state honest so GetFlows skips dead agents.
+                peer.channel.get_state(try_to_connect=True)
+                continue
+            if state is not None and state not in UNAVAILABLE_STATES:
+                continue
+            if now - peer.last_dial >= self.retry_timeout:
+                log.info("re-dialling peer", extra={"peer": peer.name})
+                self._start_dial(peer)

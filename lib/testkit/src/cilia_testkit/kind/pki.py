@@ -2,7 +2,7 @@
 directory so that nodes added later get certificates of the same CA):
 
 - the CA, the API server's serving certificate and the service-account key pair:
-  :class:`cilia_testkit.kubeapi.ClusterCerts` with the first node's address and the
+  :class:`cilia_testkit.pki.ClusterCerts` with the first node's address and the
   ``kubernetes`` Service ClusterIP as extra SANs;
 - the admin client certificate (``O=system:masters``) — host kubeconfig, kube-controller-manager,
   kube-scheduler, and the API server's client certificate towards the kubelets;
@@ -15,13 +15,9 @@ a node container.
 
 from __future__ import annotations
 
-import base64
-import datetime
-import json
 import pathlib
-from typing import Any
 
-from cilia_testkit.kubeapi import CERT_DAYS, ClusterCerts
+from cilia_testkit.pki import ClusterCerts, issue_client_cert, kubeconfig_json
 
 
 class ClusterPKI:
@@ -58,42 +54,12 @@ class ClusterPKI:
         """A client certificate (ECDSA P-256, valid ``CERT_DAYS`` days) for ``common_name`` in
         group ``organization``, signed by the CA, written as ``<stem>.crt``/``<stem>.key``
         (reused when present); returns (cert, key) paths."""
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
         cert_file, key_file = self.directory / f"{stem}.crt", self.directory / f"{stem}.key"
         if cert_file.exists() and key_file.exists():
             return cert_file, key_file
-        ca_cert = x509.load_pem_x509_certificate(self.ca_file.read_bytes())
-        ca_key: Any = serialization.load_pem_private_key(self.ca_key_file.read_bytes(), None)
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([
-                x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization),
-                x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-            ]))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )  # fmt: skip
-        key_file.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )  # fmt: skip
-        key_file.chmod(0o600)
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return cert_file, key_file
+        return issue_client_cert(
+            self.ca_file, self.ca_key_file, common_name, organization, cert_file, key_file
+        )
 
     def node_cert(self, node: str) -> tuple[pathlib.Path, pathlib.Path]:
         """The kubelet client certificate of ``node`` (``system:node:<node>``, ``system:nodes``)."""
@@ -102,21 +68,7 @@ class ClusterPKI:
     def kubeconfig(self, server: str, cert: pathlib.Path, key: pathlib.Path, user: str) -> str:
         """A kubeconfig (JSON, which every YAML reader takes) for ``server``
         (``https://host:port``) with the CA and the client certificate embedded."""
-
-        def b64(path: pathlib.Path) -> str:
-            return base64.b64encode(path.read_bytes()).decode()
-
-        config: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "kind", "cluster": {
-                "server": server, "certificate-authority-data": b64(self.ca_file)}}],
-            "users": [{"name": user, "user": {
-                "client-certificate-data": b64(cert), "client-key-data": b64(key)}}],
-            "contexts": [{"name": "kind", "context": {"cluster": "kind", "user": user}}],
-            "current-context": "kind",
-        }  # fmt: skip
-        return json.dumps(config, indent=2)
+        return kubeconfig_json(server, self.ca_file, cert, key, user, cluster="kind", embed=True)
 
     def admin_kubeconfig(self, server: str) -> str:
         """The admin (``system:masters``) kubeconfig for ``server``."""

@@ -1,4 +1,4 @@
-"""cilia_common.h2grpc against grpcio clients (and a raw h2 client for flow control): the fast
+"""cilia_relay.h2server against grpcio clients (and a raw h2 client for flow control): the fast
 path's messages, status, metadata, deadline and cancellation; forwarding of every other method
 to a grpcio server; TLS with ALPN h2. The upstream Go client is exercised through the relay
 (tests/e2e/test_hubble_cli.py) and by bench/flows.py."""
@@ -20,8 +20,9 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cilia_common import grpcserver, h2grpc
+from cilia_common import grpcserver
 from cilia_common.tls import ServerTLS, generate_bundle
+from cilia_relay import h2server
 
 STREAM = "/test.Fast/Stream"
 ECHO = "/test.Slow/Echo"
@@ -36,11 +37,11 @@ class Recorder:
         self.closed = asyncio.Event()
 
 
-def fast_handler(rec: Recorder) -> h2grpc.StreamHandler:
+def fast_handler(rec: Recorder) -> h2server.StreamHandler:
     """``b"N"`` -> N messages ``msg-<i>``; ``b"abort"``; ``b"boom"``; ``b"hang"`` (sleeps);
     ``b"flood"`` (yields 1 KiB messages forever)."""
 
-    async def handler(request: bytes, context: h2grpc.H2Context) -> AsyncIterator[bytes]:
+    async def handler(request: bytes, context: h2server.H2Context) -> AsyncIterator[bytes]:
         rec.metadata = context.invocation_metadata()
         try:
             if request == b"abort":
@@ -89,8 +90,8 @@ async def _with_server(
     body: Callable[[str, Recorder], Awaitable[Any]],
     *,
     ssl_context: Any = None,
-    send_buffer: int = h2grpc.DEFAULT_SEND_BUFFER_BYTES,
-    max_streams: int = h2grpc.DEFAULT_MAX_CONCURRENT_STREAMS,
+    send_buffer: int = h2server.DEFAULT_SEND_BUFFER_BYTES,
+    max_streams: int = h2server.DEFAULT_MAX_CONCURRENT_STREAMS,
 ) -> Any:
     backend = f"unix:{tmp}/backend.sock"
     server, health, _ = await grpcserver.start_server_with_ports(
@@ -98,7 +99,7 @@ async def _with_server(
     )
     await grpcserver.set_serving(health, ["test.Slow"])
     rec = Recorder()
-    front = h2grpc.GrpcH2Server(
+    front = h2server.GrpcH2Server(
         forward_to=backend,
         ssl_context=ssl_context,
         send_buffer_bytes=send_buffer,
@@ -257,7 +258,7 @@ def test_a_client_that_does_not_read_stops_the_handler_at_the_buffer_bound(
 def test_tls_with_alpn_h2_and_client_certificates(tmp_path: pathlib.Path) -> None:
     bundle = generate_bundle(tmp_path / "tls", server_hosts=["127.0.0.1"], admins=["client"])
     tls = ServerTLS(bundle.server_cert, bundle.server_key, (bundle.ca_cert,))
-    context = h2grpc.server_ssl_context(tls)
+    context = h2server.server_ssl_context(tls)
     ca = pathlib.Path(bundle.ca_cert).read_bytes()
     cert, key = (pathlib.Path(p).read_bytes() for p in bundle.clients["client"])
 
@@ -279,7 +280,7 @@ def test_tls_with_alpn_h2_and_client_certificates(tmp_path: pathlib.Path) -> Non
 
 def test_bound_address_and_unusable_address(tmp_path: pathlib.Path) -> None:
     async def scenario() -> tuple[str, str]:
-        front = h2grpc.GrpcH2Server()
+        front = h2server.GrpcH2Server()
         bound = await front.start("[::]:0")
         sock = tmp_path / "front.sock"
         unix = await front.start(f"unix:{sock}")
@@ -287,7 +288,7 @@ def test_bound_address_and_unusable_address(tmp_path: pathlib.Path) -> None:
             with socket.create_connection(("127.0.0.1", int(bound.rsplit(":", 1)[1])), 2):
                 pass
             with pytest.raises(OSError):
-                await h2grpc.GrpcH2Server().start(f"127.0.0.1:{bound.rsplit(':', 1)[1]}")
+                await h2server.GrpcH2Server().start(f"127.0.0.1:{bound.rsplit(':', 1)[1]}")
             return bound, unix
         finally:
             await front.stop(0)
@@ -298,11 +299,11 @@ def test_bound_address_and_unusable_address(tmp_path: pathlib.Path) -> None:
 
 
 def test_grpc_timeout_and_message_encoding() -> None:
-    assert h2grpc.parse_timeout("250m") == pytest.approx(0.25)
-    assert h2grpc.parse_timeout("2S") == 2.0
-    assert h2grpc.parse_timeout("123456789S") is None  # at most 8 digits
-    assert h2grpc.parse_timeout("5x") is None
-    assert h2grpc.encode_grpc_message("a 100% ü") == b"a 100%25 %C3%BC"
+    assert h2server.parse_timeout("250m") == pytest.approx(0.25)
+    assert h2server.parse_timeout("2S") == 2.0
+    assert h2server.parse_timeout("123456789S") is None  # at most 8 digits
+    assert h2server.parse_timeout("5x") is None
+    assert h2server.encode_grpc_message("a 100% ü") == b"a 100%25 %C3%BC"
 
 
 def test_tls_negotiates_h2_and_serves_renewed_files_at_the_next_handshake(
@@ -311,7 +312,7 @@ def test_tls_negotiates_h2_and_serves_renewed_files_at_the_next_handshake(
     tls_dir = tmp_path / "tls"
     bundle = generate_bundle(tls_dir, server_hosts=["127.0.0.1"])
     tls = ServerTLS(bundle.server_cert, bundle.server_key, ())
-    reloading = h2grpc.server_ssl_context(tls)
+    reloading = h2server.server_ssl_context(tls)
 
     async def handshake(address: str) -> tuple[str | None, int]:
         host, port = address.rsplit(":", 1)
