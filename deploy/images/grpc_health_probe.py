@@ -31,20 +31,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from cilia_common.health import check
 
-    with grpc.insecure_channel(ns.address) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout
-            )
-        except grpc.RpcError as exc:
-            print(f"{ns.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 3
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    print(f"{ns.address}: {status}")
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+    answer = check(ns.address, service=ns.service, timeout=ns.timeout)
+    if answer.error:
+        print(f"{ns.address}: {answer.error}", file=sys.stderr)
+        return 3
+    print(f"{ns.address}: {answer.status}")
+    return 0 if answer.serving else 1
 
 
 if __name__ == "__main__":

@@ -33,10 +33,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 
+from cilia_common.durations import duration_arg, go_duration_arg
 from cilia_common.flags import (
     EXIT_USAGE,
     FlagError,
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--server", default=DEFAULT_SERVER, help=f"operator address {d}")
-        p.add_argument("--timeout", type=_positive_seconds, default=10.0,
+        p.add_argument("--timeout", type=duration_arg(positive=True), default=10.0,
                        help=f"seconds per request, > 0 {d}")  # fmt: skip
         add_client_tls_flags(p)
 
@@ -134,11 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     migrate.add_argument("--to", required=True, help="the new Service range (IPv4 CIDR)")
     migrate.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    migrate.add_argument("--alias-grace-period", default=None, type=_go_duration,
+    migrate.add_argument("--alias-grace-period", default=None, type=go_duration_arg,
                          help="an old ClusterIP is served until no connection used it for "
                          "this long (Go duration) (default: the operator's "
                          "--service-alias-grace-period, 1h unless set)")  # fmt: skip
-    migrate.add_argument("--wait-timeout", type=_positive_seconds, default=600.0,
+    migrate.add_argument("--wait-timeout", type=duration_arg(positive=True), default=600.0,
                          help=f"seconds to follow the moves at most; the operator goes on "
                          f"after it {d}")  # fmt: skip
     client(migrate)
@@ -218,17 +218,6 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _positive_seconds(value: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds > 0")
-    return seconds
-
-
 #: longest --days of ``certs generate``: 100 years, so the CA's ten times as long still ends
 #: well before X.509's last date (9999-12-31) instead of overflowing Python's datetime
 CERT_DAYS_MAX = 36500
@@ -245,13 +234,6 @@ def _cert_days(value: str) -> float:
             f"{value!r} must be a number of days > 0 and <= {CERT_DAYS_MAX}"
         )
     return days
-
-
-def _go_duration(value: str) -> str:
-    """A Go duration (``1h``, ``30m``, ``1h30m``, ``90s``), returned as given."""
-    if not re.fullmatch(r"(\d+(\.\d+)?(h|m|s|ms))+", value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a Go duration (e.g. 1h, 30m, 90s)")
-    return value
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import grpc
 
 from cilia_common import grpcserver
 from cilia_common.addresses import grpc_listen_target
+from cilia_common.durations import duration_arg
 from cilia_common.flags import EXIT_USAGE, FlagError, add_model_flags, config_from_args
 from cilia_common.logs import setup_logging
 from cilia_common.runtime import announce_listening, run_until_signal
@@ -58,13 +59,6 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0 seconds")
     return value
 
 
@@ -186,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--health-rpc-timeout",
-        type=_seconds,
+        type=duration_arg(),
         default=2.0,
         help="deadline of one health Check, s (default 2)",
     )
@@ -224,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k8s.add_argument(
         "--poll-interval",
-        type=_seconds,
+        type=duration_arg(),
         default=3.0,
         help="seconds between checks of every wait (default 3, upstream 3)",
     )
@@ -259,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k8s.add_argument(
         "--api-timeout",
-        type=_seconds,
+        type=duration_arg(),
         default=10.0,
         help="deadline of one API request, s (default 10)",
     )
@@ -271,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k8s.add_argument(
         "--api-retry-backoff",
-        type=_seconds,
+        type=duration_arg(),
         default=0.5,
         help="first retry delay, doubling, s (default 0.5)",
     )
@@ -297,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k8s.add_argument(
         "--lease-wait-timeout",
-        type=_seconds,
+        type=duration_arg(),
         default=600.0,
         help="seconds to wait for a free slot (default 600)",
     )
@@ -328,13 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dock.add_argument(
         "--health-timeout",
-        type=_seconds,
+        type=duration_arg(),
         default=60.0,
         help="seconds the new agent gets to be SERVING before rollback (default 60)",
     )
     dock.add_argument(
         "--health-interval",
-        type=_seconds,
+        type=duration_arg(),
         default=1.0,
         help="seconds between health checks (default 1)",
     )
@@ -346,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dock.add_argument(
         "--docker-timeout",
-        type=_seconds,
+        type=duration_arg(),
         default=120.0,
         help="deadline of one Engine API call, s (default 120)",
     )
@@ -363,19 +357,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dock.add_argument(
         "--lock-ttl",
-        type=_seconds,
+        type=duration_arg(),
         default=300.0,
         help="lock expiry if this host dies mid-update, s (default 300)",
     )
     dock.add_argument(
         "--lock-wait-timeout",
-        type=_seconds,
+        type=duration_arg(),
         default=600.0,
         help="seconds to wait for the lock (default 600)",
     )
     dock.add_argument(
         "--interval",
-        type=_seconds,
+        type=duration_arg(),
         default=0.0,
         help="loop: seconds between passes; 0 = one pass (default 0)",
     )

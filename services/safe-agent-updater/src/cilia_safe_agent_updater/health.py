@@ -1,12 +1,11 @@
-"""gRPC health (``grpc.health.v1.Health/Check``) of the agent, polled with tenacity."""
+"""gRPC health (``grpc.health.v1.Health/Check``) of the agent, as booleans: the one health
+client, :mod:`cilia_common.health`."""
 
 from __future__ import annotations
 
 import logging
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tenacity import RetryError, Retrying, retry_if_result, stop_after_attempt, wait_fixed
+from cilia_common import health
 
 log = logging.getLogger("cilia_safe_agent_updater.health")
 
@@ -20,15 +19,13 @@ def check(address: str, rpc_timeout: float) -> bool:
 
     Any RPC error (nothing listening, NOT_SERVING, deadline) gives False; nothing is raised.
     """
-    try:
-        with grpc.insecure_channel(address) as channel:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=rpc_timeout
-            )
-    except grpc.RpcError as exc:
-        log.debug("health check failed", extra={"address": address, "error": str(exc)})
-        return False
-    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+    answer = health.check(address, timeout=rpc_timeout)
+    if not answer.serving:
+        log.debug(
+            "health check failed",
+            extra={"address": address, "error": answer.error or answer.status},
+        )
+    return answer.serving
 
 
 def wait_serving(address: str, *, attempts: int, interval: float, rpc_timeout: float) -> bool:
@@ -36,12 +33,5 @@ def wait_serving(address: str, *, attempts: int, interval: float, rpc_timeout: f
 
     Worst case about ``attempts * (interval + rpc_timeout)`` seconds.
     """
-    retrying = Retrying(
-        stop=stop_after_attempt(max(1, attempts)),
-        wait=wait_fixed(interval),
-        retry=retry_if_result(lambda ok: not ok),
-    )
-    try:
-        return bool(retrying(check, address, rpc_timeout))
-    except RetryError:
-        return False
+    answer = health.wait_serving(address, attempts=attempts, interval=interval, timeout=rpc_timeout)
+    return answer.serving

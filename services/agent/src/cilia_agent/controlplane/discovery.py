@@ -46,6 +46,7 @@ import grpc
 
 from cilia_agent.config import Config
 from cilia_agent.controlplane.kubeapi import KubeAPIError, KubeClient, resolve_access
+from cilia_common.channels import SwappableChannel
 from cilia_common.tls import ClientTLS, RotatingChannel
 
 log = logging.getLogger(__name__)
@@ -139,10 +140,10 @@ class OperatorEndpoints:
         return found
 
 
-class DiscoveredChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no stubs
+class DiscoveredChannel(SwappableChannel):
     """A ``grpc.aio.Channel`` to the addresses :class:`OperatorEndpoints` last found; a
-    stub made once follows every change (its multi-callables bind at each call, as
-    :class:`cilia_common.tls.RotatingChannel`'s do).
+    stub made once follows every change (a :class:`cilia_common.channels.SwappableChannel`:
+    its multi-callables bind at each call).
 
     Args:
         endpoints: the lister.
@@ -161,14 +162,13 @@ class DiscoveredChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no 
         interval: float,
         min_gap: float,
     ) -> None:
+        super().__init__()
         self.endpoints = endpoints
         self._options = [*options, ("grpc.lb_policy_name", "pick_first")]
         self._tls = tls
         self.interval = interval
         self.min_gap = min_gap
         self.addresses: list[str] = []
-        self._current: grpc.aio.Channel | None = None
-        self._retired: list[grpc.aio.Channel] = []
         self._target = ""
 
     # -- discovery -----------------------------------------------------------------------
@@ -184,9 +184,7 @@ class DiscoveredChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no 
             return False
         old, self.addresses = self.addresses, list(addresses)
         self._target = target_of(self.addresses)
-        if self._current is not None:
-            self._retired.append(self._current)
-        self._current = self._dial(self._target)
+        self.swap(self._dial(self._target))
         log.info(
             "operator endpoints found",
             extra={"operator": self.endpoints.describe(), "addresses": self.addresses,
@@ -243,60 +241,13 @@ class DiscoveredChannel(grpc.aio.Channel):  # type: ignore[misc]  # grpc has no 
         server holds (calls fail UNAVAILABLE and their callers retry with backoff)."""
         if self._current is None:
             self._target = "unix:/nonexistent/cilia-operator-not-discovered-yet"
-            self._current = self._dial(self._target)
+            self.swap(self._dial(self._target))
         return self._current
 
-    def _lazy(self, kind: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _Bound(self, kind, method, args, kwargs)
-
-    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._lazy("unary_unary", method, args, kwargs)
-
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._lazy("unary_stream", method, args, kwargs)
-
-    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._lazy("stream_unary", method, args, kwargs)
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._lazy("stream_stream", method, args, kwargs)
-
-    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
-        return self.current().get_state(try_to_connect)
-
-    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
-        await self.current().wait_for_state_change(last_observed_state)
-
-    async def channel_ready(self) -> None:
-        await self.current().channel_ready()
-
     async def close(self, grace: float | None = None) -> None:
-        """Close the current channel and every superseded one."""
-        channels = [c for c in (self._current, *self._retired) if c is not None]
-        self._current, self._retired = None, []
-        await asyncio.gather(*(c.close(grace) for c in channels))
+        """Close the current channel, every superseded one, and the API-server client."""
+        await super().close(grace)
         self.endpoints.client.close()
-
-    async def __aenter__(self) -> DiscoveredChannel:
-        return self
-
-    async def __aexit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        await self.close(None)
-
-
-class _Bound:
-    """A multi-callable that binds to :meth:`DiscoveredChannel.current` at each call."""
-
-    def __init__(
-        self, owner: DiscoveredChannel, kind: str, method: str,
-        args: tuple[Any, ...], kwargs: dict[str, Any],
-    ) -> None:  # fmt: skip
-        self.owner, self.kind, self.method = owner, kind, method
-        self.args, self.kwargs = args, kwargs
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        channel = self.owner.current()
-        return getattr(channel, self.kind)(self.method, *self.args, **self.kwargs)(*args, **kwargs)
 
 
 def discovered_channel(cfg: Config, options: Sequence[tuple[str, Any]]) -> DiscoveredChannel:

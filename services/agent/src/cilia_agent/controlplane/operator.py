@@ -46,6 +46,8 @@ from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia.controlplane.v1 import controlplane_pb2_grpc as cp_grpc
 from cilia_agent.config import Config
 from cilia_agent.datapath.nodeaddress import DEFAULT_MTU, detect_node_address, node_first
+from cilia_common import retry
+from cilia_common.backoff import Backoff
 from cilia_common.tls import ClientTLS, RotatingChannel, TLSFileError, certificate_identity
 
 log = logging.getLogger(__name__)
@@ -66,14 +68,10 @@ class Demand(Protocol):
 
 
 def backoff_delay(attempt: int, minimum: float, maximum: float) -> float:
-    """Delay in seconds before reconnect attempt ``attempt`` (0-based).
-
-    ``min(maximum, minimum * 2**attempt)``: 1, 2, 4, 8, 16, 30, 30, ... with the
-    defaults (1 s, 30 s).
-    """
-    if attempt >= 63:
-        return maximum
-    return float(min(maximum, minimum * (2**attempt)))
+    """Delay in seconds before reconnect attempt ``attempt`` (0-based): the one backoff
+    policy, :meth:`cilia_common.backoff.Backoff.ceiling` (``min(maximum, minimum * 2**attempt)``:
+    1, 2, 4, 8, 16, 30, 30, ... with the defaults, 1 s and 30 s)."""
+    return Backoff(minimum, maximum).ceiling(attempt)
 
 
 @dataclass(frozen=True)
@@ -723,88 +721,21 @@ async def run_watch(
     min_backoff: float,
     max_backoff: float,
 ) -> None:
-    """Follow a watch stream forever: open it, hand it to ``consume``, reconnect.
-
-    ``consume`` returns True when the stream delivered something (the backoff then
-    resets). Runs until cancelled; stream and consumer errors are logged and retried
-    after :func:`backoff_delay`.
-    """
-    attempt = 0
-    while True:
-        delivered = False
-        stream: AsyncIterable[T] | None = None
-        try:
-            stream = open_stream()
-            delivered = await consume(stream)
-            reason = "stream ended"
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # keep watching whatever the operator does
-            reason = _describe(exc)
-            if not isinstance(exc, grpc.aio.AioRpcError):
-                log.exception("watch %s: consumer failed", name)
-        finally:
-            cancel = getattr(stream, "cancel", None)
-            if cancel is not None:  # a call on the shared channel: end it, keep the channel
-                cancel()
-        if delivered:
-            attempt = 0
-        delay = backoff_delay(attempt, min_backoff, max_backoff)
-        attempt += 1
-        log.warning(
-            "operator watch lost, reconnecting",
-            extra={"watch": name, "reason": reason, "retry_in_s": delay},
-        )
-        await asyncio.sleep(delay)
+    """Follow a watch stream forever: :func:`cilia_common.retry.run_watch` with the operator
+    reconnect backoff; gRPC errors are expected (no traceback), read as :func:`_describe`."""
+    await retry.run_watch(
+        name, open_stream, consume, Backoff(min_backoff, max_backoff),
+        logger=log, quiet=(grpc.aio.AioRpcError,), describe=_describe,
+    )  # fmt: skip
 
 
-class RetryQueue:
-    """Retries best-effort operator calls (e.g. DeleteEndpoint after a Del) until they succeed.
-
-    Each submitted call is retried alone with :func:`backoff_delay`; ``pending`` counts
-    the calls not done yet. Not persisted: calls pending when the agent stops are lost
-    (the operator's garbage collection covers them).
-    """
+class RetryQueue(retry.RetryQueue):
+    """Retries best-effort operator calls (e.g. DeleteEndpoint after a Del) until they succeed:
+    :class:`cilia_common.retry.RetryQueue` on the operator reconnect backoff. Not persisted:
+    calls pending when the agent stops are lost (the operator's garbage collection covers
+    them)."""
 
     def __init__(self, *, min_backoff: float, max_backoff: float) -> None:
+        super().__init__(Backoff(min_backoff, max_backoff), logger=log)
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def pending(self) -> int:
-        """Calls still being retried."""
-        return len(self._tasks)
-
-    def submit(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
-        """Run ``call`` now and again after failures (from the running loop)."""
-        task = asyncio.get_running_loop().create_task(self._retry(what, call))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _retry(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
-        attempt = 0
-        while True:
-            try:
-                await call()
-                if attempt:
-                    log.info("operator call succeeded after retries", extra={"call": what})
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = backoff_delay(attempt, self.min_backoff, self.max_backoff)
-                attempt += 1
-                log.warning(
-                    "operator call failed, retrying",
-                    extra={"call": what, "reason": str(exc), "retry_in_s": delay},
-                )
-                await asyncio.sleep(delay)
-
-    async def close(self) -> None:
-        """Cancel every pending retry."""
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
