@@ -10,6 +10,7 @@ the DEL itself, in the file the Python plugin writes, and the agent replays it a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -98,10 +99,8 @@ class Server:
 
     def stop(self) -> None:
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait()
             self.proc = None
 

@@ -10,7 +10,7 @@ plugin's per-run timings, its log file), and a crash ends one invocation only.
 
 Wire format (integers 4-byte big-endian unsigned), one invocation per connection:
 
-- request: ``b"CCN1"``, count, count × (length, ``NAME=VALUE`` of a ``CNI_*`` variable),
+- request: ``b"CCN1"``, count, count times (length, ``NAME=VALUE`` of a ``CNI_*`` variable),
   length + plugin type (the name the executable was exec'd as), stdin state (0 read; 1 a
   directory; 2 unreadable, followed by its errno), length + stdin bytes;
 - answer: exit status, length + stdout bytes.
@@ -25,6 +25,7 @@ connects to ``cilia-cni.sock`` in the directory of the netconf's ``agent-socket`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import socketserver
@@ -148,10 +149,8 @@ class Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
         directory = os.path.dirname(path)
         if directory:
             os.makedirs(directory, mode=0o755, exist_ok=True)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket of an earlier run
-        except FileNotFoundError:
-            pass
         old = os.umask(0o177)
         try:
             super().__init__(path, _Handler)
@@ -162,9 +161,9 @@ class Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
 
 def preload() -> None:
     """Import everything an invocation uses, so children fork warm."""
-    import cilia_cni.agent  # noqa: F401
-    import cilia_cni.delqueue  # noqa: F401
-    import cilia_cni.result  # noqa: F401
+    import cilia_cni.agent
+    import cilia_cni.delqueue
+    import cilia_cni.result
     import cilia_cni.wire  # noqa: F401
 
 
