@@ -33,11 +33,18 @@ BPF_SRCS   := $(wildcard bpf/bpf_*.c)
 BPF_OBJS   := $(patsubst bpf/%.c,build/bpf/%.o,$(BPF_SRCS))
 BPF_CC     ?= clang-14
 BPF_CFLAGS := -O2 -g -target bpf -Wall -Werror -I bpf -I/usr/include/$(shell uname -m)-linux-gnu
+# bpf_sock_compat.o: the socket-LB for kernels without bpf_set_retval (< 5.18), the same source
+# with CILIA_NO_SET_RETVAL; the agent picks it at load time from a probe (--bpf-sock-variant).
+BPF_OBJS   += build/bpf/bpf_sock_compat.o
 bpf: $(BPF_OBJS)
 
 build/bpf/%.o: bpf/%.c $(wildcard bpf/lib/*.h)
 	@mkdir -p $(@D)
 	$(BPF_CC) $(BPF_CFLAGS) -c $< -o $@.tmp && mv $@.tmp $@
+
+build/bpf/bpf_sock_compat.o: bpf/bpf_sock.c $(wildcard bpf/lib/*.h)
+	@mkdir -p $(@D)
+	$(BPF_CC) $(BPF_CFLAGS) -DCILIA_NO_SET_RETVAL -c $< -o $@.tmp && mv $@.tmp $@
 
 test: test-setup
 	$(TOX) run

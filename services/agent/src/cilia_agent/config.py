@@ -478,6 +478,10 @@ class Config(BaseModel):
         le=1 << 24,
         description="entries of each load-balancer map: service slots (one per frontend plus one per active backend), backends, rev-NAT indexes, affinity (upstream bpf-lb-map-max)",
     )
+    bpf_sock_variant: Literal["auto", "set-retval", "compat"] = Field(
+        default="auto",
+        description="which socket-LB object to load (Cilia-only; upstream picks by feature probes too): auto probes the kernel for bpf_set_retval (5.18) and loads bpf_sock.o when present, else bpf_sock_compat.o, built without it, which refuses a Service without backends with EPERM instead of ECONNREFUSED as upstream does on such kernels; set-retval or compat force one",
+    )
     bpf_sock_rev_map_max: int = Field(
         default=262144,
         ge=16,
