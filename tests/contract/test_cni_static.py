@@ -222,3 +222,26 @@ def test_server_and_agent_down_del_is_queued_by_the_executable_and_replayed(
     assert real_agent.endpoints() == []
     assert os.listdir(real_agent.del_queue) == []
     assert "eth0" not in sh("ip", "-n", os.path.basename(ns), "-o", "link", "show")
+
+
+#: Seconds for the running agent to replay a queued DEL (its --cni-del-queue-replay-interval
+#: is 5 s by default).
+REPLAY_WAIT_SECONDS = 20.0
+
+
+def test_server_down_agent_up_del_is_queued_and_the_running_agent_replays_it(
+    shim: pathlib.Path, real_agent: RealAgent, server: Server, netns: Netns
+) -> None:
+    ns = netns.add()
+    cni = {"CNI_CONTAINERID": "static-r", "CNI_NETNS": ns, "CNI_IFNAME": "eth0"}
+    rc, result = _run([str(shim)], _env("ADD", **cni), _netconf(real_agent))
+    assert rc == 0, result
+    server.stop()
+    rc, out = _run([str(shim)], _env("DEL", **cni), _netconf(real_agent, prevResult=result))
+    assert (rc, out) == (0, {})
+    assert len(os.listdir(real_agent.del_queue)) == 1
+    deadline = time.monotonic() + REPLAY_WAIT_SECONDS
+    while real_agent.endpoints() or os.listdir(real_agent.del_queue):
+        assert time.monotonic() < deadline, "the running agent did not replay the queued DEL"
+        time.sleep(0.2)
+    assert "eth0" not in sh("ip", "-n", os.path.basename(ns), "-o", "link", "show")
