@@ -3,17 +3,28 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test-setup bpf test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e conformance demo bench images lint types clean
+.PHONY: setup test-setup bpf cni-shim test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e conformance demo bench images lint types clean
 
 # setup: what the demo and the local stacks need (minutes on a fresh machine);
 # test-setup: that plus the tools only the tests use (Go builds, cached by version).
 setup:
 	@scripts/setup.sh
-	@$(MAKE) --no-print-directory bpf
+	@$(MAKE) --no-print-directory bpf cni-shim
 
 test-setup:
 	@scripts/setup.sh --test-tools
-	@$(MAKE) --no-print-directory bpf
+	@$(MAKE) --no-print-directory bpf cni-shim
+
+# The cilia-cni executable the runtime execs on the host (services/cni/shim): one C file,
+# linked statically (glibc's libc.a from libc6-dev), so it runs whatever libc a host has.
+CNI_SHIM    := build/cni/cilia-cni
+SHIM_CC     ?= cc
+SHIM_CFLAGS := -static -Os -s -Wall -Wextra -Werror -D_FORTIFY_SOURCE=2
+cni-shim: $(CNI_SHIM)
+
+$(CNI_SHIM): services/cni/shim/cilia-cni.c
+	@mkdir -p $(@D)
+	$(SHIM_CC) $(SHIM_CFLAGS) $< -o $@.tmp && mv $@.tmp $@
 
 # The eBPF programs, compiled ahead of time (the agent loads build/bpf/*.o with libbpf and
 # configures them at load: map sizes and each program's CONFIG). clang-14 and libbpf-dev come
@@ -22,11 +33,18 @@ BPF_SRCS   := $(wildcard bpf/bpf_*.c)
 BPF_OBJS   := $(patsubst bpf/%.c,build/bpf/%.o,$(BPF_SRCS))
 BPF_CC     ?= clang-14
 BPF_CFLAGS := -O2 -g -target bpf -Wall -Werror -I bpf -I/usr/include/$(shell uname -m)-linux-gnu
+# bpf_sock_compat.o: the socket-LB for kernels without bpf_set_retval (< 5.18), the same source
+# with CILIA_NO_SET_RETVAL; the agent picks it at load time from a probe (--bpf-sock-variant).
+BPF_OBJS   += build/bpf/bpf_sock_compat.o
 bpf: $(BPF_OBJS)
 
 build/bpf/%.o: bpf/%.c $(wildcard bpf/lib/*.h)
 	@mkdir -p $(@D)
 	$(BPF_CC) $(BPF_CFLAGS) -c $< -o $@.tmp && mv $@.tmp $@
+
+build/bpf/bpf_sock_compat.o: bpf/bpf_sock.c $(wildcard bpf/lib/*.h)
+	@mkdir -p $(@D)
+	$(BPF_CC) $(BPF_CFLAGS) -DCILIA_NO_SET_RETVAL -c $< -o $@.tmp && mv $@.tmp $@
 
 test: test-setup
 	$(TOX) run

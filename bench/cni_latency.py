@@ -20,6 +20,11 @@ Plugin sets, all against the same stack in the same run:
   bundle started by its own launcher, no Python needed on the host), installed by ``deploy/images/cni-install.sh`` into a temporary
   ``/opt/cni``-like tree and exec'd through the wrapper it writes, as a host runs it
   (``--frozen-cni PATH`` to measure another executable, ``--no-frozen`` to skip it);
+- ``static``: the static executable the image ships as ``cilia-cni`` (services/cni/shim,
+  ``make cni-shim``; ``--static-cni PATH`` for another, ``--no-static`` to skip it) with
+  ``cilia-cni serve`` (the plugin logic, forking a warm child per call) started beside the
+  stack's agent socket for this set; the server's CPU (its reaped children's included) is
+  reported as ``cni-server``;
 - ``--compare-cni PATH``: another build of cilia-cni (e.g. an older checkout's, through a
   small launcher), so a change is measured before/after under the same load.
 
@@ -36,6 +41,7 @@ per pod is steadier than wall time, and it bounds pods/s at concurrency — and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -44,11 +50,13 @@ import pathlib
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -65,6 +73,12 @@ DEFAULT_CONCURRENCY = "1,10"
 #: Pod CIDR of the private stack (the datapath/flows benches use 10.253.0.0/16).
 DEFAULT_POOL_CIDR = "10.237.0.0/16"
 REFERENCE_BRIDGE = "cbench0"
+STATIC_CNI = ROOT / "build" / "cni" / "cilia-cni"
+#: Seconds the CNI server may take to listen.
+SERVER_START_SECONDS = 30.0
+#: Seconds to wait after a phase so the server has reaped (and accounted) its children: its
+#: accept loop reaps them at least once a second (``serve_forever(poll_interval=1.0)``).
+SERVER_REAP_WAIT_SECONDS = 1.2
 FREEZE_BUILDER = ROOT / "services" / "cni" / "freeze" / "build.py"
 CNI_INSTALLER = ROOT / "deploy" / "images" / "cni-install.sh"
 NETNS_PREFIX = "cilia-bench-cni-"
@@ -124,13 +138,15 @@ def run_pods(
     warmup: int,
     concurrency: int,
     processes: dict[str, int | None] | None = None,
+    readers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """ADD ``pods`` pods on ``concurrency`` workers, then DEL them (after ``warmup``
     untimed pods); return ``{"add": [s], "del": [s], "add_wall": s, "del_wall": s,
     "add_cpu_ms": {"plugin": ms per pod, <name>: ms per pod, ...}, "del_cpu_ms": {...},
     "add_loadavg": 1-minute load average before the phase, "del_loadavg": ...}``: the CPU
     per pod of the plugin execs and of each of ``processes`` (name → pid, e.g. the stack's
-    agent, operator and redis) over the timed phase. The load average says how much else
+    agent, operator and redis) over the timed phase, and of each of ``readers`` (name → a
+    function returning CPU seconds so far, e.g. the CNI server with its reaped children). The load average says how much else
     the (shared) host ran: sets measured at different loads compare badly.
 
     Raises:
@@ -155,11 +171,18 @@ def run_pods(
             _timed_phase(created[:warmup], op, concurrency)
             out[f"{name}_loadavg"] = round(os.getloadavg()[0], 2)  # the host, before the phase
             before = {k: datapath.process_cpu_seconds(v) for k, v in (processes or {}).items()}
+            if readers:
+                time.sleep(SERVER_REAP_WAIT_SECONDS)
+            read_before = {k: f() for k, f in (readers or {}).items()}
             plugin_before = children_cpu_seconds()
             outcomes, wall = _timed_phase(created[warmup:], op, concurrency)
             cpu = {"plugin": children_cpu_seconds() - plugin_before}
             for key, pid in (processes or {}).items():
                 cpu[key] = datapath.process_cpu_seconds(pid) - before[key]
+            if readers:
+                time.sleep(SERVER_REAP_WAIT_SECONDS)
+            for key, f in (readers or {}).items():
+                cpu[key] = f() - read_before[key]
             out[f"{name}_cpu_ms"] = {k: round(v * 1000 / pods, 2) for k, v in cpu.items()}
             for pod, outcome in zip(created[warmup:], outcomes, strict=True):
                 if outcome.returncode != 0:
@@ -221,6 +244,7 @@ def bench_cilia(
     stack: datapath.Stack,
     concurrency: int,
     plugin: pathlib.Path = cni.CILIA_CNI,
+    readers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """cilia-cni (``plugin``) through ``stack`` (its agent's conflist, plus a ``log-file`` of
     ours whose ``durationMs``/``clientImportMs``/``agentMs`` fields say where each ADD's time
@@ -238,6 +262,7 @@ def bench_cilia(
             args.warmup,
             concurrency,
             {name: stack.pid(name) for name in STACK_PROCESSES},
+            readers,
         )
         records = [json.loads(line) for line in log_file.read_text().splitlines() if line]
         data["log"] = [r for r in records if str(r.get("msg", "")).endswith("succeeded")]
@@ -290,6 +315,47 @@ def install_frozen(dest: pathlib.Path) -> pathlib.Path:
     if res.returncode != 0:
         raise BenchError(f"cilia-cni-install failed: {res.stderr.strip()}")
     return dest / "bin" / "cilia-cni"
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and of its children it has waited for, seconds."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def cni_server(stack: datapath.Stack) -> Iterator[int]:
+    """``cilia-cni serve`` on ``cilia-cni.sock`` beside the stack's agent socket (where the
+    static executable looks), in its own process group, ended on exit; yields its pid.
+
+    Raises:
+        BenchError: the stack's agent socket is unknown or the server did not listen.
+    """
+    if stack.agent_socket is None:
+        raise BenchError("the static cilia-cni needs a private stack (its agent socket)")
+    path = stack.agent_socket.parent / "cilia-cni.sock"
+    path.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "python"), "-m", "cilia_cni", "serve", "--socket", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        process_group=0,
+    )
+    try:
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while not path.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError("cilia-cni serve did not listen")
+            time.sleep(0.02)
+        yield proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        path.unlink(missing_ok=True)
 
 
 def bench_version(
@@ -390,6 +456,17 @@ def main(argv: list[str] | None = None) -> int:
         help="do not measure the frozen cilia-cni",
     )
     parser.add_argument(
+        "--static-cni",
+        type=pathlib.Path,
+        default=STATIC_CNI,
+        help=f"the static cilia-cni to measure with cilia-cni serve (default {STATIC_CNI})",
+    )
+    parser.add_argument(
+        "--no-static",
+        action="store_true",
+        help="do not measure the static cilia-cni",
+    )
+    parser.add_argument(
         "--compare-cni",
         type=pathlib.Path,
         help="another cilia-cni executable to measure in the same run (default: none)",
@@ -411,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     cil: dict[int, dict[str, Any]] = {}
     cmp: dict[int, dict[str, Any]] = {}
     frz: dict[int, dict[str, Any]] = {}
+    stc: dict[int, dict[str, Any]] = {}
+    static_version: list[float] = []
     frozen_version: list[float] = []
     compare_version: list[float] = []
     version_cpu: dict[str, float] = {}
@@ -418,7 +497,14 @@ def main(argv: list[str] | None = None) -> int:
         with (
             tempfile.TemporaryDirectory(prefix="cilia-bench-optcni-") as optcni,
             datapath.stack_running(args) as stack,
+            contextlib.ExitStack() as servers,
         ):
+            readers: dict[str, Any] = {}
+            if not args.no_static:
+                if not args.static_cni.exists():
+                    raise BenchError(f"{args.static_cni} missing: make cni-shim")
+                server_pid = servers.enter_context(cni_server(stack))
+                readers["cni-server"] = lambda: tree_cpu_seconds(server_pid)
             frozen: pathlib.Path | None = None
             if not args.no_frozen:
                 frozen = args.frozen_cni or install_frozen(pathlib.Path(optcni))
@@ -431,12 +517,17 @@ def main(argv: list[str] | None = None) -> int:
                 if frozen is not None:
                     print(f"frozen {frozen}: {args.pods} pods, concurrency {conc} ...", flush=True)
                     frz[conc] = bench_cilia(args, stack, conc, frozen)
+                if readers:
+                    print(f"static {args.static_cni}: {args.pods} pods, concurrency {conc} ...")
+                    stc[conc] = bench_cilia(args, stack, conc, args.static_cni, readers)
                 if args.compare_cni:
                     print(f"{args.compare_cni}: {args.pods} pods, concurrency {conc} ...")
                     cmp[conc] = bench_cilia(args, stack, conc, args.compare_cni)
             version, version_cpu["cilia"] = bench_version(args)
             if frozen is not None:
                 frozen_version, version_cpu["frozen"] = bench_version(args, frozen)
+            if readers:
+                static_version, version_cpu["static"] = bench_version(args, args.static_cni)
             if args.compare_cni:
                 compare_version, version_cpu["compare"] = bench_version(args, args.compare_cni)
     except (BenchError, datapath.BenchError, cni.CniRunError, OSError) as exc:
@@ -464,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["frozen"] = {str(c): summary_of(frz[c]) for c in levels}
         summary["frozen_version"] = summarize(frozen_version)
         summary["frozen_add_breakdown_median"] = {str(c): breakdown(frz[c]) for c in levels}
+    if stc:
+        summary["static"] = {str(c): summary_of(stc[c]) for c in levels}
+        summary["static_version"] = summarize(static_version)
+        summary["static_add_breakdown_median"] = {str(c): breakdown(stc[c]) for c in levels}
     if cmp:
         summary["compare"] = {str(c): summary_of(cmp[c]) for c in levels}
         summary["compare_add_breakdown_median"] = {str(c): breakdown(cmp[c]) for c in levels}
@@ -487,11 +582,15 @@ def main(argv: list[str] | None = None) -> int:
     frozen_ratio = ratios("frozen") if frz else {}
     if frz:
         ratio_sets.append(("cilia-cni frozen", frozen_ratio))
+    if stc:
+        ratio_sets.append(("cilia-cni static", ratios("static")))
 
     def sets_of(conc: int) -> list[tuple[str, str]]:
         sets = [("reference bridge+host-local", "reference"), ("cilia-cni", "cilia")]
         if frz:
             sets.append(("cilia-cni frozen", "frozen"))
+        if stc:
+            sets.append(("cilia-cni static", "static"))
         if cmp:
             sets.append(("compare " + args.compare_cni.name, "compare"))
         return sets
@@ -504,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("cilia-cni", "VERSION", 0, summary["cilia_version"]))
     if frz:
         rows.append(("cilia-cni frozen", "VERSION", 0, summary["frozen_version"]))
+    if stc:
+        rows.append(("cilia-cni static", "VERSION", 0, summary["static_version"]))
     if cmp:
         rows.append(("compare " + args.compare_cni.name, "VERSION", 0, summary["compare_version"]))
     print()
@@ -542,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     breakdowns = [("cilia-cni", "cilia_add_breakdown_median")]
     if frz:
         breakdowns.append(("cilia-cni frozen", "frozen_add_breakdown_median"))
+    if stc:
+        breakdowns.append(("cilia-cni static", "static_add_breakdown_median"))
     if cmp:
         breakdowns.append((str(args.compare_cni), "compare_add_breakdown_median"))
         print("ratio compare / cilia-cni (> 1: cilia-cni is faster):")

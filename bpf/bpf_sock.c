@@ -169,10 +169,15 @@ static __always_inline int sock_xlate_rev(struct bpf_sock_addr *ctx, __be32 *add
 	return 1;
 }
 
+/* CILIA_NO_SET_RETVAL builds the variant for kernels before 5.18 (build/bpf/bpf_sock_compat.o,
+ * chosen by the agent from a probe): without bpf_set_retval a rejected call fails with the
+ * hook's default EPERM, as upstream's socket-LB refuses on such kernels. */
 static __always_inline int verdict(int err)
 {
 	if (err < 0) {
+#ifndef CILIA_NO_SET_RETVAL
 		bpf_set_retval(err);
+#endif
 		return SYS_REJECT;
 	}
 	return SYS_PROCEED;

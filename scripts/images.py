@@ -443,10 +443,13 @@ def _context_files(service: str, dockerfile: Path) -> Iterator[tuple[Path, str]]
         for name in (f"{service}.requirements.txt", "constraints.txt"):
             yield wheels / name, (wheels / name).relative_to(ROOT).as_posix()
     if service == "cni":
-        bundle = frozen_cni_bundle()
-        for p in sorted(bundle.rglob("*")):
-            if p.is_file():
-                yield p, f"build/images/cni-bin/{p.relative_to(bundle).as_posix()}"
+        # What hosts get as cilia-cni: the static executable (services/cni/shim) and the
+        # version file cilia-cni-install names its copy by.
+        yield static_cni(), "build/images/cni-bin/cilia-cni"
+        version = BUILD_DIR / "cni-version" / "cilia-cni.version"
+        version.parent.mkdir(parents=True, exist_ok=True)
+        version.write_text(service_version("cni") + "\n")
+        yield version, "build/images/cni-bin/.cilia-cni/cilia-cni.version"
     if service == "agent":
         yield ROOT / "Makefile", "Makefile"  # the bpf stage runs its `make bpf` rule
         for p in sorted((ROOT / "bpf").rglob("*")):
@@ -458,26 +461,22 @@ def _context_files(service: str, dockerfile: Path) -> Iterator[tuple[Path, str]]
                 yield p, p.relative_to(ROOT).as_posix()
 
 
-def frozen_cni_bundle() -> Path:
-    """The self-contained ``cilia-cni`` bundle (PyInstaller onedir: ``cilia-cni`` and
-    ``.cilia-cni/``) the cni image ships and ``cilia-cni-install`` puts on hosts; built by
-    ``services/cni/freeze/build.py`` (cached by its inputs) with the project's ``.venv``
-    interpreter, which has PyInstaller and the plugin (the images tox env has neither).
+def static_cni() -> Path:
+    """The static ``cilia-cni`` executable (``make cni-shim``: services/cni/shim, linked
+    with ``-static``), built when missing or older than its source.
 
     Raises:
-        ImageBuildError: the bundle could not be built (the build's reason).
+        ImageBuildError: it could not be built (the compiler's reason).
     """
-    venv_python = ROOT / ".venv" / "bin" / "python"
-    python = str(venv_python) if venv_python.exists() else sys.executable
     res = subprocess.run(
-        [python, str(ROOT / "services" / "cni" / "freeze" / "build.py")],
+        ["make", "-C", str(ROOT), "--no-print-directory", "cni-shim"],
         capture_output=True,
         text=True,
         check=False,
     )
     if res.returncode != 0:
-        raise ImageBuildError(f"the frozen cilia-cni could not be built: {res.stderr.strip()}")
-    return Path(res.stdout.strip()).parent
+        raise ImageBuildError(f"the static cilia-cni could not be built: {res.stderr.strip()}")
+    return ROOT / "build" / "cni" / "cilia-cni"
 
 
 def _context_tar(files: Iterable[tuple[Path, str]]) -> io.BytesIO:

@@ -25,6 +25,8 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # `make bpf` compiles the eBPF programs with clang-14 (libbpf-dev's bpf_helpers.h,
 # linux-libc-dev's uapi headers); the agent loads the objects with libbpf1.
 BPF_PKGS=(clang-14 libbpf-dev libbpf1 linux-libc-dev)
+# `make cni-shim` links the static cilia-cni with gcc against glibc's libc.a (libc6-dev)
+CNI_PKGS=(gcc libc6-dev)
 
 APT_PKGS=(redis-server iproute2 iputils-ping containernetworking-plugins iptables
           kmod bpftool python3-venv)
@@ -36,7 +38,7 @@ if [[ $WITH_TEST_TOOLS == 1 ]]; then APT_PKGS+=("${TEST_APT_PKGS[@]}"); fi
 # several checkouts (or a test and a setup) may install at once: wait for dpkg's lock
 APT_WAIT=(-o DPkg::Lock::Timeout=600)
 missing=()
-for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}"; do
+for p in "${APT_PKGS[@]}" "${BPF_PKGS[@]}" "${CNI_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then

@@ -3,9 +3,11 @@
 # Run by the agent DaemonSet's `install-cni-binaries` init container (deploy/helm/cilia) with
 # the host's /opt/cni mounted at /host/opt/cni; works the same with `docker run -v`.
 #
-# The plugin is a PyInstaller onedir bundle (services/cni/freeze/build.py): the executable
-# `cilia-cni` and its support directory `.cilia-cni/` (libpython, extension modules, the
-# plugin's modules). It needs no Python on the host, only glibc >= 2.36.
+# The plugin is a directory: the executable `cilia-cni` and `.cilia-cni/` (at least
+# `cilia-cni.version`). The image ships the static executable (services/cni/shim: no libc or
+# Python needed on the host; its logic runs in the agent pod's `cni-server` container); the
+# frozen PyInstaller bundle (services/cni/freeze, libpython etc. in `.cilia-cni/`) installs the
+# same way.
 #
 #   1. the bundle (/opt/cilia/cni-bin) is copied to <host lib dir>/<version>-<content hash>
 #      through a temporary directory and rename(2), unless that exact copy exists already;
@@ -34,7 +36,7 @@ src=${CILIA_CNI_BUNDLE:-/opt/cilia/cni-bin}
 say() { echo "cilia-cni-install: $*" >&2; }
 
 [ -x "$src/cilia-cni" ] && [ -d "$src/.cilia-cni" ] \
-  || { say "no frozen cilia-cni bundle at $src (cilia-cni and .cilia-cni/)"; exit 1; }
+  || { say "no cilia-cni bundle at $src (cilia-cni and .cilia-cni/)"; exit 1; }
 # The bundle must answer VERSION with an empty environment before it goes anywhere.
 echo '{"cniVersion": "1.0.0"}' | env -i CNI_COMMAND=VERSION "$src/cilia-cni" >/dev/null \
   || { say "$src/cilia-cni does not answer CNI VERSION"; exit 1; }

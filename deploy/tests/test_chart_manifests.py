@@ -171,7 +171,12 @@ def test_agent_daemonset_layout(docs: list[dict[str, Any]]) -> None:
     agent = spec["containers"][0]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert probe in agent, probe
-    assert {c["name"] for c in spec["containers"]} == {"agent", "kube-rbac-proxy"}
+    assert {c["name"] for c in spec["containers"]} == {"agent", "cni-server", "kube-rbac-proxy"}
+    # the static cilia-cni looks for cilia-cni.sock in the directory of the agent's socket
+    server = next(c for c in spec["containers"] if c["name"] == "cni-server")
+    assert "--socket=/var/run/cilia/cilia.sock" in agent["args"]
+    assert server["command"][-3:] == ["serve", "--socket", "/var/run/cilia/cilia-cni.sock"]
+    assert {"name": "cilia-run", "mountPath": "/var/run/cilia"} in server["volumeMounts"]
 
 
 def test_each_agent_presents_its_own_nodes_kubelet_credentials(

@@ -53,7 +53,9 @@ def test_compose_file_validates(config: dict) -> None:
 
 def test_images_are_the_ones_make_images_builds(config: dict) -> None:
     for name, svc in config["services"].items():
-        image = "safe-agent-updater" if name == "updater" else name.replace("cni-install", "cni")
+        image = {"updater": "safe-agent-updater", "cni-install": "cni", "cni-server": "cni"}.get(
+            name, name
+        )
         assert svc["image"] in images.image_tags(image), (name, svc["image"])
 
 

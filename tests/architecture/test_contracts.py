@@ -99,7 +99,7 @@ _LAYOUT = {
         "metrics", "config",
     ],
     "cilia_cni": [
-        "__main__", "plugin", "agent", "delqueue", "netconf", "result", "log", "h2grpc",
+        "__main__", "server", "plugin", "agent", "delqueue", "netconf", "result", "log", "h2grpc",
         "invocation", "wire", "hpack", "errors", "jsonio",
     ],
     "cilia_relay": [

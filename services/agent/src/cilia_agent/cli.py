@@ -365,14 +365,16 @@ def bpf_ct_flush(pin_dir: pathlib.Path, out: TextIO = sys.stdout) -> int:
 
 
 @quiet_on_broken_pipe
-def service_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout) -> int:
+def service_list(pin_dir: pathlib.Path, output: str, out: TextIO | None = None) -> int:
     """Print the load balancer's frontends and backends from the pinned maps (upstream
     ``cilium service list``): ID (rev-NAT index), frontend, type, backends with state.
+    ``out`` defaults to the ``sys.stdout`` of the call (not of the import).
 
     Raises:
         cilia_agent.datapath.libbpf.LibbpfError: the maps cannot be opened (not root,
             load balancer never started, wrong ``--bpf-pin-dir``).
     """
+    out = out if out is not None else sys.stdout
     from cilia_agent.loadbalancer.listing import read_frontends
 
     rows = read_frontends(pin_dir)

@@ -25,6 +25,10 @@ def main() -> NoReturn:
     do (every agent connection is closed and the log file is written with unbuffered
     ``write(2)`` calls).
     """
+    if sys.argv[1:2] == [SERVE]:  # the server for the static executable (cilia_cni.server)
+        from cilia_cni import server
+
+        sys.exit(server.main(sys.argv[2:]))
     try:
         from cilia_cni.plugin import run
 
@@ -46,6 +50,8 @@ def main() -> NoReturn:
     os._exit(status)
 
 
+#: First argument that runs the server instead of one invocation (no runtime passes any).
+SERVE = "serve"
 #: Argument of the launcher: stdin is a directory (the interpreter got a closed stdin).
 STDIN_IS_A_DIRECTORY = "--stdin-is-a-directory"
 

@@ -327,6 +327,33 @@ spec:
           readOnly: true
         - name: xtables-lock
           mountPath: /run/xtables.lock
+    # The plugin logic behind the static cilia-cni the runtime execs on the host: it listens on
+    # cilia-cni.sock beside the agent's socket (where the executable looks) and forks a warm
+    # child per invocation (services/cni/README.md "Static executable").
+    - name: cni-server
+      image: {{ include "cilia.image" (dict "image" $v.cni.image "root" $root) }}
+      imagePullPolicy: {{ $v.cni.image.pullPolicy }}
+      command: [/opt/cilia/bin/cilia-cni, serve, --socket, /var/run/cilia/cilia-cni.sock]
+      {{- with $env }}
+      env:
+        {{- . | nindent 8 }}
+      {{- end }}
+      resources:
+        requests: {cpu: 10m, memory: 32Mi}
+      # root (the socket is 0600 like the agent's); no capability needed
+      securityContext:
+        runAsUser: 0
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop: [ALL]
+      volumeMounts:
+        - name: cilia-run
+          mountPath: /var/run/cilia
+        # CHECK compares the sandbox path with CNI_NETNS (same inode)
+        - name: host-netns
+          mountPath: /var/run/netns
+          mountPropagation: HostToContainer
     - name: kube-rbac-proxy
       image: {{ include "cilia.image" (dict "image" $v.kubeRbacProxy.image "root" $root) }}
       imagePullPolicy: {{ $v.kubeRbacProxy.image.pullPolicy }}

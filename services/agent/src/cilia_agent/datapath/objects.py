@@ -73,11 +73,13 @@ def default_bpf_dir() -> pathlib.Path:
     return IMAGE_BPF_DIR
 
 
-def object_path(bpf_dir: pathlib.Path, stem: str) -> pathlib.Path:
+def object_path(bpf_dir: pathlib.Path, stem: str, source_stem: str = "") -> pathlib.Path:
     """``<bpf_dir>/<stem>.o``, checked.
 
-    In a checkout (``bpf_dir`` is ``<repo>/build/bpf`` and ``<repo>/bpf/<stem>.c`` exists)
-    the object must be newer than ``<stem>.c`` and every ``bpf/lib/*.h``.
+    In a checkout (``bpf_dir`` is ``<repo>/build/bpf`` and ``<repo>/bpf/<source_stem or
+    stem>.c`` exists) the object must be newer than that source and every ``bpf/lib/*.h``
+    (``source_stem``: a variant built from another object's source, e.g. ``bpf_sock_compat``
+    from ``bpf_sock.c``).
 
     Raises:
         BpfUnavailable: the object is missing or stale (the message says to run
@@ -85,7 +87,7 @@ def object_path(bpf_dir: pathlib.Path, stem: str) -> pathlib.Path:
     """
     path = bpf_dir / f"{stem}.o"
     src_dir = bpf_dir.parent.parent / "bpf"
-    source = src_dir / f"{stem}.c"
+    source = src_dir / f"{source_stem or stem}.c"
     in_checkout = bpf_dir.name == "bpf" and bpf_dir.parent.name == "build" and source.is_file()
     if not path.is_file():
         hint = "run `make bpf`" if in_checkout else "run `make bpf` in a checkout"

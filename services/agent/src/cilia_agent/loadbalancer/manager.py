@@ -73,6 +73,7 @@ def sock_config(cfg: Config) -> socklb.SockConfig:
         cgroup_root=cfg.cgroup_root,
         lb_map_max=cfg.bpf_lb_map_max,
         sock_rev_map_max=cfg.bpf_sock_rev_map_max,
+        variant=cfg.bpf_sock_variant,
     )
 
 

@@ -37,7 +37,14 @@ from dataclasses import dataclass
 
 from cilia_agent.datapath.bpffs import mount_point
 from cilia_agent.datapath.errors import DatapathError
-from cilia_agent.datapath.libbpf import LibbpfError, link_create, link_update, obj_get, obj_pin
+from cilia_agent.datapath.libbpf import (
+    LibbpfError,
+    helper_available,
+    link_create,
+    link_update,
+    obj_get,
+    obj_pin,
+)
 from cilia_agent.datapath.objects import BpfObject, BpfUnavailable, object_path
 from cilia_agent.loadbalancer import layout
 from cilia_agent.loadbalancer.sizing import sizes_for_pins
@@ -67,6 +74,18 @@ PROGRAMS = (
 LINK_PREFIX = "link_"
 OBJECT = "bpf_sock"
 """Stem of the compiled object in ``--bpf-dir`` (``bpf_sock.o``)."""
+COMPAT_OBJECT = "bpf_sock_compat"
+"""Stem of the variant for kernels without ``bpf_set_retval`` (< 5.18): the same source built
+with ``CILIA_NO_SET_RETVAL`` (Makefile); a call it refuses (a Service without backends)
+fails with the hook's default EPERM instead of ECONNREFUSED, as upstream's socket-LB does on
+such kernels."""
+VARIANTS = ("auto", "set-retval", "compat")
+"""``--bpf-sock-variant`` values: ``auto`` probes the kernel for ``bpf_set_retval`` in
+cgroup sock_addr programs and loads :data:`OBJECT` when it has it, else
+:data:`COMPAT_OBJECT`; the other two force one (tests force ``compat``)."""
+# include/uapi/linux/bpf.h: BPF_PROG_TYPE_CGROUP_SOCK_ADDR, BPF_FUNC_set_retval
+_PROG_CGROUP_SOCK_ADDR = 18
+_FUNC_SET_RETVAL = 187
 
 
 class SocketLBUnavailable(DatapathError):
@@ -84,6 +103,7 @@ class SockConfig:
         cgroup_root: cgroup2 mount point (``--cgroup-root``).
         lb_map_max: ``--bpf-lb-map-max``.
         sock_rev_map_max: ``--bpf-sock-rev-map-max``.
+        variant: ``--bpf-sock-variant`` (:data:`VARIANTS`).
     """
 
     bpf_dir: pathlib.Path
@@ -91,6 +111,7 @@ class SockConfig:
     cgroup_root: pathlib.Path
     lb_map_max: int = 65536
     sock_rev_map_max: int = 262144
+    variant: str = "auto"
 
     def max_entries(self) -> dict[str, int]:
         """``{map name: entries}`` of every map of ``bpf_sock.o`` (``bpf/lib/lb.h``)."""
@@ -124,11 +145,40 @@ def link_pin(pin_dir: pathlib.Path, program: str) -> pathlib.Path:
     return pin_dir / f"{LINK_PREFIX}{program}"
 
 
-def _load(config: SockConfig) -> BpfObject:
-    """``bpf_sock.o`` loaded (its maps created or reused, pinned under the pin dir; a map
-    already pinned keeps its size, see ``sizing``)."""
+def object_stem(variant: str) -> str:
+    """The object ``variant`` (:data:`VARIANTS`) loads on this kernel: :data:`OBJECT` or
+    :data:`COMPAT_OBJECT` (``auto``: probed once per call, see :data:`VARIANTS`).
+
+    Raises:
+        SocketLBUnavailable: an unknown variant, or the probe itself failed (not root).
+    """
+    if variant == "set-retval":
+        return OBJECT
+    if variant == "compat":
+        return COMPAT_OBJECT
+    if variant != "auto":
+        raise SocketLBUnavailable(
+            f"--bpf-sock-variant {variant!r} is not one of {', '.join(VARIANTS)}"
+        )
     try:
-        path = object_path(config.bpf_dir, OBJECT)
+        has = helper_available(_PROG_CGROUP_SOCK_ADDR, _FUNC_SET_RETVAL, BPF_CGROUP_INET4_CONNECT)
+    except LibbpfError as exc:
+        raise SocketLBUnavailable(f"cannot probe bpf_set_retval: {exc}") from exc
+    return OBJECT if has else COMPAT_OBJECT
+
+
+def _load(config: SockConfig) -> BpfObject:
+    """``bpf_sock.o`` (or its variant, :func:`object_stem`) loaded (its maps created or reused,
+    pinned under the pin dir; a map already pinned keeps its size, see ``sizing``)."""
+    stem = object_stem(config.variant)
+    if stem != OBJECT:
+        log.info(
+            "socket-LB without bpf_set_retval (kernel < 5.18 or forced): a Service without "
+            "backends is refused with EPERM instead of ECONNREFUSED",
+            extra={"object": f"{stem}.o", "variant": config.variant},
+        )
+    try:
+        path = object_path(config.bpf_dir, stem, OBJECT)
         config.pin_dir.mkdir(parents=True, exist_ok=True)
         sizes = sizes_for_pins(config.pin_dir, config.max_entries())
         return BpfObject.load(path, pin_dir=config.pin_dir, max_entries=sizes)

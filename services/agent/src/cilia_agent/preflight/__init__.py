@@ -131,7 +131,7 @@ def check_kernel(release: str, minimum: str, groups: set[str], probe: bool = Tru
         raise PreflightError("check-kernel", str(exc)) from exc
     except ValueError as exc:
         raise PreflightError(
-            "check-kernel", f"{exc}; give --min-kernel-version as 5.18", EXIT_USAGE
+            "check-kernel", f"{exc}; give --min-kernel-version as 5.10", EXIT_USAGE
         ) from exc
     except LibbpfError as exc:
         raise PreflightError(

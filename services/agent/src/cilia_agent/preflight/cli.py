@@ -71,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     k.add_argument(
         "--min-kernel-version", default="",
         help="lowest kernel release accepted, dotted (default: the newest any feature in use "
-        "needs: 5.18 with the socket-LB for bpf_set_retval, 5.8 without it for the ring buffer)",
+        "needs: 5.10 with the eBPF datapath, for bpf_redirect_neigh; 5.8 for the socket-LB; "
+        "bpf_set_retval (5.18) is optional)",
     )  # fmt: skip
     k.add_argument(
         "--enable-bpf",

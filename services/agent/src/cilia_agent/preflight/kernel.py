@@ -5,7 +5,9 @@ release against a constraint; the agent itself probes features at start):
 
 1. the release (``uname -r`` up to the first ``-``, e.g. ``6.1.0``) against a minimum
    (``--min-kernel-version``; default: the newest version any feature in use needs, see
-   :data:`FEATURES` — 5.18 with the socket load balancer, 5.8 without it);
+   :data:`FEATURES` — 5.10 (``bpf_redirect_neigh``), with or without the socket load
+   balancer; ``bpf_set_retval`` (5.18) is optional: without it the agent loads
+   ``bpf_sock_compat.o``);
 2. every feature of :data:`FEATURES` the configuration uses, probed for real: program and
    map types through libbpf's own probes (``libbpf_probe_bpf_prog_type`` /
    ``libbpf_probe_bpf_map_type``: they load a trivial program / create a one-entry map),
@@ -40,10 +42,12 @@ PROG_TYPES = {PROG_SCHED_CLS: "sched_cls", PROG_CGROUP_SOCK_ADDR: "cgroup_sock_a
 ATTACH_CGROUP_INET4_CONNECT = 10
 ATTACH_CGROUP_INET4_GETPEERNAME = 29
 
-Need = Literal["bpf", "socklb"]
+Need = Literal["bpf", "socklb", "optional"]
 """Which part of the agent needs a feature: ``bpf`` the tc datapath (``bpf/bpf_lxc.c``,
 off with ``--enable-bpf=false``), ``socklb`` the socket load balancer (``bpf/bpf_sock.c``,
-off with ``--bpf-lb-sock=false`` or ``--kube-proxy-replacement=false``)."""
+off with ``--bpf-lb-sock=false`` or ``--kube-proxy-replacement=false``), ``optional`` used
+when present (the agent probes it and loads a variant without it, so it is neither checked
+here nor part of the minimum)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,16 @@ FEATURES: tuple[Feature, ...] = (
     Feature("helper", "bpf_map_update_elem", 2, _TC, (4, 1), "conntrack entries", "bpf"),
     Feature("helper", "bpf_map_delete_elem", 3, _TC, (4, 1), "conntrack entries", "bpf"),
     Feature("helper", "bpf_ktime_get_ns", 5, _TC, (4, 1), "event timestamps", "bpf"),
+    Feature("map type", "percpu_array", 6, 0, (4, 6), "datapath counters", "bpf"),
+    Feature("helper", "bpf_skb_store_bytes", 9, _TC, (4, 1), "address rewrites (NAT)", "bpf"),
+    Feature("helper", "bpf_l3_csum_replace", 10, _TC, (4, 1), "IP checksum fixes", "bpf"),
+    Feature("helper", "bpf_l4_csum_replace", 11, _TC, (4, 1), "TCP/UDP checksum fixes", "bpf"),
+    Feature("helper", "bpf_redirect", 23, _TC, (4, 4), "delivery to a pod's veth", "bpf"),
+    Feature("helper", "bpf_skb_load_bytes", 26, _TC, (4, 5), "NodePort header reads", "bpf"),
+    Feature("helper", "bpf_fib_lookup", 69, _TC, (4, 18), "next hop of forwarded packets", "bpf"),
+    Feature(
+        "helper", "bpf_redirect_neigh", 152, _TC, (5, 10), "forwarding with the neighbour", "bpf"
+    ),
     Feature("helper", "bpf_ringbuf_output", 130, _TC, (5, 8), "flow events", "bpf"),
     Feature("helper", "bpf_ringbuf_query", 134, _TC, (5, 8), "event wakeups", "bpf"),
     Feature(
@@ -117,11 +131,13 @@ FEATURES: tuple[Feature, ...] = (
         187,
         _SOCK,
         (5, 18),
-        "refusing a Service without backends with ECONNREFUSED",
-        "socklb",
+        "refusing a Service without backends with ECONNREFUSED (without it: EPERM, "
+        "bpf_sock_compat.o)",
+        "optional",
     ),
 )
-"""Every kernel feature ``bpf/bpf_lxc.c`` and ``bpf/bpf_sock.c`` use (first kernel from the
+"""Every kernel feature ``bpf/bpf_lxc.c``, ``bpf/bpf_host.c`` and ``bpf/bpf_sock.c`` use (first
+kernel from the
 kernel's git history, as bcc's "BPF Features by Linux Kernel Version" lists them). BPF links
 on cgroups (``BPF_LINK_CREATE``/``UPDATE``, 5.7) come with getpeername4 (5.8)."""
 

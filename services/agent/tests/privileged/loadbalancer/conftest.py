@@ -207,10 +207,12 @@ def topology() -> Iterator[Topology]:
             delete_netns(ns)
 
 
-@pytest.fixture
-def sock_config() -> Iterator[socklb.SockConfig]:
+@pytest.fixture(params=["set-retval", "compat"])
+def sock_config(request: pytest.FixtureRequest) -> Iterator[socklb.SockConfig]:
     """A pin dir and a cgroup2 mount of the test's own; whatever the test attached is
-    detached, the pins removed and the mount unmounted at the end."""
+    detached, the pins removed and the mount unmounted at the end. Every test runs with
+    both socket-LB objects: ``bpf_sock.o`` and ``bpf_sock_compat.o`` (what ``auto`` loads on
+    a kernel without bpf_set_retval, < 5.18), forced here."""
     skips.require(skips.bpf_missing("cgroup sock_addr programs, BPF links, pinned maps"))
     tag = secrets.token_hex(4)
     run_dir = pathlib.Path(f"/run/cilia-tlb-{tag}")
@@ -220,6 +222,7 @@ def sock_config() -> Iterator[socklb.SockConfig]:
         cgroup_root=run_dir / "cgroupv2",
         lb_map_max=1024,
         sock_rev_map_max=4096,
+        variant=request.param,
     )
     try:
         yield config

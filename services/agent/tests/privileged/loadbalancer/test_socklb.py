@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import os
 import shutil
 import socket
 import threading
@@ -224,8 +225,10 @@ def test_affinity_moves_when_the_remembered_backend_terminates(
 
 @pytest.mark.parametrize("proto", ["tcp", "udp"])
 def test_vip_without_backends_refuses(
-    topology: Topology, attached: ServiceMapWriter, proto: str
+    topology: Topology, attached: ServiceMapWriter, sock_config: socklb.SockConfig, proto: str
 ) -> None:
+    """ECONNREFUSED with bpf_set_retval (5.18); without it (bpf_sock_compat.o) the hook's
+    default EPERM, as upstream's socket-LB refuses on such kernels."""
     vip = "198.18.77.11"
     attached.upsert_service(service("empty", vip, ready=()))
 
@@ -238,7 +241,21 @@ def test_vip_without_backends_refuses(
 
     with pytest.raises(OSError) as caught:
         in_netns(topology.client, attempt)
-    assert caught.value.errno == errno.ECONNREFUSED
+    want = errno.EPERM if sock_config.variant == "compat" else errno.ECONNREFUSED
+    assert caught.value.errno == want
+
+
+def test_auto_loads_the_object_this_kernel_supports() -> None:
+    """``auto`` probes for bpf_set_retval (5.18): this kernel has it when the probe says so,
+    and the probe agrees with the release."""
+    from cilia_agent.preflight.kernel import parse_version
+
+    release = parse_version(os.uname().release)
+    want = socklb.OBJECT if release[:2] >= (5, 18) else socklb.COMPAT_OBJECT
+    assert socklb.object_stem("auto") == want
+    assert socklb.object_stem("compat") == socklb.COMPAT_OBJECT
+    with pytest.raises(socklb.SocketLBUnavailable, match="--bpf-sock-variant"):
+        socklb.object_stem("newest")
 
 
 def test_not_a_service_passes_untouched(topology: Topology, attached: ServiceMapWriter) -> None:
