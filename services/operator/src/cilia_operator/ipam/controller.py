@@ -120,6 +120,8 @@ class IPAMController(ReconcileMixin, PoolsMixin, SourcesMixin, SubscriptionsMixi
         self._observers: list[asyncio.Task[None]] = []
         # --ipam kubernetes: the core Nodes as the Node watch delivers them (by name)
         self._k8s_nodes: dict[str, Resource] = {}
+        # pool -> node -> event-loop time it began waiting for a free block of the pool
+        self._waiting: dict[str, dict[str, float]] = {}
 
     async def start(self, run: bool = True) -> None:
         """Migrate (when enabled), restore state from the store and start the watches

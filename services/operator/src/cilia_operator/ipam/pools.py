@@ -104,6 +104,7 @@ class PoolsMixin(ControllerState):
         else:
             self._upsert_pool(event.object)
             self.enqueue_pool(name)
+            self._retry_waiting(name)  # extended: its waiting nodes first, oldest first
         self._publish_stats()
         for node in sorted(self._known):
             self.enqueue(node)

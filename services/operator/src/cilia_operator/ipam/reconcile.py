@@ -96,6 +96,26 @@ class ReconcileMixin(ControllerState):
                 log.exception("reconcile crashed", extra={what: name})
                 self.metrics.reconciles.labels("error").inc()
 
+    async def run_queued(self) -> int:
+        """Do the queued work now, in queue order, until the queue is empty, as the worker
+        would (for a controller started with ``run=False``: the stress test drives it step
+        by step). Returns how many items ran.
+
+        Raises:
+            StoreError: the store failed (the item is not re-queued).
+        """
+        done = 0
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            self._queued.discard(item)
+            what, name = item
+            if what == "pool":
+                await self.sync_draining(name)
+            else:
+                await self.reconcile(name)
+            done += 1
+        return done
+
     async def drain(self) -> None:
         """Wait until the work queue is empty and the worker idle (tests, benchmarks)."""
         while self._queued or not self._queue.empty():
@@ -171,12 +191,14 @@ class ReconcileMixin(ControllerState):
                 released = self.allocator.release_node(name)
                 for block in released:
                     await claims.unclaim(self.store, block, name)
+                self._set_waiting(name, ())
                 if released:
                     log.info("node deleted; CIDRs released", extra={"node": name,
                              "cidrs": [str(b) for b in released]})  # fmt: skip
                     self._publish_stats()
                     for pool in sorted(self.allocator.pools):
                         self.enqueue_pool(pool)
+                        self._retry_waiting(pool)
                 return
             if self.migrate and self.mode == "multi-pool" and nodes.pod_cidrs(record):
                 await self._migrate_node(name)
@@ -212,8 +234,9 @@ class ReconcileMixin(ControllerState):
             if lost:
                 attempt += 1
                 continue
-            for pool in {p for p, _ in result.freed}:
+            for pool in sorted({p for p, _ in result.freed}):
                 self.enqueue_pool(pool)
+                self._retry_waiting(pool)
             cluster = result.allocated.pop(CLUSTER_POOL, [])
             conflicts = self.network_conflicts(name)
             if self.mode == "cluster-pool":
@@ -229,6 +252,7 @@ class ReconcileMixin(ControllerState):
                 error = "; ".join(e for e in (error, *conflicts) if e)
                 updated = nodes.with_allocation(record, result.allocated, error)
             if updated == record:
+                self._set_waiting(name, result.waiting)
                 self._count(result.error)
                 return
             try:
@@ -245,10 +269,37 @@ class ReconcileMixin(ControllerState):
             if result.error:
                 log.warning("ipam-multi-pool-sync allocation failed",
                             extra={"node": name, "error": result.error})  # fmt: skip
+            self._set_waiting(name, result.waiting)
             self._count(result.error)
             self._publish_stats()
             return
         raise Contention(NODE.kind, "", name)
+
+    def _set_waiting(self, name: str, pools: Sequence[str]) -> None:
+        """Node ``name`` now waits for a free block of each of ``pools`` (and of no other):
+        a pool it starts waiting on records the event-loop time, so the oldest waiter is
+        served first (:meth:`_retry_waiting`)."""
+        now = asyncio.get_running_loop().time()
+        for pool in pools:
+            self._waiting.setdefault(pool, {}).setdefault(name, now)
+        for pool in [p for p, waiters in self._waiting.items() if name in waiters]:
+            if pool not in pools:
+                del self._waiting[pool][name]
+                if not self._waiting[pool]:
+                    del self._waiting[pool]
+
+    def waiting(self, pool: str) -> list[str]:
+        """The nodes waiting for a free block of ``pool``, oldest first."""
+        waiters = self._waiting.get(pool, {})
+        return sorted(waiters, key=lambda node: (waiters[node], node))
+
+    def _retry_waiting(self, pool: str) -> None:
+        """The capacity of ``pool`` changed (a block freed, a node deleted, the pool
+        extended): queue every node waiting on it, oldest first, so one refused for
+        exhaustion is served before a node that asks later (upstream retries a failed
+        allocation; agents re-send demand only when it changes)."""
+        for node in self.waiting(pool):
+            self.enqueue(node)
 
     def _node_networks(self, name: str, record: Resource | None) -> None:
         """Track node ``name``'s attached networks (``status.localNetworks``) that lie in
