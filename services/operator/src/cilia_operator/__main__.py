@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pool", default="",
                       help="pool name the plan is for (an update of it is not an overlap) "
                       "(default: a new pool)")  # fmt: skip
+    plan.add_argument("--ipam-default-ip-pool", default="default",
+                      help="the operator's default pool (a /32 mask is refused for it "
+                      "only, as apply does) (default: default)")  # fmt: skip
     plan.add_argument("--service-cluster-ip-range", action="append", default=None,
                       help="extra service CIDR no pool CIDR may overlap (repeat, or a comma "
                       "list, for several) "
@@ -301,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
                 service_cidrs=(
                     tuple(args.service_cluster_ip_range) if args.service_cluster_ip_range else None
-                ), tls=tls,
+                ), tls=tls, default_pool=args.ipam_default_ip_pool,
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
