@@ -311,6 +311,10 @@ class RedisStore(Store):
         if write.op == "create":
             stored, body = _for_create(write.obj)
             args = ["create", _field(namespace, name), body, "", self._history]
+        elif write.op == "delete":
+            stored = _copied(write.obj)
+            args = ["delete", _field(namespace, name), "", resource_version(write.obj),
+                    self._history]  # fmt: skip
         else:
             stored = _copied(write.obj)
             args = [
