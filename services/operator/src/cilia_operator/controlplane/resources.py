@@ -449,7 +449,11 @@ class ResourceServicer:
             cidr_records = (
                 snapshot[SERVICE_CIDR.kind].items if SERVICE_CIDR.kind in snapshot else []
             )
-            changes, effects = self._pool_changes(docs, stored, records, cidr_records)
+            # checks of every pool against every node and service: seconds for 1,000 pools,
+            # so in a thread (the event loop keeps serving agents and GetStatus)
+            changes, effects = await asyncio.to_thread(
+                self._pool_changes, docs, stored, records, cidr_records
+            )
             self._prepare_services(docs, snapshot, stored)
             writes: list[Write] = []
             applied = []

@@ -293,6 +293,17 @@ def pages(items: Sequence[M], max_count: int, max_bytes: int) -> list[Sequence[M
 E = TypeVar("E")
 R = TypeVar("R")
 
+OFFLOAD_ITEMS = 500
+"""Listings of at least this many objects (and pages of at least this many events) are
+computed in a worker thread instead of on the event loop."""
+
+
+async def _pages(items: Sequence[M], max_count: int, max_bytes: int) -> list[Sequence[M]]:
+    """:func:`pages`, in a thread for :data:`OFFLOAD_ITEMS` items or more."""
+    if len(items) >= OFFLOAD_ITEMS:
+        return await asyncio.to_thread(pages, items, max_count, max_bytes)
+    return pages(items, max_count, max_bytes)
+
 
 async def watch_stream(
     store: Store,
@@ -318,18 +329,24 @@ async def watch_stream(
     pending: dict[Hashable, E] = {}
     ready = False
     async for item in follow(store, kinds, queue_size):
-        for event in apply(item):
+        if isinstance(item, Listed) and len(item.items) >= OFFLOAD_ITEMS:
+            # a big listing (10,000 policies: seconds of encoding) is turned into events in
+            # a thread, so the event loop keeps serving every other stream and call
+            events = await asyncio.to_thread(apply, item)
+        else:
+            events = apply(item)
+        for event in events:
             k = key(event)
             pending.pop(k, None)
             pending[k] = event
         if isinstance(item, Listed) and item.ready:
             ready = True
-            parts = pages(list(pending.values()), chunk_size, max_bytes)
+            parts = await _pages(list(pending.values()), chunk_size, max_bytes)
             pending = {}
             for i, part in enumerate(parts):
                 yield respond(part, i == len(parts) - 1)
         elif ready and pending:
-            parts = pages(list(pending.values()), chunk_size, max_bytes)
+            parts = await _pages(list(pending.values()), chunk_size, max_bytes)
             pending = {}
             for part in parts:
                 yield respond(part, False)

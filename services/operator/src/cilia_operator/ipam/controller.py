@@ -122,6 +122,7 @@ class IPAMController(ReconcileMixin, PoolsMixin, SourcesMixin, SubscriptionsMixi
         self._k8s_nodes: dict[str, Resource] = {}
         # pool -> node -> event-loop time it began waiting for a free block of the pool
         self._waiting: dict[str, dict[str, float]] = {}
+        self._stats_pending = False  # a pool-stats publish is scheduled
 
     async def start(self, run: bool = True) -> None:
         """Migrate (when enabled), restore state from the store and start the watches

@@ -105,7 +105,7 @@ class PoolsMixin(ControllerState):
             self._upsert_pool(event.object)
             self.enqueue_pool(name)
             self._retry_waiting(name)  # extended: its waiting nodes first, oldest first
-        self._publish_stats()
+        self._publish_stats_soon()
         for node in sorted(self._known):
             self.enqueue(node)
         self._notify_pools()

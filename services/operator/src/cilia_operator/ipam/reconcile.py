@@ -365,3 +365,15 @@ class ReconcileMixin(ControllerState):
 
     def _publish_stats(self) -> None:
         self.metrics.set_pool_stats(self.allocator.stats())
+
+    def _publish_stats_soon(self) -> None:
+        """:meth:`_publish_stats` once, on the loop's next turn, however many calls come
+        before it: a burst of pool events (an apply of 1,000 pools) costs one publish, not
+        one per event over every pool (seconds of a blocked event loop)."""
+        if not self._stats_pending:
+            self._stats_pending = True
+            asyncio.get_running_loop().call_soon(self._publish_pending_stats)
+
+    def _publish_pending_stats(self) -> None:
+        self._stats_pending = False
+        self._publish_stats()

@@ -31,6 +31,10 @@ from . import node as nodes
 from .allocator import Holding
 from .state import ControllerState
 
+WATCH_SLICE_SECONDS = 0.02
+"""How long the controller's watch handles events before it lets the event loop serve
+others (RPCs, streams) once."""
+
 log = logging.getLogger(__name__)
 
 
@@ -212,11 +216,18 @@ class SourcesMixin(ControllerState):
         on_event: Callable[[WatchEvent], Awaitable[None]],
         relist: Callable[[], Awaitable[str]],
     ) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
+                turn = loop.time()
                 async for event in self.store.watch(kind, since):
                     since = event.resource_version
                     await on_event(event)
+                    if loop.time() - turn > WATCH_SLICE_SECONDS:
+                        # a batch of events (1,000 pools applied at once) is handled in
+                        # slices, so RPCs are served in between
+                        await asyncio.sleep(0)
+                        turn = loop.time()
             except Expired as exc:
                 log.info("watch expired; relisting", extra={"kind": kind, "error": str(exc)})
             except StoreError as exc:
