@@ -1,7 +1,7 @@
 """``python -m bench [NAME] [ARGS]``: run the benchmarks.
 
 NAME: ``cni_latency``, ``agent_add``, ``agent_memory``, ``datapath``, ``flows``, ``hubble_agent``,
-``conntrack_gc``, ``ipam``, ``cluster``, ``k8s_operator``, ``services``
+``conntrack_gc``, ``ipam``, ``cluster``, ``k8s_operator``, ``services``, ``operator_busy``
 (``python -m bench NAME --help``). Without
 NAME every benchmark runs with its defaults, in that order; ARGS without NAME go to
 ``bench.cni_latency``.
@@ -22,6 +22,7 @@ from bench import (
     hubble_agent,
     ipam,
     k8s_operator,
+    operator_busy,
     services,
 )
 
@@ -37,6 +38,7 @@ BENCHES = {
     "cluster": cluster.main,
     "k8s_operator": k8s_operator.main,
     "services": services.main,
+    "operator_busy": operator_busy.main,
 }
 
 if __name__ == "__main__":

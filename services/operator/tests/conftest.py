@@ -52,11 +52,13 @@ def _run(coro: Any, timeout: float) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    """Run ``async def`` tests on a fresh event loop, 60 s at most (no plugin needed)."""
+    """Run ``async def`` tests on a fresh event loop, 60 s at most unless the test is marked
+    ``@pytest.mark.timeout(N)`` (cluster-size tests; pytest-timeout reads the same mark)."""
     if inspect.iscoroutinefunction(pyfuncitem.obj):
         names = pyfuncitem._fixtureinfo.argnames
         kwargs = {name: pyfuncitem.funcargs[name] for name in names}
-        _run(pyfuncitem.obj(**kwargs), timeout=60)
+        mark = pyfuncitem.get_closest_marker("timeout")
+        _run(pyfuncitem.obj(**kwargs), timeout=float(mark.args[0]) if mark else 60)
         return True
     return None
 

@@ -337,12 +337,15 @@ class Agent:
             return None
         lo, hi = cfg.operator_reconnect_min_backoff, cfg.operator_reconnect_max_backoff
         if not cfg.operator.startswith("k8s:"):
-            channel = operator_channel(cfg.operator, lo, hi, tls=cfg.operator_tls)
+            channel = operator_channel(
+                cfg.operator, lo, hi, tls=cfg.operator_tls,
+                max_message_bytes=cfg.operator_max_message_bytes,
+            )  # fmt: skip
             self._stops.append(channel.close)  # closed last, also after a failed start
             return channel
         from cilia_agent.controlplane.discovery import discovered_channel
 
-        found = discovered_channel(cfg, reconnect_options(lo, hi))
+        found = discovered_channel(cfg, reconnect_options(lo, hi, cfg.operator_max_message_bytes))
         self._stops.append(found.close)
         await found.refresh()  # a failure is logged; the task below lists again
         self._spawn("operator-discovery", found.run)

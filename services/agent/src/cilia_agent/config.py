@@ -282,6 +282,13 @@ class Config(BaseModel):
         default="",
         description="name the operator's certificate must carry ('' = the host of --operator)",
     )
+    operator_max_message_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="largest message taken in from the operator (every stream); the default "
+        "is grpcio's (4 MiB), which the operator's --watch-max-message-bytes pages its "
+        "streams to by default: raise both together",
+    )
     operator_reconnect_min_backoff: float = Field(
         default=1.0,
         gt=0,

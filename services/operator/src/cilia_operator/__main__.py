@@ -14,6 +14,7 @@ cilia-operator serve [--store URL|kubernetes [--kubeconfig PATH]] [--listen ADDR
 cilia-operator apply -f FILE [--server ADDR] [--dry-run]
 cilia-operator get KIND [NAME] [-n NAMESPACE | -A] [-o json|yaml] [--server ADDR]
 cilia-operator delete KIND NAME [-n NAMESPACE] [--server ADDR]
+cilia-operator delete -f FILE | KIND -l SELECTOR [-n NAMESPACE] [--server ADDR]
 cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-last-ip]
                          [--pool NAME] [--service-cluster-ip-range CIDR] [--server ADDR | --offline]
 cilia-operator ipam status [-o text|json] [--server ADDR]
@@ -93,9 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("-o", "--output", choices=["json", "yaml"], default="json", help=d)
     client(get)
 
-    delete = sub.add_parser("delete", help="delete one resource")
-    delete.add_argument("kind", metavar="KIND", help=kinds)
-    delete.add_argument("name", metavar="NAME")
+    delete = sub.add_parser(
+        "delete",
+        help="delete one resource, every object of a manifest (-f), or every object "
+        "of a kind whose labels match (-l); -f and -l: all or nothing",
+    )
+    delete.add_argument("kind", metavar="KIND", nargs="?", default="", help=kinds)
+    delete.add_argument("name", metavar="NAME", nargs="?", default="")
+    delete.add_argument("-f", "--filename", default="",
+                        help="manifest whose objects to delete ('-' = stdin)")  # fmt: skip
+    delete.add_argument("-l", "--selector", default="",
+                        help="label selector (k=v, k!=v, k, !k; ',' = and) with KIND")  # fmt: skip
     delete.add_argument("-n", "--namespace", default="default",
                         help=f"namespace of namespaced kinds {d}")  # fmt: skip
     client(delete)
@@ -115,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pool", default="",
                       help="pool name the plan is for (an update of it is not an overlap) "
                       "(default: a new pool)")  # fmt: skip
+    plan.add_argument("--ipam-default-ip-pool", default="default",
+                      help="the operator's default pool (a /32 mask is refused for it "
+                      "only, as apply does) (default: default)")  # fmt: skip
     plan.add_argument("--service-cluster-ip-range", action="append", default=None,
                       help="extra service CIDR no pool CIDR may overlap (repeat, or a comma "
                       "list, for several) "
@@ -258,7 +270,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cilia-operator`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     from . import cli
@@ -283,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 None if args.offline else args.server, args.timeout, sys.stdout, pool=args.pool,
                 service_cidrs=(
                     tuple(args.service_cluster_ip_range) if args.service_cluster_ip_range else None
-                ), tls=tls,
+                ), tls=tls, default_pool=args.ipam_default_ip_pool,
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
@@ -300,7 +313,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             namespace = None if args.all_namespaces else args.namespace
             cli.get(args.kind, args.name, args.output, args.server, args.timeout, sys.stdout,
                     namespace=namespace, tls=tls)  # fmt: skip
+        elif args.filename or args.selector:
+            if args.filename and (args.kind or args.selector):
+                parser.error("delete -f FILE takes no KIND, NAME or -l")
+            if args.selector and (not args.kind or args.name):
+                parser.error("delete -l SELECTOR takes a KIND and no NAME")
+            cli.delete_many(args.server, args.timeout, sys.stdout, filename=args.filename,
+                            kind=args.kind, selector=args.selector, namespace=args.namespace,
+                            tls=tls)  # fmt: skip
         else:
+            if not args.kind or not args.name:
+                parser.error("delete takes KIND NAME, -f FILE, or KIND -l SELECTOR")
             cli.delete(args.kind, args.name, args.server, args.timeout, sys.stdout,
                        namespace=args.namespace, tls=tls)  # fmt: skip
         sys.stdout.flush()

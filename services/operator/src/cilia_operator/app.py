@@ -253,6 +253,7 @@ class Operator:
         streams = {
             "chunk_size": self.config.watch_list_chunk_size,
             "queue_size": self.config.watch_buffer_size,
+            "max_bytes": self.config.watch_max_message_bytes,
         }
         services = [
             Service(
@@ -265,6 +266,8 @@ class Operator:
                     pods_from_api=config.store == "kubernetes",
                     record_alias_use=config.store != "kubernetes",
                     nodes_from_api=config.store == "kubernetes",
+                    chunk_size=config.watch_list_chunk_size,
+                    max_bytes=config.watch_max_message_bytes,
                 ),
                 SERVICE_NAMES[0],
             ),

@@ -145,6 +145,14 @@ class Config(BaseModel):
         ge=1,
         description="max events per message of a watch stream's initial listing",
     )
+    watch_max_message_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="max bytes of one watch-stream message (every stream: nodes, ipcache, "
+        "policies, pods, services, identities); the default is grpcio's default receive "
+        "limit (4 MiB), which the agent keeps unless --operator-max-message-bytes raises it; "
+        "must exceed --apply-max-record-bytes so one stored object always fits",
+    )
     watch_buffer_size: int = Field(
         default=1000,
         ge=1,
@@ -327,6 +335,16 @@ class Config(BaseModel):
     @classmethod
     def _ca_files(cls, value: list[str]) -> list[str]:
         return split_list(value)
+
+    @model_validator(mode="after")
+    def _message_fits_record(self) -> Config:
+        if self.watch_max_message_bytes <= self.apply_max_record_bytes:
+            raise ValueError(
+                f"--watch-max-message-bytes {self.watch_max_message_bytes}: must exceed "
+                f"--apply-max-record-bytes {self.apply_max_record_bytes} (one stored object "
+                "must fit in one stream message)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls(self) -> Config:

@@ -454,13 +454,25 @@ def test_cli_plan_takes_a_comma_list_of_service_cidrs_like_the_operator() -> Non
     assert "--service-cluster-ip-range: 'nonsense' is not an IPv4 CIDR" in bad.stderr
 
 
+def test_cli_plan_takes_apply_s_rule_for_mask_32_a_non_default_pool_may_use_it() -> None:
+    got = run_cli("ipam", "plan", "--cidr", "10.1.0.0/28", "--mask-size", "32", "--offline",
+                  "--pool", "single")  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "node blocks:        16" in got.stdout
+    assert "pod IPs per node:   1 per block, one block per pod" in got.stdout
+    other = run_cli("ipam", "plan", "--cidr", "10.1.0.0/28", "--mask-size", "32", "--offline",
+                    "--pool", "default", "--ipam-default-ip-pool", "main")  # fmt: skip
+    assert other.returncode == 0, other.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--server", "garbage::"], "--server: 'garbage::' is not an operator address"),
         (["--server", "127.0.0.1"], "no port"),
         (["--server", "127.0.0.1:99999"], "not in 1..65535"),
-        (["--mask-size", "32", "--offline"], "--mask-size: a /32 block leaves no pod address"),
+        (["--mask-size", "32", "--offline", "--pool", "default"],
+         "--mask-size: a /32 block of the default pool 'default' leaves no pod address"),
         (["--cidr", "127.0.0.0/16", "--offline"], "overlaps the loopback range 127.0.0.0/8"),
         (["--cidr", "224.0.0.0/16", "--offline"], "overlaps the multicast range 224.0.0.0/4"),
         (["--cidr", "169.254.0.0/16", "--offline"], "link-local range 169.254.0.0/16"),

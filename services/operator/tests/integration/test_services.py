@@ -495,7 +495,6 @@ async def test_report_alias_use_records_the_uses_and_queues_no_ipam_reconcile(
         nodes = pb_grpc.NodeServiceStub(channel)  # type: ignore[no-untyped-call]
         await nodes.Register(pb.RegisterRequest(node_name="node-a", addresses=["192.0.2.10"]),
                              timeout=10)  # fmt: skip
-        node_before = await op.store.get("CiliumNode", "node-a")
         queued: list[str] = []
         real_enqueue = op.controller.enqueue
 
@@ -504,6 +503,15 @@ async def test_report_alias_use_records_the_uses_and_queues_no_ipam_reconcile(
             real_enqueue(name)
 
         op.controller.enqueue = enqueue  # type: ignore[method-assign]
+        # Register's own writes reach the controller through its node watch, later than the
+        # reply: wait until they are in (no enqueue for 0.3 s), then count from zero
+        async with asyncio.timeout(10):
+            seen = -1
+            while seen != len(queued):
+                seen = len(queued)
+                await asyncio.sleep(0.3)
+        queued.clear()
+        node_before = await op.store.get("CiliumNode", "node-a")
         for idle_ms in (30_000, 20_000):
             await nodes.ReportAliasUse(pb.ReportAliasUseRequest(
                 node_name="node-a",

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from stores import make_store
 
-from cilia_operator.store import Snapshot, Store, Write
+from cilia_operator.store import Conflict, Snapshot, Store, StoreError, Write
 
 __all__ = ["make_store"]  # the parametrized fixture (redis, kubernetes)
 
@@ -72,5 +72,34 @@ async def test_transact_refuses_a_write_of_a_kind_it_did_not_read(make_store: St
         with pytest.raises(ValueError, match="transaction writes Thing but reads only Other"):
             await store.transact(["Other"], plan)
         assert (await store.list("Thing")).items == []
+    finally:
+        await store.close()
+
+
+async def test_transact_deletes_with_the_writes_and_a_changed_one_is_a_conflict(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
+    try:
+        await store.create(thing("x"))
+        await store.create(thing("y"))
+
+        async def plan(snapshot: Snapshot) -> list[Write]:
+            return [Write("delete", o) for o in snapshot["Thing"].items]
+
+        out = await store.transact(["Thing"], plan)
+        assert sorted(o["metadata"]["name"] for o in out) == ["x", "y"]
+        assert (await store.list("Thing")).items == []
+        # a delete carries the listed resourceVersion: a changed object is not deleted
+        stale = await store.create(thing("z"))
+        await store.update({**stale, "spec": {"n": 1}})
+
+        async def stale_plan(snapshot: Snapshot) -> list[Write]:
+            return [Write("delete", stale)]
+
+        with pytest.raises(StoreError) as err:  # Redis: the queued write's status; K8s: Conflict
+            await store.transact(["Thing"], stale_plan)
+        assert "conflict" in str(err.value).lower() or isinstance(err.value, Conflict)
+        assert [o["metadata"]["name"] for o in (await store.list("Thing")).items] == ["z"]
     finally:
         await store.close()

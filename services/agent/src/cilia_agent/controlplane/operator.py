@@ -140,20 +140,36 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def reconnect_options(min_backoff: float, max_backoff: float) -> list[tuple[str, int]]:
-    """gRPC channel options capping its reconnect backoff to ``min``..``max`` seconds."""
+OPERATOR_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""Default of ``--operator-max-message-bytes``: grpcio's own default receive limit (4 MiB),
+which the operator's ``--watch-max-message-bytes`` pages its streams to by default."""
+
+
+def reconnect_options(
+    min_backoff: float, max_backoff: float, max_message_bytes: int = OPERATOR_MAX_MESSAGE_BYTES
+) -> list[tuple[str, int]]:
+    """gRPC channel options capping its reconnect backoff to ``min``..``max`` seconds and the
+    largest message it takes in to ``max_message_bytes`` (``--operator-max-message-bytes``;
+    a larger one fails its stream with RESOURCE_EXHAUSTED)."""
     ms_min, ms_max = int(min_backoff * 1000), int(max_backoff * 1000)
     return [
         ("grpc.initial_reconnect_backoff_ms", ms_min),
         ("grpc.min_reconnect_backoff_ms", ms_min),
         ("grpc.max_reconnect_backoff_ms", ms_max),
+        ("grpc.max_receive_message_length", max_message_bytes),
     ]
 
 
 def operator_channel(
-    address: str, min_backoff: float, max_backoff: float, *, tls: ClientTLS | None = None
+    address: str,
+    min_backoff: float,
+    max_backoff: float,
+    *,
+    tls: ClientTLS | None = None,
+    max_message_bytes: int = OPERATOR_MAX_MESSAGE_BYTES,
 ) -> grpc.aio.Channel:
-    """A channel to the operator with the reconnect backoff ``min``..``max`` (s): plaintext,
+    """A channel to the operator with the reconnect backoff ``min``..``max`` (s) and the
+    receive limit ``max_message_bytes`` (see :func:`reconnect_options`): plaintext,
     or with ``tls`` mutual TLS whose files are re-read for new calls once they change
     (:class:`cilia_common.tls.RotatingChannel`), so a renewed certificate is used without a
     restart.
@@ -161,7 +177,7 @@ def operator_channel(
     Raises:
         TLSFileError: a TLS file is unusable at start.
     """
-    options = reconnect_options(min_backoff, max_backoff)
+    options = reconnect_options(min_backoff, max_backoff, max_message_bytes)
     if tls is not None:
         return RotatingChannel(address, tls, options)
     return grpc.aio.insecure_channel(address, options=options)

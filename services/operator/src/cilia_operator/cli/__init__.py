@@ -9,7 +9,7 @@ status 2 (bad input, not found, refused) -- never a traceback.
 from .certs import certs_generate
 from .connection import EXIT_ERROR, SERVER_FORM, CommandError, channel, check_server
 from .ipam import DEFAULT_SERVICE_CIDR, draining_lines, ipam_plan, ipam_status
-from .resources import apply, delete, get
+from .resources import apply, delete, delete_many, get
 from .servicecidr import servicecidr_migrate, servicecidr_status
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "channel",
     "check_server",
     "delete",
+    "delete_many",
     "draining_lines",
     "get",
     "ipam_plan",

@@ -73,6 +73,7 @@ def ipam_plan(
     service_cidrs: tuple[str, ...] | None = None,
     *,
     tls: ClientTLS | None = None,
+    default_pool: str = "default",
 ) -> int:
     """Print the node blocks, pod IPs per node and in total for a pool shape; with a
     reachable operator (``server``), also check it against live pools and nodes:
@@ -80,7 +81,10 @@ def ipam_plan(
     ``pool`` (immutable) and nodes that would not get a block.
 
     Pod IPs per node are a block's usable addresses minus the agent's router IP (the first
-    usable address of a node's first block); the total assumes one block per node.
+    usable address of a node's first block); the total assumes one block per node. The
+    rules are apply's: a mask that leaves no pod address after the router IP (``/32``) is
+    refused for the default pool (``default_pool``, ``--ipam-default-ip-pool``) only;
+    another pool uses single-address blocks, one per pod.
 
     The service CIDRs checked are the operator's own ``--service-cluster-ip-range``
     (GetStatus ``service_cidrs``) plus ``service_cidrs`` when given (each a CIDR or a comma
@@ -93,7 +97,8 @@ def ipam_plan(
 
     Raises:
         CommandError: a CIDR or the mask is invalid, a CIDR overlaps a special-purpose
-            range (loopback, link-local, multicast, ...), the mask leaves no pod address,
+            range (loopback, link-local, multicast, ...), the mask leaves the default pool
+            no pod address,
             two ``--cidr`` values overlap (apply refuses these too), or ``server`` is not
             an address (:func:`check_server`).
     """
@@ -121,19 +126,28 @@ def ipam_plan(
         plan = plan_numbers(nets, mask_size, allow_first, allow_last)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    if plan.pods_per_node < 1:
+    if plan.pods_per_node < 1 and pool == default_pool:
         raise CommandError(
-            f"--mask-size: a /{mask_size} block leaves no pod address: its "
-            f"{plan.usable_per_block} usable address is the agent's router IP (use a shorter mask)"
+            f"--mask-size: a /{mask_size} block of the default pool {default_pool!r} leaves no "
+            f"pod address: its {plan.usable_per_block} usable address is the agent's router "
+            "IP (use a shorter mask; another pool may use it, as apply allows)"
         )
     print(f"CIDRs:              {', '.join(str(n) for n in nets)}", file=out)
     print(f"block size:         /{mask_size}", file=out)
     print(f"node blocks:        {plan.blocks}", file=out)
     print(f"IPs per block:      {plan.usable_per_block}", file=out)
-    print(f"pod IPs per node:   {plan.pods_per_node} (one block; the agent's router IP takes "
-          "one address)", file=out)  # fmt: skip
-    print(f"pod IPs in total:   {plan.pods_total} ({plan.blocks} nodes with one block each)",
-          file=out)  # fmt: skip
+    if plan.pods_per_node < 1:
+        # as apply: a pool other than the default may use single-address blocks, one per
+        # pod (the router IP comes from the default pool)
+        print(f"pod IPs per node:   {plan.usable_per_block} per block, one block per pod "
+              f"(not usable as the default pool {default_pool!r}: the router IP would take "
+              "the block's only address)", file=out)  # fmt: skip
+        print(f"pod IPs in total:   {plan.blocks * plan.usable_per_block}", file=out)
+    else:
+        print(f"pod IPs per node:   {plan.pods_per_node} (one block; the agent's router IP "
+              "takes one address)", file=out)  # fmt: skip
+        print(f"pod IPs in total:   {plan.pods_total} ({plan.blocks} nodes with one block "
+              "each)", file=out)  # fmt: skip
     if server is None:
         return _offline_checks(nets, given, out, "offline")
     try:

@@ -49,14 +49,7 @@ def apply(
     Raises:
         CommandError: unreadable file, invalid manifest, unreachable operator.
     """
-    try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()  # noqa: SIM115
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise CommandError(
-            f"cannot read {path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON manifest"
-        ) from None
+    text = read_manifest(path)
     stub = resource_stub(server, tls)
     request_id = str(uuid.uuid4())
     try:
@@ -155,6 +148,59 @@ def get(
     if info.namespaced and namespace is not None:
         items = [i for i in items if (i.get("metadata") or {}).get("namespace") == namespace]
     print(_render({"apiVersion": "v1", "kind": "List", "items": items}, output), file=out)
+
+
+def read_manifest(path: str) -> str:
+    """The text of the manifest at ``path`` (``-`` = stdin).
+
+    Raises:
+        CommandError: unreadable, or not UTF-8.
+    """
+    try:
+        return sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise CommandError(
+            f"cannot read {path}: not UTF-8 text (byte {exc.start}); give a YAML or JSON manifest"
+        ) from None
+
+
+def delete_many(
+    server: str,
+    timeout: float,
+    out: IO[str],
+    *,
+    filename: str = "",
+    kind: str = "",
+    selector: str = "",
+    namespace: str = "default",
+    tls: ClientTLS | None = None,
+) -> None:
+    """``delete -f FILE`` (every object the manifest names) or ``delete KIND -l SELECTOR``
+    (every object of the kind whose labels match), all or nothing on the operator's side;
+    prints one ``ciliumnetworkpolicy.cilium.io/web deleted`` line per object, or
+    ``No resources found`` (a selector matching nothing).
+
+    Raises:
+        CommandError: unreadable file, unknown kind, refused (nothing deleted: a missing
+            object, a pool in use, a bad selector), unreachable operator.
+    """
+    if filename:
+        request = pb.DeleteRequest(manifest=read_manifest(filename))
+    else:
+        try:
+            info = resolve_kind(kind)
+        except UnknownKind as exc:
+            raise CommandError(str(exc)) from None
+        request = pb.DeleteRequest(kind=info.kind, label_selector=selector,
+                                   namespace=namespace if info.namespaced else "")  # fmt: skip
+    response = call(resource_stub(server, tls).Delete, request, server, timeout)
+    if not response.resources:
+        print("No resources found", file=out)
+    for res in response.resources:
+        where = f" (namespace {res.namespace})" if res.namespace else ""
+        print(f"{resolve_kind(res.kind).display(res.name)} deleted{where}", file=out)
 
 
 def delete(

@@ -18,7 +18,7 @@ from ..store import AlreadyExists, Conflict, Contention, NotFound, Store, resour
 from . import authz
 from .errors import streaming, unary
 from .pod import POD_KIND
-from .streams import Changed, Listed, Sent, watch_stream
+from .streams import WATCH_MESSAGE_MAX_BYTES, Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class EndpointServicer:
 
     Args:
         store: the Store; conflict_retries: write attempts per request;
-        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``.
+        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``;
+        max_bytes: ``--watch-max-message-bytes`` (bytes of one stream message at most).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class EndpointServicer:
         conflict_retries: int,
         chunk_size: int,
         queue_size: int,
+        max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
         pods_from_api: bool = False,
     ) -> None:
         self.store = store
@@ -58,6 +60,7 @@ class EndpointServicer:
         self.conflict_retries = max(1, conflict_retries)
         self.chunk_size = chunk_size
         self.queue_size = queue_size
+        self.max_bytes = max_bytes
 
     async def _node_ip(self, node_name: str) -> str:
         try:
@@ -263,5 +266,6 @@ class EndpointServicer:
             key=lambda e: e.entry.cidr,
             chunk_size=self.chunk_size,
             queue_size=self.queue_size,
+            max_bytes=self.max_bytes,
         ):
             yield response

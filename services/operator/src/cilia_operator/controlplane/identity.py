@@ -16,7 +16,7 @@ from ..identity.labels import LabelSet
 from ..metrics import Metrics
 from ..store import Store
 from .errors import streaming, unary
-from .streams import Changed, Listed, Sent, watch_stream
+from .streams import WATCH_MESSAGE_MAX_BYTES, Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ class IdentityServicer:
 
     Args:
         store: the Store; allocator: allocates and releases;
-        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``.
+        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``;
+        max_bytes: ``--watch-max-message-bytes`` (bytes of one stream message at most).
     """
 
     def __init__(
@@ -45,12 +46,14 @@ class IdentityServicer:
         *,
         chunk_size: int,
         queue_size: int,
+        max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
         metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self.allocator = allocator
         self.chunk_size = chunk_size
         self.queue_size = queue_size
+        self.max_bytes = max_bytes
         self.metrics = metrics
 
     @unary
@@ -130,5 +133,6 @@ class IdentityServicer:
             key=lambda e: e.identity.id,
             chunk_size=self.chunk_size,
             queue_size=self.queue_size,
+            max_bytes=self.max_bytes,
         ):
             yield response

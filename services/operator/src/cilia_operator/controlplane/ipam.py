@@ -108,7 +108,8 @@ class IPAMServicer:
         self, request: pb.UpdateDemandRequest, context: Any
     ) -> pb.UpdateDemandResponse:
         """Write ``spec.ipam.pools.requested`` and drop released CIDRs from ``allocated``
-        (their block claims are deleted); returns the resourceVersion of that write (of
+        (their block claims are deleted first, then the record written, so no reconcile in
+        between can take them for blocks still being written and put them back); returns the resourceVersion of that write (of
         the unchanged record when nothing changed).
 
         Errors: NOT_FOUND (node not registered), INVALID_ARGUMENT (bad pool/CIDR),
@@ -140,6 +141,15 @@ class IPAMServicer:
             written = resource_version(record)
             if updated == record:
                 break
+            # hand-backs in this order: first the claims of the released blocks the record
+            # lists, then the record without them. The other order left a moment where a
+            # reconcile saw them claimed but unlisted, kept them as the node's (reserved)
+            # and wrote them back. A block released but not listed (a repeated release, or
+            # one claimed for the node by a reconcile still writing) keeps its claim.
+            listed = nodes.allocated(record)
+            for pool, block in released:
+                if block in listed.get(pool, []):
+                    await claims.unclaim(self.store, block, name)
             try:
                 written = resource_version(await self.store.update(updated))
             except Conflict:
@@ -150,11 +160,6 @@ class IPAMServicer:
             break
         else:
             raise Contention(NODE.kind, "", name)
-        if released:
-            still = nodes.allocated(await self.store.get(NODE.kind, name))
-            for pool, block in released:
-                if block not in still.get(pool, []):
-                    await claims.unclaim(self.store, block, name)
         self.controller.enqueue(name)
         return pb.UpdateDemandResponse(resource_version=written)
 

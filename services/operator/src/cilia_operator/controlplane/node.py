@@ -22,6 +22,7 @@ from ..service import aliases
 from ..store import AlreadyExists, Conflict, Contention, Expired, NotFound, Resource, Store
 from .errors import streaming, unary
 from .peers import peer_ip
+from .streams import WATCH_MESSAGE_MAX_BYTES, pages
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class NodeServicer:
         default_pool: ``--ipam-default-ip-pool``; conflict_retries: write attempts;
         pods_from_api: Kubernetes mode (``RegisterResponse.pods_from_api``: agents take
         identity labels from the Pods of ``PodService``).
+        chunk_size / max_bytes: ``--watch-list-chunk-size`` / ``--watch-max-message-bytes``
+        (events and bytes of one ``WatchNodes`` message at most).
     """
 
     def __init__(
@@ -89,7 +92,11 @@ class NodeServicer:
         pods_from_api: bool = False,
         record_alias_use: bool = False,
         nodes_from_api: bool = False,
+        chunk_size: int = 1000,
+        max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
     ) -> None:
+        self.chunk_size = chunk_size
+        self.max_bytes = max_bytes
         # Kubernetes mode: the CiliumNode is owned by its Node and leads with its InternalIP
         self.nodes_from_api = nodes_from_api
         self.pods_from_api = pods_from_api
@@ -212,8 +219,9 @@ class NodeServicer:
     async def WatchNodes(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchNodesRequest, context: Any
     ) -> AsyncIterator[pb.WatchNodesResponse]:
-        """Stream every registered node (one message, ``synced`` true), then each change
-        of a node's name/addresses/Hubble address/version/pod CIDRs, and deletions.
+        """Stream every registered node (in messages within ``chunk_size`` events and
+        ``max_bytes`` bytes, the last with ``synced`` true), then each change of a node's
+        name/addresses/Hubble address/version/pod CIDRs, and deletions.
 
         A watch that falls behind the store's history relists and sends the difference
         (ending with ``synced`` true again). Errors: UNAVAILABLE.
@@ -232,7 +240,9 @@ class NodeServicer:
                 if sent.get(name) != msg
             ]
             sent = current
-            yield pb.WatchNodesResponse(events=events, synced=True)
+            parts = pages(events, self.chunk_size, self.max_bytes)
+            for i, part in enumerate(parts):
+                yield pb.WatchNodesResponse(events=part, synced=i == len(parts) - 1)
             try:
                 async for event in self.store.watch(NODE.kind, listed.resource_version):
                     msg = node_message(event.object)

@@ -27,7 +27,7 @@ from cilia_common import grpcerrors
 
 from ..store import Resource, Store
 from .errors import streaming
-from .streams import Changed, Listed, Sent, watch_stream
+from .streams import WATCH_MESSAGE_MAX_BYTES, Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +143,24 @@ class PodServicer:
 
     Args:
         store: the Store; ``enabled``: the store holds Pods (``--store kubernetes``);
-        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``.
+        chunk_size / queue_size: ``--watch-list-chunk-size`` / ``--watch-buffer-size``;
+        max_bytes: ``--watch-max-message-bytes`` (bytes of one stream message at most).
     """
 
-    def __init__(self, store: Store, *, enabled: bool, chunk_size: int, queue_size: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        enabled: bool,
+        chunk_size: int,
+        queue_size: int,
+        max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
+    ) -> None:
         self.store = store
         self.enabled = enabled
         self.chunk_size = chunk_size
         self.queue_size = queue_size
+        self.max_bytes = max_bytes
 
     @streaming
     async def WatchPods(  # noqa: N802 (gRPC method name)
@@ -204,5 +214,6 @@ class PodServicer:
             key=lambda e: (e.pod.namespace, e.pod.name),
             chunk_size=self.chunk_size,
             queue_size=self.queue_size,
+            max_bytes=self.max_bytes,
         ):
             yield response

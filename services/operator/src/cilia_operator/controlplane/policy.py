@@ -13,7 +13,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from ..kinds import CCNP, CNP, NETWORK_POLICY
 from ..store import Resource, Store, resource_version
 from .errors import streaming
-from .streams import Changed, Listed, Sent, watch_stream
+from .streams import WATCH_MESSAGE_MAX_BYTES, Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,22 @@ class PolicyServicer:
 
     Args:
         store: the Store; chunk_size / queue_size: ``--watch-list-chunk-size`` /
-        ``--watch-buffer-size``.
+        ``--watch-buffer-size``; max_bytes: ``--watch-max-message-bytes`` (bytes of one
+        stream message at most).
     """
 
-    def __init__(self, store: Store, *, chunk_size: int, queue_size: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        chunk_size: int,
+        queue_size: int,
+        max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
+    ) -> None:
         self.store = store
         self.chunk_size = chunk_size
         self.queue_size = queue_size
+        self.max_bytes = max_bytes
 
     @streaming
     async def WatchPolicies(  # noqa: N802 (gRPC method name)
@@ -92,5 +101,6 @@ class PolicyServicer:
             key=lambda e: (e.kind, e.namespace, e.name),
             chunk_size=self.chunk_size,
             queue_size=self.queue_size,
+            max_bytes=self.max_bytes,
         ):
             yield response

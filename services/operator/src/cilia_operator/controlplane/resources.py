@@ -63,6 +63,7 @@ from ..store import (
     Write,
     resource_version,
 )
+from . import deletion
 from .applyfence import ApplyAbandoned, ApplyFences, Fence, Outcome
 from .errors import unary
 
@@ -448,7 +449,11 @@ class ResourceServicer:
             cidr_records = (
                 snapshot[SERVICE_CIDR.kind].items if SERVICE_CIDR.kind in snapshot else []
             )
-            changes, effects = self._pool_changes(docs, stored, records, cidr_records)
+            # checks of every pool against every node and service: seconds for 1,000 pools,
+            # so in a thread (the event loop keeps serving agents and GetStatus)
+            changes, effects = await asyncio.to_thread(
+                self._pool_changes, docs, stored, records, cidr_records
+            )
             self._prepare_services(docs, snapshot, stored)
             writes: list[Write] = []
             applied = []
@@ -582,6 +587,43 @@ class ResourceServicer:
         listed = await self.store.list(info.kind)
         return pb.ListResponse(items=[_resource(o) for o in listed.items])
 
+    async def _delete_many(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
+        """``Delete`` of a manifest's objects or of a kind's labelled objects."""
+        try:
+            if request.manifest:
+                if request.kind or request.name or request.label_selector:
+                    raise deletion.DeleteRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                        "manifest: give no kind, name or label_selector with it")  # fmt: skip
+                raw = await asyncio.to_thread(parse_manifest, request.manifest, self.limits)
+                targets = deletion.manifest_targets(raw, _namespace)
+                done = await deletion.delete_all(
+                    self.store, targets=targets, in_use=self._in_use, attempts=self.attempts
+                )
+            else:
+                if request.name:
+                    raise deletion.DeleteRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                        "label_selector: give a kind and no name with it")  # fmt: skip
+                info = resolve_kind(request.kind)
+                selected = (info, _namespace(info, request.namespace),
+                            deletion.parse_selector(request.label_selector))  # fmt: skip
+                done = await deletion.delete_all(
+                    self.store, selected=selected, in_use=self._in_use, attempts=self.attempts
+                )
+        except deletion.DeleteRefused as exc:
+            await context.abort(exc.code, str(exc))
+        for target in done:
+            log.info("resource deleted", extra={"resource": target.info.display(target.name),
+                     "namespace": target.namespace})  # fmt: skip
+        return pb.DeleteResponse(resources=[
+            pb.AppliedResource(api_version=t.info.api_version, kind=t.info.kind, name=t.name,
+                               namespace=t.namespace, action="deleted")
+            for t in done
+        ])  # fmt: skip
+
+    @staticmethod
+    def _in_use(pool: str, holders: list[str], records: list[Resource]) -> str:
+        return pool_in_use_message(POOL.display(pool), pool, holders, records)
+
     @unary
     async def Delete(  # noqa: N802 (gRPC method name)
         self, request: pb.DeleteRequest, context: Any
@@ -591,9 +633,16 @@ class ResourceServicer:
         A CiliumIdentity delete leaves its label-set key: the labels get the same number
         back on their next Allocate while it is free.
 
+        With ``manifest`` (every object its documents name) or ``kind`` +
+        ``label_selector`` (every object of the kind whose labels match): all or nothing,
+        see :mod:`.deletion`; the response lists what was deleted.
+
         Errors: NOT_FOUND; FAILED_PRECONDITION for a pool some node holds CIDRs of
-        (the message names the nodes); INVALID_ARGUMENT (unknown kind).
+        (the message names the nodes); INVALID_ARGUMENT (unknown kind, bad manifest or
+        selector, both or neither of name and selector).
         """
+        if request.manifest or request.label_selector:
+            return await self._delete_many(request, context)
         info = resolve_kind(request.kind)
         namespace = _namespace(info, request.namespace)
         if info is SERVICE_CIDR and self.services.allocate:

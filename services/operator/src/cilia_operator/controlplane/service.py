@@ -36,7 +36,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as pb
 from ..service import model
 from ..store import Resource, Store, resource_version
 from .errors import streaming
-from .streams import Changed, Listed, Sent, watch_stream
+from .streams import WATCH_MESSAGE_MAX_BYTES, Changed, Listed, Sent, watch_stream
 
 log = logging.getLogger(__name__)
 
@@ -217,13 +217,22 @@ class ServiceServicer:
 
     Args:
         store: the Store; chunk_size / queue_size: ``--watch-list-chunk-size`` /
-        ``--watch-buffer-size``.
+        ``--watch-buffer-size``; max_bytes: ``--watch-max-message-bytes`` (bytes of one
+        stream message at most).
     """
 
-    def __init__(self, store: Store, *, chunk_size: int, queue_size: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        chunk_size: int,
+        queue_size: int,
+        max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
+    ) -> None:
         self.store = store
         self.chunk_size = chunk_size
         self.queue_size = queue_size
+        self.max_bytes = max_bytes
 
     @streaming
     async def WatchServices(  # noqa: N802 (gRPC method name)
@@ -258,5 +267,6 @@ class ServiceServicer:
             key=lambda e: (e.service.namespace, e.service.name),
             chunk_size=self.chunk_size,
             queue_size=self.queue_size,
+            max_bytes=self.max_bytes,
         ):
             yield response

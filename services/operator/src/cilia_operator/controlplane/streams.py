@@ -9,6 +9,12 @@ Every stream of a kind shares one list + watch of the store (:class:`Informer`):
 Kubernetes store, 500 agents' streams were 500+ watches of the API server (and exhausted
 the client's connection pool: requests timed out under ``python -m bench k8s_operator``).
 
+Every message a stream sends is bounded by count (``--watch-list-chunk-size``) and by
+bytes (``--watch-max-message-bytes``, default 4 MiB: grpcio's default receive limit, which
+the agent keeps unless ``--operator-max-message-bytes`` raises it): a listing of 10,000
+policies of 5 KB each is about a dozen messages, never one the peer refuses with
+RESOURCE_EXHAUSTED (:func:`pages`).
+
 ``Sent`` remembers what a client was sent (key -> message) so a relist or a no-op change
 produces only real differences.
 """
@@ -19,9 +25,9 @@ import asyncio
 import collections
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..store import Expired, Resource, Store, WatchEvent
 
@@ -236,17 +242,67 @@ class Sent(Generic[K, M]):
         return out
 
 
-def chunked(items: Sequence[M], size: int) -> Iterable[Sequence[M]]:
-    """``items`` in slices of at most ``size`` (one empty slice when ``items`` is empty)."""
+WATCH_MESSAGE_MAX_BYTES = 4 * 1024 * 1024
+"""Default of ``--watch-max-message-bytes``: grpcio's default receive limit (4 MiB), so a
+client with default channel options (the agent's) takes every message."""
+
+MESSAGE_OVERHEAD_BYTES = 64
+"""Bytes of a response reserved for what is not an event (``synced``, framing slack)."""
+
+
+def _varint_len(value: int) -> int:
+    length = 1
+    while value >= 0x80:
+        value >>= 7
+        length += 1
+    return length
+
+
+def event_bytes(event: Any) -> int:
+    """Wire bytes ``event`` (a protobuf message) takes as one element of a repeated message
+    field numbered below 16: tag (1) + length varint + body."""
+    size = int(event.ByteSize())
+    return 1 + _varint_len(size) + size
+
+
+def pages(items: Sequence[M], max_count: int, max_bytes: int) -> list[Sequence[M]]:
+    """``items`` (protobuf messages) in consecutive pages of at most ``max_count`` items whose
+    encoded size, with :data:`MESSAGE_OVERHEAD_BYTES` for the rest of the response, stays
+    within ``max_bytes``; one empty page when ``items`` is empty. An item too large for any
+    page goes alone in its own page and is logged (the peer will refuse that message;
+    ``--apply-max-record-bytes`` below ``--watch-max-message-bytes`` keeps it from
+    happening)."""
     if not items:
-        yield items
-        return
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+        return [items]
+    budget = max(1, max_bytes - MESSAGE_OVERHEAD_BYTES)
+    out: list[Sequence[M]] = []
+    start = used = 0
+    for i, item in enumerate(items):
+        size = event_bytes(item)
+        if i > start and (used + size > budget or i - start >= max_count):
+            out.append(items[start:i])
+            start, used = i, 0
+        if size > budget:
+            log.error("stream event larger than --watch-max-message-bytes: sent alone, the "
+                      "peer may refuse it", extra={"bytes": size, "max_bytes": max_bytes})  # fmt: skip
+        used += size
+    out.append(items[start:])
+    return out
 
 
 E = TypeVar("E")
 R = TypeVar("R")
+
+OFFLOAD_ITEMS = 500
+"""Listings of at least this many objects (and pages of at least this many events) are
+computed in a worker thread instead of on the event loop."""
+
+
+async def _pages(items: Sequence[M], max_count: int, max_bytes: int) -> list[Sequence[M]]:
+    """:func:`pages`, in a thread for :data:`OFFLOAD_ITEMS` items or more."""
+    if len(items) >= OFFLOAD_ITEMS:
+        return await asyncio.to_thread(pages, items, max_count, max_bytes)
+    return pages(items, max_count, max_bytes)
 
 
 async def watch_stream(
@@ -258,13 +314,14 @@ async def watch_stream(
     key: Callable[[E], Hashable],
     chunk_size: int,
     queue_size: int,
+    max_bytes: int = WATCH_MESSAGE_MAX_BYTES,
 ) -> AsyncIterator[R]:
     """The body of a ``Watch*`` RPC: events from ``apply`` turned into responses.
 
     Until every kind is listed, events are held back, only the last one per ``key``
-    kept; then they go out in messages of at most ``chunk_size`` events, the last one with
-    ``synced`` True (also after every later relist). Afterwards each change that produced
-    events is one message.
+    kept; then they go out in messages of at most ``chunk_size`` events and ``max_bytes``
+    bytes (:func:`pages`), the last one with ``synced`` True (also after every later
+    relist). Afterwards the events of each change go out in as few such messages as fit.
 
     Raises:
         StoreError: the store failed; the caller aborts the RPC with its status.
@@ -272,16 +329,24 @@ async def watch_stream(
     pending: dict[Hashable, E] = {}
     ready = False
     async for item in follow(store, kinds, queue_size):
-        for event in apply(item):
+        if isinstance(item, Listed) and len(item.items) >= OFFLOAD_ITEMS:
+            # a big listing (10,000 policies: seconds of encoding) is turned into events in
+            # a thread, so the event loop keeps serving every other stream and call
+            events = await asyncio.to_thread(apply, item)
+        else:
+            events = apply(item)
+        for event in events:
             k = key(event)
             pending.pop(k, None)
             pending[k] = event
         if isinstance(item, Listed) and item.ready:
             ready = True
-            parts = list(chunked(list(pending.values()), chunk_size))
+            parts = await _pages(list(pending.values()), chunk_size, max_bytes)
+            pending = {}
             for i, part in enumerate(parts):
                 yield respond(part, i == len(parts) - 1)
-            pending = {}
         elif ready and pending:
-            yield respond(list(pending.values()), False)
+            parts = await _pages(list(pending.values()), chunk_size, max_bytes)
             pending = {}
+            for part in parts:
+                yield respond(part, False)

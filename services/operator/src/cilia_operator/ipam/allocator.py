@@ -111,12 +111,16 @@ class NodeResult:
             not be taken; empty when all is well (``status.ipam.operator-status.error``).
         added: blocks newly handed out by this reconcile.
         freed: blocks the node's record no longer lists that were freed.
+        waiting: pools whose free blocks ran out before the node's demand was met: the
+            node waits for one (the controller reconciles it again when the pool's
+            capacity changes, see :mod:`.reconcile`).
     """
 
     allocated: dict[str, list[IPv4Network]]
     errors: list[str] = field(default_factory=list)
     added: list[tuple[str, IPv4Network]] = field(default_factory=list)
     freed: list[tuple[str, IPv4Network]] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
 
     @property
     def error(self) -> str:
@@ -402,8 +406,11 @@ class MultiPoolAllocator:
                     result.errors.append(
                         f"pool {pool!r} exhausted: no free /{spec.mask_size} block left in "
                         f"{', '.join(str(c) for c in spec.cidrs) or 'no CIDRs'} "
-                        f"(needed {needed} addresses, node holds {have})"
+                        f"(needed {needed} addresses, node holds {have}); waiting: retried, "
+                        "oldest first, when a block of the pool is released, a node deleted "
+                        "or the pool extended"
                     )
+                    result.waiting.append(pool)
                     break
                 blocks.append(new)
                 result.added.append((pool, new))

@@ -201,7 +201,9 @@ def validate_pool(
 ) -> CiliumPodIPPool:
     """Validate a CiliumPodIPPool manifest (schema and semantics). IPv4 CIDRs in the
     "this network" (0/8), loopback, link-local, multicast or reserved (240/4) ranges
-    are refused. For the default pool only, so is an IPv4 ``maskSize`` whose block
+    are refused, and so is a new pool without ``spec.ipv4`` (an ``ipv6``-only pool: IPv6
+    is validated and stored but not carved yet). For the default pool only, so is an IPv4
+    ``maskSize`` whose block
     leaves no pod address once the agent took its router IP (:func:`no_pod_address`; in
     practice /32: a /31 keeps both addresses, a /30 has 2 even without
     allowFirstIP/allowLastIP). Other pools may use ``maskSize: 32``: single-address
@@ -253,6 +255,16 @@ def validate_pool(
                         )
                     )
     v4 = pool.spec.ipv4
+    if v4 is None and not stored:
+        errors.append(
+            FieldError(
+                "spec.ipv4",
+                "required: Cilia carves IPv4 blocks only; a pool with only an ipv6 section "
+                "(IPv6 pools are not carved yet) would hand out no address"
+                if pool.spec.ipv6 is not None
+                else "required: the pool has no CIDRs to hand out",
+            )
+        )
     if v4 is not None and not stored and pool.metadata.name == default_pool:
         why = no_pod_address(v4.maskSize, pool.spec.allowFirstIP, pool.spec.allowLastIP)
         if why:

@@ -175,12 +175,14 @@ class Write:
     """One write of a transaction (:meth:`Store.transact`).
 
     Attributes:
-        op: ``create`` (the key must not exist) or ``update`` (the key must exist; a
-            non-empty ``metadata.resourceVersion`` of ``obj`` is a precondition).
-        obj: the resource to store.
+        op: ``create`` (the key must not exist), ``update`` (the key must exist; a
+            non-empty ``metadata.resourceVersion`` of ``obj`` is a precondition) or
+            ``delete`` (the key must exist; ``obj``'s resourceVersion, when set, is a
+            precondition).
+        obj: the resource to store (``delete``: the resource to delete, by its key).
     """
 
-    op: Literal["create", "update"]
+    op: Literal["create", "update", "delete"]
     obj: Resource
 
 
@@ -283,6 +285,9 @@ class Store(abc.ABC):
         for write in writes:
             if write.op == "create":
                 out.append(await self.create(write.obj))
+            elif write.op == "delete":
+                kind, namespace, name = object_key(write.obj)
+                out.append(await self.delete(kind, name, namespace, resource_version(write.obj)))
             else:
                 out.append(await self.update(write.obj))
         return out

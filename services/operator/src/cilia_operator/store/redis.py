@@ -28,6 +28,7 @@ Source: the design mirrors Cilium's etcd kvstore mode and Kubernetes' resourceVe
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import datetime as _dt
 import json
@@ -59,6 +60,10 @@ from .base import (
 )
 
 T = TypeVar("T")
+
+LIST_OFFLOAD_ITEMS = 500
+"""Lists of at least this many objects are decoded in a worker thread, not on the event
+loop (which keeps serving RPCs and streams meanwhile)."""
 
 _WRITE = """
 -- KEYS: rv counter, objects hash, versions hash, events stream, trimmed marker
@@ -258,10 +263,16 @@ class RedisStore(Store):
         )
         versions = dict(zip(flat_versions[::2], flat_versions[1::2], strict=True))
         objects = dict(zip(flat_objects[::2], flat_objects[1::2], strict=True))
-        items = [
-            _loaded(objects[field], str(versions.get(field, "")))
-            for field in sorted(objects, key=_split)
-        ]
+
+        def load() -> list[Resource]:
+            return [
+                _loaded(objects[field], str(versions.get(field, "")))
+                for field in sorted(objects, key=_split)
+            ]
+
+        # decoding 10,000 policies of 5 KB takes about a second: off the event loop
+        big = len(objects) >= LIST_OFFLOAD_ITEMS
+        items = await asyncio.to_thread(load) if big else load()
         return ListResult(items=items, resource_version=str(rv))
 
     async def _run_write(
@@ -311,6 +322,10 @@ class RedisStore(Store):
         if write.op == "create":
             stored, body = _for_create(write.obj)
             args = ["create", _field(namespace, name), body, "", self._history]
+        elif write.op == "delete":
+            stored = _copied(write.obj)
+            args = ["delete", _field(namespace, name), "", resource_version(write.obj),
+                    self._history]  # fmt: skip
         else:
             stored = _copied(write.obj)
             args = [
