@@ -24,7 +24,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cilia_agent.config import MONITOR_AGGREGATION_LEVELS, Config
+from cilia_agent.config import Config
+from cilia_agent.config_hubble import MONITOR_AGGREGATION_LEVELS
 from cilia_agent.controlplane import ControlPlane, OperatorAPI, RetryQueue
 from cilia_agent.datapath.bpffs import ensure_bpffs
 from cilia_agent.datapath.loader import Datapath, DatapathConfig

@@ -204,3 +204,40 @@ async def delete_all(
 
     await store.transact(read, plan, attempts=attempts)
     return done
+
+
+def pool_in_use_message(
+    display: str, pool: str, holders: list[str], records: list[dict[str, Any]]
+) -> str:
+    """The refusal of a pool delete: per holder node the blocks it holds and the addresses
+    its agent still requests from the pool, and when that ends, e.g. ``ciliumpodippool.
+    cilium.io/blue is in use by node(s) n1: node n1 holds 10.1.0.0/24 and requests 1
+    address(es) from it (pods of the pool on that node, or a pod add still waiting) ...``.
+
+    An agent requests addresses for its running pods and for a failed pod add until that
+    pod is deleted -- at the latest its ``--ipam-pending-allocation-ttl`` (default 300 s)
+    after the failure -- and hands the blocks back by itself once it requests none.
+    """
+    by_name = {nodes.node_name(r): r for r in records}
+    parts = []
+    for name in holders:
+        record = by_name.get(name)
+        blocks = [str(b) for b in nodes.allocated(record).get(pool, [])] if record else []
+        wanted = nodes.requested(record).get(pool, 0) if record else 0
+        part = f"node {name} " + (
+            f"holds {', '.join(blocks)}" if blocks else "is being given a block (claim in flight)"
+        )
+        if wanted:
+            part += (
+                f" and requests {wanted} address(es) from it (pods of the pool on that node, "
+                "or a pod add still waiting)"
+            )
+        elif blocks:
+            part += " and requests none from it any more (its agent hands the blocks back now)"
+        parts.append(part)
+    return (
+        f"{display} is in use by node(s) {', '.join(holders)}: {'; '.join(parts)}. "
+        "Delete the pool's pods first; an agent requests addresses for a failed pod add until "
+        "that pod is deleted, at the latest its --ipam-pending-allocation-ttl (default 300 s) "
+        "after the failure, then hands the blocks back: retry the delete after that"
+    )
