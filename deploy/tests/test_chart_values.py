@@ -120,8 +120,11 @@ MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
             "k8sServiceHost": "192.0.2.1",
             "bpf": {"masquerade": True},
         },
-        ["--enable-ipv4-masquerade=true", "--enable-bpf-masquerade=true",
-         "--kube-proxy-replacement=true"],
+        [
+            "--enable-ipv4-masquerade=true",
+            "--enable-bpf-masquerade=true",
+            "--kube-proxy-replacement=true",
+        ],
         [],
     ),
     (

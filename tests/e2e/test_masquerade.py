@@ -278,8 +278,13 @@ def test_a_translated_connections_conntrack_entry_expires(world: World) -> None:
 
 def test_bpf_masquerade_without_the_nodeport_programs_is_refused_with_one_line() -> None:
     proc = subprocess.run(
-        [str(VENV_BIN / "cilia-agent"), "serve", "--enable-bpf-masquerade=true",
-         "--enable-node-port=false", "--operator="],
+        [
+            str(VENV_BIN / "cilia-agent"),
+            "serve",
+            "--enable-bpf-masquerade=true",
+            "--enable-node-port=false",
+            "--operator=",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

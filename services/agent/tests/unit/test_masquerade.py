@@ -35,7 +35,9 @@ def test_bpf_masquerade_needs_the_nodeport_programs_and_its_own_devices() -> Non
     c = Config(enable_bpf_masquerade="true")
     assert c.bpf_masquerade_enabled and c.nat_port_range == (32768, 65535)
     assert c.bpf_nat_masquerade_timeout == 600.0 and c.bpf_masquerade_gc_interval == 30.0
-    assert not Config(enable_bpf_masquerade=True, enable_ipv4_masquerade=False).bpf_masquerade_enabled
+    assert not Config(
+        enable_bpf_masquerade=True, enable_ipv4_masquerade=False
+    ).bpf_masquerade_enabled
     for kw, words in (
         ({"enable_node_port": False}, "turn on --enable-node-port"),
         ({"kube_proxy_replacement": "false"}, "turn on --kube-proxy-replacement"),

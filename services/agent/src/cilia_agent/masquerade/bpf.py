@@ -64,7 +64,9 @@ def device_addresses(devices: Sequence[str]) -> dict[int, str]:
     out: dict[int, str] = {}
     with IPRoute() as ipr:
         for name, ifindex in hostlb.resolve_devices(devices).items():
-            addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(family=_AF_INET, index=ifindex)]
+            addrs = [
+                a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(family=_AF_INET, index=ifindex)
+            ]
             if not addrs:
                 log.warning("BPF masquerade: device has no IPv4 address, not masquerading on it",
                             extra={"device": name})  # fmt: skip
@@ -98,13 +100,13 @@ class BpfMasqMaps:
     def _map(self, name: str) -> PinnedMap:  # type: ignore[type-arg]
         if name not in self._maps:
             key, value = layout.HOST_MAP_LAYOUTS[name]
-            self._maps[name] = PinnedMap(self.pin_dir / name, key, value)  # type: ignore[arg-type]
+            self._maps[name] = PinnedMap(self.pin_dir / name, key, value)
         return self._maps[name]
 
     def _sync_lpm(self, name: str, cidrs: Iterable[str]) -> tuple[int, int]:
         m = self._map(name)
         want = {_cidr(_lpm(c)): _lpm(c) for c in cidrs}
-        have = {_cidr(k): k for k in m.keys()}
+        have = {_cidr(k): k for k in m}
         for cidr, key in want.items():
             if cidr not in have:
                 m.update(key, ctypes.c_uint8(1))
@@ -115,7 +117,7 @@ class BpfMasqMaps:
 
     def exclusions(self) -> list[str]:
         """The CIDRs in ``cilium_ipmasq_v4`` now (``a.b.c.d/n``)."""
-        return sorted(_cidr(k) for k in self._map(layout.IPMASQ_MAP).keys())
+        return sorted(_cidr(k) for k in self._map(layout.IPMASQ_MAP))
 
     def ensure(self, plan: Plan, devices: Mapping[int, str]) -> list[str]:
         """Make the maps say ``plan`` (its ``devices`` are ignored) and ``devices``
@@ -223,11 +225,15 @@ class BpfMasquerade(Masquerade):
         """
         loop = asyncio.get_running_loop()
         if not self._nodes_known:
-            self.remote_cidrs = tuple(await loop.run_in_executor(self.executor, self.maps.exclusions))
+            self.remote_cidrs = tuple(
+                await loop.run_in_executor(self.executor, self.maps.exclusions)
+            )
         await self.sync(check=True)
         removed = await loop.run_in_executor(self.executor, self.chain.remove)
         if removed:
-            log.info("iptables masquerade chain removed (BPF masquerade on)", extra={"removed": removed})
+            log.info(
+                "iptables masquerade chain removed (BPF masquerade on)", extra={"removed": removed}
+            )
 
     async def nodes_changed(self, nodes: Mapping[str, cp.Node]) -> None:
         """:class:`~cilia_agent.node.manager.NodeListener`: other nodes' pod CIDRs and

@@ -189,7 +189,9 @@ def seen_by_outside(t: Net) -> dict[str, int]:
 def csum_errors(netns: str) -> dict[str, int]:
     text = out("ip", "netns", "exec", netns, "nstat", "-az")
     return {
-        f[0]: int(f[1]) for f in (line.split() for line in text.splitlines()) if "CsumErrors" in f[0]
+        f[0]: int(f[1])
+        for f in (line.split() for line in text.splitlines())
+        if "CsumErrors" in f[0]
     }
 
 
@@ -323,3 +325,61 @@ def test_start_removes_the_iptables_chain_of_an_earlier_run(
     asyncio.run(_manager(net, sock_config).start())
     assert "CILIA_POST_nat" not in out("ip", "netns", "exec", net.node, "iptables", "-t", "nat",
                                        "-S")  # fmt: skip
+
+
+ROUNDS, CONNECTS = 6, 100
+
+
+def _connect_times(n: int) -> list[float]:
+    """In a pod: ``n`` connects to the outside, each timed from connect() to the server's
+    line read (µs); raises on a failed one or on an answer that is not the node's."""
+    import time
+
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        with socket.create_connection((OUTSIDE, PORT), timeout=2.0) as s:
+            line = s.makefile().readline()
+        times.append((time.perf_counter() - started) * 1e6)
+        assert line.startswith(f"{NODE}:"), line
+    return times
+
+
+def test_connect_latency_through_bpf_snat_against_iptables_masquerade(
+    net: Net, sock_config: socklb.SockConfig, writer: ServiceMapWriter
+) -> None:
+    """Same topology, same run: rounds alternate between BPF masquerade (maps written, no
+    chain) and iptables masquerade (``CILIA_POST_nat``, BPF maps emptied); printed: the
+    median and p10-p90 of each mode and each round's median (``pytest -s``)."""
+    import statistics
+
+    from cilia_agent.masquerade.rules import chain_rules, make_plan
+
+    _attach(net, sock_config)
+    echo = in_netns(net.out, Echo)
+    m = _manager(net, sock_config)
+    chain = m.chain
+    results: dict[str, list[float]] = {"bpf": [], "iptables": []}
+    medians: dict[str, list[float]] = {"bpf": [], "iptables": []}
+    try:
+        for i in range(ROUNDS * 2):
+            mode = ("bpf", "iptables")[i % 2]
+            if mode == "bpf":
+                chain.remove()
+                m.applied = None
+                asyncio.run(m.sync(check=True))
+            else:
+                m.maps.clear()
+                chain.ensure(chain_rules(make_plan([POD_CIDR], [], ["eth0"])))
+            times = in_netns(net.a, _connect_times, CONNECTS)
+            results[mode] += times
+            medians[mode].append(statistics.median(times))
+        for mode, times in results.items():
+            q = statistics.quantiles(times, n=10)
+            print(f"\n{mode}: {len(times)} connects, median {statistics.median(times):.0f} µs, "
+                  f"p10 {q[0]:.0f} p90 {q[-1]:.0f} µs; round medians "
+                  f"{', '.join(f'{x:.0f}' for x in medians[mode])}")  # fmt: skip
+        assert len(results["bpf"]) == len(results["iptables"]) == ROUNDS * CONNECTS
+        assert masq_entries(sock_config), "the BPF rounds went through the SNAT map"
+    finally:
+        echo.close()
