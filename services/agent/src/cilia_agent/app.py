@@ -267,6 +267,11 @@ class Agent:
             on_change=self.ipam_manager.demand_changed,
             hooks=enf.regeneration if enf else None,
             pods=self.pods,
+            services_synced=(
+                functools.partial(self.lb.watcher.wait_synced, cfg.endpoint_service_wait_timeout)
+                if self.lb is not None and cfg.operator
+                else None
+            ),
         )
         self.pods.on_change(self._pod_relabelled)
         await self._restore_endpoints()

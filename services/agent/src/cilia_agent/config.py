@@ -460,6 +460,11 @@ class Config(BaseModel):
         gt=0,
         description="seconds an Add waits for the identity and policy streams to sync before answering UNAVAILABLE",
     )
+    endpoint_service_wait_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a new endpoint's Add waits for the operator's Service stream to sync (after an agent restart or a node reboot) before answering UNAVAILABLE, so a new pod's first connection to a ClusterIP finds its backends; only with an operator and the kube-proxy replacement on (upstream holds endpoint creation until its Kubernetes caches synced)",
+    )
     kube_proxy_replacement: Literal["true", "false", "strict"] = Field(
         default="true",
         description="serve Services in eBPF instead of kube-proxy (upstream kube-proxy-replacement; the Deckhouse module runs it on; 'strict' is the older spelling of true): ClusterIPs and their ports from the operator's Service stream, load-balanced at connect/sendmsg by the socket-LB programs; false detaches them",

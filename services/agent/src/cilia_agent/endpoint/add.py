@@ -1,7 +1,8 @@
 """Creating an endpoint (CNI ADD): validate, allocate, plumb, enforce, or roll back.
 
 Order of an Add (upstream cilium-cni ADD, reference: cilium-upstream.md §7):
-validate → readiness → allocate the IP → write the state file with state
+validate → the Service stream synced (a new endpoint only; see :meth:`EndpointAdds.add`)
+→ readiness → allocate the IP → write the state file with state
 ``creating`` → plumb the datapath → enforcement hooks (identity, policy, BPF
 programs attached; ``endpoint.enforcement``) → write state ``ready`` with the
 identity. Any failure rolls back everything done so far (hooks undone, veth
@@ -65,7 +66,11 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
         Raises:
             InvalidRequest: a field is invalid (also: unusable prevResult, chained
                 interface missing or not a veth with a host-side peer).
-            AgentNotReady: no router IP / free address yet.
+            AgentNotReady: no router IP / free address yet; or the Service stream has not
+                synced within ``--endpoint-service-wait-timeout`` (after an agent restart
+                or a node reboot the Service maps are rebuilt from that stream: a pod
+                created before would find ClusterIPs it cannot reach yet; upstream holds
+                endpoint creation until its Kubernetes caches have synced).
             EndpointConflict: the key exists with another netns.
             NetnsNotFound: the netns does not exist.
             InterfaceExists: ``ifname`` already exists in the netns.
@@ -74,6 +79,14 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
             DatapathError, StateError: plumbing or state file failure.
         """
         validate_add(p)
+        if self.services_synced is not None and self.get(p.container_id, p.ifname) is None:
+            try:
+                await self.services_synced()
+            except TimeoutError as exc:
+                raise AgentNotReady(
+                    "Services not synced from the operator yet: a new pod could not reach "
+                    "its ClusterIPs (--endpoint-service-wait-timeout)"
+                ) from exc
         if self.pods is not None and self.get(p.container_id, p.ifname) is None:
             try:
                 labels = await self.pods.endpoint_labels(p.pod_namespace, p.pod_name)
