@@ -40,6 +40,7 @@ pytestmark = pytest.mark.privileged
 
 PORT = 8080
 NS = "kube-system"
+IMAGE_TAG = "0.1.0-bpfmasq"
 UDP_ASK = (
     "import socket,sys; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.settimeout(3); "
     "s.sendto(b'hi',(sys.argv[1],int(sys.argv[2]))); print(s.recvfrom(512)[0].decode().strip())"
@@ -53,8 +54,10 @@ def cluster(kind_cluster: Callable[..., KindCluster]) -> KindCluster:
 
 @pytest.fixture(scope="module")
 def installed(cluster: KindCluster) -> dict[str, Any]:
-    values = cluster_values(cluster, bpf={"masquerade": True})
-    ready = install(cluster, values, images=ensure_cilia_images())
+    # images of their own tag: another checkout building the version's tag meanwhile does
+    # not change what this cluster runs
+    values = cluster_values(cluster, bpf={"masquerade": True}, image={"tag": IMAGE_TAG})
+    ready = install(cluster, values, images=ensure_cilia_images(IMAGE_TAG))
     print(f"\nhelm install (bpf.masquerade=true) -> all Ready {ready:.1f} s")
     return values
 
