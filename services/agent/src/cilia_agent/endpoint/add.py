@@ -190,6 +190,46 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
         self._on_change()
         return rec
 
+    def _allocate(self, p: AddParams, pool: str, owner: str) -> ipaddress.IPv4Address:
+        """The next free address of ``pool`` for ``owner`` that no other running Pod of
+        this node holds (Kubernetes mode: the Pod stream's ``status.podIPs``).
+
+        A Pod can hold an address the agent has no endpoint record of: ``helm uninstall``'s
+        cleanup removes the state dir while Pods keep running, and a reinstalled agent
+        starts with an empty IPAM. Such an address is kept in IPAM under the owner
+        ``pod <namespace>/<name>`` (logged) and another one is taken; it is released again
+        once that Pod no longer holds it (checked at every allocation).
+
+        Raises:
+            PoolExhausted: no free address left.
+        """
+        if self._foreign and self.pods is not None:
+            held = self.ipam.allocated()
+            for addr, (ns, name) in list(self._foreign.items()):
+                if self.pods.holder(str(addr), ("", "")) != (ns, name):
+                    if held.get(addr) == f"pod {ns}/{name}":  # not taken over meanwhile
+                        self.ipam.release(addr)
+                    del self._foreign[addr]
+                    log.info("address no longer held by a pod without endpoint, released",
+                             extra={"ip": str(addr), "pod": f"{ns}/{name}"})  # fmt: skip
+        while True:
+            address = self.ipam.allocate(pool, owner)
+            holder = (
+                self.pods.holder(str(address), (p.pod_namespace, p.pod_name))
+                if self.pods is not None
+                else None
+            )
+            if holder is None:
+                return address
+            self.ipam.release(address)
+            self.ipam.occupy(address, f"pod {holder[0]}/{holder[1]}", pool)
+            self._foreign[address] = holder
+            log.warning(
+                "address held by a running pod the agent has no endpoint of; kept, another "
+                "one taken",
+                extra={"ip": str(address), "pod": f"{holder[0]}/{holder[1]}"},
+            )
+
     async def _create(
         self,
         p: AddParams,
@@ -199,7 +239,7 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
     ) -> EndpointRecord:
         pool = p.pool or self.node.default_pool
         owner = owner_of(*key)
-        address = self.ipam.allocate(pool, owner)
+        address = self._allocate(p, pool, owner)
         self.metrics.ipam_events.labels(action="allocate", family="ipv4").inc()
         rec = self._new_record(p, ipv4=str(address), pool=pool, host_ifname=host_ifname(*key))
         wrote = plumbing = hooked = False

@@ -84,6 +84,9 @@ class EndpointTable:
         self._next_id = 1
         self._adding: collections.Counter[tuple[str, str]] = collections.Counter()
         self._background: set[asyncio.Task[Any]] = set()
+        #: addresses held in IPAM for running Pods the agent has no endpoint of
+        #: (address -> (namespace, name)); see EndpointAdds._allocate
+        self._foreign: dict[ipaddress.IPv4Address, tuple[str, str]] = {}
 
     # --- helpers -------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
