@@ -56,7 +56,11 @@ def cluster(kind_cluster: Callable[..., KindCluster]) -> KindCluster:
 def installed(cluster: KindCluster) -> dict[str, Any]:
     # images of their own tag: another checkout building the version's tag meanwhile does
     # not change what this cluster runs
-    values = cluster_values(cluster, bpf={"masquerade": True}, image={"tag": IMAGE_TAG})
+    tag = {"image": {"tag": IMAGE_TAG}}
+    values = cluster_values(
+        cluster, bpf={"masquerade": True}, **tag, cni=tag, operator=tag, safeAgentUpdater=tag,
+        hubble={"relay": tag, "ui": {"backend": tag}},
+    )  # fmt: skip
     ready = install(cluster, values, images=ensure_cilia_images(IMAGE_TAG))
     print(f"\nhelm install (bpf.masquerade=true) -> all Ready {ready:.1f} s")
     return values
