@@ -572,6 +572,8 @@ int cil_from_netdev(struct __sk_buff *skb)
 	}
 	if (p.proto == IPPROTO_ICMP)
 		return CIL_NEXT;
+	if (e && (e->flags & NAT_F_MASQ))
+		return CIL_NEXT; /* masquerade off: an earlier run's entry, not a NodePort flow */
 	if (e && e->to_daddr) {
 		/* a remote backend's reply to node:NAT port: back to the client */
 		if (rewrite(skb, &p, e->to_saddr, e->to_sport, e->to_daddr, e->to_dport) < 0)
@@ -580,7 +582,7 @@ int cil_from_netdev(struct __sk_buff *skb)
 	}
 	t.flags = NAT_DIR_FWD;
 	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
-	if (e) {
+	if (e && !(e->flags & NAT_F_MASQ)) {
 		if (bpf_map_lookup_elem(&cilium_lb4_backends_v3, &e->backend_id))
 			return forward(skb, &p, e);
 		bpf_map_delete_elem(&cilium_snat_v4_external, &t); /* its backend is gone: choose again */
