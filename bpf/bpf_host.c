@@ -42,6 +42,24 @@
  * A flow keeps its backend while that backend exists in cilium_lb4_backends_v3 (also
  * terminating), so established connections finish; entries age out of the LRU map.
  * Non-IPv4, non-TCP/UDP packets and IP fragments pass untouched.
+ *
+ * BPF masquerade (CONFIG.masquerade; upstream enable-bpf-masquerade), on the same devices:
+ *   cil_to_netdev   a packet leaving by a device listed in cilia_masq_dev_v4 (ifindex ->
+ *                   the node address to masquerade to), whose source is in
+ *                   cilia_masq_src_v4 (this node's masqueraded pod CIDRs) and whose
+ *                   destination is not in cilium_ipmasq_v4 (every pod CIDR of the cluster,
+ *                   ipv4-native-routing-cidr, the ip-masq-agent's nonMasqueradeCIDRs, every
+ *                   node's address) gets source node:NAT port; the port is chosen at random
+ *                   in CONFIG.nat_port_min..nat_port_max, up to NAT_PORT_TRIES tries, and is
+ *                   free when no other flow to the same destination address:port holds it
+ *                   (BPF_NOEXIST on the reply entry). No free port: the packet is dropped and
+ *                   counted in cilia_nat_stats (NAT_STAT_MASQ_EXHAUSTED).
+ *   cil_from_netdev the reply, outside -> node:NAT port, gets the pod's address and port back
+ *                   and goes on up the stack, which routes it to the pod.
+ * TCP, UDP and ICMP echo (the echo identifier is translated as the port). Both directions
+ * are recorded in cilium_snat_v4_external (flagged NAT_F_MASQ); entries age out of the LRU
+ * map and are removed by the agent's NAT GC once idle (`created` is refreshed by the
+ * forward direction's packets).
  */
 #include <stddef.h>
 #include <linux/bpf.h>
@@ -49,6 +67,7 @@
 #include <linux/if_ether.h>
 #include <linux/ip.h>
 #include <linux/in.h>
+#include "lib/common.h" /* struct icmphdr, ICMP_ECHO* */
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "lib/lb.h"
@@ -62,6 +81,64 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } cilium_snat_v4_external SEC(".maps");
 
+/* BPF masquerade: which destinations are never masqueraded (upstream's name: the map its
+ * ip-masq-agent fills) and which sources are, as longest-prefix-match tries. */
+struct masq_lpm_key {
+	__u32 prefixlen; /* 0..32 */
+	__be32 addr;
+};
+
+#define CILIA_MASQ_CIDR_MAX 16384
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct masq_lpm_key);
+	__type(value, __u8);
+	__uint(max_entries, CILIA_MASQ_CIDR_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilium_ipmasq_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct masq_lpm_key);
+	__type(value, __u8);
+	__uint(max_entries, CILIA_MASQ_CIDR_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_masq_src_v4 SEC(".maps");
+
+/* The masquerading devices: ifindex -> the address their masqueraded packets leave from. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, __be32);
+	__uint(max_entries, 256);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_masq_dev_v4 SEC(".maps");
+
+/* Counters (per CPU, index NAT_STAT_*), read by the agent as metrics. */
+#define NAT_STAT_MASQ_NEW 0       /* masqueraded flows started */
+#define NAT_STAT_MASQ_EXHAUSTED 1 /* packets dropped: no free NAT port */
+#define NAT_STAT_NODEPORT_EXHAUSTED 2 /* NodePort requests dropped: no free NAT port */
+#define NAT_STAT_MAX 4
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, NAT_STAT_MAX);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_nat_stats SEC(".maps");
+
+static __always_inline void nat_stat(__u32 index)
+{
+	__u64 *count = bpf_map_lookup_elem(&cilia_nat_stats, &index);
+
+	if (count)
+		*count += 1;
+}
+
 /* Load-time configuration: the agent writes it into .rodata before loading (so the verifier
  * prunes what a configuration disables). Mirrored by the agent's loadbalancer/layout.py
  * (HostProgramConfig); change both together. */
@@ -71,17 +148,22 @@ struct host_config {
 	 * node's pod CIDRs "via <node> dev <tunnel> onlink"); 0 with native routing, where
 	 * another node's pods are routed through the device the request came in by. */
 	__u32 tunnel;
+	/* 1 with --enable-bpf-masquerade: cil_to_netdev masquerades pod traffic (see above). */
+	__u32 masquerade;
+	/* NAT ports of both NodePort SNAT and masquerade, host order, inclusive
+	 * (--bpf-nat-port-range; upstream's NAT range is NodePort's maximum + 1 .. 65535). */
+	__u32 nat_port_min;
+	__u32 nat_port_max;
 };
 
-const volatile struct host_config CONFIG = {.tunnel = 0};
+const volatile struct host_config CONFIG = {
+	.tunnel = 0, .masquerade = 0, .nat_port_min = 32768, .nat_port_max = 65535};
 
 /* A packet these programs leave alone goes on to the next program on the device (tcx
  * TCX_NEXT, clsact: the next filter), e.g. another agent's on the same device in a test
  * stack; with none left it is passed. A translated one is passed (TC_ACT_OK) or redirected. */
 #define CIL_NEXT TC_ACT_UNSPEC
 #define AF_INET 2
-#define NAT_PORT_MIN 32768
-#define NAT_PORT_SPAN 32768
 #define NAT_PORT_TRIES 16
 #define IP_OFF ETH_HLEN
 #define IP_CSUM_OFF (ETH_HLEN + offsetof(struct iphdr, check))
@@ -96,9 +178,44 @@ struct pkt {
 	__u8 proto;
 	__u32 l4_off;
 	__u32 csum_off;
+	__u32 sport_off; /* where sport/dport are written (ICMP echo: the identifier's offset) */
+	__u32 dport_off;
 };
 
-/* 1 for an unfragmented IPv4 TCP/UDP packet (fields filled), 0 for anything else. */
+/* A NAT port drawn at random from CONFIG's range (network order). */
+static __always_inline __be16 nat_port(void)
+{
+	__u32 span = CONFIG.nat_port_max - CONFIG.nat_port_min + 1;
+
+	return bpf_htons(CONFIG.nat_port_min + (bpf_get_prandom_u32() % span));
+}
+
+/* An ICMP echo request or reply: the identifier is the request's source port and the
+ * reply's destination port (the other one 0), so a reply's tuple is the request's reversed.
+ * 1 when filled, 0 for other ICMP messages. */
+static __always_inline int parse_icmp(struct __sk_buff *skb, struct pkt *p)
+{
+	struct icmphdr icmp;
+
+	if (bpf_skb_load_bytes(skb, p->l4_off, &icmp, sizeof(icmp)) < 0 || icmp.code != 0)
+		return 0;
+	p->csum_off = p->l4_off + offsetof(struct icmphdr, checksum);
+	p->sport_off = p->dport_off = p->l4_off + offsetof(struct icmphdr, un.echo.id);
+	if (icmp.type == ICMP_ECHO) {
+		p->sport = icmp.un.echo.id;
+		p->dport = 0;
+		return 1;
+	}
+	if (icmp.type == ICMP_ECHOREPLY) {
+		p->sport = 0;
+		p->dport = icmp.un.echo.id;
+		return 1;
+	}
+	return 0;
+}
+
+/* 1 for an unfragmented IPv4 TCP/UDP packet or ICMP echo (fields filled), 0 for anything
+ * else. */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
 	struct iphdr ip;
@@ -112,16 +229,20 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		return 0;
 	if (ip.frag_off & bpf_htons(0x3fff)) /* MF or a fragment offset */
 		return 0;
-	if (ip.protocol != IPPROTO_TCP && ip.protocol != IPPROTO_UDP)
-		return 0;
 	p->l4_off = IP_OFF + ip.ihl * 4;
-	if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
-		return 0;
 	p->saddr = ip.saddr;
 	p->daddr = ip.daddr;
+	p->proto = ip.protocol;
+	if (ip.protocol == IPPROTO_ICMP)
+		return parse_icmp(skb, p);
+	if (ip.protocol != IPPROTO_TCP && ip.protocol != IPPROTO_UDP)
+		return 0;
+	if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
+		return 0;
 	p->sport = ports[0];
 	p->dport = ports[1];
-	p->proto = ip.protocol;
+	p->sport_off = p->l4_off;
+	p->dport_off = p->l4_off + 2;
 	p->csum_off = p->l4_off + (ip.protocol == IPPROTO_TCP ? 16 : 6);
 	return 1;
 }
@@ -135,7 +256,8 @@ static __always_inline int set_addr(struct __sk_buff *skb, struct pkt *p, int of
 		return 0;
 	if (p->proto == IPPROTO_UDP)
 		l4 |= BPF_F_MARK_MANGLED_0;
-	if (bpf_l4_csum_replace(skb, p->csum_off, old, new, l4) < 0)
+	/* the ICMP checksum covers no pseudo-header: an address change leaves it alone */
+	if (p->proto != IPPROTO_ICMP && bpf_l4_csum_replace(skb, p->csum_off, old, new, l4) < 0)
 		return -1;
 	if (bpf_l3_csum_replace(skb, IP_CSUM_OFF, old, new, sizeof(new)) < 0)
 		return -1;
@@ -175,10 +297,10 @@ static __always_inline int rewrite_side(struct __sk_buff *skb, struct pkt *p, in
 static __always_inline int rewrite(struct __sk_buff *skb, struct pkt *p, __be32 saddr,
 				   __be16 sport, __be32 daddr, __be16 dport)
 {
-	if (saddr && rewrite_side(skb, p, IP_SRC_OFF, p->l4_off, &p->saddr, &p->sport, saddr,
+	if (saddr && rewrite_side(skb, p, IP_SRC_OFF, p->sport_off, &p->saddr, &p->sport, saddr,
 				  sport) < 0)
 		return -1;
-	if (daddr && rewrite_side(skb, p, IP_DST_OFF, p->l4_off + 2, &p->daddr, &p->dport, daddr,
+	if (daddr && rewrite_side(skb, p, IP_DST_OFF, p->dport_off, &p->daddr, &p->dport, daddr,
 				  dport) < 0)
 		return -1;
 	return 0;
@@ -261,6 +383,8 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	__u64 now = bpf_ktime_get_ns();
 	int rc, i;
 
+	if (p->proto == IPPROTO_ICMP)
+		return CIL_NEXT; /* NodePorts are TCP/UDP */
 	key.dport = p->dport;
 	key.proto = p->proto;
 	key.scope = LB_LOOKUP_SCOPE_EXT;
@@ -318,12 +442,14 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 		rval.to_dport = p->sport;
 #pragma unroll
 		for (i = 0; i < NAT_PORT_TRIES; i++) {
-			rev.dport = bpf_htons(NAT_PORT_MIN + (bpf_get_prandom_u32() % NAT_PORT_SPAN));
+			rev.dport = nat_port();
 			if (bpf_map_update_elem(&cilium_snat_v4_external, &rev, &rval, BPF_NOEXIST) == 0)
 				break; /* BPF_NOEXIST: the port was free for this backend */
 		}
-		if (i == NAT_PORT_TRIES)
+		if (i == NAT_PORT_TRIES) {
+			nat_stat(NAT_STAT_NODEPORT_EXHAUSTED);
 			return TC_ACT_SHOT;
+		}
 		fval.to_saddr = p->daddr;
 		fval.to_sport = rev.dport;
 	} else {
@@ -338,6 +464,95 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p)
 	return forward(skb, p, &fval);
 }
 
+/* 1 when addr is in the LPM trie map. */
+static __always_inline int in_cidrs(void *map, __be32 addr)
+{
+	struct masq_lpm_key key = {.prefixlen = 32, .addr = addr};
+
+	return bpf_map_lookup_elem(map, &key) != NULL;
+}
+
+/* BPF masquerade of a packet leaving by skb's device (see the top of the file). */
+static __always_inline int masq_egress(struct __sk_buff *skb, struct pkt *p)
+{
+	struct lb4_nat_tuple fwd = {}, rev = {};
+	struct lb4_nat_entry fval = {}, rval = {};
+	struct lb4_nat_entry *e;
+	__u32 ifindex = skb->ifindex;
+	__be32 *node, addr;
+	__u64 now;
+	int i;
+
+	node = bpf_map_lookup_elem(&cilia_masq_dev_v4, &ifindex);
+	if (!node)
+		return CIL_NEXT;
+	addr = *node;
+	if (p->saddr == addr || (p->proto == IPPROTO_ICMP && p->dport != 0))
+		return CIL_NEXT; /* the node's own traffic; an echo reply leaving */
+	if (!in_cidrs(&cilia_masq_src_v4, p->saddr) || in_cidrs(&cilium_ipmasq_v4, p->daddr))
+		return CIL_NEXT;
+	now = bpf_ktime_get_ns();
+	tuple_of(p, &fwd, NAT_DIR_FWD);
+	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &fwd);
+	if (e && (e->flags & NAT_F_MASQ) && e->to_saddr == addr) {
+		/* a known flow: its reply entry must still be there (LRU, GC) and its own */
+		rev.saddr = p->daddr;
+		rev.sport = p->dport;
+		rev.daddr = addr;
+		rev.dport = e->to_sport;
+		rev.nexthdr = p->proto;
+		rev.flags = NAT_DIR_REPLY;
+		rval.to_daddr = p->saddr;
+		rval.to_dport = p->sport;
+		rval.flags = NAT_F_MASQ;
+		rval.created = now;
+		struct lb4_nat_entry *r = bpf_map_lookup_elem(&cilium_snat_v4_external, &rev);
+
+		if ((r && r->to_daddr == p->saddr && r->to_dport == p->sport) ||
+		    (!r && bpf_map_update_elem(&cilium_snat_v4_external, &rev, &rval,
+					       BPF_NOEXIST) == 0)) {
+			e->created = now; /* last use, for the agent's GC */
+			if (r)
+				r->created = now;
+			if (rewrite(skb, p, addr, e->to_sport, 0, 0) < 0)
+				return TC_ACT_SHOT;
+			return TC_ACT_OK;
+		}
+		/* its port went to another flow meanwhile: choose a new one */
+	}
+	rev.saddr = p->daddr;
+	rev.sport = p->dport;
+	rev.daddr = addr;
+	rev.nexthdr = p->proto;
+	rev.flags = NAT_DIR_REPLY;
+	rval.to_daddr = p->saddr;
+	rval.to_dport = p->sport;
+	rval.flags = NAT_F_MASQ;
+	rval.created = now;
+#pragma unroll
+	for (i = 0; i < NAT_PORT_TRIES; i++) {
+		rev.dport = nat_port();
+		if (bpf_map_update_elem(&cilium_snat_v4_external, &rev, &rval, BPF_NOEXIST) == 0)
+			break;
+	}
+	if (i == NAT_PORT_TRIES) {
+		nat_stat(NAT_STAT_MASQ_EXHAUSTED);
+		return TC_ACT_SHOT;
+	}
+	fval.to_saddr = addr;
+	fval.to_sport = rev.dport;
+	fval.flags = NAT_F_MASQ;
+	fval.created = now;
+	if (bpf_map_update_elem(&cilium_snat_v4_external, &fwd, &fval, BPF_ANY) < 0) {
+		bpf_map_delete_elem(&cilium_snat_v4_external, &rev);
+		return TC_ACT_SHOT;
+	}
+	nat_stat(NAT_STAT_MASQ_NEW);
+	if (rewrite(skb, p, addr, rev.dport, 0, 0) < 0)
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
+}
+
 SEC("tc")
 int cil_from_netdev(struct __sk_buff *skb)
 {
@@ -349,6 +564,16 @@ int cil_from_netdev(struct __sk_buff *skb)
 		return CIL_NEXT;
 	tuple_of(&p, &t, NAT_DIR_REPLY);
 	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
+	if (CONFIG.masquerade && e && (e->flags & NAT_F_MASQ)) {
+		/* a reply to a masqueraded pod flow: back to the pod, routed by the stack */
+		if (rewrite(skb, &p, 0, 0, e->to_daddr, e->to_dport) < 0)
+			return TC_ACT_SHOT;
+		return TC_ACT_OK;
+	}
+	if (p.proto == IPPROTO_ICMP)
+		return CIL_NEXT;
+	if (e && (e->flags & NAT_F_MASQ))
+		return CIL_NEXT; /* masquerade off: an earlier run's entry, not a NodePort flow */
 	if (e && e->to_daddr) {
 		/* a remote backend's reply to node:NAT port: back to the client */
 		if (rewrite(skb, &p, e->to_saddr, e->to_sport, e->to_daddr, e->to_dport) < 0)
@@ -357,7 +582,7 @@ int cil_from_netdev(struct __sk_buff *skb)
 	}
 	t.flags = NAT_DIR_FWD;
 	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
-	if (e) {
+	if (e && !(e->flags & NAT_F_MASQ)) {
 		if (bpf_map_lookup_elem(&cilium_lb4_backends_v3, &e->backend_id))
 			return forward(skb, &p, e);
 		bpf_map_delete_elem(&cilium_snat_v4_external, &t); /* its backend is gone: choose again */
@@ -376,8 +601,8 @@ int cil_to_netdev(struct __sk_buff *skb)
 		return CIL_NEXT;
 	tuple_of(&p, &t, NAT_DIR_REPLY);
 	e = bpf_map_lookup_elem(&cilium_snat_v4_external, &t);
-	if (!e || e->to_daddr)
-		return CIL_NEXT;
+	if (!e || e->to_daddr || (e->flags & NAT_F_MASQ))
+		return CONFIG.masquerade ? masq_egress(skb, &p) : CIL_NEXT;
 	/* a local backend's reply to an outside client: from node:nodePort again */
 	if (rewrite(skb, &p, e->to_saddr, e->to_sport, 0, 0) < 0)
 		return TC_ACT_SHOT;

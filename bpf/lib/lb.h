@@ -135,6 +135,14 @@ struct lb_affinity_match {
  *                  = node:nodePort, to_daddr = 0;
  *                  backend -> node:NAT port (remote backend, seen on from-netdev):
  *                  to_saddr/to_sport = node:nodePort, to_daddr/to_dport = the client
+ *
+ * and, flagged NAT_F_MASQ, the masqueraded pod flows (BPF masquerade):
+ *
+ *   NAT_DIR_FWD    pod -> outside, seen on to-netdev: to_saddr/to_sport = node:NAT port
+ *   NAT_DIR_REPLY  outside -> node:NAT port, seen on from-netdev: to_daddr/to_dport = the pod
+ *
+ * For ICMP echo the echo identifier stands for the port: the request's source port, the
+ * reply's destination port (the other port of the tuple is 0).
  */
 #define NAT_DIR_FWD 0
 #define NAT_DIR_REPLY 1
@@ -156,9 +164,15 @@ struct lb4_nat_entry {
 	__be16 to_dport;
 	__u32 backend_id; /* NAT_DIR_FWD: the backend chosen */
 	__u16 rev_nat_index;
-	__u16 pad;
+	__u16 flags;   /* NAT_F_*: 0 = a NodePort flow */
 	__u64 created; /* bpf_ktime_get_ns() */
 };
+
+/* lb4_nat_entry.flags: the entry belongs to a masqueraded pod flow (bpf_host.c, BPF
+ * masquerade), not to a NodePort flow. Both share cilium_snat_v4_external and its NAT ports,
+ * as upstream's NodePort SNAT and masquerade share their map: a reply tuple is never handed
+ * to two flows (BPF_NOEXIST on the reply entry). The field was padding, always 0 before. */
+#define NAT_F_MASQ 1
 
 /* The maps both programs use (the other maps are defined by the program that uses
  * them). Hash maps are created without preallocation, as the agent has always created

@@ -114,6 +114,20 @@ MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
         ],
     ),
     (
+        "bpf-masquerade",
+        {
+            "kubeProxyReplacement": True,
+            "k8sServiceHost": "192.0.2.1",
+            "bpf": {"masquerade": True},
+        },
+        [
+            "--enable-ipv4-masquerade=true",
+            "--enable-bpf-masquerade=true",
+            "--kube-proxy-replacement=true",
+        ],
+        [],
+    ),
+    (
         "no-masquerade-kpr",
         {
             "enableIPv4Masquerade": False,

@@ -14,7 +14,9 @@ down); pod↔pod across nodes keeps pod addresses; a removed jump comes back; a 
 in nonMasqueradeCIDRs keeps the pod address; the node's conntrack entry of a translated
 connection expires (the kernel's timeouts, shortened in the node's netns); connect latency
 through SNAT against the same path without it, in interleaved rounds (printed).
-BPF masquerade is refused (``--enable-bpf-masquerade=true``: the agent exits with one line).
+BPF masquerade without the NodePort programs it runs in is refused (the agent exits with one line;
+the BPF mode itself is tested in services/agent/tests/privileged/loadbalancer/test_bpf_masquerade.py
+and on the kind cluster, tests/k8s).
 """
 
 from __future__ import annotations
@@ -274,13 +276,19 @@ def test_a_translated_connections_conntrack_entry_expires(world: World) -> None:
             node.exec("sysctl", "-qw", f"net.netfilter.nf_conntrack_{key}={default}")
 
 
-def test_bpf_masquerade_is_refused_with_one_line() -> None:
+def test_bpf_masquerade_without_the_nodeport_programs_is_refused_with_one_line() -> None:
     proc = subprocess.run(
-        [str(VENV_BIN / "cilia-agent"), "serve", "--enable-bpf-masquerade=true", "--operator="],
+        [
+            str(VENV_BIN / "cilia-agent"),
+            "serve",
+            "--enable-bpf-masquerade=true",
+            "--enable-node-port=false",
+            "--operator=",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert proc.returncode != 0
-    assert "BPF masquerade is not implemented" in proc.stderr, proc.stderr
+    assert "--enable-bpf-masquerade needs the BPF NodePort programs" in proc.stderr, proc.stderr

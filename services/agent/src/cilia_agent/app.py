@@ -76,6 +76,13 @@ from cilia_agent.ipam.node import NodePools
 from cilia_agent.ipam.selection import PoolSelector
 from cilia_agent.ipcache import IPCache
 from cilia_agent.k8s import PodCache
+from cilia_agent.masquerade.bpf import (
+    BpfMasqMaps,
+    BpfMasquerade,
+    MasqGC,
+    NatStats,
+    device_addresses,
+)
 from cilia_agent.masquerade.ctstats import NfConntrackStats
 from cilia_agent.masquerade.manager import Masquerade
 from cilia_agent.masquerade.rules import NatChain
@@ -208,7 +215,11 @@ class Agent:
             node_routes(cfg, nets.addresses, self.node.pod_cidrs, self.pod_mtu), self.executor
         )
         await self.routes.setup()
-        if cfg.enable_ipv4_masquerade:
+        if cfg.bpf_masquerade_enabled:
+            self.masquerade = self._bpf_masquerade(cfg, nets.addresses)
+            await self.masquerade.start()
+            self.metrics.registry.register(NatStats(cfg.bpf_pin_dir))
+        elif cfg.enable_ipv4_masquerade:
             self.masquerade = self._masquerade(cfg, nets.local_networks)
             await self.masquerade.start()
             self.metrics.registry.register(NfConntrackStats())
@@ -256,6 +267,11 @@ class Agent:
             on_change=self.ipam_manager.demand_changed,
             hooks=enf.regeneration if enf else None,
             pods=self.pods,
+            services_synced=(
+                functools.partial(self.lb.watcher.wait_synced, cfg.endpoint_service_wait_timeout)
+                if self.lb is not None and cfg.operator
+                else None
+            ),
         )
         self.pods.on_change(self._pod_relabelled)
         await self._restore_endpoints()
@@ -307,6 +323,10 @@ class Agent:
             self._spawn("iptables-reconcile", self.iptables_reconciler.run)
         if self.masquerade is not None:
             self._spawn("masquerade", self.masquerade.run)
+        if cfg.bpf_masquerade_enabled:
+            masq_gc = MasqGC(cfg.bpf_pin_dir, cfg.bpf_nat_masquerade_timeout,
+                             cfg.bpf_masquerade_gc_interval, self.executor, self.metrics.registry)  # fmt: skip
+            self._spawn("masquerade-gc", masq_gc.run)
 
     def _masquerade(self, cfg: Config, networks: Sequence[tuple[str, str]]) -> Masquerade:
         """The iptables masquerade (``--enable-ipv4-masquerade``; masquerade/)."""
@@ -319,6 +339,24 @@ class Agent:
             self.metrics.registry,
             native_routing_cidr=cfg.ipv4_native_routing_cidr,
             devices=cfg.egress_masquerade_interfaces,
+            ip_masq_agent=cfg.ip_masq_agent_config_path if cfg.enable_ip_masq_agent else None,
+            only_default_pool=cfg.only_masquerade_default_pool,
+            interval=cfg.iptables_reconcile_interval,
+        )
+
+    def _bpf_masquerade(self, cfg: Config, addresses: Sequence[str]) -> BpfMasquerade:
+        """The BPF masquerade (``--enable-bpf-masquerade``; masquerade/bpf.py) on the
+        NodePort devices."""
+        return BpfMasquerade(
+            BpfMasqMaps(cfg.bpf_pin_dir),
+            NatChain(iptables_binary(cfg), cfg.iptables_timeout),
+            self.ipam.cidrs,
+            lambda: self.node.default_pool,
+            functools.partial(device_addresses, tuple(cfg.devices)),
+            lambda: addresses,
+            self.executor,
+            self.metrics.registry,
+            native_routing_cidr=cfg.ipv4_native_routing_cidr,
             ip_masq_agent=cfg.ip_masq_agent_config_path if cfg.enable_ip_masq_agent else None,
             only_default_pool=cfg.only_masquerade_default_pool,
             interval=cfg.iptables_reconcile_interval,

@@ -376,6 +376,11 @@ class Config(HubbleConfig):
         gt=0,
         description="seconds an Add waits for the identity and policy streams to sync before answering UNAVAILABLE",
     )
+    endpoint_service_wait_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a new endpoint's Add waits for the operator's Service stream to sync (after an agent restart or a node reboot) before answering UNAVAILABLE, so a new pod's first connection to a ClusterIP finds its backends; only with an operator and the kube-proxy replacement on (upstream holds endpoint creation until its Kubernetes caches synced)",
+    )
     kube_proxy_replacement: Literal["true", "false", "strict"] = Field(
         default="true",
         description="serve Services in eBPF instead of kube-proxy (upstream kube-proxy-replacement; the Deckhouse module runs it on; 'strict' is the older spelling of true): ClusterIPs and their ports from the operator's Service stream, load-balanced at connect/sendmsg by the socket-LB programs; false detaches them",
@@ -430,7 +435,21 @@ class Config(HubbleConfig):
     )
     enable_bpf_masquerade: bool = Field(
         default=False,
-        description="masquerade in eBPF on the egress devices instead of iptables (upstream enable-bpf-masquerade; the Deckhouse module turns it on); refused: not implemented, use the iptables mode (false)",
+        description="masquerade in eBPF instead of iptables (upstream enable-bpf-masquerade; the Deckhouse module turns it on): the tc programs of bpf/bpf_host.c on --devices SNAT pod traffic to the device's address and a NAT port (--bpf-nat-port-range), state in cilium_snat_v4_external; no CILIA_POST_nat chain. Needs --enable-ipv4-masquerade, --enable-bpf, --kube-proxy-replacement and --enable-node-port (as upstream: BPF masquerade needs the BPF NodePort programs)",
+    )
+    bpf_nat_port_range: Annotated[str, Flag(metavar="MIN-MAX")] = Field(
+        default="32768-65535",
+        description="source ports the BPF NAT (NodePort SNAT and BPF masquerade) chooses from, inclusive; a new flow tries up to 16 random ports of the range that no other flow to the same destination address:port holds, else its packet is dropped and counted (cilia_nat_port_exhausted_total). Upstream compiles the same range: NodePort's maximum + 1 .. 65535. The node's own sockets take ephemeral ports from net.ipv4.ip_local_port_range (32768-60999 by default), which overlaps: keep them apart where that matters",
+    )
+    bpf_masquerade_gc_interval: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds between passes of the agent's GC of masqueraded flows in cilium_snat_v4_external (0 = none; the LRU map still evicts the least recently used entries when full)",
+    )
+    bpf_nat_masquerade_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a masqueraded flow may stay idle (no packet from the pod) before the GC removes both its entries and frees its NAT port (upstream's SNAT entries follow its conntrack timeouts; one idle timeout here, longer than the kernel's TCP keepalive probes need to refresh it: 600 s)",
     )
     ipv4_native_routing_cidr: Annotated[str, Flag(metavar="CIDR")] = Field(
         default="",
@@ -627,16 +646,58 @@ class Config(HubbleConfig):
                 f"--ipv4-native-routing-cidr: {value!r} is not an IPv4 CIDR ({exc})"
             ) from None
 
-    @field_validator("enable_bpf_masquerade")
+    @field_validator("bpf_nat_port_range")
     @classmethod
-    def _bpf_masquerade(cls, value: bool) -> bool:
-        if value:
+    def _nat_port_range(cls, value: str) -> str:
+        lo, sep, hi = value.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi)
+        except ValueError:
+            first = last = -1
+        if not sep or not 1024 <= first <= last <= 65535 or last - first < 255:
             raise ValueError(
-                "BPF masquerade is not implemented: pod traffic is masqueraded with iptables "
-                "(--enable-bpf-masquerade=false, the CILIA_POST_nat chain); refusing rather "
-                "than leaving pods without masquerade"
+                f"--bpf-nat-port-range: {value!r} is not MIN-MAX with 1024 <= MIN <= MAX <= "
+                "65535 and at least 256 ports"
             )
-        return value
+        return f"{first}-{last}"
+
+    @property
+    def nat_port_range(self) -> tuple[int, int]:
+        """``--bpf-nat-port-range`` as (first, last), inclusive."""
+        lo, _, hi = self.bpf_nat_port_range.partition("-")
+        return int(lo), int(hi)
+
+    @property
+    def bpf_masquerade_enabled(self) -> bool:
+        """Masquerade in eBPF: ``--enable-ipv4-masquerade`` and ``--enable-bpf-masquerade``."""
+        return self.enable_ipv4_masquerade and self.enable_bpf_masquerade
+
+    @model_validator(mode="after")
+    def _bpf_masquerade(self) -> Config:
+        if not self.bpf_masquerade_enabled:
+            return self
+        missing = [
+            flag
+            for flag, on in (
+                ("--enable-bpf", self.enable_bpf),
+                ("--kube-proxy-replacement", self.kube_proxy_replacement != "false"),
+                ("--bpf-lb-sock", self.bpf_lb_sock),
+                ("--enable-node-port", self.enable_node_port),
+            )
+            if not on
+        ]
+        if missing:
+            raise ValueError(
+                "--enable-bpf-masquerade needs the BPF NodePort programs it runs in (as "
+                f"upstream): turn on {', '.join(missing)}, or use the iptables mode "
+                "(--enable-bpf-masquerade=false)"
+            )
+        if self.egress_masquerade_interfaces:
+            raise ValueError(
+                "--egress-masquerade-interfaces chooses the devices of the iptables mode; "
+                "BPF masquerade runs on --devices (as upstream): set those instead"
+            )
+        return self
 
     @field_validator("bpf_lb_mode")
     @classmethod

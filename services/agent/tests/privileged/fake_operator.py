@@ -3,7 +3,8 @@
 It speaks ``cilia.controlplane.v1`` over a real TCP gRPC server in this process:
 NodeService (Register, WatchNodes), IPAMService (static allocation), IdentityService
 (Allocate/Release/WatchIdentities, numbers from 256), EndpointService (Upsert/Delete/
-WatchIPCache) and PolicyService (WatchPolicies). Tests drive it: ``apply_policy``,
+WatchIPCache), PolicyService (WatchPolicies) and ServiceService (WatchServices, no Services;
+its listing held back while ``services_ready`` is clear). Tests drive it: ``apply_policy``,
 ``delete_policy``, ``fail_allocate``; every watch stream sends the current listing,
 ``synced=True``, then changes.
 """
@@ -47,6 +48,7 @@ class FakeOperator(
     cp_grpc.IdentityServiceServicer,  # type: ignore[misc]
     cp_grpc.EndpointServiceServicer,  # type: ignore[misc]
     cp_grpc.PolicyServiceServicer,  # type: ignore[misc]
+    cp_grpc.ServiceServiceServicer,  # type: ignore[misc]
 ):
     def __init__(
         self, cidr: str, host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None
@@ -61,7 +63,10 @@ class FakeOperator(
         self.deleted_endpoints: list[tuple[str, str]] = []
         self.policies: dict[tuple[str, str, str], str] = {}
         self.fail_allocate = False
-        self.hubs = {k: _Hub() for k in ("identities", "policies", "ipcache", "nodes")}
+        self.hubs = {k: _Hub() for k in ("identities", "policies", "ipcache", "nodes", "services")}
+        #: WatchServices holds its first (synced) message until this is set
+        self.services_ready = threading.Event()
+        self.services_ready.set()
         self.server = grpc.server(futures.ThreadPoolExecutor(48))
         for add in (
             cp_grpc.add_NodeServiceServicer_to_server,
@@ -69,6 +74,7 @@ class FakeOperator(
             cp_grpc.add_IdentityServiceServicer_to_server,
             cp_grpc.add_EndpointServiceServicer_to_server,
             cp_grpc.add_PolicyServiceServicer_to_server,
+            cp_grpc.add_ServiceServiceServicer_to_server,
         ):
             add(self, self.server)
         if credentials is not None:  # TLS (mutual when the credentials ask for it)
@@ -242,6 +248,15 @@ class FakeOperator(
 
         yield from self._stream(
             context, "ipcache", snap, lambda ev, s: cp.WatchIPCacheResponse(events=ev, synced=s)
+        )
+
+    # ServiceService: no Services; the listing waits for ``services_ready``
+    def WatchServices(self, request: Any, context: Any) -> Iterator[cp.WatchServicesResponse]:  # noqa: N802
+        while not self.services_ready.wait(0.1):
+            if not context.is_active():
+                return
+        yield from self._stream(
+            context, "services", list, lambda ev, s: cp.WatchServicesResponse(events=ev, synced=s)
         )
 
     # PolicyService

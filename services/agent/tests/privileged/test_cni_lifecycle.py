@@ -512,3 +512,50 @@ def test_the_agents_own_network_namespace_is_refused_before_anything_is_created(
     assert "is the agent's own (the host's), not a pod's" in str(err.value.details())
     assert not link_exists(host_ifname("hostns", "eth0"))
     assert held_ips(a) == before
+
+
+def test_a_new_pod_waits_for_the_service_stream_and_fails_cleanly_without_it(env: Env) -> None:
+    """After a (re)start the Service maps come from the operator's stream: a new pod's Add
+    waits until it has synced (so its first connect to a ClusterIP finds the backends), and
+    answers UNAVAILABLE, leaving nothing behind, when it does not sync in time."""
+    from .fake_operator import FakeOperator
+
+    skips.require_bpf("netns, tc, BPF")
+    op = FakeOperator(env.cidr)
+    op.services_ready.clear()  # the operator holds its Service listing back
+    try:
+        a = env.start_agent(
+            static={},
+            enable_bpf=True,
+            operator=op.address,
+            operator_reconnect_min_backoff=0.1,
+            operator_reconnect_max_backoff=0.5,
+            endpoint_service_wait_timeout=4.0,
+        )
+        wait_for(lambda: a.debug.Status(agent_pb2.StatusRequest()).ready, "agent ready")
+        pod = dict(pod_namespace="team", pod_name="web-0", labels={"app": "web"})
+        with pytest.raises(grpc.RpcError) as err:
+            a.attach.Add(add_req(netns(env), "sb-early", **pod), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Services not synced" in (err.value.details() or "")
+        assert state_files(env) == [] and ("team", "web-0") not in op.endpoints
+
+        result: dict[str, object] = {}
+
+        def add() -> None:
+            try:
+                result["ok"] = a.attach.Add(add_req(netns(env), "sb-late", **pod), timeout=30)
+            except grpc.RpcError as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=add)
+        thread.start()
+        time.sleep(1.0)
+        assert result == {} and state_files(env) == [], "the Add went on before Services synced"
+        op.services_ready.set()
+        thread.join(10)
+        assert "ok" in result, result
+        assert a.agent.lb is not None and a.agent.lb.watcher.synced
+    finally:
+        env.cleanup()
+        op.stop()

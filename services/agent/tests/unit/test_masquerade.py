@@ -31,11 +31,30 @@ def test_flags_default_as_upstream_and_bad_values_are_refused_with_the_flag_name
             Config(**{field: value})
 
 
-def test_bpf_masquerade_is_refused_not_silently_ignored() -> None:
-    with pytest.raises(ValidationError, match="BPF masquerade is not implemented"):
-        Config(enable_bpf_masquerade=True)
-    with pytest.raises(ValidationError, match="BPF masquerade is not implemented"):
-        Config(enable_bpf_masquerade="true")
+def test_bpf_masquerade_needs_the_nodeport_programs_and_its_own_devices() -> None:
+    c = Config(enable_bpf_masquerade="true")
+    assert c.bpf_masquerade_enabled and c.nat_port_range == (32768, 65535)
+    assert c.bpf_nat_masquerade_timeout == 600.0 and c.bpf_masquerade_gc_interval == 30.0
+    assert not Config(
+        enable_bpf_masquerade=True, enable_ipv4_masquerade=False
+    ).bpf_masquerade_enabled
+    for kw, words in (
+        ({"enable_node_port": False}, "turn on --enable-node-port"),
+        ({"kube_proxy_replacement": "false"}, "turn on --kube-proxy-replacement"),
+        ({"enable_bpf": False, "bpf_lb_sock": False}, "turn on --enable-bpf, --bpf-lb-sock"),
+        ({"egress_masquerade_interfaces": ["eth0"]}, "BPF masquerade runs on --devices"),
+    ):
+        with pytest.raises(ValidationError, match=words):
+            Config(enable_bpf_masquerade=True, **kw)  # type: ignore[arg-type]
+    # without masquerade at all the BPF flag asks for nothing
+    Config(enable_bpf_masquerade=True, enable_ipv4_masquerade=False, enable_node_port=False)
+
+
+@pytest.mark.parametrize("value", ["1000-65535", "40000-30000", "40000", "a-b", "60000-60100"])
+def test_a_bad_nat_port_range_is_refused_with_the_flag_named(value: str) -> None:
+    with pytest.raises(ValidationError, match="--bpf-nat-port-range"):
+        Config(bpf_nat_port_range=value)
+    assert Config(bpf_nat_port_range=" 40000-50000").nat_port_range == (40000, 50000)
 
 
 def test_plan_collapses_and_orders_exclusions_before_masquerade_rules() -> None:

@@ -1,7 +1,8 @@
 """Creating an endpoint (CNI ADD): validate, allocate, plumb, enforce, or roll back.
 
 Order of an Add (upstream cilium-cni ADD, reference: cilium-upstream.md §7):
-validate → readiness → allocate the IP → write the state file with state
+validate → the Service stream synced (a new endpoint only; see :meth:`EndpointAdds.add`)
+→ readiness → allocate the IP → write the state file with state
 ``creating`` → plumb the datapath → enforcement hooks (identity, policy, BPF
 programs attached; ``endpoint.enforcement``) → write state ``ready`` with the
 identity. Any failure rolls back everything done so far (hooks undone, veth
@@ -65,7 +66,11 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
         Raises:
             InvalidRequest: a field is invalid (also: unusable prevResult, chained
                 interface missing or not a veth with a host-side peer).
-            AgentNotReady: no router IP / free address yet.
+            AgentNotReady: no router IP / free address yet; or the Service stream has not
+                synced within ``--endpoint-service-wait-timeout`` (after an agent restart
+                or a node reboot the Service maps are rebuilt from that stream: a pod
+                created before would find ClusterIPs it cannot reach yet; upstream holds
+                endpoint creation until its Kubernetes caches have synced).
             EndpointConflict: the key exists with another netns.
             NetnsNotFound: the netns does not exist.
             InterfaceExists: ``ifname`` already exists in the netns.
@@ -74,6 +79,14 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
             DatapathError, StateError: plumbing or state file failure.
         """
         validate_add(p)
+        if self.services_synced is not None and self.get(p.container_id, p.ifname) is None:
+            try:
+                await self.services_synced()
+            except TimeoutError as exc:
+                raise AgentNotReady(
+                    "Services not synced from the operator yet: a new pod could not reach "
+                    "its ClusterIPs (--endpoint-service-wait-timeout)"
+                ) from exc
         if self.pods is not None and self.get(p.container_id, p.ifname) is None:
             try:
                 labels = await self.pods.endpoint_labels(p.pod_namespace, p.pod_name)
@@ -177,6 +190,46 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
         self._on_change()
         return rec
 
+    def _allocate(self, p: AddParams, pool: str, owner: str) -> ipaddress.IPv4Address:
+        """The next free address of ``pool`` for ``owner`` that no other running Pod of
+        this node holds (Kubernetes mode: the Pod stream's ``status.podIPs``).
+
+        A Pod can hold an address the agent has no endpoint record of: ``helm uninstall``'s
+        cleanup removes the state dir while Pods keep running, and a reinstalled agent
+        starts with an empty IPAM. Such an address is kept in IPAM under the owner
+        ``pod <namespace>/<name>`` (logged) and another one is taken; it is released again
+        once that Pod no longer holds it (checked at every allocation).
+
+        Raises:
+            PoolExhausted: no free address left.
+        """
+        if self._foreign and self.pods is not None:
+            held = self.ipam.allocated()
+            for addr, (ns, name) in list(self._foreign.items()):
+                if self.pods.holder(str(addr), ("", "")) != (ns, name):
+                    if held.get(addr) == f"pod {ns}/{name}":  # not taken over meanwhile
+                        self.ipam.release(addr)
+                    del self._foreign[addr]
+                    log.info("address no longer held by a pod without endpoint, released",
+                             extra={"ip": str(addr), "pod": f"{ns}/{name}"})  # fmt: skip
+        while True:
+            address = self.ipam.allocate(pool, owner)
+            holder = (
+                self.pods.holder(str(address), (p.pod_namespace, p.pod_name))
+                if self.pods is not None
+                else None
+            )
+            if holder is None:
+                return address
+            self.ipam.release(address)
+            self.ipam.occupy(address, f"pod {holder[0]}/{holder[1]}", pool)
+            self._foreign[address] = holder
+            log.warning(
+                "address held by a running pod the agent has no endpoint of; kept, another "
+                "one taken",
+                extra={"ip": str(address), "pod": f"{holder[0]}/{holder[1]}"},
+            )
+
     async def _create(
         self,
         p: AddParams,
@@ -186,7 +239,7 @@ class EndpointAdds(EndpointDeletes, ChainedAdds):
     ) -> EndpointRecord:
         pool = p.pool or self.node.default_pool
         owner = owner_of(*key)
-        address = self.ipam.allocate(pool, owner)
+        address = self._allocate(p, pool, owner)
         self.metrics.ipam_events.labels(action="allocate", family="ipv4").inc()
         rec = self._new_record(p, ipv4=str(address), pool=pool, host_ifname=host_ifname(*key))
         wrote = plumbing = hooked = False

@@ -43,6 +43,10 @@ class PodLabels(Protocol):
             ValueError: the call does not name the Pod (Kubernetes mode).
             Exception: the Pod is not known in time (a retryable error)."""
 
+    def holder(self, address: str, exclude: tuple[str, str]) -> tuple[str, str] | None:
+        """``(namespace, name)`` of another Pod of this node that holds ``address``
+        (its ``status.podIPs``), or None."""
+
 
 class PoolSelection(Protocol):
     """Chooses a new pod's pool (``cilia_agent.ipam.selection.PoolSelector``)."""

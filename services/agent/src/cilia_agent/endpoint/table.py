@@ -46,6 +46,9 @@ class EndpointTable:
         on_change: called after every successful Add/Del (demand recomputation).
         hooks: identity/policy/BPF enforcement run after plumbing (None = plumbing only).
         pods: where an Add's labels come from in Kubernetes mode (None: the CNI call's).
+        services_synced: awaited before a new endpoint is created: returns once the
+            operator's Service stream has synced, raises TimeoutError when it did not in
+            time (None: no wait — no operator or no load balancer).
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class EndpointTable:
         on_change: Callable[[], None] = lambda: None,
         hooks: EndpointHooks | None = None,
         pods: PodLabels | None = None,
+        services_synced: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ipam = ipam
+        self.services_synced = services_synced
         self.pods = pods
         self.datapath = datapath
         self.store = store
@@ -79,6 +84,9 @@ class EndpointTable:
         self._next_id = 1
         self._adding: collections.Counter[tuple[str, str]] = collections.Counter()
         self._background: set[asyncio.Task[Any]] = set()
+        #: addresses held in IPAM for running Pods the agent has no endpoint of
+        #: (address -> (namespace, name)); see EndpointAdds._allocate
+        self._foreign: dict[ipaddress.IPv4Address, tuple[str, str]] = {}
 
     # --- helpers -------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -66,6 +66,7 @@ class PodInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     namespace_labels: Mapping[str, str] = field(default_factory=dict)
     service_account: str = "default"
+    ips: tuple[str, ...] = ()  # status.podIPs
 
     @classmethod
     def of(cls, pod: cp.Pod) -> PodInfo:
@@ -77,6 +78,7 @@ class PodInfo:
             labels=dict(pod.labels),
             namespace_labels=dict(pod.namespace_labels),
             service_account=pod.service_account or "default",
+            ips=tuple(pod.ips),
         )
 
     def endpoint_labels(self, cluster_name: str) -> dict[str, str]:
@@ -206,6 +208,18 @@ class PodCache:
     def __len__(self) -> int:
         return len(self._pods)
 
+    def holder(self, address: str, exclude: tuple[str, str]) -> tuple[str, str] | None:
+        """``(namespace, name)`` of a Pod of this node other than ``exclude`` whose
+        ``status.podIPs`` hold ``address`` (a running Pod that keeps an address the agent
+        has no endpoint record of: e.g. after ``helm uninstall``'s cleanup removed the
+        state dir and a reinstall), or None (also in standalone mode)."""
+        if not self.enabled:
+            return None
+        for key, info in self._pods.items():
+            if key != exclude and address in info.ips:
+                return key
+        return None
+
     async def endpoint_labels(self, namespace: str, name: str) -> dict[str, str] | None:
         """The endpoint labels of Pod ``namespace/name`` (waiting for it up to
         ``wait_timeout``), or None in standalone mode (use the CNI call's labels).
@@ -223,8 +237,8 @@ class PodCache:
             )
         key = (namespace, name)
 
-        def known() -> bool:
-            return key in self._pods
+        def known() -> bool:  # and the listing complete (holder() sees every Pod)
+            return key in self._pods and self._synced
 
         async with self._changed:
             try:

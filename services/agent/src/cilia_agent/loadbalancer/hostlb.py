@@ -85,6 +85,9 @@ class HostConfig:
         nat_max: ``--bpf-nat-global-max`` (entries of ``cilium_snat_v4_external``).
         tunnel: ``--routing-mode tunnel`` (other nodes' pods are behind the tunnel device:
             ``CONFIG.tunnel`` of ``bpf_host.c``).
+        masquerade: ``--enable-bpf-masquerade`` (``CONFIG.masquerade``: the programs also
+            masquerade pod traffic, as the maps of ``masquerade/bpf.py`` say).
+        nat_port_range: ``--bpf-nat-port-range`` (first, last), inclusive.
     """
 
     bpf_dir: pathlib.Path
@@ -93,6 +96,8 @@ class HostConfig:
     lb_map_max: int = 65536
     nat_max: int = 524288
     tunnel: bool = False
+    masquerade: bool = False
+    nat_port_range: tuple[int, int] = (32768, 65535)
 
     def max_entries(self) -> dict[str, int]:
         """``{map name: entries}`` of every map of ``bpf_host.o`` (``bpf/lib/lb.h``)."""
@@ -102,7 +107,12 @@ class HostConfig:
 
     def program_config(self) -> layout.HostProgramConfig:
         """``CONFIG`` of ``bpf_host.o`` for these options."""
-        return layout.HostProgramConfig(tunnel=int(self.tunnel))
+        return layout.HostProgramConfig(
+            tunnel=int(self.tunnel),
+            masquerade=int(self.masquerade),
+            nat_port_min=self.nat_port_range[0],
+            nat_port_max=self.nat_port_range[1],
+        )
 
 
 def default_route_devices(ipr: IPRoute) -> list[str]:

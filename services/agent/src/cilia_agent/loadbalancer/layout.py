@@ -17,10 +17,15 @@ map                             key -> value                                kind
 ``cilium_lb_affinity_match``    :class:`AffinityMatch` -> ``u8``            hash
 ``cilia_lb4_alias_use``         ``u32 VIP`` -> ``u64`` last use (ns)        hash
 ``cilium_snat_v4_external``     :class:`NatTuple` -> :class:`NatEntry`      LRU hash
+``cilium_ipmasq_v4``            :class:`MasqLpmKey` -> ``u8``               LPM trie
+``cilia_masq_src_v4``           :class:`MasqLpmKey` -> ``u8``               LPM trie
+``cilia_masq_dev_v4``           ``u32 ifindex`` -> ``u32`` node address     hash
+``cilia_nat_stats``             ``u32 NAT_STAT_*`` -> ``u64`` per CPU       per-CPU array
 ==============================  ==========================================  ==============
 
-``cilium_snat_v4_external`` is ``bpf/bpf_host.c``'s (NodePort translation state, both
-directions of each flow); the others are created by ``bpf/bpf_sock.c`` and shared.
+``cilium_snat_v4_external`` is ``bpf/bpf_host.c``'s (NodePort and BPF masquerade translation
+state, both directions of each flow), and so are the masquerade maps below it; the others
+are created by ``bpf/bpf_sock.c`` and shared.
 """
 
 from __future__ import annotations
@@ -48,6 +53,19 @@ MAPS = (
 HOST_SHARED_MAPS = (SERVICES_MAP, BACKENDS_MAP, AFFINITY_MAP, AFFINITY_MATCH_MAP)
 """The maps ``bpf_host.o`` shares with ``bpf_sock.o`` (``bpf/lib/lb.h``); its own is :data:`NAT_MAP`."""
 NAT_MAP = "cilium_snat_v4_external"
+IPMASQ_MAP = "cilium_ipmasq_v4"
+"""Destinations never masqueraded (LPM trie; upstream's name)."""
+MASQ_SRC_MAP = "cilia_masq_src_v4"
+"""Sources masqueraded: this node's masqueraded pod CIDRs (LPM trie)."""
+MASQ_DEV_MAP = "cilia_masq_dev_v4"
+"""Masquerading devices: ifindex → the node address their packets leave from."""
+NAT_STATS_MAP = "cilia_nat_stats"
+"""Per-CPU counters of ``bpf_host.c``, indexed by ``NAT_STAT_*``."""
+NAT_STAT_MASQ_NEW = 0
+NAT_STAT_MASQ_EXHAUSTED = 1
+NAT_STAT_NODEPORT_EXHAUSTED = 2
+#: ``lb4_nat_entry.flags``: a masqueraded pod flow (not a NodePort flow).
+NAT_F_MASQ = 1
 
 LB_LOOKUP_SCOPE_EXT = 0
 SVC_FLAG_NODEPORT = 1 << 1
@@ -62,6 +80,7 @@ BE_STATE_ACTIVE = 0
 BE_STATE_TERMINATING = 1
 BACKEND_STATE_TEXT = {BE_STATE_ACTIVE: "active", BE_STATE_TERMINATING: "terminating"}
 
+IPPROTO_ICMP = 1
 IPPROTO_TCP = 6
 IPPROTO_UDP = 17
 PROTOCOLS = {"TCP": IPPROTO_TCP, "UDP": IPPROTO_UDP}
@@ -185,7 +204,9 @@ class NatTuple(ctypes.Structure):
 
 class NatEntry(ctypes.Structure):
     """``struct lb4_nat_entry``: the source/destination the packet gets (0 = kept), the
-    backend chosen, the frontend's rev-NAT index, creation time (``bpf_ktime_get_ns``)."""
+    backend chosen, the frontend's rev-NAT index, ``NAT_F_*`` flags, and ``created``
+    (``bpf_ktime_get_ns``; a masqueraded flow refreshes it on each forward packet: its
+    last use)."""
 
     _fields_ = [
         ("to_saddr", ctypes.c_uint32),
@@ -194,7 +215,7 @@ class NatEntry(ctypes.Structure):
         ("to_dport", ctypes.c_uint16),
         ("backend_id", ctypes.c_uint32),
         ("rev_nat_index", ctypes.c_uint16),
-        ("pad", ctypes.c_uint16),
+        ("flags", ctypes.c_uint16),
         ("created", ctypes.c_uint64),
     ]
 
@@ -206,15 +227,37 @@ class HostProgramConfig(ctypes.Structure):
     Fields:
         tunnel: 1 with ``--routing-mode tunnel`` (a backend routed through a gateway is
             another node's pod behind the tunnel device, so its flows are SNATed), else 0.
+        masquerade: 1 with ``--enable-bpf-masquerade``.
+        nat_port_min, nat_port_max: the NAT port range, inclusive, host order
+            (``--bpf-nat-port-range``).
     """
 
-    _fields_ = [("tunnel", ctypes.c_uint32)]
+    _fields_ = [
+        ("tunnel", ctypes.c_uint32),
+        ("masquerade", ctypes.c_uint32),
+        ("nat_port_min", ctypes.c_uint32),
+        ("nat_port_max", ctypes.c_uint32),
+    ]
+
+
+class MasqLpmKey(ctypes.Structure):
+    """``struct masq_lpm_key``: prefix length (0..32) and address (network order)."""
+
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("addr", ctypes.c_uint32)]
 
 
 HOST_MAP_LAYOUTS: dict[
     str,
-    tuple[type[ctypes.Structure], type[ctypes.Structure]],
-] = {NAT_MAP: (NatTuple, NatEntry)}
+    tuple[
+        type[ctypes.Structure] | type[ctypes._SimpleCData[Any]],
+        type[ctypes.Structure] | type[ctypes._SimpleCData[Any]],
+    ],
+] = {
+    NAT_MAP: (NatTuple, NatEntry),
+    IPMASQ_MAP: (MasqLpmKey, ctypes.c_uint8),
+    MASQ_SRC_MAP: (MasqLpmKey, ctypes.c_uint8),
+    MASQ_DEV_MAP: (ctypes.c_uint32, ctypes.c_uint32),
+}
 """Map name in ``bpf/bpf_host.c`` → (key, value) mirrors (checked against the BTF)."""
 
 

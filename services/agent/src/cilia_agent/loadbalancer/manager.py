@@ -86,6 +86,8 @@ def host_config(cfg: Config) -> hostlb.HostConfig:
         lb_map_max=cfg.bpf_lb_map_max,
         nat_max=cfg.bpf_nat_global_max,
         tunnel=cfg.routing_mode == "tunnel",
+        masquerade=cfg.bpf_masquerade_enabled,
+        nat_port_range=cfg.nat_port_range,
     )
 
 

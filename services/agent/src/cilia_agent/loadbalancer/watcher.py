@@ -20,6 +20,7 @@ which keeps their last-use entries for the operator's release decision.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterable
@@ -78,7 +79,18 @@ class ServiceWatcher:
         self.writer = writer
         self.metrics = metrics
         self.synced = False
+        self._synced = asyncio.Event()
         self._known: set[str] = set()
+
+    async def wait_synced(self, timeout: float) -> None:
+        """Return once the first stream has delivered every Service (``synced``; it stays
+        so through reconnects: the maps keep the last listing meanwhile).
+
+        Raises:
+            TimeoutError: not within ``timeout`` seconds.
+        """
+        if not self.synced:
+            await asyncio.wait_for(self._synced.wait(), timeout)
 
     async def consume(self, stream: AsyncIterable[cp.WatchServicesResponse]) -> bool:
         """Apply every message of ``stream``; returns True when it delivered anything."""
@@ -99,6 +111,7 @@ class ServiceWatcher:
                 if self.usage is not None:
                     self.usage.end_resync()
                 self.synced = True
+                self._synced.set()
                 log.info(
                     "services synced",
                     extra={"frontends": len(self.writer.frontends), "removed_stale": removed},
