@@ -73,8 +73,8 @@ from cilia_agent.ipcache import IPCache
 from cilia_agent.policy.compiler import EndpointPolicy
 from cilia_agent.policy.engine import PolicyEngine
 from cilia_agent.policy.maps import PolicyMapError
-from cilia_agent.policy.model import DEFAULT_NAMESPACE
 from cilia_agent.policy.watcher import PolicyNotReady, PolicyStreams
+from cilia_common.policy.model import DEFAULT_NAMESPACE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -33,7 +33,8 @@ from cilia_agent.identity.labels import (
     SOURCE_K8S,
     LabelSet,
 )
-from cilia_agent.policy.model import (
+from cilia_agent.policy.selector import Operator, Requirement, Selector
+from cilia_common.policy.model import (
     CIDRRule,
     CiliumClusterwideNetworkPolicy,
     CiliumNetworkPolicy,
@@ -47,7 +48,6 @@ from cilia_agent.policy.model import (
     PortRule,
     Rule,
 )
-from cilia_agent.policy.selector import Operator, Requirement, Selector
 
 PROTO_ANY = 0
 PROTO_TCP = 6

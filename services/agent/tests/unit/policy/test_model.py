@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cilia_agent.policy.model import (
+from cilia_common.policy.model import (
     CiliumNetworkPolicy,
     InvalidPolicy,
     NetworkPolicy,

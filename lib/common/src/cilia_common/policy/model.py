@@ -1,9 +1,13 @@
 """Pydantic models of CiliumNetworkPolicy (cilium.io/v2) and NetworkPolicy (networking.k8s.io/v1).
 
+The one policy parser of Cilia: the operator refuses at apply what it refuses, the agent
+compiles what it accepts (``cilia_common.policy.judge`` says what the agent enforces
+instead when a manifest reaches it anyway, in Kubernetes mode).
+
 Only the subset Cilia enforces is modelled; every other field is rejected with its
 path (``spec.ingress[0].toPorts[0].ports[0].endPort: not supported by Cilia``) so a
 manifest never silently means less than it says. This module depends on pydantic and
-the standard library only (the operator can validate with the same models).
+the standard library only.
 
 Entry point: ``parse_policy(manifest) -> CiliumNetworkPolicy |
 CiliumClusterwideNetworkPolicy | NetworkPolicy``, raising
@@ -33,8 +37,6 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails, PydanticCustomError
-
-from cilia_agent.identity.cidr import parse_ipv4_prefix
 
 CNP_API_VERSION = "cilium.io/v2"
 CNP_KIND = "CiliumNetworkPolicy"
@@ -196,10 +198,17 @@ class PortRule(_Model):
 
 def _ipv4_cidr(value: Any) -> Any:
     """``"10.1.2.3/8"`` → ``"10.0.0.0/8"`` (host bits cleared, as upstream masks the
-    prefix); a bare address is a ``/32``. IPv6 and anything else are refused."""
+    prefix); a bare address is a ``/32``. IPv6 and anything else are refused (a
+    ``ValueError``: pydantic reports it with the field's path)."""
     if not isinstance(value, str):
         raise ValueError("CIDR must be a string such as 10.0.0.0/8")
-    return str(parse_ipv4_prefix(value))  # CIDRError is a ValueError: pydantic reports it
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid CIDR (expected a.b.c.d/n)") from None
+    if net.version != 4:
+        raise ValueError(f"IPv6 CIDR {value!r} not supported by Cilia: the datapath is IPv4-only")
+    return str(net)
 
 
 CIDR = Annotated[str, BeforeValidator(_ipv4_cidr)]
