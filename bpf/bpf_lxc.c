@@ -172,6 +172,7 @@ struct packet {
 	__u8 proto;
 	__u8 tcp_flags;
 	__u32 len;
+	__u8 icmp_type; /* ICMP: the header's type (policy_check looks rules up by it) */
 };
 
 /* Returns 1 for an IPv4 packet (fields filled), 0 for anything to pass untouched. */
@@ -212,10 +213,18 @@ static __always_inline int parse_packet(struct __sk_buff *skb, struct packet *p)
 			return 1;
 		p->sport = udp->source;
 		p->dport = udp->dest;
+	} else if (p->proto == IPPROTO_SCTP) {
+		/* The SCTP common header starts with the source and destination ports. */
+		__be16 *ports = l4;
+		if ((void *)(ports + 2) > data_end)
+			return 1;
+		p->sport = ports[0];
+		p->dport = ports[1];
 	} else if (p->proto == IPPROTO_ICMP) {
 		struct icmphdr *icmp = l4;
 		if ((void *)(icmp + 1) > data_end)
 			return 1;
+		p->icmp_type = icmp->type;
 		/* Echo request and reply share the id: use it on both sides so the
 		 * reply is the reverse tuple of the request. */
 		if (icmp->type == ICMP_ECHO || icmp->type == ICMP_ECHOREPLY) {
@@ -256,7 +265,9 @@ static __always_inline void account(struct policy_value *val, __u32 len)
 	__sync_fetch_and_add(&val->bytes, len);
 }
 
-/* Policy verdict for a new flow: 0 (allowed), DROP_POLICY_DENY or DROP_POLICY_DENIED. */
+/* Policy verdict for a new flow: 0 (allowed), DROP_POLICY_DENY or DROP_POLICY_DENIED.
+ * ICMP is looked up by type: the rule's port is POLICY_ICMP_TYPE_BASE + type (so type 0
+ * is not the wildcard port 0; the agent writes ICMP rules the same way). */
 static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, __u8 dir,
 					 struct packet *p)
 {
@@ -266,7 +277,8 @@ static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, _
 		.sec_label = peer,
 		.egress = dir,
 		.protocol = p->proto,
-		.dport = p->dport,
+		.dport = p->proto == IPPROTO_ICMP ? bpf_htons(POLICY_ICMP_TYPE_BASE + p->icmp_type)
+						  : p->dport,
 	};
 	struct policy_value *exact = bpf_map_lookup_elem(&cilia_policy, &key);
 

@@ -113,6 +113,8 @@ struct policy_key {
 };
 
 #define POLICY_FLAG_DENY 1
+/* An ICMP rule's dport: this + the ICMP type (cilia_agent.policy.rules.ICMP_TYPE_BASE). */
+#define POLICY_ICMP_TYPE_BASE 256
 struct policy_value {
 	__u8 flags;
 	__u8 pad[7];

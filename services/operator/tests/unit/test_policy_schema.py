@@ -90,9 +90,9 @@ def test_documented_frontend_to_backend_policy_is_valid_and_gets_namespace_defau
         (
             {
                 "endpointSelector": {},
-                "egress": [{"toPorts": [{"ports": [{"port": "80", "protocol": "SCTP"}]}]}],
+                "egress": [{"toPorts": [{"ports": [{"port": "80", "protocol": "ICMP"}]}]}],
             },
-            "spec.egress[0].toPorts[0].ports[0].protocol: 'SCTP' is not one of",
+            "spec.egress[0].toPorts[0].ports[0].protocol: 'ICMP' is not one of",
         ),
         (
             {"endpointSelector": {}, "ingress": [{"toPorts": [{"ports": [{"port": "http"}]}]}]},

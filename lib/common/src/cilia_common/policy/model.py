@@ -179,11 +179,27 @@ Port = Annotated[int, BeforeValidator(_port_number), Field(ge=0, le=65535)]
 
 
 class PortProtocol(_Model):
-    """``{port: "8080"|8080 (0/absent = any), protocol: TCP|UDP|ANY (default ANY)}``."""
+    """``{port: "8080"|8080 (0/absent = any), endPort (range end, inclusive), protocol:
+    TCP|UDP|SCTP|ANY (default ANY)}``. ``endPort`` needs a port and is ≥ it (upstream
+    ``api.PortProtocol``)."""
 
-    _unsupported = ("endPort",)
     port: Port = 0
-    protocol: Literal["TCP", "UDP", "ANY"] = "ANY"
+    end_port: int | None = Field(default=None, ge=0, le=65535)
+    protocol: Literal["TCP", "UDP", "SCTP", "ANY"] = "ANY"
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        _check_range(self.port, self.end_port)
+        return self
+
+
+def _check_range(port: int, end_port: int | None) -> None:
+    if end_port is None or end_port == 0:
+        return
+    if port == 0:
+        raise ValueError("endPort needs a port (the start of the range)")
+    if end_port < port:
+        raise ValueError(f"endPort {end_port} is below port {port}")
 
 
 class PortRule(_Model):
@@ -191,6 +207,49 @@ class PortRule(_Model):
 
     _unsupported = ("rules", "serverNames", "listener", "originatingTLS", "terminatingTLS")
     ports: list[PortProtocol] | None = None
+
+
+ICMP_TYPE_NAMES: Mapping[str, int] = {
+    "EchoReply": 0,
+    "DestinationUnreachable": 3,
+    "Redirect": 5,
+    "Echo": 8,
+    "EchoRequest": 8,
+    "RouterAdvertisement": 9,
+    "RouterSelection": 10,
+    "TimeExceeded": 11,
+    "ParameterProblem": 12,
+    "Timestamp": 13,
+    "TimestampReply": 14,
+    "Photuris": 40,
+    "ExtendedEchoRequest": 42,
+    "ExtendedEchoReply": 43,
+}
+"""Upstream's IPv4 ICMP type names (``api.ICMPField.Type`` accepts a number or a name)."""
+
+
+def _icmp_type(value: Any) -> Any:
+    if isinstance(value, str) and not value.isdigit():
+        if value not in ICMP_TYPE_NAMES:
+            raise ValueError(f"unknown ICMP type name {value!r} (known: {sorted(ICMP_TYPE_NAMES)})")
+        return ICMP_TYPE_NAMES[value]
+    if isinstance(value, bool):
+        raise ValueError("ICMP type must be a number 0..255 or a type name")
+    return int(value) if isinstance(value, str) else value
+
+
+class ICMPField(_Model):
+    """``icmps[].fields[]`` item: ``{family: IPv4 (IPv6 is not supported: the datapath is
+    IPv4-only), type: 0..255 or an upstream type name}``."""
+
+    family: Literal["IPv4"] = "IPv4"
+    type: Annotated[int, BeforeValidator(_icmp_type), Field(ge=0, le=255)]
+
+
+class ICMPRule(_Model):
+    """``icmps[]`` item: ``{fields: [...]}``."""
+
+    fields: list[ICMPField] = Field(min_length=1)
 
 
 # ----------------------------------------------------------------------------- CIDRs
@@ -273,7 +332,6 @@ class IngressRule(_Model):
         "fromNodes",
         "fromRequires",
         "fromGroups",
-        "icmps",
         "authentication",
     )
     from_endpoints: list[LabelSelector] | None = None
@@ -281,6 +339,12 @@ class IngressRule(_Model):
     from_cidr: list[CIDR] | None = Field(default=None, alias="fromCIDR")
     from_cidr_set: list[CIDRRule] | None = Field(default=None, alias="fromCIDRSet")
     to_ports: list[PortRule] | None = None
+    icmps: list[ICMPRule] | None = None
+
+    @model_validator(mode="after")
+    def _ports_or_icmps(self) -> Self:
+        _one_l4(self.to_ports, self.icmps)
+        return self
 
 
 class EgressRule(_Model):
@@ -293,7 +357,6 @@ class EgressRule(_Model):
         "toNodes",
         "toRequires",
         "toGroups",
-        "icmps",
         "authentication",
     )
     to_endpoints: list[LabelSelector] | None = None
@@ -301,6 +364,18 @@ class EgressRule(_Model):
     to_cidr: list[CIDR] | None = Field(default=None, alias="toCIDR")
     to_cidr_set: list[CIDRRule] | None = Field(default=None, alias="toCIDRSet")
     to_ports: list[PortRule] | None = None
+    icmps: list[ICMPRule] | None = None
+
+    @model_validator(mode="after")
+    def _ports_or_icmps(self) -> Self:
+        _one_l4(self.to_ports, self.icmps)
+        return self
+
+
+def _one_l4(to_ports: Sequence[PortRule] | None, icmps: Sequence[ICMPRule] | None) -> None:
+    """Upstream refuses a rule with both ``toPorts`` and ``icmps``."""
+    if to_ports and icmps:
+        raise ValueError("toPorts and icmps cannot be used in the same rule")
 
 
 class DefaultDeny(_Model):
@@ -386,11 +461,17 @@ class CiliumClusterwideNetworkPolicy(_CiliumPolicy):
 
 
 class NetworkPolicyPort(_Model):
-    """``ports[]``: ``{protocol: TCP|UDP (default TCP), port (absent = all)}``."""
+    """``ports[]``: ``{protocol: TCP|UDP|SCTP (default TCP), port (absent = all), endPort
+    (range end, inclusive; needs a numeric port ≤ it)}``."""
 
-    _unsupported = ("endPort",)
-    protocol: Literal["TCP", "UDP"] = "TCP"
+    protocol: Literal["TCP", "UDP", "SCTP"] = "TCP"
     port: Port = 0
+    end_port: int | None = Field(default=None, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        _check_range(self.port, self.end_port)
+        return self
 
 
 class NetworkPolicyPeer(_Model):

@@ -87,14 +87,24 @@ class PolicyEntry(NamedTuple):
     """Key of a desired entry of one endpoint (the map key minus ``ep_id``/prefix length).
 
     ``peer``: identity or 0 (any); ``direction``: 0 ingress / 1 egress; ``protocol``: IP
-    protocol number or 0 (any); ``port``: host-order port or 0 (any). A non-zero port
-    needs a non-zero protocol.
+    protocol number or 0 (any); ``port``: host-order port or 0 (any), for ICMP 256 + the
+    type; ``port_bits``: how many high-order bits of ``port`` match (16: exactly ``port``;
+    n < 16: the 2**(16 - n) ports from ``port`` on, a block of an ``endPort`` range; kept 16
+    when ``port`` is 0). A non-zero port needs a non-zero protocol.
     """
 
     peer: int
     direction: int
     protocol: int
     port: int
+    port_bits: int = 16
+
+    @property
+    def last_port(self) -> int:
+        """The highest port the entry covers (``port`` for an exact port, 65535 for any)."""
+        if not self.port:
+            return 65535
+        return self.port + (1 << (16 - self.port_bits)) - 1
 
 
 @dataclass(frozen=True)
@@ -177,8 +187,8 @@ def compile_endpoint(
             for rule in subject.rules:
                 verdict = Verdict.DENY if rule.deny else Verdict.ALLOW
                 for peer in resolve_peers(rule.peers, identities):
-                    for protocol, port in rule.ports:
-                        key = PolicyEntry(peer, int(rule.direction), protocol, port)
+                    for protocol, port, bits in rule.ports:
+                        key = PolicyEntry(peer, int(rule.direction), protocol, port, bits)
                         if entries.get(key) is not Verdict.DENY:
                             entries[key] = verdict
     return EndpointPolicy(
@@ -193,19 +203,36 @@ def apply_deny_precedence(entries: Mapping[PolicyEntry, Verdict]) -> dict[Policy
     """Turn every ALLOW covered by a broader DENY of the same (peer, direction) into a DENY.
 
     Covering DENYs: (protocol 0, port 0) covers everything; (protocol p, port 0) covers
-    protocol p with any port.
+    protocol p with any port; (protocol p, port block) covers the ports of protocol p
+    inside the block (an ALLOW of a wider block that merely overlaps a DENY block needs
+    nothing: the LPM lookup returns the narrower DENY for the ports they share).
     """
-    denies = {k for k, v in entries.items() if v is Verdict.DENY}
+    denies: dict[tuple[int, int], list[PolicyEntry]] = {}
+    for k, v in entries.items():
+        if v is Verdict.DENY:
+            denies.setdefault((k.peer, k.direction), []).append(k)
     out = dict(entries)
     for key, verdict in entries.items():
         if verdict is Verdict.DENY:
             continue
-        broader = [PolicyEntry(key.peer, key.direction, PROTO_ANY, 0)]
-        if key.port:
-            broader.append(PolicyEntry(key.peer, key.direction, key.protocol, 0))
-        if any(b in denies and b != key for b in broader):
-            out[key] = Verdict.DENY
+        for deny in denies.get((key.peer, key.direction), ()):
+            if _covers(deny, key):
+                out[key] = Verdict.DENY
+                break
     return out
+
+
+def _covers(broad: PolicyEntry, narrow: PolicyEntry) -> bool:
+    """True when ``broad`` matches every packet ``narrow`` matches (and is not ``narrow``)."""
+    if broad == narrow:
+        return False
+    if broad.protocol == PROTO_ANY:
+        return True
+    if broad.protocol != narrow.protocol:
+        return False
+    if not broad.port:
+        return True
+    return bool(narrow.port) and broad.port <= narrow.port and narrow.last_port <= broad.last_port
 
 
 __all__ = [

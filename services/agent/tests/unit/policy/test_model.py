@@ -114,11 +114,11 @@ def test_network_policy_parses_with_kubernetes_defaults() -> None:
             cnp(
                 {
                     "endpointSelector": {},
-                    "egress": [{"toPorts": [{"ports": [{"port": "8080", "protocol": "SCTP"}]}]}],
+                    "egress": [{"toPorts": [{"ports": [{"port": "8080", "protocol": "ICMP"}]}]}],
                 }
             ),
             "spec.egress[0].toPorts[0].ports[0].protocol",
-            "'TCP', 'UDP' or 'ANY'",
+            "'TCP', 'UDP', 'SCTP' or 'ANY'",
         ),
         (
             cnp({"endpointSelector": {}, "egress": [{"toPorts": [{"ports": [{"port": "http"}]}]}]}),
@@ -134,11 +134,11 @@ def test_network_policy_parses_with_kubernetes_defaults() -> None:
             cnp(
                 {
                     "endpointSelector": {},
-                    "egress": [{"toPorts": [{"ports": [{"port": 80, "endPort": 90}]}]}],
+                    "egress": [{"toPorts": [{"ports": [{"port": 80, "endPort": 70}]}]}],
                 }
             ),
-            "spec.egress[0].toPorts[0].ports[0].endPort",
-            "not supported by Cilia",
+            "spec.egress[0].toPorts[0].ports[0]",
+            "endPort 70 is below port 80",
         ),
         (
             cnp({"endpointSelector": {}, "ingress": [{"fromCIDR": ["fd00::/8"]}]}),
