@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Self
@@ -162,6 +163,11 @@ class LabelSelector(_Model):
 # ----------------------------------------------------------------------------- ports
 
 
+_PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+"""A named port (Kubernetes IANA_SVC_NAME): 1-15 lower-case letters, digits and '-', at
+least one letter, no '-' at either end."""
+
+
 def _port_number(value: Any) -> Any:
     """``"8080"``/``8080`` → 8080; ``None``/``""`` → 0 (any); names are refused."""
     if value is None or value == "":
@@ -175,7 +181,26 @@ def _port_number(value: Any) -> Any:
     return value
 
 
+def _port_or_name(value: Any) -> Any:
+    """Like ``_port_number``, but a Kubernetes port name (``"http"``) stays a string."""
+    if isinstance(value, str) and value and not value.isdigit():
+        if len(value) > 15 or not _PORT_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is neither a port number nor a port name (1-15 lower-case "
+                "letters, digits and '-', with a letter)"
+            )
+        return value
+    number = _port_number(value)
+    if isinstance(number, int) and not 0 <= number <= 65535:
+        raise ValueError("port must be 0..65535")
+    return number
+
+
 Port = Annotated[int, BeforeValidator(_port_number), Field(ge=0, le=65535)]
+PortOrName = Annotated[int | str, BeforeValidator(_port_or_name)]
+"""A port number (0 = any) or a named port, resolved on each selected pod from its
+container ports (upstream; ingress only here: an egress named port needs every peer pod's
+ports)."""
 
 
 class PortProtocol(_Model):
@@ -183,7 +208,7 @@ class PortProtocol(_Model):
     TCP|UDP|SCTP|ANY (default ANY)}``. ``endPort`` needs a port and is ≥ it (upstream
     ``api.PortProtocol``)."""
 
-    port: Port = 0
+    port: PortOrName = 0
     end_port: int | None = Field(default=None, ge=0, le=65535)
     protocol: Literal["TCP", "UDP", "SCTP", "ANY"] = "ANY"
 
@@ -193,9 +218,11 @@ class PortProtocol(_Model):
         return self
 
 
-def _check_range(port: int, end_port: int | None) -> None:
+def _check_range(port: int | str, end_port: int | None) -> None:
     if end_port is None or end_port == 0:
         return
+    if isinstance(port, str):
+        raise ValueError("endPort needs a numeric port, not the named port " + repr(port))
     if port == 0:
         raise ValueError("endPort needs a port (the start of the range)")
     if end_port < port:
@@ -369,6 +396,7 @@ class EgressRule(_Model):
     @model_validator(mode="after")
     def _ports_or_icmps(self) -> Self:
         _one_l4(self.to_ports, self.icmps)
+        _no_named_ports([p for r in self.to_ports or () for p in r.ports or ()])
         return self
 
 
@@ -376,6 +404,18 @@ def _one_l4(to_ports: Sequence[PortRule] | None, icmps: Sequence[ICMPRule] | Non
     """Upstream refuses a rule with both ``toPorts`` and ``icmps``."""
     if to_ports and icmps:
         raise ValueError("toPorts and icmps cannot be used in the same rule")
+
+
+_EGRESS_NAMED = (
+    "named port {name!r} in an egress rule not supported by Cilia (it would need the "
+    "container ports of every peer pod; use a number)"
+)
+
+
+def _no_named_ports(ports: Sequence[PortProtocol | NetworkPolicyPort]) -> None:
+    for p in ports:
+        if isinstance(p.port, str):
+            raise ValueError(_EGRESS_NAMED.format(name=p.port))
 
 
 class DefaultDeny(_Model):
@@ -465,7 +505,7 @@ class NetworkPolicyPort(_Model):
     (range end, inclusive; needs a numeric port ≤ it)}``."""
 
     protocol: Literal["TCP", "UDP", "SCTP"] = "TCP"
-    port: Port = 0
+    port: PortOrName = 0
     end_port: int | None = Field(default=None, ge=0, le=65535)
 
     @model_validator(mode="after")
@@ -500,10 +540,15 @@ class NetworkPolicyIngressRule(_Model):
 
 
 class NetworkPolicyEgressRule(_Model):
-    """``egress[]``: absent/empty ``to`` = every destination."""
+    """``egress[]``: absent/empty ``to`` = every destination; named ports are refused."""
 
     to: list[NetworkPolicyPeer] | None = None
     ports: list[NetworkPolicyPort] | None = None
+
+    @model_validator(mode="after")
+    def _numbers_only(self) -> Self:
+        _no_named_ports(self.ports or [])
+        return self
 
 
 class NetworkPolicySpec(_Model):

@@ -59,6 +59,7 @@ from cilia_agent.policy.rules import (
 )
 
 ANY_PEER = 0
+_PROTOCOL_NAMES = {6: "TCP", 17: "UDP", 132: "SCTP"}
 
 ENTITY_IDENTITIES: Mapping[str, frozenset[int]] = {
     "world": frozenset({IDENTITY_WORLD}),
@@ -109,13 +110,20 @@ class PolicyEntry(NamedTuple):
 
 @dataclass(frozen=True)
 class EndpointSubject:
-    """The endpoint a policy is compiled for: identity labels (with its namespace label)."""
+    """The endpoint a policy is compiled for: identity labels (with its namespace label)
+    and its pod's named container ports ``((name, protocol TCP|UDP|SCTP), port)``."""
 
     labels: LabelSet
     namespace: str
+    named_ports: tuple[tuple[tuple[str, str], int], ...] = ()
 
     @classmethod
-    def of(cls, labels: Iterable[str | Label] | LabelSet, namespace: str) -> EndpointSubject:
+    def of(
+        cls,
+        labels: Iterable[str | Label] | LabelSet,
+        namespace: str,
+        named_ports: Mapping[tuple[str, str], int] | None = None,
+    ) -> EndpointSubject:
         """Build from label strings (``"k8s:app=web"``) and the pod namespace; the
         ``k8s:io.kubernetes.pod.namespace=<namespace>`` label is added when missing.
 
@@ -126,7 +134,12 @@ class EndpointSubject:
         ns_label = Label(SOURCE_K8S, POD_NAMESPACE_KEY, namespace)
         if ns_label not in ls:
             ls = ls.with_labels([ns_label])
-        return cls(ls, namespace)
+        return cls(ls, namespace, tuple(sorted((named_ports or {}).items())))
+
+    def port_named(self, protocol: int, name: str) -> int:
+        """The port a named port resolves to on this endpoint, 0 when it has none."""
+        wanted = _PROTOCOL_NAMES.get(protocol, "")
+        return next((port for (n, p), port in self.named_ports if n == name and p == wanted), 0)
 
 
 @dataclass(frozen=True)
@@ -186,8 +199,13 @@ def compile_endpoint(
             enforce_eg |= subject.default_deny_egress
             for rule in subject.rules:
                 verdict = Verdict.DENY if rule.deny else Verdict.ALLOW
+                ports = list(rule.ports)
+                for protocol, name in rule.named:  # resolved on this endpoint's pod
+                    number = endpoint.port_named(protocol, name)
+                    if number:
+                        ports.append((protocol, number, 16))
                 for peer in resolve_peers(rule.peers, identities):
-                    for protocol, port, bits in rule.ports:
+                    for protocol, port, bits in ports:
                         key = PolicyEntry(peer, int(rule.direction), protocol, port, bits)
                         if entries.get(key) is not Verdict.DENY:
                             entries[key] = verdict

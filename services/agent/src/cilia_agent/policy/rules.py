@@ -12,6 +12,9 @@ and UDP entries, since the LPM key cannot wildcard the protocol and match the po
 that cover it exactly (upstream ``policy.PortRangeToMaskedPorts``): 80..90 is 80/13 (80-87),
 88/15 (88-89), 90/16. ICMP rules (``icmps[].fields[].type``) become protocol 1 with port
 256 + type (:data:`ICMP_TYPE_BASE`; the datapath looks ICMP packets up the same way).
+A named port (``port: http``) stays a name here (``DirectionalRule.named``); the compiler
+resolves it on each selected endpoint from its pod's container ports (upstream resolves
+named ports per pod): a pod without that port name gets nothing from it.
 
 CIDR peers (``toCIDR``/``toCIDRSet``/``fromCIDR``/``fromCIDRSet``, NetworkPolicy
 ``ipBlock``) become :class:`CIDRPeer` items: a ``cidr`` and its ``except`` prefixes; their
@@ -148,12 +151,15 @@ class Peers:
 
 @dataclass(frozen=True)
 class DirectionalRule:
-    """One ingress/egress (allow or deny) rule: peers x (protocol, port) pairs."""
+    """One ingress/egress (allow or deny) rule: peers x (protocol, port) pairs, plus the
+    named ports ``(protocol, name)`` resolved on each selected endpoint from its pod's
+    container ports (``compiler``; ingress only: the model refuses them in egress)."""
 
     direction: Direction
     deny: bool
     peers: Peers
     ports: tuple[PortKey, ...] = L3_ONLY
+    named: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,16 +269,20 @@ def _cnp_ingress(rule: IngressRule, deny: bool, namespace: str | None) -> Direct
     cidrs = _cidr_peers(rule.from_cidr, rule.from_cidr_set)
     l4 = bool(rule.to_ports) or bool(rule.icmps)
     peers = _peers(rule.from_endpoints, rule.from_entities, cidrs, l4, namespace)
-    ports = _icmp_ports(rule.icmps) if rule.icmps else _cnp_ports(rule.to_ports)
-    return DirectionalRule(Direction.INGRESS, deny, peers, ports)
+    if rule.icmps:
+        return DirectionalRule(Direction.INGRESS, deny, peers, _icmp_ports(rule.icmps))
+    ports, named = _cnp_ports(rule.to_ports)
+    return DirectionalRule(Direction.INGRESS, deny, peers, ports, named)
 
 
 def _cnp_egress(rule: EgressRule, deny: bool, namespace: str | None) -> DirectionalRule:
     cidrs = _cidr_peers(rule.to_cidr, rule.to_cidr_set)
     l4 = bool(rule.to_ports) or bool(rule.icmps)
     peers = _peers(rule.to_endpoints, rule.to_entities, cidrs, l4, namespace)
-    ports = _icmp_ports(rule.icmps) if rule.icmps else _cnp_ports(rule.to_ports)
-    return DirectionalRule(Direction.EGRESS, deny, peers, ports)
+    if rule.icmps:
+        return DirectionalRule(Direction.EGRESS, deny, peers, _icmp_ports(rule.icmps))
+    ports, named = _cnp_ports(rule.to_ports)
+    return DirectionalRule(Direction.EGRESS, deny, peers, ports, named)
 
 
 def port_blocks(first: int, last: int) -> list[tuple[int, int]]:
@@ -306,16 +316,30 @@ def port_keys(protocol: str, port: int, end_port: int | None = None) -> tuple[Po
     return tuple((p, start, bits) for p in protocols for start, bits in blocks)
 
 
-def _cnp_ports(to_ports: Sequence[PortRule] | None) -> tuple[PortKey, ...]:
+Named = tuple[tuple[int, str], ...]
+"""Named ports of a rule: ``(protocol number, port name)``."""
+
+
+def _named_key(protocol: str, name: str) -> list[tuple[int, str]]:
+    number = PROTOCOLS[protocol]
+    return [(PROTO_TCP, name), (PROTO_UDP, name)] if number == PROTO_ANY else [(number, name)]
+
+
+def _cnp_ports(to_ports: Sequence[PortRule] | None) -> tuple[tuple[PortKey, ...], Named]:
+    """Numeric keys and named ports of ``toPorts`` (no ``toPorts``: every port)."""
     if not to_ports:
-        return L3_ONLY
+        return L3_ONLY, ()
     keys: list[PortKey] = []
+    named: list[tuple[int, str]] = []
     for port_rule in to_ports:
         if not port_rule.ports:
             keys += L3_ONLY
         for pp in port_rule.ports or ():
-            keys += port_keys(pp.protocol, pp.port, pp.end_port)
-    return tuple(dict.fromkeys(keys))
+            if isinstance(pp.port, str):
+                named += _named_key(pp.protocol, pp.port)
+            else:
+                keys += port_keys(pp.protocol, pp.port, pp.end_port)
+    return tuple(dict.fromkeys(keys)), tuple(dict.fromkeys(named))
 
 
 def _icmp_ports(icmps: Sequence[ICMPRule]) -> tuple[PortKey, ...]:
@@ -333,11 +357,13 @@ def _np_spec(policy: NetworkPolicy, namespace: str) -> SubjectRule:
     if "Ingress" in types:
         for ing in spec.ingress or ():
             peers = _np_peers(ing.from_, namespace)
-            rules.append(DirectionalRule(Direction.INGRESS, False, peers, _np_ports(ing.ports)))
+            ports, named = _np_ports(ing.ports)
+            rules.append(DirectionalRule(Direction.INGRESS, False, peers, ports, named))
     if "Egress" in types:
         for eg in spec.egress or ():
             peers = _np_peers(eg.to, namespace)
-            rules.append(DirectionalRule(Direction.EGRESS, False, peers, _np_ports(eg.ports)))
+            ports, named = _np_ports(eg.ports)
+            rules.append(DirectionalRule(Direction.EGRESS, False, peers, ports, named))
     return SubjectRule(
         subject=Selector.from_model(spec.pod_selector).in_namespace(namespace),
         default_deny_ingress="Ingress" in types,
@@ -374,7 +400,15 @@ def _np_peer(peer: NetworkPolicyPeer, namespace: str) -> Selector:
     return Selector(pods.requirements | ns_reqs)
 
 
-def _np_ports(ports: Sequence[NetworkPolicyPort] | None) -> tuple[PortKey, ...]:
+def _np_ports(ports: Sequence[NetworkPolicyPort] | None) -> tuple[tuple[PortKey, ...], Named]:
+    """Numeric keys and named ports of NetworkPolicy ``ports`` (none: every port)."""
     if not ports:
-        return L3_ONLY
-    return tuple(dict.fromkeys(k for p in ports for k in port_keys(p.protocol, p.port, p.end_port)))
+        return L3_ONLY, ()
+    keys = [
+        k
+        for p in ports
+        if not isinstance(p.port, str)
+        for k in port_keys(p.protocol, p.port, p.end_port)
+    ]
+    named = [n for p in ports if isinstance(p.port, str) for n in _named_key(p.protocol, p.port)]
+    return tuple(dict.fromkeys(keys)), tuple(dict.fromkeys(named))

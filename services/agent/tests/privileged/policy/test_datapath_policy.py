@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
-from cilia_agent.policy.compiler import EndpointPolicy, PolicyEntry
+from cilia_agent.policy.compiler import EndpointPolicy, PolicyEntry, Verdict
 from cilia_agent.policy.engine import PolicyEngine
 from cilia_agent.policy.maps import PolicyMapWriter, encode_key
 from cilia_agent.testing import bpf as bpf_harness
@@ -252,3 +252,64 @@ def test_port_ranges_sctp_and_icmp_types_give_their_verdicts_in_the_real_map(
     # what the agent wrote reads back exactly (a restarted agent adopts the blocks)
     reread = PolicyMapWriter(dp.agent.policy_map).read()
     assert reread == {EP_ID: dict(engine.compiled[EP_ID].entries)}
+
+
+def test_a_named_port_resolves_on_the_selected_pods_container_ports(harness: Any, dp: Any) -> None:
+    """A NetworkPolicy allowing ingress on the named port ``serve-80``: on a pod whose
+    container port of that name is 8080, TCP 8080 passes and every other port is dropped;
+    resolved per pod (upstream), so a pod without that name gets nothing from the rule."""
+    for ip, ident in ((BACKEND_IP, BACKEND), (FRONTEND_IP, FRONTEND)):
+        dp.agent.ipcache_map[harness.IpcacheKey(32, harness.ip_to_map(ip))] = harness.IpcacheValue(
+            ident, 0
+        )
+
+    def enforce(ep_id: int, policy: EndpointPolicy) -> None:
+        dp.agent.endpoint_map[ctypes.c_uint32(1)] = harness.EndpointInfo(
+            ep_id=ep_id,
+            sec_identity=BACKEND,
+            ipv4=harness.ip_to_map(BACKEND_IP),
+            enforce_ingress=int(policy.enforce_ingress),
+            enforce_egress=int(policy.enforce_egress),
+        )
+
+    ports = {("prod", "backend-1"): {("serve-80", "TCP"): 8080, ("dns", "UDP"): 5353}}
+    engine = PolicyEngine(PolicyMapWriter(dp.agent.policy_map), on_enforce=enforce)
+    engine.named_ports = lambda namespace, pod: ports.get((namespace, pod), {})
+    engine.on_identities(
+        pb.WatchIdentitiesResponse(
+            events=[identity_event(FRONTEND, "frontend"), identity_event(BACKEND, "backend")],
+            synced=True,
+        )
+    )
+    np_doc = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "named", "namespace": "prod"},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "backend"}},
+            "ingress": [{"ports": [{"protocol": "TCP", "port": "serve-80"}]}],
+        },
+    }
+    event = pb.PolicyEvent(
+        type=pb.EVENT_TYPE_UPSERT, kind="NetworkPolicy", namespace="prod", name="named",
+        json=json.dumps(np_doc),
+    )  # fmt: skip
+    engine.on_policies(pb.WatchPoliciesResponse(events=[event], synced=True))
+    engine.set_endpoint(EP_ID, ["k8s:app=backend", NS], "prod", pod_name="backend-1")
+
+    def verdict(frame: bytes) -> str:
+        rc = dp.run("cil_to_container", frame)
+        return {harness.TC_ACT_OK: "pass", harness.TC_ACT_SHOT: "drop"}[rc]
+
+    pkt = harness.packet
+    assert verdict(pkt(FRONTEND_IP, BACKEND_IP, sport=1, dport=8080)) == "pass"
+    assert verdict(pkt(FRONTEND_IP, BACKEND_IP, sport=2, dport=80)) == "drop"
+    assert verdict(pkt(FRONTEND_IP, BACKEND_IP, "udp", sport=3, dport=8080)) == "drop"
+    assert dict(engine.compiled[EP_ID].entries) == {PolicyEntry(0, 0, 6, 8080): Verdict.ALLOW}, (
+        "the name resolved to this pod's 8080 for any peer"
+    )
+
+    # the same endpoint as a pod without that port name: the rule allows nothing
+    engine.set_endpoint(EP_ID, ["k8s:app=backend", NS], "prod", pod_name="backend-2")
+    assert engine.compiled[EP_ID].entries == {} and engine.compiled[EP_ID].enforce_ingress
+    assert verdict(pkt(FRONTEND_IP, BACKEND_IP, sport=4, dport=8080)) == "drop"

@@ -122,13 +122,13 @@ def test_network_policy_parses_with_kubernetes_defaults() -> None:
         ),
         (
             cnp({"endpointSelector": {}, "egress": [{"toPorts": [{"ports": [{"port": "http"}]}]}]}),
-            "spec.egress[0].toPorts[0].ports[0].port",
-            "named port 'http' not supported",
+            "spec.egress[0]",
+            "named port 'http' in an egress rule not supported by Cilia",
         ),
         (
             cnp({"endpointSelector": {}, "egress": [{"toPorts": [{"ports": [{"port": 70000}]}]}]}),
             "spec.egress[0].toPorts[0].ports[0].port",
-            "less than or equal to 65535",
+            "port must be 0..65535",
         ),
         (
             cnp(
