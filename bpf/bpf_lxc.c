@@ -454,6 +454,14 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	struct endpoint_info *ep = bpf_map_lookup_elem(&cilia_endpoints, &ifindex);
 	if (!ep)
 		return TC_ACT_OK;
+	/* Source address verification (upstream's, in its endpoint program): a pod sends only
+	 * from its own address, else the packet is dropped (DROP_INVALID_SIP, counted and
+	 * reported), so a forged source never reaches a peer that takes identity from it. */
+	if (dir == DIR_EGRESS && ep->ipv4 && p.saddr != ep->ipv4) {
+		count(DROP_INVALID_SIP, dir, p.len);
+		emit(skb, &p, ep, identity_of(p.daddr), dir, DROP_INVALID_SIP, 0, 0);
+		return TC_ACT_SHOT;
+	}
 
 	/* The peer's identity is looked up only when it is needed: a new flow's policy
 	 * decision, or an event (most packets of a connection need neither). */
@@ -571,8 +579,8 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		if (!lxc)
 			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
 	}
-	/* Only a packet with the pod's own source address: one it forged goes up the stack
-	 * (its rp_filter, the host's firewall) as before, not straight into a local pod. */
+	/* (A forged source was dropped above; the check stays for an endpoint without an
+	 * address.) */
 	if (!lxc || CONFIG.host_legacy_routing || p.saddr != ep->ipv4)
 		return TC_ACT_OK;
 	/* A reply is delivered here only when the peer pod sent the original to this pod's

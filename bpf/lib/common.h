@@ -72,6 +72,7 @@ struct icmphdr {
 
 /* Drop reasons, numbered as upstream (flow.DropReason). 0 = not dropped. */
 #define REASON_FORWARDED 0
+#define DROP_INVALID_SIP 132 /* a pod sent a packet whose source is not its own address */
 #define DROP_POLICY_DENIED 133 /* no rule allows it while the direction is enforced */
 #define DROP_POLICY_DENY 181   /* an explicit deny rule matched */
 

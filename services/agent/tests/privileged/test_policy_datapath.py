@@ -432,7 +432,7 @@ def test_a_policy_cilia_cannot_enforce_fails_closed_and_says_so(cluster: Cluster
         status = cluster.agent.debug.Status(agent_pb2.StatusRequest())
         (line,) = status.datapath.unenforced_policies
         assert line.startswith("NetworkPolicy/default/named-egress: egress default-deny")
-        assert "spec.egress[0].ports[0].port: named port 'http'" in line
+        assert "spec.egress[0]: named port 'http' in an egress rule not supported" in line
         assert "Policy not enforceable as written: NetworkPolicy/default/named-egress" in (
             status.message
         )

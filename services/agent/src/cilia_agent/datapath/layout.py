@@ -28,9 +28,11 @@ TRACE_TO_STACK = 3  # handed by the endpoint's program to the host stack, not to
 TRACE_FROM_LXC = 5  # sent by the endpoint: Hubble's FROM_ENDPOINT
 
 # Upstream drop reasons used by the datapath (flow.DropReason).
+DROP_INVALID_SIP = 132  # a pod's packet whose source is not the pod's address
 DROP_POLICY_DENIED = 133
 DROP_POLICY_DENY = 181
 DROP_REASON_TEXT = {
+    DROP_INVALID_SIP: "Invalid source ip",
     DROP_POLICY_DENIED: "Policy denied",
     DROP_POLICY_DENY: "Policy denied by denylist",
 }

@@ -313,3 +313,28 @@ def test_a_named_port_resolves_on_the_selected_pods_container_ports(harness: Any
     engine.set_endpoint(EP_ID, ["k8s:app=backend", NS], "prod", pod_name="backend-2")
     assert engine.compiled[EP_ID].entries == {} and engine.compiled[EP_ID].enforce_ingress
     assert verdict(pkt(FRONTEND_IP, BACKEND_IP, sport=4, dport=8080)) == "drop"
+
+
+def test_a_forged_source_is_dropped_with_upstreams_reason_and_reported(
+    harness: Any, dp: Any
+) -> None:
+    """Source address verification: a packet leaving a pod with another source than the
+    pod's address is dropped (even with no policy at all), reported as a DROPPED event with
+    reason 132 (Hubble's INVALID_SOURCE_IP) and counted; the pod's own address passes."""
+    from cilia.hubble.flow import flow_pb2
+    from cilia_agent.hubble.metrics import read_counters
+
+    harness.endpoint(dp, EP_ID, BACKEND, BACKEND_IP)
+    out = "cil_from_container"
+    assert dp.run(out, harness.packet(BACKEND_IP, OTHER_IP, sport=1)) == harness.TC_ACT_OK
+    assert dp.run(out, harness.packet(FRONTEND_IP, OTHER_IP, sport=2)) == harness.TC_ACT_SHOT
+    assert dp.run(out, harness.packet(FRONTEND_IP, OTHER_IP, "udp")) == harness.TC_ACT_SHOT
+    drops = [e for e in dp.events if e.verdict == 2]
+    assert [e.drop_reason for e in drops] == [132, 132]
+    assert flow_pb2.DropReason.Name(drops[0].drop_reason) == "INVALID_SOURCE_IP"
+    counted = {
+        (c.reason, c.direction): sum(c.packets)
+        for c in read_counters(dp.agent.metrics_map)
+        if c.reason
+    }
+    assert counted[(132, 1)] == 2
