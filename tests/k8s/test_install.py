@@ -257,12 +257,13 @@ def test_the_ci_subset_of_the_upstream_e2e_suite_passes(
     import pathlib
 
     import conformance
+    from e2e_images import ensure_e2e_images
+
+    from cilia_testkit.kind.image import coredns_bin_dir
 
     started = time.monotonic()
     binary = conformance.build_tools() / "e2e-network.test"
-    names = conformance.ensure_e2e_images(
-        binary.parent, conformance.coredns_bin_dir() / "coredns", progress=print
-    )
+    names = ensure_e2e_images(binary.parent, coredns_bin_dir() / "coredns", progress=print)
     cluster.load_images(names)
     prepared = time.monotonic() - started
     out = pathlib.Path(conformance.ROOT) / ".run" / "conformance-ci" / cluster.name
