@@ -172,6 +172,7 @@ struct packet {
 	__u8 proto;
 	__u8 tcp_flags;
 	__u32 len;
+	__u8 icmp_type; /* ICMP: the header's type (policy_check looks rules up by it) */
 };
 
 /* Returns 1 for an IPv4 packet (fields filled), 0 for anything to pass untouched. */
@@ -212,10 +213,18 @@ static __always_inline int parse_packet(struct __sk_buff *skb, struct packet *p)
 			return 1;
 		p->sport = udp->source;
 		p->dport = udp->dest;
+	} else if (p->proto == IPPROTO_SCTP) {
+		/* The SCTP common header starts with the source and destination ports. */
+		__be16 *ports = l4;
+		if ((void *)(ports + 2) > data_end)
+			return 1;
+		p->sport = ports[0];
+		p->dport = ports[1];
 	} else if (p->proto == IPPROTO_ICMP) {
 		struct icmphdr *icmp = l4;
 		if ((void *)(icmp + 1) > data_end)
 			return 1;
+		p->icmp_type = icmp->type;
 		/* Echo request and reply share the id: use it on both sides so the
 		 * reply is the reverse tuple of the request. */
 		if (icmp->type == ICMP_ECHO || icmp->type == ICMP_ECHOREPLY) {
@@ -256,7 +265,9 @@ static __always_inline void account(struct policy_value *val, __u32 len)
 	__sync_fetch_and_add(&val->bytes, len);
 }
 
-/* Policy verdict for a new flow: 0 (allowed), DROP_POLICY_DENY or DROP_POLICY_DENIED. */
+/* Policy verdict for a new flow: 0 (allowed), DROP_POLICY_DENY or DROP_POLICY_DENIED.
+ * ICMP is looked up by type: the rule's port is POLICY_ICMP_TYPE_BASE + type (so type 0
+ * is not the wildcard port 0; the agent writes ICMP rules the same way). */
 static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, __u8 dir,
 					 struct packet *p)
 {
@@ -266,7 +277,8 @@ static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, _
 		.sec_label = peer,
 		.egress = dir,
 		.protocol = p->proto,
-		.dport = p->dport,
+		.dport = p->proto == IPPROTO_ICMP ? bpf_htons(POLICY_ICMP_TYPE_BASE + p->icmp_type)
+						  : p->dport,
 	};
 	struct policy_value *exact = bpf_map_lookup_elem(&cilia_policy, &key);
 
@@ -442,6 +454,14 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	struct endpoint_info *ep = bpf_map_lookup_elem(&cilia_endpoints, &ifindex);
 	if (!ep)
 		return TC_ACT_OK;
+	/* Source address verification (upstream's, in its endpoint program): a pod sends only
+	 * from its own address, else the packet is dropped (DROP_INVALID_SIP, counted and
+	 * reported), so a forged source never reaches a peer that takes identity from it. */
+	if (dir == DIR_EGRESS && ep->ipv4 && p.saddr != ep->ipv4) {
+		count(DROP_INVALID_SIP, dir, p.len);
+		emit(skb, &p, ep, identity_of(p.daddr), dir, DROP_INVALID_SIP, 0, 0);
+		return TC_ACT_SHOT;
+	}
 
 	/* The peer's identity is looked up only when it is needed: a new flow's policy
 	 * decision, or an event (most packets of a connection need neither). */
@@ -559,8 +579,8 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 		if (!lxc)
 			emit(skb, &p, ep, peer, dir, 0, is_reply, TRACE_TO_STACK);
 	}
-	/* Only a packet with the pod's own source address: one it forged goes up the stack
-	 * (its rp_filter, the host's firewall) as before, not straight into a local pod. */
+	/* (A forged source was dropped above; the check stays for an endpoint without an
+	 * address.) */
 	if (!lxc || CONFIG.host_legacy_routing || p.saddr != ep->ipv4)
 		return TC_ACT_OK;
 	/* A reply is delivered here only when the peer pod sent the original to this pod's

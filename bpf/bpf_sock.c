@@ -30,6 +30,13 @@
  * Reverse (recvmsg, getpeername): a source that cilium_lb4_reverse_sk knows for this
  * socket is shown as the VIP and Service port again (the application sees the peer it
  * addressed), as long as the Service still exists with the same rev-NAT index.
+ *
+ * NodePort through the node's own address (upstream's "wildcard" lookup): a NodePort is
+ * stored once as the surrogate (0.0.0.0, nodePort) with SVC_FLAG_NODEPORT. When the exact
+ * (address, port) lookup misses and the address is one of this node's own IPv4 addresses
+ * (cilia_lb4_node_addrs, filled by the agent), the surrogate is looked up; the reverse
+ * path does the same, so a pod or host process reaching <own node address>:<nodePort>
+ * gets a backend and sees that address as its peer.
  */
 #include <linux/bpf.h>
 #include <linux/in.h>
@@ -64,8 +71,33 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } cilia_lb4_alias_use SEC(".maps");
 
+/* This node's own IPv4 addresses (value unused); written by the agent. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __be32);
+	__type(value, __u8);
+	__uint(max_entries, CILIA_LB_MAP_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} cilia_lb4_node_addrs SEC(".maps");
+
 #define SYS_REJECT 0
 #define SYS_PROCEED 1
+
+/* The NodePort surrogate for a missed (address, port) lookup: key's address becomes
+ * 0.0.0.0 when the address is the node's own and a NodePort serves that port, else NULL. */
+static __always_inline struct lb4_service *nodeport_wildcard(struct lb4_key *key)
+{
+	struct lb4_service *svc;
+
+	if (!bpf_map_lookup_elem(&cilia_lb4_node_addrs, &key->address))
+		return NULL;
+	key->address = 0;
+	svc = bpf_map_lookup_elem(&cilium_lb4_services_v2, key);
+	if (svc && (svc->flags & SVC_FLAG_NODEPORT))
+		return svc;
+	return NULL;
+}
 
 /* Stamp the use of an alias VIP (no entry: not an alias, nothing to do). */
 static __always_inline void alias_used(__be32 address)
@@ -101,6 +133,8 @@ static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *add
 	key.scope = LB_LOOKUP_SCOPE_EXT;
 	svc = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
 	if (!svc)
+		svc = nodeport_wildcard(&key);
+	if (!svc)
 		return 0;
 	alias_used(key.address);
 	if (svc->count == 0)
@@ -130,7 +164,7 @@ static __always_inline int sock_xlate_fwd(struct bpf_sock_addr *ctx, __be32 *add
 	rkey.cookie = bpf_get_socket_cookie(ctx);
 	rkey.address = backend->address;
 	rkey.port = backend->port;
-	rval.address = key.address;
+	rval.address = *address; /* what the socket addressed (not the 0.0.0.0 surrogate) */
 	rval.port = key.dport;
 	rval.rev_nat_index = svc->rev_nat_index;
 	bpf_map_update_elem(&cilium_lb4_reverse_sk, &rkey, &rval, BPF_ANY);
@@ -160,6 +194,8 @@ static __always_inline int sock_xlate_rev(struct bpf_sock_addr *ctx, __be32 *add
 	key.proto = ctx->protocol;
 	key.scope = LB_LOOKUP_SCOPE_EXT;
 	svc = bpf_map_lookup_elem(&cilium_lb4_services_v2, &key);
+	if (!svc)
+		svc = nodeport_wildcard(&key);
 	if (!svc || svc->rev_nat_index != rval->rev_nat_index) {
 		bpf_map_delete_elem(&cilium_lb4_reverse_sk, &rkey);
 		return 0;

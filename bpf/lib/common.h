@@ -72,6 +72,7 @@ struct icmphdr {
 
 /* Drop reasons, numbered as upstream (flow.DropReason). 0 = not dropped. */
 #define REASON_FORWARDED 0
+#define DROP_INVALID_SIP 132 /* a pod sent a packet whose source is not its own address */
 #define DROP_POLICY_DENIED 133 /* no rule allows it while the direction is enforced */
 #define DROP_POLICY_DENY 181   /* an explicit deny rule matched */
 
@@ -113,6 +114,8 @@ struct policy_key {
 };
 
 #define POLICY_FLAG_DENY 1
+/* An ICMP rule's dport: this + the ICMP type (cilia_agent.policy.rules.ICMP_TYPE_BASE). */
+#define POLICY_ICMP_TYPE_BASE 256
 struct policy_value {
 	__u8 flags;
 	__u8 pad[7];

@@ -1,9 +1,9 @@
 """Fixtures of the cross-service contract suite: one real cilia-agent process, the runtime
 side as libcni drives plugins, named network namespaces.
 
-Every test here needs root and iproute2 (network namespaces, veth pairs, a real agent): it
-is marked privileged and skips with the reason otherwise (fails in CI,
-``cilia_testkit.skips``).
+Every test here but the policy corpus (pure: ``test_policy_corpus.py``) needs root and
+iproute2 (network namespaces, veth pairs, a real agent): it is marked privileged and skips
+with the reason otherwise (fails in CI, ``cilia_testkit.skips``).
 """
 
 from __future__ import annotations
@@ -24,17 +24,23 @@ from cilia_testkit import skips
 REFERENCE_PLUGINS = "/usr/lib/cni"
 
 
+PURE = frozenset({"test_policy_corpus.py"})
+"""Test files here that need no privilege (they start no process)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test under this directory is privileged."""
+    """Every test under this directory is privileged, but those of :data:`PURE`."""
     here = pathlib.Path(__file__).parent
     for item in items:
-        if pathlib.Path(str(item.fspath)).is_relative_to(here):
+        path = pathlib.Path(str(item.fspath))
+        if path.is_relative_to(here) and path.name not in PURE:
             item.add_marker(pytest.mark.privileged)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Root and iproute2, or skip with the reason (fail in CI) before any fixture starts."""
-    skips.require_netns("network namespaces, veth pairs, a real cilia-agent")
+    if pathlib.Path(str(item.fspath)).name not in PURE:
+        skips.require_netns("network namespaces, veth pairs, a real cilia-agent")
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ In file order, on one cluster (each test builds on the ones before); ``long`` on
    ClusterIP Service (the agents' socket load balancer) and the Service by name through
    CoreDNS, itself reached through its ClusterIP;
 3. a pod reaching the "outside" host (no route to any pod CIDR) arrives with its node's
-   address: masquerade; the outside host never sees a pod address;
+   address: masquerade; the outside host never sees a pod address; the CI subset of the
+   upstream e2e suite (``conformance.CI_SPECS``: Services ClusterIP/NodePort, DNS,
+   pod-to-pod Conformance specs and five NetworkPolicy specs) passes;
 4. ``kill -9`` of one node's agent under traffic from every node's pod (to a pod on the
    next node and to the Service): the kubelet restarts it, not one request fails;
 5. (long) ``helm upgrade`` to a second agent image: the safe-agent-updater replaces the
@@ -243,6 +245,37 @@ def _report(probers: list[Prober], record_property: Any, what: str) -> tuple[int
     record_property(f"{what}_failed", fails)
     record_property(f"{what}_slowest_ms", slowest)
     return total, fails, slowest
+
+
+@pytest.mark.timeout(900)
+def test_the_ci_subset_of_the_upstream_e2e_suite_passes(
+    cluster: KindCluster, installed: dict[str, Any], record_property: Any
+) -> None:
+    """Services ClusterIP/NodePort, DNS and pod-to-pod Conformance specs and five
+    NetworkPolicy specs (a named port among them) of the upstream e2e suite
+    (``conformance.CI_SPECS``), run by the upstream binary against this cluster."""
+    import pathlib
+
+    import conformance
+    from e2e_images import ensure_e2e_images
+
+    from cilia_testkit.kind.image import coredns_bin_dir
+
+    started = time.monotonic()
+    binary = conformance.build_tools() / "e2e-network.test"
+    names = ensure_e2e_images(binary.parent, coredns_bin_dir() / "coredns", progress=print)
+    cluster.load_images(names)
+    prepared = time.monotonic() - started
+    out = pathlib.Path(conformance.ROOT) / ".run" / "conformance-ci" / cluster.name
+    with conformance.service_cidr_unrouted(cluster):
+        results = conformance.run_suite(conformance.SUITES["ci"], binary, cluster, out)
+    took = time.monotonic() - started - prepared
+    print(f"\ntools + images {prepared:.0f} s, specs {took:.0f} s")
+    record_property("ci_specs_s", round(took, 1))
+    got = {r.name: r.status for r in results}
+    assert len(got) == len(conformance.CI_SPECS), sorted(got)
+    failed = {r.name: r.reason for r in results if r.status != "passed"}
+    assert not failed, failed
 
 
 def test_agent_killed_with_sigkill_is_restarted_and_traffic_keeps_flowing(

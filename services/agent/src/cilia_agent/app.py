@@ -274,6 +274,8 @@ class Agent:
             ),
         )
         self.pods.on_change(self._pod_relabelled)
+        if enf is not None:  # named ports of a policy resolve on each pod's container ports
+            enf.engine.named_ports = self.pods.named_ports
         await self._restore_endpoints()
         self.cni = CNIConfigManager(cni_config(cfg), self.endpoints.delete, self.executor)
         self.node.on_ready(self.cni.write)

@@ -215,7 +215,7 @@ def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
-_PROTO = {0: "ANY", 1: "ICMP", 6: "TCP", 17: "UDP"}
+_PROTO = {0: "ANY", 1: "ICMP", 6: "TCP", 17: "UDP", 132: "SCTP"}
 
 
 @quiet_on_broken_pipe
@@ -241,6 +241,7 @@ def bpf_policy_list(pin_dir: pathlib.Path, output: str, out: TextIO = sys.stdout
                     "identity": entry.peer,
                     "protocol": _PROTO.get(entry.protocol, str(entry.protocol)),
                     "port": entry.port,
+                    "end_port": entry.last_port if entry.port else 0,
                     "verdict": decode_value(value).value,
                     "packets": int(value.packets),
                     "bytes": int(value.bytes),

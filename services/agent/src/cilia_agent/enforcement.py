@@ -94,7 +94,9 @@ async def load(
         PolicyMapWriter(bpf.policy_map, capacity=cfg.bpf_policy_map_max),
         prefixes=ipcache,  # policy CIDRs → the ipcache (and its BPF writer)
     )
-    streams = PolicyStreams(engine, metrics.policy, cfg.endpoint_policy_wait_timeout)
+    streams = PolicyStreams(
+        engine, metrics.policy, cfg.endpoint_policy_wait_timeout, metrics.policy_unenforceable
+    )
     identities = IdentityAllocator(control, retry, engine, on_learn_error=(PolicyMapError,))
     regeneration = Regeneration(
         datapath=bpf,

@@ -5,7 +5,8 @@ Upstream names (reference: cilium-upstream.md §9): ``cilium_endpoint``,
 ``cilium_ip_addresses{family}``, ``cilium_ipam_capacity{family}``,
 ``cilium_ipam_events_total{action,family}``, ``cilium_policy`` (policies loaded).
 ``cilia_endpoint_add_duration_seconds`` has no upstream twin (CNI ADD latency inside
-the agent). The datapath counters (``cilium_drop_count_total{reason,direction}``,
+the agent), nor has ``cilia_policy_unenforceable`` (policies enforced fail closed: a rule
+Cilia cannot enforce made their endpoints default-deny in its direction). The datapath counters (``cilium_drop_count_total{reason,direction}``,
 ``cilium_forward_count_total{direction}``) are registered in the same registry by
 ``hubble.metrics``; :class:`ScrapeHook` refreshes them from the pinned per-CPU map at every
 scrape. The ``hubble_*`` flow metrics are not here: as upstream they have their own registry
@@ -51,6 +52,12 @@ class Metrics:
         self.registry.register(self.scrape_hook)
         self.policy = Gauge(
             "cilium_policy", "Number of policies currently loaded", registry=self.registry
+        )
+        self.policy_unenforceable = Gauge(
+            "cilia_policy_unenforceable",
+            "Policies with a rule Cilia cannot enforce, enforced fail closed (the endpoints "
+            "they select are default-deny in that rule's direction)",
+            registry=self.registry,
         )
         self.endpoint = Gauge(
             "cilium_endpoint", "Number of endpoints managed by this agent", registry=self.registry

@@ -89,6 +89,9 @@ class StatusCollector:
                 identities=len(engine.identities),
                 ipcache_entries=len(self.enforced.ipcache),
                 pending_operator_calls=self.enforced.retry.pending,
+                unenforced_policies=[
+                    f"{ref}: {why}" for ref, why in engine.repository.unenforced().items()
+                ],
             )
         hubble = None
         if self.hubble is not None:
@@ -152,6 +155,8 @@ def status_lines(
             f"Identities: {datapath.identities} known, ipcache {datapath.ipcache_entries} entries"
         )
         lines.append(f"Operator calls pending retry: {datapath.pending_operator_calls}")
+        for line in datapath.unenforced_policies:
+            lines.append(f"Policy not enforceable as written: {line}")
     else:
         lines.append("Datapath: eBPF disabled (--enable-bpf=false), plumbing only")
     draining = [f"{p.pool} {c}" for p in pools for c in p.draining_cidrs]

@@ -373,18 +373,27 @@ def test_local_delivery_skips_the_host_stack_and_keeps_the_destinations_policy(
             # Delivered by the program: the rule never sees it; each way one hop (64 - 1).
             assert ping_ttl(pods.a.netns, pods.ip_b) == 63
             assert forward_drop_packets(rule) == dropped
-            # A source address that is not the pod's own goes up the stack, to the rule.
+            # A source address that is not the pod's own is dropped by the pod's program
+            # (source address verification, upstream's DROP_INVALID_SIP 132, counted): it
+            # reaches neither the local pod nor the host stack (the rule sees nothing).
             spoofed = "10.251.202.9"
             sh("ip", "-n", pods.a.netns, "addr", "add", f"{spoofed}/32", "dev", "eth0")
             spoof_rule = ["-s", f"{spoofed}/32", "-d", f"{pods.ip_b}/32", "-j", "DROP"]
             sh("iptables", "-w", "-I", "FORWARD", "1", *spoof_rule)
             try:
-                subprocess.run(
+                forged = subprocess.run(
                     ["ip", "netns", "exec", pods.a.netns, "ping", "-c", "1", "-W", "1", "-I",
                      spoofed, pods.ip_b],
                     capture_output=True,
                 )  # fmt: skip
-                assert forward_drop_packets(spoof_rule) == 1
+                assert forged.returncode != 0, "no reply to a forged source"
+                assert forward_drop_packets(spoof_rule) == 0
+                drops = {
+                    (c.reason, c.direction): sum(c.packets)
+                    for c in read_counters(dp.metrics_map)
+                    if c.reason
+                }
+                assert drops[(132, DIR_EGRESS)] >= 1
             finally:
                 sh("iptables", "-w", "-D", "FORWARD", *spoof_rule)
                 sh("ip", "-n", pods.a.netns, "addr", "del", f"{spoofed}/32", "dev", "eth0")

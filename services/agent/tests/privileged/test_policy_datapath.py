@@ -410,6 +410,43 @@ def test_cli_shows_datapath_status_endpoint_identities_and_pinned_maps(cluster: 
     assert "PREFIX" in run("bpf", "ipcache", "list", *pin)
 
 
+def test_a_policy_cilia_cannot_enforce_fails_closed_and_says_so(cluster: Cluster) -> None:
+    """Kubernetes mode hands the agent a NetworkPolicy with a named port (the API server
+    accepts it; Cilia's parser does not): the pod it selects becomes default-deny in that
+    direction (a real connect that worked before fails), and the agent's status and the
+    ``cilia_policy_unenforceable`` gauge name it. Deleting it opens the path again."""
+    assert cluster.connect("frontend", "backend", 8080), "open before"
+    named = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "named-egress", "namespace": "default"},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "frontend"}},
+            "policyTypes": ["Egress"],
+            "egress": [{"ports": [{"protocol": "TCP", "port": "http"}]}],
+        },
+    }
+    cluster.apply(named)
+    try:
+        assert not cluster.connect("frontend", "backend", 8080), "egress fails closed"
+        status = cluster.agent.debug.Status(agent_pb2.StatusRequest())
+        (line,) = status.datapath.unenforced_policies
+        assert line.startswith("NetworkPolicy/default/named-egress: egress default-deny")
+        assert "spec.egress[0]: named port 'http' in an egress rule not supported" in line
+        assert "Policy not enforceable as written: NetworkPolicy/default/named-egress" in (
+            status.message
+        )
+        text = generate_latest(cluster.agent.agent.metrics.registry).decode()
+        assert metric(text, "cilia_policy_unenforceable") == 1
+    finally:
+        before = cluster.revision()
+        cluster.op.delete_policy("NetworkPolicy", "default", "named-egress")
+        wait(lambda: cluster.revision() > before)
+    assert cluster.connect("frontend", "backend", 8080), "open again once it is gone"
+    text = generate_latest(cluster.agent.agent.metrics.registry).decode()
+    assert metric(text, "cilia_policy_unenforceable") == 0
+
+
 def test_identity_allocation_failure_answers_unavailable_and_leaves_nothing(
     cluster: Cluster,
 ) -> None:

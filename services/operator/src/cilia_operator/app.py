@@ -61,6 +61,7 @@ from .kinds import POOL, SERVICE_CIDR
 from .leader import KubernetesLease, LeaderElector, Lock, RedisLock
 from .manifests import ManifestLimits
 from .metrics import Metrics
+from .policy.reporter import PolicyReporter
 from .service.allocation import ServiceSettings, named_service_cidrs
 from .service.controller import ServiceController
 from .store import AlreadyExists, Snapshot, StoreError, Write
@@ -173,6 +174,10 @@ class Operator:
             if config.enable_cilium_endpoint_slice
             else None
         )
+        # Kubernetes mode: the API server accepts policies Cilia cannot enforce as written;
+        # a Warning Event on each says the agents enforce it fail closed (standalone
+        # mode refuses them at apply)
+        self.policy_reporter = PolicyReporter(self.store) if config.store == "kubernetes" else None
         # standalone: the operator keeps EndpointSlices and ServiceCIDRs (with --store
         # kubernetes, kube-controller-manager and the API server do)
         self.services = (
@@ -477,12 +482,16 @@ class Operator:
             await self.slices.start()
         if self.services is not None:
             await self.services.start()
+        if self.policy_reporter is not None:
+            self.policy_reporter.start()
         if self._health is not None:
             await set_serving(self._health, SERVICE_NAMES)
 
     async def _stop_leading(self) -> None:
         """Leadership lost: the leader-only work stops; the replica goes on serving agents
         as a follower (its allocation streams follow the store)."""
+        if self.policy_reporter is not None:
+            await self.policy_reporter.stop()
         if self.services is not None:
             await self.services.stop()
         if self.slices is not None:
@@ -573,6 +582,8 @@ class Operator:
             await self._health_server.stop(None)
         if self.elector is not None:
             await self.elector.stop()
+        if self.policy_reporter is not None:
+            await self.policy_reporter.stop()
         if self.services is not None:
             await self.services.stop()
         if self.slices is not None:

@@ -72,6 +72,21 @@ def test_service_account_defaults_as_the_api_server_defaults_it() -> None:
     assert pod_message(_pod("p", "n", {}), {}).service_account == "default"
 
 
+def test_named_container_ports_are_sent_for_named_port_policies() -> None:
+    containers = [
+        {"name": "web", "ports": [{"name": "serve-80", "containerPort": 8080},
+                                  {"containerPort": 9090},  # no name: not sent
+                                  {"name": "dns", "containerPort": 53, "protocol": "UDP"}]},
+        {"name": "side", "ports": [{"name": "sctp", "containerPort": 9000, "protocol": "SCTP"}]},
+    ]  # fmt: skip
+    msg = pod_message(_pod("p", "n", {}, containers=containers), {})
+    assert [(p.name, p.port, p.protocol) for p in msg.container_ports] == [
+        ("serve-80", 8080, "TCP"),
+        ("dns", 53, "UDP"),
+        ("sctp", 9000, "SCTP"),
+    ]
+
+
 def test_slicer_adopts_stored_slices_keeps_members_and_repairs_a_mixed_one() -> None:
     from cilia_operator.endpoint.slices import CoreEndpoint, Slicer
 

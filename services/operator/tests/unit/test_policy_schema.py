@@ -90,13 +90,13 @@ def test_documented_frontend_to_backend_policy_is_valid_and_gets_namespace_defau
         (
             {
                 "endpointSelector": {},
-                "egress": [{"toPorts": [{"ports": [{"port": "80", "protocol": "SCTP"}]}]}],
+                "egress": [{"toPorts": [{"ports": [{"port": "80", "protocol": "ICMP"}]}]}],
             },
-            "spec.egress[0].toPorts[0].ports[0].protocol: 'SCTP' is not one of",
+            "spec.egress[0].toPorts[0].ports[0].protocol: 'ICMP' is not one of",
         ),
         (
-            {"endpointSelector": {}, "ingress": [{"toPorts": [{"ports": [{"port": "http"}]}]}]},
-            "spec.ingress[0].toPorts[0].ports[0].port: 'http' is not a port",
+            {"endpointSelector": {}, "egress": [{"toPorts": [{"ports": [{"port": "http"}]}]}]},
+            "spec.egress[0]: named port 'http' in an egress rule not supported by Cilia",
         ),
         (
             {"endpointSelector": {}, "ingress": [{"toPorts": [{"ports": [{"port": 70000}]}]}]},

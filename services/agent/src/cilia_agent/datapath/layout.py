@@ -28,9 +28,11 @@ TRACE_TO_STACK = 3  # handed by the endpoint's program to the host stack, not to
 TRACE_FROM_LXC = 5  # sent by the endpoint: Hubble's FROM_ENDPOINT
 
 # Upstream drop reasons used by the datapath (flow.DropReason).
+DROP_INVALID_SIP = 132  # a pod's packet whose source is not the pod's address
 DROP_POLICY_DENIED = 133
 DROP_POLICY_DENY = 181
 DROP_REASON_TEXT = {
+    DROP_INVALID_SIP: "Invalid source ip",
     DROP_POLICY_DENIED: "Policy denied",
     DROP_POLICY_DENY: "Policy denied by denylist",
 }
@@ -109,16 +111,28 @@ class PolicyValue(ctypes.Structure):
     ]
 
 
-def policy_key(ep_id: int, peer: int, egress: int, protocol: int = 0, port: int = 0) -> PolicyKey:
-    """Build a policy key; the prefix length follows from which fields are wildcards.
+def policy_key(
+    ep_id: int, peer: int, egress: int, protocol: int = 0, port: int = 0, port_bits: int = 16
+) -> PolicyKey:
+    """Build a policy key; the prefix length follows from which fields are wildcards:
+    72 (any protocol), 80 (a protocol, any port), 80 + ``port_bits`` (a port; ``port_bits``
+    < 16 makes the key cover the 2**(16 - port_bits) ports from ``port`` on: a port range
+    block, as upstream encodes ``endPort`` ranges).
 
     Raises:
-        ValueError: a port without a protocol (upstream keys need the protocol first).
+        ValueError: a port without a protocol (upstream keys need the protocol first), or
+            ``port_bits`` outside 1..16.
     """
     if port and not protocol:
         raise ValueError("a policy entry with a port needs a protocol")
+    if not 1 <= port_bits <= 16:
+        raise ValueError(f"port_bits {port_bits} outside 1..16")
     prefix = (
-        POLICY_PREFIX_FULL if port else POLICY_PREFIX_PROTO if protocol else POLICY_PREFIX_STATIC
+        POLICY_PREFIX_PROTO + port_bits
+        if port
+        else POLICY_PREFIX_PROTO
+        if protocol
+        else POLICY_PREFIX_STATIC
     )
     return PolicyKey(prefix, ep_id, peer, egress, protocol, port_to_map(port) if port else 0)
 

@@ -73,8 +73,8 @@ from cilia_agent.ipcache import IPCache
 from cilia_agent.policy.compiler import EndpointPolicy
 from cilia_agent.policy.engine import PolicyEngine
 from cilia_agent.policy.maps import PolicyMapError
-from cilia_agent.policy.model import DEFAULT_NAMESPACE
 from cilia_agent.policy.watcher import PolicyNotReady, PolicyStreams
+from cilia_common.policy.model import DEFAULT_NAMESPACE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -356,7 +356,7 @@ class Regeneration:
 
                 undo.append(remove_policy)
                 # writes the policy entries, then the endpoint entry through on_enforce
-                policy = self.engine.set_endpoint(rec.id, labels, namespace)
+                policy = self.engine.set_endpoint(rec.id, labels, namespace, rec.pod_name)
                 if policy is None:  # streams resyncing right now: fail closed until computed
                     self._write_endpoint(ep)
             else:
@@ -433,7 +433,7 @@ class Regeneration:
         ep.rec, ep.identity, ep.labels, ep.namespace = rec, identity, labels, namespace
         self.ipcache.upsert_endpoint(rec.ipv4, identity, rec.id)
         if self.mode != "never":
-            self.engine.set_endpoint(rec.id, labels, namespace)
+            self.engine.set_endpoint(rec.id, labels, namespace, rec.pod_name)
         self._write_endpoint(ep)
         if old != identity:
             self.identities.release(old, rec.id)
@@ -628,7 +628,7 @@ class Regeneration:
                 )
             self.identities.learn(rec.identity, labels.strings())
             if self.mode != "never":
-                self.engine.set_endpoint(rec.id, labels, namespace)
+                self.engine.set_endpoint(rec.id, labels, namespace, rec.pod_name)
         for ifindex in existing:
             if ifindex not in kept:
                 self.datapath.delete_endpoint(ifindex)

@@ -11,7 +11,7 @@ Layout (48 bytes, host byte order except where noted, no implicit padding)::
         20    1 proto          IP protocol number
         21    1 event_type     4 trace, 1 drop (upstream monitor message types)
         22    1 verdict        1 FORWARDED, 2 DROPPED (flow.Verdict numbers)
-        23    1 drop_reason    0, 133 POLICY_DENIED, 181 POLICY_DENY
+        23    1 drop_reason    0, 132 INVALID_SOURCE_IP, 133 POLICY_DENIED, 181 POLICY_DENY
         24    4 src_identity
         28    4 dst_identity
         32    4 ep_id          local endpoint the hook belongs to

@@ -67,6 +67,8 @@ class PodInfo:
     namespace_labels: Mapping[str, str] = field(default_factory=dict)
     service_account: str = "default"
     ips: tuple[str, ...] = ()  # status.podIPs
+    named_ports: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """``(port name, protocol TCP|UDP|SCTP) → port`` of its named container ports."""
 
     @classmethod
     def of(cls, pod: cp.Pod) -> PodInfo:
@@ -79,6 +81,9 @@ class PodInfo:
             namespace_labels=dict(pod.namespace_labels),
             service_account=pod.service_account or "default",
             ips=tuple(pod.ips),
+            named_ports={
+                (p.name, p.protocol or "TCP"): int(p.port) for p in pod.container_ports if p.name
+            },
         )
 
     def endpoint_labels(self, cluster_name: str) -> dict[str, str]:
@@ -200,6 +205,12 @@ class PodCache:
         return delivered
 
     # ------------------------------------------------------------------ lookups
+
+    def named_ports(self, namespace: str, name: str) -> Mapping[tuple[str, str], int]:
+        """``(port name, protocol) → port`` of a known Pod's named container ports (empty
+        for an unknown Pod): what a policy's named port resolves to on it."""
+        info = self._pods.get((namespace, name))
+        return info.named_ports if info is not None else {}
 
     def get(self, namespace: str, name: str) -> PodInfo | None:
         """The Pod, or None when not (yet) seen."""

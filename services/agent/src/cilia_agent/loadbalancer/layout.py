@@ -16,6 +16,7 @@ map                             key -> value                                kind
 ``cilium_lb4_affinity``         :class:`AffinityKey` -> :class:`AffinityValue`  LRU hash
 ``cilium_lb_affinity_match``    :class:`AffinityMatch` -> ``u8``            hash
 ``cilia_lb4_alias_use``         ``u32 VIP`` -> ``u64`` last use (ns)        hash
+``cilia_lb4_node_addrs``        ``u32 node address`` -> ``u8`` (unused)     hash
 ``cilium_snat_v4_external``     :class:`NatTuple` -> :class:`NatEntry`      LRU hash
 ``cilium_ipmasq_v4``            :class:`MasqLpmKey` -> ``u8``               LPM trie
 ``cilia_masq_src_v4``           :class:`MasqLpmKey` -> ``u8``               LPM trie
@@ -40,6 +41,7 @@ REVERSE_SK_MAP = "cilium_lb4_reverse_sk"
 AFFINITY_MAP = "cilium_lb4_affinity"
 AFFINITY_MATCH_MAP = "cilium_lb_affinity_match"
 ALIAS_USE_MAP = "cilia_lb4_alias_use"
+NODE_ADDRS_MAP = "cilia_lb4_node_addrs"
 MAPS = (
     SERVICES_MAP,
     BACKENDS_MAP,
@@ -48,6 +50,7 @@ MAPS = (
     AFFINITY_MAP,
     AFFINITY_MATCH_MAP,
     ALIAS_USE_MAP,
+    NODE_ADDRS_MAP,
 )
 """The maps of ``bpf_sock.o`` (those of :data:`HOST_SHARED_MAPS` are ``bpf_host.o``'s too)."""
 HOST_SHARED_MAPS = (SERVICES_MAP, BACKENDS_MAP, AFFINITY_MAP, AFFINITY_MATCH_MAP)
@@ -275,5 +278,6 @@ MAP_LAYOUTS: dict[
     AFFINITY_MAP: (AffinityKey, AffinityValue),
     AFFINITY_MATCH_MAP: (AffinityMatch, ctypes.c_uint8),
     ALIAS_USE_MAP: (ctypes.c_uint32, ctypes.c_uint64),
+    NODE_ADDRS_MAP: (ctypes.c_uint32, ctypes.c_uint8),
 }
 """Map name in ``bpf/bpf_sock.c`` → (key, value) mirrors (checked against the BTF)."""

@@ -33,7 +33,7 @@ from cilia.controlplane.v1 import controlplane_pb2 as cp
 from cilia_agent.config import Config
 from cilia_agent.datapath.bpffs import ensure_bpffs
 from cilia_agent.datapath.objects import default_bpf_dir
-from cilia_agent.loadbalancer import hostlb, socklb
+from cilia_agent.loadbalancer import hostlb, nodeaddrs, socklb
 from cilia_agent.loadbalancer.maps import LBMaps, ServiceMapWriter
 from cilia_agent.loadbalancer.usage import AliasUsage
 from cilia_agent.loadbalancer.watcher import ServiceMetrics, ServiceWatcher
@@ -96,6 +96,9 @@ def _build(
 ) -> tuple[dict[str, str], dict[str, str], LBMaps, ServiceMapWriter, int]:
     ensure_bpffs(cfg.bpf_pin_dir)
     outcome = socklb.attach(sock_config(cfg))
+    # NodePort through this node's own addresses (bpf_sock.c's wildcard lookup)
+    added, removed = nodeaddrs.sync(cfg.bpf_pin_dir, nodeaddrs.local_ipv4_addresses())
+    log.info("node addresses for NodePort set", extra={"added": added, "removed": removed})
     if cfg.enable_node_port:
         devices = hostlb.attach(host_config(cfg))
     else:

@@ -1,8 +1,8 @@
 """Agent-side network policy: manifests → per-endpoint policy-map entries.
 
 Layers (each imports only the ones above it):
-    model       pydantic models of CiliumNetworkPolicy (cilium.io/v2) and NetworkPolicy
-                (networking.k8s.io/v1), ``parse_policy``; depends on pydantic + stdlib only.
+    (the manifests' models and parser, ``parse_policy``/``judge_policy``, are shared with
+    the operator: ``cilia_common.policy``)
     selector    label selectors with upstream semantics (source-less keys match any source).
     rules       manifest → ``CompiledPolicy`` (namespace restriction, ports, entities).
     compiler    (endpoint, policies, identity cache) → ``EndpointPolicy`` (entries + enforce).
@@ -10,7 +10,4 @@ Layers (each imports only the ones above it):
                 ``diff`` and ``PolicyMapWriter`` for the pinned ``cilia_policy`` LPM trie.
     repository  current policies fed by ``PolicyService.WatchPolicies``; revision; which
                 endpoints need recompiling after a policy or identity change.
-
-This ``__init__`` imports nothing so ``cilia_agent.policy.model`` stays importable
-without the agent's runtime dependencies.
 """

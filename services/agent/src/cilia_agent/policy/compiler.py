@@ -59,6 +59,7 @@ from cilia_agent.policy.rules import (
 )
 
 ANY_PEER = 0
+_PROTOCOL_NAMES = {6: "TCP", 17: "UDP", 132: "SCTP"}
 
 ENTITY_IDENTITIES: Mapping[str, frozenset[int]] = {
     "world": frozenset({IDENTITY_WORLD}),
@@ -87,25 +88,42 @@ class PolicyEntry(NamedTuple):
     """Key of a desired entry of one endpoint (the map key minus ``ep_id``/prefix length).
 
     ``peer``: identity or 0 (any); ``direction``: 0 ingress / 1 egress; ``protocol``: IP
-    protocol number or 0 (any); ``port``: host-order port or 0 (any). A non-zero port
-    needs a non-zero protocol.
+    protocol number or 0 (any); ``port``: host-order port or 0 (any), for ICMP 256 + the
+    type; ``port_bits``: how many high-order bits of ``port`` match (16: exactly ``port``;
+    n < 16: the 2**(16 - n) ports from ``port`` on, a block of an ``endPort`` range; kept 16
+    when ``port`` is 0). A non-zero port needs a non-zero protocol.
     """
 
     peer: int
     direction: int
     protocol: int
     port: int
+    port_bits: int = 16
+
+    @property
+    def last_port(self) -> int:
+        """The highest port the entry covers (``port`` for an exact port, 65535 for any)."""
+        if not self.port:
+            return 65535
+        return self.port + (1 << (16 - self.port_bits)) - 1
 
 
 @dataclass(frozen=True)
 class EndpointSubject:
-    """The endpoint a policy is compiled for: identity labels (with its namespace label)."""
+    """The endpoint a policy is compiled for: identity labels (with its namespace label)
+    and its pod's named container ports ``((name, protocol TCP|UDP|SCTP), port)``."""
 
     labels: LabelSet
     namespace: str
+    named_ports: tuple[tuple[tuple[str, str], int], ...] = ()
 
     @classmethod
-    def of(cls, labels: Iterable[str | Label] | LabelSet, namespace: str) -> EndpointSubject:
+    def of(
+        cls,
+        labels: Iterable[str | Label] | LabelSet,
+        namespace: str,
+        named_ports: Mapping[tuple[str, str], int] | None = None,
+    ) -> EndpointSubject:
         """Build from label strings (``"k8s:app=web"``) and the pod namespace; the
         ``k8s:io.kubernetes.pod.namespace=<namespace>`` label is added when missing.
 
@@ -116,7 +134,12 @@ class EndpointSubject:
         ns_label = Label(SOURCE_K8S, POD_NAMESPACE_KEY, namespace)
         if ns_label not in ls:
             ls = ls.with_labels([ns_label])
-        return cls(ls, namespace)
+        return cls(ls, namespace, tuple(sorted((named_ports or {}).items())))
+
+    def port_named(self, protocol: int, name: str) -> int:
+        """The port a named port resolves to on this endpoint, 0 when it has none."""
+        wanted = _PROTOCOL_NAMES.get(protocol, "")
+        return next((port for (n, p), port in self.named_ports if n == name and p == wanted), 0)
 
 
 @dataclass(frozen=True)
@@ -176,9 +199,14 @@ def compile_endpoint(
             enforce_eg |= subject.default_deny_egress
             for rule in subject.rules:
                 verdict = Verdict.DENY if rule.deny else Verdict.ALLOW
+                ports = list(rule.ports)
+                for protocol, name in rule.named:  # resolved on this endpoint's pod
+                    number = endpoint.port_named(protocol, name)
+                    if number:
+                        ports.append((protocol, number, 16))
                 for peer in resolve_peers(rule.peers, identities):
-                    for protocol, port in rule.ports:
-                        key = PolicyEntry(peer, int(rule.direction), protocol, port)
+                    for protocol, port, bits in ports:
+                        key = PolicyEntry(peer, int(rule.direction), protocol, port, bits)
                         if entries.get(key) is not Verdict.DENY:
                             entries[key] = verdict
     return EndpointPolicy(
@@ -193,19 +221,36 @@ def apply_deny_precedence(entries: Mapping[PolicyEntry, Verdict]) -> dict[Policy
     """Turn every ALLOW covered by a broader DENY of the same (peer, direction) into a DENY.
 
     Covering DENYs: (protocol 0, port 0) covers everything; (protocol p, port 0) covers
-    protocol p with any port.
+    protocol p with any port; (protocol p, port block) covers the ports of protocol p
+    inside the block (an ALLOW of a wider block that merely overlaps a DENY block needs
+    nothing: the LPM lookup returns the narrower DENY for the ports they share).
     """
-    denies = {k for k, v in entries.items() if v is Verdict.DENY}
+    denies: dict[tuple[int, int], list[PolicyEntry]] = {}
+    for k, v in entries.items():
+        if v is Verdict.DENY:
+            denies.setdefault((k.peer, k.direction), []).append(k)
     out = dict(entries)
     for key, verdict in entries.items():
         if verdict is Verdict.DENY:
             continue
-        broader = [PolicyEntry(key.peer, key.direction, PROTO_ANY, 0)]
-        if key.port:
-            broader.append(PolicyEntry(key.peer, key.direction, key.protocol, 0))
-        if any(b in denies and b != key for b in broader):
-            out[key] = Verdict.DENY
+        for deny in denies.get((key.peer, key.direction), ()):
+            if _covers(deny, key):
+                out[key] = Verdict.DENY
+                break
     return out
+
+
+def _covers(broad: PolicyEntry, narrow: PolicyEntry) -> bool:
+    """True when ``broad`` matches every packet ``narrow`` matches (and is not ``narrow``)."""
+    if broad == narrow:
+        return False
+    if broad.protocol == PROTO_ANY:
+        return True
+    if broad.protocol != narrow.protocol:
+        return False
+    if not broad.port:
+        return True
+    return bool(narrow.port) and broad.port <= narrow.port and narrow.last_port <= broad.last_port
 
 
 __all__ = [

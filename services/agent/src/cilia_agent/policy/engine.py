@@ -104,6 +104,9 @@ class PolicyEngine:
         self.compiled: dict[int, EndpointPolicy] = {}
         self._written: dict[int, Mapping[PolicyEntry, Verdict]] = {}
         self._pending: set[int] = set()
+        #: ``(namespace, pod name) → {(port name, protocol): port}``: the pods' named
+        #: container ports (Kubernetes mode: ``k8s.PodCache.named_ports``), or None.
+        self.named_ports: Callable[[str, str], Mapping[tuple[str, str], int]] | None = None
 
     @property
     def ready(self) -> bool:
@@ -133,11 +136,17 @@ class PolicyEngine:
             self._restored_prefixes = True
 
     def set_endpoint(
-        self, ep_id: int, labels: Iterable[str | Label] | LabelSet, namespace: str
+        self,
+        ep_id: int,
+        labels: Iterable[str | Label] | LabelSet,
+        namespace: str,
+        pod_name: str = "",
     ) -> EndpointPolicy | None:
         """Add or relabel a local endpoint and bring its entries up to date.
 
-        ``labels``: the endpoint's identity labels (``identity.labels.pod_identity_labels``).
+        ``labels``: the endpoint's identity labels (``identity.labels.pod_identity_labels``);
+        ``pod_name``: its pod, whose named container ports (:attr:`named_ports`) a policy's
+        named ports resolve to ("" or no source: none).
         Returns its compiled policy, or None while the engine is not ``ready`` (compiled
         later, see the module docstring).
 
@@ -145,7 +154,8 @@ class PolicyEngine:
             cilia_agent.identity.labels.LabelError: a malformed label.
             cilia_agent.policy.maps.PolicyMapError: writing the map failed.
         """
-        self.endpoints[ep_id] = EndpointSubject.of(labels, namespace)
+        ports = self.named_ports(namespace, pod_name) if self.named_ports and pod_name else None
+        self.endpoints[ep_id] = EndpointSubject.of(labels, namespace, ports)
         return self.regenerate([ep_id]).get(ep_id)
 
     def remove_endpoint(self, ep_id: int) -> PolicyDiff:

@@ -8,7 +8,10 @@ the agent's one layout module, ``cilia_agent.datapath.layout`` (re-exported here
     policy_value {u8 flags (bit0 = deny); u8 pad[7]; u64 packets; u64 bytes}  24 bytes
 
 Prefix length: 72 bits (ep_id, sec_label, egress) always; 80 with a protocol; 96 with a
-protocol and a port. ``dport`` is stored in network byte order.
+protocol and a port; 80 + n for a block of 2**(16 - n) ports (an ``endPort`` range is
+written as such aligned blocks, as upstream does). ``dport`` is stored in network byte
+order. ICMP rules put 256 + the ICMP type in ``dport`` (``rules.ICMP_TYPE_BASE``; bpf_lxc.c
+looks ICMP packets up the same way), so type 0 is not the wildcard port 0.
 
 ``diff(current, desired)`` computes the upserts and deletes that turn one endpoint's
 current entries into the desired ones; ``PolicyMapWriter.apply`` writes exactly those, in
@@ -77,10 +80,12 @@ class UnencodableEntry(ValueError):
 
 
 def prefix_len(entry: PolicyEntry) -> int:
-    """LPM prefix length of an entry: 72, 80 (protocol) or 96 (protocol + port).
+    """LPM prefix length of an entry: 72, 80 (protocol) or 80 + ``port_bits`` (protocol +
+    port or port block).
 
     Raises:
-        UnencodableEntry: a port with protocol 0, or out-of-range fields.
+        UnencodableEntry: a port with protocol 0, out-of-range fields, or a port block not
+            aligned on its size.
     """
     if entry.port and not entry.protocol:
         raise UnencodableEntry(f"{entry}: a port needs a protocol")
@@ -89,10 +94,13 @@ def prefix_len(entry: PolicyEntry) -> int:
         and entry.direction in (0, 1)
         and 0 <= entry.protocol < 256
         and 0 <= entry.port < 1 << 16
+        and 1 <= entry.port_bits <= 16
     ):
         raise UnencodableEntry(f"{entry}: field out of range")
+    if entry.port & ((1 << (16 - entry.port_bits)) - 1):
+        raise UnencodableEntry(f"{entry}: port block not aligned on its size")
     if entry.port:
-        return POLICY_PREFIX_FULL
+        return POLICY_PREFIX_PROTO + entry.port_bits
     return POLICY_PREFIX_PROTO if entry.protocol else POLICY_PREFIX_STATIC
 
 
@@ -103,13 +111,16 @@ def encode_key(ep_id: int, entry: PolicyEntry) -> PolicyKey:
         UnencodableEntry: a port with protocol 0, or out-of-range fields.
     """
     prefix_len(entry)  # validates first: UnencodableEntry, never policy_key's ValueError
-    return policy_key(ep_id, entry.peer, entry.direction, entry.protocol, entry.port)
+    bits = entry.port_bits if entry.port else 16
+    return policy_key(ep_id, entry.peer, entry.direction, entry.protocol, entry.port, bits)
 
 
 def decode_key(key: Any) -> tuple[int, PolicyEntry]:
     """(ep_id, entry) of a map key (``PolicyKey``)."""
+    port = socket.ntohs(int(key.dport))
+    bits = int(key.prefixlen) - POLICY_PREFIX_PROTO if port else 16
     return int(key.ep_id), PolicyEntry(
-        int(key.sec_label), int(key.egress), int(key.protocol), socket.ntohs(int(key.dport))
+        int(key.sec_label), int(key.egress), int(key.protocol), port, bits
     )
 
 

@@ -2,9 +2,14 @@
 
 Fed by ``PolicyService.WatchPolicies`` (``proto/cilia/controlplane/v1/controlplane.proto``):
 a ``WatchPoliciesResponse`` carries ``events`` (``PolicyEvent{type: UPSERT=1 | DELETE=2,
-kind, namespace, name, json, resource_version}``) and ``synced``. ``apply`` parses each
-manifest (``model.parse_policy``) and stores its ``CompiledPolicy``; an invalid manifest
-is reported and leaves the stored version of that policy untouched.
+kind, namespace, name, json, resource_version}``) and ``synced``. ``apply`` judges each
+manifest with the parser the operator uses too (``cilia_common.policy.judge_policy``) and
+stores its ``CompiledPolicy``. A manifest with a rule Cilia cannot enforce (a named port,
+SCTP, ``icmps``, ... which the API server accepts in Kubernetes mode) is stored **fail
+closed**: the endpoints it selects become default-deny in that rule's direction, and the
+policy is listed by :meth:`PolicyRepository.unenforced` (agent ``status``, the
+``cilia_policy_unenforceable`` gauge). A manifest that cannot even be identified is
+reported and leaves the stored version of that policy untouched.
 
 Impact: after a policy change only endpoints selected by the old or the new version need
 recompiling (``affected_by_policies``); after identity changes only endpoints selected by
@@ -26,15 +31,15 @@ from cilia_agent.identity.cache import IdentityCache, IdentityChange
 from cilia_agent.identity.cidr import is_local_identity
 from cilia_agent.identity.labels import LabelError, LabelSet, is_cluster_identity
 from cilia_agent.policy.compiler import EndpointPolicy, EndpointSubject, compile_endpoint
-from cilia_agent.policy.model import (
+from cilia_agent.policy.rules import CompiledPolicy, PolicyRef, compile_policy
+from cilia_common.policy.judge import Judgement, judge_policy
+from cilia_common.policy.model import (
     CCNP_KIND,
     DEFAULT_NAMESPACE,
     POLICY_KINDS,
     FieldError,
     InvalidPolicy,
-    parse_policy,
 )
-from cilia_agent.policy.rules import CompiledPolicy, PolicyRef, compile_policy
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +84,12 @@ class PolicyUpdate:
 
 @dataclass
 class BatchResult:
-    """Outcome of ``PolicyRepository.apply``: effective updates, rejected manifests."""
+    """Outcome of ``PolicyRepository.apply``: effective updates, rejected manifests, and
+    manifests stored fail-closed (with their judgement)."""
 
     updates: list[PolicyUpdate] = field(default_factory=list)
     errors: list[InvalidPolicy] = field(default_factory=list)
+    fail_closed: list[tuple[PolicyRef, Judgement]] = field(default_factory=list)
     revision: int = 0
 
 
@@ -96,6 +103,7 @@ class PolicyRepository:
 
     def __init__(self) -> None:
         self._policies: dict[PolicyRef, CompiledPolicy] = {}
+        self._unenforced: dict[PolicyRef, Judgement] = {}
         self._seen: set[PolicyRef] | None = None
         self.revision = 0
         self.synced = False
@@ -113,6 +121,11 @@ class PolicyRepository:
     def __len__(self) -> int:
         return len(self._policies)
 
+    def unenforced(self) -> dict[PolicyRef, str]:
+        """Policies stored fail-closed: reference → one-line reason (the directions made
+        default-deny and the fields Cilia cannot enforce)."""
+        return {ref: self._unenforced[ref].summary() for ref in sorted(self._unenforced)}
+
     def compile(self, endpoint: EndpointSubject, identities: IdentityCache) -> EndpointPolicy:
         """``compile_endpoint`` over every stored policy."""
         return compile_endpoint(endpoint, self._policies.values(), identities)
@@ -124,13 +137,20 @@ class PolicyRepository:
     ) -> PolicyUpdate | None:
         """Store a policy manifest; returns the update, None when nothing changed.
 
-        ``namespace``: the namespace the event names; used when the manifest has none.
+        ``namespace``: the namespace the event names; used when the manifest has none. A
+        manifest with rules Cilia cannot enforce is stored in its fail-closed form
+        (``judge_policy``) and listed by :meth:`unenforced`.
 
         Raises:
-            InvalidPolicy: the manifest is invalid, or names another namespace than
-                ``namespace`` (nothing is changed).
+            InvalidPolicy: the manifest cannot be identified or still fails after its
+                fail-closed rewrite, or names another namespace than ``namespace``
+                (nothing is changed).
         """
-        policy = parse_policy(manifest)
+        judgement = judge_policy(manifest)
+        if judgement.policy is None:
+            assert judgement.error is not None
+            raise judgement.error
+        policy = judgement.policy
         own = policy.metadata.namespace
         if own and namespace and own != namespace:
             raise InvalidPolicy(
@@ -148,6 +168,10 @@ class PolicyRepository:
             ) from exc
         if self._seen is not None:
             self._seen.add(compiled.ref)
+        if judgement.errors:
+            self._unenforced[compiled.ref] = judgement
+        else:
+            self._unenforced.pop(compiled.ref, None)
         old = self._policies.get(compiled.ref)
         if old is not None and old == compiled:
             return None
@@ -159,6 +183,7 @@ class PolicyRepository:
         """Remove a policy; returns the update, None when it was absent."""
         ref = PolicyRef(kind, "" if kind == CCNP_KIND else namespace or DEFAULT_NAMESPACE, name)
         old = self._policies.pop(ref, None)
+        self._unenforced.pop(ref, None)
         if old is None:
             return None
         self.revision += 1
@@ -186,6 +211,10 @@ class PolicyRepository:
                 continue
             if update is not None:
                 result.updates.append(update)
+                judged = self._unenforced.get(update.ref)
+                if judged is not None:
+                    log.warning("policy %s enforced fail closed: %s", update.ref, judged.summary())
+                    result.fail_closed.append((update.ref, judged))
         if response.synced:
             if self._seen is not None:
                 for ref in [r for r in self._policies if r not in self._seen]:

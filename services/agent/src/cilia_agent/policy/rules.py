@@ -5,9 +5,16 @@ NetworkPolicy: a list of ``SubjectRule`` (who it applies to, which directions be
 default-deny) each with ``DirectionalRule`` items (peers, (protocol, port) pairs,
 allow or deny). It does not depend on identities; ``compiler`` resolves peers later.
 
-Ports: ``TCP``→6, ``UDP``→17; port 0/absent = any port; ``ANY`` without a port is
-protocol 0 (every protocol, prefix 72 in the map); ``ANY`` with a port becomes TCP and
-UDP entries, since the LPM key cannot wildcard the protocol and match the port.
+Ports: ``TCP``→6, ``UDP``→17, ``SCTP``→132; port 0/absent = any port; ``ANY`` without a
+port is protocol 0 (every protocol, prefix 72 in the map); ``ANY`` with a port becomes TCP
+and UDP entries, since the LPM key cannot wildcard the protocol and match the port. A range
+``port``..``endPort`` becomes the fewest port blocks aligned on their power-of-two size
+that cover it exactly (upstream ``policy.PortRangeToMaskedPorts``): 80..90 is 80/13 (80-87),
+88/15 (88-89), 90/16. ICMP rules (``icmps[].fields[].type``) become protocol 1 with port
+256 + type (:data:`ICMP_TYPE_BASE`; the datapath looks ICMP packets up the same way).
+A named port (``port: http``) stays a name here (``DirectionalRule.named``); the compiler
+resolves it on each selected endpoint from its pod's container ports (upstream resolves
+named ports per pod): a pod without that port name gets nothing from it.
 
 CIDR peers (``toCIDR``/``toCIDRSet``/``fromCIDR``/``fromCIDRSet``, NetworkPolicy
 ``ipBlock``) become :class:`CIDRPeer` items: a ``cidr`` and its ``except`` prefixes; their
@@ -33,11 +40,13 @@ from cilia_agent.identity.labels import (
     SOURCE_K8S,
     LabelSet,
 )
-from cilia_agent.policy.model import (
+from cilia_agent.policy.selector import Operator, Requirement, Selector
+from cilia_common.policy.model import (
     CIDRRule,
     CiliumClusterwideNetworkPolicy,
     CiliumNetworkPolicy,
     EgressRule,
+    ICMPRule,
     IngressRule,
     LabelSelector,
     NetworkPolicy,
@@ -47,18 +56,22 @@ from cilia_agent.policy.model import (
     PortRule,
     Rule,
 )
-from cilia_agent.policy.selector import Operator, Requirement, Selector
 
 PROTO_ANY = 0
+PROTO_ICMP = 1
 PROTO_TCP = 6
 PROTO_UDP = 17
-PROTOCOLS = {"TCP": PROTO_TCP, "UDP": PROTO_UDP, "ANY": PROTO_ANY}
+PROTO_SCTP = 132
+PROTOCOLS = {"TCP": PROTO_TCP, "UDP": PROTO_UDP, "SCTP": PROTO_SCTP, "ANY": PROTO_ANY}
+ICMP_TYPE_BASE = 256
+"""An ICMP rule's map port is ``ICMP_TYPE_BASE + type`` (bpf/bpf_lxc.c ``policy_check``)."""
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 """Namespace label Kubernetes sets to the namespace's name (NetworkPolicy namespaceSelector)."""
 
-PortKey = tuple[int, int]
-"""(IP protocol number or 0 = any, port or 0 = any)."""
-L3_ONLY: tuple[PortKey, ...] = ((PROTO_ANY, 0),)
+PortKey = tuple[int, int, int]
+"""(IP protocol number or 0 = any, port or 0 = any, matching high-order bits of the port:
+16 = exactly that port, n < 16 = the block of 2**(16 - n) ports from it; 16 for port 0)."""
+L3_ONLY: tuple[PortKey, ...] = ((PROTO_ANY, 0, 16),)
 
 
 class Direction(IntEnum):
@@ -138,12 +151,15 @@ class Peers:
 
 @dataclass(frozen=True)
 class DirectionalRule:
-    """One ingress/egress (allow or deny) rule: peers x (protocol, port) pairs."""
+    """One ingress/egress (allow or deny) rule: peers x (protocol, port) pairs, plus the
+    named ports ``(protocol, name)`` resolved on each selected endpoint from its pod's
+    container ports (``compiler``; ingress only: the model refuses them in egress)."""
 
     direction: Direction
     deny: bool
     peers: Peers
     ports: tuple[PortKey, ...] = L3_ONLY
+    named: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,33 +267,83 @@ def _cidr_peers(
 
 def _cnp_ingress(rule: IngressRule, deny: bool, namespace: str | None) -> DirectionalRule:
     cidrs = _cidr_peers(rule.from_cidr, rule.from_cidr_set)
-    peers = _peers(rule.from_endpoints, rule.from_entities, cidrs, bool(rule.to_ports), namespace)
-    return DirectionalRule(Direction.INGRESS, deny, peers, _cnp_ports(rule.to_ports))
+    l4 = bool(rule.to_ports) or bool(rule.icmps)
+    peers = _peers(rule.from_endpoints, rule.from_entities, cidrs, l4, namespace)
+    if rule.icmps:
+        return DirectionalRule(Direction.INGRESS, deny, peers, _icmp_ports(rule.icmps))
+    ports, named = _cnp_ports(rule.to_ports)
+    return DirectionalRule(Direction.INGRESS, deny, peers, ports, named)
 
 
 def _cnp_egress(rule: EgressRule, deny: bool, namespace: str | None) -> DirectionalRule:
     cidrs = _cidr_peers(rule.to_cidr, rule.to_cidr_set)
-    peers = _peers(rule.to_endpoints, rule.to_entities, cidrs, bool(rule.to_ports), namespace)
-    return DirectionalRule(Direction.EGRESS, deny, peers, _cnp_ports(rule.to_ports))
+    l4 = bool(rule.to_ports) or bool(rule.icmps)
+    peers = _peers(rule.to_endpoints, rule.to_entities, cidrs, l4, namespace)
+    if rule.icmps:
+        return DirectionalRule(Direction.EGRESS, deny, peers, _icmp_ports(rule.icmps))
+    ports, named = _cnp_ports(rule.to_ports)
+    return DirectionalRule(Direction.EGRESS, deny, peers, ports, named)
 
 
-def port_keys(protocol: str, port: int) -> tuple[PortKey, ...]:
-    """(protocol name, port) → map (protocol, port) pairs; see the module docstring."""
+def port_blocks(first: int, last: int) -> list[tuple[int, int]]:
+    """``first``..``last`` (inclusive, 1 ≤ first ≤ last ≤ 65535) as the fewest
+    ``(start, bits)`` blocks aligned on their size 2**(16 - bits) that cover it exactly.
+
+    Raises:
+        ValueError: an empty or out-of-range range.
+    """
+    if not 1 <= first <= last <= 65535:
+        raise ValueError(f"port range {first}..{last} is not within 1..65535")
+    blocks = []
+    while first <= last:
+        size = first & -first  # the largest power of two ``first`` is aligned on
+        while size > last - first + 1:
+            size >>= 1
+        blocks.append((first, 16 - size.bit_length() + 1))
+        first += size
+    return blocks
+
+
+def port_keys(protocol: str, port: int, end_port: int | None = None) -> tuple[PortKey, ...]:
+    """(protocol name, port, range end) → map (protocol, port, bits) keys; see the module
+    docstring."""
     number = PROTOCOLS[protocol]
-    if number == PROTO_ANY:
-        return L3_ONLY if port == 0 else ((PROTO_TCP, port), (PROTO_UDP, port))
-    return ((number, port),)
+    protocols = (PROTO_TCP, PROTO_UDP) if number == PROTO_ANY else (number,)
+    if port == 0:
+        return L3_ONLY if number == PROTO_ANY else ((number, 0, 16),)
+    ranged = end_port is not None and end_port > port
+    blocks = port_blocks(port, end_port) if ranged and end_port else [(port, 16)]
+    return tuple((p, start, bits) for p in protocols for start, bits in blocks)
 
 
-def _cnp_ports(to_ports: Sequence[PortRule] | None) -> tuple[PortKey, ...]:
+Named = tuple[tuple[int, str], ...]
+"""Named ports of a rule: ``(protocol number, port name)``."""
+
+
+def _named_key(protocol: str, name: str) -> list[tuple[int, str]]:
+    number = PROTOCOLS[protocol]
+    return [(PROTO_TCP, name), (PROTO_UDP, name)] if number == PROTO_ANY else [(number, name)]
+
+
+def _cnp_ports(to_ports: Sequence[PortRule] | None) -> tuple[tuple[PortKey, ...], Named]:
+    """Numeric keys and named ports of ``toPorts`` (no ``toPorts``: every port)."""
     if not to_ports:
-        return L3_ONLY
+        return L3_ONLY, ()
     keys: list[PortKey] = []
+    named: list[tuple[int, str]] = []
     for port_rule in to_ports:
         if not port_rule.ports:
             keys += L3_ONLY
         for pp in port_rule.ports or ():
-            keys += port_keys(pp.protocol, pp.port)
+            if isinstance(pp.port, str):
+                named += _named_key(pp.protocol, pp.port)
+            else:
+                keys += port_keys(pp.protocol, pp.port, pp.end_port)
+    return tuple(dict.fromkeys(keys)), tuple(dict.fromkeys(named))
+
+
+def _icmp_ports(icmps: Sequence[ICMPRule]) -> tuple[PortKey, ...]:
+    keys = [(PROTO_ICMP, ICMP_TYPE_BASE + f.type, 16) for rule in icmps for f in rule.fields]
     return tuple(dict.fromkeys(keys))
 
 
@@ -291,11 +357,13 @@ def _np_spec(policy: NetworkPolicy, namespace: str) -> SubjectRule:
     if "Ingress" in types:
         for ing in spec.ingress or ():
             peers = _np_peers(ing.from_, namespace)
-            rules.append(DirectionalRule(Direction.INGRESS, False, peers, _np_ports(ing.ports)))
+            ports, named = _np_ports(ing.ports)
+            rules.append(DirectionalRule(Direction.INGRESS, False, peers, ports, named))
     if "Egress" in types:
         for eg in spec.egress or ():
             peers = _np_peers(eg.to, namespace)
-            rules.append(DirectionalRule(Direction.EGRESS, False, peers, _np_ports(eg.ports)))
+            ports, named = _np_ports(eg.ports)
+            rules.append(DirectionalRule(Direction.EGRESS, False, peers, ports, named))
     return SubjectRule(
         subject=Selector.from_model(spec.pod_selector).in_namespace(namespace),
         default_deny_ingress="Ingress" in types,
@@ -332,7 +400,15 @@ def _np_peer(peer: NetworkPolicyPeer, namespace: str) -> Selector:
     return Selector(pods.requirements | ns_reqs)
 
 
-def _np_ports(ports: Sequence[NetworkPolicyPort] | None) -> tuple[PortKey, ...]:
+def _np_ports(ports: Sequence[NetworkPolicyPort] | None) -> tuple[tuple[PortKey, ...], Named]:
+    """Numeric keys and named ports of NetworkPolicy ``ports`` (none: every port)."""
     if not ports:
-        return L3_ONLY
-    return tuple(dict.fromkeys(k for p in ports for k in port_keys(p.protocol, p.port)))
+        return L3_ONLY, ()
+    keys = [
+        k
+        for p in ports
+        if not isinstance(p.port, str)
+        for k in port_keys(p.protocol, p.port, p.end_port)
+    ]
+    named = [n for p in ports if isinstance(p.port, str) for n in _named_key(p.protocol, p.port)]
+    return tuple(dict.fromkeys(keys)), tuple(dict.fromkeys(named))

@@ -29,7 +29,7 @@ from cilia_agent.identity.labels import (
     LabelSet,
     split_source,
 )
-from cilia_agent.policy.model import LabelSelector
+from cilia_common.policy.model import LabelSelector
 
 Operator = Literal["In", "NotIn", "Exists", "DoesNotExist"]
 

@@ -38,13 +38,22 @@ class PolicyStreams:
         engine: the engine (its repository is fed here, its identity cache elsewhere).
         gauge: ``cilium_policy``.
         wait_timeout: ``--endpoint-policy-wait-timeout`` (s).
+        unenforceable: ``cilia_policy_unenforceable`` (policies stored fail closed), or
+            None.
 
     Create it inside the running event loop.
     """
 
-    def __init__(self, engine: PolicyEngine, gauge: PolicyGauge, wait_timeout: float) -> None:
+    def __init__(
+        self,
+        engine: PolicyEngine,
+        gauge: PolicyGauge,
+        wait_timeout: float,
+        unenforceable: PolicyGauge | None = None,
+    ) -> None:
         self.engine = engine
         self.gauge = gauge
+        self.unenforceable = unenforceable
         self.wait_timeout = wait_timeout
         self._ready = asyncio.Event()
 
@@ -60,6 +69,8 @@ class PolicyStreams:
         else:
             self._ready.clear()
         self.gauge.set(len(self.engine.repository))
+        if self.unenforceable is not None:
+            self.unenforceable.set(len(self.engine.repository.unenforced()))
 
     async def wait_ready(self) -> None:
         """Wait up to ``wait_timeout`` for :attr:`ready`.

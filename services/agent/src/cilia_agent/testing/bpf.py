@@ -87,7 +87,8 @@ def packet(
     icmp_type: int = 8,
     icmp_id: int = 7,
 ) -> bytes:
-    """An Ethernet/IPv4 frame carrying a TCP, UDP or ICMP header (payload 16 bytes)."""
+    """An Ethernet/IPv4 frame carrying a TCP, UDP, SCTP (common header, checksum 0) or
+    ICMP header (payload 16 bytes); ``proto``: ``tcp``, ``udp``, ``sctp`` or ``icmp``."""
     payload = b"\x00" * 16
     if proto == "tcp":
         l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 0, 5 << 4, flags, 65535, 0, 0)
@@ -95,6 +96,9 @@ def packet(
     elif proto == "udp":
         l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0)
         number = 17
+    elif proto == "sctp":
+        l4 = struct.pack("!HHII", sport, dport, 1, 0)
+        number = 132
     else:
         l4 = struct.pack("!BBHHH", icmp_type, 0, 0, icmp_id, 1)
         number = 1

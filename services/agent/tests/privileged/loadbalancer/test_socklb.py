@@ -383,3 +383,60 @@ def test_dual_stack_sockets_reach_an_ipv4_vip_through_its_mapped_address(
     assert source == (mapped, 53)
     who, peer = tcp6()  # from the host
     assert who.startswith("be 10.252.77.") and peer == (mapped, 80)
+
+
+def test_a_nodeport_through_the_nodes_own_address_reaches_a_backend_both_ways(
+    topology: Topology, attached: ServiceMapWriter, sock_config: socklb.SockConfig
+) -> None:
+    """``<own node address>:<nodePort>`` from the host and from another netns: the exact
+    lookup misses, the address is in ``cilia_lb4_node_addrs``, so the (0.0.0.0, nodePort)
+    surrogate serves it (bpf_sock.c's wildcard lookup); the client sees the node address
+    as its peer (reverse path). An address that is not the node's gets nothing."""
+    from cilia_agent.loadbalancer import nodeaddrs
+    from cilia_agent.loadbalancer.model import NODE_PORT_ADDRESS
+
+    node_addr, other = "198.18.79.1", "198.18.79.2"  # the "node" address: on no interface
+    svc = service("np", "198.18.77.40")
+    svc.type = "NodePort"
+    svc.ports[0].node_port = 30080
+    svc.ports[1].node_port = 30053
+    attached.upsert_service(svc)
+    assert any(k.address == 0 for k in attached.maps.services), NODE_PORT_ADDRESS
+
+    def refused() -> bool:
+        try:
+            tcp_backend(node_addr, 30080)
+        except OSError:
+            return True
+        return False
+
+    assert in_netns(topology.client, refused), "not a node address yet: untouched"
+    assert nodeaddrs.sync(sock_config.pin_dir, [node_addr]) == ([node_addr], [])
+
+    who, peer = in_netns(topology.client, tcp_backend, node_addr, 30080)
+    assert who in {f"be {ip}" for ip in BACKENDS}
+    assert peer == (node_addr, 30080)
+    who, peer = tcp_backend(node_addr, 30080)  # from the host
+    assert who in {f"be {ip}" for ip in BACKENDS}
+    assert peer == (node_addr, 30080)
+
+    def udp_to(addr: str) -> tuple[str, tuple[str, int]]:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.settimeout(TIMEOUT)
+            udp.sendto(b"q", (addr, 30053))
+            data, source = udp.recvfrom(4096)
+            return data.decode(), source
+
+    answer, source = in_netns(topology.client, udp_to, node_addr)
+    assert answer.startswith("be ") and source == (node_addr, 30053)
+
+    def other_refused() -> bool:
+        try:
+            tcp_backend(other, 30080)
+        except OSError:
+            return True
+        return False
+
+    assert in_netns(topology.client, other_refused), "another address is not a NodePort"
+    assert nodeaddrs.sync(sock_config.pin_dir, []) == ([], [node_addr])
+    assert in_netns(topology.client, refused), "removed: untouched again"

@@ -15,7 +15,7 @@ from cilia_agent.identity.cidr import LOCAL_SCOPE
 from cilia_agent.ipcache import Entry, IPCache
 from cilia_agent.policy.compiler import PolicyEntry, Verdict
 from cilia_agent.policy.engine import PolicyEngine
-from cilia_agent.policy.model import CiliumNetworkPolicy, InvalidPolicy, parse_policy
+from cilia_common.policy.model import CiliumNetworkPolicy, InvalidPolicy, parse_policy
 from cilia_common.reserved_identities import WORLD
 
 NS = "k8s:io.kubernetes.pod.namespace=prod"
@@ -127,22 +127,30 @@ def ident(eng: PolicyEngine, prefix: str) -> int:
         ),
     ],
 )
-def test_bad_cidr_is_refused_with_its_path_and_changes_nothing(
+def test_bad_cidr_is_refused_with_its_path_and_fails_closed(
     manifest: dict[str, Any], path: str, message: str
 ) -> None:
+    """The parser refuses the prefix with its path; an agent handed the manifest anyway
+    (Kubernetes mode) makes the selected endpoint default-deny in that rule's direction:
+    nothing the broken rule (or its earlier good version) allowed stays allowed."""
     with pytest.raises(InvalidPolicy) as info:
         parse_policy(manifest)
     assert {e.path: e.message for e in info.value.errors}.get(path) == message, info.value
 
-    eng, _, table = engine()
+    eng, _, _ = engine()
     good = np_egress("n", "192.0.2.0/24", []) if manifest["kind"] == "NetworkPolicy" else None
     if good is not None:
         eng.on_policies(upserts(good))
-    before = (dict(table.rows), eng.identities.local_identities(), dict(eng.compiled[1].entries))
+        assert peers(eng, 1), "the good version allows egress"
     result, _ = eng.on_policies(upserts(manifest))
-    assert len(result.errors) == 1
-    after = (dict(table.rows), eng.identities.local_identities(), dict(eng.compiled[1].entries))
-    assert after == before, "the stored version stays in force"
+    assert result.errors == []
+    ((ref, judged),) = result.fail_closed
+    assert path in {e.path for e in judged.errors}
+    direction = 0 if ".ingress" in path else 1
+    compiled = eng.compiled[1]
+    assert (compiled.enforce_ingress, compiled.enforce_egress)[direction]
+    assert peers(eng, direction) == set(), "nothing allowed in the broken rule's direction"
+    assert ref in eng.repository.unenforced()
 
 
 def test_host_bits_and_bare_addresses_are_canonical_prefixes() -> None:

@@ -21,8 +21,8 @@ from cilia_agent.policy.compiler import (
     apply_deny_precedence,
     compile_endpoint,
 )
-from cilia_agent.policy.model import parse_policy, policy_namespace
 from cilia_agent.policy.rules import CompiledPolicy, compile_policy
+from cilia_common.policy.model import parse_policy, policy_namespace
 
 FRONTEND, BACKEND, OTHER, DEV_FRONTEND, DB = 1000, 1001, 1002, 1003, 1004
 IN, EG = 0, 1
@@ -536,7 +536,7 @@ def test_a_clusterwide_policy_with_default_deny_off_enforces_nothing_it_does_not
 
 
 def test_a_clusterwide_policy_with_a_namespace_is_refused() -> None:
-    from cilia_agent.policy.model import InvalidPolicy
+    from cilia_common.policy.model import InvalidPolicy
 
     with pytest.raises(InvalidPolicy, match="no namespace"):
         ccnp({"ingress": [{}]}, namespace="prod")

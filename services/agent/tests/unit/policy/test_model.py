@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cilia_agent.policy.model import (
+from cilia_common.policy.model import (
     CiliumNetworkPolicy,
     InvalidPolicy,
     NetworkPolicy,
@@ -114,31 +114,31 @@ def test_network_policy_parses_with_kubernetes_defaults() -> None:
             cnp(
                 {
                     "endpointSelector": {},
-                    "egress": [{"toPorts": [{"ports": [{"port": "8080", "protocol": "SCTP"}]}]}],
+                    "egress": [{"toPorts": [{"ports": [{"port": "8080", "protocol": "ICMP"}]}]}],
                 }
             ),
             "spec.egress[0].toPorts[0].ports[0].protocol",
-            "'TCP', 'UDP' or 'ANY'",
+            "'TCP', 'UDP', 'SCTP' or 'ANY'",
         ),
         (
             cnp({"endpointSelector": {}, "egress": [{"toPorts": [{"ports": [{"port": "http"}]}]}]}),
-            "spec.egress[0].toPorts[0].ports[0].port",
-            "named port 'http' not supported",
+            "spec.egress[0]",
+            "named port 'http' in an egress rule not supported by Cilia",
         ),
         (
             cnp({"endpointSelector": {}, "egress": [{"toPorts": [{"ports": [{"port": 70000}]}]}]}),
             "spec.egress[0].toPorts[0].ports[0].port",
-            "less than or equal to 65535",
+            "port must be 0..65535",
         ),
         (
             cnp(
                 {
                     "endpointSelector": {},
-                    "egress": [{"toPorts": [{"ports": [{"port": 80, "endPort": 90}]}]}],
+                    "egress": [{"toPorts": [{"ports": [{"port": 80, "endPort": 70}]}]}],
                 }
             ),
-            "spec.egress[0].toPorts[0].ports[0].endPort",
-            "not supported by Cilia",
+            "spec.egress[0].toPorts[0].ports[0]",
+            "endPort 70 is below port 80",
         ),
         (
             cnp({"endpointSelector": {}, "ingress": [{"fromCIDR": ["fd00::/8"]}]}),

@@ -70,15 +70,36 @@ def test_identical_upsert_changes_nothing() -> None:
     assert result.updates == [] and repo.revision == 1
 
 
-def test_invalid_manifest_is_reported_and_previous_version_stays() -> None:
+def test_invalid_manifest_is_stored_fail_closed_and_reported() -> None:
     repo = PolicyRepository()
     repo.apply(msg(upsert("allow", "backend", FROM_FRONTEND)))
     bad = upsert("allow", "backend", {"ingress": [{"fromEndpoint": []}]})
     result = repo.apply(msg(bad))
 
+    ref = PolicyRef(CNP, "prod", "allow")
+    assert [u.ref for u in result.updates] == [ref] and result.errors == []
+    ((failed, judged),) = result.fail_closed
+    assert failed == ref and judged.verdict == "fail-closed" and judged.denied == {"ingress"}
+    stored = repo.get(ref)
+    assert stored is not None
+    (subject,) = stored.subjects
+    assert subject.default_deny_ingress and not any(not r.deny and r.peers.selectors
+                                                    for r in subject.rules)  # fmt: skip
+    assert "spec.ingress[0].fromEndpoint: unknown field" in repo.unenforced()[ref]
+
+    repo.apply(msg(upsert("allow", "backend", FROM_FRONTEND)))
+    assert repo.unenforced() == {}, "a fixed manifest is enforced as written again"
+
+
+def test_unidentifiable_manifest_is_reported_and_previous_version_stays() -> None:
+    repo = PolicyRepository()
+    repo.apply(msg(upsert("allow", "backend", FROM_FRONTEND)))
+    event = pb.PolicyEvent(type=UPSERT, kind=CNP, namespace="prod", name="allow", json="{not json")
+    result = repo.apply(msg(event))
+
     assert result.updates == []
     (error,) = result.errors
-    assert "spec.ingress[0].fromEndpoint" in str(error)
+    assert "not valid JSON" in str(error)
     assert repo.get(PolicyRef(CNP, "prod", "allow")) is not None
     assert repo.revision == 1
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from cilia_agent.identity.labels import LabelSet
-from cilia_agent.policy.model import LabelSelector
 from cilia_agent.policy.selector import Selector
+from cilia_common.policy.model import LabelSelector
 
 POD = LabelSet.of(
     [

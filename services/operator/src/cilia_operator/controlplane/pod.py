@@ -71,7 +71,8 @@ def pod_message(obj: Resource, namespace_labels: Mapping[str, str]) -> pb.Pod:
     """The ``Pod`` message of a Pod object and its Namespace's labels.
 
     ``service_account`` is ``spec.serviceAccountName`` (``default`` when empty, as the API
-    server's defaulting does); ``ips`` are ``status.podIPs[].ip``.
+    server's defaulting does); ``ips`` are ``status.podIPs[].ip``; ``container_ports`` the
+    named ``spec.containers[].ports[]`` (protocol TCP when unset).
     """
     namespace, name = pod_key(obj)
     spec = obj.get("spec") if isinstance(obj.get("spec"), Mapping) else {}
@@ -90,7 +91,28 @@ def pod_message(obj: Resource, namespace_labels: Mapping[str, str]) -> pb.Pod:
         namespace_labels=dict(namespace_labels),
         service_account=str((spec or {}).get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT),
         ips=ips,
+        container_ports=_named_ports(spec or {}),
     )
+
+
+def _named_ports(spec: Mapping[str, Any]) -> list[pb.ContainerPort]:
+    out = []
+    for container in spec.get("containers") or []:
+        if not isinstance(container, Mapping):
+            continue
+        for port in container.get("ports") or []:
+            if not isinstance(port, Mapping) or not port.get("name"):
+                continue
+            number = port.get("containerPort")
+            if isinstance(number, int) and 0 < number < 65536:
+                out.append(
+                    pb.ContainerPort(
+                        name=str(port["name"]),
+                        port=number,
+                        protocol=str(port.get("protocol") or "TCP"),
+                    )
+                )
+    return out
 
 
 class NodePods:

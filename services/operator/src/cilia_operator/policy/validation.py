@@ -18,6 +18,11 @@ subdomain, ``metadata.namespace`` a DNS-1123 label, a CiliumNetworkPolicy has ``
 for ``In``/``NotIn``, ``except`` prefixes lie inside their ``cidr`` and an ``ipBlock`` peer
 has no selector beside it.
 
+Last, a manifest the schema accepts is judged by the one policy parser the agents use
+(``cilia_common.policy.model.parse_policy``): what the agents could not enforce as written
+is refused at apply too, so the operator and the agents never disagree about a manifest
+(the corpus in ``tests/contract/policies`` checks it).
+
 Every problem is reported as a ``FieldError`` with a path like
 ``spec.ingress[0].toPorts[0].ports[0].protocol``.
 """
@@ -34,6 +39,8 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped, unused-ignore]
 import yaml
+
+from cilia_common.policy.model import InvalidPolicy, parse_policy
 
 from ..errors import FieldError, InvalidResource, field_path
 
@@ -303,6 +310,8 @@ def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
         errors.append(FieldError("metadata.namespace", f"{kind} is cluster-scoped: no namespace"))
     if not errors:
         errors = _selector_values(doc) + _cidr_rules(kind, doc)
+    if not errors:
+        errors = _parser_errors(doc)
     if errors:
         raise InvalidResource(_dedupe(errors))
     out = copy.deepcopy(dict(doc))
@@ -312,6 +321,15 @@ def validate_policy(kind: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     else:
         out["metadata"]["namespace"] = out["metadata"].get("namespace") or DEFAULT_NAMESPACE
     return out
+
+
+def _parser_errors(doc: Mapping[str, Any]) -> list[FieldError]:
+    """What the agents' parser refuses in a schema-valid manifest (each with its path)."""
+    try:
+        parse_policy(dict(doc))
+    except InvalidPolicy as exc:
+        return [FieldError(e.path, e.message) for e in exc.errors]
+    return []
 
 
 def _dedupe(errors: Sequence[FieldError]) -> list[FieldError]:

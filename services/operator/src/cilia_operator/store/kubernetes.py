@@ -111,6 +111,7 @@ KINDS: dict[str, KubeKind] = {
     "Pod": KubeKind("", "v1", "pods", True),  # read only (PodService)
     "Node": KubeKind("", "v1", "nodes", False),  # read only (--ipam kubernetes)
     "Lease": KubeKind("coordination.k8s.io", "v1", "leases", True),
+    "Event": KubeKind("", "v1", "events", True),  # created only (policy.reporter)
     # Services: the API server allocates ClusterIPs (ServiceCIDRs), kube-controller-manager
     # keeps the EndpointSlices; the operator reads them (ServiceService)
     "Service": KubeKind("", "v1", "services", True),

@@ -1,9 +1,13 @@
 """Pydantic models of CiliumNetworkPolicy (cilium.io/v2) and NetworkPolicy (networking.k8s.io/v1).
 
+The one policy parser of Cilia: the operator refuses at apply what it refuses, the agent
+compiles what it accepts (``cilia_common.policy.judge`` says what the agent enforces
+instead when a manifest reaches it anyway, in Kubernetes mode).
+
 Only the subset Cilia enforces is modelled; every other field is rejected with its
 path (``spec.ingress[0].toPorts[0].ports[0].endPort: not supported by Cilia``) so a
 manifest never silently means less than it says. This module depends on pydantic and
-the standard library only (the operator can validate with the same models).
+the standard library only.
 
 Entry point: ``parse_policy(manifest) -> CiliumNetworkPolicy |
 CiliumClusterwideNetworkPolicy | NetworkPolicy``, raising
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Self
@@ -33,8 +38,6 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails, PydanticCustomError
-
-from cilia_agent.identity.cidr import parse_ipv4_prefix
 
 CNP_API_VERSION = "cilium.io/v2"
 CNP_KIND = "CiliumNetworkPolicy"
@@ -160,6 +163,11 @@ class LabelSelector(_Model):
 # ----------------------------------------------------------------------------- ports
 
 
+_PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+"""A named port (Kubernetes IANA_SVC_NAME): 1-15 lower-case letters, digits and '-', at
+least one letter, no '-' at either end."""
+
+
 def _port_number(value: Any) -> Any:
     """``"8080"``/``8080`` → 8080; ``None``/``""`` → 0 (any); names are refused."""
     if value is None or value == "":
@@ -173,15 +181,52 @@ def _port_number(value: Any) -> Any:
     return value
 
 
+def _port_or_name(value: Any) -> Any:
+    """Like ``_port_number``, but a Kubernetes port name (``"http"``) stays a string."""
+    if isinstance(value, str) and value and not value.isdigit():
+        if len(value) > 15 or not _PORT_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is neither a port number nor a port name (1-15 lower-case "
+                "letters, digits and '-', with a letter)"
+            )
+        return value
+    number = _port_number(value)
+    if isinstance(number, int) and not 0 <= number <= 65535:
+        raise ValueError("port must be 0..65535")
+    return number
+
+
 Port = Annotated[int, BeforeValidator(_port_number), Field(ge=0, le=65535)]
+PortOrName = Annotated[int | str, BeforeValidator(_port_or_name)]
+"""A port number (0 = any) or a named port, resolved on each selected pod from its
+container ports (upstream; ingress only here: an egress named port needs every peer pod's
+ports)."""
 
 
 class PortProtocol(_Model):
-    """``{port: "8080"|8080 (0/absent = any), protocol: TCP|UDP|ANY (default ANY)}``."""
+    """``{port: "8080"|8080 (0/absent = any), endPort (range end, inclusive), protocol:
+    TCP|UDP|SCTP|ANY (default ANY)}``. ``endPort`` needs a port and is ≥ it (upstream
+    ``api.PortProtocol``)."""
 
-    _unsupported = ("endPort",)
-    port: Port = 0
-    protocol: Literal["TCP", "UDP", "ANY"] = "ANY"
+    port: PortOrName = 0
+    end_port: int | None = Field(default=None, ge=0, le=65535)
+    protocol: Literal["TCP", "UDP", "SCTP", "ANY"] = "ANY"
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        _check_range(self.port, self.end_port)
+        return self
+
+
+def _check_range(port: int | str, end_port: int | None) -> None:
+    if end_port is None or end_port == 0:
+        return
+    if isinstance(port, str):
+        raise ValueError("endPort needs a numeric port, not the named port " + repr(port))
+    if port == 0:
+        raise ValueError("endPort needs a port (the start of the range)")
+    if end_port < port:
+        raise ValueError(f"endPort {end_port} is below port {port}")
 
 
 class PortRule(_Model):
@@ -191,15 +236,65 @@ class PortRule(_Model):
     ports: list[PortProtocol] | None = None
 
 
+ICMP_TYPE_NAMES: Mapping[str, int] = {
+    "EchoReply": 0,
+    "DestinationUnreachable": 3,
+    "Redirect": 5,
+    "Echo": 8,
+    "EchoRequest": 8,
+    "RouterAdvertisement": 9,
+    "RouterSelection": 10,
+    "TimeExceeded": 11,
+    "ParameterProblem": 12,
+    "Timestamp": 13,
+    "TimestampReply": 14,
+    "Photuris": 40,
+    "ExtendedEchoRequest": 42,
+    "ExtendedEchoReply": 43,
+}
+"""Upstream's IPv4 ICMP type names (``api.ICMPField.Type`` accepts a number or a name)."""
+
+
+def _icmp_type(value: Any) -> Any:
+    if isinstance(value, str) and not value.isdigit():
+        if value not in ICMP_TYPE_NAMES:
+            raise ValueError(f"unknown ICMP type name {value!r} (known: {sorted(ICMP_TYPE_NAMES)})")
+        return ICMP_TYPE_NAMES[value]
+    if isinstance(value, bool):
+        raise ValueError("ICMP type must be a number 0..255 or a type name")
+    return int(value) if isinstance(value, str) else value
+
+
+class ICMPField(_Model):
+    """``icmps[].fields[]`` item: ``{family: IPv4 (IPv6 is not supported: the datapath is
+    IPv4-only), type: 0..255 or an upstream type name}``."""
+
+    family: Literal["IPv4"] = "IPv4"
+    type: Annotated[int, BeforeValidator(_icmp_type), Field(ge=0, le=255)]
+
+
+class ICMPRule(_Model):
+    """``icmps[]`` item: ``{fields: [...]}``."""
+
+    fields: list[ICMPField] = Field(min_length=1)
+
+
 # ----------------------------------------------------------------------------- CIDRs
 
 
 def _ipv4_cidr(value: Any) -> Any:
     """``"10.1.2.3/8"`` → ``"10.0.0.0/8"`` (host bits cleared, as upstream masks the
-    prefix); a bare address is a ``/32``. IPv6 and anything else are refused."""
+    prefix); a bare address is a ``/32``. IPv6 and anything else are refused (a
+    ``ValueError``: pydantic reports it with the field's path)."""
     if not isinstance(value, str):
         raise ValueError("CIDR must be a string such as 10.0.0.0/8")
-    return str(parse_ipv4_prefix(value))  # CIDRError is a ValueError: pydantic reports it
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid CIDR (expected a.b.c.d/n)") from None
+    if net.version != 4:
+        raise ValueError(f"IPv6 CIDR {value!r} not supported by Cilia: the datapath is IPv4-only")
+    return str(net)
 
 
 CIDR = Annotated[str, BeforeValidator(_ipv4_cidr)]
@@ -264,7 +359,6 @@ class IngressRule(_Model):
         "fromNodes",
         "fromRequires",
         "fromGroups",
-        "icmps",
         "authentication",
     )
     from_endpoints: list[LabelSelector] | None = None
@@ -272,6 +366,12 @@ class IngressRule(_Model):
     from_cidr: list[CIDR] | None = Field(default=None, alias="fromCIDR")
     from_cidr_set: list[CIDRRule] | None = Field(default=None, alias="fromCIDRSet")
     to_ports: list[PortRule] | None = None
+    icmps: list[ICMPRule] | None = None
+
+    @model_validator(mode="after")
+    def _ports_or_icmps(self) -> Self:
+        _one_l4(self.to_ports, self.icmps)
+        return self
 
 
 class EgressRule(_Model):
@@ -284,7 +384,6 @@ class EgressRule(_Model):
         "toNodes",
         "toRequires",
         "toGroups",
-        "icmps",
         "authentication",
     )
     to_endpoints: list[LabelSelector] | None = None
@@ -292,6 +391,31 @@ class EgressRule(_Model):
     to_cidr: list[CIDR] | None = Field(default=None, alias="toCIDR")
     to_cidr_set: list[CIDRRule] | None = Field(default=None, alias="toCIDRSet")
     to_ports: list[PortRule] | None = None
+    icmps: list[ICMPRule] | None = None
+
+    @model_validator(mode="after")
+    def _ports_or_icmps(self) -> Self:
+        _one_l4(self.to_ports, self.icmps)
+        _no_named_ports([p for r in self.to_ports or () for p in r.ports or ()])
+        return self
+
+
+def _one_l4(to_ports: Sequence[PortRule] | None, icmps: Sequence[ICMPRule] | None) -> None:
+    """Upstream refuses a rule with both ``toPorts`` and ``icmps``."""
+    if to_ports and icmps:
+        raise ValueError("toPorts and icmps cannot be used in the same rule")
+
+
+_EGRESS_NAMED = (
+    "named port {name!r} in an egress rule not supported by Cilia (it would need the "
+    "container ports of every peer pod; use a number)"
+)
+
+
+def _no_named_ports(ports: Sequence[PortProtocol | NetworkPolicyPort]) -> None:
+    for p in ports:
+        if isinstance(p.port, str):
+            raise ValueError(_EGRESS_NAMED.format(name=p.port))
 
 
 class DefaultDeny(_Model):
@@ -377,11 +501,17 @@ class CiliumClusterwideNetworkPolicy(_CiliumPolicy):
 
 
 class NetworkPolicyPort(_Model):
-    """``ports[]``: ``{protocol: TCP|UDP (default TCP), port (absent = all)}``."""
+    """``ports[]``: ``{protocol: TCP|UDP|SCTP (default TCP), port (absent = all), endPort
+    (range end, inclusive; needs a numeric port ≤ it)}``."""
 
-    _unsupported = ("endPort",)
-    protocol: Literal["TCP", "UDP"] = "TCP"
-    port: Port = 0
+    protocol: Literal["TCP", "UDP", "SCTP"] = "TCP"
+    port: PortOrName = 0
+    end_port: int | None = Field(default=None, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        _check_range(self.port, self.end_port)
+        return self
 
 
 class NetworkPolicyPeer(_Model):
@@ -410,10 +540,15 @@ class NetworkPolicyIngressRule(_Model):
 
 
 class NetworkPolicyEgressRule(_Model):
-    """``egress[]``: absent/empty ``to`` = every destination."""
+    """``egress[]``: absent/empty ``to`` = every destination; named ports are refused."""
 
     to: list[NetworkPolicyPeer] | None = None
     ports: list[NetworkPolicyPort] | None = None
+
+    @model_validator(mode="after")
+    def _numbers_only(self) -> Self:
+        _no_named_ports(self.ports or [])
+        return self
 
 
 class NetworkPolicySpec(_Model):
