@@ -90,7 +90,10 @@ def duration_arg(*, bare_seconds: bool = True, positive: bool = False) -> Callab
         try:
             seconds = parse_duration(text, bare_seconds=bare_seconds)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            why = str(exc)
+            if positive and text.strip().startswith("-"):
+                why = f"{text!r} is negative: it must be a duration > 0"
+            raise argparse.ArgumentTypeError(why) from None
         if positive and seconds <= 0:
             raise argparse.ArgumentTypeError(f"{text!r} must be a duration > 0")
         return seconds

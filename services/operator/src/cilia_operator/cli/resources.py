@@ -58,6 +58,16 @@ def apply(
             timeout=timeout,
         )
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.ABORTED and "before it began writing" in (
+            exc.details() or ""
+        ):
+            # the operator fenced it at its deadline (a moment before the client's): a
+            # definite "nothing written", said as the read-back below says it
+            raise CommandError(
+                f"apply did not answer within --timeout {timeout:g}s and nothing was written "
+                f"({exc.details()}); the operator writes all documents of a manifest or none; "
+                "retry (e.g. with a longer --timeout)"
+            ) from None
         if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or dry_run:
             raise rpc_error(exc, server) from None
         _after_deadline(stub, text, request_id, timeout, out)
