@@ -263,7 +263,7 @@ class Operator:
                     self.config.ipam_default_ip_pool,
                     conflict_retries,
                     pods_from_api=config.store == "kubernetes",
-                    record_alias_use=config.store != "kubernetes",
+                    record_alias_use=True,
                     nodes_from_api=config.store == "kubernetes",
                 ),
                 SERVICE_NAMES[0],
