@@ -54,7 +54,7 @@ from cilia_testkit.kind.servicerange import (
     stop_surge,
 )
 
-pytestmark = [pytest.mark.privileged, pytest.mark.long]
+pytestmark = [pytest.mark.privileged, pytest.mark.long, pytest.mark.timeout(1800)]
 
 OLD = "10.96.0.0/16"
 NEW = "10.100.0.0/16"

@@ -74,6 +74,8 @@ class K8sMigration:
             Service's own EndpointSlices to list the endpoints the copies list.
         lease_duration: ``--lease-duration``: seconds a run's Lease stays valid unrenewed.
         wait_timeout: ``--wait-timeout``: seconds this run waits for aliases to be released.
+        apiserver_timeout: seconds kube-apiserver may take to re-create ``default/kubernetes``
+            (it reconciles it every 10 s).
         poll: seconds between two looks while waiting.
         sleep: the sleep coroutine (tests).
     """
@@ -87,9 +89,11 @@ class K8sMigration:
         endpoints_timeout: float = 30.0,
         lease_duration: float = 15.0,
         wait_timeout: float = 600.0,
+        apiserver_timeout: float = 60.0,
         poll: float = 1.0,
         sleep: Callable[[float], Any] = asyncio.sleep,
     ) -> None:
+        self.apiserver_timeout = apiserver_timeout
         self.store, self.out = store, out
         self.settle, self.endpoints_timeout = settle, endpoints_timeout
         self.lease_duration, self.wait_timeout, self.poll = lease_duration, wait_timeout, poll
@@ -308,10 +312,11 @@ class K8sMigration:
             if done and done.get("state") == "moved":
                 continue
             await self._move(move)
-        if api is not None:
+        half = ((self.record.get("status") or {}).get("services") or {}).get("default/kubernetes")
+        if api is not None or (half and half.get("state") == "recreating"):
             if not apiserver_updated:
                 await self._save(phase="AwaitingAPIServer")
-                old = model.service_ips(api)
+                old = model.service_ips(api) if api is not None else [Addr(str(half["old"]))]
                 self.say(f"every Service but default/kubernetes moved. Next: set "
                          f"--service-cluster-ip-range={target} on every kube-apiserver (and "
                          "kube-controller-manager), with the new address "
@@ -436,28 +441,35 @@ class K8sMigration:
         await self.sleep(self.settle)  # the agents have the new slices
         await self._drop_copies(key, copies)
 
-    async def _move_api(self, target: Net, api: Resource) -> None:
+    async def _move_api(self, target: Net, api: Resource | None) -> None:
         """Re-create ``default/kubernetes`` through the API server (module docstring)."""
         name = "default/kubernetes"
         key = recreate.KUBERNETES_SERVICE
-        old = model.service_ips(api)[0]
-        await self._entry(name, old=str(old), new=str(target[1]), state="recreating",
-                          released=False)  # fmt: skip
         started = time.monotonic()
-        copies = await self._copies(key, old)
-        await self.sleep(self.settle)
-        with contextlib.suppress(NotFound):
-            await self.store.delete(model.SERVICE_KIND, "kubernetes", "default",
-                                    api["metadata"]["resourceVersion"])  # fmt: skip
-        deadline = time.monotonic() + 60
+        if api is not None:
+            old = model.service_ips(api)[0]
+            await self._entry(name, old=str(old), new=str(target[1]), state="recreating",
+                              released=False)  # fmt: skip
+            copies = await self._copies(key, old)
+            await self.sleep(self.settle)
+            with contextlib.suppress(NotFound):
+                await self.store.delete(model.SERVICE_KIND, "kubernetes", "default",
+                                        api["metadata"]["resourceVersion"])  # fmt: skip
+        else:  # deleted by an earlier run, not re-created then
+            old = Addr(((self.record.get("status") or {}).get("services") or {})[name]["old"])
+            copies = [s for s in await self._slices_of(key) if model.migration_slice(s)]
+        deadline = time.monotonic() + self.apiserver_timeout
         while True:
             current = await self._get(model.SERVICE_KIND, "kubernetes", "default")
             if current is not None and model.service_ips(current):
                 break
             if time.monotonic() > deadline:
-                raise CommandError("kube-apiserver did not re-create default/kubernetes in 60 s; "
-                                   f"{old} is still served from the copies: check the API "
-                                   "servers, then run this command again")  # fmt: skip
+                raise CommandError(f"kube-apiserver did not re-create default/kubernetes in "
+                                   f"{self.apiserver_timeout:g} s (an API server still on the "
+                                   "old --service-cluster-ip-range cannot: that ServiceCIDR is "
+                                   f"terminating); Cilia keeps serving {old} from the "
+                                   "EndpointSlice copies: update every API server, then run "
+                                   "this command again with --apiserver-updated")  # fmt: skip
             await self.sleep(self.poll / 4)
         new = model.service_ips(current)[0]
         if new not in target:
@@ -593,6 +605,7 @@ def servicecidr_migrate_k8s(
     lease_duration: float = 15.0,
     wait_timeout: float = 600.0,
     request_timeout: float = 10.0,
+    apiserver_timeout: float = 60.0,
 ) -> None:
     """``servicecidr migrate --kubernetes`` (module docstring).
 
@@ -626,7 +639,8 @@ def servicecidr_migrate_k8s(
                                 request_timeout=request_timeout)  # fmt: skip
         try:
             await K8sMigration(store, out, settle=settle, endpoints_timeout=endpoints_timeout,
-                               lease_duration=lease_duration, wait_timeout=wait_timeout).run(
+                               lease_duration=lease_duration, wait_timeout=wait_timeout,
+                               apiserver_timeout=apiserver_timeout).run(
                 target, dry_run=dry_run, grace=seconds, grace_text=grace or "",
                 apiserver_updated=apiserver_updated, node_networks=nets)  # fmt: skip
         except StoreError as exc:
