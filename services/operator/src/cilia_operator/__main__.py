@@ -173,8 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the ServiceCIDRs and their state",
     )  # fmt: skip
     svc_status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
-    svc_status.add_argument("--kubernetes", action="store_true",
-                            help="read the Kubernetes API (a --store kubernetes cluster)")
+    svc_status.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="read the Kubernetes API (a --store kubernetes cluster)",
+    )
     svc_status.add_argument("--k8s-kubeconfig-path", default="",
                             help="with --kubernetes: kubeconfig (default: in-cluster, else "
                             "$KUBECONFIG / ~/.kube/config)")  # fmt: skip

@@ -238,7 +238,9 @@ def test_a_service_of_20000_ports_joins_each_port_to_its_slice_port() -> None:
     assert message.ports[-1].backends[0].port == 10_000 + (n - 1)
 
 
-def test_a_service_recreated_by_a_migration_is_never_deleted_and_keeps_its_old_ip_as_alias() -> None:
+def test_a_service_recreated_by_a_migration_is_never_deleted_and_keeps_its_old_ip_as_alias() -> (
+    None
+):
     """Kubernetes-mode migration: with a migration copy of its slice present, the Service's
     DELETE is held (no event: the agents keep the old ClusterIP and backends), the
     re-created Service carries the old ClusterIP as alias, and once the copy goes the alias

@@ -232,8 +232,12 @@ class ServiceJoin:
             self.held.pop(key, None)
         touched = {key}
         # a held Service whose last migration copy went is gone for good
-        for gone in [k for k in self.held if k not in self.services and not any(
-                model.migration_slice(self.slices[s]) for s in self.by_owner.get(k, ()))]:
+        for gone in [
+            k
+            for k in self.held
+            if k not in self.services
+            and not any(model.migration_slice(self.slices[s]) for s in self.by_owner.get(k, ()))
+        ]:
             del self.held[gone]
             touched.add(gone)
         return self._resend(touched)
