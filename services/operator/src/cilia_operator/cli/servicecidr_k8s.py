@@ -343,8 +343,8 @@ class K8sMigration:
             self.say(f"created ServiceCIDR {cidr_name} {target}")
         for name in (self.record.get("status") or {}).get("sources") or []:
             cidr = await self._get(model.CIDR_KIND, name)
-            if cidr is None:
-                continue
+            if cidr is None or all(n.subnet_of(target) for n in model.cidr_networks(cidr)):
+                continue  # gone, or kube-apiserver's default again, from the new range
             finalizers = list((cidr.get("metadata") or {}).get("finalizers") or [])
             if recreate.ALIAS_FINALIZER not in finalizers and \
                     not (cidr.get("metadata") or {}).get("deletionTimestamp"):  # fmt: skip
@@ -570,9 +570,18 @@ class K8sMigration:
                     break
                 except Conflict:
                     continue
+        target = Net(str((self.record.get("spec") or {}).get("to")))
+
+        async def still_there(name: str) -> bool:
+            # kube-apiserver re-creates its default ServiceCIDR ("kubernetes") from its new
+            # --service-cluster-ip-range once the old one is gone: that one is not the old
+            cidr = await self._get(model.CIDR_KIND, name)
+            return cidr is not None and not all(
+                n.subnet_of(target) for n in model.cidr_networks(cidr))  # fmt: skip
+
         deadline = time.monotonic() + max(60.0, self.endpoints_timeout)
         while True:
-            left = [n for n in names if await self._get(model.CIDR_KIND, n) is not None]
+            left = [n for n in names if await still_there(n)]
             if not left:
                 return
             if time.monotonic() > deadline:
