@@ -277,7 +277,7 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
     for bad, why in [("10.244.0.0/16", "overlaps node"), (node_net, "holds node"),
                      ("10.96.128.0/17", "overlaps ServiceCIDR kubernetes")]:  # fmt: skip
         got = cli(cluster, "migrate", "--to", bad)
-        assert got.returncode == 1, bad
+        assert got.returncode == 2, bad
         assert got.stderr.count("\n") == 1 and why in got.stderr, got.stderr
     assert snapshot(cluster) == before
 
@@ -299,9 +299,9 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     second = cli(cluster, "migrate", "--to", NEW)
-    assert second.returncode == 1 and "is running this migration" in second.stderr
+    assert second.returncode == 2 and "is running this migration" in second.stderr
     other = cli(cluster, "migrate", "--to", "10.101.0.0/16")
-    assert other.returncode == 1 and f"a migration to {NEW} is Moving" in other.stderr
+    assert other.returncode == 2 and f"a migration to {NEW} is Moving" in other.stderr
     time.sleep(10)
     resumed = cli(cluster, "migrate", "--to", NEW, "--alias-grace-period", GRACE)
     assert resumed.returncode == 0, resumed.stderr
