@@ -11,8 +11,10 @@ exits, started again when the container starts).
   ``kubernetes`` Service's endpoints are that address: what ``k8sServiceHost/Port`` point
   at), ``--service-cluster-ip-range`` (the ServiceCIDR API is on by default in this
   version), ``--authorization-mode=Node,RBAC``, admission ``NodeRestriction``,
-  ``--allow-privileged``, ``--shutdown-delay-duration`` :data:`SHUTDOWN_DELAY`; its kubelet
-  client is the admin certificate.
+  ``--allow-privileged``, ``--shutdown-delay-duration`` :data:`SHUTDOWN_DELAY`,
+  ``--permit-port-sharing`` (SO_REUSEPORT: a second API server may listen on another address
+  of the node at the same port while this one listens on all of them); its kubelet client is
+  the admin certificate.
 - **kube-controller-manager** with ``--allocate-node-cidrs --cluster-cidr=<pod CIDR>
   --node-cidr-mask-size=<mask>`` (each Node's ``spec.podCIDR``), every default controller
   (garbage collector, node lifecycle, service accounts, endpoint slices, ...),
@@ -86,7 +88,7 @@ def write_control_plane(
         "--allow-privileged=true", "--profiling=false",
         f"--kubelet-client-certificate={p}/admin.crt", f"--kubelet-client-key={p}/admin.key",
         "--kubelet-preferred-address-types=InternalIP",
-        f"--shutdown-delay-duration={SHUTDOWN_DELAY}", "--v=1",
+        f"--shutdown-delay-duration={SHUTDOWN_DELAY}", "--permit-port-sharing=true", "--v=1",
     ])  # fmt: skip
     controller_manager = " ".join([
         f"exec {b}/kube-controller-manager", f"--kubeconfig={admin}",
