@@ -35,8 +35,8 @@ from cilia_testkit.kind.node import KUBE_BIN_MOUNT, LOG_MOUNT, node_dirs
 
 #: Seconds each API server may take to become ready / to leave the endpoints.
 API_SWAP_SECONDS = 90.0
-#: The surge API server's address: this host number in the nodes' /24.
-SURGE_HOST = 250
+#: The surge API server's address: this host number in the nodes' /24 (the outside host is .250).
+SURGE_HOST = 249
 SURGE_PID_FILE = "/run/cilia-surge-apiserver.pid"
 _RANGE_FLAG = re.compile(r"--service-cluster-ip-range=\S+")
 
