@@ -312,8 +312,9 @@ class K8sMigration:
             if done and done.get("state") == "moved":
                 continue
             await self._move(move)
-        half = ((self.record.get("status") or {}).get("services") or {}).get("default/kubernetes")
-        if api is not None or (half and half.get("state") == "recreating"):
+        half: dict[str, Any] = ((self.record.get("status") or {}).get("services") or {}).get(
+            "default/kubernetes") or {}  # fmt: skip
+        if api is not None or half.get("state") == "recreating":
             if not apiserver_updated:
                 await self._save(phase="AwaitingAPIServer")
                 old = model.service_ips(api) if api is not None else [Addr(str(half["old"]))]
