@@ -157,7 +157,7 @@ class Client:
             "http": f"c=$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 2 http://{web_ip}/); "
                     '[ "$c" = 200 ]',
             "dns": f"a=$(dig +short +time=2 +tries=1 @{self.dns} web.{NS}.svc.cluster.local A); "
-                   '[ -n "$a" ] && c=$a',
+                   '[ -n "$a" ] && c=$(echo "$a" | head -1)',
             "api": f"c=$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 --cacert {sa}/ca.crt "
                    f"-H \"Authorization: Bearer $(cat {sa}/token)\" https://{self.api}/api); "
                    '[ "$c" = 200 ]',
@@ -166,7 +166,7 @@ class Client:
         self.out: dict[str, list[str]] = {}
         for kind, check in checks.items():
             script = (f"while [ ! -e {STOP_FILE} ]; do s=$(date +%s%N); c=; if {check}; then r=ok;"
-                      f" else r=fail; fi; echo \"$r $(( ($(date +%s%N)-s)/1000000 )) $c\"; "
+                      f" else r=fail; fi; echo \"$r $(( ($(date +%s%N)-s)/1000000 )) $c $((s/1000000))\"; "
                       "sleep 0.2; done")  # fmt: skip
             proc = subprocess.Popen(
                 ["docker", "exec", self.node.container_id or self.node.name, "nsenter", "-t",
@@ -218,6 +218,24 @@ def stop_clients(cluster: KindCluster, made: list[Client]) -> None:
         c.end()
 
 
+#: (wall-clock seconds, step) as the story goes: a failed request is reported with its step
+MARKS: list[tuple[float, str]] = []
+
+
+def mark(step: str) -> None:
+    MARKS.append((time.time(), step))
+    print(f"-- {time.strftime('%H:%M:%S')} {step}")
+
+
+def step_of(line: str) -> str:
+    """The step during which the request of ``line`` (``r ms code epoch_ms``) started."""
+    try:
+        when = int(line.split()[-1]) / 1000
+    except (ValueError, IndexError):
+        return "?"
+    return next((step for t, step in reversed(MARKS) if t <= when), "before")
+
+
 def report(made: list[Client], record_property: Any) -> dict[str, tuple[int, int]]:
     totals: dict[str, tuple[int, int]] = {}
     for kind in ("http", "dns", "api"):
@@ -226,7 +244,10 @@ def report(made: list[Client], record_property: Any) -> dict[str, tuple[int, int
             n, f, lines = c.counts(kind)
             total, failed = total + n, failed + f
             if f:
-                print(f"  {c.name} {kind}: {f} of {n} failed, e.g. {lines[:3]}")
+                print(
+                    f"  {c.name} {kind}: {f} of {n} failed: "
+                    + ", ".join(f"{ln.split()[1]} ms during '{step_of(ln)}'" for ln in lines)
+                )
         totals[kind] = (total, failed)
         record_property(f"seed_{kind}_requests", total)
         record_property(f"seed_{kind}_failed", failed)
@@ -270,6 +291,7 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
     before = snapshot(cluster)
 
     # the plan, and bad input: one line each, nothing changed
+    mark("dry run and refusals")
     plan = cli(cluster, "migrate", "--to", NEW, "--dry-run")
     assert plan.returncode == 0 and "dry run: nothing was changed" in plan.stdout
     assert re.search(r"kube-system/kube-dns +10\.96\.0\.10 -> 10\.100\.0\.10\n", plan.stdout)
@@ -282,6 +304,7 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
     assert snapshot(cluster) == before
 
     # started, killed after its first move
+    mark("first run")
     proc = subprocess.Popen([*CLI, "servicecidr", "migrate", "--kubernetes", "--to", NEW,
                              "--alias-grace-period", GRACE, "--lease-duration", "10",
                              "--k8s-kubeconfig-path", str(cluster.kubeconfig)],
@@ -298,11 +321,13 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    mark("first run killed; second run and another range refused")
     second = cli(cluster, "migrate", "--to", NEW)
     assert second.returncode == 2 and "is running this migration" in second.stderr
     other = cli(cluster, "migrate", "--to", "10.101.0.0/16")
     assert other.returncode == 2 and f"a migration to {NEW} is Moving" in other.stderr
     time.sleep(10)
+    mark("resumed run (moves)")
     resumed = cli(cluster, "migrate", "--to", NEW, "--alias-grace-period", GRACE)
     assert resumed.returncode == 0, resumed.stderr
     assert "taking over" in resumed.stdout and "--apiserver-updated" in resumed.stdout
@@ -311,13 +336,16 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
     assert in_range(cluster.get("service", "-n", NS, "web")["spec"]["clusterIP"], NEW)
 
     # the control plane and the kubelets (what no API can do: the runbook's steps)
+    mark("API servers restarted with the new range")
     try:
         swap = set_service_cluster_ip_range(cluster, NEW)
     finally:
         stop_surge(cluster)
     print(f"API servers restarted with --service-cluster-ip-range={NEW}: {swap}")
+    mark("kubelets' clusterDNS")
     for n in cluster.nodes:
         set_cluster_dns(cluster, n.name, dns_ip)
+    mark("default/kubernetes moved")
 
     # default/kubernetes, then the clients stop and the aliases may go
     proc = subprocess.Popen([*CLI, "servicecidr", "migrate", "--kubernetes", "--to", NEW,
@@ -334,6 +362,7 @@ def test_service_range_changes_under_http_dns_and_api_clients_with_no_failure(
             if line.startswith("moved default/kubernetes"):
                 break
         assert any(ln.startswith("moved default/kubernetes") for ln in lines), lines
+        mark("after the moves")
         time.sleep(5)
         stop_clients(cluster, clients)
         totals = report(clients, record_property)

@@ -5,8 +5,10 @@ scripted for this cluster):
 - :func:`set_service_cluster_ip_range`: every kube-apiserver (and kube-controller-manager)
   runs with the new ``--service-cluster-ip-range``, the API server certificate holds the
   new ``kubernetes`` Service address. The one API server is restarted behind a temporary
-  second one (the "surge", same node, a second address on its interface) so the API stays
-  served, as in a cluster of several API servers restarted one at a time: the surge joins
+  second one (the "surge", same node, a second address on its interface, listening on every
+  address at the same port through SO_REUSEPORT: ``--permit-port-sharing``) so the API stays
+  served, at the ``kubernetes`` Service and at the node address the agents, the operator and
+  the kubelets use, as in a cluster of several API servers restarted one at a time: the surge joins
   the ``kubernetes`` Service's endpoints; the first is stopped with SIGTERM (its
   ``--shutdown-delay-duration`` takes it out of the endpoints while it still serves),
   restarted with the new flags by its supervisor and back in the endpoints; then the surge
@@ -136,7 +138,6 @@ def set_service_cluster_ip_range(cluster: KindCluster, cidr: str) -> dict[str, f
     main_line = next(ln for ln in (scripts / "02-kube-apiserver").read_text().splitlines()
                      if ln.startswith("exec "))  # fmt: skip
     surge_line = (main_line.replace(f"--advertise-address={cp.ip}", f"--advertise-address={surge_ip}")
-                  .replace("--bind-address=0.0.0.0", f"--bind-address={surge_ip}")
                   .replace("--cert-dir=/var/lib/kube-apiserver", "--cert-dir=/var/lib/kube-apiserver-surge"))  # fmt: skip
     times: dict[str, float] = {}
     cluster.exec(cp.name, "ip", "addr", "replace", f"{surge_ip}/{net.prefixlen}", "dev", "eth0")
