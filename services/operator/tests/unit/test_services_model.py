@@ -270,3 +270,29 @@ def test_a_service_recreated_by_a_migration_is_never_deleted_and_keeps_its_old_i
     assert join.apply(Changed("Service", WatchEvent("DELETED", new, "10"))) == [
         (("default", "web"), None)
     ]
+
+
+def test_a_migrating_service_is_held_even_when_the_slice_watch_lags() -> None:
+    """The DELETE carries service.cilia.io/migrating-to: held before any copy was seen; the
+    re-created Service (its alias in its own annotation) ends the hold."""
+    join = ServiceJoin()
+    port = [{"name": "", "port": 8080, "protocol": "TCP"}]
+    old = svc(clusterIP="10.96.0.10")
+    join.apply(Listed("Service", [old], False))
+    join.apply(Listed("EndpointSlice", [endpoint_slice("web-1", "web", port,
+                                                       [{"addresses": ["10.0.0.1"]}])], True))  # fmt: skip
+    marked = svc(clusterIP="10.96.0.10")
+    marked["metadata"]["annotations"] = {model.MIGRATING_TO_ANNOTATION: "10.100.0.10"}
+    assert join.apply(Changed("Service", WatchEvent("MODIFIED", marked, "5"))) == []
+    assert join.apply(Changed("Service", WatchEvent("DELETED", marked, "6"))) == []
+    # a relist meanwhile keeps it too
+    assert join.apply(Listed("Service", [], True)) == []
+    new = model.with_aliases(
+        svc(clusterIP="10.100.0.10"), {ipaddress.IPv4Address("10.96.0.10"): ""}
+    )
+    [(_, message)] = join.apply(Changed("Service", WatchEvent("ADDED", new, "7")))
+    assert message is not None
+    assert list(message.cluster_ips) == ["10.100.0.10"] and list(message.alias_ips) == [
+        "10.96.0.10"
+    ]
+    assert [b.ip for b in message.ports[0].backends] == ["10.0.0.1"]

@@ -408,6 +408,7 @@ class K8sMigration:
                 current, new, {old: model.rfc3339(_now())}))  # fmt: skip
             await self.sleep(self.settle)  # the operator sees the copies first
             try:
+                current = await self.store.update(_marked(current, new))
                 await self.store.delete(model.SERVICE_KIND, svc_name, ns,
                                         current["metadata"]["resourceVersion"])  # fmt: skip
             except Conflict:
@@ -453,7 +454,8 @@ class K8sMigration:
                               released=False)  # fmt: skip
             copies = await self._copies(key, old)
             await self.sleep(self.settle)
-            with contextlib.suppress(NotFound):
+            with contextlib.suppress(NotFound, Conflict):
+                api = await self.store.update(_marked(api, target[1]))
                 await self.store.delete(model.SERVICE_KIND, "kubernetes", "default",
                                         api["metadata"]["resourceVersion"])  # fmt: skip
         else:  # deleted by an earlier run, not re-created then
@@ -592,6 +594,17 @@ class K8sMigration:
                                    f"Services outside the new range: "
                                    f"{_outside(services, self.record)}")  # fmt: skip
             await self.sleep(self.poll)
+
+
+def _marked(service: Resource, new: Addr) -> Resource:
+    """``service`` annotated :data:`model.MIGRATING_TO_ANNOTATION` ``new`` (the operator holds
+    its deletion on that, see :mod:`cilia_operator.controlplane.service`)."""
+    out = dict(service)
+    meta = dict(out.get("metadata") or {})
+    meta["annotations"] = {**(meta.get("annotations") or {}),
+                           model.MIGRATING_TO_ANNOTATION: str(new)}  # fmt: skip
+    out["metadata"] = meta
+    return out
 
 
 def _outside(services: list[Resource], record: Mapping[str, Any]) -> str:

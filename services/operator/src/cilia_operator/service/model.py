@@ -76,6 +76,17 @@ MIGRATING_FROM_ANNOTATION = "service.cilia.io/migrating-from"
 had before it was re-created (IPv4 text)."""
 
 
+MIGRATING_TO_ANNOTATION = "service.cilia.io/migrating-to"
+"""Annotation a Kubernetes-mode migration writes on a Service just before deleting it (its
+new ClusterIP): the DELETE event then carries it, on the same watch as the Service's
+re-creation, so the operator holds the deletion even when its EndpointSlice watch lags."""
+
+
+def migrating_service(obj: Mapping[str, Any]) -> bool:
+    """Whether Service ``obj`` carries :data:`MIGRATING_TO_ANNOTATION`."""
+    return bool((_meta(obj).get("annotations") or {}).get(MIGRATING_TO_ANNOTATION))
+
+
 def migration_slice(obj: Mapping[str, Any]) -> bool:
     """Whether EndpointSlice ``obj`` is a migration copy (:data:`MIGRATION_MANAGED_BY`)."""
     return labels_of(obj).get(MANAGED_BY_LABEL) == MIGRATION_MANAGED_BY

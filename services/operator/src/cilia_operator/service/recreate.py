@@ -211,6 +211,7 @@ def recreated(service: Resource, new: Addr, aliases: Mapping[Addr, str]) -> Reso
     for key in _META_DROP:
         meta.pop(key, None)
     (meta.get("annotations") or {}).pop(_LAST_APPLIED, None)
+    (meta.get("annotations") or {}).pop(model.MIGRATING_TO_ANNOTATION, None)
     out.pop("status", None)
     out["apiVersion"], out["kind"] = "v1", "Service"
     spec = out.setdefault("spec", {})
