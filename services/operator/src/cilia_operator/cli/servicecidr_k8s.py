@@ -454,10 +454,19 @@ class K8sMigration:
                               released=False)  # fmt: skip
             copies = await self._copies(key, old)
             await self.sleep(self.settle)
-            with contextlib.suppress(NotFound, Conflict):
-                api = await self.store.update(_marked(api, target[1]))
-                await self.store.delete(model.SERVICE_KIND, "kubernetes", "default",
-                                        api["metadata"]["resourceVersion"])  # fmt: skip
+            current: Resource | None = api
+            for _ in range(10):  # kube-apiserver may rewrite it in between: read it again
+                if current is None:
+                    break
+                try:
+                    current = await self.store.update(_marked(current, target[1]))
+                    await self.store.delete(model.SERVICE_KIND, "kubernetes", "default",
+                                            current["metadata"]["resourceVersion"])  # fmt: skip
+                    break
+                except NotFound:
+                    break
+                except Conflict:
+                    current = await self._get(model.SERVICE_KIND, "kubernetes", "default")
         else:  # deleted by an earlier run, not re-created then
             old = Addr(((self.record.get("status") or {}).get("services") or {})[name]["old"])
             copies = [s for s in await self._slices_of(key) if model.migration_slice(s)]
