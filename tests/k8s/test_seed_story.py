@@ -246,7 +246,7 @@ def report(made: list[Client], record_property: Any) -> dict[str, tuple[int, int
             if f:
                 print(
                     f"  {c.name} {kind}: {f} of {n} failed: "
-                    + ", ".join(f"{ln.split()[1]} ms during '{step_of(ln)}'" for ln in lines)
+                    + ", ".join(f"'{ln}' during '{step_of(ln)}'" for ln in lines)
                 )
         totals[kind] = (total, failed)
         record_property(f"seed_{kind}_requests", total)
