@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV  := .venv
 TOX   := $(VENV)/bin/tox
 
-.PHONY: setup test-setup bpf cni-shim test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e conformance demo bench images lint types clean
+.PHONY: setup test-setup bpf cni-shim test up down cluster-up cluster-down k8s-up k8s-down k8s-status k8s-install k8s-uninstall k8s-e2e seed-story conformance demo bench images lint types clean
 
 # setup: what the demo and the local stacks need (minutes on a fresh machine);
 # test-setup: that plus the tools only the tests use (Go builds, cached by version).
@@ -88,6 +88,15 @@ k8s-uninstall:
 # The whole Kubernetes suite (tests/k8s, every test); make test runs the part not marked long.
 k8s-e2e: test-setup
 	$(TOX) run -e k8s -- -m ""
+
+# The seed story (issue 30, tests/k8s/test_seed_story.py): a fresh 3-node cluster, Cilia
+# installed, the Service range changed from 10.96.0.0/16 to 10.100.0.0/16 while clients on
+# every node send HTTP, DNS and API requests; prints the counts (0 failed) and the steps'
+# output; the cluster is torn down at the end. KIND_LOCK=FILE: hold that flock meanwhile (a
+# machine shared by several clusters' users).
+KIND_LOCK ?=
+seed-story: test-setup
+	$(if $(KIND_LOCK),flock $(KIND_LOCK)) $(TOX) run -e k8s -- -m long -k test_seed_story -s -p no:cacheprovider
 
 # Cilia judged by the upstream Kubernetes network e2e suite (tests/k8s/conformance.py; the
 # table lands in docs/conformance.md, JUnit in .run/conformance/<suite>/). Builds e2e-network.test

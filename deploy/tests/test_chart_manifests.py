@@ -543,7 +543,7 @@ def test_disruption_budgets_and_crds_kept_on_uninstall(docs: list[dict[str, Any]
         pdb = _find(docs, "PodDisruptionBudget", name)
         assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {"app": app}}}
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
-    assert len(crds) == 10
+    assert len(crds) == 12
     assert all(d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for d in crds)
 
 

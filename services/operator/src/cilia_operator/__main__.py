@@ -20,7 +20,11 @@ cilia-operator ipam plan --cidr CIDR --mask-size N [--allow-first-ip] [--allow-l
 cilia-operator ipam status [-o text|json] [--server ADDR]
 cilia-operator servicecidr migrate --to CIDR [--dry-run] [--alias-grace-period DURATION]
                                    [--wait-timeout SECONDS] [--server ADDR]
+cilia-operator servicecidr migrate --kubernetes --to CIDR [--dry-run] [--apiserver-updated]
+                                   [--alias-grace-period DURATION] [--node-network CIDR]
+                                   [--k8s-kubeconfig-path PATH] [--settle S] [--lease-duration S]
 cilia-operator servicecidr status [-o text|json] [--server ADDR]
+cilia-operator servicecidr status --kubernetes [--k8s-kubeconfig-path PATH]
 cilia-operator certs generate --dir DIR [--nodes N1,N2] [--hosts ADDR,...] [--admins NAMES]
                               [--days N]
 cilia-operator --version
@@ -153,12 +157,42 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--wait-timeout", type=duration_arg(positive=True), default=600.0,
                          help=f"seconds to follow the moves at most; the operator goes on "
                          f"after it {d}")  # fmt: skip
+    migrate.add_argument("--kubernetes", action="store_true",
+                         help="the cluster runs --store kubernetes: carry the migration out "
+                         "through the Kubernetes API (re-creating each Service) instead of "
+                         "the operator's store")  # fmt: skip
+    migrate.add_argument("--k8s-kubeconfig-path", default="",
+                         help="with --kubernetes: kubeconfig (default: in-cluster, else "
+                         "$KUBECONFIG / ~/.kube/config)")  # fmt: skip
+    migrate.add_argument("--apiserver-updated", action="store_true",
+                         help="with --kubernetes: every kube-apiserver now runs with the new "
+                         "--service-cluster-ip-range: re-create default/kubernetes")  # fmt: skip
+    migrate.add_argument("--node-network", action="append", default=[],
+                         help="with --kubernetes: a node network (CIDR) the new range may not "
+                         "overlap, besides every Node's address (repeat for several)")  # fmt: skip
+    migrate.add_argument("--settle", type=_positive_seconds, default=1.0,
+                         help="with --kubernetes: seconds given to the operator and agents to "
+                         f"see a change before the next step {d}")  # fmt: skip
+    migrate.add_argument("--endpoints-timeout", type=_positive_seconds, default=30.0,
+                         help="with --kubernetes: seconds a re-created Service's own "
+                         f"EndpointSlices may take to list its endpoints {d}")  # fmt: skip
+    migrate.add_argument("--lease-duration", type=_positive_seconds, default=15.0,
+                         help="with --kubernetes: seconds this run's Lease stays valid "
+                         f"without renewal (a second run is refused meanwhile) {d}")  # fmt: skip
     client(migrate)
     svc_status = svc_sub.add_parser(
         "status", help="the migration: per Service old/new ClusterIP, alias last use, released; "
         "the ServiceCIDRs and their state",
     )  # fmt: skip
     svc_status.add_argument("-o", "--output", choices=["text", "json"], default="text", help=d)
+    svc_status.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="read the Kubernetes API (a --store kubernetes cluster)",
+    )
+    svc_status.add_argument("--k8s-kubeconfig-path", default="",
+                            help="with --kubernetes: kubeconfig (default: in-cluster, else "
+                            "$KUBECONFIG / ~/.kube/config)")  # fmt: skip
     client(svc_status)
     certs = sub.add_parser("certs", help="certificates of the control plane (mutual TLS)")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True, metavar="SUBCOMMAND")
@@ -300,6 +334,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )  # fmt: skip
             sys.stdout.flush()  # a closed pipe fails here, inside the handler below
             return 1 if problems else 0
+        elif args.command == "servicecidr" and args.servicecidr_command == "status" and \
+                args.kubernetes:  # fmt: skip
+            cli.servicecidr_status_k8s(sys.stdout, kubeconfig=args.k8s_kubeconfig_path)
+        elif args.command == "servicecidr" and args.kubernetes:
+            cli.servicecidr_migrate_k8s(
+                args.to, args.dry_run, args.alias_grace_period, sys.stdout,
+                kubeconfig=args.k8s_kubeconfig_path, apiserver_updated=args.apiserver_updated,
+                node_networks=tuple(args.node_network), settle=args.settle,
+                endpoints_timeout=args.endpoints_timeout, lease_duration=args.lease_duration,
+                wait_timeout=args.wait_timeout, request_timeout=args.timeout,
+            )  # fmt: skip
         elif args.command == "servicecidr" and args.servicecidr_command == "status":
             cli.servicecidr_status(args.server, args.timeout, sys.stdout, output=args.output,
                                    tls=tls)  # fmt: skip

@@ -269,7 +269,7 @@ class Operator:
                     self.config.ipam_default_ip_pool,
                     conflict_retries,
                     pods_from_api=config.store == "kubernetes",
-                    record_alias_use=config.store != "kubernetes",
+                    record_alias_use=True,
                     nodes_from_api=config.store == "kubernetes",
                     chunk_size=config.watch_list_chunk_size,
                     max_bytes=config.watch_max_message_bytes,

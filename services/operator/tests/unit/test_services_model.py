@@ -236,3 +236,63 @@ def test_a_service_of_20000_ports_joins_each_port_to_its_slice_port() -> None:
     message = service_message(service, [slice_])
     assert message is not None and len(message.ports) == n
     assert message.ports[-1].backends[0].port == 10_000 + (n - 1)
+
+
+def test_a_service_recreated_by_a_migration_is_never_deleted_and_keeps_its_old_ip_as_alias() -> (
+    None
+):
+    """Kubernetes-mode migration: with a migration copy of its slice present, the Service's
+    DELETE is held (no event: the agents keep the old ClusterIP and backends), the
+    re-created Service carries the old ClusterIP as alias, and once the copy goes the alias
+    goes with it (the migration has written the annotation by then)."""
+    join = ServiceJoin()
+    old = svc(clusterIP="10.96.0.10")
+    port = [{"name": "", "port": 8080, "protocol": "TCP"}]
+    join.apply(Listed("Service", [old], False))
+    join.apply(Listed("EndpointSlice", [endpoint_slice("web-1", "web", port,
+                                                       [{"addresses": ["10.0.0.1"]}])], True))  # fmt: skip
+    copy = endpoint_slice("web-mig-0", "web", port, [{"addresses": ["10.0.0.1"]}])
+    copy["metadata"]["labels"][model.MANAGED_BY_LABEL] = model.MIGRATION_MANAGED_BY
+    copy["metadata"]["annotations"] = {model.MIGRATING_FROM_ANNOTATION: "10.96.0.10"}
+    join.apply(Changed("EndpointSlice", WatchEvent("ADDED", copy, "5")))
+    assert join.apply(Changed("Service", WatchEvent("DELETED", old, "6"))) == []
+    gone = endpoint_slice("web-1", "web", port, [{"addresses": ["10.0.0.1"]}])
+    assert join.apply(Changed("EndpointSlice", WatchEvent("DELETED", gone, "7"))) == []
+    new = svc(clusterIP="10.100.0.10")
+    [(_, message)] = join.apply(Changed("Service", WatchEvent("ADDED", new, "8")))
+    assert message is not None
+    assert list(message.cluster_ips) == ["10.100.0.10"]
+    assert list(message.alias_ips) == ["10.96.0.10"]
+    assert [b.ip for b in message.ports[0].backends] == ["10.0.0.1"]
+    [(_, message)] = join.apply(Changed("EndpointSlice", WatchEvent("DELETED", copy, "9")))
+    assert message is not None and list(message.alias_ips) == []
+    # without a copy, a DELETE is sent at once
+    assert join.apply(Changed("Service", WatchEvent("DELETED", new, "10"))) == [
+        (("default", "web"), None)
+    ]
+
+
+def test_a_migrating_service_is_held_even_when_the_slice_watch_lags() -> None:
+    """The DELETE carries service.cilia.io/migrating-to: held before any copy was seen; the
+    re-created Service (its alias in its own annotation) ends the hold."""
+    join = ServiceJoin()
+    port = [{"name": "", "port": 8080, "protocol": "TCP"}]
+    old = svc(clusterIP="10.96.0.10")
+    join.apply(Listed("Service", [old], False))
+    join.apply(Listed("EndpointSlice", [endpoint_slice("web-1", "web", port,
+                                                       [{"addresses": ["10.0.0.1"]}])], True))  # fmt: skip
+    marked = svc(clusterIP="10.96.0.10")
+    marked["metadata"]["annotations"] = {model.MIGRATING_TO_ANNOTATION: "10.100.0.10"}
+    assert join.apply(Changed("Service", WatchEvent("MODIFIED", marked, "5"))) == []
+    assert join.apply(Changed("Service", WatchEvent("DELETED", marked, "6"))) == []
+    # a relist meanwhile keeps it too
+    assert join.apply(Listed("Service", [], True)) == []
+    new = model.with_aliases(
+        svc(clusterIP="10.100.0.10"), {ipaddress.IPv4Address("10.96.0.10"): ""}
+    )
+    [(_, message)] = join.apply(Changed("Service", WatchEvent("ADDED", new, "7")))
+    assert message is not None
+    assert list(message.cluster_ips) == ["10.100.0.10"] and list(message.alias_ips) == [
+        "10.96.0.10"
+    ]
+    assert [b.ip for b in message.ports[0].backends] == ["10.0.0.1"]

@@ -11,7 +11,10 @@ exits, started again when the container starts).
   ``kubernetes`` Service's endpoints are that address: what ``k8sServiceHost/Port`` point
   at), ``--service-cluster-ip-range`` (the ServiceCIDR API is on by default in this
   version), ``--authorization-mode=Node,RBAC``, admission ``NodeRestriction``,
-  ``--allow-privileged``; its kubelet client is the admin certificate.
+  ``--allow-privileged``, ``--shutdown-delay-duration`` :data:`SHUTDOWN_DELAY`,
+  ``--permit-port-sharing`` (SO_REUSEPORT: a second API server may listen on another address
+  of the node at the same port while this one listens on all of them); its kubelet client is
+  the admin certificate.
 - **kube-controller-manager** with ``--allocate-node-cidrs --cluster-cidr=<pod CIDR>
   --node-cidr-mask-size=<mask>`` (each Node's ``spec.podCIDR``), every default controller
   (garbage collector, node lifecycle, service accounts, endpoint slices, ...),
@@ -32,6 +35,11 @@ from cilia_testkit.kind.pki import ClusterPKI
 
 #: The API server's port on the control-plane node (kind's and kubeadm's default).
 API_PORT = 6443
+#: kube-apiserver ``--shutdown-delay-duration``: on SIGTERM it takes its address out of the
+#: ``kubernetes`` Service's endpoints at once and keeps serving this long, so clients of the
+#: Service (through the agents' load balancer) move to another API server before it stops
+#: listening (:mod:`cilia_testkit.kind.servicerange` restarts it behind a second one).
+SHUTDOWN_DELAY = "3s"
 
 
 def kubernetes_service_ip(service_cidr: str) -> str:
@@ -79,7 +87,8 @@ def write_control_plane(
         "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
         "--allow-privileged=true", "--profiling=false",
         f"--kubelet-client-certificate={p}/admin.crt", f"--kubelet-client-key={p}/admin.key",
-        "--kubelet-preferred-address-types=InternalIP", "--v=1",
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--shutdown-delay-duration={SHUTDOWN_DELAY}", "--permit-port-sharing=true", "--v=1",
     ])  # fmt: skip
     controller_manager = " ".join([
         f"exec {b}/kube-controller-manager", f"--kubeconfig={admin}",

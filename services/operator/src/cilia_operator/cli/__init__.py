@@ -11,6 +11,7 @@ from .connection import EXIT_ERROR, SERVER_FORM, CommandError, channel, check_se
 from .ipam import DEFAULT_SERVICE_CIDR, draining_lines, ipam_plan, ipam_status
 from .resources import apply, delete, delete_many, get
 from .servicecidr import servicecidr_migrate, servicecidr_status
+from .servicecidr_k8s import servicecidr_migrate_k8s, servicecidr_status_k8s
 
 __all__ = [
     "DEFAULT_SERVICE_CIDR",
@@ -28,5 +29,7 @@ __all__ = [
     "ipam_plan",
     "ipam_status",
     "servicecidr_migrate",
+    "servicecidr_migrate_k8s",
     "servicecidr_status",
+    "servicecidr_status_k8s",
 ]

@@ -40,10 +40,10 @@ def _migration(stub: Any, server: str, timeout: float) -> dict[str, Any] | None:
             return None
         if "no Kubernetes resource mapping" in str(exc.details()):
             raise CommandError(
-                "the operator runs with --store kubernetes: kube-apiserver allocates ClusterIPs "
-                "(and the kubernetes Service from its --service-cluster-ip-range), so Cilia "
-                "cannot move Services; it serves the addresses listed in a Service's "
-                "service.cilia.io/alias-ips annotation as aliases (see the operator README)"
+                "the operator runs with --store kubernetes: run the migration against the "
+                "Kubernetes API with --kubernetes (and --k8s-kubeconfig-path, or in-cluster): "
+                "it re-creates each Service in the new range and keeps the old address an "
+                "alias (see the operator README)"
             ) from None
         raise rpc_error(exc, server) from None
     record: dict[str, Any] = json.loads(got.resource.json)

@@ -100,7 +100,7 @@ class NodeServicer:
         # Kubernetes mode: the CiliumNode is owned by its Node and leads with its InternalIP
         self.nodes_from_api = nodes_from_api
         self.pods_from_api = pods_from_api
-        # standalone: alias-use reports feed the ServiceCIDR migration (service.aliases)
+        # alias-use reports feed the ServiceCIDR migration (service.aliases); both modes
         self.record_alias_use = record_alias_use
         self.store = store
         self.controller = controller
@@ -198,7 +198,8 @@ class NodeServicer:
         :func:`cilia_operator.service.aliases.store_report`) and nothing else: the node's
         record is not touched and no IPAM reconcile is queued (a report comes every
         ``--alias-use-report-interval`` per node while aliases exist). With the Kubernetes
-        store the report is accepted and dropped (no migration there).
+        store the record is a CiliaServiceAliasUse object (CRD), which ``servicecidr
+        migrate --kubernetes`` reads to release aliases.
 
         Errors: INVALID_ARGUMENT (bad node name), UNAVAILABLE (store down), ABORTED (the
         record kept changing).

@@ -20,6 +20,26 @@ controller's rewrite) is sent once.
 ``alias_ips``: the Service's former ClusterIPs kept by a ServiceCIDR migration
 (annotation ``service.cilia.io/alias-ips``, :mod:`cilia_operator.service.migration`).
 
+Re-creation hold (Kubernetes-mode migration, ``servicecidr migrate --kubernetes``): a
+ClusterIP is immutable, so the migration deletes a Service and creates it again with the
+same name in the new range. Before that it writes copies of the Service's EndpointSlices
+labelled ``endpointslice.kubernetes.io/managed-by: servicecidr-migration.cilia.io`` and
+annotated ``service.cilia.io/migrating-from: <old ClusterIP>`` (no ownerReferences: the
+garbage collector leaves them). While such a slice names a Service:
+
+- a DELETE of the Service is held: the last message (old ClusterIP, backends from the
+  copies) stays what the agents serve, so no connect finds the address unserved. The
+  migration also annotates the Service ``service.cilia.io/migrating-to: <new ip>`` just
+  before deleting it: the DELETE event carries it, on the same watch as the re-creation,
+  so the deletion is held even when the EndpointSlice watch lags behind the Service watch
+  (the copies, written before the delete, still come before the originals' removal on
+  that watch). Such a hold ends when the Service is created again;
+- the re-created Service's message carries the old ClusterIP in ``alias_ips`` and the
+  copies' endpoints among its backends until the migration has written the alias
+  annotation and the new slices exist, and deletes the copies.
+
+With no copy left, a held Service is deleted as usual.
+
 Not sent (a DELETE when a sent Service becomes one): ExternalName Services, headless ones
 (``clusterIP: None``) and Services without an IPv4 ClusterIP yet.
 """
@@ -158,14 +178,25 @@ class ServiceJoin:
         self.slices: dict[Key, Resource] = {}  # slice key -> slice
         self.owner: dict[Key, Key] = {}  # slice key -> service key
         self.by_owner: dict[Key, set[Key]] = {}  # service key -> slice keys
+        self.held: dict[Key, Resource] = {}  # deleted Services, as they were last
         self.sent: Sent[Key, pb.Service] = Sent()
 
     def _message(self, key: Key) -> pb.Service | None:
+        slices = [self.slices[s] for s in sorted(self.by_owner.get(key, ()))]
+        copies = [s for s in slices if model.migration_slice(s)]
         service = self.services.get(key)
+        held = self.held.get(key)
+        if service is None and held is not None and (copies or model.migrating_service(held)):
+            service = held
         if service is None:
             return None
-        slices = [self.slices[s] for s in sorted(self.by_owner.get(key, ()))]
-        return service_message(service, slices)
+        message = service_message(service, slices)
+        if message is not None:
+            for obj in copies:
+                old = model.migrating_from(obj)
+                if old is not None and str(old) not in [*message.cluster_ips, *message.alias_ips]:
+                    message.alias_ips.append(str(old))
+        return message
 
     def _set_slice(self, obj: Resource, deleted: bool = False) -> set[Key]:
         key = model.key_of(obj)
@@ -196,14 +227,29 @@ class ServiceJoin:
             return self._resend(self._set_slice(item.event.object, item.event.type == "DELETED"))
         if isinstance(item, Listed):
             self.services = {model.key_of(o): o for o in item.items}
-            current = {k: m for k in self.services if (m := self._message(k)) is not None}
+            keys = set(self.services) | set(self.held)
+            current = {k: m for k in keys if (m := self._message(k)) is not None}
             return self.sent.replace(current)
         key = model.key_of(item.event.object)
         if item.event.type == "DELETED":
             self.services.pop(key, None)
+            self.held[key] = item.event.object
         else:
             self.services[key] = item.event.object
-        return self._resend({key})
+            self.held.pop(key, None)
+        touched = {key}
+        # a held Service whose last migration copy went, and that no migration deleted (no
+        # migrating-to annotation: that hold ends with the re-creation), is gone for good
+        for gone in [
+            k
+            for k in self.held
+            if k not in self.services
+            and not model.migrating_service(self.held[k])
+            and not any(model.migration_slice(self.slices[s]) for s in self.by_owner.get(k, ()))
+        ]:
+            del self.held[gone]
+            touched.add(gone)
+        return self._resend(touched)
 
     def _resend(self, keys: set[Key]) -> list[tuple[Key, pb.Service | None]]:
         out: list[tuple[Key, pb.Service | None]] = []

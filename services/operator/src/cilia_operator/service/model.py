@@ -64,6 +64,44 @@ DEFAULT_CIDR_NAME = "kubernetes"
 """The ServiceCIDR kube-apiserver creates from ``--service-cluster-ip-range``."""
 CIDR_FINALIZER = "networking.k8s.io/service-cidr-finalizer"
 """Finalizer upstream keeps on a ServiceCIDR while Services hold addresses in it."""
+MIGRATION_MANAGED_BY = "servicecidr-migration.cilia.io"
+"""The :data:`MANAGED_BY_LABEL` value of the EndpointSlices a Kubernetes-mode ServiceCIDR
+migration writes while it re-creates a Service (``cilia-operator servicecidr migrate
+--kubernetes``): copies of the Service's slices, without ownerReferences, so they outlive
+the deleted Service. While such a slice names a Service, the operator's ServiceService keeps
+serving a deleted Service of that name as it was (no DELETE to the agents) and adds the
+slice's :data:`MIGRATING_FROM_ANNOTATION` address to the re-created Service's aliases."""
+MIGRATING_FROM_ANNOTATION = "service.cilia.io/migrating-from"
+"""Annotation of a migration slice (:data:`MIGRATION_MANAGED_BY`): the ClusterIP the Service
+had before it was re-created (IPv4 text)."""
+
+
+MIGRATING_TO_ANNOTATION = "service.cilia.io/migrating-to"
+"""Annotation a Kubernetes-mode migration writes on a Service just before deleting it (its
+new ClusterIP): the DELETE event then carries it, on the same watch as the Service's
+re-creation, so the operator holds the deletion even when its EndpointSlice watch lags."""
+
+
+def migrating_service(obj: Mapping[str, Any]) -> bool:
+    """Whether Service ``obj`` carries :data:`MIGRATING_TO_ANNOTATION`."""
+    return bool((_meta(obj).get("annotations") or {}).get(MIGRATING_TO_ANNOTATION))
+
+
+def migration_slice(obj: Mapping[str, Any]) -> bool:
+    """Whether EndpointSlice ``obj`` is a migration copy (:data:`MIGRATION_MANAGED_BY`)."""
+    return labels_of(obj).get(MANAGED_BY_LABEL) == MIGRATION_MANAGED_BY
+
+
+def migrating_from(obj: Mapping[str, Any]) -> ipaddress.IPv4Address | None:
+    """The :data:`MIGRATING_FROM_ANNOTATION` address of a migration slice; None when absent
+    or not IPv4."""
+    raw = (_meta(obj).get("annotations") or {}).get(MIGRATING_FROM_ANNOTATION)
+    try:
+        return ipaddress.IPv4Address(str(raw)) if raw else None
+    except ValueError:
+        return None
+
+
 ALIAS_ANNOTATION = "service.cilia.io/alias-ips"
 """Annotation of a Service holding its alias VIPs: a JSON object ``{"<former ClusterIP>":
 "<RFC 3339 time it became an alias>"}``. Written by the ServiceCIDR migration; the agents

@@ -120,6 +120,7 @@ KINDS: dict[str, KubeKind] = {
     # Cilia's own bookkeeping kinds (CRDs in deploy/helm/cilia/files/crds)
     "CiliaIdentityKey": KubeKind("cilia.io", "v1alpha1", "ciliaidentitykeys", False),
     "CiliaIPAMBlock": KubeKind("cilia.io", "v1alpha1", "ciliaipamblocks", False),
+    "CiliaServiceAliasUse": KubeKind("cilia.io", "v1alpha1", "ciliaservicealiasuses", False),
 }
 """Store kind -> Kubernetes resource. Extend per store with ``KubernetesStore(kinds=...)``."""
 
