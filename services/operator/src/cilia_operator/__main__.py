@@ -170,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--node-network", action="append", default=[],
                          help="with --kubernetes: a node network (CIDR) the new range may not "
                          "overlap, besides every Node's address (repeat for several)")  # fmt: skip
-    migrate.add_argument("--settle", type=_positive_seconds, default=1.0,
+    migrate.add_argument("--settle", type=duration_arg(positive=True), default=1.0,
                          help="with --kubernetes: seconds given to the operator and agents to "
                          f"see a change before the next step {d}")  # fmt: skip
-    migrate.add_argument("--endpoints-timeout", type=_positive_seconds, default=30.0,
+    migrate.add_argument("--endpoints-timeout", type=duration_arg(positive=True), default=30.0,
                          help="with --kubernetes: seconds a re-created Service's own "
                          f"EndpointSlices may take to list its endpoints {d}")  # fmt: skip
-    migrate.add_argument("--lease-duration", type=_positive_seconds, default=15.0,
+    migrate.add_argument("--lease-duration", type=duration_arg(positive=True), default=15.0,
                          help="with --kubernetes: seconds this run's Lease stays valid "
                          f"without renewal (a second run is refused meanwhile) {d}")  # fmt: skip
     client(migrate)

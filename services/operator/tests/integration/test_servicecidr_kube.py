@@ -29,6 +29,8 @@ from cilia_operator.cli.servicecidr_k8s import (
     LEASE_NAMESPACE,
     RECORD_KINDS,
     K8sMigration,
+)
+from cilia_operator.cli.servicecidr_k8s_cmd import (
     servicecidr_migrate_k8s,
 )
 from cilia_operator.service import migration, model, recreate

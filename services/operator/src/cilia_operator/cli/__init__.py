@@ -11,7 +11,7 @@ from .connection import EXIT_ERROR, SERVER_FORM, CommandError, channel, check_se
 from .ipam import DEFAULT_SERVICE_CIDR, draining_lines, ipam_plan, ipam_status
 from .resources import apply, delete, delete_many, get
 from .servicecidr import servicecidr_migrate, servicecidr_status
-from .servicecidr_k8s import servicecidr_migrate_k8s, servicecidr_status_k8s
+from .servicecidr_k8s_cmd import servicecidr_migrate_k8s, servicecidr_status_k8s
 
 __all__ = [
     "DEFAULT_SERVICE_CIDR",

@@ -121,6 +121,10 @@ KINDS: dict[str, KubeKind] = {
     "CiliaIdentityKey": KubeKind("cilia.io", "v1alpha1", "ciliaidentitykeys", False),
     "CiliaIPAMBlock": KubeKind("cilia.io", "v1alpha1", "ciliaipamblocks", False),
     "CiliaServiceAliasUse": KubeKind("cilia.io", "v1alpha1", "ciliaservicealiasuses", False),
+    # written by `servicecidr migrate --kubernetes` (its progress), read by nothing else
+    "CiliaServiceCIDRMigration": KubeKind(
+        "cilia.io", "v1alpha1", "ciliaservicecidrmigrations", False
+    ),
 }
 """Store kind -> Kubernetes resource. Extend per store with ``KubernetesStore(kinds=...)``."""
 
