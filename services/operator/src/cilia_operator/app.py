@@ -126,6 +126,7 @@ class Operator:
             conflict_retries=config.store_conflict_retries,
             retry_interval=config.store_retry_interval,
             release_grace=config.node_cidr_release_grace_period,
+            service_cidrs=config.service_cidrs,
         )
         self.identities = IdentityAllocator(
             self.store,

@@ -184,8 +184,9 @@ class Config(BaseModel):
     )
     service_cluster_ip_range: Annotated[list[str], Flag(metavar="CIDR")] = Field(
         default_factory=lambda: ["10.96.0.0/12"],
-        description="service CIDRs no pool may overlap (kube-apiserver's default is "
-        "10.96.0.0/12); repeat or comma-separate. Standalone: the default ServiceCIDR "
+        description="service CIDRs (kube-apiserver's default is 10.96.0.0/12): no pod block "
+        "overlapping one is handed out (--cluster-pool-ipv4-cidr may contain one: its blocks "
+        "there are skipped; an applied pool may not overlap one); repeat or comma-separate. Standalone: the default ServiceCIDR "
         "'kubernetes' ClusterIPs are allocated from (created at start unless it exists)",
     )
     service_node_port_range: Annotated[str, Flag(metavar="FIRST-LAST")] = Field(
@@ -412,9 +413,10 @@ class Config(BaseModel):
                     f"shorter than the prefix of --cluster-pool-ipv4-cidr {net}"
                 )
             for svc in self.service_cidrs:
-                if net.overlaps(svc):
+                if net.subnet_of(svc):  # an overlap is fine: those blocks are skipped
                     raise ValueError(
-                        f"--cluster-pool-ipv4-cidr: {net} overlaps --service-cluster-ip-range {svc}"
+                        f"--cluster-pool-ipv4-cidr: {net} lies inside --service-cluster-ip-range "
+                        f"{svc}: no block of it could be handed out"
                     )
         for i, net in enumerate(nets):
             for other in nets[:i]:

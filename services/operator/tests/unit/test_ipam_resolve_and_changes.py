@@ -123,7 +123,7 @@ def test_node_network_inside_its_own_block_is_not_a_clash() -> None:
 def test_cluster_pool_flags_are_validated() -> None:
     with pytest.raises(ValueError, match="--cluster-pool-ipv4-cidr: required"):
         Config(ipam="cluster-pool")
-    with pytest.raises(ValueError, match="overlaps --service-cluster-ip-range"):
+    with pytest.raises(ValueError, match="lies inside --service-cluster-ip-range"):
         Config(ipam="cluster-pool", cluster_pool_ipv4_cidr=["10.96.0.0/16"])
     with pytest.raises(ValueError, match="needs --ipam multi-pool"):
         Config(ipam="cluster-pool", cluster_pool_ipv4_cidr=["10.0.0.0/16"],

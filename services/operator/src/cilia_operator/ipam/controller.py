@@ -74,6 +74,11 @@ class IPAMController(ReconcileMixin, PoolsMixin, SourcesMixin, SubscriptionsMixi
         migrate: ``--enable-cluster-pool-to-multi-pool-migration``.
         conflict_retries: attempts per node write before re-queueing it (>= 1).
         retry_interval: seconds to wait after a store error before relisting (> 0).
+        release_grace: ``--node-cidr-release-grace-period`` seconds.
+        service_cidrs: ``--service-cluster-ip-range``: no block overlapping one is handed
+            out, so a pool CIDR may contain one (upstream's default pod range 10.0.0.0/8
+            contains kube-apiserver's default 10.96.0.0/12: its blocks there are skipped;
+            upstream would hand them out and shadow ClusterIPs).
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class IPAMController(ReconcileMixin, PoolsMixin, SourcesMixin, SubscriptionsMixi
         conflict_retries: int = 5,
         retry_interval: float = 1.0,
         release_grace: float = 0.0,
+        service_cidrs: Sequence[ipaddress.IPv4Network] = (),
     ) -> None:
         self.store = store
         self.release_grace = release_grace
@@ -105,10 +111,16 @@ class IPAMController(ReconcileMixin, PoolsMixin, SourcesMixin, SubscriptionsMixi
         self.cluster_mask_size = cluster_mask_size
         self._draining_warned: set[tuple[str, ipaddress.IPv4Network]] = set()
         self._node_nets: dict[str, dict[ipaddress.IPv4Network, str]] = {}
+        # the service ranges: no block overlapping one is ever handed out (a pod there
+        # would shadow a ClusterIP); fixed for the operator's life
+        self._service_nets: dict[ipaddress.IPv4Network, str] = {
+            net: f"service CIDR {net} (--service-cluster-ip-range)" for net in service_cidrs
+        }
         self._conflicting: dict[str, str] = {}  # pool -> why it is not allocated from
         self.migrate = migrate
         self.migration = MigrationProgress()
         self.allocator = MultiPoolAllocator()
+        self.allocator.set_excluded(self._service_nets)
         self.running = False
         self._conflict_retries = max(1, conflict_retries)
         self._retry_interval = retry_interval

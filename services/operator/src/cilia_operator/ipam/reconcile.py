@@ -318,7 +318,7 @@ class ReconcileMixin(ControllerState):
             self._node_nets[name] = nets
         else:
             self._node_nets.pop(name, None)
-        union: dict[ipaddress.IPv4Network, str] = {}
+        union: dict[ipaddress.IPv4Network, str] = dict(self._service_nets)
         for node in sorted(self._node_nets):
             for net, why in self._node_nets[node].items():
                 union.setdefault(net, why)

@@ -43,6 +43,7 @@ class ControllerState:
     _hook_tasks: set[asyncio.Task[None]]
     _draining_warned: set[tuple[str, ipaddress.IPv4Network]]
     _node_nets: dict[str, dict[ipaddress.IPv4Network, str]]
+    _service_nets: dict[ipaddress.IPv4Network, str]
     _conflicting: dict[str, str]
     _conflict_retries: int
     _retry_interval: float
