@@ -7,21 +7,25 @@ names it:
 - X.10: an API server (identity 7, ``kube-apiserver``, as the operator publishes the ready
   addresses of ``default/kubernetes``'s EndpointSlices; no host IP: off the cluster);
 - X.20: another node's address (identity 6, ``remote-node``);
-- X.130: in no entry at all: ``world`` (2).
+- X.130: in no entry at all: ``world`` (2);
+
+and this node's router IP (the pods' gateway, identity 1, ``host``: the agent's own address,
+a server bound to it in the host's netns).
 
 For each entity a CiliumNetworkPolicy egress ``toEntities: [<entity>]`` on the pod lets real
 TCP connects reach exactly the addresses of that entity (upstream: ``pkg/policy/api/
 entity.go``; identity 7 carries the ``remote-node`` label too, so ``remote-node`` and
 ``cluster`` include the API server):
 
-=============== ======= ======= =======
-entity          X.10    X.20    X.130
-=============== ======= ======= =======
-kube-apiserver  allowed dropped dropped
-world           dropped dropped allowed
-remote-node     allowed allowed dropped
-cluster         allowed allowed dropped
-=============== ======= ======= =======
+=============== ======= ======= ======= =========
+entity          X.10    X.20    X.130   router IP
+=============== ======= ======= ======= =========
+kube-apiserver  allowed dropped dropped dropped
+world           dropped dropped allowed dropped
+remote-node     allowed allowed dropped dropped
+host            dropped dropped dropped allowed
+cluster         allowed allowed dropped allowed
+=============== ======= ======= ======= =========
 """
 
 from __future__ import annotations
@@ -47,12 +51,27 @@ NET = f"198.18.{secrets.randbelow(250) + 1}"
 HOST_IP, APISERVER_IP, NODE_IP, WORLD_IP = f"{NET}.1", f"{NET}.10", f"{NET}.20", f"{NET}.130"
 KUBE_APISERVER, REMOTE_NODE, WORLD = 7, 6, 2
 
+ROUTER = "router"  # stands for the router IP, known once the agent runs
 EXPECTED = {
     "kube-apiserver": {APISERVER_IP},
     "world": {WORLD_IP},
     "remote-node": {APISERVER_IP, NODE_IP},
-    "cluster": {APISERVER_IP, NODE_IP},
+    "host": {ROUTER},
+    "cluster": {APISERVER_IP, NODE_IP, ROUTER},
 }
+HOST_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 8080)); s.listen(64)
+while True:
+    c, _ = s.accept(); c.sendall(b"ok"); c.close()
+"""
+
+
+def router_ip(s: Setup) -> str:
+    router = s.agent.agent.router_ip
+    assert router is not None
+    return str(router)
 
 
 def egress_to(entity: str) -> dict[str, object]:
@@ -99,6 +118,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         sh("ip", "-n", ext, "route", "add", "default", "via", HOST_IP)
         servers.append(subprocess.Popen(["ip", "netns", "exec", ext, sys.executable, "-c", SERVER]))
         s = Setup(env, op, agent, pod, ext)
+        # the host's netns is shared: bound to this agent's router IP only
+        servers.append(subprocess.Popen([sys.executable, "-c", HOST_SERVER, router_ip(s)]))
         enf = agent.agent.enforcement
         assert enf is not None
         # the stream's entries are in the agent's ipcache before any policy counts on them
@@ -107,7 +128,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             return entry is not None and entry.identity == identity
 
         wait(lambda: published(APISERVER_IP, KUBE_APISERVER) and published(NODE_IP, REMOTE_NODE))
-        wait(lambda: all(s.connect(pod.netns, ip) for ip in (APISERVER_IP, NODE_IP, WORLD_IP)))
+        peers = (APISERVER_IP, NODE_IP, WORLD_IP, router_ip(s))
+        wait(lambda: all(s.connect(pod.netns, ip) for ip in peers))
         yield s
     finally:
         for server in servers:
@@ -123,7 +145,9 @@ def test_to_entities_allows_exactly_that_entitys_addresses(setup: Setup, entity:
     policy = egress_to(entity)
     s.apply(policy)
     try:
-        reached = {ip for ip in (APISERVER_IP, NODE_IP, WORLD_IP) if s.connect(s.pod.netns, ip)}
+        peers = {APISERVER_IP: APISERVER_IP, NODE_IP: NODE_IP, WORLD_IP: WORLD_IP,
+                 ROUTER: router_ip(s)}  # fmt: skip
+        reached = {name for name, ip in peers.items() if s.connect(s.pod.netns, ip)}
         assert reached == EXPECTED[entity]
     finally:
         s.apply(policy, delete=True)
