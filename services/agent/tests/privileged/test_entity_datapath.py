@@ -122,6 +122,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         servers.append(subprocess.Popen([sys.executable, "-c", HOST_SERVER, router_ip(s)]))
         enf = agent.agent.enforcement
         assert enf is not None
+
         # the stream's entries are in the agent's ipcache before any policy counts on them
         def published(ip: str, identity: int) -> bool:
             entry = enf.ipcache.lookup(ip)
