@@ -62,6 +62,8 @@ class FakeOperator(
         self.endpoints: dict[tuple[str, str], cp.EndpointRecord] = {}
         self.deleted_endpoints: list[tuple[str, str]] = []
         self.policies: dict[tuple[str, str, str], str] = {}
+        #: ipcache entries that are not endpoints' (nodes, the API server), by cidr
+        self.extra_ipcache: dict[str, cp.IPCacheEntry] = {}
         self.fail_allocate = False
         self.hubs = {k: _Hub() for k in ("identities", "policies", "ipcache", "nodes", "services")}
         #: WatchServices holds its first (synced) message until this is set
@@ -240,11 +242,25 @@ class FakeOperator(
                 self.hubs["ipcache"].publish(cp.IPCacheEvent(type=DELETE, entry=self._entry(rec)))
         return cp.DeleteEndpointResponse()
 
+    def set_ipcache_entry(self, entry: cp.IPCacheEntry) -> None:
+        """Publish an ipcache entry that is no endpoint's (e.g. an API server address with
+        identity 7, as the operator does from ``default/kubernetes``'s EndpointSlices)."""
+        with self.lock:
+            self.extra_ipcache[entry.cidr] = entry
+            self.hubs["ipcache"].publish(cp.IPCacheEvent(type=UPSERT, entry=entry))
+
+    def delete_ipcache_entry(self, cidr: str) -> None:
+        """Withdraw an entry published with :meth:`set_ipcache_entry`."""
+        with self.lock:
+            entry = self.extra_ipcache.pop(cidr, None)
+            if entry is not None:
+                self.hubs["ipcache"].publish(cp.IPCacheEvent(type=DELETE, entry=entry))
+
     def WatchIPCache(self, request: Any, context: Any) -> Iterator[cp.WatchIPCacheResponse]:  # noqa: N802
         def snap() -> list[Any]:
             return [
                 cp.IPCacheEvent(type=UPSERT, entry=self._entry(r)) for r in self.endpoints.values()
-            ]
+            ] + [cp.IPCacheEvent(type=UPSERT, entry=e) for e in self.extra_ipcache.values()]
 
         yield from self._stream(
             context, "ipcache", snap, lambda ev, s: cp.WatchIPCacheResponse(events=ev, synced=s)

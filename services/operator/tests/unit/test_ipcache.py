@@ -116,3 +116,70 @@ def test_endpoint_record_is_shaped_like_upstream_cilium_endpoint() -> None:
         "node-name": "n1",
     }
     assert status["external-identifiers"]["container-id"] == "abc"
+
+
+def apiserver_slice(
+    *endpoints: tuple[str, bool | None], name: str = "kubernetes", namespace: str = "default",
+    service: str = "kubernetes", rv: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """An EndpointSlice; each endpoint ``(address, ready)`` (None: condition absent)."""
+    return {
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": namespace, "resourceVersion": str(rv),
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": [
+            {"addresses": [ip], "conditions": {} if ready is None else {"ready": ready}}
+            for ip, ready in endpoints
+        ],
+        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+    }  # fmt: skip
+
+
+def test_apiserver_addresses_get_the_kube_apiserver_identity_off_cluster_and_on_a_node() -> None:
+    cache = IPCache()
+    cache.set_node(node("cp", "192.0.2.1"))
+    dirty = cache.set_slice(apiserver_slice(("192.0.2.1", True), ("198.51.100.7", None)))
+    assert dirty == {"192.0.2.1/32", "198.51.100.7/32"}
+    assert cache.entries() == {
+        # hostNetwork API server on node cp: identity 7, the node's name and host IP kept
+        "192.0.2.1/32": Entry("192.0.2.1/32", 7, "cp", "192.0.2.1", ""),
+        # off-cluster API server: identity 7, no node, no tunnel
+        "198.51.100.7/32": Entry("198.51.100.7/32", 7, "", "", ""),
+    }
+    # the API server leaves the node: the node's own identity comes back
+    dirty = cache.set_slice(apiserver_slice(("198.51.100.7", True), rv=2))
+    assert dirty == {"192.0.2.1/32", "198.51.100.7/32"}
+    assert cache.entry("192.0.2.1/32") == Entry("192.0.2.1/32", 6, "cp", "192.0.2.1", "")
+    assert cache.delete_slice("default/kubernetes") == {"198.51.100.7/32"}
+    assert set(cache.entries()) == {"192.0.2.1/32"}
+
+
+def test_only_ready_endpoints_of_default_kubernetes_slices_count() -> None:
+    cache = IPCache()
+    assert cache.set_slice(apiserver_slice(("10.9.0.1", False))) == set()
+    assert cache.set_slice(apiserver_slice(("10.9.0.2", True), service="web", name="w")) == set()
+    other_ns = apiserver_slice(("10.9.0.3", True), namespace="kube-system", name="k")
+    assert cache.set_slice(other_ns) == set()
+    fqdn = apiserver_slice(("api.example", True), name="f")
+    assert cache.set_slice(fqdn) == set()
+    assert cache.entries() == {}
+    # a slice relabelled away from default/kubernetes gives its addresses back
+    cache.set_slice(apiserver_slice(("10.9.0.4", True), name="x"))
+    assert cache.entry("10.9.0.4/32").identity == 7  # type: ignore[union-attr]
+    assert cache.set_slice(apiserver_slice(("10.9.0.4", True), name="x", service="web")) == {
+        "10.9.0.4/32"
+    }
+    assert cache.entries() == {}
+
+
+def test_pod_claim_beats_apiserver_claim_and_relist_drops_vanished_slices() -> None:
+    cache = IPCache()
+    cache.replace_slices([apiserver_slice(("10.1.0.5", True)),
+                          apiserver_slice(("10.1.0.6", True), name="kubernetes-2")])  # fmt: skip
+    cache.set_endpoint(cep("web", "10.1.0.5", 300, "n1"))
+    assert cache.entry("10.1.0.5/32").identity == 300  # type: ignore[union-attr]
+    cache.delete_endpoint("ns/web")
+    assert cache.entry("10.1.0.5/32").identity == 7  # type: ignore[union-attr]
+    dirty = cache.replace_slices([apiserver_slice(("10.1.0.5", True))])
+    assert "10.1.0.6/32" in dirty and set(cache.entries()) == {"10.1.0.5/32"}

@@ -15,9 +15,11 @@ up and a deny from either wins (bpf/bpf_lxc.c ``policy_check``).
 
 Entities: world→2 and every CIDR identity (they carry ``reserved:world``: an address a
 policy's prefix names is still outside the cluster, upstream selects it by the world
-entity too), host→1, remote-node→6, kube-apiserver→7, health→4, init→5,
-ingress→8, unmanaged→3, cluster→every cluster identity (≥256) + host + remote-node,
-all→peer 0.
+entity too), host→1, remote-node→6 and 7 (the kube-apiserver identity also carries the
+``reserved:remote-node`` label, as upstream's), kube-apiserver→7 (the API server's
+addresses, which the operator publishes with that identity), health→4, init→5,
+ingress→8, unmanaged→3, cluster→every cluster identity (≥256) + host + remote-node +
+kube-apiserver, all→peer 0.
 
 CIDR peers resolve to the node-local CIDR identities their selector matches (prefix inside
 the cidr, inside none of its excepts; ``rules.CIDRPeer``), plus world (2) for
@@ -64,7 +66,7 @@ _PROTOCOL_NAMES = {6: "TCP", 17: "UDP", 132: "SCTP"}
 ENTITY_IDENTITIES: Mapping[str, frozenset[int]] = {
     "world": frozenset({IDENTITY_WORLD}),
     "host": frozenset({IDENTITY_HOST}),
-    "remote-node": frozenset({IDENTITY_REMOTE_NODE}),
+    "remote-node": frozenset({IDENTITY_REMOTE_NODE, IDENTITY_KUBE_APISERVER}),
     "kube-apiserver": frozenset({IDENTITY_KUBE_APISERVER}),
     "health": frozenset({IDENTITY_HEALTH}),
     "init": frozenset({IDENTITY_INIT}),
@@ -74,7 +76,7 @@ ENTITY_IDENTITIES: Mapping[str, frozenset[int]] = {
 }
 """Fixed entity → identities; ``cluster`` and ``world`` depend on the identity cache
 (``entity_identities``)."""
-CLUSTER_RESERVED = frozenset({IDENTITY_HOST, IDENTITY_REMOTE_NODE})
+CLUSTER_RESERVED = frozenset({IDENTITY_HOST, IDENTITY_REMOTE_NODE, IDENTITY_KUBE_APISERVER})
 
 
 class Verdict(Enum):

@@ -258,9 +258,15 @@ CASES: list[tuple[str, list[CompiledPolicy], dict[PolicyEntry, Verdict], tuple[b
         (True, False),
     ),
     (
-        "entity host and remote-node",
+        "entity host and remote-node (kube-apiserver is labelled remote-node too)",
         [cnp({"egress": [{"toEntities": ["host", "remote-node"]}]})],
-        {E(1, EG, 0, 0): A, E(6, EG, 0, 0): A},
+        {E(1, EG, 0, 0): A, E(6, EG, 0, 0): A, E(7, EG, 0, 0): A},
+        (False, True),
+    ),
+    (
+        "entity kube-apiserver is identity 7 only",
+        [cnp({"egress": [{"toEntities": ["kube-apiserver"], "toPorts": ports((6443, "TCP"))}]})],
+        {E(7, EG, TCP, 6443): A},
         (False, True),
     ),
     (
@@ -270,9 +276,9 @@ CASES: list[tuple[str, list[CompiledPolicy], dict[PolicyEntry, Verdict], tuple[b
         (False, True),
     ),
     (
-        "entity cluster: every cluster identity plus host and remote-node",
+        "entity cluster: every cluster identity plus host, remote-node, kube-apiserver",
         [cnp({"ingress": [{"fromEntities": ["cluster"]}]})],
-        {E(i, IN, 0, 0): A for i in (1, 6, FRONTEND, BACKEND, OTHER, DEV_FRONTEND, DB)},
+        {E(i, IN, 0, 0): A for i in (1, 6, 7, FRONTEND, BACKEND, OTHER, DEV_FRONTEND, DB)},
         (True, False),
     ),
     (

@@ -13,7 +13,7 @@ from cilia_common.tls import peer_identity
 
 from ..endpoint import records
 from ..endpoint.ipcache import Entry, IPCache, host_ip, node_addresses
-from ..kinds import NODE
+from ..kinds import ENDPOINT_SLICE, NODE
 from ..store import AlreadyExists, Conflict, Contention, NotFound, Store, resource_version
 from . import authz
 from .errors import streaming, unary
@@ -219,7 +219,8 @@ class EndpointServicer:
     async def WatchIPCache(  # noqa: N802 (gRPC method name)
         self, request: pb.WatchIPCacheRequest, context: Any
     ) -> AsyncIterator[pb.WatchIPCacheResponse]:
-        """Every ipcache entry (endpoints' IP/32 and nodes' addresses as identity 6),
+        """Every ipcache entry (endpoints' IP/32, nodes' addresses as identity 6, the API
+        server's addresses from ``default/kubernetes``'s EndpointSlices as identity 7),
         ``synced`` on the last message of the listing, then changes. A watch that falls
         behind relists and sends the difference, ending with ``synced`` again.
 
@@ -232,6 +233,8 @@ class EndpointServicer:
             if isinstance(item, Listed):
                 if item.kind == NODE.kind:
                     dirty = cache.replace_nodes(item.items)
+                elif item.kind == ENDPOINT_SLICE.kind:
+                    dirty = cache.replace_slices(item.items)
                 else:
                     dirty = cache.replace_endpoints(item.items)
             else:
@@ -240,6 +243,10 @@ class EndpointServicer:
                     name = obj["metadata"]["name"]
                     deleted = item.event.type == "DELETED"
                     dirty = cache.delete_node(name) if deleted else cache.set_node(obj)
+                elif item.kind == ENDPOINT_SLICE.kind:
+                    deleted = item.event.type == "DELETED"
+                    key = records.owner_of(obj)
+                    dirty = cache.delete_slice(key) if deleted else cache.set_slice(obj)
                 elif item.event.type == "DELETED":
                     dirty = cache.delete_endpoint(records.owner_of(obj))
                 else:
@@ -260,7 +267,7 @@ class EndpointServicer:
 
         async for response in watch_stream(
             self.store,
-            [NODE.kind, records.KIND],
+            [NODE.kind, records.KIND, ENDPOINT_SLICE.kind],
             apply,
             respond,
             key=lambda e: e.entry.cidr,
