@@ -371,6 +371,10 @@ class Config(HubbleConfig, MasqueradeConfig):
         default="default",
         description="default (enforce a direction once a policy selects the endpoint for it), always (enforce both directions on every endpoint) or never",
     )
+    policy_audit_mode: bool = Field(
+        default=False,
+        description="audit mode (upstream policy-audit-mode): a packet the policy would drop is forwarded and reported as a Hubble flow with verdict AUDIT; nothing is dropped by policy (source-address checks still drop); applies to every endpoint and is re-applied on restart",
+    )
     endpoint_policy_wait_timeout: float = Field(
         default=10.0,
         gt=0,
