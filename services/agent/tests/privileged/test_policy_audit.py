@@ -109,7 +109,7 @@ def test_audit_mode_drops_nothing_and_reports_audit_then_enforce_drops_exactly_t
     ).stdout  # fmt: skip
     assert "ingress (audit)" in out, out
     counted_before = _audit_count(c)
-    for (src, port), allowed in CASES.items():
+    for src, port in CASES:
         assert c.connect(src, "backend", port), f"audit mode dropped {src}->{port}"
     would_drop = {k for k, allowed in CASES.items() if not allowed}
     wait(lambda: _audit_flows(c) >= would_drop)

@@ -151,10 +151,7 @@ class Regeneration:
         executor: thread pool for tc attach/detach.
         node_name: this node.
         mode: ``--enable-policy``.
-        policy_audit_mode: ``--policy-audit-mode``: every endpoint's map entry carries
-            ``policy_audit`` 1, so its program forwards what the policy would drop and
-            reports it as AUDIT (upstream's global audit mode; written with every endpoint
-            entry, so a restart with the flag changed re-applies it to restored endpoints).
+        policy_audit_mode: ``--policy-audit-mode``, written into every endpoint entry.
     """
 
     def __init__(
