@@ -176,8 +176,8 @@ def endpoint_list(
                 item["policy_enforcement"] = {
                     "ingress": bool(info.enforce_ingress),
                     "egress": bool(info.enforce_egress),
-                    "audit": bool(info.policy_audit),
                 }
+                item["policy_audit_mode"] = bool(info.policy_audit)
             items.append(item)
         json.dump(items, out, indent=2)
         out.write("\n")

@@ -11,6 +11,7 @@ POLICY_DENIED, and the allowed one still connects.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -108,6 +109,14 @@ def test_audit_mode_drops_nothing_and_reports_audit_then_enforce_drops_exactly_t
         capture_output=True, text=True, check=True, timeout=30,
     ).stdout  # fmt: skip
     assert "ingress (audit)" in out, out
+    listed = json.loads(
+        subprocess.run(
+            [str(BIN), "endpoint", "list", "--socket", str(c.agent.config.socket), "-o", "json",
+             "--bpf-pin-dir", str(c.env.pin_dir)],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout
+    )  # fmt: skip
+    assert {e["pod_name"]: e["policy_audit_mode"] for e in listed} == dict.fromkeys(c.pods, True)
     counted_before = _audit_count(c)
     for src, port in CASES:
         assert c.connect(src, "backend", port), f"audit mode dropped {src}->{port}"
