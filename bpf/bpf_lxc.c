@@ -9,7 +9,9 @@
  * resolved for every event) and look the (endpoint, peer identity, direction, protocol,
  * port) up in the policy map: an explicit deny drops with POLICY_DENY (181),
  * an allow forwards and creates a conntrack entry, no match drops with
- * POLICY_DENIED (133) when the direction is enforced. Every drop emits an event on the
+ * POLICY_DENIED (133) when the direction is enforced; on an endpoint in audit mode
+ * (endpoint_info.policy_audit, the agent's --policy-audit-mode) either drop is reported as
+ * a policy-verdict event with verdict AUDIT and the flow is allowed. Every drop emits an event on the
  * ring buffer; forwarded packets emit one as CONFIG.monitor_aggregation says (below:
  * at the default, medium, a connection's first packet in each direction, its SYN/FIN/RST
  * and one update per interval, reported where the packet goes: to-container of a local
@@ -305,6 +307,9 @@ static __always_inline __u8 policy_check(struct endpoint_info *ep, __u32 peer, _
 	return enforce ? DROP_POLICY_DENIED : 0;
 }
 
+/* emit()'s obs_point for an audit event (not an observation point; the event carries 0). */
+#define OBS_AUDIT 0xff
+
 static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct endpoint_info *ep,
 				 __u32 peer, __u8 dir, __u8 reason, __u8 is_reply, __u8 obs_point)
 {
@@ -319,6 +324,14 @@ static __always_inline void emit(struct __sk_buff *skb, struct packet *p, struct
 	ev.event_type = reason ? EVENT_DROP : EVENT_TRACE;
 	ev.verdict = reason ? VERDICT_DROPPED : VERDICT_FORWARDED;
 	ev.drop_reason = reason;
+	if (obs_point == OBS_AUDIT) {
+		/* Audit mode: the policy verdict the packet would have had (upstream's policy
+		 * verdict notification with its audit flag; the drop reason it would have had
+		 * stays in drop_reason for the agent's log). */
+		ev.event_type = EVENT_POLICY_VERDICT;
+		ev.verdict = VERDICT_AUDIT;
+		obs_point = 0;
+	}
 	ev.src_identity = dir == DIR_EGRESS ? ep->sec_identity : peer;
 	ev.dst_identity = dir == DIR_EGRESS ? peer : ep->sec_identity;
 	ev.ep_id = ep->ep_id;
@@ -518,6 +531,13 @@ static __always_inline int handle(struct __sk_buff *skb, __u8 dir)
 	} else {
 		peer = identity_of(peer_addr);
 		reason = policy_check(ep, peer, dir, &p);
+		/* Audit mode (upstream --policy-audit-mode): a flow the policy would drop is
+		 * reported as AUDIT and then handled as allowed (conntrack entry, counted as
+		 * forwarded), so nothing is dropped while the endpoint audits. */
+		if (reason && ep->policy_audit) {
+			emit(skb, &p, ep, peer, dir, reason, 0, OBS_AUDIT);
+			reason = 0;
+		}
 		if (!reason) {
 			struct ct_value entry = {
 				.created_ns = now,

@@ -69,6 +69,7 @@ struct icmphdr {
 /* Verdicts, numbered as Hubble's flow.Verdict. */
 #define VERDICT_FORWARDED 1
 #define VERDICT_DROPPED 2
+#define VERDICT_AUDIT 4
 
 /* Drop reasons, numbered as upstream (flow.DropReason). 0 = not dropped. */
 #define REASON_FORWARDED 0
@@ -94,7 +95,9 @@ struct endpoint_info {
 	__u32 ipv4;            /* network byte order */
 	__u8 enforce_ingress;  /* 1 = default-deny ingress */
 	__u8 enforce_egress;   /* 1 = default-deny egress */
-	__u16 pad;
+	__u8 policy_audit;     /* 1 = audit mode: a policy drop is forwarded and reported as
+				* AUDIT (upstream --policy-audit-mode, per endpoint) */
+	__u8 pad;
 };
 
 /* policy: one LPM trie for all endpoints. The first 72 bits (ep_id,
@@ -168,6 +171,7 @@ struct metrics_value {
 /* One ring-buffer event per trace or drop (layout mirrored in Python). */
 #define EVENT_TRACE 4  /* upstream monitor message type: trace */
 #define EVENT_DROP 1   /* upstream monitor message type: drop */
+#define EVENT_POLICY_VERDICT 5 /* upstream monitor message type: policy verdict (audit) */
 
 /* A trace event's observation point (upstream monitor/api trace observation points). */
 #define TRACE_TO_LXC 0   /* delivered to the endpoint (to-container) */

@@ -136,6 +136,7 @@ MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
             "k8sServicePort": 6445,
             "cluster": {"name": "blue"},
             "policyEnforcementMode": "always",
+            "policyAuditMode": True,
             "cni": {"exclusive": False, "uninstall": True, "chainingMode": "portmap"},
         },
         [
@@ -144,6 +145,7 @@ MATRIX: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
             "--kube-proxy-replacement=true",
             "--cluster-name=blue",
             "--enable-policy=always",
+            "--policy-audit-mode=true",
             "--cni-exclusive=false",
             "--cni-uninstall=true",
             "--cni-chaining-mode=portmap",

@@ -96,7 +96,7 @@ _LAYOUT = {
         "loadbalancer/__init__", "conntrack/__init__", "masquerade/__init__",
         "identity/__init__", "identity/labels", "ipam/__init__",
         "cni/__init__", "controlplane/__init__", "preflight/__init__", "datapath/__init__",
-        "metrics", "config", "config_hubble", "config_masquerade",
+        "metrics", "config", "config_hubble", "config_masquerade", "config_policy",
     ],
     "cilia_cni": [
         "__main__", "server", "plugin", "agent", "delqueue", "netconf", "result", "log", "h2grpc",

@@ -133,7 +133,9 @@ def _enforcement(info: Any) -> str:
     parts = [
         d for d, on in (("ingress", info.enforce_ingress), ("egress", info.enforce_egress)) if on
     ]
-    return "+".join(parts) or "none"
+    text = "+".join(parts) or "none"
+    # audit mode (--policy-audit-mode): what enforcement would drop is forwarded and reported
+    return f"{text} (audit)" if info.policy_audit else text
 
 
 def _ifindex(name: str) -> int:
@@ -175,6 +177,7 @@ def endpoint_list(
                     "ingress": bool(info.enforce_ingress),
                     "egress": bool(info.enforce_egress),
                 }
+                item["policy_audit_mode"] = bool(info.policy_audit)
             items.append(item)
         json.dump(items, out, indent=2)
         out.write("\n")

@@ -24,6 +24,7 @@ from cilia_common.tls import ClientTLS
 
 from .config_hubble import HubbleConfig
 from .config_masquerade import IFNAME, MasqueradeConfig
+from .config_policy import PolicyConfig
 
 # Path flags of ``cilia-agent serve``: a relative value is made absolute against the working
 # directory at start and logged (Config.relative_path_notes).
@@ -68,7 +69,7 @@ def parse_pre_allocation(text: str) -> dict[str, int]:
     return out
 
 
-class Config(HubbleConfig, MasqueradeConfig):
+class Config(HubbleConfig, MasqueradeConfig, PolicyConfig):
     """Validated agent configuration; each field is one ``serve`` flag (its description is
     the flag's help).
 
@@ -366,10 +367,6 @@ class Config(HubbleConfig, MasqueradeConfig):
     enable_host_legacy_routing: bool = Field(
         default=False,
         description="false: a packet from a pod to another pod of this node is delivered by the endpoint program (TTL decremented, redirected to the destination's host veth), skipping the host's routing and netfilter; true: it is forwarded by the host's IP stack, through iptables (upstream enable-host-legacy-routing)",
-    )
-    enable_policy: Literal["default", "always", "never"] = Field(
-        default="default",
-        description="default (enforce a direction once a policy selects the endpoint for it), always (enforce both directions on every endpoint) or never",
     )
     endpoint_policy_wait_timeout: float = Field(
         default=10.0,

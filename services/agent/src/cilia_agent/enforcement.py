@@ -109,6 +109,7 @@ async def load(
         executor=executor,
         node_name=cfg.node_name,
         mode=cfg.enable_policy,
+        policy_audit_mode=cfg.policy_audit_mode,
     )
     engine.on_enforce = regeneration.on_enforce
     adopted = engine.restore()
@@ -120,6 +121,7 @@ async def load(
             "load_s": round(time.perf_counter() - started, 2),
             "adopted_policy_endpoints": len(adopted),
             "policy_mode": cfg.enable_policy,
+            "policy_audit_mode": cfg.policy_audit_mode,
         },
     )
     return Enforcement(bpf, ipcache, engine, streams, identities, regeneration)

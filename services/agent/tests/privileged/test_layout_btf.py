@@ -173,7 +173,8 @@ class _RenamedEndpointInfo(ctypes.Structure):
         ("ipv4", ctypes.c_uint32),
         ("enforce_ingress", ctypes.c_uint8),
         ("enforce_egress", ctypes.c_uint8),
-        ("pad", ctypes.c_uint16),
+        ("policy_audit", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
     ]
 
 

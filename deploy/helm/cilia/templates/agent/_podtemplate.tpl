@@ -239,6 +239,7 @@ spec:
         {{- end }}
         - --kube-proxy-replacement={{ $v.kubeProxyReplacement }}
         - --enable-policy={{ $v.policyEnforcementMode }}
+        - --policy-audit-mode={{ $v.policyAuditMode }}
         - --state-dir=/var/run/cilia/state
         - --socket=/var/run/cilia/cilia.sock
         - --cni-conf-dir=/host/etc/cni/net.d

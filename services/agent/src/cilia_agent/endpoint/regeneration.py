@@ -151,6 +151,7 @@ class Regeneration:
         executor: thread pool for tc attach/detach.
         node_name: this node.
         mode: ``--enable-policy``.
+        policy_audit_mode: ``--policy-audit-mode``, written into every endpoint entry.
     """
 
     def __init__(
@@ -166,6 +167,7 @@ class Regeneration:
         executor: Executor,
         node_name: str,
         mode: PolicyMode = "default",
+        policy_audit_mode: bool = False,
     ) -> None:
         self.datapath = datapath
         self.identities = identities
@@ -177,6 +179,7 @@ class Regeneration:
         self.executor = executor
         self.node_name = node_name
         self.mode = mode
+        self.policy_audit_mode = policy_audit_mode
         self._eps: dict[int, LocalEndpoint] = {}
         self._by_ip: dict[str, int] = {}
         self._by_ifindex: dict[int, int] = {}
@@ -219,6 +222,7 @@ class Regeneration:
                 ipv4=ip_to_map(ep.rec.ipv4),
                 enforce_ingress=int(ep.enforce[0]),
                 enforce_egress=int(ep.enforce[1]),
+                policy_audit=int(self.policy_audit_mode),
             ),
         )
 

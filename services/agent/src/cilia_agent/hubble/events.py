@@ -9,9 +9,11 @@ Layout (48 bytes, host byte order except where noted, no implicit padding)::
         16    2 sport          network byte order (ICMP echo: the echo id)
         18    2 dport          network byte order (ICMP echo: the echo id)
         20    1 proto          IP protocol number
-        21    1 event_type     4 trace, 1 drop (upstream monitor message types)
-        22    1 verdict        1 FORWARDED, 2 DROPPED (flow.Verdict numbers)
+        21    1 event_type     4 trace, 1 drop, 5 policy verdict (upstream monitor message
+                               types; 5 only in audit mode)
+        22    1 verdict        1 FORWARDED, 2 DROPPED, 4 AUDIT (flow.Verdict numbers)
         23    1 drop_reason    0, 132 INVALID_SOURCE_IP, 133 POLICY_DENIED, 181 POLICY_DENY
+                               (an AUDIT event: the drop the policy would have made)
         24    4 src_identity
         28    4 dst_identity
         32    4 ep_id          local endpoint the hook belongs to
@@ -83,6 +85,7 @@ def record_of_keyed(k: tuple[int, ...]) -> tuple[Any, ...]:
 
 EVENT_DROP = 1
 EVENT_TRACE = 4
+EVENT_POLICY_VERDICT = 5
 DIR_INGRESS = layout.DIR_INGRESS
 DIR_EGRESS = layout.DIR_EGRESS
 TRACE_TO_LXC = layout.TRACE_TO_LXC
@@ -90,6 +93,7 @@ TRACE_TO_STACK = layout.TRACE_TO_STACK
 TRACE_FROM_LXC = layout.TRACE_FROM_LXC
 VERDICT_FORWARDED = 1
 VERDICT_DROPPED = 2
+VERDICT_AUDIT = 4
 DROP_POLICY_DENIED = layout.DROP_POLICY_DENIED
 DROP_POLICY_DENY = layout.DROP_POLICY_DENY
 

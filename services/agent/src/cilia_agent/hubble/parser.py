@@ -16,6 +16,10 @@ Field semantics follow upstream Hubble's L3/L4 parser
   packet handed to the host stack: its destination is not a pod of this node) or
   FROM_ENDPOINT (from-container, only with ``--monitor-aggregation none``) for traces;
   unset for drops, as upstream drop notifications carry none.
+- Audit mode (``--policy-audit-mode``): a packet the policy would have dropped comes as a
+  policy-verdict event (type 5), as upstream's policy verdict notification with its audit
+  flag: verdict AUDIT, ``event_type {type: 5}``, the hook's direction, no drop reason and no
+  observation point; the packet's trace events follow as for any forwarded packet.
 - ``is_reply`` and the deprecated ``reply`` from the conntrack result of the datapath.
 - source/destination ``Endpoint``: the local side from its endpoint id, the other side by
   IP (local endpoint or ipcache owner), identities from the event, labels from the
@@ -490,6 +494,11 @@ class Parser:
             flow.drop_reason_desc = ev.drop_reason  # type: ignore[assignment]  # open enum
             flow.event_type.type = events.EVENT_DROP
             flow.event_type.sub_type = ev.drop_reason
+            flow.traffic_direction = flow_pb2.EGRESS if egress_hook else flow_pb2.INGRESS
+        elif ev.event_type == events.EVENT_POLICY_VERDICT:
+            # Audit mode: upstream's policy-verdict flow, verdict AUDIT, no drop reason,
+            # the policy's direction (the hook's), match type none (no rule allowed it).
+            flow.event_type.type = events.EVENT_POLICY_VERDICT
             flow.traffic_direction = flow_pb2.EGRESS if egress_hook else flow_pb2.INGRESS
         else:
             point = ev.point()

@@ -162,10 +162,12 @@ def endpoint(
     ifindex: int = 1,
     ingress: bool = False,
     egress: bool = False,
+    audit: bool = False,
 ) -> None:
     """Program a local endpoint as the agent does: behind host veth ``ifindex`` (under
     BPF_PROG_TEST_RUN the packet's ifindex is 1), with policy enforced on ``ingress`` /
-    ``egress``, and its address in the ipcache."""
+    ``egress``, in audit mode when ``audit`` (``--policy-audit-mode``), and its address in
+    the ipcache."""
     dp.agent.set_endpoint(
         ifindex,
         EndpointInfo(
@@ -174,6 +176,7 @@ def endpoint(
             ipv4=ip_to_map(ip),
             enforce_ingress=int(ingress),
             enforce_egress=int(egress),
+            policy_audit=int(audit),
         ),
     )
     dp.agent.ipcache_map[IpcacheKey(32, ip_to_map(ip))] = IpcacheValue(identity, 0)

@@ -78,6 +78,19 @@ def test_deny_rule_drop_is_policy_deny_181() -> None:
     assert (flow.drop_reason, flow.drop_reason_desc) == (181, flow_pb2.POLICY_DENY)
 
 
+def test_audit_event_is_a_policy_verdict_flow_with_verdict_audit_and_no_drop_reason() -> None:
+    """Audit mode (--policy-audit-mode): the datapath's policy-verdict event becomes
+    upstream's AUDIT flow: type 5, the hook's direction, no drop reason, no point."""
+    ev = h.dropped(event_type=events.EVENT_POLICY_VERDICT, verdict=events.VERDICT_AUDIT)
+    flow = parse_bytes(ev.pack())
+    assert flow.verdict == flow_pb2.AUDIT
+    assert (flow.event_type.type, flow.event_type.sub_type) == (5, 0)
+    assert flow.traffic_direction == flow_pb2.INGRESS
+    assert (flow.drop_reason, flow.drop_reason_desc) == (0, 0)
+    assert flow.trace_observation_point == flow_pb2.UNKNOWN_POINT
+    assert (flow.source.pod_name, flow.destination.pod_name) == ("other-1", "backend-5c4b")
+
+
 def test_reply_leaving_the_pod_belongs_to_an_ingress_connection() -> None:
     flow = parse_bytes(
         h.event(
