@@ -43,7 +43,7 @@ metadata: {name: bad, namespace: prod}
 spec:
   endpointSelector: {}
   egress:
-  - toPorts: [{ports: [{port: "53", protocol: SCTP}]}]
+  - toPorts: [{ports: [{port: "53", protocol: GRE}]}]
 """
 
 
@@ -85,7 +85,7 @@ async def test_multi_document_apply_with_one_invalid_cnp_changes_nothing(redis_u
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         details = err.value.details() or ""
         assert "document 2 (CiliumNetworkPolicy prod/bad)" in details
-        assert "spec.egress[0].toPorts[0].ports[0].protocol: 'SCTP' is not one of" in details
+        assert "spec.egress[0].toPorts[0].ports[0].protocol: 'GRE' is not one of" in details
         after = [
             (await op.store.list(k)).resource_version
             for k in ("CiliumNetworkPolicy", "NetworkPolicy")

@@ -34,8 +34,9 @@ def test_a_networkpolicy_with_a_named_port_gets_a_fail_closed_event(kube_cilia: 
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": "named", "namespace": ns},
         "spec": {"podSelector": {"matchLabels": {"app": "web"}},
-                 "ingress": [{"ports": [{"protocol": "TCP", "port": "serve-80"}]}]},
-    }  # fmt: skip
+                 "policyTypes": ["Egress"],
+                 "egress": [{"ports": [{"protocol": "TCP", "port": "serve-80"}]}]},
+    }  # fmt: skip  (an egress named port: Cilia resolves named ports on ingress only)
     fine = {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": "fine", "namespace": ns},
@@ -61,8 +62,8 @@ def test_a_networkpolicy_with_a_named_port_gets_a_fail_closed_event(kube_cilia: 
     assert event["type"] == "Warning"
     assert event["involvedObject"]["kind"] == "NetworkPolicy"
     assert event["involvedObject"]["name"] == "named"
-    assert event["message"].startswith("ingress default-deny (fail closed): ")
-    assert "spec.ingress[0].ports[0].port" in event["message"]
+    assert event["message"].startswith("egress default-deny (fail closed): ")
+    assert "spec.egress[0]: named port 'serve-80'" in event["message"]
     assert "serve-80" in event["message"]
     names = {e["involvedObject"]["name"] for e in _events(kube, ns)}
     assert "fine" not in names, "a policy enforced as written gets no Event"
