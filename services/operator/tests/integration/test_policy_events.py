@@ -30,13 +30,14 @@ def test_a_networkpolicy_with_a_named_port_gets_a_fail_closed_event(kube_cilia: 
     kube = kube_cilia
     ns = unique_name("pe")
     kube.kubectl("create", "namespace", ns)
+    # an egress named port: Cilia resolves named ports on ingress only
     named = {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": "named", "namespace": ns},
         "spec": {"podSelector": {"matchLabels": {"app": "web"}},
                  "policyTypes": ["Egress"],
                  "egress": [{"ports": [{"protocol": "TCP", "port": "serve-80"}]}]},
-    }  # fmt: skip  (an egress named port: Cilia resolves named ports on ingress only)
+    }  # fmt: skip
     fine = {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": "fine", "namespace": ns},
