@@ -181,8 +181,9 @@ def test_custom_resources_of_the_new_kinds_are_validated(
 def test_the_policy_schemas_hold_on_the_server(
     kube_apiserver: KubeAPI, installed: list[dict[str, Any]]
 ) -> None:
-    """What the CNP/CCNP schema promises, enforced by the API server: ports as numbers or
-    numeric strings 0..65535, and spec or specs required (a CEL rule at the root)."""
+    """What the CNP/CCNP schema promises, enforced by the API server: ports as numbers,
+    numeric strings 0..65535 or IANA service names (named ports, as upstream's CRD), and
+    spec or specs required (a CEL rule at the root)."""
 
     def cnp(name: str, **body: Any) -> dict[str, Any]:
         return {
@@ -196,12 +197,12 @@ def test_the_policy_schemas_hold_on_the_server(
         rules = [{"toPorts": [{"ports": [{"port": v, "protocol": "TCP"}]}]} for v in values]
         return {"spec": {"endpointSelector": {}, "ingress": rules}}
 
-    ok = _apply(kube_apiserver, [cnp(unique_name("ports"), **ports(8080, "443", 0, 65535))],
+    ok = _apply(kube_apiserver, [cnp(unique_name("ports"), **ports(8080, "443", 0, 65535, "http"))],
                 "--dry-run=server")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     for bad, needle in (
         (cnp(unique_name("big"), **ports(70000)), "65535"),
-        (cnp(unique_name("named"), **ports("http")), "should match"),
+        (cnp(unique_name("named"), **ports("not a name!")), "should match"),
         (cnp(unique_name("empty")), "one of spec, specs is required"),
     ):
         out = _apply(kube_apiserver, [bad], "--dry-run=server")
