@@ -253,6 +253,30 @@ _LAN_CLIENT = textwrap.dedent(
 )
 
 
+_NODE_ADDRS = textwrap.dedent(
+    """
+    import ctypes, json, pathlib, sys
+    from cilia_agent.datapath.layout import ip_from_map
+    from cilia_agent.datapath.libbpf import PinnedMap
+    from cilia_agent.loadbalancer import nodeaddrs
+    from cilia_agent.loadbalancer.layout import NODE_ADDRS_MAP
+    pin = pathlib.Path(sys.argv[1])
+    if len(sys.argv) > 2:
+        nodeaddrs.sync(pin, json.loads(sys.argv[2]))
+    with PinnedMap(pin / NODE_ADDRS_MAP, ctypes.c_uint32, ctypes.c_uint8) as pinned:
+        print(json.dumps(sorted(ip_from_map(int(k.value)) for k in pinned)))
+    """
+)
+
+
+def _node_addrs(pin_dir: Any, addresses: list[str] | None = None) -> list[str]:
+    """The addresses in the node's ``cilia_lb4_node_addrs`` map (after setting them to
+    ``addresses`` when given), through the agent's own code in the project's .venv."""
+    extra = [json.dumps(addresses)] if addresses is not None else []
+    out = sh(str(VENV_BIN / "python"), "-c", _NODE_ADDRS, str(pin_dir), *extra)
+    return list(json.loads(out.stdout))
+
+
 def test_nodeport_from_a_lan_host_reaches_backends_on_both_nodes(world: World) -> None:
     """A host on the cluster's LAN that is not a node (a netns with a veth on the bridge)
     reaches a NodePort Service on node-a's and on node-b's address, TCP and UDP: over
@@ -287,6 +311,15 @@ def test_nodeport_from_a_lan_host_reaches_backends_on_both_nodes(world: World) -
     client = f"{c.prefix}lanclient"
     veth = f"cl{c.slot}lan"
     client_ip = str(c.lan.network_address + LAN_CLIENT_HOST)
+    # A harness artefact: every node's socket-LB is attached to this host's one root cgroup,
+    # which the LAN client's process shares (a real LAN host is another machine). With the
+    # nodes' own addresses in their cilia_lb4_node_addrs maps, the socket-LB would take the
+    # client's connect to <node>:<nodePort> for a local one and send it straight to a
+    # backend, so bpf_host's NodePort path -- what this test is about -- would never run.
+    # The maps are emptied while the client runs and given back afterwards.
+    saved = {name: _node_addrs(node.agent.pin_dir) for name, node in c.nodes.items()}
+    for node in c.nodes.values():
+        _node_addrs(node.agent.pin_dir, [])
     create_netns(client)
     try:
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", client)
@@ -306,6 +339,8 @@ def test_nodeport_from_a_lan_host_reaches_backends_on_both_nodes(world: World) -
         )  # fmt: skip
     finally:
         delete_netns(client)
+        for name, node in c.nodes.items():
+            _node_addrs(node.agent.pin_dir, saved[name])
     results = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(results) == len(targets)
     failed = [r for r in results if "error" in r or not r["digest_ok"]]
