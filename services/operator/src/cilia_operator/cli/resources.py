@@ -11,6 +11,7 @@ import grpc
 import yaml
 
 from cilia.controlplane.v1 import controlplane_pb2 as pb
+from cilia_common.grpcerrors import error_reason
 from cilia_common.tls import (
     ClientTLS,
 )
@@ -58,9 +59,7 @@ def apply(
             timeout=timeout,
         )
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.ABORTED and "before it began writing" in (
-            exc.details() or ""
-        ):
+        if exc.code() == grpc.StatusCode.ABORTED and error_reason(exc) == "APPLY_ABANDONED":
             # the operator fenced it at its deadline (a moment before the client's): a
             # definite "nothing written", said as the read-back below says it
             raise CommandError(
